@@ -1,0 +1,46 @@
+"""``python -m rl_engine <verb> ...``: what the workflow rules and reviewers call.
+
+Each verb lives in its own module as ``main(argv: list[str]) -> int``; this file only maps
+verbs to modules, so importing it costs nothing and every stage stays testable alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+VERBS: dict[str, tuple[str, str]] = {
+    "plan": ("rl_engine.testing.distributed_logprob_comparison", "run plan: print and write plan.json"),
+    "compare": ("rl_engine.testing.distributed_logprob_comparison", "run one topology (under torchrun)"),
+    "env": ("rl_engine.evidence.environment", "capture environment.json and environment.txt"),
+    "regression": ("rl_engine.evidence.regression", "run the focused pytest suite with counts"),
+    "validate": ("rl_engine.evidence.validation", "validate artifacts and report acceptance"),
+    "crosscheck": ("rl_engine.evidence.crosscheck", "cross-topology bitwise fingerprint check"),
+    "summary": ("rl_engine.evidence.summary", "write SUMMARY.md from the evidence"),
+    "archive": ("rl_engine.evidence.archive", "pack a byte-reproducible archive"),
+    "verify": ("rl_engine.evidence.verify", "verify an archive offline"),
+    "check-config": ("rl_engine.evidence.config", "validate config.yaml against its schema"),
+    "bench": ("rl_engine.bench", "benchmark candidate vs naive vs floor"),
+}
+
+
+def usage() -> str:
+    width = max(len(v) for v in VERBS)
+    lines = ["usage: python -m rl_engine <verb> [args...]", "", "verbs:"]
+    lines += [f"  {verb.ljust(width)}  {text}" for verb, (_, text) in VERBS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if args else 2
+    verb, rest = args[0], args[1:]
+    if verb not in VERBS:
+        print(f"unknown verb {verb!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(VERBS[verb][0])
+    if verb in ("plan", "compare"):
+        return int(module.main(([] if verb == "compare" else ["--plan"]) + rest))
+    return int(module.main(rest))

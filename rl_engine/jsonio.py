@@ -1,0 +1,83 @@
+"""Strict JSON, SHA-256 and atomic writes: the one place artifacts are written and read.
+
+Strict means ``allow_nan=False`` on write and a refusal of ``NaN``/``Infinity`` literals on
+read, so no artifact can carry a non-finite number in disguise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+class StrictJSONError(ValueError):
+    """A value or a file that is not strict JSON."""
+
+
+def dumps(obj: Any) -> str:
+    """Canonical-ish, human-readable strict JSON (sorted keys, 2-space indent, final newline)."""
+    try:
+        return json.dumps(obj, allow_nan=False, sort_keys=True, indent=2) + "\n"
+    except ValueError as exc:
+        raise StrictJSONError(f"value is not strict JSON ({exc}); replace NaN/Infinity") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise StrictJSONError(f"non-finite literal {name} is not strict JSON")
+
+
+def loads(text: str) -> Any:
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def load(path: str | os.PathLike[str]) -> Any:
+    try:
+        return loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise StrictJSONError(f"{path}: invalid JSON ({exc})") from None
+    except StrictJSONError as exc:
+        raise StrictJSONError(f"{path}: {exc}") from None
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write to a temporary file in the same directory, fsync, then rename into place."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    """Strict JSON written atomically: a crash never leaves a partial file at ``path``."""
+    atomic_write_text(path, dumps(obj))
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

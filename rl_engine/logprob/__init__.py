@@ -1,0 +1,19 @@
+"""Deterministic vocab-parallel selected-token logprob: contract, backend, oracle, registry."""
+
+from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.logprob.oracle import fp32_oracle, fp64_oracle
+from rl_engine.logprob.registry import BackendUnavailableError, Dispatch, dispatch
+from rl_engine.logprob.vocab_parallel import BACKEND_ID, LogprobOutput, VocabParallelLogprob
+
+__all__ = [
+    "BACKEND_ID",
+    "BackendUnavailableError",
+    "Dispatch",
+    "LogprobContract",
+    "LogprobContractError",
+    "LogprobOutput",
+    "VocabParallelLogprob",
+    "dispatch",
+    "fp32_oracle",
+    "fp64_oracle",
+]

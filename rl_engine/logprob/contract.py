@@ -1,0 +1,285 @@
+"""The logprob contract: a frozen, validated description of one selected-token logprob call.
+
+The contract is the numerical identity of a call. Everything that can change the output
+bits (vocabulary sizes, the tile count, the shard bounds, the dtype, the token layout)
+lives here and in :meth:`LogprobContract.cross_rank_fingerprint`, so ranks that disagree
+are caught by a preflight before any numerical collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rl_engine.distributed.bounds import (
+    CP_LAYOUTS,
+    BoundsError,
+    check_cp_split,
+    check_vocab_shards,
+    even_vocab_shards,
+    token_indices,
+)
+
+LOGITS_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+DETERMINISM_SCOPES: tuple[str, ...] = ("cross_tp_bitwise", "fixed_topology")
+MASK_MODES: tuple[str, ...] = ("explicit",)
+ACCUMULATION_DTYPE = "fp32"
+OUTPUT_DTYPE = "fp32"
+# Fields that differ between ranks of one call; left out of the cross-rank fingerprint.
+RANK_LOCAL_FIELDS: frozenset[str] = frozenset({"tp_rank", "cp_rank"})
+
+
+class LogprobContractError(ValueError):
+    """A logprob call that cannot be made as described; the message names field, value and fix."""
+
+
+def _require_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LogprobContractError(
+            f"{name}={value!r} must be an integer (got {type(value).__name__})"
+        )
+    if value < minimum:
+        raise LogprobContractError(f"{name}={value} must be >= {minimum}")
+
+
+def _require_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise LogprobContractError(f"{name}={value!r} is not supported; use one of {list(choices)}")
+
+
+@dataclass(frozen=True)
+class LogprobContract:
+    """One rank's view of one vocab-parallel, context-parallel selected-token logprob call.
+
+    Vocabulary: TP rank ``tp_rank`` of ``tp_world_size`` holds columns
+    ``vocab_shard_bounds[tp_rank]`` of the padded vocabulary; columns ``>= real_vocab_size``
+    are padding. ``vocab_shard_bounds`` defaults to an even tile-aligned split.
+
+    Tokens: ``num_sequences`` sequences of ``seq_len`` positions; CP rank ``cp_rank`` of
+    ``cp_world_size`` holds the positions its ``cp_layout`` gives it in every sequence
+    (``contiguous``: chunk r of CP; ``zigzag``: chunks r and 2*CP-1-r of 2*CP).
+    """
+
+    real_vocab_size: int
+    padded_vocab_size: int
+    num_vocab_tiles: int
+    num_sequences: int
+    seq_len: int
+    tp_world_size: int = 1
+    tp_rank: int = 0
+    vocab_shard_bounds: tuple[tuple[int, int], ...] | None = None
+    cp_world_size: int = 1
+    cp_rank: int = 0
+    cp_layout: str = "contiguous"
+    logits_dtype: str = "bf16"
+    mask_mode: str = "explicit"
+    ignore_index: int = -100
+    determinism_scope: str = "cross_tp_bitwise"
+    accumulation_dtype: str = ACCUMULATION_DTYPE
+    output_dtype: str = OUTPUT_DTYPE
+    _token_indices: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _require_int("real_vocab_size", self.real_vocab_size, 1)
+        _require_int("padded_vocab_size", self.padded_vocab_size, 1)
+        _require_int("num_vocab_tiles", self.num_vocab_tiles, 1)
+        _require_int("num_sequences", self.num_sequences, 1)
+        _require_int("seq_len", self.seq_len, 1)
+        _require_int("tp_world_size", self.tp_world_size, 1)
+        _require_int("tp_rank", self.tp_rank, 0)
+        _require_int("cp_world_size", self.cp_world_size, 1)
+        _require_int("cp_rank", self.cp_rank, 0)
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise LogprobContractError(f"ignore_index={self.ignore_index!r} must be an integer")
+        if self.real_vocab_size > self.padded_vocab_size:
+            raise LogprobContractError(
+                f"real_vocab_size={self.real_vocab_size} exceeds padded_vocab_size="
+                f"{self.padded_vocab_size}; the padded vocabulary must be >= the real one"
+            )
+        if self.padded_vocab_size % self.num_vocab_tiles != 0:
+            raise LogprobContractError(
+                f"num_vocab_tiles={self.num_vocab_tiles} does not divide padded_vocab_size="
+                f"{self.padded_vocab_size}; choose a divisor (e.g. 64 for 151936)"
+            )
+        if self.tp_rank >= self.tp_world_size:
+            raise LogprobContractError(
+                f"tp_rank={self.tp_rank} must be < tp_world_size={self.tp_world_size}"
+            )
+        if self.cp_rank >= self.cp_world_size:
+            raise LogprobContractError(
+                f"cp_rank={self.cp_rank} must be < cp_world_size={self.cp_world_size}"
+            )
+        if self.tp_world_size > self.num_vocab_tiles:
+            raise LogprobContractError(
+                f"tp_world_size={self.tp_world_size} exceeds num_vocab_tiles="
+                f"{self.num_vocab_tiles}; every TP rank needs at least one whole tile"
+            )
+        _require_choice("cp_layout", self.cp_layout, CP_LAYOUTS)
+        _require_choice("logits_dtype", self.logits_dtype, tuple(LOGITS_DTYPES))
+        _require_choice("mask_mode", self.mask_mode, MASK_MODES)
+        _require_choice("determinism_scope", self.determinism_scope, DETERMINISM_SCOPES)
+        _require_choice("accumulation_dtype", self.accumulation_dtype, (ACCUMULATION_DTYPE,))
+        _require_choice("output_dtype", self.output_dtype, (OUTPUT_DTYPE,))
+        try:
+            if self.vocab_shard_bounds is None:
+                bounds = even_vocab_shards(
+                    self.padded_vocab_size, self.num_vocab_tiles, self.tp_world_size
+                )
+            else:
+                bounds = tuple(tuple(int(v) for v in pair) for pair in self.vocab_shard_bounds)
+                if len(bounds) != self.tp_world_size:
+                    raise BoundsError(
+                        f"vocab_shard_bounds has {len(bounds)} shards but tp_world_size="
+                        f"{self.tp_world_size}; give one (start, end) pair per TP rank"
+                    )
+                check_vocab_shards(bounds, self.padded_vocab_size, self.num_vocab_tiles)
+            check_cp_split(self.seq_len, self.cp_world_size, self.cp_layout)
+            indices = token_indices(
+                range(self.num_sequences),
+                self.seq_len,
+                self.cp_world_size,
+                self.cp_rank,
+                self.cp_layout,
+            )
+        except BoundsError as exc:
+            raise LogprobContractError(str(exc)) from None
+        object.__setattr__(self, "vocab_shard_bounds", bounds)
+        object.__setattr__(self, "_token_indices", indices)
+
+    # ----- derived geometry -------------------------------------------------------------
+    @property
+    def tile_width(self) -> int:
+        return self.padded_vocab_size // self.num_vocab_tiles
+
+    @property
+    def vocab_start(self) -> int:
+        assert self.vocab_shard_bounds is not None
+        return self.vocab_shard_bounds[self.tp_rank][0]
+
+    @property
+    def vocab_end(self) -> int:
+        assert self.vocab_shard_bounds is not None
+        return self.vocab_shard_bounds[self.tp_rank][1]
+
+    @property
+    def local_vocab_size(self) -> int:
+        return self.vocab_end - self.vocab_start
+
+    @property
+    def local_tiles(self) -> tuple[int, int]:
+        """Half-open range of global tile indices this TP rank computes."""
+        return self.vocab_start // self.tile_width, self.vocab_end // self.tile_width
+
+    @property
+    def token_indices(self) -> tuple[int, ...]:
+        """Global flat token indices of the local rows, in local row order."""
+        return self._token_indices
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._token_indices)
+
+    @property
+    def global_num_tokens(self) -> int:
+        return self.num_sequences * self.seq_len
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return LOGITS_DTYPES[self.logits_dtype]
+
+    # ----- serialisation ----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Every field plus derived local geometry, JSON-ready (for reports)."""
+        assert self.vocab_shard_bounds is not None
+        return {
+            "real_vocab_size": self.real_vocab_size,
+            "padded_vocab_size": self.padded_vocab_size,
+            "num_vocab_tiles": self.num_vocab_tiles,
+            "tile_width": self.tile_width,
+            "num_sequences": self.num_sequences,
+            "seq_len": self.seq_len,
+            "tp_world_size": self.tp_world_size,
+            "tp_rank": self.tp_rank,
+            "vocab_shard_bounds": [list(pair) for pair in self.vocab_shard_bounds],
+            "cp_world_size": self.cp_world_size,
+            "cp_rank": self.cp_rank,
+            "cp_layout": self.cp_layout,
+            "logits_dtype": self.logits_dtype,
+            "mask_mode": self.mask_mode,
+            "ignore_index": self.ignore_index,
+            "determinism_scope": self.determinism_scope,
+            "accumulation_dtype": self.accumulation_dtype,
+            "output_dtype": self.output_dtype,
+        }
+
+    def cross_rank_fingerprint(self) -> str:
+        """SHA-256 of the canonical JSON of every field shared by all ranks of the call."""
+        shared = {k: v for k, v in self.to_dict().items() if k not in RANK_LOCAL_FIELDS}
+        canonical = json.dumps(shared, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+    def tp_group_fingerprint(self) -> str:
+        """Fingerprint that ranks of one TP group must share: the call plus their tokens."""
+        digest = hashlib.sha256(self.cross_rank_fingerprint().encode("ascii"))
+        digest.update(f"cp_rank={self.cp_rank}".encode("ascii"))
+        return digest.hexdigest()
+
+    # ----- tensor checks ----------------------------------------------------------------
+    def check_inputs(
+        self, logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor
+    ) -> None:
+        """Shape, dtype and device checks that need no reduction over the data."""
+        expected = (self.num_tokens, self.local_vocab_size)
+        if logits.dim() != 2 or tuple(logits.shape) != expected:
+            raise LogprobContractError(
+                f"logits.shape={tuple(logits.shape)} must be [num_tokens, local_vocab]="
+                f"{list(expected)} for tp_rank={self.tp_rank} (columns "
+                f"[{self.vocab_start}, {self.vocab_end})) and cp_rank={self.cp_rank}"
+            )
+        if logits.dtype != self.torch_dtype:
+            raise LogprobContractError(
+                f"logits.dtype={logits.dtype} does not match logits_dtype={self.logits_dtype!r}; "
+                f"cast the logits to {self.torch_dtype} or declare the dtype in the contract"
+            )
+        if targets.dtype != torch.int64 or tuple(targets.shape) != (self.num_tokens,):
+            raise LogprobContractError(
+                f"targets must be int64 of shape [{self.num_tokens}], got dtype={targets.dtype} "
+                f"shape={tuple(targets.shape)}"
+            )
+        if active.dtype != torch.bool or tuple(active.shape) != (self.num_tokens,):
+            raise LogprobContractError(
+                f"active mask must be bool of shape [{self.num_tokens}], got dtype={active.dtype} "
+                f"shape={tuple(active.shape)}"
+            )
+        for name, tensor in (("targets", targets), ("active", active)):
+            if tensor.device != logits.device:
+                raise LogprobContractError(
+                    f"{name}.device={tensor.device} differs from logits.device={logits.device}; "
+                    "move every input to the same device"
+                )
+
+    def check_targets(self, targets: torch.Tensor, active: torch.Tensor) -> None:
+        """Active targets must be real vocabulary ids (one host sync)."""
+        if self.num_tokens == 0:
+            return
+        bad = active & ((targets < 0) | (targets >= self.real_vocab_size))
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0, 0])
+            value = int(targets[row])
+            hint = (
+                f"; it equals ignore_index={self.ignore_index}: mark that row inactive"
+                if value == self.ignore_index
+                else ""
+            )
+            raise LogprobContractError(
+                f"targets[{row}]={value} (global token {self.token_indices[row]}) is an active "
+                f"target outside [0, real_vocab_size={self.real_vocab_size}){hint}"
+            )

@@ -1,0 +1,202 @@
+"""Backend registry and fail-closed dispatch.
+
+Each backend declares what it can do. Dispatch returns the op with provenance; an explicit
+request for an unavailable or incapable backend raises with every reason, and nothing ever
+falls back silently: ``fallback`` is true only when ``auto`` skipped an eligible candidate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from rl_engine.logprob.contract import DETERMINISM_SCOPES, LogprobContract, LogprobContractError
+from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
+
+AUTO = "auto"
+CUDA_SM90_ID = "cuda-sm90"
+
+
+class BackendUnavailableError(LogprobContractError):
+    """An explicitly requested backend cannot serve the call; lists every reason."""
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    dtypes: frozenset[str]
+    max_tp_world_size: int
+    supports_padding: bool
+    mask_modes: frozenset[str]
+    exports_lse: bool
+    determinism_scopes: frozenset[str]
+    devices: frozenset[str]
+
+    def reasons_incapable(self, contract: LogprobContract, device: str) -> list[str]:
+        reasons = []
+        if contract.logits_dtype not in self.dtypes:
+            reasons.append(f"dtype {contract.logits_dtype} not in {sorted(self.dtypes)}")
+        if contract.tp_world_size > self.max_tp_world_size:
+            reasons.append(
+                f"tp_world_size {contract.tp_world_size} > max {self.max_tp_world_size}"
+            )
+        if contract.padded_vocab_size != contract.real_vocab_size and not self.supports_padding:
+            reasons.append("padded vocabulary not supported")
+        if contract.mask_mode not in self.mask_modes:
+            reasons.append(f"mask_mode {contract.mask_mode} not in {sorted(self.mask_modes)}")
+        if contract.determinism_scope not in self.determinism_scopes:
+            reasons.append(
+                f"determinism_scope {contract.determinism_scope} not in "
+                f"{sorted(self.determinism_scopes)}"
+            )
+        if device not in self.devices:
+            reasons.append(f"device {device} not in {sorted(self.devices)}")
+        return reasons
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dtypes": sorted(self.dtypes),
+            "max_tp_world_size": self.max_tp_world_size,
+            "supports_padding": self.supports_padding,
+            "mask_modes": sorted(self.mask_modes),
+            "exports_lse": self.exports_lse,
+            "determinism_scopes": sorted(self.determinism_scopes),
+            "devices": sorted(self.devices),
+        }
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    backend_id: str
+    capabilities: BackendCapabilities
+    availability: Callable[[], str | None]  # None when available, else the reason
+    build: Callable[[], Any]
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """The op chosen for a call and how it was chosen."""
+
+    op: Any
+    requested_backend: str
+    actual_backend: str
+    fallback: bool
+    rejections: tuple[tuple[str, str], ...] = field(default=())
+
+    def provenance(self) -> dict[str, Any]:
+        return {
+            "requested_backend": self.requested_backend,
+            "actual_backend": self.actual_backend,
+            "fallback": self.fallback,
+            "rejections": [{"backend": b, "reason": r} for b, r in self.rejections],
+        }
+
+
+def _sm90_availability() -> str | None:
+    if not torch.cuda.is_available():
+        return "CUDA is not available on this machine"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        return f"needs compute capability 9.0 (SM90), found {major}.{minor}"
+    try:
+        from rl_engine import _C  # type: ignore[attr-defined]  # noqa: F401
+    except ImportError:
+        return "extension rl_engine._C.batch_invariant_logp_sm90 is not compiled"
+    return None
+
+
+def _sm90_build() -> Any:  # pragma: no cover - needs the compiled extension
+    raise BackendUnavailableError(f"{CUDA_SM90_ID}: the compiled extension is absent")
+
+
+ALL_DTYPES = frozenset({"bf16", "fp16", "fp32"})
+
+
+def default_registry() -> dict[str, BackendSpec]:
+    """The registered backends, highest priority first for ``auto``."""
+    specs = [
+        BackendSpec(
+            backend_id=CUDA_SM90_ID,
+            capabilities=BackendCapabilities(
+                dtypes=frozenset({"bf16"}),
+                max_tp_world_size=8,
+                supports_padding=True,
+                mask_modes=frozenset({"explicit"}),
+                exports_lse=True,
+                determinism_scopes=frozenset({"fixed_topology"}),
+                devices=frozenset({"cuda"}),
+            ),
+            availability=_sm90_availability,
+            build=_sm90_build,
+            priority=10,
+        ),
+        BackendSpec(
+            backend_id=BACKEND_ID,
+            capabilities=BackendCapabilities(
+                dtypes=ALL_DTYPES,
+                max_tp_world_size=1 << 16,
+                supports_padding=True,
+                mask_modes=frozenset({"explicit"}),
+                exports_lse=True,
+                determinism_scopes=frozenset(DETERMINISM_SCOPES),
+                devices=frozenset({"cpu", "cuda"}),
+            ),
+            availability=lambda: None,
+            build=VocabParallelLogprob,
+            priority=0,
+        ),
+    ]
+    return {spec.backend_id: spec for spec in sorted(specs, key=lambda s: -s.priority)}
+
+
+def backend_ids(registry: dict[str, BackendSpec] | None = None) -> list[str]:
+    return list((registry or default_registry()).keys())
+
+
+def _rejection(spec: BackendSpec, contract: LogprobContract, device: str) -> str | None:
+    reasons = spec.capabilities.reasons_incapable(contract, device)
+    if reasons:
+        return "incapable: " + "; ".join(reasons)
+    unavailable = spec.availability()
+    if unavailable is not None:
+        return "unavailable: " + unavailable
+    return None
+
+
+def dispatch(
+    requested: str,
+    contract: LogprobContract,
+    device: str,
+    registry: dict[str, BackendSpec] | None = None,
+) -> Dispatch:
+    """Choose the backend for ``contract`` on ``device``; explicit ids never fall back."""
+    registry = registry if registry is not None else default_registry()
+    if requested != AUTO:
+        if requested not in registry:
+            raise BackendUnavailableError(
+                f"backend={requested!r} is not registered; use one of {list(registry)} "
+                f"or {AUTO!r}"
+            )
+        reason = _rejection(registry[requested], contract, device)
+        if reason is not None:
+            raise BackendUnavailableError(
+                f"backend={requested!r} was requested explicitly and cannot serve this call "
+                f"({reason}); nothing falls back: request a capable backend"
+            )
+        return Dispatch(registry[requested].build(), requested, requested, False)
+    rejections: list[tuple[str, str]] = []
+    eligible_rejected = False
+    for spec in registry.values():
+        reason = _rejection(spec, contract, device)
+        if reason is None:
+            return Dispatch(
+                spec.build(), AUTO, spec.backend_id, eligible_rejected, tuple(rejections)
+            )
+        rejections.append((spec.backend_id, reason))
+        eligible_rejected = eligible_rejected or reason.startswith("unavailable")
+    raise BackendUnavailableError(
+        "backend='auto' found no capable, available backend: "
+        + "; ".join(f"{b}: {r}" for b, r in rejections)
+    )

@@ -1,0 +1,324 @@
+"""Backend ``pytorch-vocab-parallel-logp-ws2``: deterministic vocab-parallel selected logprob.
+
+Forward, per TP rank, in bounded row chunks (nothing of size ``tokens x vocab`` in FP32):
+upcast, tile max, in-place exp and fixed-fold sum give FP32 ``(max, sum exp)`` per owned
+tile. One all-gather moves every rank's partials and target logits (transport only);
+every rank merges the ``[tokens, num_tiles]`` partials in global tile order. The target
+logit is copied from the rank that owns its column. Backward recomputes the softmax from
+the stored low-precision logits, chunk by chunk, and writes only the local gradient.
+
+TP decides who computes which tile, never how numbers are grouped, so the bytes of the
+logprob, the LSE, the entropy and the gradient do not depend on the TP degree, the chunk
+size, the number of rows or the thread count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.logprob.tiles import (
+    NEG_INF,
+    chunk_tile_partials,
+    default_chunk_rows,
+    merge_tiles,
+)
+
+BACKEND_ID = "pytorch-vocab-parallel-logp-ws2"
+
+
+@dataclass(frozen=True)
+class LogprobOutput:
+    """FP32 results for the local tokens: selected logprob (0 on inactive rows), LSE, entropy."""
+
+    selected_logp: torch.Tensor
+    lse: torch.Tensor
+    entropy: torch.Tensor | None
+
+
+def _group_geometry(group: Any) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def check_group(contract: LogprobContract, group: Any) -> None:
+    """The TP group must match the contract's size and rank; checked before any collective."""
+    if contract.tp_world_size > 1 and group is None:
+        raise LogprobContractError(
+            f"tp_world_size={contract.tp_world_size} needs a TP process group; pass the "
+            "mesh's TP group as group="
+        )
+    size, rank = _group_geometry(group)
+    if size != contract.tp_world_size:
+        raise LogprobContractError(
+            f"TP group size {size} disagrees with tp_world_size={contract.tp_world_size}; "
+            "build the contract from the mesh that owns the group"
+        )
+    if rank != contract.tp_rank:
+        raise LogprobContractError(
+            f"rank {rank} in the TP group disagrees with tp_rank={contract.tp_rank}; "
+            "build the contract from the mesh that owns the group"
+        )
+
+
+def preflight(
+    contract: LogprobContract, backend_id: str, group: Any, device: torch.device
+) -> None:
+    """The ranks of a TP group agree on contract, backend id and tile count, or every rank raises."""
+    check_group(contract, group)
+    if contract.tp_world_size == 1:
+        return
+    token = f"{contract.tp_group_fingerprint()}|{backend_id}|tiles={contract.num_vocab_tiles}"
+    digest = hashlib.sha256(token.encode("utf-8")).digest()
+    mine = torch.tensor(list(digest), dtype=torch.uint8, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(contract.tp_world_size)]
+    dist.all_gather(gathered, mine, group=group)
+    digests = [bytes(t.cpu().tolist()).hex()[:16] for t in gathered]
+    if len(set(digests)) != 1:
+        raise LogprobContractError(
+            "preflight mismatch in the TP group: contract fingerprint, backend id or tile count "
+            f"differ between ranks (per TP rank: {digests}; this rank: tp_rank="
+            f"{contract.tp_rank}, backend={backend_id}, num_vocab_tiles="
+            f"{contract.num_vocab_tiles}); build every rank's contract from the same config"
+        )
+
+
+def _local_partials(
+    logits: torch.Tensor,
+    contract: LogprobContract,
+    chunk_rows: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    rows = logits.shape[0]
+    width = contract.tile_width
+    real_local = max(0, min(contract.local_vocab_size, contract.real_vocab_size - contract.vocab_start))
+    tiles = contract.local_vocab_size // width
+    m = torch.empty(rows, tiles, dtype=torch.float32, device=logits.device)
+    s = torch.empty_like(m)
+    t = torch.empty_like(m) if with_entropy else None
+    finite = torch.empty(rows, dtype=torch.bool, device=logits.device)
+    for start in range(0, rows, chunk_rows):
+        stop = min(rows, start + chunk_rows)
+        cm, cs, ct, cf = chunk_tile_partials(logits[start:stop], width, real_local, with_entropy)
+        m[start:stop] = cm
+        s[start:stop] = cs
+        if t is not None and ct is not None:
+            t[start:stop] = ct
+        finite[start:stop] = cf
+    return m, s, t, finite
+
+
+def _local_target_logit(
+    logits: torch.Tensor, targets: torch.Tensor, contract: LogprobContract
+) -> torch.Tensor:
+    local = targets - contract.vocab_start
+    owned = (local >= 0) & (local < contract.local_vocab_size)
+    index = torch.where(owned, local, torch.zeros_like(local)).unsqueeze(1)
+    value = logits.gather(1, index).squeeze(1).float()
+    return torch.where(owned, value, torch.zeros_like(value))
+
+
+def _owner_rank(targets: torch.Tensor, contract: LogprobContract) -> torch.Tensor:
+    assert contract.vocab_shard_bounds is not None
+    ends = torch.tensor(
+        [end for _, end in contract.vocab_shard_bounds], dtype=torch.int64, device=targets.device
+    )
+    owner = torch.searchsorted(ends, targets.clamp(0, contract.padded_vocab_size - 1), right=True)
+    return owner.clamp(0, contract.tp_world_size - 1)
+
+
+def _exchange(
+    tile_pieces: list[torch.Tensor],
+    target_value: torch.Tensor,
+    contract: LogprobContract,
+    group: Any,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One all-gather of every rank's ``[rows, own_tiles]`` partials and target logits.
+
+    Returns each partial over all ``num_tiles`` in global tile order, and the target logit
+    column of every TP rank (``[rows, tp]``). Transport only: nothing is added.
+    """
+    if contract.tp_world_size == 1:
+        return tile_pieces, target_value.unsqueeze(1)
+    assert contract.vocab_shard_bounds is not None
+    width = contract.tile_width
+    tiles_per_rank = [(end - start) // width for start, end in contract.vocab_shard_bounds]
+    slot = max(tiles_per_rank)
+    rows = target_value.shape[0]
+    buf = torch.zeros(rows, slot * len(tile_pieces) + 1, dtype=torch.float32, device=target_value.device)
+    for i, piece in enumerate(tile_pieces):
+        buf[:, i * slot : i * slot + piece.shape[1]] = piece
+    buf[:, -1] = target_value
+    out = [torch.empty_like(buf) for _ in range(contract.tp_world_size)]
+    dist.all_gather(out, buf, group=group)
+    merged = [
+        torch.cat([full[:, i * slot : i * slot + n] for full, n in zip(out, tiles_per_rank)], dim=1)
+        for i in range(len(tile_pieces))
+    ]
+    return merged, torch.stack([full[:, -1] for full in out], dim=1)
+
+
+def vocab_parallel_forward(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    active: torch.Tensor,
+    contract: LogprobContract,
+    group: Any,
+    chunk_rows: int,
+    with_entropy: bool,
+    validate: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Forward without autograd: ``(selected_logp, lse, entropy)`` in FP32 for the local rows."""
+    m, s, t, finite = _local_partials(logits, contract, chunk_rows, with_entropy)
+    if validate and contract.num_tokens:
+        bad = active & ~finite
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0, 0])
+            raise LogprobContractError(
+                f"logits row {row} (global token {contract.token_indices[row]}) is active and "
+                f"holds a non-finite value in its real columns on tp_rank={contract.tp_rank}; "
+                "fix the producer or mark the row inactive"
+            )
+    target_value = _local_target_logit(logits, targets, contract)
+    pieces = [m, s] + ([t] if t is not None else [])
+    merged, targets_by_rank = _exchange(pieces, target_value, contract, group)
+    m_all, s_all = merged[0], merged[1]
+    t_all = merged[2] if t is not None else None
+    lse, entropy = merge_tiles(m_all, s_all, t_all)
+    owner = _owner_rank(targets, contract).unsqueeze(1)
+    target_logit = targets_by_rank.gather(1, owner).squeeze(1)
+    logp = torch.where(active, target_logit - lse, torch.zeros_like(lse))
+    return logp, lse, entropy
+
+
+def vocab_parallel_backward(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    active: torch.Tensor,
+    lse: torch.Tensor,
+    grad_logp: torch.Tensor | None,
+    grad_lse: torch.Tensor | None,
+    contract: LogprobContract,
+    chunk_rows: int,
+) -> torch.Tensor:
+    """Local logits gradient, recomputed chunk by chunk from the stored logits.
+
+    ``d logp / dx = onehot(target) - softmax`` on active rows, ``d lse / dx = softmax``;
+    padding columns get exactly zero.
+    """
+    rows, local_vocab = logits.shape
+    zeros = torch.zeros_like(lse)
+    g_logp = torch.where(active, grad_logp, zeros) if grad_logp is not None else zeros
+    g_lse = grad_lse if grad_lse is not None else zeros
+    coef = g_lse - g_logp
+    real_local = max(0, min(local_vocab, contract.real_vocab_size - contract.vocab_start))
+    local_target = targets - contract.vocab_start
+    owned = active & (local_target >= 0) & (local_target < local_vocab)
+    grad = torch.empty_like(logits)
+    for start in range(0, rows, chunk_rows):
+        stop = min(rows, start + chunk_rows)
+        xf = logits[start:stop].to(torch.float32, copy=True)
+        xf.sub_(lse[start:stop].unsqueeze(1)).exp_().mul_(coef[start:stop].unsqueeze(1))
+        chunk_owned = owned[start:stop]
+        if bool(chunk_owned.any()):
+            r = chunk_owned.nonzero().squeeze(1)
+            c = local_target[start:stop][r]
+            xf[r, c] += g_logp[start:stop][r]
+        if real_local < local_vocab:
+            xf[:, real_local:] = 0.0
+        grad[start:stop] = xf
+    return grad
+
+
+class _VocabParallelLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        active: torch.Tensor,
+        contract: LogprobContract,
+        group: Any,
+        chunk_rows: int,
+        with_entropy: bool,
+        validate: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logp, lse, entropy = vocab_parallel_forward(
+            logits, targets, active, contract, group, chunk_rows, with_entropy, validate
+        )
+        ctx.save_for_backward(logits, targets, active, lse)
+        ctx.contract = contract
+        ctx.chunk_rows = chunk_rows
+        if entropy is None:
+            entropy = torch.empty(0, dtype=torch.float32, device=logits.device)
+        ctx.mark_non_differentiable(entropy)
+        return logp, lse, entropy
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_logp: torch.Tensor, grad_lse: torch.Tensor, _grad_entropy: Any
+    ) -> tuple[Any, ...]:
+        logits, targets, active, lse = ctx.saved_tensors
+        grad = vocab_parallel_backward(
+            logits, targets, active, lse, grad_logp, grad_lse, ctx.contract, ctx.chunk_rows
+        )
+        return grad, None, None, None, None, None, None, None
+
+
+class VocabParallelLogprob:
+    """The callable op of backend ``pytorch-vocab-parallel-logp-ws2``.
+
+    Preflight (group geometry and cross-rank agreement) runs once per contract and group.
+    """
+
+    backend_id = BACKEND_ID
+
+    def __init__(self) -> None:
+        self._preflighted: set[tuple[str, int, int]] = set()
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        active: torch.Tensor,
+        contract: LogprobContract,
+        *,
+        group: Any = None,
+        compute_entropy: bool = False,
+        validate: bool = True,
+        chunk_rows: int | None = None,
+    ) -> LogprobOutput:
+        contract.check_inputs(logits, targets, active)
+        if chunk_rows is None:
+            chunk_rows = default_chunk_rows(contract.local_vocab_size)
+        if chunk_rows < 1:
+            raise LogprobContractError(f"chunk_rows={chunk_rows} must be >= 1")
+        if validate:
+            contract.check_targets(targets, active)
+        key = (contract.tp_group_fingerprint(), id(group), contract.tp_rank)
+        if key not in self._preflighted:
+            preflight(contract, self.backend_id, group, logits.device)
+            self._preflighted.add(key)
+        else:
+            check_group(contract, group)
+        logp, lse, entropy = _VocabParallelLogprob.apply(
+            logits, targets, active, contract, group, chunk_rows, compute_entropy, validate
+        )
+        return LogprobOutput(logp, lse, entropy if compute_entropy else None)
+
+
+__all__ = [
+    "BACKEND_ID",
+    "LogprobOutput",
+    "VocabParallelLogprob",
+    "preflight",
+    "vocab_parallel_backward",
+    "vocab_parallel_forward",
+    "NEG_INF",
+]

@@ -1,0 +1,115 @@
+"""Run a function on N real processes joined by a gloo process group (for tests).
+
+Each worker gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT), runs ``fn(rank, *args)`` and sends back its return value or its error.
+A worker that hangs or dies is killed at ``timeout_s`` and reported, never waited on.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """One or more workers raised, died or timed out; carries each rank's message."""
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures = failures
+        lines = [f"rank {rank}: {msg}" for rank, msg in sorted(failures.items())]
+        super().__init__("distributed workers failed:\n" + "\n".join(lines))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    threads: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        value = fn(rank, *args)
+        results.put((rank, True, value))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
+        results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    threads: int = 1,
+) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``world_size`` processes; return the values in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, threads, fn, args, results))
+        for r in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    values: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while len(values) + len(failures) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            rank, ok, value = results.get(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            dead = [
+                r for r, p in enumerate(procs)
+                if not p.is_alive() and p.exitcode not in (0, None)
+                and r not in values and r not in failures
+            ]
+            for r in dead:
+                failures[r] = f"process exited with code {procs[r].exitcode}"
+            continue
+        (values if ok else failures)[rank] = value
+    for rank, proc in enumerate(procs):
+        proc.join(timeout=max(0.0, deadline - time.monotonic()) if not failures else 5.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            if rank not in values and rank not in failures:
+                failures[rank] = f"timed out after {timeout_s}s"
+    if failures:
+        raise WorkerError(failures)
+    return [values[r] for r in range(world_size)]
