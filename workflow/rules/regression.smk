@@ -1,0 +1,23 @@
+rule regression:
+    input:
+        tests=config["regression"]["tests"],
+        sources=SOURCES,
+    output:
+        json=f"{RUN}/regression.json",
+        log=f"{RUN}/pytest-focused.log",
+        junit=f"{RUN}/pytest-junit.xml",
+    log:
+        f"{RUN}/logs/regression.log",
+    params:
+        run=lambda wildcards, output: os.path.dirname(output.json),
+        extra=" ".join(
+            f"--pytest-arg={arg}" for arg in config["regression"].get("pytest_args", [])
+        ),
+        timeout=config["regression"].get("timeout_s", 1800),
+    threads: 2
+    conda:
+        "../envs/rl_engine.yaml"
+    shell:
+        "timeout --kill-after=10 {params.timeout} "
+        "python -m rl_engine regression --output-dir {params.run} --tests {input.tests} "
+        "{params.extra} > {log} 2>&1"

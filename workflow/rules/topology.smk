@@ -1,0 +1,29 @@
+# One torchrun per topology. A report that fails acceptance is kept (the runner exits 1
+# after writing it) so the validation gate can name what failed; any other failure
+# (crash, killed rank, time limit) fails the rule and leaves no report.
+
+
+rule topology:
+    input:
+        plan=f"{RUN}/plan.json",
+        sources=SOURCES,
+    output:
+        report=f"{RUN}/tp{{tp}}-cp{{cp}}.json",
+        logp=f"{RUN}/tp{{tp}}-cp{{cp}}.logp.f32",
+        lse=f"{RUN}/tp{{tp}}-cp{{cp}}.lse.f32",
+        entropy=f"{RUN}/tp{{tp}}-cp{{cp}}.entropy.f32",
+    log:
+        f"{RUN}/logs/tp{{tp}}-cp{{cp}}.log",
+    wildcard_constraints:
+        tp=r"[1-9][0-9]*",
+        cp=r"[1-9][0-9]*",
+    params:
+        timeout=config["topology_timeout_s"],
+    threads: lambda wildcards: int(wildcards.tp) * int(wildcards.cp) * config["threads_per_rank"]
+    conda:
+        "../envs/rl_engine.yaml"
+    shell:
+        "rc=0; python -m rl_engine launch --plan {input.plan} --tp {wildcards.tp} "
+        "--cp {wildcards.cp} --timeout-s {params.timeout} > {log} 2>&1 || rc=$?; "
+        'if [ "$rc" -eq 1 ]; then echo "acceptance failed; report kept for the validation gate" >> {log}; '
+        'elif [ "$rc" -ne 0 ]; then exit "$rc"; fi'
