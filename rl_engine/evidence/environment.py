@@ -1,0 +1,186 @@
+"""Environment capture: the guide's "record the environment before testing", made structured.
+
+``python -m rl_engine env --output-dir RUN [--repo DIR] [--timeout-s S]`` writes
+
+* ``RUN/environment.json`` (``schemas/environment.schema.json``): git commit, branch and
+  dirty flag, Python, torch and its CUDA build, CUDA availability, GPU count and names,
+  NCCL and gloo availability, CPU model and count, hostname, platform and the versions of
+  snakemake, jsonschema, rich, numpy, pyyaml and rl_engine;
+* ``RUN/environment.txt``: the raw output of the guide's commands (``git rev-parse HEAD``,
+  ``git log -1 --oneline``, ``git branch --show-current``, ``python --version``, the torch
+  one-liner, ``nvidia-smi``, ``nvcc --version``), each run with a short timeout. A missing
+  tool (no ``nvidia-smi`` on a CPU machine) is recorded as absent, not a failure; so is a
+  repository that is not a git checkout (``git.available`` false).
+
+Exit 0 when both files are written; 2 on a bad argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from rl_engine import jsonio
+
+SCHEMA_VERSION = "1"
+PACKAGES = ("snakemake", "jsonschema", "rich", "numpy", "pyyaml", "torch", "rl_engine")
+TORCH_ONE_LINER = (
+    "import torch; import torch.distributed as dist; print('torch:', torch.__version__); "
+    "print('torch_cuda:', torch.version.cuda); print('cuda_available:', torch.cuda.is_available()); "
+    "print('gpu_count:', torch.cuda.device_count()); print('nccl_available:', dist.is_nccl_available())"
+)
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """One raw command: its output, or why there is none."""
+
+    display: str
+    present: bool
+    exit_code: int | None
+    output: str
+    note: str = ""
+
+    def text(self) -> str:
+        lines = [f"$ {self.display}"]
+        if not self.present:
+            lines.append(f"[absent: {self.note}]")
+        else:
+            lines.append(self.output.rstrip("\n"))
+            lines.append(f"[exit code: {self.exit_code}]" + (f" [{self.note}]" if self.note else ""))
+        return "\n".join(lines) + "\n"
+
+
+def run_command(argv: list[str], cwd: Path, timeout_s: float, display: str | None = None) -> CommandResult:
+    """Run a tool with a timeout; a missing tool or a timeout is recorded, never raised."""
+    shown = display or " ".join(argv)
+    if shutil.which(argv[0]) is None and not Path(argv[0]).is_file():
+        return CommandResult(shown, False, None, "", f"{argv[0]} not found on PATH")
+    try:
+        proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return CommandResult(shown, True, None, out, f"timed out after {timeout_s} s")
+    except OSError as exc:
+        return CommandResult(shown, False, None, "", f"{argv[0]} could not run: {exc}")
+    return CommandResult(shown, True, proc.returncode, proc.stdout + proc.stderr)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _git(repo: Path, timeout_s: float) -> dict[str, Any]:
+    commit = run_command(["git", "rev-parse", "HEAD"], repo, timeout_s)
+    if not commit.present or commit.exit_code != 0:
+        return {"available": False, "commit": None, "short_commit": None, "branch": None, "dirty": None,
+                "untracked_files": None, "reason": commit.note or commit.output.strip() or "not a git repository"}
+    short = run_command(["git", "rev-parse", "--short", "HEAD"], repo, timeout_s)
+    branch = run_command(["git", "branch", "--show-current"], repo, timeout_s)
+    status = run_command(["git", "status", "--porcelain", "--untracked-files=no"], repo, timeout_s)
+    untracked = run_command(["git", "ls-files", "--others", "--exclude-standard"], repo, timeout_s)
+    return {
+        "available": True,
+        "commit": commit.output.strip(),
+        "short_commit": short.output.strip(),
+        "branch": branch.output.strip() or None,
+        "dirty": bool(status.output.strip()) if status.exit_code == 0 else None,
+        "untracked_files": len(untracked.output.splitlines()) if untracked.exit_code == 0 else None,
+        "reason": None,
+    }
+
+
+def _torch() -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    count = torch.cuda.device_count() if cuda else 0
+    gpus = [torch.cuda.get_device_name(i) for i in range(count)]
+    capability = [".".join(map(str, torch.cuda.get_device_capability(i))) for i in range(count)]
+    return {
+        "version": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": cuda,
+        "gpu_count": count,
+        "gpus": gpus,
+        "compute_capability": capability,
+        "distributed_available": dist.is_available(),
+        "nccl_available": bool(dist.is_available() and dist.is_nccl_available()),
+        "gloo_available": bool(dist.is_available() and dist.is_gloo_available()),
+    }
+
+
+def capture(repo: Path, timeout_s: float) -> tuple[dict[str, Any], str]:
+    """``environment.json``'s content and ``environment.txt``'s text."""
+    py = sys.executable
+    commands = [
+        run_command(["git", "rev-parse", "HEAD"], repo, timeout_s),
+        run_command(["git", "log", "-1", "--oneline"], repo, timeout_s),
+        run_command(["git", "branch", "--show-current"], repo, timeout_s),
+        run_command([py, "--version"], repo, timeout_s, "python --version"),
+        run_command([py, "-c", TORCH_ONE_LINER], repo, max(timeout_s, 60.0), "python -c '<torch one-liner>'"),
+        run_command(["nvidia-smi"], repo, timeout_s),
+        run_command(["nvcc", "--version"], repo, timeout_s),
+    ]
+    tools = {
+        "nvidia_smi": commands[5].present and commands[5].exit_code == 0,
+        "nvcc": commands[6].present and commands[6].exit_code == 0,
+    }
+    env = {
+        "schema_version": SCHEMA_VERSION,
+        "git": _git(repo, timeout_s),
+        "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
+                   "executable": py},
+        "torch": _torch(),
+        "cpu": {"model": _cpu_model(), "count": os.cpu_count() or 1},
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "packages": {name: _version(name) for name in PACKAGES},
+        "tools": tools,
+    }
+    text = "\n".join(c.text() for c in commands)
+    return env, text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rl_engine env", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output-dir", required=True, type=Path, help="run directory to write into")
+    parser.add_argument("--repo", type=Path, default=Path.cwd(), help="git checkout to describe (default: cwd)")
+    parser.add_argument("--timeout-s", type=float, default=20.0, help="per-command time limit in seconds (default 20)")
+    args = parser.parse_args(argv)
+    if args.timeout_s <= 0:
+        parser.error(f"--timeout-s must be > 0, got {args.timeout_s}")
+    if not args.repo.is_dir():
+        parser.error(f"--repo {args.repo} is not a directory")
+    env, text = capture(args.repo.resolve(), args.timeout_s)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    jsonio.atomic_write_text(args.output_dir / "environment.txt", text)
+    jsonio.write_json(args.output_dir / "environment.json", env)
+    git = env["git"]
+    print(f"environment: commit {git['commit']} ({'dirty' if git['dirty'] else 'clean'}), "
+          f"python {env['python']['version']}, torch {env['torch']['version']}, "
+          f"{env['torch']['gpu_count']} GPU(s), {env['cpu']['count']} CPU(s)")
+    return 0

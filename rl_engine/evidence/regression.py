@@ -1,0 +1,144 @@
+"""Focused regression: the guide's step 1 with machine-readable counts.
+
+``python -m rl_engine regression --output-dir RUN --tests FILE... [--pytest-arg ARG]...``
+runs ``sys.executable -m pytest -q -rs FILE... --junitxml=RUN/pytest-junit.xml`` as a
+subprocess, writes its combined output to ``RUN/pytest-focused.log`` (and echoes it), and
+writes ``RUN/regression.json`` (``schemas/regression.schema.json``) with the counts parsed
+from the JUnit XML: ``passed``, ``failed``, ``skipped``, ``errors``, ``total``, plus the
+command, the test files, pytest's exit code and the duration.
+
+Exit 0 when pytest exited 0 and every test passed or was skipped; 1 when any test failed or
+errored, no test ran, or pytest exited non-zero (``regression.json`` is still written, as
+evidence of what failed); 2 on a bad argument or a missing test file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rl_engine import jsonio
+
+SCHEMA_VERSION = "1"
+LOG_NAME = "pytest-focused.log"
+JUNIT_NAME = "pytest-junit.xml"
+JSON_NAME = "regression.json"
+
+
+class JUnitError(ValueError):
+    """A JUnit XML file that is missing or cannot be read as pytest's report."""
+
+
+@dataclass(frozen=True)
+class Counts:
+    passed: int
+    failed: int
+    skipped: int
+    errors: int
+
+    def __post_init__(self) -> None:
+        for name in ("passed", "failed", "skipped", "errors"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise JUnitError(f"{name} count must be a non-negative integer, got {value!r}")
+
+    @property
+    def total(self) -> int:
+        return self.passed + self.failed + self.skipped + self.errors
+
+
+def parse_junit(path: Path) -> Counts:
+    """Counts from pytest's JUnit XML, summed over every ``<testsuite>``."""
+    if not path.is_file():
+        raise JUnitError(f"{path} was not written (pytest did not get as far as reporting)")
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError as exc:
+        raise JUnitError(f"{path}: not valid XML ({exc})") from None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    if not suites:
+        raise JUnitError(f"{path}: no <testsuite> element")
+    tests = failures = errors = skipped = 0
+    for suite in suites:
+        try:
+            tests += int(suite.get("tests", "0"))
+            failures += int(suite.get("failures", "0"))
+            errors += int(suite.get("errors", "0"))
+            skipped += int(suite.get("skipped", "0"))
+        except ValueError as exc:
+            raise JUnitError(f"{path}: a <testsuite> count is not an integer ({exc})") from None
+    passed = tests - failures - errors - skipped
+    if passed < 0:
+        raise JUnitError(f"{path}: tests={tests} is less than failures+errors+skipped")
+    return Counts(passed=passed, failed=failures, skipped=skipped, errors=errors)
+
+
+def run(output_dir: Path, tests: list[str], pytest_args: list[str]) -> tuple[dict[str, Any], int]:
+    """Run pytest, write the log, the JUnit XML and regression.json; return it and the exit code."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    junit = output_dir / JUNIT_NAME
+    log = output_dir / LOG_NAME
+    for stale in (junit, log, output_dir / JSON_NAME):
+        stale.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "pytest", "-q", "-rs", *tests, *pytest_args, f"--junitxml={junit}"]
+    shown = ["python", *argv[1:]]
+    start = time.monotonic()
+    with open(log, "w", encoding="utf-8") as handle:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            handle.write(line)
+            sys.stdout.write(line)
+        code = proc.wait()
+    duration = time.monotonic() - start
+    try:
+        counts = parse_junit(junit)
+        problem = None
+    except JUnitError as exc:
+        counts, problem = Counts(0, 0, 0, 0), str(exc)
+    result = {
+        "schema_version": SCHEMA_VERSION,
+        "command": shlex.join(shown),
+        "tests": list(tests),
+        "passed": counts.passed,
+        "failed": counts.failed,
+        "skipped": counts.skipped,
+        "errors": counts.errors,
+        "total": counts.total,
+        "exit_code": code,
+        "duration_s": round(duration, 3),
+        "log": LOG_NAME,
+        "junit": JUNIT_NAME if problem is None else None,
+        "problem": problem,
+    }
+    jsonio.write_json(output_dir / JSON_NAME, result)
+    failed = problem is not None or code != 0 or counts.failed or counts.errors or counts.total == 0
+    return result, 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rl_engine regression", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output-dir", required=True, type=Path, help="run directory to write into")
+    parser.add_argument("--tests", required=True, nargs="+", help="test files to run")
+    parser.add_argument("--pytest-arg", action="append", default=[], help="extra pytest argument (repeatable)")
+    args = parser.parse_args(argv)
+    missing = [t for t in args.tests if not Path(t.split("::", 1)[0]).exists()]
+    if missing:
+        print(f"regression: test file(s) not found: {', '.join(missing)}; fix --tests (config regression.tests)", file=sys.stderr)
+        return 2
+    result, code = run(args.output_dir, args.tests, args.pytest_arg)
+    line = (f"regression: {result['passed']} passed, {result['failed']} failed, {result['skipped']} skipped, "
+            f"{result['errors']} errors (total {result['total']}, pytest exit {result['exit_code']})")
+    print(line, file=sys.stderr if code else sys.stdout)
+    if result["problem"]:
+        print(f"regression: {result['problem']}", file=sys.stderr)
+    elif code and result["total"] == 0:
+        print("regression: no test ran", file=sys.stderr)
+    return code

@@ -1,0 +1,190 @@
+"""What a run directory holds, and how its files are read for checking.
+
+A run directory (``results/<name>/``, or the top folder of an extracted archive) holds
+``environment.json``, ``regression.json``, ``plan.json`` and one ``tp<T>-cp<C>.json`` report
+per planned topology with its raw ``*.f32`` tensors. Every check in :mod:`rl_engine.evidence`
+reads it through this module, so the workflow's gates and the reviewer's verifier see the
+same files the same way.
+
+Problems are :class:`Finding` values that name the file (or topology), the field (a dotted
+JSON path) and what is wrong; nothing here raises on bad evidence.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rl_engine import jsonio
+
+REPORT_NAME = re.compile(r"^tp([1-9][0-9]*)-cp([1-9][0-9]*)\.json$")
+WHOLE_FILE = "(file)"
+
+ENVIRONMENT = "environment.json"
+REGRESSION = "regression.json"
+PLAN = "plan.json"
+VALIDATION = "validation.json"
+CROSSCHECK = "crosscheck.json"
+SUMMARY = "SUMMARY.md"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One failed check: where (file or topology), which field, and what is wrong."""
+
+    where: str
+    field: str
+    message: str
+
+    def __post_init__(self) -> None:
+        for name in ("where", "field", "message"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"Finding.{name} must be a non-empty string")
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.field}: {self.message}"
+
+
+@dataclass(frozen=True)
+class PlannedReport:
+    """A report the plan promises: its label ``tp<T>-cp<C>`` and where it lies in the run."""
+
+    label: str
+    tp: int
+    cp: int
+    path: Path
+    command: str | None
+
+    @property
+    def file(self) -> str:
+        return self.path.name
+
+
+def field_path(parts: tuple[str | int, ...] | list[str | int]) -> str:
+    """``("drift", "fp32_oracle", "lse", "max_abs")`` -> ``drift.fp32_oracle.lse.max_abs``."""
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or WHOLE_FILE
+
+
+class _NonFinite:
+    def __init__(self, literal: str) -> None:
+        self.literal = literal
+
+
+def _non_finite_paths(value: Any, parts: tuple[str | int, ...] = ()) -> list[tuple[str, str]]:
+    if isinstance(value, _NonFinite):
+        return [(field_path(parts), value.literal)]
+    found: list[tuple[str, str]] = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found += _non_finite_paths(item, parts + (str(key),))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found += _non_finite_paths(item, parts + (index,))
+    return found
+
+
+def load_json(path: Path, where: str | None = None) -> tuple[Any, list[Finding]]:
+    """Read a strict-JSON artifact; on failure return ``None`` and findings naming the field.
+
+    A ``NaN``/``Infinity`` literal is located and reported by its JSON path, so a reviewer
+    reads ``tp2-cp1.json: drift.fp32_oracle.lse.max_abs: non-finite literal NaN`` rather than
+    a bare parse error.
+    """
+    label = where or path.name
+    if path.is_symlink():
+        return None, [Finding(label, WHOLE_FILE, f"{path.name} is a symbolic link; evidence files must be regular files")]
+    if not path.is_file():
+        return None, [Finding(label, WHOLE_FILE, f"file is missing ({path.name} not found in the run directory)")]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        return None, [Finding(label, WHOLE_FILE, f"not UTF-8 text ({exc.reason} at byte {exc.start})")]
+    try:
+        return jsonio.loads(text), []
+    except jsonio.StrictJSONError:
+        lenient = json.loads(text, parse_constant=_NonFinite)
+        return None, [
+            Finding(label, field, f"non-finite literal {literal} is not strict JSON (statistics must be finite)")
+            for field, literal in _non_finite_paths(lenient)
+        ]
+    except json.JSONDecodeError as exc:
+        return None, [Finding(label, f"line {exc.lineno} column {exc.colno}", f"invalid JSON: {exc.msg}")]
+
+
+def get(obj: Any, parts: tuple[str | int, ...]) -> tuple[bool, Any]:
+    """``(True, value)`` when every key/index of ``parts`` exists, else ``(False, None)``."""
+    cur = obj
+    for part in parts:
+        if isinstance(part, int):
+            if not isinstance(cur, list) or not -len(cur) <= part < len(cur):
+                return False, None
+            cur = cur[part]
+        else:
+            if not isinstance(cur, dict) or part not in cur:
+                return False, None
+            cur = cur[part]
+    return True, cur
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def non_finite_numbers(value: Any, parts: tuple[str | int, ...] = ()) -> list[str]:
+    """JSON paths of every non-finite float inside ``value`` (for in-memory objects)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [field_path(parts)]
+    found: list[str] = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found += non_finite_numbers(item, parts + (str(key),))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found += non_finite_numbers(item, parts + (index,))
+    return found
+
+
+def planned_reports(plan: Any, run_dir: Path) -> tuple[list[PlannedReport], list[Finding]]:
+    """The reports a plan promises, located by file name inside ``run_dir``.
+
+    The plan records the absolute output path of the machine that ran it; a copied run or an
+    extracted archive keeps only the file name, so reports are looked up by name here.
+    """
+    found: list[Finding] = []
+    ok, entries = get(plan, ("topologies",))
+    if not ok or not isinstance(entries, list) or not entries:
+        return [], [Finding(PLAN, "topologies", "must be a non-empty list of planned topologies")]
+    planned: list[PlannedReport] = []
+    seen: set[str] = set()
+    for index, entry in enumerate(entries):
+        where = field_path(("topologies", index))
+        if not isinstance(entry, dict):
+            found.append(Finding(PLAN, where, "must be an object"))
+            continue
+        output, tp, cp = entry.get("output"), entry.get("tp"), entry.get("cp")
+        name = output.replace("\\", "/").rsplit("/", 1)[-1] if isinstance(output, str) else ""
+        match = REPORT_NAME.match(name)
+        if not match:
+            found.append(Finding(PLAN, f"{where}.output", f"{output!r} does not end in a tp<T>-cp<C>.json file name"))
+            continue
+        if (int(match.group(1)), int(match.group(2))) != (tp, cp):
+            found.append(Finding(PLAN, f"{where}.output", f"file {name} does not match tp={tp!r} cp={cp!r}"))
+            continue
+        label = name[: -len(".json")]
+        if label in seen:
+            found.append(Finding(PLAN, f"{where}.output", f"topology {label} is planned twice"))
+            continue
+        seen.add(label)
+        command = entry.get("command")
+        planned.append(PlannedReport(label, tp, cp, run_dir / name, command if isinstance(command, str) else None))
+    return planned, found

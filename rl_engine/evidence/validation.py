@@ -1,0 +1,159 @@
+"""Validation gate: every artifact against its schema, every report against the acceptance.
+
+``python -m rl_engine validate --run-dir RUN --output RUN/validation.json [--schemas DIR]``
+checks ``environment.json``, ``regression.json`` and ``plan.json`` against ``DIR`` (default:
+the repository's ``schemas/``), then every report the plan lists (a missing report is a
+failure) against ``report.schema.json`` and :func:`rl_engine.evidence.acceptance.check_report`.
+The focused regression must have run tests and have none failed. It writes
+``validation.json`` (``schemas/validation.schema.json``) and exits 1, naming the file or
+topology and the field on stderr, when anything fails; 2 when the schemas themselves cannot
+be loaded.
+
+:func:`validate_run` is what the verb and ``verify`` (on an extracted archive, with the
+schemas shipped inside it, and ``gates=True`` to also check the recorded
+``validation.json`` and ``crosscheck.json``) both call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from rl_engine import jsonio, schemas
+from rl_engine.evidence.acceptance import check_report
+from rl_engine.evidence.rundir import (
+    CROSSCHECK,
+    ENVIRONMENT,
+    PLAN,
+    REGRESSION,
+    VALIDATION,
+    WHOLE_FILE,
+    Finding,
+    load_json,
+    planned_reports,
+)
+
+SCHEMA_VERSION = "1"
+MAX_MESSAGE = 300
+FILES: tuple[tuple[str, str], ...] = ((ENVIRONMENT, "environment"), (REGRESSION, "regression"), (PLAN, "plan"))
+GATES: tuple[tuple[str, str], ...] = ((VALIDATION, "validation"), (CROSSCHECK, "crosscheck"))
+
+
+def schema_findings(instance: Any, name: str, where: str, schema_dir: Path) -> list[Finding]:
+    """Schema errors of ``instance`` as findings naming the JSON path."""
+    try:
+        validator = schemas.validator(name, schema_dir)
+    except schemas.SchemaError as exc:
+        return [Finding(where, "(schema)", str(exc))]
+    found = []
+    for error in sorted(validator.iter_errors(instance), key=lambda e: [str(p) for p in e.path]):
+        path = error.json_path
+        field = WHOLE_FILE if path == "$" else path.removeprefix("$.").removeprefix("$")
+        message = error.message if len(error.message) <= MAX_MESSAGE else error.message[:MAX_MESSAGE] + "..."
+        found.append(Finding(where, field, f"schema {name}: {message}"))
+    return found
+
+
+def regression_findings(regression: Any) -> list[Finding]:
+    """The focused regression ran tests and none failed or errored."""
+    if not isinstance(regression, dict):
+        return []
+    found = []
+    for key in ("failed", "errors"):
+        if regression.get(key) != 0:
+            found.append(Finding(REGRESSION, key, f"is {regression.get(key)!r}; the focused regression must have none"))
+    if not isinstance(regression.get("total"), int) or regression.get("total", 0) < 1:
+        found.append(Finding(REGRESSION, "total", f"is {regression.get('total')!r}; no test ran"))
+    if regression.get("exit_code") != 0:
+        found.append(Finding(REGRESSION, "exit_code", f"pytest exited {regression.get('exit_code')!r}, not 0"))
+    parts = [regression.get(k) for k in ("passed", "failed", "skipped", "errors")]
+    if all(isinstance(p, int) for p in parts) and sum(parts) != regression.get("total"):
+        found.append(Finding(REGRESSION, "total", f"is {regression.get('total')!r} but passed+failed+skipped+errors is {sum(parts)}"))
+    return found
+
+
+def _schema_hashes(schema_dir: Path) -> dict[str, str]:
+    return {p.name[: -len(".schema.json")]: jsonio.sha256_file(p) for p in sorted(schema_dir.glob("*.schema.json"))}
+
+
+def validate_run(run_dir: Path, schema_dir: Path, *, gates: bool = False) -> tuple[dict[str, Any], list[Finding]]:
+    """Validate a run directory; return validation.json's content and every finding."""
+    found: list[Finding] = []
+    try:
+        schemas.load(schema_dir)
+    except (schemas.SchemaError, OSError, ValueError) as exc:
+        finding = Finding(str(schema_dir), "(schemas)", f"cannot load the schemas: {exc}")
+        return {"schema_version": SCHEMA_VERSION, "passed": False, "schemas": {}, "files": [], "reports": [],
+                "failures": [str(finding)]}, [finding]
+    files: list[dict[str, Any]] = []
+    loaded: dict[str, Any] = {}
+    for name, schema in FILES + (GATES if gates else ()):
+        obj, file_found = load_json(run_dir / name)
+        if obj is not None:
+            file_found += schema_findings(obj, schema, name, schema_dir)
+            loaded[name] = obj
+        if name == REGRESSION:
+            file_found += regression_findings(obj)
+        if name in (VALIDATION, CROSSCHECK) and obj is not None and (not isinstance(obj, dict) or obj.get("passed") is not True):
+            file_found.append(Finding(name, "passed", "the recorded gate did not pass"))
+        files.append({"file": name, "schema": schema, "valid": not file_found, "errors": [str(f) for f in file_found]})
+        found += file_found
+    plan = loaded.get(PLAN)
+    reports: list[dict[str, Any]] = []
+    if plan is not None:
+        planned, plan_found = planned_reports(plan, run_dir)
+        found += plan_found
+        for item in planned:
+            report, report_found = load_json(item.path)
+            schema_found: list[Finding] = []
+            accept_found: list[Finding] = []
+            if report is not None:
+                schema_found = schema_findings(report, "report", item.file, schema_dir)
+                accept_found = check_report(report, item.file, run_dir, planned=item, plan=plan)
+            everything = report_found + schema_found + accept_found
+            reports.append({
+                "topology": item.label,
+                "tp": item.tp,
+                "cp": item.cp,
+                "file": item.file,
+                "schema_valid": report is not None and not schema_found,
+                "accepted": report is not None and not accept_found,
+                "failures": [str(f) for f in everything],
+            })
+            found += everything
+    result = {
+        "schema_version": SCHEMA_VERSION,
+        "passed": not found,
+        "schemas": _schema_hashes(schema_dir),
+        "files": files,
+        "reports": reports,
+        "failures": [str(f) for f in found],
+    }
+    return result, found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rl_engine validate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", required=True, type=Path, help="run directory to validate")
+    parser.add_argument("--output", required=True, type=Path, help="where to write validation.json")
+    parser.add_argument("--schemas", type=Path, default=None, help="schema directory (default: the repository's schemas/)")
+    args = parser.parse_args(argv)
+    schema_dir = args.schemas or schemas.repo_schema_dir()
+    if not args.run_dir.is_dir():
+        print(f"validate: --run-dir {args.run_dir} is not a directory", file=sys.stderr)
+        return 2
+    if not schema_dir.is_dir():
+        print(f"validate: --schemas {schema_dir} is not a directory", file=sys.stderr)
+        return 2
+    result, found = validate_run(args.run_dir, schema_dir)
+    jsonio.write_json(args.output, result)
+    if found:
+        print(f"validation FAILED ({len(found)} problems):", file=sys.stderr)
+        for finding in found:
+            print(f"  {finding}", file=sys.stderr)
+        return 1
+    print(f"validation passed: {len(result['files'])} files and {len(result['reports'])} reports "
+          f"valid against {schema_dir} and accepted")
+    return 0
