@@ -89,7 +89,7 @@ def check_cp_split(seq_len: int, cp: int, layout: str) -> None:
     chunks = cp_chunks_per_sequence(cp, layout)
     if seq_len % chunks != 0:
         raise BoundsError(
-            f"seq={seq_len} cannot be split into {chunks} equal chunks for cp={cp} with "
+            f"seq_len={seq_len} cannot be split into {chunks} equal chunks for cp={cp} with "
             f"cp_layout={layout!r}; use a sequence length that is a multiple of {chunks}"
         )
 

@@ -67,6 +67,11 @@ class ParallelDims:
         return dp_rank, cp_rank, tp_rank
 
     def rank_of(self, dp_rank: int, cp_rank: int, tp_rank: int) -> int:
+        """Global rank of mesh coordinates (inverse of :meth:`coords`)."""
+        for name, value, size in (("dp_rank", dp_rank, self.dp), ("cp_rank", cp_rank, self.cp),
+                                  ("tp_rank", tp_rank, self.tp)):
+            if not 0 <= value < size:
+                raise MeshError(f"{name}={value} must lie in [0, {size})")
         return (dp_rank * self.cp + cp_rank) * self.tp + tp_rank
 
 
@@ -94,6 +99,17 @@ class LaunchEnv:
             except ValueError:
                 raise MeshError(f"environment variable {key}={raw!r} is not an integer") from None
         return cls(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"])
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise MeshError(f"WORLD_SIZE={self.world_size} must be >= 1")
+        if not 0 <= self.rank < self.world_size:
+            raise MeshError(
+                f"RANK={self.rank} must lie in [0, WORLD_SIZE={self.world_size}); check the "
+                "launcher's environment"
+            )
+        if self.local_rank < 0:
+            raise MeshError(f"LOCAL_RANK={self.local_rank} must be >= 0")
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,23 @@ def _require_int(name: str, value: Any, minimum: int) -> None:
 def _require_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise LogprobContractError(f"{name}={value!r} is not supported; use one of {list(choices)}")
+
+
+def _shard_bounds(value: Any) -> tuple[tuple[int, int], ...]:
+    """``vocab_shard_bounds`` as a tuple of integer pairs; anything else is an error, not cast."""
+    try:
+        pairs = [tuple(pair) for pair in value]
+    except TypeError:
+        raise LogprobContractError(
+            f"vocab_shard_bounds={value!r} must be a sequence of (start, end) integer pairs, "
+            "one per TP rank, or None for the even tile-aligned split"
+        ) from None
+    for rank, pair in enumerate(pairs):
+        if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in pair):
+            raise LogprobContractError(
+                f"vocab_shard_bounds[{rank}]={pair!r} must be a (start, end) pair of integers"
+            )
+    return tuple((int(pair[0]), int(pair[1])) for pair in pairs)
 
 
 @dataclass(frozen=True)
@@ -99,6 +117,12 @@ class LogprobContract:
         _require_int("cp_rank", self.cp_rank, 0)
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise LogprobContractError(f"ignore_index={self.ignore_index!r} must be an integer")
+        if 0 <= self.ignore_index < self.real_vocab_size:
+            raise LogprobContractError(
+                f"ignore_index={self.ignore_index} is a real vocabulary id (inside [0, "
+                f"real_vocab_size={self.real_vocab_size})), so it could not tell ignored rows "
+                "from real targets; use a value outside that range, e.g. -100"
+            )
         if self.real_vocab_size > self.padded_vocab_size:
             raise LogprobContractError(
                 f"real_vocab_size={self.real_vocab_size} exceeds padded_vocab_size="
@@ -130,11 +154,17 @@ class LogprobContract:
         _require_choice("output_dtype", self.output_dtype, (OUTPUT_DTYPE,))
         try:
             if self.vocab_shard_bounds is None:
+                if self.num_vocab_tiles % self.tp_world_size:
+                    raise LogprobContractError(
+                        f"tp_world_size={self.tp_world_size} does not divide num_vocab_tiles="
+                        f"{self.num_vocab_tiles}, so the even split would not be tile aligned; "
+                        "use a TP degree that divides the tile count or give vocab_shard_bounds"
+                    )
                 bounds = even_vocab_shards(
                     self.padded_vocab_size, self.num_vocab_tiles, self.tp_world_size
                 )
             else:
-                bounds = tuple(tuple(int(v) for v in pair) for pair in self.vocab_shard_bounds)
+                bounds = _shard_bounds(self.vocab_shard_bounds)
                 if len(bounds) != self.tp_world_size:
                     raise BoundsError(
                         f"vocab_shard_bounds has {len(bounds)} shards but tp_world_size="

@@ -155,11 +155,18 @@ def backend_ids(registry: dict[str, BackendSpec] | None = None) -> list[str]:
     return list((registry or default_registry()).keys())
 
 
+def machine_lacks(device: str) -> str | None:
+    """Why this machine cannot run anything on ``device`` (None when it can)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        return "device cuda is not available on this machine"
+    return None
+
+
 def _rejection(spec: BackendSpec, contract: LogprobContract, device: str) -> str | None:
     reasons = spec.capabilities.reasons_incapable(contract, device)
     if reasons:
         return "incapable: " + "; ".join(reasons)
-    unavailable = spec.availability()
+    unavailable = spec.availability() or machine_lacks(device)
     if unavailable is not None:
         return "unavailable: " + unavailable
     return None
