@@ -12,6 +12,7 @@ import sys
 VERBS: dict[str, tuple[str, str]] = {
     "plan": ("rl_engine.testing.distributed_logprob_comparison", "run plan: print and write plan.json"),
     "compare": ("rl_engine.testing.distributed_logprob_comparison", "run one topology (under torchrun)"),
+    "launch": ("rl_engine.testing.launch", "run one planned topology with a time limit"),
     "env": ("rl_engine.evidence.environment", "capture environment.json and environment.txt"),
     "regression": ("rl_engine.evidence.regression", "run the focused pytest suite with counts"),
     "validate": ("rl_engine.evidence.validation", "validate artifacts and report acceptance"),
