@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,60 +79,97 @@ def _schema_hashes(schema_dir: Path) -> dict[str, str]:
     return {p.name[: -len(".schema.json")]: jsonio.sha256_file(p) for p in sorted(schema_dir.glob("*.schema.json"))}
 
 
-def validate_run(run_dir: Path, schema_dir: Path, *, gates: bool = False) -> tuple[dict[str, Any], list[Finding]]:
-    """Validate a run directory; return validation.json's content and every finding."""
-    found: list[Finding] = []
+@dataclass(frozen=True)
+class Validation:
+    """Result of :func:`validate_run`: validation.json's content and the findings by kind."""
+
+    result: dict[str, Any]
+    load: tuple[Finding, ...] = ()
+    schema: tuple[Finding, ...] = ()
+    regression: tuple[Finding, ...] = ()
+    acceptance: tuple[Finding, ...] = ()
+    gates: tuple[Finding, ...] = ()
+
+    @property
+    def findings(self) -> list[Finding]:
+        return [*self.load, *self.schema, *self.regression, *self.acceptance, *self.gates]
+
+    @property
+    def passed(self) -> bool:
+        return not self.findings
+
+
+def validate_run(run_dir: Path, schema_dir: Path, *, gates: bool = False) -> Validation:
+    """Validate a run directory against ``schema_dir`` and the acceptance.
+
+    ``load`` holds missing or unreadable files (including non-finite literals, by field),
+    ``schema`` schema errors, ``regression`` a failed or empty focused regression,
+    ``acceptance`` every report's acceptance findings, and with ``gates=True`` ``gates`` holds
+    a recorded validation.json or crosscheck.json that did not pass.
+    """
+    load: list[Finding] = []
+    schema: list[Finding] = []
+    regression: list[Finding] = []
+    acceptance: list[Finding] = []
+    gate: list[Finding] = []
     try:
         schemas.load(schema_dir)
     except (schemas.SchemaError, OSError, ValueError) as exc:
         finding = Finding(str(schema_dir), "(schemas)", f"cannot load the schemas: {exc}")
-        return {"schema_version": SCHEMA_VERSION, "passed": False, "schemas": {}, "files": [], "reports": [],
-                "failures": [str(finding)]}, [finding]
+        return Validation({"schema_version": SCHEMA_VERSION, "passed": False, "schemas": {}, "files": [],
+                           "reports": [], "failures": [str(finding)]}, load=(finding,))
     files: list[dict[str, Any]] = []
     loaded: dict[str, Any] = {}
-    for name, schema in FILES + (GATES if gates else ()):
-        obj, file_found = load_json(run_dir / name)
+    for name, schema_name in FILES + (GATES if gates else ()):
+        obj, file_load = load_json(run_dir / name)
+        file_schema = schema_findings(obj, schema_name, name, schema_dir) if obj is not None else []
+        file_other: list[Finding] = []
         if obj is not None:
-            file_found += schema_findings(obj, schema, name, schema_dir)
             loaded[name] = obj
         if name == REGRESSION:
-            file_found += regression_findings(obj)
+            file_other = regression_findings(obj)
+            regression += file_other
         if name in (VALIDATION, CROSSCHECK) and obj is not None and (not isinstance(obj, dict) or obj.get("passed") is not True):
-            file_found.append(Finding(name, "passed", "the recorded gate did not pass"))
-        files.append({"file": name, "schema": schema, "valid": not file_found, "errors": [str(f) for f in file_found]})
-        found += file_found
+            file_other = [Finding(name, "passed", "the recorded gate did not pass")]
+            gate += file_other
+        load += file_load
+        schema += file_schema
+        everything = file_load + file_schema + file_other
+        files.append({"file": name, "schema": schema_name, "valid": not everything, "errors": [str(f) for f in everything]})
     plan = loaded.get(PLAN)
     reports: list[dict[str, Any]] = []
     if plan is not None:
         planned, plan_found = planned_reports(plan, run_dir)
-        found += plan_found
+        load += plan_found
         for item in planned:
-            report, report_found = load_json(item.path)
-            schema_found: list[Finding] = []
-            accept_found: list[Finding] = []
+            report, report_load = load_json(item.path)
+            report_schema: list[Finding] = []
+            report_accept: list[Finding] = []
             if report is not None:
-                schema_found = schema_findings(report, "report", item.file, schema_dir)
-                accept_found = check_report(report, item.file, run_dir, planned=item, plan=plan)
-            everything = report_found + schema_found + accept_found
+                report_schema = schema_findings(report, "report", item.file, schema_dir)
+                report_accept = check_report(report, item.file, run_dir, planned=item, plan=plan)
+            load += report_load
+            schema += report_schema
+            acceptance += report_accept
             reports.append({
                 "topology": item.label,
                 "tp": item.tp,
                 "cp": item.cp,
                 "file": item.file,
-                "schema_valid": report is not None and not schema_found,
-                "accepted": report is not None and not accept_found,
-                "failures": [str(f) for f in everything],
+                "schema_valid": report is not None and not report_schema,
+                "accepted": report is not None and not report_accept,
+                "failures": [str(f) for f in report_load + report_schema + report_accept],
             })
-            found += everything
+    everything = [*load, *schema, *regression, *acceptance, *gate]
     result = {
         "schema_version": SCHEMA_VERSION,
-        "passed": not found,
+        "passed": not everything,
         "schemas": _schema_hashes(schema_dir),
         "files": files,
         "reports": reports,
-        "failures": [str(f) for f in found],
+        "failures": [str(f) for f in everything],
     }
-    return result, found
+    return Validation(result, tuple(load), tuple(schema), tuple(regression), tuple(acceptance), tuple(gate))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     if not schema_dir.is_dir():
         print(f"validate: --schemas {schema_dir} is not a directory", file=sys.stderr)
         return 2
-    result, found = validate_run(args.run_dir, schema_dir)
+    validation = validate_run(args.run_dir, schema_dir)
+    result, found = validation.result, validation.findings
     jsonio.write_json(args.output, result)
     if found:
         print(f"validation FAILED ({len(found)} problems):", file=sys.stderr)

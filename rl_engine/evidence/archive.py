@@ -1,0 +1,224 @@
+"""The reviewer's bundle: a byte-reproducible ``results/<name>.tar.gz`` and its ``.sha256``.
+
+``python -m rl_engine archive --run-dir RUN --output results/NAME.tar.gz [--schemas DIR]``
+
+* refuses (exit 1, nothing written) a run whose ``validation.json`` or ``crosscheck.json`` is
+  missing or not ``passed``: no archive is ever built from failing evidence;
+* packs, under one top folder ``NAME/``: every regular file of ``RUN`` (reports, raw ``*.f32``
+  tensors, logs, ``SUMMARY.md``, the JSON artifacts; hidden files such as a crashed writer's
+  ``.*.tmp`` are left out and listed on stderr; a symbolic link in ``RUN`` is an error), a copy
+  of the schemas under ``NAME/schemas/``, ``NAME/REVIEWING.md`` (how to check the bundle with
+  ``sha256sum -c`` alone and with ``python -m rl_engine verify``) and ``NAME/SHA256SUMS`` in
+  ``sha256sum -c`` format over every other file, paths relative to ``NAME/``;
+* is byte-reproducible: members sorted by name, ustar format, mtime 0, uid/gid 0, empty
+  uname/gname, modes 0644 (files) and 0755 (directories), gzip header without name and with
+  mtime 0, fixed compression level;
+* is written atomically (temporary file in the output directory, fsync, rename), then
+  ``NAME.tar.gz.sha256`` (``<hex>  NAME.tar.gz``) likewise. Stale outputs at both paths are
+  removed first, so an interrupted run leaves nothing at the final path.
+
+Exit 0 when written; 1 when refused; 2 on a bad argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import re
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from rl_engine import jsonio, schemas
+from rl_engine.evidence.rundir import CROSSCHECK, VALIDATION, load_json
+
+SUFFIX = ".tar.gz"
+SUMS = "SHA256SUMS"
+REVIEWING = "REVIEWING.md"
+SCHEMA_DIR = "schemas"
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+FIXED_MTIME = 0
+FILE_MODE = 0o644
+DIR_MODE = 0o755
+GZIP_LEVEL = 9
+
+
+class ArchiveError(ValueError):
+    """An archive that must not be built: failing evidence, a bad name, an unsafe run dir."""
+
+
+@dataclass(frozen=True)
+class Built:
+    path: Path
+    sha256: str
+    members: tuple[str, ...]
+
+
+def archive_name(output: Path) -> str:
+    """``NAME`` of ``.../NAME.tar.gz``; refuses names a shell or tar would mangle."""
+    if not output.name.endswith(SUFFIX):
+        raise ArchiveError(f"--output {output} must end in {SUFFIX}")
+    name = output.name[: -len(SUFFIX)]
+    if not NAME_PATTERN.match(name):
+        raise ArchiveError(f"archive name {name!r} must match {NAME_PATTERN.pattern} (letters, digits, . _ + -)")
+    return name
+
+
+def check_gates(run_dir: Path) -> None:
+    """Refuse unless both gates recorded ``passed: true``."""
+    for name in (VALIDATION, CROSSCHECK):
+        obj, found = load_json(run_dir / name)
+        if found:
+            raise ArchiveError(f"refusing to archive {run_dir}: {found[0]}; run the {name[:-5]} gate first")
+        if not isinstance(obj, dict) or obj.get("passed") is not True:
+            first = (obj.get("failures") or ["(no failures listed)"])[0] if isinstance(obj, dict) else "not an object"
+            raise ArchiveError(f"refusing to archive {run_dir}: {name} did not pass (first failure: {first}); "
+                               "no archive is built from failing evidence")
+
+
+def reviewing_text(name: str) -> str:
+    return f"""# Reviewing {name}
+
+This bundle is the evidence of one rl_engine validation run: the environment record, the
+focused regression log and counts, the plan, one report per TP x CP topology with its raw
+float32 tensors (`*.f32`), the validation and cross-topology results, `SUMMARY.md`, the
+per-stage logs, and the JSON schemas (`schemas/`, draft 2020-12) the artifacts were checked
+against.
+
+## With `sha256sum` alone
+
+    sha256sum -c {name}.tar.gz.sha256        # the archive is the one that was published
+    tar -xzf {name}.tar.gz
+    cd {name} && sha256sum -c SHA256SUMS       # every file is intact
+
+`SHA256SUMS` lists every file of the bundle except itself. Each raw tensor's SHA-256 is
+also the fingerprint recorded in its report: for example `sha256sum tp1-cp1.logp.f32`
+equals `bitwise_fingerprints.candidate_logp_sha256` of `tp1-cp1.json`, and every report
+records the same fingerprints.
+
+## With the verifier (offline, no GPU)
+
+    python -m rl_engine verify {name}.tar.gz              # checksums, schemas, acceptance, fingerprints
+    python -m rl_engine verify {name}.tar.gz --recompute  # also regenerate inputs and oracle drift
+
+The verifier checks the outer `.sha256`, every `SHA256SUMS` line with no file missing or
+extra, every JSON file against the schemas shipped here, the acceptance of every report
+(passed, requested == actual backend, no fallback, TP outputs replicated, finite drift within
+tolerance), each raw tensor against its fingerprint and all fingerprints across topologies.
+`--recompute` regenerates each report's inputs from its `case` (checking `inputs_sha256`)
+and recomputes the drift against the FP32 and FP64 oracles from the raw tensors. It reads
+the archive member by member into a temporary directory and refuses links, devices, absolute
+or `..` paths, duplicate names and oversized members. It exits 0 only when every check holds.
+"""
+
+
+def _collect(run_dir: Path) -> tuple[list[tuple[str, bytes]], list[str]]:
+    files: list[tuple[str, bytes]] = []
+    hidden: list[str] = []
+    for path in sorted(run_dir.rglob("*")):
+        rel = path.relative_to(run_dir).as_posix()
+        if path.is_symlink():
+            raise ArchiveError(f"{run_dir}/{rel} is a symbolic link; the run directory must hold regular files only")
+        if any(part.startswith(".") for part in path.relative_to(run_dir).parts):
+            if path.is_file():
+                hidden.append(rel)
+            continue
+        if path.is_dir():
+            continue
+        if not path.is_file():
+            raise ArchiveError(f"{run_dir}/{rel} is not a regular file")
+        top = rel.split("/", 1)[0]
+        if top in (SUMS, REVIEWING, SCHEMA_DIR):
+            raise ArchiveError(f"{run_dir}/{rel} clashes with the archive's own {top}; rename or remove it")
+        files.append((rel, path.read_bytes()))
+    return files, hidden
+
+
+def _info(name: str, size: int, is_dir: bool) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.DIRTYPE if is_dir else tarfile.REGTYPE
+    info.size = 0 if is_dir else size
+    info.mode = DIR_MODE if is_dir else FILE_MODE
+    info.mtime = FIXED_MTIME
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+def tar_gz_bytes(name: str, files: list[tuple[str, bytes]]) -> bytes:
+    """The archive's bytes: ``files`` (paths relative to ``name/``) sorted, with their dirs."""
+    entries: dict[str, bytes | None] = {name: None}
+    for rel, data in files:
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            entries[f"{name}/{'/'.join(parts[:i])}"] = None
+        entries[f"{name}/{rel}"] = data
+    buffer = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=buffer, mtime=FIXED_MTIME, compresslevel=GZIP_LEVEL) as gz:
+        with tarfile.open(fileobj=gz, mode="w|", format=tarfile.USTAR_FORMAT) as tar:  # type: ignore[call-overload]
+            for member in sorted(entries):
+                data = entries[member]
+                try:
+                    info = _info(member, 0 if data is None else len(data), data is None)
+                    tar.addfile(info, None if data is None else io.BytesIO(data))
+                except ValueError as exc:
+                    raise ArchiveError(f"cannot store {member!r} in a ustar archive: {exc}") from None
+    return buffer.getvalue()
+
+
+def sums_text(files: list[tuple[str, bytes]]) -> str:
+    """``sha256sum -c`` lines (``<hex>  <path>``) over ``files``, sorted by path."""
+    return "".join(f"{jsonio.sha256_bytes(data)}  {rel}\n" for rel, data in sorted(files))
+
+
+def build(run_dir: Path, output: Path, schema_dir: Path) -> Built:
+    """Check the gates, then write ``output`` and ``output.sha256`` atomically."""
+    name = archive_name(output)
+    sidecar = output.with_name(output.name + ".sha256")
+    for stale in (output, sidecar):
+        stale.unlink(missing_ok=True)
+    if not run_dir.is_dir():
+        raise ArchiveError(f"--run-dir {run_dir} is not a directory")
+    if output.resolve().is_relative_to(run_dir.resolve()):
+        raise ArchiveError(f"--output {output} must not lie inside the run directory it packs")
+    check_gates(run_dir)
+    files, hidden = _collect(run_dir)
+    for rel in hidden:
+        print(f"archive: leaving out hidden file {rel} (not evidence)", file=sys.stderr)
+    schema_files = sorted(schema_dir.glob("*.schema.json"))
+    if not schema_files:
+        raise ArchiveError(f"no *.schema.json in {schema_dir}; the archive must ship the schemas it was checked with")
+    schemas.load(schema_dir)  # refuse to ship schemas that do not load
+    files += [(f"{SCHEMA_DIR}/{p.name}", p.read_bytes()) for p in schema_files]
+    files.append((REVIEWING, reviewing_text(name).encode("utf-8")))
+    files.append((SUMS, sums_text(files).encode("utf-8")))
+    data = tar_gz_bytes(name, files)
+    digest = jsonio.sha256_bytes(data)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    jsonio.atomic_write_bytes(output, data)
+    jsonio.atomic_write_text(sidecar, f"{digest}  {output.name}\n")
+    return Built(output, digest, tuple(sorted(rel for rel, _ in files)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rl_engine archive", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", required=True, type=Path, help="run directory to pack")
+    parser.add_argument("--output", required=True, type=Path, help="results/NAME.tar.gz")
+    parser.add_argument("--schemas", type=Path, default=None, help="schema directory to ship (default: the repository's)")
+    args = parser.parse_args(argv)
+    schema_dir = args.schemas or schemas.repo_schema_dir()
+    try:
+        built = build(args.run_dir, args.output, schema_dir)
+    except ArchiveError as exc:
+        print(f"archive: {exc}", file=sys.stderr)
+        return 1
+    except schemas.SchemaError as exc:
+        print(f"archive: {exc}", file=sys.stderr)
+        return 1
+    print(f"archive: {built.path} ({len(built.members)} files)\nsha256: {built.sha256}")
+    return 0
+
+
+__all__ = ["ArchiveError", "Built", "archive_name", "build", "main", "reviewing_text", "sums_text", "tar_gz_bytes"]

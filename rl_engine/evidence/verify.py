@@ -1,0 +1,354 @@
+"""The reviewer's verifier: one offline command that says whether an evidence archive holds.
+
+``python -m rl_engine verify ARCHIVE [--recompute] [--no-outer-checksum] [--json OUT]
+[--max-member-mib N] [--max-total-mib N] [--max-members N]``
+
+Runs without a GPU or network and checks, each as a row of the printed table:
+
+1. **outer checksum**: ``ARCHIVE.sha256`` (``<hex>  NAME.tar.gz``, as ``archive`` writes it)
+   matches the archive's SHA-256 and names it. A missing sidecar is a failure unless
+   ``--no-outer-checksum`` is given (then the row says the check was skipped on request);
+2. **safe extraction**: the archive is read member by member into a fresh temporary directory
+   (:mod:`rl_engine.evidence.safe_tar`): absolute or ``..`` paths, links, devices, FIFOs,
+   duplicate names, oversized members (default caps 256 MiB a member, 2 GiB in all) and a
+   truncated or corrupt gzip are refused with the reason; nothing is written anywhere else
+   and the temporary directory is removed on exit;
+3. **top folder**: every member lies under ``NAME/``, the archive's own name;
+4. **SHA256SUMS**: every line verifies and no file is missing from it or extra;
+5. **JSON schemas**: every JSON artifact against the schemas shipped inside the archive
+   (``NAME/schemas/``), strict JSON (no NaN/Infinity literals);
+6. **focused regression**: tests ran and none failed;
+7. **report acceptance**: :func:`rl_engine.evidence.acceptance.check_report` on every planned
+   report (the same function the workflow's gate used), including each raw tensor's SHA-256
+   against its recorded hash and fingerprint;
+8. **cross-topology fingerprints**: :func:`rl_engine.evidence.crosscheck.crosscheck_run` (the
+   same function as the workflow's ``crosscheck``);
+9. **recorded gates**: the archived ``validation.json`` and ``crosscheck.json`` passed;
+10. with ``--recompute``: **inputs regenerated** (``make_inputs(case)`` hashes to the report's
+    ``inputs_sha256``) and **oracle drift recomputed** from the raw tensors against the FP32
+    and FP64 oracles, equal to the reported statistics within :data:`RECOMPUTE_TOL` and within
+    the case's tolerance element by element.
+
+A note row says whether the shipped schemas are byte-identical to this installation's (a
+difference is reported, not failed: an older archive may carry older schemas; the semantic
+checks above do not depend on the schemas). Exit 0 only when every check holds; 1 otherwise;
+2 on a bad argument. ``--json OUT`` also writes the table as ``schemas/verify.schema.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from rl_engine import jsonio, schemas
+from rl_engine.evidence.archive import SCHEMA_DIR, SUFFIX, SUMS
+from rl_engine.evidence.crosscheck import crosscheck_run
+from rl_engine.evidence.rundir import PLAN, Finding, load_json, planned_reports
+from rl_engine.evidence.safe_tar import MIB, Limits, UnsafeArchiveError, safe_extract
+from rl_engine.evidence.validation import validate_run
+
+SCHEMA_VERSION = "1"
+RECOMPUTE_TOL = 1e-5
+RECOMPUTED_STATS = ("max_abs", "mean_abs", "p95_abs", "p99_abs")
+SIDECAR_LINE = re.compile(r"^([0-9a-f]{64}) [ *](\S.*)$")
+SUMS_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
+MAX_DETAIL_LINES = 12
+
+
+@dataclass(frozen=True)
+class Check:
+    """One row of the verifier's table."""
+
+    name: str
+    passed: bool | None  # None: a note that does not decide the outcome
+    detail: str
+    problems: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.detail, str):
+            raise ValueError("Check needs a name and a detail string")
+        object.__setattr__(self, "problems", tuple(self.problems))
+
+    def status(self) -> str:
+        return {True: "PASS", False: "FAIL", None: "note"}[self.passed]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status(), "detail": self.detail, "problems": list(self.problems)}
+
+
+def _from_findings(name: str, found: list[Finding], ok_detail: str) -> Check:
+    if not found:
+        return Check(name, True, ok_detail)
+    return Check(name, False, f"{len(found)} problem(s)", [str(f) for f in found])
+
+
+def check_outer(archive: Path, skip: bool) -> Check:
+    sidecar = archive.with_name(archive.name + ".sha256")
+    if not sidecar.is_file():
+        if skip:
+            return Check("outer checksum", None, f"skipped on request (--no-outer-checksum); {sidecar.name} not checked")
+        return Check("outer checksum", False, f"{sidecar.name} is missing; a reviewer cannot tell this archive is "
+                     "the published one (pass --no-outer-checksum to skip this check knowingly)")
+    lines = [ln for ln in sidecar.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    match = SIDECAR_LINE.match(lines[0]) if len(lines) == 1 else None
+    if not match:
+        return Check("outer checksum", False, f"{sidecar.name} must hold one line '<sha256>  {archive.name}'")
+    actual = jsonio.sha256_file(archive)
+    problems = []
+    if match.group(2) != archive.name:
+        problems.append(f"{sidecar.name} names {match.group(2)!r}, not {archive.name!r}")
+    if match.group(1) != actual:
+        problems.append(f"{sidecar.name} says {match.group(1)} but the archive's SHA-256 is {actual}: "
+                        "the archive was changed or damaged after it was published")
+    if problems:
+        return Check("outer checksum", False, problems[0], problems)
+    return Check("outer checksum", True, f"{actual} matches {sidecar.name}")
+
+
+def check_sums(root: Path, files: tuple[str, ...], top: str) -> Check:
+    sums = root / SUMS
+    if not sums.is_file():
+        return Check("SHA256SUMS", False, f"{top}/{SUMS} is missing")
+    listed: dict[str, str] = {}
+    problems: list[str] = []
+    for number, line in enumerate(sums.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        match = SUMS_LINE.match(line)
+        if not match:
+            problems.append(f"line {number} is not '<sha256>  <path>': {line[:80]!r}")
+            continue
+        digest, rel = match.groups()
+        pure = PurePosixPath(rel)
+        if pure.is_absolute() or ".." in pure.parts:
+            problems.append(f"line {number} names an unsafe path {rel!r}")
+            continue
+        if rel in listed:
+            problems.append(f"line {number} lists {rel} a second time")
+            continue
+        listed[rel] = digest
+    present = {f[len(top) + 1:] for f in files} - {SUMS}
+    for rel in sorted(set(listed) - present):
+        problems.append(f"{rel} is listed in SHA256SUMS but missing from the archive")
+    for rel in sorted(present - set(listed)):
+        problems.append(f"{rel} is in the archive but not listed in SHA256SUMS (extra member)")
+    for rel in sorted(set(listed) & present):
+        actual = jsonio.sha256_file(root / rel)
+        if actual != listed[rel]:
+            problems.append(f"{rel}: SHA256SUMS says {listed[rel]} but the file's SHA-256 is {actual} (changed member)")
+    if problems:
+        return Check("SHA256SUMS", False, f"{len(problems)} problem(s)", problems)
+    return Check("SHA256SUMS", True, f"{len(listed)} files verified, none missing or extra")
+
+
+def _compare_stats(where: str, reported: Any, recomputed: dict[str, Any], path: str) -> list[str]:
+    problems = []
+    if not isinstance(reported, dict):
+        return [f"{where}: {path}: missing"]
+    for key in ("count", "passed"):
+        if reported.get(key) != recomputed[key]:
+            problems.append(f"{where}: {path}.{key}: reported {reported.get(key)!r}, recomputed {recomputed[key]!r}")
+    for key in RECOMPUTED_STATS:
+        got, want = reported.get(key), recomputed[key]
+        if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got) \
+                or abs(got - want) > RECOMPUTE_TOL:
+            problems.append(f"{where}: {path}.{key}: reported {got!r}, recomputed {want!r} "
+                            f"(allowed difference {RECOMPUTE_TOL})")
+    return problems
+
+
+def recompute(root: Path) -> tuple[Check, Check]:
+    """Regenerate inputs from each report's case and recompute drift from the raw tensors."""
+    import torch
+
+    from rl_engine.logprob.comparison import oracle_drift
+    from rl_engine.tensorio import read_raw_f32
+    from rl_engine.testing.inputs import inputs_sha256, make_inputs
+
+    plan, found = load_json(root / PLAN)
+    planned, plan_found = planned_reports(plan, root) if plan is not None else ([], [])
+    if found or plan_found or not planned:
+        msg = [str(f) for f in found + plan_found] or ["no planned reports"]
+        return Check("inputs regenerated", False, msg[0], msg), Check("oracle drift recomputed", False, msg[0], msg)
+    input_problems: list[str] = []
+    drift_problems: list[str] = []
+    cache: dict[tuple[Any, ...], tuple[Any, Any, Any, dict[str, str]]] = {}
+    threads = torch.get_num_threads()
+    try:
+        for item in planned:
+            report, found = load_json(item.path)
+            case = report.get("case") if isinstance(report, dict) else None
+            if found or not isinstance(case, dict):
+                input_problems.append(f"{item.file}: case: unreadable report or case")
+                continue
+            key = tuple(sorted((k, v) for k, v in case.items() if k not in ("tp", "cp") and not isinstance(v, (dict, list))))
+            try:
+                if key not in cache:
+                    logits, targets, active = make_inputs(case)
+                    cache[key] = (logits, targets, active, inputs_sha256(logits, targets, active))
+                logits, targets, active, hashes = cache[key]
+            except (ValueError, TypeError) as exc:
+                input_problems.append(f"{item.file}: case: cannot regenerate inputs ({exc})")
+                continue
+            recorded = report.get("inputs_sha256") if isinstance(report.get("inputs_sha256"), dict) else {}
+            for name, digest in hashes.items():
+                if recorded.get(name) != digest:
+                    input_problems.append(f"{item.file}: inputs_sha256.{name}: recorded {recorded.get(name)!r}, "
+                                          f"regenerated {digest}")
+            try:
+                logp = read_raw_f32(item.path.parent / report["tensors"]["logp"]["path"])
+                lse = read_raw_f32(item.path.parent / report["tensors"]["lse"]["path"])
+            except (KeyError, TypeError, OSError, ValueError) as exc:
+                drift_problems.append(f"{item.file}: tensors: cannot read the raw logp/lse files ({exc})")
+                continue
+            n = targets.numel()
+            if logp.numel() != n or lse.numel() != n:
+                drift_problems.append(f"{item.file}: tensors: logp/lse hold {logp.numel()}/{lse.numel()} values, "
+                                      f"the case has {n} tokens")
+                continue
+            torch.set_num_threads(int(case.get("threads_per_rank", 1)))
+            drift = oracle_drift(logp, lse, logits, targets, active, case["real_vocab"], case["dtype"],
+                                 case["atol"], case["rtol"])
+            for oracle, quantities in drift.items():
+                for quantity, stats in quantities.items():
+                    reported = (report.get("drift") or {}).get(oracle, {}).get(quantity)
+                    drift_problems += _compare_stats(item.file, reported, stats, f"drift.{oracle}.{quantity}")
+                    if oracle == "fp32_oracle" and not stats["passed"]:
+                        drift_problems.append(f"{item.file}: drift.{oracle}.{quantity}: recomputed max_abs "
+                                              f"{stats['max_abs']!r} is outside atol={case['atol']} rtol={case['rtol']}")
+    except Exception as exc:  # a hostile or damaged case must end as a failed row, not a traceback
+        drift_problems.append(f"recompute stopped: {type(exc).__name__}: {exc}")
+    finally:
+        torch.set_num_threads(threads)
+    inputs = (Check("inputs regenerated", False, f"{len(input_problems)} problem(s)", input_problems) if input_problems
+              else Check("inputs regenerated", True, f"make_inputs(case) matches inputs_sha256 in {len(planned)} reports"))
+    drift_check = (Check("oracle drift recomputed", False, f"{len(drift_problems)} problem(s)", drift_problems)
+                   if drift_problems else
+                   Check("oracle drift recomputed", True, f"FP32/FP64 oracle drift of {len(planned)} reports equals "
+                         f"the reported statistics (within {RECOMPUTE_TOL}) and is within tolerance"))
+    return inputs, drift_check
+
+
+def schema_note(shipped: Path) -> Check:
+    mine = schemas.repo_schema_dir()
+    differ = []
+    names = sorted({p.name for p in shipped.glob("*.schema.json")} | {p.name for p in mine.glob("*.schema.json")})
+    for name in names:
+        a, b = shipped / name, mine / name
+        if not a.is_file() or not b.is_file() or a.read_bytes() != b.read_bytes():
+            differ.append(name)
+    if not differ:
+        return Check("schemas vs this rl_engine", None, "shipped schemas are byte-identical to this installation's")
+    return Check("schemas vs this rl_engine", None, f"shipped schemas differ from this installation's: {', '.join(differ)} "
+                 "(checks above used the shipped ones)")
+
+
+def verify(archive: Path, *, recompute_drift: bool = False, skip_outer: bool = False,
+           limits: Limits = Limits()) -> list[Check]:
+    """Every check of the module docstring, in order; later checks are skipped after a refusal."""
+    checks = [check_outer(archive, skip_outer)]
+    with tempfile.TemporaryDirectory(prefix="rl_engine-verify-") as tmp:
+        try:
+            extracted = safe_extract(archive, Path(tmp), limits)
+        except UnsafeArchiveError as exc:
+            checks.append(Check("safe extraction", False, str(exc), [str(exc)]))
+            return checks
+        checks.append(Check("safe extraction", True, f"{len(extracted.files)} files, {extracted.total_bytes} bytes, "
+                            "no links, devices, unsafe paths or duplicates"))
+        expected = archive.name[: -len(SUFFIX)] if archive.name.endswith(SUFFIX) else None
+        if extracted.top != expected:
+            checks.append(Check("top folder", False, f"members lie under {extracted.top!r}, expected {expected!r} "
+                                f"(the archive's name without {SUFFIX})"))
+        else:
+            checks.append(Check("top folder", True, f"every member under {extracted.top}/"))
+        root = extracted.root
+        checks.append(check_sums(root, extracted.files, extracted.top))
+        shipped = root / SCHEMA_DIR
+        validation = validate_run(root, shipped, gates=True)
+        checks.append(_from_findings("JSON schemas (shipped)", [*validation.load, *validation.schema],
+                                     f"every artifact valid against {extracted.top}/{SCHEMA_DIR}/ and strict JSON"))
+        checks.append(_from_findings("focused regression", list(validation.regression), "tests ran, none failed"))
+        n_reports = len(validation.result.get("reports", []))
+        checks.append(_from_findings("report acceptance", list(validation.acceptance),
+                                     f"{n_reports} reports accepted; raw tensors match their fingerprints"))
+        cross, cross_found = crosscheck_run(root)
+        checks.append(_from_findings("cross-topology fingerprints", cross_found,
+                                     f"{len(cross['topologies'])} topologies bitwise identical "
+                                     f"({len(cross['fields'])} fields)"))
+        gates = list(validation.gates)
+        recorded, _ = load_json(root / "validation.json")
+        shipped_hashes = validation.result.get("schemas")
+        if isinstance(recorded, dict) and recorded.get("schemas") != shipped_hashes:
+            gates.append(Finding("validation.json", "schemas", "the recorded validation used schemas other than "
+                                 f"the ones shipped in {extracted.top}/{SCHEMA_DIR}/"))
+        checks.append(_from_findings("recorded gates", gates, "validation.json and crosscheck.json passed, "
+                                     "with the shipped schemas"))
+        if recompute_drift:
+            checks.extend(recompute(root))
+        if shipped.is_dir():
+            checks.append(schema_note(shipped))
+    return checks
+
+
+def _table(archive: Path, checks: list[Check]) -> Table:
+    table = Table(title=f"verify {archive.name}", title_justify="left")
+    table.add_column("Check")
+    table.add_column("Result")
+    table.add_column("Detail", overflow="fold")
+    colours = {"PASS": "green", "FAIL": "bold red", "note": "yellow"}
+    for check in checks:
+        detail = check.detail
+        if check.problems and check.passed is False:
+            shown = list(check.problems[:MAX_DETAIL_LINES])
+            more = len(check.problems) - len(shown)
+            detail = "\n".join(shown + ([f"... and {more} more"] if more else []))
+        status = check.status()
+        table.add_row(check.name, f"[{colours[status]}]{status}[/]", detail)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rl_engine verify", description=__doc__.split("\n\n")[0])
+    parser.add_argument("archive", type=Path, help="results/NAME.tar.gz (NAME.tar.gz.sha256 expected next to it)")
+    parser.add_argument("--recompute", action="store_true", help="regenerate inputs and recompute oracle drift")
+    parser.add_argument("--no-outer-checksum", action="store_true", help="accept a missing NAME.tar.gz.sha256 (row says so)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the result as JSON (verify.schema.json)")
+    parser.add_argument("--max-member-mib", type=int, default=Limits().max_member_bytes // MIB)
+    parser.add_argument("--max-total-mib", type=int, default=Limits().max_total_bytes // MIB)
+    parser.add_argument("--max-members", type=int, default=Limits().max_members)
+    args = parser.parse_args(argv)
+    if not args.archive.is_file():
+        print(f"verify: {args.archive} is not a file", file=sys.stderr)
+        return 2
+    try:
+        limits = Limits(args.max_member_mib * MIB, args.max_total_mib * MIB, args.max_members)
+    except ValueError as exc:
+        parser.error(str(exc))
+    checks = verify(args.archive, recompute_drift=args.recompute, skip_outer=args.no_outer_checksum, limits=limits)
+    passed = all(c.passed is not False for c in checks) and any(c.name == "recorded gates" for c in checks)
+    console = Console(width=160)
+    console.print(_table(args.archive, checks))
+    failures = [f"{c.name}: {p}" for c in checks if c.passed is False for p in (c.problems or [c.detail])]
+    if args.json is not None:
+        jsonio.write_json(args.json, {
+            "schema_version": SCHEMA_VERSION,
+            "archive": args.archive.name,
+            "recompute": args.recompute,
+            "passed": passed,
+            "checks": [c.to_dict() for c in checks],
+            "failures": failures,
+        })
+    if passed:
+        console.print(f"[bold green]VERIFIED[/]: every check holds for {args.archive.name}")
+        return 0
+    print(f"verify: {args.archive.name} FAILED {sum(c.passed is False for c in checks)} check(s):", file=sys.stderr)
+    for failure in failures[:50]:
+        print(f"  {failure}", file=sys.stderr)
+    return 1
