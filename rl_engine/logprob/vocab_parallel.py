@@ -225,6 +225,11 @@ def vocab_parallel_backward(
         stop = min(rows, start + chunk_rows)
         xf = logits[start:stop].to(torch.float32, copy=True)
         xf.sub_(lse[start:stop].unsqueeze(1)).exp_().mul_(coef[start:stop].unsqueeze(1))
+        # rows with no upstream gradient (inactive rows of a logp-only loss) get exactly
+        # +0.0 even when their logits are non-finite (0 * nan would be nan)
+        zero_rows = coef[start:stop] == 0
+        if bool(zero_rows.any()):
+            xf[zero_rows] = 0.0
         chunk_owned = owned[start:stop]
         if bool(chunk_owned.any()):
             r = chunk_owned.nonzero().squeeze(1)
