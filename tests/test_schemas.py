@@ -1,0 +1,149 @@
+"""Every schema in schemas/ is a valid draft 2020-12 schema whose references resolve, and
+its fixtures behave: each ``valid`` fixture validates, each ``invalid`` fixture is refused.
+
+Fixtures live in ``tests/fixtures/schemas/<schema name>/{valid,invalid}/*.json``. An invalid
+fixture may have a sibling ``<stem>.expect.txt`` holding a substring that the refusal (the
+strict-JSON error or one schema error) must contain, so it fails for the intended reason.
+New schemas are picked up automatically; fixtures of a schema belong to its owner.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from jsonschema import Draft202012Validator
+from referencing.exceptions import Unresolvable
+
+from rl_engine import jsonio, schemas
+
+SCHEMA_DIR = schemas.repo_schema_dir()
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "schemas"
+SCHEMA_FILES = sorted(SCHEMA_DIR.glob("*.schema.json"))
+SCHEMA_NAMES = [p.name[: -len(".schema.json")] for p in SCHEMA_FILES]
+NOT_ARTIFACTS = {"defs"}  # shared pieces only, nothing is validated against it
+FIXTURES_REQUIRED = {"report", "plan"}
+
+
+def _fixtures(kind: str) -> list[Any]:
+    return [
+        pytest.param(path.parts[-3], path, id=f"{path.parts[-3]}/{path.name}")
+        for path in sorted(FIXTURES.glob(f"*/{kind}/*.json"))
+    ]
+
+
+def _refs(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                yield value
+            else:
+                yield from _refs(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _refs(item)
+
+
+def _refusal(name: str, path: Path) -> list[str]:
+    try:
+        instance = jsonio.load(path)
+    except jsonio.StrictJSONError as exc:
+        return [str(exc)]
+    return schemas.errors(instance, name)
+
+
+def test_schema_directory_is_found() -> None:
+    assert {"defs", "report", "plan"} <= set(SCHEMA_NAMES)
+
+
+@pytest.mark.parametrize("path", SCHEMA_FILES, ids=SCHEMA_NAMES)
+def test_schema_is_valid_draft_2020_12_with_its_id(path: Path) -> None:
+    schema = json.loads(path.read_text(encoding="utf-8"))
+    name = path.name[: -len(".schema.json")]
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert schema["$id"] == schemas.schema_id(name)
+    assert isinstance(schema.get("title"), str) and schema["title"]
+    Draft202012Validator.check_schema(schema)
+
+
+def _resolve_all(name: str, directory: Path | None = None) -> int:
+    loaded, registry = schemas.load(directory)
+    schema = loaded[name]
+    resolver = registry.resolver(base_uri=schema["$id"])
+    refs = list(_refs(schema))
+    for ref in refs:
+        resolved = resolver.lookup(ref)  # raises referencing.exceptions.Unresolvable
+        assert isinstance(resolved.contents, (dict, bool)), ref
+    return len(refs)
+
+
+@pytest.mark.parametrize("name", SCHEMA_NAMES)
+def test_every_reference_resolves(name: str) -> None:
+    _resolve_all(name)
+
+
+def test_unresolvable_reference_is_detected(tmp_path: Path) -> None:
+    """Negative control for the reference check: a dangling $ref fails to resolve."""
+    broken = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": schemas.schema_id("broken"),
+        "title": "broken",
+        "$ref": "defs.schema.json#/$defs/no_such_definition",
+    }
+    (tmp_path / "broken.schema.json").write_text(json.dumps(broken))
+    for path in SCHEMA_FILES:
+        if path.name == "defs.schema.json":
+            (tmp_path / path.name).write_text(path.read_text())
+    with pytest.raises(Unresolvable):
+        _resolve_all("broken", tmp_path)
+    assert _resolve_all("report") > 10  # the real schemas do use references
+
+
+@pytest.mark.parametrize("name", sorted(set(SCHEMA_NAMES) - NOT_ARTIFACTS))
+def test_artifact_schema_has_fixtures(name: str) -> None:
+    valid = list(FIXTURES.glob(f"{name}/valid/*.json"))
+    invalid = list(FIXTURES.glob(f"{name}/invalid/*.json"))
+    if name not in FIXTURES_REQUIRED and not (valid or invalid):
+        pytest.skip(f"no fixtures for {name} yet: add tests/fixtures/schemas/{name}/valid|invalid/")
+    assert valid, f"{name}: no valid fixture"
+    assert invalid, f"{name}: no invalid fixture"
+
+
+@pytest.mark.parametrize(("name", "path"), _fixtures("valid"))
+def test_valid_fixture_validates(name: str, path: Path) -> None:
+    assert name in SCHEMA_NAMES, f"fixture directory {name} names no schema"
+    assert schemas.errors(jsonio.load(path), name) == []
+
+
+@pytest.mark.parametrize(("name", "path"), _fixtures("invalid"))
+def test_invalid_fixture_is_refused(name: str, path: Path) -> None:
+    assert name in SCHEMA_NAMES, f"fixture directory {name} names no schema"
+    problems = _refusal(name, path)
+    assert problems, f"{path} should be refused"
+    expect = path.with_name(path.stem + ".expect.txt")
+    if expect.exists():
+        wanted = expect.read_text(encoding="utf-8").strip()
+        assert any(wanted in p for p in problems), (wanted, problems)
+
+
+@pytest.mark.parametrize("kind", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_literals_are_refused_before_validation(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "x.json"
+    path.write_text('{"value": %s}' % kind)
+    with pytest.raises(jsonio.StrictJSONError, match="non-finite literal"):
+        jsonio.load(path)
+
+
+def test_report_fixture_covers_the_guide_acceptance_fields() -> None:
+    """The guide's acceptance fields and fingerprint names are required by the report schema."""
+    report = jsonio.load(FIXTURES / "report" / "valid" / "tp2-cp2.json")
+    required = schemas.load()[0]["report"]["required"]
+    for key in ("passed", "requested_backend", "actual_backend", "fallback", "tp_outputs_bitwise_replicated",
+                "bitwise_fingerprints", "launch_command"):
+        assert key in required
+        del_report = {k: v for k, v in report.items() if k != key}
+        assert any(f"'{key}' is a required property" in e for e in schemas.errors(del_report, "report"))
+    fp_required = schemas.load()[0]["report"]["properties"]["bitwise_fingerprints"]["required"]
+    assert {"dtype", "shape", "candidate_logp_sha256", "candidate_lse_sha256"} <= set(fp_required)
