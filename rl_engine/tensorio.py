@@ -28,7 +28,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
     """Little-endian bytes of a tensor in row-major order."""
-    t = tensor.detach().to("cpu").contiguous()
+    t = tensor.detach().to("cpu").contiguous().reshape(-1)  # 0-d tensors cannot be viewed as bytes
     raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
     if sys.byteorder != "little" and t.element_size() > 1:  # pragma: no cover - big endian hosts
         import numpy as np
