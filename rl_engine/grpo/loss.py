@@ -1,0 +1,251 @@
+"""The GRPO loss op on the deterministic vocab-parallel logprob.
+
+Per rank: local policy logits ``[local_tokens, local_vocab]`` (TP-sharded vocabulary,
+CP-split positions, DP-split sequences), action ids, old logprobs and the active (response)
+mask for the same rows, the DP shard's per-sequence rewards and, optionally, reference
+logits with the policy's layout. Steps:
+
+1. local checks (shapes, dtypes, finite values, action ids), then :func:`preflight` on the
+   world group: contract, backend and input validity agreed by every rank, or all raise;
+2. selected logprobs through the dispatched logprob op (the reference without autograd);
+3. :func:`gather_global`: every rank's rows placed in global token order (transport only);
+4. the objective on the global batch (:mod:`rl_engine.grpo.objective`), identical on every
+   rank and in a single process.
+
+The returned ``loss`` differentiates to this rank's logits: each rank's gradient is the
+derivative of the *global* loss with respect to its own logits, so no gradient collective is
+needed inside the op (a DP trainer sums parameter gradients across DP ranks as usual).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rl_engine.grpo.contract import GRPOContract, GRPOContractError
+from rl_engine.grpo.exchange import gather_global, preflight
+from rl_engine.grpo.objective import (
+    check_active_counts,
+    group_advantages,
+    ordered_sum,
+    reduce_tokens,
+    token_terms,
+)
+from rl_engine.logprob.contract import LogprobContractError
+from rl_engine.logprob.registry import dispatch
+from rl_engine.logprob.vocab_parallel import BACKEND_ID
+
+DEFAULT_BACKEND = BACKEND_ID
+
+
+@dataclass(frozen=True)
+class SequenceStats:
+    """Per-sequence statistics of the global batch, ``[num_sequences]`` each (detached)."""
+
+    reward: torch.Tensor  # fp32
+    advantage: torch.Tensor  # fp32
+    active_tokens: torch.Tensor  # int64
+    clipped_tokens: torch.Tensor  # int64: active tokens on the clipped branch
+    policy_loss_sum: torch.Tensor  # fp32: sum of -min(r A, clip(r) A) over active tokens
+    kl_sum: torch.Tensor | None  # fp32: sum of the KL estimator; None without a reference
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {
+            "reward": self.reward,
+            "advantage": self.advantage,
+            "active_tokens": self.active_tokens,
+            "clipped_tokens": self.clipped_tokens,
+            "policy_loss_sum": self.policy_loss_sum,
+        }
+        if self.kl_sum is not None:
+            out["kl_sum"] = self.kl_sum
+        return out
+
+
+@dataclass(frozen=True)
+class GRPOOutput:
+    """What one loss call returns on every rank (global values; ``loss`` is differentiable)."""
+
+    loss: torch.Tensor  # 0-d fp32: reduction of policy + beta * kl
+    policy_loss: torch.Tensor  # 0-d fp32: the same reduction of the policy term (detached)
+    kl: torch.Tensor | None  # 0-d fp32: the same reduction of the KL term; None without reference
+    advantages: torch.Tensor  # [num_sequences] fp32
+    clip_fraction: torch.Tensor  # 0-d fp32: clipped active tokens / active tokens
+    ratio: torch.Tensor  # [num_sequences, seq_len] fp32: exp(logp - old_logp), 1 on inactive
+    sequence_stats: SequenceStats
+    active_tokens: int
+    provenance: dict[str, Any]
+
+
+def _check_local_inputs(
+    contract: GRPOContract,
+    logits: torch.Tensor,
+    actions: torch.Tensor,
+    old_logp: torch.Tensor,
+    rewards: torch.Tensor,
+    active: torch.Tensor,
+    ref_logits: torch.Tensor | None,
+) -> str | None:
+    """Every local check of the inputs; returns the first problem (None when all pass)."""
+    lp = contract.logprob
+    try:
+        lp.check_inputs(logits, actions, active)
+        if ref_logits is not None:
+            lp.check_inputs(ref_logits, actions, active)
+        lp.check_targets(actions, active)
+    except LogprobContractError as exc:
+        which = "" if ref_logits is None else " (policy or reference logits)"
+        return f"{exc}{which}"
+    if old_logp.dtype != torch.float32 or tuple(old_logp.shape) != (lp.num_tokens,):
+        return (
+            f"old_logp must be float32 of shape [{lp.num_tokens}] (this rank's token rows), got "
+            f"dtype={old_logp.dtype} shape={tuple(old_logp.shape)}"
+        )
+    local_seqs = contract.local_num_sequences
+    if rewards.dtype != torch.float32 or tuple(rewards.shape) != (local_seqs,):
+        return (
+            f"rewards must be float32 of shape [{local_seqs}] (one per sequence of dp_rank="
+            f"{contract.dp_rank}, sequences {list(contract.sequence_range)}), got "
+            f"dtype={rewards.dtype} shape={tuple(rewards.shape)}"
+        )
+    for name, tensor in (("old_logp", old_logp), ("rewards", rewards)):
+        if tensor.device != logits.device:
+            return (
+                f"{name}.device={tensor.device} differs from logits.device={logits.device}; "
+                "move every input to the same device"
+            )
+    bad_old = active & ~torch.isfinite(old_logp)
+    if bool(bad_old.any()):
+        row = int(bad_old.nonzero()[0, 0])
+        return (
+            f"old_logp[{row}]={float(old_logp[row])} (global token "
+            f"{contract.global_token_indices[row]}) is not finite on an active token; fix the "
+            "rollout's logprobs or mark the token inactive"
+        )
+    bad_reward = ~torch.isfinite(rewards)
+    if bool(bad_reward.any()):
+        i = int(bad_reward.nonzero()[0, 0])
+        return (
+            f"rewards[{i}]={float(rewards[i])} (global sequence "
+            f"{contract.sequence_range[0] + i}) is not finite; fix the reward function"
+        )
+    if contract.beta > 0.0 and ref_logits is None:
+        return (
+            f"beta={contract.beta} > 0 needs reference logits; pass ref_logits= or set beta=0"
+        )
+    real_local = max(0, min(lp.local_vocab_size, lp.real_vocab_size - lp.vocab_start))
+    for name, tensor in (("logits", logits), ("ref_logits", ref_logits)):
+        if tensor is None or real_local == 0:
+            continue
+        finite = torch.isfinite(tensor[:, :real_local].detach()).all(dim=1)
+        bad = active & ~finite
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0, 0])
+            return (
+                f"{name} row {row} (global token {contract.global_token_indices[row]}) is "
+                f"active and holds a non-finite value in its real columns on tp_rank="
+                f"{lp.tp_rank}; fix the producer or mark the token inactive"
+            )
+    return None
+
+
+class GRPOLoss:
+    """The GRPO loss op. Holds the dispatched logprob op (its preflight is cached)."""
+
+    def __init__(self, backend: str = DEFAULT_BACKEND) -> None:
+        self.requested_backend = backend
+        self._dispatches: dict[tuple[str, str], Any] = {}
+
+    def _dispatch(self, contract: GRPOContract, device: torch.device) -> Any:
+        key = (contract.logprob.cross_rank_fingerprint(), device.type)
+        if key not in self._dispatches:
+            self._dispatches[key] = dispatch(self.requested_backend, contract.logprob, device.type)
+        return self._dispatches[key]
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        actions: torch.Tensor,
+        old_logp: torch.Tensor,
+        rewards: torch.Tensor,
+        active: torch.Tensor,
+        contract: GRPOContract,
+        *,
+        ref_logits: torch.Tensor | None = None,
+        tp_group: Any = None,
+        world_group: Any = None,
+        chunk_rows: int | None = None,
+    ) -> GRPOOutput:
+        if not isinstance(contract, GRPOContract):
+            raise GRPOContractError(f"contract={contract!r} must be a GRPOContract")
+        chosen = self._dispatch(contract, logits.device)
+        local_error = _check_local_inputs(
+            contract, logits, actions, old_logp, rewards, active, ref_logits
+        )
+        preflight(contract, chosen.actual_backend, world_group, logits.device, local_error)
+        op = chosen.op
+        logp = op(
+            logits, actions, active, contract.logprob,
+            group=tp_group, validate=False, chunk_rows=chunk_rows,
+        ).selected_logp
+        ref_logp = None
+        if ref_logits is not None:
+            with torch.no_grad():
+                ref_logp = op(
+                    ref_logits.detach(), actions, active, contract.logprob,
+                    group=tp_group, validate=False, chunk_rows=chunk_rows,
+                ).selected_logp
+        batch = gather_global(logp, old_logp, active, ref_logp, rewards, contract, world_group)
+        active_per_sequence = batch.active.sum(dim=1)
+        check_active_counts(active_per_sequence, contract)
+        advantages = group_advantages(batch.rewards, contract)
+        terms = token_terms(
+            batch.logp, batch.old_logp, batch.ref_logp, batch.active, advantages, contract
+        )
+        loss = reduce_tokens(terms.total, active_per_sequence, contract)
+        with torch.no_grad():
+            policy = terms.policy.detach()
+            kl_terms = terms.kl.detach() if terms.kl is not None else None
+            policy_loss = reduce_tokens(policy, active_per_sequence, contract)
+            kl = reduce_tokens(kl_terms, active_per_sequence, contract) if kl_terms is not None else None
+            clipped_per_sequence = terms.clipped.sum(dim=1)
+            total_active = int(active_per_sequence.sum())
+            clip_fraction = (
+                clipped_per_sequence.sum().to(torch.float32) / float(total_active)
+            )
+            stats = SequenceStats(
+                reward=batch.rewards,
+                advantage=advantages,
+                active_tokens=active_per_sequence,
+                clipped_tokens=clipped_per_sequence,
+                policy_loss_sum=ordered_sum(policy),
+                kl_sum=ordered_sum(kl_terms) if kl_terms is not None else None,
+            )
+        provenance = {
+            **chosen.provenance(),
+            "grpo_contract_fingerprint": contract.cross_rank_fingerprint(),
+            "logprob_contract_fingerprint": contract.logprob.cross_rank_fingerprint(),
+            "mesh": {
+                "dp": contract.dp_world_size,
+                "cp": contract.cp_world_size,
+                "tp": contract.tp_world_size,
+                "cp_layout": contract.logprob.cp_layout,
+            },
+            "summation_order": contract.summation_order,
+        }
+        return GRPOOutput(
+            loss=loss,
+            policy_loss=policy_loss,
+            kl=kl,
+            advantages=advantages,
+            clip_fraction=clip_fraction,
+            ratio=terms.ratio,
+            sequence_stats=stats,
+            active_tokens=total_active,
+            provenance=provenance,
+        )
+
+
+__all__ = ["DEFAULT_BACKEND", "GRPOLoss", "GRPOOutput", "SequenceStats"]

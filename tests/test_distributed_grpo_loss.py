@@ -1,0 +1,344 @@
+"""GRPO loss on real gloo processes: bitwise equal across TP, CP (both layouts) and DP.
+
+Every topology runs the same loss cases on the same global inputs; each rank gets its rows
+(by global token index) and its vocabulary columns. The loss, policy loss, KL, advantages,
+clip fraction, ratios and per-sequence statistics are compared as bytes with a single-process
+run (TP=CP=DP=1), and so is the logits gradient, reassembled from every rank's local gradient
+by token index and vocabulary bounds. Workers also record every collective they issue: only
+all-gathers (transport) are allowed, never a numerical all-reduce.
+
+One spawn per world size (2, 4, 8 ranks) runs several topologies through ``init_mesh``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rl_engine.distributed.mesh import init_mesh
+from rl_engine.grpo import GRPOContract, GRPOContractError, GRPOLoss
+from rl_engine.tensorio import fingerprint, tensor_bytes
+from rl_engine.testing.multiproc import run_workers
+
+SEQS, SEQ_LEN, GROUP = 8, 16, 4
+REAL_VOCAB, PADDED_VOCAB, TILES = 500, 512, 8
+SEED = 20240611
+
+# name -> (logits dtype, objective fields, uneven DP split, use reference logits, tiles)
+CASES: dict[str, dict[str, Any]] = {
+    "bf16-token-k3": {
+        "dtype": "bf16",
+        "objective": {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "beta": 0.05,
+                      "kl_estimator": "k3", "reduction": "token_mean"},
+        "uneven_dp": False, "ref": True, "tiles": TILES,
+    },
+    "fp32-seqmean-k1-uneven": {
+        "dtype": "fp32",
+        "objective": {"clip_eps_low": 0.1, "clip_eps_high": 0.15, "beta": 0.1,
+                      "kl_estimator": "k1", "reduction": "sequence_mean",
+                      "advantage_mode": "group_mean"},
+        "uneven_dp": True, "ref": True, "tiles": TILES,
+    },
+    "bf16-constant-noref": {
+        "dtype": "bf16",
+        "objective": {"clip_eps_low": 0.2, "clip_eps_high": 0.2, "beta": 0.0,
+                      "reduction": "constant", "constant_normalizer": float(SEQS * SEQ_LEN),
+                      "adv_eps": 1e-4},
+        "uneven_dp": False, "ref": False, "tiles": TILES,
+    },
+}
+# Negative control: case A with another tile count (run on the 2-rank meshes only).
+TILE_CONTROL = "bf16-token-k3-tiles4"
+CASES[TILE_CONTROL] = {**CASES["bf16-token-k3"], "tiles": 4}
+
+UNEVEN_DP: dict[int, tuple[tuple[int, int], ...]] = {
+    2: ((0, 3), (3, 8)),
+    4: ((0, 1), (1, 4), (4, 5), (5, 8)),
+    8: tuple((i, i + 1) for i in range(8)),
+}
+
+# (tp, cp, dp, cp_layout) per world size.
+TOPOLOGIES: dict[int, list[tuple[int, int, int, str]]] = {
+    2: [(1, 1, 2, "contiguous"), (2, 1, 1, "contiguous"), (1, 2, 1, "contiguous"),
+        (1, 2, 1, "zigzag")],
+    4: [(4, 1, 1, "contiguous"), (2, 2, 1, "zigzag"), (1, 2, 2, "contiguous"),
+        (2, 1, 2, "contiguous")],
+    8: [(2, 2, 2, "zigzag"), (4, 2, 1, "contiguous"), (1, 2, 4, "zigzag"),
+        (8, 1, 1, "contiguous"), (2, 1, 4, "contiguous")],
+}
+
+
+def make_inputs() -> dict[str, torch.Tensor]:
+    """Global inputs in global token order (row ``s * SEQ_LEN + p``)."""
+    gen = torch.Generator().manual_seed(SEED)
+    tokens = SEQS * SEQ_LEN
+    logits = 2.0 * torch.randn(tokens, PADDED_VOCAB, generator=gen)
+    ref = logits + 0.3 * torch.randn(tokens, PADDED_VOCAB, generator=gen)
+    actions = torch.randint(0, REAL_VOCAB, (tokens,), generator=gen)
+    position = torch.arange(SEQ_LEN).repeat(SEQS)
+    prompt = torch.randint(2, 7, (SEQS,), generator=gen).repeat_interleave(SEQ_LEN)
+    length = torch.randint(9, SEQ_LEN + 1, (SEQS,), generator=gen).repeat_interleave(SEQ_LEN)
+    active = (position >= prompt) & (position < length)
+    actions = torch.where(active, actions, torch.full_like(actions, -100))
+    safe = torch.where(active, actions, torch.zeros_like(actions))
+    current = torch.log_softmax(logits[:, :REAL_VOCAB], dim=-1).gather(1, safe[:, None])[:, 0]
+    old = current + 0.25 * torch.randn(tokens, generator=gen)
+    old = torch.where(active, old, torch.full_like(old, float("nan")))  # ignored rows
+    rewards = torch.randint(0, 3, (SEQS,), generator=gen).to(torch.float32)
+    rewards[4:8] = torch.tensor([1.0, 1.0, 1.0, 1.0])  # a group of equal rewards
+    return {"logits": logits, "ref": ref, "actions": actions, "active": active,
+            "old": old, "rewards": rewards}
+
+
+def build_contract(
+    case: dict[str, Any], tp: int, cp: int, dp: int, layout: str,
+    tp_rank: int = 0, cp_rank: int = 0, dp_rank: int = 0,
+) -> GRPOContract:
+    bounds = UNEVEN_DP[dp] if case["uneven_dp"] and dp > 1 else None
+    return GRPOContract.build(
+        num_sequences=SEQS, seq_len=SEQ_LEN, group_size=GROUP,
+        dp_world_size=dp, dp_rank=dp_rank, dp_sequence_bounds=bounds,
+        logprob={"real_vocab_size": REAL_VOCAB, "padded_vocab_size": PADDED_VOCAB,
+                 "num_vocab_tiles": case["tiles"], "logits_dtype": case["dtype"],
+                 "tp_world_size": tp, "tp_rank": tp_rank, "cp_world_size": cp,
+                 "cp_rank": cp_rank, "cp_layout": layout},
+        **case["objective"],
+    )
+
+
+def run_case(
+    case: dict[str, Any], contract: GRPOContract, data: dict[str, torch.Tensor],
+    loss_op: GRPOLoss, tp_group: Any = None, world_group: Any = None,
+) -> dict[str, Any]:
+    """Run one loss call on this rank's slice; return fingerprints and the local gradient."""
+    lp = contract.logprob
+    rows = torch.tensor(contract.global_token_indices, dtype=torch.int64)
+    cols = slice(lp.vocab_start, lp.vocab_end)
+    dtype = lp.torch_dtype
+    logits = data["logits"][rows, cols].to(dtype).requires_grad_()
+    ref = data["ref"][rows, cols].to(dtype) if case["ref"] else None
+    start, end = contract.sequence_range
+    out = loss_op(
+        logits, data["actions"][rows], data["old"][rows], data["rewards"][start:end],
+        data["active"][rows], contract, ref_logits=ref, tp_group=tp_group,
+        world_group=world_group,
+    )
+    out.loss.backward()
+    assert logits.grad is not None
+    prints = {
+        "loss": fingerprint(out.loss), "policy_loss": fingerprint(out.policy_loss),
+        "kl": None if out.kl is None else fingerprint(out.kl),
+        "advantages": fingerprint(out.advantages), "clip_fraction": fingerprint(out.clip_fraction),
+        "ratio": fingerprint(out.ratio), "active_tokens": out.active_tokens,
+    }
+    prints.update({f"stats.{k}": fingerprint(v) for k, v in out.sequence_stats.tensors().items()})
+    return {
+        "prints": prints, "grad": logits.grad.detach().clone(), "rows": rows,
+        "vocab": (lp.vocab_start, lp.vocab_end), "provenance": out.provenance,
+    }
+
+
+class CollectiveLog:
+    """Wraps the collectives the loss could call and records (name, dtype) of each call."""
+
+    NAMES = ("all_gather", "all_reduce", "reduce_scatter", "reduce", "all_to_all",
+             "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> "CollectiveLog":
+        for name in self.NAMES:
+            original = getattr(dist, name)
+            self._saved[name] = original
+
+            def wrapper(*args: Any, _name: str = name, _orig: Any = original, **kw: Any) -> Any:
+                tensor = args[1] if _name == "all_gather" else args[0]
+                self.calls.append((_name, str(tensor.dtype)))
+                return _orig(*args, **kw)
+
+            setattr(dist, name, wrapper)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def mesh_worker(
+    rank: int, topologies: list[tuple[int, int, int, str]], case_names: list[str],
+    data: dict[str, torch.Tensor], negative: bool,
+) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for tp, cp, dp, layout in topologies:
+        mesh = init_mesh(tp=tp, cp=cp, dp=dp)
+        loss_op = GRPOLoss()
+        for name in case_names:
+            if name == TILE_CONTROL and tp * cp * dp != 2:
+                continue
+            case = CASES[name]
+            contract = build_contract(case, tp, cp, dp, layout, mesh.tp_rank, mesh.cp_rank,
+                                      mesh.dp_rank)
+            with CollectiveLog() as log:
+                result = run_case(case, contract, data, loss_op, mesh.tp_group, mesh.world_group)
+            result["collectives"] = log.calls
+            result["fingerprint"] = contract.cross_rank_fingerprint()
+            results[f"{tp}x{cp}x{dp}-{layout}/{name}"] = result
+    if negative:
+        results["negative"] = negative_worker(rank, data)
+    return results
+
+
+def negative_worker(rank: int, data: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """On a 2x1x2 mesh: beta differs on the last rank; then a NaN reward on one rank."""
+    mesh = init_mesh(tp=2, cp=1, dp=2)
+    case = CASES["bf16-token-k3"]
+    outcome: dict[str, Any] = {}
+    for label in ("beta", "reward"):
+        objective = dict(case["objective"])
+        if label == "beta" and rank == 3:
+            objective["beta"] = 0.06
+        bad_case = {**case, "objective": objective}
+        contract = build_contract(bad_case, 2, 1, 2, "contiguous", mesh.tp_rank, mesh.cp_rank,
+                                  mesh.dp_rank)
+        local = dict(data)
+        if label == "reward" and rank == 2:
+            rewards = data["rewards"].clone()
+            rewards[contract.sequence_range[0]] = float("nan")
+            local["rewards"] = rewards
+        with CollectiveLog() as log:
+            try:
+                run_case(bad_case, contract, local, GRPOLoss(), mesh.tp_group, mesh.world_group)
+                outcome[label] = {"raised": None, "collectives": log.calls}
+            except GRPOContractError as exc:
+                outcome[label] = {"raised": str(exc), "collectives": log.calls}
+    return outcome
+
+
+# ----- the parent side -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def data() -> dict[str, torch.Tensor]:
+    return make_inputs()
+
+
+@pytest.fixture(scope="module")
+def baseline(data: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """Single-process (TP=CP=DP=1) results of every case, in this process."""
+    out = {}
+    for name, case in CASES.items():
+        contract = build_contract(case, 1, 1, 1, "contiguous")
+        out[name] = run_case(case, contract, data, GRPOLoss())
+    return out
+
+
+def reassemble(results: list[dict[str, Any]], key: str) -> torch.Tensor:
+    """Full ``[tokens, padded_vocab]`` gradient from every rank's local piece."""
+    first = results[0][key]["grad"]
+    full = torch.full((SEQS * SEQ_LEN, PADDED_VOCAB), float("nan"), dtype=first.dtype)
+    covered = torch.zeros(SEQS * SEQ_LEN, PADDED_VOCAB, dtype=torch.int64)
+    for rank_results in results:
+        piece = rank_results[key]
+        start, end = piece["vocab"]
+        full[piece["rows"], start:end] = piece["grad"]
+        covered[piece["rows"], start:end] += 1
+    assert int(covered.min()) == 1 and int(covered.max()) == 1, "every element from one rank"
+    return full
+
+
+@pytest.fixture(scope="module")
+def mesh_results(data: dict[str, torch.Tensor]) -> dict[int, list[dict[str, Any]]]:
+    names = list(CASES)
+    return {
+        world: run_workers(mesh_worker, world, TOPOLOGIES[world], names, data, world == 4,
+                           timeout_s=240)
+        for world in (2, 4, 8)
+    }
+
+
+def _keys(world: int) -> list[tuple[str, str]]:
+    keys = []
+    for tp, cp, dp, layout in TOPOLOGIES[world]:
+        for name in CASES:
+            if name == TILE_CONTROL and world != 2:
+                continue
+            keys.append((f"{tp}x{cp}x{dp}-{layout}/{name}", name))
+    return keys
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_mesh_runs_are_bitwise_equal_to_single_process(
+    world: int, mesh_results: dict[int, list[dict[str, Any]]],
+    baseline: dict[str, dict[str, Any]],
+) -> None:
+    results = mesh_results[world]
+    for key, name in _keys(world):
+        expected = baseline[name]
+        for rank, rank_results in enumerate(results):
+            got = rank_results[key]
+            assert got["prints"] == expected["prints"], f"{key} rank {rank}"
+            assert got["provenance"]["fallback"] is False
+            assert got["provenance"]["actual_backend"] == "pytorch-vocab-parallel-logp-ws2"
+            assert got["fingerprint"] == results[0][key]["fingerprint"]
+        grad = reassemble(results, key)
+        assert tensor_bytes(grad) == tensor_bytes(expected["grad"]), f"{key}: gradient bytes"
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_only_transport_collectives(
+    world: int, mesh_results: dict[int, list[dict[str, Any]]]
+) -> None:
+    for key, _ in _keys(world):
+        for rank_results in mesh_results[world]:
+            calls = rank_results[key]["collectives"]
+            assert calls, f"{key}: a multi-rank run must communicate"
+            assert {name for name, _ in calls} == {"all_gather"}, f"{key}: {calls}"
+
+
+def test_baseline_is_not_trivial(baseline: dict[str, dict[str, Any]]) -> None:
+    """The compared tensors carry signal: clipping happens, gradients are non-zero."""
+    for name, result in baseline.items():
+        assert float(result["grad"].float().abs().max()) > 0.0, name
+    clip = baseline["bf16-token-k3"]["prints"]["clip_fraction"]
+    assert clip != fingerprint(torch.tensor(0.0))
+
+
+def test_other_tile_count_changes_the_bytes(
+    mesh_results: dict[int, list[dict[str, Any]]], baseline: dict[str, dict[str, Any]],
+) -> None:
+    """Negative control: the comparison sees a change of the numerical identity."""
+    control, reference = baseline[TILE_CONTROL], baseline["bf16-token-k3"]
+    assert tensor_bytes(control["grad"]) != tensor_bytes(reference["grad"])
+    for tp, cp, dp, layout in TOPOLOGIES[2]:
+        key = f"{tp}x{cp}x{dp}-{layout}/{TILE_CONTROL}"
+        grad = reassemble(mesh_results[2], key)
+        assert tensor_bytes(grad) == tensor_bytes(control["grad"]), key
+        assert tensor_bytes(grad) != tensor_bytes(reference["grad"]), key
+
+
+def test_preflight_mismatch_raises_on_every_rank_before_numerics(
+    mesh_results: dict[int, list[dict[str, Any]]],
+) -> None:
+    for rank, rank_results in enumerate(mesh_results[4]):
+        beta = rank_results["negative"]["beta"]
+        assert beta["raised"] is not None, f"rank {rank} did not raise"
+        assert "preflight mismatch" in beta["raised"], beta["raised"]
+        assert "beta=" in beta["raised"]
+        # Only the uint8 digest travelled: no float tensor was ever exchanged.
+        assert beta["collectives"] == [("all_gather", "torch.uint8")], beta["collectives"]
+
+
+def test_bad_input_on_one_rank_raises_on_every_rank(
+    mesh_results: dict[int, list[dict[str, Any]]],
+) -> None:
+    for rank, rank_results in enumerate(mesh_results[4]):
+        reward = rank_results["negative"]["reward"]
+        assert reward["raised"] is not None, f"rank {rank} did not raise"
+        if rank == 2:
+            assert "rewards[0]=nan" in reward["raised"], reward["raised"]
+        else:
+            assert "ranks [2] rejected their local inputs" in reward["raised"]
+        assert reward["collectives"] == [("all_gather", "torch.uint8")]
