@@ -176,18 +176,28 @@ def vocab_parallel_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Forward without autograd: ``(selected_logp, lse, entropy)`` in FP32 for the local rows."""
     m, s, t, finite = _local_partials(logits, contract, chunk_rows, with_entropy)
-    if validate and contract.num_tokens:
-        bad = active & ~finite
-        if bool(bad.any()):
-            row = int(bad.nonzero()[0, 0])
-            raise LogprobContractError(
-                f"logits row {row} (global token {contract.token_indices[row]}) is active and "
-                f"holds a non-finite value in its real columns on tp_rank={contract.tp_rank}; "
-                "fix the producer or mark the row inactive"
-            )
     target_value = _local_target_logit(logits, targets, contract)
+    check = validate and contract.num_tokens > 0
+    if check:
+        # A non-finite logit lives on one TP rank only. Its row's target-logit slot is sent
+        # as NaN (an active row's slot is otherwise finite), so after the one exchange every
+        # rank of the group raises; raising here alone would leave the peers blocked in it.
+        target_value = torch.where(
+            active & ~finite, torch.full_like(target_value, float("nan")), target_value
+        )
     pieces = [m, s] + ([t] if t is not None else [])
     merged, targets_by_rank = _exchange(pieces, target_value, contract, group)
+    if check:
+        bad = active.unsqueeze(1) & torch.isnan(targets_by_rank)
+        if bool(bad.any()):
+            row = int(bad.any(dim=1).nonzero()[0, 0])
+            ranks = bad[row].nonzero().squeeze(1).tolist()
+            where = f"tp_rank={ranks[0]}" if len(ranks) == 1 else f"tp_ranks={ranks}"
+            raise LogprobContractError(
+                f"logits row {row} (global token {contract.token_indices[row]}) is active and "
+                f"holds a non-finite value in its real columns on {where}; "
+                "fix the producer or mark the row inactive"
+            )
     m_all, s_all = merged[0], merged[1]
     t_all = merged[2] if t is not None else None
     lse, entropy = merge_tiles(m_all, s_all, t_all)
