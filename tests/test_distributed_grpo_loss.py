@@ -27,14 +27,17 @@ SEQS, SEQ_LEN, GROUP = 8, 16, 4
 REAL_VOCAB, PADDED_VOCAB, TILES = 500, 512, 8
 SEED = 20240611
 
-# name -> (logits dtype, objective fields, uneven DP split, use reference logits, tiles)
+TOKEN_K3: dict[str, Any] = {
+    "dtype": "bf16",
+    "objective": {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "beta": 0.05,
+                  "kl_estimator": "k3", "reduction": "token_mean"},
+    "uneven_dp": False, "ref": True, "tiles": TILES,
+}
+# Negative control: the first case with another tile count (run on the 2-rank meshes only).
+TILE_CONTROL = "bf16-token-k3-tiles4"
+# name -> logits dtype, objective fields, uneven DP split, reference logits, tile count
 CASES: dict[str, dict[str, Any]] = {
-    "bf16-token-k3": {
-        "dtype": "bf16",
-        "objective": {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "beta": 0.05,
-                      "kl_estimator": "k3", "reduction": "token_mean"},
-        "uneven_dp": False, "ref": True, "tiles": TILES,
-    },
+    "bf16-token-k3": TOKEN_K3,
     "fp32-seqmean-k1-uneven": {
         "dtype": "fp32",
         "objective": {"clip_eps_low": 0.1, "clip_eps_high": 0.15, "beta": 0.1,
@@ -49,10 +52,8 @@ CASES: dict[str, dict[str, Any]] = {
                       "adv_eps": 1e-4},
         "uneven_dp": False, "ref": False, "tiles": TILES,
     },
+    TILE_CONTROL: {**TOKEN_K3, "tiles": 4},
 }
-# Negative control: case A with another tile count (run on the 2-rank meshes only).
-TILE_CONTROL = "bf16-token-k3-tiles4"
-CASES[TILE_CONTROL] = {**CASES["bf16-token-k3"], "tiles": 4}
 
 UNEVEN_DP: dict[int, tuple[tuple[int, int], ...]] = {
     2: ((0, 3), (3, 8)),
@@ -194,22 +195,29 @@ def mesh_worker(
 
 
 def negative_worker(rank: int, data: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """On a 2x1x2 mesh: beta differs on the last rank; then a NaN reward on one rank."""
-    mesh = init_mesh(tp=2, cp=1, dp=2)
+    """On a 2x2x1 zigzag mesh: beta differs on the last rank; a NaN reward on one rank; a
+    sequence without active token under ``sequence_mean`` (its tokens span both CP ranks)."""
+    mesh = init_mesh(tp=2, cp=2, dp=1)
     case = CASES["bf16-token-k3"]
     outcome: dict[str, Any] = {}
-    for label in ("beta", "reward"):
+    for label in ("beta", "reward", "empty"):
         objective = dict(case["objective"])
         if label == "beta" and rank == 3:
             objective["beta"] = 0.06
+        if label == "empty":
+            objective["reduction"] = "sequence_mean"
         bad_case = {**case, "objective": objective}
-        contract = build_contract(bad_case, 2, 1, 2, "contiguous", mesh.tp_rank, mesh.cp_rank,
+        contract = build_contract(bad_case, 2, 2, 1, "zigzag", mesh.tp_rank, mesh.cp_rank,
                                   mesh.dp_rank)
         local = dict(data)
         if label == "reward" and rank == 2:
             rewards = data["rewards"].clone()
-            rewards[contract.sequence_range[0]] = float("nan")
+            rewards[5] = float("nan")
             local["rewards"] = rewards
+        if label == "empty":
+            active = data["active"].clone()
+            active[3 * SEQ_LEN : 4 * SEQ_LEN] = False
+            local["active"] = active
         with CollectiveLog() as log:
             try:
                 run_case(bad_case, contract, local, GRPOLoss(), mesh.tp_group, mesh.world_group)
@@ -327,8 +335,8 @@ def test_preflight_mismatch_raises_on_every_rank_before_numerics(
         assert beta["raised"] is not None, f"rank {rank} did not raise"
         assert "preflight mismatch" in beta["raised"], beta["raised"]
         assert "beta=" in beta["raised"]
-        # Only the uint8 digest travelled: no float tensor was ever exchanged.
-        assert beta["collectives"] == [("all_gather", "torch.uint8")], beta["collectives"]
+        # Only the int64 preflight row travelled: no float tensor was ever exchanged.
+        assert beta["collectives"] == [("all_gather", "torch.int64")], beta["collectives"]
 
 
 def test_bad_input_on_one_rank_raises_on_every_rank(
@@ -338,7 +346,18 @@ def test_bad_input_on_one_rank_raises_on_every_rank(
         reward = rank_results["negative"]["reward"]
         assert reward["raised"] is not None, f"rank {rank} did not raise"
         if rank == 2:
-            assert "rewards[0]=nan" in reward["raised"], reward["raised"]
+            assert "rewards[5]=nan" in reward["raised"], reward["raised"]
         else:
             assert "ranks [2] rejected their local inputs" in reward["raised"]
-        assert reward["collectives"] == [("all_gather", "torch.uint8")]
+        assert reward["collectives"] == [("all_gather", "torch.int64")]
+
+
+def test_empty_sequence_is_rejected_on_every_rank_before_numerics(
+    mesh_results: dict[int, list[dict[str, Any]]],
+) -> None:
+    """Each CP rank sees only part of sequence 3; the integer counts of the preflight see all."""
+    for rank, rank_results in enumerate(mesh_results[4]):
+        empty = rank_results["negative"]["empty"]
+        assert empty["raised"] is not None, f"rank {rank} did not raise"
+        assert "sequences [3] have no active token" in empty["raised"], empty["raised"]
+        assert empty["collectives"] == [("all_gather", "torch.int64")]

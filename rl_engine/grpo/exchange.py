@@ -3,9 +3,9 @@
 Two collectives, both transport only (nothing is added across ranks):
 
 1. :func:`preflight`: every rank of the loss's world group all-gathers a digest of its GRPO
-   contract fingerprint and backend id, plus a flag saying whether its local inputs passed
-   validation. A disagreement or a bad input on any rank raises on every rank, before any
-   numerical collective.
+   contract fingerprint and backend id, a flag saying whether its local inputs passed
+   validation and its per-sequence active-token counts (integers). A disagreement or a bad
+   input on any rank raises on every rank, before any floating-point collective.
 2. :func:`gather_global`: every rank all-gathers its local per-token values (selected
    logprob, old logprob, active mask, reference logprob) and its DP shard's rewards, and
    places each rank's rows at their global token indices (``sequence * seq_len + position``).
@@ -66,28 +66,45 @@ def preflight_token(contract: GRPOContract, backend_id: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8")).digest()
 
 
+def local_active_counts(contract: GRPOContract, active: torch.Tensor) -> torch.Tensor:
+    """Active tokens of each local sequence on this rank (its CP positions only), int64."""
+    return active.reshape(contract.local_num_sequences, -1).sum(dim=1)
+
+
 def preflight(
     contract: GRPOContract,
     backend_id: str,
     group: Any,
     device: torch.device,
     local_error: str | None,
-) -> None:
-    """Agree on contract and backend and on the validity of every rank's inputs, or all raise."""
+    active_counts: torch.Tensor | None,
+) -> torch.Tensor:
+    """Agree on contract, backend and input validity, or every rank raises.
+
+    One all-gather of an int64 row per rank: the 32 digest bytes, an error flag and the
+    rank's per-sequence active-token counts (``active_counts``, from
+    :func:`local_active_counts`; ignored when ``local_error`` is set). Returns the exact
+    integer active-token count of every global sequence, the same on every rank.
+    """
     check_world_group(contract, group)
+    if local_error is None and active_counts is None:
+        raise GRPOContractError("internal: preflight needs the active counts of valid inputs")
+    slot = max(end - start for start, end in contract.dp_sequence_bounds or ())
+    mine = torch.zeros(DIGEST_BYTES + 1 + slot, dtype=torch.int64, device=device)
+    mine[:DIGEST_BYTES] = torch.tensor(
+        list(preflight_token(contract, backend_id)), dtype=torch.int64, device=device
+    )
+    mine[DIGEST_BYTES] = 0 if local_error is None else 1
+    if local_error is None and active_counts is not None:
+        mine[DIGEST_BYTES + 1 : DIGEST_BYTES + 1 + active_counts.numel()] = active_counts
     if contract.world_size == 1:
         if local_error is not None:
             raise GRPOContractError(local_error)
-        return
-    mine = torch.zeros(DIGEST_BYTES + 1, dtype=torch.uint8, device=device)
-    mine[:DIGEST_BYTES] = torch.tensor(
-        list(preflight_token(contract, backend_id)), dtype=torch.uint8, device=device
-    )
-    mine[DIGEST_BYTES] = 0 if local_error is None else 1
-    gathered = [torch.empty_like(mine) for _ in range(contract.world_size)]
-    dist.all_gather(gathered, mine, group=group)
-    rows = [bytes(t.cpu().tolist()) for t in gathered]
-    digests = [row[:DIGEST_BYTES].hex()[:16] for row in rows]
+        rows = [mine]
+    else:
+        rows = [torch.empty_like(mine) for _ in range(contract.world_size)]
+        dist.all_gather(rows, mine, group=group)
+    digests = [bytes(row[:DIGEST_BYTES].cpu().tolist()).hex()[:16] for row in rows]
     if len(set(digests)) != 1:
         raise GRPOContractError(
             "GRPO preflight mismatch: the contract fingerprint or backend id differs between "
@@ -98,12 +115,20 @@ def preflight(
         )
     if local_error is not None:
         raise GRPOContractError(f"rank {contract.rank}: {local_error}")
-    bad = [rank for rank, row in enumerate(rows) if row[DIGEST_BYTES]]
+    bad = [rank for rank, row in enumerate(rows) if int(row[DIGEST_BYTES])]
     if bad:
         raise GRPOContractError(
             f"ranks {bad} rejected their local inputs (their errors say why); every rank "
             "stops before any numerical collective"
         )
+    counts = torch.zeros(contract.num_sequences, dtype=torch.int64, device=device)
+    assert contract.dp_sequence_bounds is not None
+    for rank, row in enumerate(rows):
+        dp_rank, _, tp_rank = contract.coords(rank)
+        if tp_rank == 0:  # each CP rank adds the counts of its positions (exact integers)
+            start, end = contract.dp_sequence_bounds[dp_rank]
+            counts[start:end] += row[DIGEST_BYTES + 1 : DIGEST_BYTES + 1 + end - start]
+    return counts
 
 
 @dataclass(frozen=True)
@@ -271,6 +296,7 @@ __all__ = [
     "GlobalBatch",
     "check_world_group",
     "gather_global",
+    "local_active_counts",
     "preflight",
     "preflight_token",
 ]

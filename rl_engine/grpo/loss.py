@@ -6,7 +6,9 @@ mask for the same rows, the DP shard's per-sequence rewards and, optionally, ref
 logits with the policy's layout. Steps:
 
 1. local checks (shapes, dtypes, finite values, action ids), then :func:`preflight` on the
-   world group: contract, backend and input validity agreed by every rank, or all raise;
+   world group: contract, backend, input validity and the (integer) active-token count of
+   every sequence agreed by every rank, or all raise; an all-inactive batch, or an empty
+   sequence under ``sequence_mean``, is rejected there too;
 2. selected logprobs through the dispatched logprob op (the reference without autograd);
 3. :func:`gather_global`: every rank's rows placed in global token order (transport only);
 4. the objective on the global batch (:mod:`rl_engine.grpo.objective`), identical on every
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 from rl_engine.grpo.contract import GRPOContract, GRPOContractError
-from rl_engine.grpo.exchange import gather_global, preflight
+from rl_engine.grpo.exchange import gather_global, local_active_counts, preflight
 from rl_engine.grpo.objective import (
     check_active_counts,
     group_advantages,
@@ -184,7 +186,11 @@ class GRPOLoss:
         local_error = _check_local_inputs(
             contract, logits, actions, old_logp, rewards, active, ref_logits
         )
-        preflight(contract, chosen.actual_backend, world_group, logits.device, local_error)
+        counts = None if local_error is not None else local_active_counts(contract, active)
+        active_per_sequence = preflight(
+            contract, chosen.actual_backend, world_group, logits.device, local_error, counts
+        )
+        check_active_counts(active_per_sequence, contract)
         op = chosen.op
         logp = op(
             logits, actions, active, contract.logprob,
@@ -198,8 +204,6 @@ class GRPOLoss:
                     group=tp_group, validate=False, chunk_rows=chunk_rows,
                 ).selected_logp
         batch = gather_global(logp, old_logp, active, ref_logp, rewards, contract, world_group)
-        active_per_sequence = batch.active.sum(dim=1)
-        check_active_counts(active_per_sequence, contract)
         advantages = group_advantages(batch.rewards, contract)
         terms = token_terms(
             batch.logp, batch.old_logp, batch.ref_logp, batch.active, advantages, contract
