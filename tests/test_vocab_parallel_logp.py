@@ -247,11 +247,13 @@ def _with_threads(n: int, fn: Callable[[], Any]) -> Any:
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("tiles", [BIG_TILES, 1])  # one tile: a whole 151936-wide row
 @pytest.mark.parametrize("rows", [1, 16])
-def test_thread_count_invariance(big: Batch, rows: int) -> None:
+def test_thread_count_invariance(big: Batch, rows: int, tiles: int) -> None:
     b = _sub_batch(big, list(range(rows)))
-    one = _with_threads(1, lambda: prints(run_local(b.contract(), b)))
-    two = _with_threads(2, lambda: prints(run_local(b.contract(), b)))
+    c = b.contract(num_vocab_tiles=tiles)
+    one = _with_threads(1, lambda: prints(run_local(c, b)))
+    two = _with_threads(2, lambda: prints(run_local(c, b)))
     assert one == two
 
 
