@@ -1,0 +1,74 @@
+"""Real evidence for the evidence and verifier tests: a tiny-vocabulary run built by the CLI.
+
+Not a test module (no ``test_`` prefix); ``tests/test_evidence.py`` and ``tests/test_verify.py``
+import it. Everything here runs the real verbs: ``plan``, ``launch`` (torchrun with gloo
+ranks), ``env``, ``regression`` (a real pytest subprocess), ``validate``, ``crosscheck``,
+``summary`` and ``archive``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from rl_engine import cli
+
+# real 1000 < padded 1024 (so padding columns exist), 8 tiles, 16 tokens of which 10 active
+CASE_FLAGS = [
+    "--device", "cpu", "--dtype", "bf16", "--backend", "pytorch-vocab-parallel-logp-ws2",
+    "--real-vocab", "1000", "--padded-vocab", "1024", "--num-vocab-tiles", "8",
+    "--batch", "2", "--seq", "8", "--prompt-tokens", "3", "--seed", "7",
+]
+TOPOLOGIES = ("1x1", "2x2")  # CP=2 and TP=2 against the single-rank reference
+TINY_TESTS = '''
+import pytest
+
+def test_passes():
+    assert sum([1, 2]) == 3
+
+@pytest.mark.skip(reason="demonstrates a recorded skip")
+def test_skipped():
+    pass
+'''
+PYTEST_ARGS = ["--pytest-arg=-p", "--pytest-arg=no:cacheprovider"]
+
+
+def launch(run_dir: Path, topology: str, fault: str | None = None) -> int:
+    """Run one planned topology with the real ``launch`` verb; return its exit code."""
+    tp, cp = topology.split("x")
+    env = dict(os.environ)
+    env.pop("RL_ENGINE_FAULT", None)
+    if fault:
+        env["RL_ENGINE_FAULT"] = fault
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl_engine", "launch", "--plan", str(run_dir / "plan.json"),
+         "--tp", tp, "--cp", cp, "--timeout-s", "180", "--log", str(run_dir / "logs" / f"tp{tp}-cp{cp}.log")],
+        env=env, capture_output=True, text=True, timeout=240, check=False,
+    )
+    return proc.returncode
+
+
+def logs(run_dir: Path) -> str:
+    """Every log of a run, for an assertion message."""
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted((run_dir / "logs").glob("*")))
+
+
+def build_run(run_dir: Path, tests_dir: Path) -> Path:
+    """A complete, passing run directory (up to SUMMARY.md), like the workflow makes."""
+    (run_dir / "logs").mkdir(parents=True)
+    assert cli.main(["plan", *CASE_FLAGS, "--topologies", ",".join(TOPOLOGIES),
+                     "--output", str(run_dir / "plan.json")]) == 0
+    for topology in TOPOLOGIES:
+        code = launch(run_dir, topology)
+        assert code == 0, logs(run_dir)
+    assert cli.main(["env", "--output-dir", str(run_dir), "--repo", str(Path(__file__).resolve().parent.parent)]) == 0
+    tests_dir.mkdir(parents=True, exist_ok=True)
+    tiny = tests_dir / "test_tiny_focused.py"
+    tiny.write_text(TINY_TESTS, encoding="utf-8")
+    assert cli.main(["regression", "--output-dir", str(run_dir), "--tests", str(tiny), *PYTEST_ARGS]) == 0
+    assert cli.main(["validate", "--run-dir", str(run_dir), "--output", str(run_dir / "validation.json")]) == 0
+    assert cli.main(["crosscheck", "--run-dir", str(run_dir), "--output", str(run_dir / "crosscheck.json")]) == 0
+    assert cli.main(["summary", "--run-dir", str(run_dir), "--output", str(run_dir / "SUMMARY.md")]) == 0
+    return run_dir

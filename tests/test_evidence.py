@@ -1,0 +1,455 @@
+"""Evidence gates on real evidence: environment, regression, validation, crosscheck, summary, archive.
+
+One tiny-vocabulary run (TP=1 x CP=1 and TP=2 x CP=2, real torchrun/gloo ranks) is built once
+per module; each corrupted case of issue 7 is applied to a copy and must be caught by the
+right gate, naming the file (or topology) and the field. A real perturbed topology
+(``RL_ENGINE_FAULT=perturb``) provides the genuinely failing report.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from _evidence_run import CASE_FLAGS, PYTEST_ARGS, TOPOLOGIES, build_run, launch
+from rl_engine import cli, jsonio, schemas
+from rl_engine.evidence import archive, environment, regression, summary, validation
+from rl_engine.evidence.rundir import Finding, load_json
+
+BAD = "tp2-cp2"  # the topology the corruptions target (the reference is tp1-cp1)
+
+
+@pytest.fixture(scope="module")
+def good_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("evidence")
+    return build_run(base / "rl-engine-test-run", base / "focused-tests")
+
+
+@pytest.fixture(scope="module")
+def perturbed_run(good_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run like the good one whose TP=2 x CP=2 topology really ran with a perturbed candidate."""
+    base = tmp_path_factory.mktemp("perturbed")
+    run = base / "run"
+    (run / "logs").mkdir(parents=True)
+    # plan.json records absolute report paths, so a perturbed run is planned in its own directory
+    assert cli.main(["plan", *CASE_FLAGS, "--topologies", ",".join(TOPOLOGIES), "--output", str(run / "plan.json")]) == 0
+    assert launch(run, "1x1") == 0
+    assert launch(run, "2x2", fault="perturb:2x2") == 1  # report written, acceptance failed
+    for name in ("environment.json", "environment.txt", "regression.json", "pytest-focused.log", "pytest-junit.xml"):
+        shutil.copy(good_run / name, run / name)
+    assert cli.main(["crosscheck", "--run-dir", str(run), "--output", str(run / "crosscheck.json")]) == 1
+    return run
+
+
+@pytest.fixture()
+def run(good_run: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(good_run, copy)
+    return copy
+
+
+def edit_report(run: Path, label: str, change: Callable[[dict[str, Any]], None]) -> None:
+    path = run / f"{label}.json"
+    report = jsonio.load(path)
+    change(report)
+    jsonio.write_json(path, report)
+
+
+def gate(verb: str, run: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, dict[str, Any]]:
+    out = run / f"{verb}-out.json"
+    code = cli.main([verb, "--run-dir", str(run), "--output", str(out)])
+    err = capsys.readouterr().err
+    return code, err, jsonio.load(out)
+
+
+# ---------------------------------------------------------------- environment and regression
+
+
+def test_environment_records_commands_and_absent_tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    git = shutil.which("git")
+    assert git is not None
+    only_git = tmp_path / "bin"
+    only_git.mkdir()
+    (only_git / "git").symlink_to(git)
+    monkeypatch.setenv("PATH", str(only_git))  # nvidia-smi and nvcc cannot be found
+    repo = Path(__file__).resolve().parent.parent
+    assert environment.main(["--output-dir", str(tmp_path / "out"), "--repo", str(repo)]) == 0
+    env = jsonio.load(tmp_path / "out" / "environment.json")
+    assert schemas.errors(env, "environment") == []
+    assert env["git"]["available"] is True
+    # a commit of this repository (others may commit meanwhile, so not compared with HEAD now)
+    subprocess.run([git, "cat-file", "-e", env["git"]["commit"] + "^{commit}"], cwd=repo, check=True)
+    assert env["tools"] == {"nvidia_smi": False, "nvcc": False}
+    assert env["torch"]["gloo_available"] is True
+    assert env["packages"]["jsonschema"] and env["packages"]["rich"]
+    text = (tmp_path / "out" / "environment.txt").read_text()
+    for header in ("$ git rev-parse HEAD", "$ git log -1 --oneline", "$ git branch --show-current",
+                   "$ python --version", "$ python -c '<torch one-liner>'", "$ nvidia-smi", "$ nvcc --version"):
+        assert header in text
+    assert "[absent: nvidia-smi not found on PATH]" in text and "[absent: nvcc not found on PATH]" in text
+    assert f"$ git rev-parse HEAD\n{env['git']['commit']}\n[exit code: 0]" in text
+
+
+def test_environment_outside_git_is_recorded_not_failed(tmp_path: Path) -> None:
+    assert environment.main(["--output-dir", str(tmp_path / "out"), "--repo", str(tmp_path)]) == 0
+    env = jsonio.load(tmp_path / "out" / "environment.json")
+    assert env["git"]["available"] is False and env["git"]["commit"] is None
+    assert schemas.errors(env, "environment") == []
+
+
+def test_regression_counts_come_from_junit(good_run: Path) -> None:
+    reg = jsonio.load(good_run / "regression.json")
+    assert schemas.errors(reg, "regression") == []
+    assert (reg["passed"], reg["failed"], reg["skipped"], reg["errors"], reg["total"]) == (1, 0, 1, 0, 2)
+    assert reg["exit_code"] == 0 and reg["command"].startswith("python -m pytest -q -rs ")
+    junit = (good_run / "pytest-junit.xml").read_text()
+    assert 'tests="2"' in junit and 'skipped="1"' in junit
+    assert "1 passed, 1 skipped" in (good_run / "pytest-focused.log").read_text()
+
+
+def test_regression_failure_and_empty_run_exit_1(tmp_path: Path) -> None:
+    failing = tmp_path / "test_fails.py"
+    failing.write_text("def test_ok():\n    pass\n\ndef test_bad():\n    assert 1 == 2\n")
+    empty = tmp_path / "test_empty.py"
+    empty.write_text("X = 1\n")
+    assert regression.main(["--output-dir", str(tmp_path / "a"), "--tests", str(failing), *PYTEST_ARGS]) == 1
+    reg = jsonio.load(tmp_path / "a" / "regression.json")
+    assert (reg["passed"], reg["failed"], reg["total"]) == (1, 1, 2) and reg["exit_code"] == 1
+    assert [str(f) for f in validation.regression_findings(reg)][0].startswith("regression.json: failed: is 1")
+    assert regression.main(["--output-dir", str(tmp_path / "b"), "--tests", str(empty), *PYTEST_ARGS]) == 1
+    reg = jsonio.load(tmp_path / "b" / "regression.json")
+    assert reg["total"] == 0
+    assert any(f.field == "total" and "no test ran" in f.message for f in validation.regression_findings(reg))
+    assert regression.main(["--output-dir", str(tmp_path / "c"), "--tests", str(tmp_path / "nope.py")]) == 2
+
+
+# ---------------------------------------------------------------- validation and crosscheck
+
+
+def test_good_evidence_passes_both_gates(good_run: Path) -> None:
+    val = jsonio.load(good_run / "validation.json")
+    cross = jsonio.load(good_run / "crosscheck.json")
+    assert val["passed"] is True and val["failures"] == [] and len(val["reports"]) == 2
+    assert all(r["schema_valid"] and r["accepted"] for r in val["reports"])
+    assert schemas.errors(val, "validation") == [] and schemas.errors(cross, "crosscheck") == []
+    assert cross["passed"] is True and cross["reference"] == "tp1-cp1"
+    assert [t["topology"] for t in cross["topologies"]] == ["tp1-cp1", "tp2-cp2"]
+    assert all(t["ok"] for row in cross["topologies"] for t in row["tensors"])
+    assert set(val["schemas"]) >= {"report", "plan", "environment", "regression", "validation", "crosscheck"}
+
+
+def test_really_perturbed_topology_fails_validation_and_crosscheck(perturbed_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = jsonio.load(perturbed_run / f"{BAD}.json")
+    assert report["passed"] is False and report["fault_injection"] == "perturb:2x2"
+    code, err, val = gate("validate", perturbed_run, capsys)
+    assert code == 1 and val["passed"] is False
+    assert f"{BAD}.json: passed: is False" in err and f"{BAD}.json: failures: must be empty" in err
+    assert [r["accepted"] for r in val["reports"]] == [True, False]
+    code, err, cross = gate("crosscheck", perturbed_run, capsys)
+    assert code == 1 and f"{BAD}: bitwise_fingerprints.candidate_logp_sha256:" in err
+    assert "tp1-cp1: bitwise" not in err  # only the perturbed topology is named
+
+
+@pytest.mark.parametrize(
+    ("field", "change", "expected"),
+    [
+        ("fallback", lambda r: r.update(fallback=True), f"{BAD}.json: fallback: is True"),
+        ("backend", lambda r: r.update(actual_backend="cuda-sm90"), f"{BAD}.json: actual_backend: is 'cuda-sm90'"),
+        ("replicated", lambda r: r.update(tp_outputs_bitwise_replicated=False), f"{BAD}.json: tp_outputs_bitwise_replicated"),
+        ("rank-fallback", lambda r: r["topology"]["ranks"][3].update(fallback=True), f"{BAD}.json: topology.ranks[3].fallback"),
+        ("drift", lambda r: r["drift"]["fp32_oracle"]["dlogp"].update(max_abs=0.5), f"{BAD}.json: drift.fp32_oracle.dlogp.max_abs: 0.5 exceeds atol"),
+        ("launch", lambda r: r.update(launch_command=r["launch_command"] + " --seed 8"), f"{BAD}.json: launch_command: differs from the plan"),
+        ("case", lambda r: r["case"].update(seed=8), f"{BAD}.json: case.seed: is 8 but the plan's case has 7"),
+    ],
+)
+def test_corrupted_report_fails_validation_naming_field(run: Path, capsys: pytest.CaptureFixture[str], field: str,
+                                                        change: Callable[[dict[str, Any]], None], expected: str) -> None:
+    edit_report(run, BAD, change)
+    code, err, val = gate("validate", run, capsys)
+    assert code == 1 and val["passed"] is False
+    assert expected in err, err
+    assert any(expected in failure for failure in val["failures"])
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_literal_named_by_field(run: Path, capsys: pytest.CaptureFixture[str], literal: str) -> None:
+    path = run / f"{BAD}.json"
+    report = jsonio.load(path)
+    report["drift"]["fp32_oracle"]["lse"]["max_abs"] = float(literal.replace("Infinity", "inf"))
+    path.write_text(json.dumps(report, indent=2))  # raw, as a non-strict writer would
+    assert literal in path.read_text()
+    code, err, _ = gate("validate", run, capsys)
+    assert code == 1
+    assert f"{BAD}.json: drift.fp32_oracle.lse.max_abs: non-finite literal {literal}" in err
+    code, err, _ = gate("crosscheck", run, capsys)
+    assert code == 1 and f"{BAD}.json: drift.fp32_oracle.lse.max_abs: non-finite literal {literal}" in err
+
+
+def test_in_memory_nan_statistic_is_not_accepted(good_run: Path) -> None:
+    from rl_engine.evidence.acceptance import check_report
+
+    report = jsonio.load(good_run / f"{BAD}.json")
+    assert check_report(report, "x.json", good_run) == []  # negative control
+    report["drift"]["fp64_oracle"]["dlogp"]["p99_abs"] = float("nan")
+    assert [str(f) for f in check_report(report, "x.json", good_run)] == [
+        "x.json: drift.fp64_oracle.dlogp.p99_abs: is not a finite number"
+    ]
+
+
+def test_schema_failure_named_by_field(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    edit_report(run, BAD, lambda r: (r.pop("reduction"), r["case"].update(batch="2")))
+    code, err, val = gate("validate", run, capsys)
+    assert code == 1
+    assert f"{BAD}.json: (file): schema report: 'reduction' is a required property" in err
+    assert f"{BAD}.json: case.batch: schema report: '2' is not of type 'integer'" in err
+    assert [r["schema_valid"] for r in val["reports"]] == [True, False]
+
+
+def test_fingerprint_differing_in_one_topology_fails_crosscheck(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    edit_report(run, BAD, lambda r: r["bitwise_fingerprints"].update(candidate_grad_sha256="0" * 64))
+    code, err, cross = gate("crosscheck", run, capsys)
+    assert code == 1 and cross["passed"] is False
+    assert f"{BAD}: bitwise_fingerprints.candidate_grad_sha256: '{'0' * 64}' differs from tp1-cp1's" in err
+    edit_report(run, BAD, lambda r: r["bitwise_fingerprints"].update(shape=[17]))
+    code, err, _ = gate("crosscheck", run, capsys)
+    assert f"{BAD}: bitwise_fingerprints.shape: [17] differs from tp1-cp1's [16]" in err
+
+
+def test_raw_tensor_changed_by_one_byte(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    raw = run / f"{BAD}.logp.f32"
+    data = bytearray(raw.read_bytes())
+    data[5] ^= 0x01
+    raw.write_bytes(bytes(data))
+    code, err, _ = gate("validate", run, capsys)
+    assert code == 1
+    assert f"{BAD}.json: tensors.logp.sha256:" in err and f"but sha256 of {BAD}.logp.f32 is" in err
+    assert f"{BAD}.json: bitwise_fingerprints.candidate_logp_sha256:" in err
+    code, err, cross = gate("crosscheck", run, capsys)
+    assert code == 1 and f"{BAD}.json: tensors.logp.sha256:" in err
+    bad_row = [row for row in cross["topologies"] if row["topology"] == BAD][0]
+    assert [t["ok"] for t in bad_row["tensors"]] == [False, True, True]
+
+
+def test_raw_tensor_missing(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (run / f"{BAD}.lse.f32").unlink()
+    code, err, _ = gate("validate", run, capsys)
+    assert code == 1 and f"{BAD}.json: tensors.lse.path: raw tensor file {BAD}.lse.f32 is missing" in err
+    code, err, _ = gate("crosscheck", run, capsys)
+    assert code == 1 and f"{BAD}.json: tensors.lse.path: raw tensor file {BAD}.lse.f32 is missing" in err
+
+
+def test_tensor_path_escaping_the_run_is_refused(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    edit_report(run, BAD, lambda r: r["tensors"]["entropy"].update(path="../outside.f32"))
+    code, err, _ = gate("validate", run, capsys)
+    assert code == 1 and f"{BAD}.json: tensors.entropy.path: '../outside.f32' is not a relative path inside" in err
+
+
+def test_missing_report_and_missing_files(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (run / f"{BAD}.json").unlink()
+    (run / "environment.json").unlink()
+    code, err, val = gate("validate", run, capsys)
+    assert code == 1
+    assert f"{BAD}.json: (file): file is missing" in err and "environment.json: (file): file is missing" in err
+    assert val["reports"][1]["schema_valid"] is False
+    code, err, _ = gate("crosscheck", run, capsys)
+    assert code == 1 and f"{BAD}.json: (file): file is missing" in err
+
+
+def test_crosscheck_needs_two_topologies(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = jsonio.load(run / "plan.json")
+    plan["topologies"] = plan["topologies"][:1]
+    jsonio.write_json(run / "plan.json", plan)
+    code, err, _ = gate("crosscheck", run, capsys)
+    assert code == 1 and "plan.json: topologies: 1 planned topologies; the cross-topology check needs at least 2" in err
+
+
+def test_finding_is_validated() -> None:
+    assert str(Finding("a.json", "x.y", "bad")) == "a.json: x.y: bad"
+    with pytest.raises(ValueError, match="Finding.field"):
+        Finding("a.json", "", "bad")
+
+
+def test_load_json_names_syntax_errors(tmp_path: Path) -> None:
+    (tmp_path / "x.json").write_text('{"a": 1,,}')
+    obj, found = load_json(tmp_path / "x.json")
+    assert obj is None and str(found[0]).startswith("x.json: line 1 column 9: invalid JSON")
+
+
+# ---------------------------------------------------------------- summary
+
+
+def test_summary_numbers_come_from_the_evidence(good_run: Path, run: Path) -> None:
+    text = (good_run / "SUMMARY.md").read_text()
+    reports = [jsonio.load(good_run / f"{label}.json") for label in ("tp1-cp1", "tp2-cp2")]
+    env = jsonio.load(good_run / "environment.json")
+    for heading in ("## Status", "## Validation matrix", "## Per-topology results", "## Fingerprints",
+                    "## Hardware and runtime", "## Boundary", "## Artifacts"):
+        assert heading in text
+    assert text.count("| Passed |") == 4 and "PASSED:" in text and env["git"]["commit"] in text
+    for report in reports:
+        stats = report["drift"]["fp32_oracle"]
+        assert f"{stats['lse']['max_abs']:.4e}" in text and repr(stats["dlogp"]["max_abs"]) in text
+        assert report["bitwise_fingerprints"]["candidate_logp_sha256"] in text
+    assert "| Focused regression | 1 passed, 1 skipped |" in text
+    assert "| Required matrix | 2 of 2 topology reports passed |" in text
+    assert f"| plan.json | {(good_run / 'plan.json').stat().st_size} | {jsonio.sha256_file(good_run / 'plan.json')} |" in text
+    # negative control: change the evidence, the summary follows
+    edit_report(run, BAD, lambda r: r["drift"]["fp32_oracle"]["lse"].update(max_abs=0.0123))
+    reg = jsonio.load(run / "regression.json")
+    reg.update(passed=41, skipped=3, total=44)
+    jsonio.write_json(run / "regression.json", reg)
+    assert summary.main(["--run-dir", str(run), "--output", str(run / "SUMMARY.md")]) == 0
+    changed = (run / "SUMMARY.md").read_text()
+    assert "| 2 | 2 | 4 | 1.2300e-02 |" in changed and "0.0123" in changed
+    assert "| Focused regression | 41 passed, 3 skipped |" in changed
+
+
+def test_summary_of_failing_run_says_failed(perturbed_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    gate("validate", perturbed_run, capsys)
+    shutil.copy(perturbed_run / "validate-out.json", perturbed_run / "validation.json")
+    assert summary.main(["--run-dir", str(perturbed_run), "--output", str(perturbed_run / "SUMMARY.md")]) == 0
+    text = (perturbed_run / "SUMMARY.md").read_text()
+    assert "FAILED:" in text and "| 2 | 2 | 4 |" in text and "| Failed |" in text
+    assert "1 of 2 topology reports passed" in text
+
+
+def test_summary_refuses_missing_evidence(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (run / "crosscheck.json").unlink()
+    assert summary.main(["--run-dir", str(run), "--output", str(run / "S.md")]) == 1
+    assert "crosscheck.json: (file): file is missing" in capsys.readouterr().err
+    assert not (run / "S.md").exists()
+
+
+# ---------------------------------------------------------------- archive
+
+
+def _archive(run: Path, out: Path) -> int:
+    return archive.main(["--run-dir", str(run), "--output", str(out)])
+
+
+def test_archive_is_byte_reproducible_and_well_formed(good_run: Path, tmp_path: Path) -> None:
+    name = good_run.name
+    first, second = tmp_path / "a" / f"{name}.tar.gz", tmp_path / "b" / f"{name}.tar.gz"
+    assert _archive(good_run, first) == 0
+    copy = tmp_path / "copy" / name  # same content, fresh mtimes and inode order
+    shutil.copytree(good_run, copy, copy_function=shutil.copy)
+    os.utime(copy / "plan.json", (1, 1))
+    assert _archive(copy, second) == 0
+    assert first.read_bytes() == second.read_bytes()
+    digest = jsonio.sha256_file(first)
+    assert (tmp_path / "a" / f"{name}.tar.gz.sha256").read_text() == f"{digest}  {name}.tar.gz\n"
+    raw = first.read_bytes()
+    assert raw[:2] == b"\x1f\x8b" and raw[4:8] == b"\0\0\0\0" and not raw[3] & 0x08  # gzip mtime 0, no name
+    with tarfile.open(first) as tar:
+        members = tar.getmembers()
+        names = [m.name for m in members]
+        assert names == sorted(names) and all(n == name or n.startswith(f"{name}/") for n in names)
+        assert all(m.mtime == 0 and m.uid == 0 and m.gid == 0 and m.uname == "" and m.gname == "" for m in members)
+        assert {m.mode for m in members if m.isfile()} == {0o644} and {m.mode for m in members if m.isdir()} == {0o755}
+        assert all(m.isfile() or m.isdir() for m in members)
+        files = {m.name[len(name) + 1:]: tar.extractfile(m).read() for m in members if m.isfile()}  # type: ignore[union-attr]
+    run_files = {p.relative_to(good_run).as_posix() for p in good_run.rglob("*") if p.is_file()}
+    assert run_files <= set(files)
+    assert {f"schemas/{p.name}" for p in schemas.repo_schema_dir().glob("*.schema.json")} <= set(files)
+    assert f"sha256sum -c {name}.tar.gz.sha256" in files["REVIEWING.md"].decode()
+    assert "python -m rl_engine verify" in files["REVIEWING.md"].decode()
+    lines = files["SHA256SUMS"].decode().splitlines()
+    listed = {line.split("  ", 1)[1]: line.split("  ", 1)[0] for line in lines}
+    assert set(listed) == set(files) - {"SHA256SUMS"}
+    assert all(jsonio.sha256_bytes(files[rel]) == digest for rel, digest in listed.items())
+
+
+def test_archive_checks_with_sha256sum_alone(good_run: Path, tmp_path: Path) -> None:
+    tool, tar_tool = shutil.which("sha256sum"), shutil.which("tar")
+    if tool is None or tar_tool is None:
+        pytest.skip("sha256sum or tar not installed")
+    out = tmp_path / f"{good_run.name}.tar.gz"
+    built = archive.build(good_run, out, schemas.repo_schema_dir())
+    subprocess.run([tool, "-c", out.name + ".sha256"], cwd=tmp_path, check=True, capture_output=True)
+    subprocess.run([tar_tool, "-xzf", out.name], cwd=tmp_path, check=True)
+    done = subprocess.run([tool, "-c", "SHA256SUMS"], cwd=tmp_path / good_run.name, capture_output=True, text=True)
+    assert done.returncode == 0
+    assert done.stdout.count(": OK") == len(done.stdout.splitlines()) == len(built.members) - 1
+    raw = tmp_path / good_run.name / "tp1-cp1.logp.f32"
+    raw.write_bytes(raw.read_bytes()[:-1] + b"\x00")  # negative control: sha256sum alone notices
+    done = subprocess.run([tool, "-c", "SHA256SUMS"], cwd=tmp_path / good_run.name, capture_output=True, text=True)
+    assert done.returncode == 1 and "tp1-cp1.logp.f32: FAILED" in done.stdout
+
+
+@pytest.mark.parametrize("gate_file", ["validation.json", "crosscheck.json"])
+def test_archive_refuses_failing_or_missing_gates(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   gate_file: str) -> None:
+    out = tmp_path / "res" / f"{run.name}.tar.gz"
+    out.parent.mkdir()
+    out.write_bytes(b"stale archive from an earlier run")
+    gate_obj = jsonio.load(run / gate_file)
+    gate_obj.update(passed=False, failures=["tp2-cp2.json: passed: is False"])
+    jsonio.write_json(run / gate_file, gate_obj)
+    assert _archive(run, out) == 1
+    assert f"{gate_file} did not pass" in capsys.readouterr().err
+    assert not out.exists() and not out.with_name(out.name + ".sha256").exists()
+    (run / gate_file).unlink()
+    assert _archive(run, out) == 1
+    assert f"{gate_file}: (file): file is missing" in capsys.readouterr().err
+    assert list(out.parent.iterdir()) == []
+
+
+def test_interrupted_archive_leaves_nothing_at_final_path(good_run: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / f"{good_run.name}.tar.gz"
+    real_fsync = os.fsync
+
+    def interrupted(fd: int) -> None:
+        real_fsync(fd)
+        raise KeyboardInterrupt("simulated interruption while writing the archive")
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        archive.build(good_run, out, schemas.repo_schema_dir())
+    assert list(tmp_path.iterdir()) == []  # no archive, no sidecar, no temporary file
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert archive.build(good_run, out, schemas.repo_schema_dir()).sha256 == jsonio.sha256_file(out)
+
+
+def test_archive_refuses_unsafe_run_dirs_and_names(run: Path, tmp_path: Path) -> None:
+    with pytest.raises(archive.ArchiveError, match="must end in .tar.gz"):
+        archive.build(run, tmp_path / "x.tgz", schemas.repo_schema_dir())
+    with pytest.raises(archive.ArchiveError, match="archive name 'bad name'"):
+        archive.build(run, tmp_path / "bad name.tar.gz", schemas.repo_schema_dir())
+    with pytest.raises(archive.ArchiveError, match="inside the run directory"):
+        archive.build(run, run / "self.tar.gz", schemas.repo_schema_dir())
+    (run / "link.json").symlink_to(run / "plan.json")
+    with pytest.raises(archive.ArchiveError, match="link.json is a symbolic link"):
+        archive.build(run, tmp_path / "ok.tar.gz", schemas.repo_schema_dir())
+    (run / "link.json").unlink()
+    (run / ".plan.json.abc.tmp").write_text("{")  # a crashed writer's leftover: left out, said so
+    built = archive.build(run, tmp_path / "ok.tar.gz", schemas.repo_schema_dir())
+    assert ".plan.json.abc.tmp" not in built.members and "plan.json" in built.members
+
+
+def test_gzip_and_tar_helpers_are_deterministic() -> None:
+    files = [("b.txt", b"2"), ("a/x.bin", b"\0\1")]
+    one, two = archive.tar_gz_bytes("N", files), archive.tar_gz_bytes("N", list(reversed(files)))
+    assert one == two
+    with tarfile.open(fileobj=io.BytesIO(one)) as tar:
+        assert tar.getnames() == ["N", "N/a", "N/a/x.bin", "N/b.txt"]
+    assert gzip.decompress(one)[:1] == b"N"
+    first, second = jsonio.sha256_bytes(b"\0\1"), jsonio.sha256_bytes(b"2")
+    assert archive.sums_text(files) == f"{first}  a/x.bin\n{second}  b.txt\n"
+
+
+def test_cli_maps_every_evidence_verb() -> None:
+    for verb in ("env", "regression", "validate", "crosscheck", "summary", "archive", "verify"):
+        assert verb in cli.VERBS
+    done = subprocess.run([sys.executable, "-m", "rl_engine", "validate", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "--run-dir" in done.stdout

@@ -1,0 +1,439 @@
+"""The reviewer's verifier on a real archive and on every hostile or damaged variant of issue 7.
+
+A real tiny-vocabulary run is archived once per module. Each hostile archive is rebuilt from
+it with one thing changed and, unless the change is to the outer checksum itself, a correct
+``.sha256`` sidecar, so the check under test (not the outer checksum) has to catch it. Every
+verify runs with its temporary directory and working directory redirected to empty
+directories of the test, which must be empty again afterwards: nothing is written outside
+the verifier's own temporary directory, and that one is removed.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import shutil
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from _evidence_run import build_run
+from rl_engine import jsonio, schemas
+from rl_engine.evidence import archive, safe_tar, verify
+
+Entry = tuple[tarfile.TarInfo, bytes | None]
+
+
+@dataclass(frozen=True)
+class Good:
+    archive: Path
+    name: str
+    entries: tuple[Entry, ...]
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Good:
+    base = tmp_path_factory.mktemp("verify")
+    run = build_run(base / "rl-engine-verify-run", base / "focused-tests")
+    out = base / "results" / f"{run.name}.tar.gz"
+    assert archive.main(["--run-dir", str(run), "--output", str(out)]) == 0
+    entries = []
+    with tarfile.open(out) as tar:
+        for member in tar.getmembers():
+            data = tar.extractfile(member).read() if member.isfile() else None  # type: ignore[union-attr]
+            entries.append((member, data))
+    return Good(out, run.name, tuple(entries))
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    tmp: Path
+    cwd: Path
+    root: Path
+
+
+@pytest.fixture()
+def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Sandbox:
+    tmp, cwd = tmp_path / "tmp", tmp_path / "cwd"
+    tmp.mkdir()
+    cwd.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.chdir(cwd)
+    return Sandbox(tmp, cwd, tmp_path)
+
+
+def run_verify(path: Path, box: Sandbox, capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, str, dict[str, Any]]:
+    out = box.root / "verify.json"
+    out.unlink(missing_ok=True)
+    code = verify.main([str(path), "--json", str(out), *flags])
+    captured = capsys.readouterr()
+    assert list(box.tmp.iterdir()) == [], "verify left files in its temporary directory"
+    assert list(box.cwd.iterdir()) == [], "verify wrote into the working directory"
+    result = jsonio.load(out)
+    assert schemas.errors(result, "verify") == []
+    assert result["passed"] is (code == 0)
+    return code, captured.out + captured.err, result
+
+
+def status(result: dict[str, Any]) -> dict[str, str]:
+    return {c["name"]: c["status"] for c in result["checks"]}
+
+
+def problems(result: dict[str, Any], name: str) -> str:
+    check = [c for c in result["checks"] if c["name"] == name][0]
+    return "\n".join([check["detail"], *check["problems"]])
+
+
+def write_archive(path: Path, entries: list[Entry], sidecar: bool = True) -> Path:
+    buffer = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=buffer, mtime=0) as gz:
+        with tarfile.open(fileobj=gz, mode="w|", format=tarfile.GNU_FORMAT) as tar:  # type: ignore[call-overload]
+            for info, data in entries:
+                tar.addfile(info, None if data is None else io.BytesIO(data))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(buffer.getvalue())
+    if sidecar:
+        path.with_name(path.name + ".sha256").write_text(f"{jsonio.sha256_bytes(buffer.getvalue())}  {path.name}\n")
+    return path
+
+
+def file_entry(name: str, data: bytes) -> Entry:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = 0o644
+    return info, data
+
+
+def special_entry(name: str, kind: bytes, linkname: str = "") -> Entry:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = linkname
+    return info, None
+
+
+def edited(good: Good, changes: dict[str, Callable[[bytes], bytes]], resum: bool) -> list[Entry]:
+    """The good entries with some files' bytes changed; SHA256SUMS recomputed when ``resum``."""
+    out: list[Entry] = []
+    for info, data in good.entries:
+        rel = info.name[len(good.name) + 1:]
+        if data is not None and rel in changes:
+            data = changes[rel](data)
+            info = file_entry(info.name, data)[0]
+        out.append((info, data))
+    return resummed(good, out) if resum else out
+
+
+def resummed(good: Good, entries: list[Entry]) -> list[Entry]:
+    sums_name = f"{good.name}/{archive.SUMS}"
+    files = [(i.name[len(good.name) + 1:], d) for i, d in entries if d is not None and i.name != sums_name]
+    text = archive.sums_text(files).encode()
+    return [file_entry(i.name, text) if i.name == sums_name else (i, d) for i, d in entries]
+
+
+def edit_json(change: Callable[[dict[str, Any]], None]) -> Callable[[bytes], bytes]:
+    def apply(data: bytes) -> bytes:
+        obj = jsonio.loads(data.decode())
+        change(obj)
+        return jsonio.dumps(obj).encode()
+
+    return apply
+
+
+# ---------------------------------------------------------------- the good archive
+
+
+def test_good_archive_verifies_with_recompute(good: Good, sandbox: Sandbox, capsys: pytest.CaptureFixture[str]) -> None:
+    code, text, result = run_verify(good.archive, sandbox, capsys, "--recompute")
+    assert code == 0, text
+    assert status(result) == {
+        "outer checksum": "PASS", "safe extraction": "PASS", "top folder": "PASS", "SHA256SUMS": "PASS",
+        "JSON schemas (shipped)": "PASS", "focused regression": "PASS", "report acceptance": "PASS",
+        "cross-topology fingerprints": "PASS", "recorded gates": "PASS", "inputs regenerated": "PASS",
+        "oracle drift recomputed": "PASS", "schemas vs this rl_engine": "note",
+    }
+    assert "VERIFIED" in text and "2 topologies bitwise identical" in text
+
+
+def test_missing_sidecar_fails_unless_skipped_knowingly(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    lone = tmp_path / "lone" / good.archive.name
+    lone.parent.mkdir()
+    shutil.copy(good.archive, lone)
+    code, text, result = run_verify(lone, sandbox, capsys)
+    assert code == 1 and status(result)["outer checksum"] == "FAIL"
+    assert f"{lone.name}.sha256 is missing" in problems(result, "outer checksum")
+    code, text, result = run_verify(lone, sandbox, capsys, "--no-outer-checksum")
+    assert code == 0 and status(result)["outer checksum"] == "note"
+    assert "skipped on request" in problems(result, "outer checksum")
+
+
+def test_wrong_outer_checksum(good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "in" / good.archive.name
+    path.parent.mkdir()
+    shutil.copy(good.archive, path)
+    path.with_name(path.name + ".sha256").write_text(f"{'ab' * 32}  {path.name}\n")
+    code, _, result = run_verify(path, sandbox, capsys)
+    assert code == 1 and status(result)["outer checksum"] == "FAIL"
+    assert "the archive was changed or damaged after it was published" in problems(result, "outer checksum")
+    assert status(result)["SHA256SUMS"] == "PASS"  # only the outer checksum is wrong
+
+
+# ---------------------------------------------------------------- damaged streams
+
+
+@pytest.mark.parametrize("cut", ["half", "trailer"])
+def test_truncated_gzip(good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str], cut: str) -> None:
+    data = good.archive.read_bytes()
+    data = data[: len(data) // 2] if cut == "half" else data[:-4]  # the last 4 bytes are gzip's length
+    path = tmp_path / "in" / good.archive.name
+    path.parent.mkdir()
+    path.write_bytes(data)
+    path.with_name(path.name + ".sha256").write_text(f"{jsonio.sha256_bytes(data)}  {path.name}\n")
+    code, _, result = run_verify(path, sandbox, capsys)
+    assert code == 1 and status(result)["safe extraction"] == "FAIL"
+    assert "truncated or corrupt" in problems(result, "safe extraction")
+    assert "report acceptance" not in status(result)  # nothing is judged from a damaged archive
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "not gzip"])
+def test_corrupt_archive(good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str) -> None:
+    data = bytearray(good.archive.read_bytes())
+    if damage == "flipped byte":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        data = bytearray(b"this is not a gzip file at all" * 10)
+    path = tmp_path / "in" / good.archive.name
+    path.parent.mkdir()
+    path.write_bytes(bytes(data))
+    path.with_name(path.name + ".sha256").write_text(f"{jsonio.sha256_bytes(bytes(data))}  {path.name}\n")
+    code, _, result = run_verify(path, sandbox, capsys)
+    assert code == 1 and status(result)["safe extraction"] == "FAIL"
+    assert "corrupt" in problems(result, "safe extraction") or "refused" in problems(result, "safe extraction")
+
+
+# ---------------------------------------------------------------- members added, removed, changed
+
+
+def test_member_added(good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    entries = list(good.entries) + [file_entry(f"{good.name}/extra-claims.txt", b"trust me\n")]
+    code, _, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
+    assert code == 1 and status(result)["SHA256SUMS"] == "FAIL"
+    assert "extra-claims.txt is in the archive but not listed in SHA256SUMS (extra member)" in problems(result, "SHA256SUMS")
+
+
+def test_member_removed(good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    gone = f"{good.name}/tp2-cp2.lse.f32"
+    entries = [(i, d) for i, d in good.entries if i.name != gone]
+    code, _, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
+    assert code == 1 and status(result)["SHA256SUMS"] == "FAIL"
+    assert "tp2-cp2.lse.f32 is listed in SHA256SUMS but missing from the archive" in problems(result, "SHA256SUMS")
+    assert "tensors.lse.path: raw tensor file tp2-cp2.lse.f32 is missing" in problems(result, "report acceptance")
+
+
+def test_member_changed(good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    entries = edited(good, {"environment.json": edit_json(lambda e: e.update(hostname="elsewhere"))}, resum=False)
+    code, _, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
+    assert code == 1 and status(result)["SHA256SUMS"] == "FAIL"
+    assert "environment.json: SHA256SUMS says" in problems(result, "SHA256SUMS")
+    assert "(changed member)" in problems(result, "SHA256SUMS")
+
+
+def test_sums_edited_to_match_changed_tensor_still_fails(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    def one_byte(data: bytes) -> bytes:
+        return data[:6] + bytes([data[6] ^ 0x01]) + data[7:]
+
+    entries = edited(good, {"tp2-cp2.logp.f32": one_byte}, resum=True)
+    code, _, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
+    assert code == 1
+    assert status(result)["SHA256SUMS"] == "PASS"  # the tamperer fixed the manifest...
+    accept = problems(result, "report acceptance")  # ...but not the fingerprint
+    assert "tp2-cp2.json: bitwise_fingerprints.candidate_logp_sha256:" in accept
+    assert "but sha256 of tp2-cp2.logp.f32 is" in accept
+    assert status(result)["cross-topology fingerprints"] == "FAIL"
+
+
+def test_nan_in_archived_report_named_by_field(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    def nan(data: bytes) -> bytes:
+        obj = jsonio.loads(data.decode())
+        obj["drift"]["fp32_oracle"]["dlogp"]["mean_abs"] = float("nan")
+        return json.dumps(obj).encode()
+
+    entries = edited(good, {"tp1-cp1.json": nan}, resum=True)
+    code, _, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
+    assert code == 1 and status(result)["JSON schemas (shipped)"] == "FAIL"
+    assert "tp1-cp1.json: drift.fp32_oracle.dlogp.mean_abs: non-finite literal NaN" in problems(result, "JSON schemas (shipped)")
+
+
+def test_failed_report_with_permissive_shipped_schema_still_fails(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    anything = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": schemas.schema_id("report")}
+    entries = edited(good, {
+        "schemas/report.schema.json": lambda _: json.dumps(anything).encode(),
+        "tp2-cp2.json": edit_json(lambda r: r.update(passed=False, fallback=True)),
+    }, resum=True)
+    code, _, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
+    assert code == 1
+    assert status(result)["JSON schemas (shipped)"] == "PASS"  # the shipped schema accepts anything...
+    accept = problems(result, "report acceptance")  # ...the acceptance does not depend on it
+    assert "tp2-cp2.json: passed: is False" in accept and "tp2-cp2.json: fallback: is True" in accept
+    assert "report.schema.json" in problems(result, "schemas vs this rl_engine")
+    assert "validation.json: schemas:" in problems(result, "recorded gates")
+
+
+def test_recorded_gate_not_passed(good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    entries = edited(good, {"crosscheck.json": edit_json(lambda c: c.update(passed=False, failures=["x: y: z"]))}, resum=True)
+    code, _, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
+    assert code == 1 and status(result)["recorded gates"] == "FAIL"
+    assert "crosscheck.json: passed: the recorded gate did not pass" in problems(result, "recorded gates")
+
+
+# ---------------------------------------------------------------- --recompute
+
+
+def _every_report(good: Good, change: Callable[[dict[str, Any]], None]) -> dict[str, Callable[[bytes], bytes]]:
+    return {f"{label}.json": edit_json(change) for label in ("tp1-cp1", "tp2-cp2")}
+
+
+@pytest.mark.parametrize("forgery", ["drift", "inputs"])
+def test_recompute_catches_what_consistent_forgery_hides(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str], forgery: str) -> None:
+    if forgery == "drift":  # a prettier LSE drift, the same in every report
+        changes = _every_report(good, lambda r: r["drift"]["fp32_oracle"]["lse"].update(max_abs=1e-7))
+        row, expected = "oracle drift recomputed", "tp1-cp1.json: drift.fp32_oracle.lse.max_abs: reported 1e-07, recomputed"
+    else:  # claims about other inputs than the ones the case regenerates
+        changes = _every_report(good, lambda r: r["inputs_sha256"].update(logits="1" * 64))
+        row, expected = "inputs regenerated", f"tp2-cp2.json: inputs_sha256.logits: recorded '{'1' * 64}', regenerated"
+    path = write_archive(tmp_path / "in" / good.archive.name, edited(good, changes, resum=True))
+    code, _, result = run_verify(path, sandbox, capsys)
+    assert code == 0  # consistent forgery passes the structural checks...
+    code, _, result = run_verify(path, sandbox, capsys, "--recompute")
+    assert code == 1 and status(result)[row] == "FAIL"  # ...recomputation catches it
+    assert expected in problems(result, row)
+
+
+# ---------------------------------------------------------------- hostile members
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        ("absolute", "has an absolute path"),
+        ("dotdot", "contains '..' and would escape"),
+        ("symlink", "is a symbolic link"),
+        ("hardlink", "is a hard link"),
+        ("chardev", "is a device file"),
+        ("blockdev", "is a device file"),
+        ("fifo", "is a FIFO"),
+        ("duplicate", "appears more than once (duplicate members)"),
+        ("outside", "is outside the archive's top folder"),
+        ("dot", "is not a normalised path"),
+        ("control", "contains a control character"),
+    ],
+)
+def test_hostile_member_refused(good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                kind: str, reason: str) -> None:
+    target = tmp_path / "attack-target"
+    n = good.name
+    hostile: Entry = {
+        "absolute": file_entry(str(target), b"owned\n"),
+        "dotdot": file_entry(f"{n}/../../../attack-target", b"owned\n"),
+        "symlink": special_entry(f"{n}/link", tarfile.SYMTYPE, str(target)),
+        "hardlink": special_entry(f"{n}/hard", tarfile.LNKTYPE, f"{n}/plan.json"),
+        "chardev": special_entry(f"{n}/null", tarfile.CHRTYPE),
+        "blockdev": special_entry(f"{n}/disk", tarfile.BLKTYPE),
+        "fifo": special_entry(f"{n}/pipe", tarfile.FIFOTYPE),
+        "duplicate": file_entry(f"{n}/plan.json", b"{}\n"),
+        "outside": file_entry("another-top/attack-target", b"owned\n"),
+        "dot": file_entry(f"{n}/./plan2.json", b"{}\n"),
+        "control": file_entry(f"{n}/bad\nname", b"x"),
+    }[kind]
+    entries = list(good.entries)
+    entries.insert(len(entries) // 2, hostile)
+    if kind == "symlink":  # a follow-up write through the link must never happen either
+        entries.insert(len(entries) // 2 + 1, file_entry(f"{n}/link/payload", b"owned\n"))
+    code, text, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
+    assert code == 1 and status(result)["safe extraction"] == "FAIL"
+    assert reason in problems(result, "safe extraction"), problems(result, "safe extraction")
+    assert not target.exists() and not (tmp_path / "in" / "attack-target").exists()
+    assert "report acceptance" not in status(result)
+
+
+def test_decompression_bomb_refused_at_default_limits(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A 257 MiB member (over the default 256 MiB cap) compressed to a few hundred KiB."""
+    size = 257 * safe_tar.MIB
+
+    class Zeros(io.RawIOBase):
+        def __init__(self) -> None:
+            self.left = size
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buf: Any) -> int:
+            n = min(len(buf), self.left)
+            buf[:n] = bytes(n)
+            self.left -= n
+            return n
+
+    path = tmp_path / "in" / good.archive.name
+    path.parent.mkdir()
+    with open(path, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=1) as gz:
+        with tarfile.open(fileobj=gz, mode="w|", format=tarfile.GNU_FORMAT) as tar:  # type: ignore[call-overload]
+            for info, data in good.entries[:3]:
+                tar.addfile(info, None if data is None else io.BytesIO(data))
+            info = tarfile.TarInfo(f"{good.name}/bomb.f32")
+            info.size = size
+            tar.addfile(info, io.BufferedReader(Zeros(), buffer_size=safe_tar.MIB))
+    assert path.stat().st_size < size // 100
+    path.with_name(path.name + ".sha256").write_text(f"{jsonio.sha256_file(path)}  {path.name}\n")
+    code, _, result = run_verify(path, sandbox, capsys)
+    assert code == 1 and status(result)["safe extraction"] == "FAIL"
+    assert f"declares {size} bytes, over the per-member limit of {256 * safe_tar.MIB} bytes" in problems(result, "safe extraction")
+
+
+def test_total_and_count_limits(good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    entries = list(good.entries) + [file_entry(f"{good.name}/big{i}.bin", bytes(700 * 1024)) for i in range(2)]
+    path = write_archive(tmp_path / "in" / good.archive.name, entries)
+    code, _, result = run_verify(path, sandbox, capsys, "--max-member-mib", "1", "--max-total-mib", "1")
+    assert code == 1 and "members add up to more than the total limit of 1048576 bytes" in problems(result, "safe extraction")
+    code, _, result = run_verify(good.archive, sandbox, capsys, "--max-members", "5")
+    assert code == 1 and "the archive holds more than 5 members" in problems(result, "safe extraction")
+
+
+def test_top_folder_must_be_the_archive_name(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "in" / "renamed.tar.gz"
+    path.parent.mkdir()
+    shutil.copy(good.archive, path)
+    path.with_name("renamed.tar.gz.sha256").write_text(f"{jsonio.sha256_file(path)}  renamed.tar.gz\n")
+    code, _, result = run_verify(path, sandbox, capsys)
+    assert code == 1 and status(result)["top folder"] == "FAIL"
+    assert f"members lie under {good.name!r}, expected 'renamed'" in problems(result, "top folder")
+
+
+def test_safe_extract_unit_contract(tmp_path: Path) -> None:
+    (tmp_path / "x").write_text("")
+    with pytest.raises(ValueError, match="empty directory"):
+        safe_tar.safe_extract(tmp_path / "nothing.tar.gz", tmp_path)
+    with pytest.raises(ValueError, match="max_member_bytes"):
+        safe_tar.Limits(max_member_bytes=0)
+    assert safe_tar.check_member_name("a/b.json") == ("a", "b.json")
+    empty = tmp_path / "empty.tar.gz"
+    empty.write_bytes(gzip.compress(b"\0" * 10240, mtime=0))
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    with pytest.raises(safe_tar.UnsafeArchiveError, match="holds no members"):
+        safe_tar.safe_extract(empty, dest)
+
+
+def test_verify_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert verify.main([str(tmp_path / "missing.tar.gz")]) == 2
+    assert "is not a file" in capsys.readouterr().err
