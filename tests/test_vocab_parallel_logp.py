@@ -562,3 +562,40 @@ def test_bad_input_across_ranks_raises_on_every_rank() -> None:
     assert results[0]["good"][0] == "ok" and results[0]["good"] == results[1]["good"]
     reference = run_local(b.contract(), b)
     assert results[0]["good"][1] == fingerprint(reference["lse"]) + fingerprint(reference["logp"])
+
+
+# ----- the multi-process harness itself -------------------------------------------------------
+
+
+def _harness_worker(rank: int, mode: str) -> Any:
+    import os
+
+    if mode == "echo":
+        return rank, os.environ.get("RL_ENGINE_HARNESS_MARK"), torch.get_num_threads(), torch.ones(3)
+    if mode == "hang":
+        if rank == 0:
+            import time
+
+            time.sleep(60)
+        return rank
+    init_mesh(tp=2, timeout_s=60)
+    if rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    dist.barrier()  # fails (peer gone) or is killed after the grace period
+    return rank
+
+
+def test_run_workers_returns_values_and_reports_failures(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rl_engine.testing.multiproc import WorkerError
+
+    monkeypatch.setenv("RL_ENGINE_HARNESS_MARK", "seen")
+    values = run_workers(_harness_worker, 2, "echo", threads=2)
+    assert [v[:3] for v in values] == [(0, "seen", 2), (1, "seen", 2)]
+    assert tensor_bytes(values[1][3]) == tensor_bytes(torch.ones(3))
+    with pytest.raises(WorkerError) as info:
+        run_workers(_harness_worker, 2, "fail", failure_grace_s=2.0)
+    assert set(info.value.failures) == {0, 1}
+    assert "ValueError: rank 1 fails on purpose" in info.value.failures[1]
+    with pytest.raises(WorkerError) as info:
+        run_workers(_harness_worker, 2, "hang", timeout_s=2.0)
+    assert info.value.failures == {0: "timed out after 2.0s"}
