@@ -66,7 +66,8 @@ def _shard_bounds(value: Any) -> tuple[tuple[int, int], ...]:
             "one per TP rank, or None for the even tile-aligned split"
         ) from None
     for rank, pair in enumerate(pairs):
-        if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in pair):
+        integers = all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in pair)
+        if len(pair) != 2 or not integers:
             raise LogprobContractError(
                 f"vocab_shard_bounds[{rank}]={pair!r} must be a (start, end) pair of integers"
             )
