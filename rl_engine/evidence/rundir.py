@@ -119,6 +119,8 @@ def load_json(path: Path, where: str | None = None) -> tuple[Any, list[Finding]]
         ]
     except json.JSONDecodeError as exc:
         return None, [Finding(label, f"line {exc.lineno} column {exc.colno}", f"invalid JSON: {exc.msg}")]
+    except RecursionError:
+        return None, [Finding(label, WHOLE_FILE, "JSON nested too deeply to be an rl_engine artifact")]
 
 
 def get(obj: Any, parts: tuple[str | int, ...]) -> tuple[bool, Any]:

@@ -79,7 +79,9 @@ class _CappedReader:
         self.count = 0
 
     def read(self, size: int = -1) -> bytes:
-        want = self._cap - self.count + 1 if size is None or size < 0 else min(size, self._cap - self.count + 1)
+        if size is None or size < 0:
+            raise ValueError("an unbounded read of an untrusted stream is not supported; read in chunks")
+        want = min(size, self._cap - self.count + 1)
         data = self._inner.read(want)
         self.count += len(data)
         if self.count > self._cap:
