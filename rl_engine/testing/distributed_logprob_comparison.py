@@ -45,11 +45,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-if __name__ == "__main__" and not __package__:  # run as a script: make ``rl_engine`` importable
-    try:
-        import rl_engine  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if __name__ == "__main__" and not __package__:
+    # Run as a script: import the rl_engine this file belongs to, not another installed copy,
+    # so the code that runs is the code the plan's command points at.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import argparse
 import platform
