@@ -4,7 +4,9 @@
 checks ``environment.json``, ``regression.json`` and ``plan.json`` against ``DIR`` (default:
 the repository's ``schemas/``), then every report the plan lists (a missing report is a
 failure) against ``report.schema.json`` and :func:`rl_engine.evidence.acceptance.check_report`.
-The focused regression must have run tests and have none failed. It writes
+A ``tp<T>-cp<C>.*`` report or tensor of a topology the plan does not list (left from an
+earlier plan) is a failure too: the archive packs every file of the run, so it would ship as
+evidence unchecked. The focused regression must have run tests and have none failed. It writes
 ``validation.json`` (``schemas/validation.schema.json``) and exits 1, naming the file or
 topology and the field on stderr, when anything fails; 2 when the schemas themselves cannot
 be loaded.
@@ -17,6 +19,7 @@ schemas shipped inside it, and ``gates=True`` to also check the recorded
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +43,7 @@ SCHEMA_VERSION = "1"
 MAX_MESSAGE = 300
 FILES: tuple[tuple[str, str], ...] = ((ENVIRONMENT, "environment"), (REGRESSION, "regression"), (PLAN, "plan"))
 GATES: tuple[tuple[str, str], ...] = ((VALIDATION, "validation"), (CROSSCHECK, "crosscheck"))
+TOPOLOGY_FILE = re.compile(r"^tp([1-9][0-9]*)-cp([1-9][0-9]*)\.")
 
 
 def schema_findings(instance: Any, name: str, where: str, schema_dir: Path) -> list[Finding]:
@@ -75,6 +79,19 @@ def regression_findings(regression: Any) -> list[Finding]:
     return found
 
 
+def unplanned_findings(run_dir: Path, planned_labels: set[str]) -> list[Finding]:
+    """Reports and tensors in ``run_dir`` of topologies the plan does not list."""
+    found = []
+    for path in sorted(run_dir.iterdir()):
+        match = TOPOLOGY_FILE.match(path.name)
+        label = f"tp{match.group(1)}-cp{match.group(2)}" if match else None
+        if label is not None and label not in planned_labels:
+            found.append(Finding(path.name, WHOLE_FILE, f"topology {label} is not in {PLAN} (left from an earlier "
+                                 "plan?): it would be packed as evidence without being checked; remove it or "
+                                 "plan that topology"))
+    return found
+
+
 def _schema_hashes(schema_dir: Path) -> dict[str, str]:
     return {p.name[: -len(".schema.json")]: jsonio.sha256_file(p) for p in sorted(schema_dir.glob("*.schema.json"))}
 
@@ -104,7 +121,8 @@ def validate_run(run_dir: Path, schema_dir: Path, *, gates: bool = False) -> Val
 
     ``load`` holds missing or unreadable files (including non-finite literals, by field),
     ``schema`` schema errors, ``regression`` a failed or empty focused regression,
-    ``acceptance`` every report's acceptance findings, and with ``gates=True`` ``gates`` holds
+    ``acceptance`` every report's acceptance findings and any report or tensor of an unplanned
+    topology, and with ``gates=True`` ``gates`` holds
     a recorded validation.json or crosscheck.json that did not pass.
     """
     load: list[Finding] = []
@@ -160,6 +178,8 @@ def validate_run(run_dir: Path, schema_dir: Path, *, gates: bool = False) -> Val
                 "accepted": report is not None and not report_accept,
                 "failures": [str(f) for f in report_load + report_schema + report_accept],
             })
+        if planned:
+            acceptance += unplanned_findings(run_dir, {item.label for item in planned})
     everything = [*load, *schema, *regression, *acceptance, *gate]
     result = {
         "schema_version": SCHEMA_VERSION,
