@@ -8,6 +8,7 @@ value and the fix.
 from __future__ import annotations
 
 import argparse
+import math
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -66,6 +67,20 @@ def _schema_message(error: Any) -> str:
     )
 
 
+def _non_finite(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[str, float]]:
+    """Key paths of NaN/infinite numbers (YAML ``.nan``/``.inf``; the schema's bounds pass NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [(_key(path), value)]
+    found: list[tuple[str, float]] = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found += _non_finite(item, path + (key,))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found += _non_finite(item, path + (index,))
+    return found
+
+
 def parse_topologies(items: list[str]) -> list[Topology]:
     topologies = []
     for item in items:
@@ -80,6 +95,11 @@ def check_config(config: dict[str, Any]) -> dict[str, Any]:
     found = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if found:
         raise WorkflowConfigError(_schema_message(found[0]))
+    bad_numbers = _non_finite(config)
+    if bad_numbers:
+        raise WorkflowConfigError("; ".join(
+            f"config key {key!r} has value {value!r}: not a finite number; use a finite value" for key, value in bad_numbers
+        ))
     problems: list[str] = []
     known = backend_ids()
     if config["backend"] == AUTO or config["backend"] not in known:
