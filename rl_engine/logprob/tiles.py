@@ -4,15 +4,24 @@ Every reduction here is built from elementwise operations whose grouping depends
 the tile width or the tile count, never on the number of rows, the chunk size, the
 thread count or which rank computes the tile. ``torch.sum`` is not used: on the CPU it
 splits a long row across threads when there are few rows, which changes the bits.
+
+Speed without changing a bit: a :class:`ChunkWorkspace` owns one cache-sized FP32 chunk
+buffer per call and replays, chunk after chunk, the same in-place operations on
+precomputed views of it (upcast, tile max, shift, exp, pairwise fold). Nothing is
+allocated inside the chunk loop and nothing of size ``tokens x vocab`` in FP32 exists.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 NEG_INF = float("-inf")
+# Rows per chunk aim at this many bytes of FP32 per chunk buffer: the chunk stays in the
+# per-core L2 cache while it is upcast, shifted, exponentiated and folded.
+CHUNK_TARGET_BYTES = 2 << 20
 
 
 def fold_sum_(x: torch.Tensor) -> torch.Tensor:
@@ -35,44 +44,187 @@ def fold_sum(x: torch.Tensor) -> torch.Tensor:
     return fold_sum_(x.clone()).clone()
 
 
+class FoldPlan:
+    """:func:`fold_sum_` of one fixed tensor, as precomputed view pairs replayed on demand.
+
+    Same levels, same grouping, same bits as :func:`fold_sum_`; building the views once
+    per buffer instead of once per chunk removes the Python slicing from the chunk loop,
+    and the last level writes straight into the caller's output.
+    """
+
+    __slots__ = ("_steps", "_last", "_single")
+
+    def __init__(self, x: torch.Tensor) -> None:
+        steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+        width = x.shape[-1]
+        while width > 2:
+            half = width // 2
+            steps.append((x[..., :half], x[..., width - half : width]))
+            width -= half
+        self._steps = steps
+        self._last = (x[..., 0], x[..., 1]) if width == 2 else None
+        self._single = x[..., 0]
+
+    def run_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Fold the planned tensor (clobbering it) and write its sums into ``out``."""
+        for dst, src in self._steps:
+            dst.add_(src)
+        if self._last is None:
+            return out.copy_(self._single)
+        return torch.add(self._last[0], self._last[1], out=out)
+
+
 def canonical_zero_(x: torch.Tensor) -> torch.Tensor:
     """Turn ``-0.0`` into ``+0.0`` in place (``-0.0 + 0.0 == +0.0``), so a tile's max has one sign."""
     return x.add_(0.0)
 
 
-def chunk_tile_partials(
-    chunk: torch.Tensor,
-    tile_width: int,
-    real_local: int,
-    with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """FP32 ``(max, sum exp, sum exp * shifted)`` of each tile of a chunk of rows.
+class _ChunkViews(NamedTuple):
+    buf: torch.Tensor  # [rows, local_vocab] FP32
+    tiles: torch.Tensor  # the same memory as [rows, tiles, tile_width]
+    real: torch.Tensor  # real columns
+    padding: torch.Tensor | None  # padding columns, if any
+    shift: torch.Tensor  # [rows, tiles]
+    shift_per_tile: torch.Tensor  # [rows, tiles, 1]
+    fold: FoldPlan
+    exp_buf: torch.Tensor | None
+    exp_fold: FoldPlan | None
 
-    ``chunk`` is ``[rows, local_vocab]`` in the logits dtype; columns ``>= real_local`` are
-    padding and never count. Returns ``m [rows, tiles]`` (``-inf`` for a tile that is all
-    padding), ``s`` and, when asked, ``t = sum(exp(y) * y)`` with ``y = x - shift``,
-    plus a per-row flag that every real column is finite.
+
+class ChunkWorkspace:
+    """Reusable FP32 buffers of one forward call and the views its chunk loop replays.
+
+    ``partials`` computes, for one chunk of rows in the logits dtype, the FP32 ``(max,
+    sum exp, sum exp * shifted)`` of every local tile, in place in the workspace: upcast,
+    padding to ``-inf``, tile max, canonical zero, shift (``0`` for an all ``-inf`` tile),
+    exp and fixed fold. ``t = sum(exp(y) * y)`` with ``y = x - shift`` and ``y = 0`` on
+    padding columns.
     """
-    rows, local_vocab = chunk.shape
-    tiles = local_vocab // tile_width
-    xf = chunk.to(torch.float32, copy=True)  # never write into the caller's logits
-    finite = torch.isfinite(xf[:, :real_local]).all(dim=1)
-    if real_local < local_vocab:
-        xf[:, real_local:] = NEG_INF
-    xv = xf.view(rows, tiles, tile_width)
-    m = canonical_zero_(xv.amax(dim=-1))
-    shift = torch.where(m == NEG_INF, torch.zeros_like(m), m)
-    xv.sub_(shift.unsqueeze(-1))
-    t = None
-    if with_entropy:
-        y = xf.clone()
-        y[:, real_local:] = 0.0  # padding: exp(y) == 0 there, and 0 * 0 keeps it out
-        xv.exp_()
-        t = fold_sum_(y.mul_(xf).view(rows, tiles, tile_width)).clone()
-    else:
-        xv.exp_()
-    s = fold_sum_(xv).clone()
-    return m, s, t, finite
+
+    def __init__(
+        self,
+        chunk_rows: int,
+        local_vocab: int,
+        tile_width: int,
+        real_local: int,
+        with_entropy: bool,
+        device: torch.device,
+    ) -> None:
+        if local_vocab % tile_width:
+            raise ValueError(f"local_vocab={local_vocab} is not a multiple of tile_width={tile_width}")
+        self.chunk_rows = chunk_rows
+        self.local_vocab = local_vocab
+        self.tile_width = tile_width
+        self.tiles = local_vocab // tile_width
+        self.real_local = real_local
+        self.with_entropy = with_entropy
+        self.buf = torch.empty(chunk_rows, local_vocab, dtype=torch.float32, device=device)
+        self.exp_buf = torch.empty_like(self.buf) if with_entropy else None
+        self.shift = torch.empty(chunk_rows, self.tiles, dtype=torch.float32, device=device)
+        self._views: dict[int, _ChunkViews] = {}
+
+    def views(self, rows: int) -> _ChunkViews:
+        """The views of the buffers for a chunk of ``rows`` rows (built once per row count)."""
+        found = self._views.get(rows)
+        if found is None:
+            buf = self.buf[:rows]
+            shape = (rows, self.tiles, self.tile_width)
+            exp_buf = self.exp_buf[:rows] if self.exp_buf is not None else None
+            shift = self.shift[:rows]
+            found = _ChunkViews(
+                buf=buf,
+                tiles=buf.view(shape),
+                real=buf[:, : self.real_local],
+                padding=buf[:, self.real_local :] if self.real_local < self.local_vocab else None,
+                shift=shift,
+                shift_per_tile=shift.unsqueeze(-1),
+                fold=FoldPlan(buf.view(shape)),
+                exp_buf=exp_buf,
+                exp_fold=FoldPlan(exp_buf.view(shape)) if exp_buf is not None else None,
+            )
+            self._views[rows] = found
+        return found
+
+    def partials(
+        self,
+        chunk: torch.Tensor,
+        m_out: torch.Tensor,
+        s_out: torch.Tensor,
+        t_out: torch.Tensor | None,
+        row_min_out: torch.Tensor | None,
+    ) -> None:
+        """Write the chunk's tile partials into ``m_out``, ``s_out`` (and ``t_out``).
+
+        ``row_min_out``, when given, receives the minimum over each row's real columns
+        (a validation aid: with the tile maxima it tells whether a row is all finite).
+        """
+        v = self.views(chunk.shape[0])
+        v.buf.copy_(chunk)
+        if row_min_out is not None and self.real_local > 0:
+            torch.amin(v.real, dim=1, out=row_min_out)
+        if v.padding is not None:
+            v.padding.fill_(NEG_INF)
+        torch.amax(v.tiles, dim=-1, out=m_out)
+        canonical_zero_(m_out)
+        # shift = m, except 0 for an all -inf tile (as ``where(m == -inf, 0, m)``), one op
+        torch.nan_to_num(m_out, nan=math.nan, posinf=math.inf, neginf=0.0, out=v.shift)
+        v.tiles.sub_(v.shift_per_tile)
+        if self.with_entropy:
+            assert v.exp_buf is not None and v.exp_fold is not None and t_out is not None
+            torch.exp(v.buf, out=v.exp_buf)
+            if v.padding is not None:
+                v.padding.fill_(0.0)  # y = 0 on padding: exp == 0 there, and 0 * 0 keeps it out
+            v.buf.mul_(v.exp_buf)
+            v.fold.run_into(t_out)
+            v.exp_fold.run_into(s_out)
+        else:
+            v.buf.exp_()
+            v.fold.run_into(s_out)
+
+
+class GradWorkspace:
+    """Reusable FP32 chunk buffer of one backward call."""
+
+    def __init__(self, chunk_rows: int, local_vocab: int, device: torch.device) -> None:
+        self.buf = torch.empty(chunk_rows, local_vocab, dtype=torch.float32, device=device)
+
+    def softmax_times(
+        self,
+        chunk: torch.Tensor,
+        lse: torch.Tensor,
+        coef: torch.Tensor,
+        target_col: torch.Tensor,
+        target_add: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """``out = coef * exp(x - lse)``, plus ``target_add`` at ``target_col`` in FP32,
+        rounded once to ``out``'s dtype.
+
+        Adding ``-0.0`` is the identity for every FP32 value, so rows that own no target
+        carry ``-0.0`` in ``target_add`` and keep their bits.
+        """
+        buf = self.buf[: chunk.shape[0]]
+        buf.copy_(chunk)
+        buf.sub_(lse.unsqueeze(1))
+        buf.exp_()
+        buf.mul_(coef.unsqueeze(1))
+        buf.scatter_add_(1, target_col.unsqueeze(1), target_add.unsqueeze(1))
+        out.copy_(buf)
+
+
+def rows_finite(
+    m: torch.Tensor, row_min: torch.Tensor, tile_width: int, real_local: int
+) -> torch.Tensor:
+    """Per row: every real column is finite, from the tile maxima and the real-column minimum.
+
+    Max and min both propagate NaN, so a row is all finite exactly when its largest real
+    value is below ``+inf`` and its smallest above ``-inf``.
+    """
+    if real_local <= 0:
+        return torch.ones(m.shape[0], dtype=torch.bool, device=m.device)
+    real_tiles = math.ceil(real_local / tile_width)
+    top = m[:, :real_tiles].amax(dim=1)
+    return torch.isfinite(top) & torch.isfinite(row_min)
 
 
 def merge_tiles(
@@ -91,10 +243,6 @@ def merge_tiles(
     return lse, entropy
 
 
-def default_chunk_rows(local_vocab: int, target_bytes: int = 4 << 20) -> int:
+def default_chunk_rows(local_vocab: int, target_bytes: int = CHUNK_TARGET_BYTES) -> int:
     """Rows per chunk so one FP32 chunk stays near ``target_bytes`` (cache sized)."""
     return max(1, min(4096, target_bytes // max(1, 4 * local_vocab)))
-
-
-def num_chunks(rows: int, chunk_rows: int) -> int:
-    return math.ceil(rows / chunk_rows) if rows else 0

@@ -6,6 +6,9 @@ tile. One all-gather moves every rank's partials and target logits (transport on
 every rank merges the ``[tokens, num_tiles]`` partials in global tile order. The target
 logit is copied from the rank that owns its column. Backward recomputes the softmax from
 the stored low-precision logits, chunk by chunk, and writes only the local gradient.
+Both chunk loops reuse one FP32 workspace per worker and share the chunks out between
+``torch.get_num_threads()`` single-threaded workers (:mod:`rl_engine.logprob.chunk_threads`):
+one join per loop instead of one parallel region per operation and chunk.
 
 TP decides who computes which tile, never how numbers are grouped, so the bytes of the
 logprob, the LSE, the entropy and the gradient do not depend on the TP degree, the chunk
@@ -21,12 +24,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rl_engine.logprob.chunk_threads import for_each_chunk
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.tiles import (
     NEG_INF,
-    chunk_tile_partials,
+    ChunkWorkspace,
+    GradWorkspace,
     default_chunk_rows,
     merge_tiles,
+    rows_finite,
 )
 
 BACKEND_ID = "pytorch-vocab-parallel-logp-ws2"
@@ -89,28 +95,50 @@ def preflight(
         )
 
 
+def _real_local(contract: LogprobContract) -> int:
+    """Number of real (non-padding) columns in this rank's shard."""
+    return max(0, min(contract.local_vocab_size, contract.real_vocab_size - contract.vocab_start))
+
+
 def _local_partials(
     logits: torch.Tensor,
     contract: LogprobContract,
     chunk_rows: int,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    validate: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Tile partials of the local shard, one cache-sized chunk of rows at a time.
+
+    One workspace serves every chunk (no allocation in the loop, no host sync). With
+    ``validate`` the per-row "all real columns finite" flag comes from the tile maxima
+    and one extra min pass on the chunk while it is in cache; otherwise it is ``None``.
+    """
     rows = logits.shape[0]
     width = contract.tile_width
-    real_local = max(0, min(contract.local_vocab_size, contract.real_vocab_size - contract.vocab_start))
+    real_local = _real_local(contract)
     tiles = contract.local_vocab_size // width
     m = torch.empty(rows, tiles, dtype=torch.float32, device=logits.device)
     s = torch.empty_like(m)
     t = torch.empty_like(m) if with_entropy else None
-    finite = torch.empty(rows, dtype=torch.bool, device=logits.device)
-    for start in range(0, rows, chunk_rows):
-        stop = min(rows, start + chunk_rows)
-        cm, cs, ct, cf = chunk_tile_partials(logits[start:stop], width, real_local, with_entropy)
-        m[start:stop] = cm
-        s[start:stop] = cs
-        if t is not None and ct is not None:
-            t[start:stop] = ct
-        finite[start:stop] = cf
+    row_min = torch.empty(rows, dtype=torch.float32, device=logits.device) if validate else None
+
+    def workspace() -> ChunkWorkspace:
+        return ChunkWorkspace(
+            min(chunk_rows, rows), contract.local_vocab_size, width, real_local, with_entropy,
+            logits.device,
+        )
+
+    def work(ws: ChunkWorkspace, start: int, stop: int) -> None:
+        ws.partials(
+            logits[start:stop],
+            m[start:stop],
+            s[start:stop],
+            t[start:stop] if t is not None else None,
+            row_min[start:stop] if row_min is not None else None,
+        )
+
+    for_each_chunk(rows, chunk_rows, workspace, work)
+    finite = rows_finite(m, row_min, width, real_local) if row_min is not None else None
     return m, s, t, finite
 
 
@@ -175,13 +203,14 @@ def vocab_parallel_forward(
     validate: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Forward without autograd: ``(selected_logp, lse, entropy)`` in FP32 for the local rows."""
-    m, s, t, finite = _local_partials(logits, contract, chunk_rows, with_entropy)
+    m, s, t, finite = _local_partials(logits, contract, chunk_rows, with_entropy, validate)
     target_value = _local_target_logit(logits, targets, contract)
     check = validate and contract.num_tokens > 0
     if check:
         # A non-finite logit lives on one TP rank only. Its row's target-logit slot is sent
         # as NaN (an active row's slot is otherwise finite), so after the one exchange every
         # rank of the group raises; raising here alone would leave the peers blocked in it.
+        assert finite is not None
         target_value = torch.where(
             active & ~finite, torch.full_like(target_value, float("nan")), target_value
         )
@@ -220,34 +249,47 @@ def vocab_parallel_backward(
     """Local logits gradient, recomputed chunk by chunk from the stored logits.
 
     ``d logp / dx = onehot(target) - softmax`` on active rows, ``d lse / dx = softmax``;
-    padding columns get exactly zero.
+    padding columns get exactly zero. Rows with no upstream gradient (inactive rows of a
+    logp-only loss) get exactly ``+0.0`` even when their logits are non-finite (``0 * nan``
+    would be ``nan``). Each chunk is computed in one reused FP32 buffer and rounded once
+    into the gradient; the target column is added in FP32 before rounding, by one
+    ``scatter_add_`` per chunk (``-0.0`` on rows that own no target: the identity), so
+    the loop has no host sync. Rows without upstream gradient are overwritten after the
+    loop with what the FP32 sequence gives them (zeros, and ``0.0 + g`` at the target),
+    which costs one index look-up per call instead of a masked pass per chunk.
     """
     rows, local_vocab = logits.shape
     zeros = torch.zeros_like(lse)
     g_logp = torch.where(active, grad_logp, zeros) if grad_logp is not None else zeros
     g_lse = grad_lse if grad_lse is not None else zeros
     coef = g_lse - g_logp
-    real_local = max(0, min(local_vocab, contract.real_vocab_size - contract.vocab_start))
+    real_local = _real_local(contract)
     local_target = targets - contract.vocab_start
     owned = active & (local_target >= 0) & (local_target < local_vocab)
+    target_col = torch.where(owned, local_target, torch.zeros_like(local_target))
+    target_add = torch.where(owned, g_logp, torch.full_like(g_logp, -0.0))
     grad = torch.empty_like(logits)
-    for start in range(0, rows, chunk_rows):
-        stop = min(rows, start + chunk_rows)
-        xf = logits[start:stop].to(torch.float32, copy=True)
-        xf.sub_(lse[start:stop].unsqueeze(1)).exp_().mul_(coef[start:stop].unsqueeze(1))
-        # rows with no upstream gradient (inactive rows of a logp-only loss) get exactly
-        # +0.0 even when their logits are non-finite (0 * nan would be nan)
-        zero_rows = coef[start:stop] == 0
-        if bool(zero_rows.any()):
-            xf[zero_rows] = 0.0
-        chunk_owned = owned[start:stop]
-        if bool(chunk_owned.any()):
-            r = chunk_owned.nonzero().squeeze(1)
-            c = local_target[start:stop][r]
-            xf[r, c] += g_logp[start:stop][r]
-        if real_local < local_vocab:
-            xf[:, real_local:] = 0.0
-        grad[start:stop] = xf
+
+    def work(ws: GradWorkspace, start: int, stop: int) -> None:
+        ws.softmax_times(
+            logits[start:stop],
+            lse[start:stop],
+            coef[start:stop],
+            target_col[start:stop],
+            target_add[start:stop],
+            grad[start:stop],
+        )
+
+    for_each_chunk(
+        rows, chunk_rows, lambda: GradWorkspace(min(chunk_rows, rows), local_vocab, logits.device), work
+    )
+    zero_rows = (coef == 0).nonzero().squeeze(1)  # one host sync per backward call
+    if zero_rows.numel():
+        grad.index_fill_(0, zero_rows, 0.0)
+        at_target = (target_add[zero_rows] + 0.0).to(grad.dtype)  # +0.0 + g, as in FP32
+        grad[zero_rows, target_col[zero_rows]] = at_target
+    if real_local < local_vocab:
+        grad[:, real_local:] = 0.0
     return grad
 
 
