@@ -3,7 +3,10 @@
 ``python -m rl_engine archive --run-dir RUN --output results/NAME.tar.gz [--schemas DIR]``
 
 * refuses (exit 1, nothing written) a run whose ``validation.json`` or ``crosscheck.json`` is
-  missing or not ``passed``: no archive is ever built from failing evidence;
+  missing or not ``passed``, or whose files no longer pass those gates when they are run again
+  on the run as it is now (a report or tensor edited, deleted or added after the gates ran:
+  Snakemake does not rerun a gate for a deleted intermediate file): no archive is ever built
+  from failing evidence;
 * packs, under one top folder ``NAME/``: every regular file of ``RUN`` (reports, raw ``*.f32``
   tensors, logs, ``SUMMARY.md``, the JSON artifacts; hidden files such as a crashed writer's
   ``.*.tmp`` are left out and listed on stderr; a symbolic link in ``RUN`` is an error), a copy
@@ -32,7 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rl_engine import jsonio, schemas
+from rl_engine.evidence.crosscheck import crosscheck_run
 from rl_engine.evidence.rundir import CROSSCHECK, VALIDATION, load_json
+from rl_engine.evidence.validation import validate_run
 
 SUFFIX = ".tar.gz"
 SUMS = "SHA256SUMS"
@@ -76,6 +81,16 @@ def check_gates(run_dir: Path) -> None:
             first = (obj.get("failures") or ["(no failures listed)"])[0] if isinstance(obj, dict) else "not an object"
             raise ArchiveError(f"refusing to archive {run_dir}: {name} did not pass (first failure: {first}); "
                                "no archive is built from failing evidence")
+
+
+def check_evidence(run_dir: Path, schema_dir: Path) -> None:
+    """Refuse unless the run, as it is now, still passes both gates (they may predate a change)."""
+    found = [*validate_run(run_dir, schema_dir).findings, *crosscheck_run(run_dir)[1]]
+    if found:
+        raise ArchiveError(f"refusing to archive {run_dir}: its files no longer pass the gates that recorded "
+                           f"a pass ({len(found)} problem(s), first: {found[0]}); rerun the validation and "
+                           "crosscheck gates (in the workflow: snakemake --cores 8 --forcerun validation); "
+                           "no archive is built from failing evidence")
 
 
 def reviewing_text(name: str) -> str:
@@ -184,6 +199,7 @@ def build(run_dir: Path, output: Path, schema_dir: Path) -> Built:
     if output.resolve().is_relative_to(run_dir.resolve()):
         raise ArchiveError(f"--output {output} must not lie inside the run directory it packs")
     check_gates(run_dir)
+    check_evidence(run_dir, schema_dir)
     files, hidden = _collect(run_dir)
     for rel in hidden:
         print(f"archive: leaving out hidden file {rel} (not evidence)", file=sys.stderr)
