@@ -1,0 +1,97 @@
+"""Helpers for tests that run the real workflow with snakemake in a temporary copy of the repo.
+
+Not a test module (no ``test_`` prefix). The copy has no ``.git``, so its run is named
+``<campaign>-nogit``; ``PYTHONPATH`` points at the copy, so the copy's code is what runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+IGNORE = shutil.ignore_patterns(
+    ".git", "results", ".snakemake", "__pycache__", "*.egg-info", ".pytest_cache", "build"
+)
+CONFIG = "test-config.yaml"
+# A fast focused regression for workflow tests (the default config runs the guide's six files).
+SHORT_REGRESSION = {"tests": ["tests/test_logprob_contract.py"], "pytest_args": ["-x"]}
+SMALL_VOCAB = {"real_vocab": 1000, "padded_vocab": 1024, "num_vocab_tiles": 8}
+
+
+def copy_repo(dest: Path) -> Path:
+    """A copy of the working tree at ``dest/repo`` with an empty ``results/``."""
+    repo = dest / "repo"
+    shutil.copytree(REPO, repo, ignore=IGNORE)
+    (repo / "results").mkdir(exist_ok=True)
+    return repo
+
+
+def write_config(repo: Path, overrides: dict[str, Any], name: str = CONFIG) -> Path:
+    """The repo's ``config.yaml`` with ``overrides`` (top-level keys replaced) at ``repo/name``."""
+    config = yaml.safe_load((repo / "config.yaml").read_text())
+    config.update(overrides)
+    path = repo / name
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def env_for(repo: Path, extra: dict[str, str] | None = None, prepend: Path | None = None) -> dict[str, str]:
+    """The environment for a run in ``repo``: PYTHONPATH=[prepend:]repo, no inherited fault."""
+    env = dict(os.environ)
+    env.pop("RL_ENGINE_FAULT", None)
+    paths = ([str(prepend)] if prepend else []) + [str(repo), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    env.update(extra or {})
+    return env
+
+
+def snakemake_cmd(*args: str, configfile: str = CONFIG) -> list[str]:
+    return [sys.executable, "-m", "snakemake", "--cores", "8", "--configfile", configfile, *args]
+
+
+def snakemake(repo: Path, *args: str, timeout: float = 900, env: dict[str, str] | None = None,
+              configfile: str = CONFIG) -> subprocess.CompletedProcess[str]:
+    """``snakemake --cores 8 --configfile <configfile> *args`` in ``repo``."""
+    return subprocess.run(snakemake_cmd(*args, configfile=configfile), cwd=repo, env=env or env_for(repo),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def verify(repo: Path, archive: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m rl_engine verify <archive> *args`` with the copy's code."""
+    return subprocess.run(
+        [sys.executable, "-m", "rl_engine", "verify", str(archive), *args],
+        cwd=repo, env=env_for(repo), capture_output=True, text=True, timeout=600,
+    )
+
+
+def jobs_run(output: str) -> dict[str, int]:
+    """Rule -> job count from snakemake's 'Job stats' table (empty when nothing ran)."""
+    counts: dict[str, int] = {}
+    match = re.search(r"Job stats:\n(.*?)\n\n", output, re.S)
+    if not match:
+        return counts
+    for line in match.group(1).splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("job", "total"):
+            counts[parts[0]] = int(parts[1])
+    return counts
+
+
+def archive_of(repo: Path) -> Path:
+    found = sorted((repo / "results").glob("*.tar.gz"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+__all__ = [
+    "CONFIG", "IGNORE", "REPO", "SHORT_REGRESSION", "SMALL_VOCAB", "archive_of", "copy_repo", "env_for",
+    "jobs_run", "snakemake", "snakemake_cmd", "verify", "write_config",
+]

@@ -1,0 +1,224 @@
+"""Bad configuration is refused when the workflow is parsed, before any job (issue 7).
+
+``check_config`` (what ``workflow/Snakefile`` calls before any rule exists) is exercised case
+by case; then real ``snakemake -n --configfile bad.yaml`` runs, at least one per family of
+messages, show that the workflow itself refuses before building its DAG, with a message that
+names the key, the value and the fix, and that a good config dry-runs (negative control).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from _workflow_util import REPO, SMALL_VOCAB, copy_repo, env_for, jobs_run, snakemake_cmd, write_config
+from rl_engine.evidence import config as wfconfig
+from rl_engine.evidence.config import WorkflowConfigError, check_config, load_config
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "schemas" / "config"
+SCHEMA_FIX = "fix the value in config.yaml (see schemas/config.schema.json)"
+
+
+def base() -> dict[str, Any]:
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    config.update(SMALL_VOCAB, topologies=["1x1", "1x2", "2x1"])
+    return config
+
+
+def tolerance(dtype: str, atol: float, rtol: float) -> dict[str, Any]:
+    tolerances = dict(base()["tolerances"])
+    tolerances[dtype] = {"atol": atol, "rtol": rtol}
+    return {"tolerances": tolerances}
+
+
+# (case id, overrides of the small config, substrings the one error message must contain:
+#  the key, the value, and the fix)
+BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
+    ("unknown key", {"topology": ["1x1"]},
+     ("unknown config key(s) ['topology']", "remove or rename them", "allowed keys: ['backend',")),
+    ("unknown nested key", {"regression": {"tests": ["tests/test_logprob_contract.py"], "timeout": 5}},
+     ("unknown config key(s) ['timeout'] under 'regression'", "allowed keys: ['pytest_args', 'tests', 'timeout_s']")),
+    ("wrong type", {"batch": "2"}, ("config key 'batch' has value '2'", "is not of type 'integer'", SCHEMA_FIX)),
+    ("bool is not an integer", {"seq": True}, ("config key 'seq' has value True", "is not of type 'integer'")),
+    ("unknown dtype", {"dtype": "bf8"},
+     ("config key 'dtype' has value 'bf8'", "is not one of ['bf16', 'fp16', 'fp32']", SCHEMA_FIX)),
+    ("unknown backend", {"backend": "triton"},
+     ("config key 'backend' has value 'triton'", "use an explicit registered backend, one of [",
+      "'pytorch-vocab-parallel-logp-ws2'")),
+    ("auto backend", {"backend": "auto"}, ("config key 'backend' has value 'auto'", "'auto' is refused")),
+    ("unknown device", {"device": "tpu"}, ("config key 'device' has value 'tpu'", "is not one of ['cpu', 'cuda']")),
+    ("real vocab above padded", {"real_vocab": 1025},
+     ("config key 'real_vocab' has value 1025, above padded_vocab=1024", "set padded_vocab >= real_vocab")),
+    ("tiles not dividing padded", {"num_vocab_tiles": 7},
+     ("config key 'num_vocab_tiles' has value 7", "does not divide padded_vocab=1024",
+      "choose a tile count that divides 1024")),
+    ("shards not tile aligned", {"topologies": ["1x1", "3x1"]},
+     ("config key 'topologies[1]' has value '3x1'", "would not be tile aligned", "use a TP degree that divides 8")),
+    ("TP*CP above the tile count", {"num_vocab_tiles": 4, "topologies": ["1x1", "4x2"]},
+     ("config key 'topologies[1]' has value '4x2'", "TP*CP=8 exceeds num_vocab_tiles=4",
+      "use fewer ranks or more tiles")),
+    ("TP above the supported range", {"topologies": ["16x1"]},
+     ("config key 'topologies[0]' has value '16x1'", "TP up to 8 and CP up to 4", "remove it")),
+    ("CP not splitting seq", {"seq": 15, "prompt_tokens": 3, "topologies": ["1x1", "1x2"]},
+     ("config key 'topologies[1]' has value '1x2'", "seq_len=15 cannot be split into 2 equal chunks",
+      "use a sequence length that is a multiple of 2")),
+    ("prompt tokens equal seq", {"prompt_tokens": 16},
+     ("config key 'prompt_tokens' has value 16, not below seq=16", "at least one active (response) token")),
+    ("prompt tokens above seq", {"prompt_tokens": 40},
+     ("config key 'prompt_tokens' has value 40, not below seq=16",)),
+    ("duplicate topologies", {"topologies": ["1x1", "2x1", "1x1"]},
+     ("config key 'topologies' has value ['1x1', '2x1', '1x1']", "has non-unique elements", SCHEMA_FIX)),
+    ("malformed topology", {"topologies": ["1x1", "2*1"]},
+     ("config key 'topologies.1' has value '2*1'", "does not match")),
+    ("empty topology list", {"topologies": []},
+     ("config key 'topologies' has value []", "should be non-empty", SCHEMA_FIX)),
+    ("batch of zero", {"batch": 0}, ("config key 'batch' has value 0", "less than the minimum of 1")),
+    ("seq of zero", {"seq": 0}, ("config key 'seq' has value 0", "less than the minimum of 1")),
+    ("negative atol", tolerance("bf16", -0.1, 0.0),
+     ("config key 'tolerances.bf16.atol' has value -0.1", "less than the minimum of 0", SCHEMA_FIX)),
+    ("negative rtol", tolerance("bf16", 0.05, -0.001),
+     ("config key 'tolerances.bf16.rtol' has value -0.001", "less than the minimum of 0")),
+    ("NaN tolerance", tolerance("bf16", float("nan"), 0.0),
+     ("config key 'tolerances.bf16.atol' has value nan: not a finite number", "use a finite value")),
+    ("infinite time limit", {"topology_timeout_s": float("inf")},
+     ("config key 'topology_timeout_s' has value inf: not a finite number",)),
+    ("zero time limit", {"topology_timeout_s": 0},
+     ("config key 'topology_timeout_s' has value 0", "less than or equal to the minimum of 0")),
+    ("no tolerance for the dtype", {"dtype": "fp16", "tolerances": {"bf16": {"atol": 0.05, "rtol": 0.0}}},
+     ("config key 'tolerances' has no entry for dtype 'fp16'", "add tolerances.fp16: {atol: ..., rtol: ...}")),
+]
+
+
+def test_good_configs_pass_unchanged() -> None:
+    """Negative control: the default config and the small one used below are accepted as they are."""
+    default = yaml.safe_load((REPO / "config.yaml").read_text())
+    assert check_config(default) is default
+    small = base()
+    assert check_config(small) == base()
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [pytest.param(o, e, id=i) for i, o, e in BAD])
+def test_check_config_refuses_naming_key_value_and_fix(overrides: dict[str, Any], expected: tuple[str, ...]) -> None:
+    config = base()
+    config.update(overrides)
+    with pytest.raises(WorkflowConfigError) as raised:
+        check_config(config)
+    message = str(raised.value)
+    for part in expected:
+        assert part in message, (part, message)
+
+
+def test_campaign_problems_are_reported_together() -> None:
+    config = base()
+    config.update(real_vocab=2000, prompt_tokens=16, backend="triton")
+    with pytest.raises(WorkflowConfigError) as raised:
+        check_config(config)
+    message = str(raised.value)
+    for key in ("'backend'", "'real_vocab'", "'prompt_tokens'"):
+        assert f"config key {key}" in message, message
+    assert message.count("; ") >= 2
+
+
+def _fixture(path: Path) -> dict[str, Any]:
+    # json, not yaml: PyYAML reads 1e-05 (no dot) as a string; json reads the NaN literal as nan
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("path", sorted((FIXTURES / "invalid").glob("*.json")), ids=lambda p: p.stem)
+def test_invalid_schema_fixtures_are_refused_by_the_workflow_check(path: Path) -> None:
+    """The config fixtures of tests/test_schemas.py are refused by check_config too."""
+    with pytest.raises(WorkflowConfigError, match="config key"):
+        check_config(_fixture(path))
+
+
+@pytest.mark.parametrize("path", sorted((FIXTURES / "valid").glob("*.json")), ids=lambda p: p.stem)
+def test_valid_schema_fixtures_pass_the_workflow_check(path: Path) -> None:
+    config = _fixture(path)
+    assert check_config(config) is config
+
+
+def test_yaml_file_is_loaded_and_checked(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("atol_typo: 1\n" + (REPO / "config.yaml").read_text())
+    with pytest.raises(WorkflowConfigError, match=r"unknown config key\(s\) \['atol_typo'\]"):
+        load_config(path)
+    (tmp_path / "list.yaml").write_text("- 1x1\n")
+    with pytest.raises(WorkflowConfigError, match="the top level must be a mapping"):
+        load_config(tmp_path / "list.yaml")
+    assert load_config(REPO / "config.yaml")["dtype"] == "bf16"
+
+
+def test_check_config_verb(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(dict(base(), seq=0)))
+    assert wfconfig.main([str(bad)]) == 2
+    assert "config key 'seq' has value 0" in capsys.readouterr().err
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(base()))
+    assert wfconfig.main([str(good)]) == 0
+
+
+# ---------------------------------------------------------------- real snakemake -n
+
+# One dry run per family of messages; the campaign families batch several problems at once.
+DRY_RUNS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
+    "unknown-key": ({"topology": ["1x1"]}, ("unknown config key(s) ['topology']", "remove or rename them")),
+    "schema-value": ({"dtype": "bf8"}, ("config key 'dtype' has value 'bf8'", "is not one of ['bf16', 'fp16', 'fp32']",
+                                        SCHEMA_FIX)),
+    "schema-nested": (tolerance("bf16", -0.1, 0.0), ("config key 'tolerances.bf16.atol' has value -0.1",)),
+    "non-finite": (tolerance("bf16", float("nan"), 0.0), ("config key 'tolerances.bf16.atol' has value nan",)),
+    "campaign-case": ({"real_vocab": 2000, "num_vocab_tiles": 7, "prompt_tokens": 16, "backend": "triton"},
+                      ("config key 'real_vocab' has value 2000, above padded_vocab=1024",
+                       "config key 'num_vocab_tiles' has value 7", "config key 'prompt_tokens' has value 16",
+                       "config key 'backend' has value 'triton'")),
+    "campaign-topology": ({"num_vocab_tiles": 4, "topologies": ["1x1", "3x1", "4x2"]},
+                          ("config key 'topologies[1]' has value '3x1'", "would not be tile aligned",
+                           "config key 'topologies[2]' has value '4x2': TP*CP=8 exceeds num_vocab_tiles=4")),
+}
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, subprocess.CompletedProcess[str]]]:
+    """Every bad config dry-run at once (they fail while parsing; none takes the lock)."""
+    repo = copy_repo(tmp_path_factory.mktemp("gates-config"))
+    procs = {}
+    for name, (overrides, _) in DRY_RUNS.items():
+        write_config(repo, {**base(), **overrides}, name=f"{name}.yaml")
+        procs[name] = subprocess.Popen(snakemake_cmd("-n", configfile=f"{name}.yaml"), cwd=repo, env=env_for(repo),
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return repo, done
+
+
+@pytest.mark.parametrize("name", sorted(DRY_RUNS))
+def test_snakemake_dry_run_refuses_bad_config_before_any_job(dry_runs: tuple[Path, dict[str, Any]], name: str) -> None:
+    repo, done = dry_runs
+    result = done[name]
+    text = result.stdout + result.stderr
+    assert result.returncode != 0, text
+    assert "WorkflowConfigError" in text and "workflow/Snakefile" in text, text
+    for part in DRY_RUNS[name][1]:
+        assert part in text, (part, text)
+    assert "Building DAG of jobs" not in text and jobs_run(text) == {}, text  # refused before the DAG
+    assert list((repo / "results").iterdir()) == []
+
+
+def test_snakemake_dry_run_of_a_good_config_plans_every_job(dry_runs: tuple[Path, dict[str, Any]]) -> None:
+    """Negative control in the same copy: the small config dry-runs and lists one job per topology."""
+    repo, _ = dry_runs
+    write_config(repo, base(), name="good.yaml")
+    done = subprocess.run(snakemake_cmd("-n", configfile="good.yaml"), cwd=repo, env=env_for(repo),
+                          capture_output=True, text=True, timeout=300)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text
+    counts = jobs_run(text)
+    assert counts.get("topology") == 3 and counts.get("archive") == 1, counts
+    assert list((repo / "results").iterdir()) == []  # a dry run writes nothing
