@@ -60,26 +60,35 @@ def _reference_partials(
 
 
 @pytest.mark.parametrize("entropy", [False, True])
-@pytest.mark.parametrize("real", [512, 500, 300])
-def test_workspace_matches_the_reference_sequence_including_non_finite(entropy: bool, real: int) -> None:
+@pytest.mark.parametrize("width, real", [(64, 512), (64, 500), (64, 300), (1025, 4100), (1025, 3000),
+                                         (2374, 4748)])
+@pytest.mark.parametrize("chunk_rows", [1, 4, 6])
+def test_workspace_matches_the_reference_sequence_including_non_finite(
+    entropy: bool, width: int, real: int, chunk_rows: int
+) -> None:
+    vocab = 4 * width if width > 64 else 512
+    tiles = vocab // width
     g = torch.Generator().manual_seed(real)
-    x = (torch.randn(6, 512, generator=g) * 4).to(torch.bfloat16)
+    x = (torch.randn(6, vocab, generator=g) * 4).to(torch.bfloat16)
     x[1, 3] = float("nan")
     x[2, 70] = float("inf")
     x[3, :] = float("-inf")
     x[4, :64] = -0.0
     x[5, 100] = float("-inf")
-    ws = ChunkWorkspace(6, 512, 64, real, entropy, x.device)
-    m, s = torch.empty(6, 8), torch.empty(6, 8)
-    t = torch.empty(6, 8) if entropy else None
+    ws = ChunkWorkspace(chunk_rows, vocab, width, real, entropy, x.device)
+    m, s = torch.empty(6, tiles), torch.empty(6, tiles)
+    t = torch.empty(6, tiles) if entropy else None
     row_min = torch.empty(6)
-    ws.partials(x, m, s, t, row_min)
-    rm, rs, rt, rf = _reference_partials(x, 64, real, entropy)
+    for start in range(0, 6, chunk_rows):
+        stop = min(6, start + chunk_rows)
+        ws.partials(x[start:stop], m[start:stop], s[start:stop],
+                    None if t is None else t[start:stop], row_min[start:stop])
+    rm, rs, rt, rf = _reference_partials(x, width, real, entropy)
     assert tensor_bytes(m) == tensor_bytes(rm)
     assert tensor_bytes(s) == tensor_bytes(rs)
     if entropy:
         assert t is not None and rt is not None and tensor_bytes(t) == tensor_bytes(rt)
-    finite = rows_finite(m, row_min, 64, real)
+    finite = rows_finite(m, row_min, width, real)
     assert finite.tolist() == rf.tolist()
     assert finite.tolist() == [True, False, False, False, True, False]
 
