@@ -1,0 +1,146 @@
+"""Ratios, targets, provenance, the rich table and the checked JSON document."""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from rl_engine import jsonio, schemas
+from rl_engine.benchmark.config import BenchConfig, BenchError
+
+SCHEMA = "bench"
+# Issue 6 targets: (name, phase, ratio key, limit).
+TARGETS: tuple[tuple[str, str, str, float], ...] = (
+    ("forward time <= 0.5x naive", "forward", "time_vs_naive", 0.5),
+    ("forward+backward time <= 0.5x naive", "forward_backward", "time_vs_naive", 0.5),
+    ("forward peak memory <= 0.25x naive", "forward", "peak_mem_vs_naive", 0.25),
+    ("forward+backward peak memory <= 0.25x naive", "forward_backward", "peak_mem_vs_naive", 0.25),
+    ("moonshot: forward time <= 1.5x floor", "forward", "time_vs_floor", 1.5),
+)
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den <= 0:
+        return None
+    return num / den
+
+
+def compute_ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Per tokens and phase: candidate time and peak memory over naive's and floor's.
+
+    Computed from ``rows`` alone (a row per path, phase and tokens of one run).
+    """
+    index = {(r["path"], r["phase"], r["tokens"]): r for r in rows if r.get("tp", 1) == 1}
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for (path, phase, tokens), row in sorted(index.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+        if path != "candidate":
+            continue
+        entry: dict[str, float | None] = {}
+        for other in ("naive", "floor"):
+            ref = index.get((other, phase, tokens))
+            if ref is None:
+                continue
+            entry[f"time_vs_{other}"] = _ratio(row["median_s"], ref["median_s"])
+            entry[f"peak_mem_vs_{other}"] = _ratio(row["peak_mem_bytes"], ref["peak_mem_bytes"])
+        out.setdefault(str(tokens), {})[phase] = entry
+    return out
+
+
+def evaluate_targets(ratios: dict[str, dict[str, dict[str, float | None]]]) -> list[dict[str, Any]]:
+    """Issue 6's targets, checked against the ratios of this run (``met`` null if not measured)."""
+    out = []
+    for tokens, phases in ratios.items():
+        for name, phase, key, limit in TARGETS:
+            value = phases.get(phase, {}).get(key)
+            out.append({
+                "target": name, "tokens": int(tokens), "phase": phase, "ratio": key,
+                "value": value, "limit": limit, "met": None if value is None else value <= limit,
+            })
+    return out
+
+
+def machine() -> dict[str, Any]:
+    model = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu_model": model,
+        "logical_cpus": os.cpu_count() or 1,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def loadavg() -> list[float]:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def config_dict(config: BenchConfig) -> dict[str, Any]:
+    out = asdict(config)
+    out["tokens"] = list(config.tokens)
+    out["paths"] = list(config.paths)
+    out["phases"] = list(config.phases)
+    out["tp"] = list(config.tp)
+    out["chunk_rows"] = config.resolved_chunk_rows()
+    return out
+
+
+def _fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}x"
+
+
+def _fmt_mem(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:,.1f}"
+
+
+def render_table(doc: dict[str, Any]) -> Any:
+    """A rich table of the run (built from the document, so it shows what was written)."""
+    from rich.table import Table
+
+    if doc["mode"] == "tp":
+        table = Table(title=f"{doc['backend']} under torchrun (gloo), {doc['threads']} thread(s) in all")
+        for col in ("tokens", "tp", "rank", "phase", "median s", "comm s", "comm share"):
+            table.add_column(col, justify="right")
+        for r in doc["rows"]:
+            table.add_row(str(r["tokens"]), str(r["tp"]), str(r["rank"]), r["phase"],
+                          f"{r['median_s']:.4f}", f"{r['comm_median_s']:.4f}",
+                          f"{100 * r['comm_share']:.1f}%")
+        return table
+    table = Table(title=f"{doc['backend']} vs naive vs floor, {doc['config']['dtype']}, "
+                        f"vocab {doc['config']['vocab']}, threads={doc['threads']}")
+    for col in ("tokens", "phase", "path", "median s", "peak MiB", "time / naive", "time / floor",
+                "mem / naive"):
+        table.add_column(col, justify="right")
+    for r in doc["rows"]:
+        entry = doc["ratios"].get(str(r["tokens"]), {}).get(r["phase"], {})
+        is_cand = r["path"] == "candidate"
+        table.add_row(
+            str(r["tokens"]), r["phase"], r["path"], f"{r['median_s']:.4f}",
+            _fmt_mem(r["peak_mem_bytes"]),
+            _fmt_ratio(entry.get("time_vs_naive")) if is_cand else "",
+            _fmt_ratio(entry.get("time_vs_floor")) if is_cand else "",
+            _fmt_ratio(entry.get("peak_mem_vs_naive")) if is_cand else "",
+        )
+    return table
+
+
+def write_document(doc: dict[str, Any], output: str | None) -> None:
+    problems = schemas.errors(doc, SCHEMA)
+    if problems:
+        raise BenchError("benchmark document does not match schemas/bench.schema.json: " + "; ".join(problems))
+    if output:
+        jsonio.write_json(output, doc)

@@ -1,0 +1,143 @@
+"""``python -m rl_engine bench`` at tiny sizes: document shape, ratios from the same run's rows,
+memory probe that sees real allocations, TP mode under torchrun, refusal of bad flags.
+
+No timing thresholds: times on a shared machine say nothing about correctness. What is
+checked is that every reported ratio is the quotient of the rows it names, and that the
+memory numbers come from allocations that are known to happen.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rl_engine import jsonio, schemas
+from rl_engine import bench
+from rl_engine.benchmark.config import PATHS, PHASES, BenchConfig, BenchError
+from rl_engine.benchmark.report import TARGETS
+
+SMALL = ["--vocab", "512", "--tiles", "4", "--repeats", "2", "--warmup", "1", "--threads", "2"]
+
+
+def _run(tmp_path: Path, name: str, *flags: str) -> dict[str, Any]:
+    out = tmp_path / f"{name}.json"
+    assert bench.main([*flags, "--output", str(out)]) == 0
+    doc = jsonio.load(out)
+    assert schemas.errors(doc, "bench") == []
+    return doc
+
+
+def _ratios_from_rows(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Independent recomputation: candidate over naive and floor, per tokens and phase."""
+    by = {(r["path"], r["phase"], r["tokens"]): r for r in rows}
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for (path, phase, tokens), row in by.items():
+        if path != "candidate":
+            continue
+        entry: dict[str, float | None] = {}
+        for other in ("naive", "floor"):
+            ref = by[(other, phase, tokens)]
+            entry[f"time_vs_{other}"] = row["median_s"] / ref["median_s"]
+            mem, ref_mem = row["peak_mem_bytes"], ref["peak_mem_bytes"]
+            entry[f"peak_mem_vs_{other}"] = (
+                None if mem is None or ref_mem is None or ref_mem == 0 else mem / ref_mem
+            )
+        out.setdefault(str(tokens), {})[phase] = entry
+    return out
+
+
+@pytest.fixture(scope="module")
+def timing_doc(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run(tmp_path_factory.mktemp("bench"), "timing", "--tokens", "8", "24", "--no-memory", *SMALL)
+
+
+def test_rows_cover_every_path_phase_and_size(timing_doc: dict[str, Any]) -> None:
+    doc = timing_doc
+    assert doc["mode"] == "tp1" and doc["threads"] == 2 and doc["config"]["threads"] == 2
+    keys = sorted((r["path"], r["phase"], r["tokens"]) for r in doc["rows"])
+    assert keys == sorted((p, ph, n) for p in PATHS for ph in PHASES for n in (8, 24))
+    for r in doc["rows"]:
+        assert (r["vocab"], r["dtype"], r["repeats"]) == (512, "bf16", 2)
+        assert len(r["times_s"]) == 2 and r["median_s"] == sum(r["times_s"]) / 2
+        assert r["min_s"] == min(r["times_s"]) and r["peak_mem_bytes"] is None
+
+
+def test_ratios_are_the_quotients_of_this_runs_rows(timing_doc: dict[str, Any]) -> None:
+    doc = timing_doc
+    assert doc["ratios"] == _ratios_from_rows(doc["rows"])
+    assert set(doc["ratios"]) == {"8", "24"}
+    # negative control: a row from another run (one median changed) no longer matches
+    other = copy.deepcopy(doc["rows"])
+    naive = next(r for r in other if (r["path"], r["phase"], r["tokens"]) == ("naive", "forward", 24))
+    naive["median_s"] *= 1.5
+    assert _ratios_from_rows(other) != doc["ratios"]
+    assert bench.compute_ratios(other) != doc["ratios"]
+
+
+def test_targets_are_read_from_the_ratios(timing_doc: dict[str, Any]) -> None:
+    doc = timing_doc
+    assert len(doc["targets"]) == 2 * len(TARGETS)
+    for t in doc["targets"]:
+        value = doc["ratios"][str(t["tokens"])][t["phase"]][t["ratio"]]
+        assert t["value"] == value
+        assert t["met"] == (None if value is None else value <= t["limit"])
+    memory = [t for t in doc["targets"] if t["ratio"].startswith("peak_mem")]
+    assert memory and all(t["met"] is None for t in memory)  # --no-memory: not measured, not "met"
+
+
+def test_memory_probe_sees_the_naive_paths_fp32_copies(tmp_path: Path) -> None:
+    tokens, vocab = 64, 16384
+    doc = _run(tmp_path, "memory", "--tokens", str(tokens), "--vocab", str(vocab), "--tiles", "8",
+               "--repeats", "1", "--warmup", "0", "--threads", "2")
+    peaks = {(r["path"], r["phase"]): r["peak_mem_bytes"] for r in doc["rows"]}
+    assert all(isinstance(v, int) and v >= 0 for v in peaks.values())
+    fp32_logits = tokens * vocab * 4
+    # naive forward holds logits.float() and log_softmax's FP32 output at once
+    assert peaks[("naive", "forward")] >= 2 * fp32_logits * 0.95
+    # naive forward+backward also builds FP32 gradients on top of its saved output
+    assert peaks[("naive", "forward_backward")] > peaks[("naive", "forward")]
+    # every forward+backward returns a gradient of the logits (bf16): it is counted
+    assert peaks[("candidate", "forward_backward")] >= tokens * vocab * 2 * 0.95
+    assert doc["ratios"] == _ratios_from_rows(doc["rows"])
+    assert doc["memory_method"] and "fresh subprocess" in doc["memory_method"]
+
+
+def test_tp_mode_under_torchrun_reports_every_rank(tmp_path: Path) -> None:
+    doc = _run(tmp_path, "tp", "--tp", "2", "--tokens", "8", *SMALL)
+    assert doc["mode"] == "tp" and doc["config"]["tp"] == [2]
+    keys = sorted((r["tp"], r["rank"], r["phase"]) for r in doc["rows"])
+    assert keys == sorted((2, rank, ph) for rank in (0, 1) for ph in PHASES)
+    for r in doc["rows"]:
+        assert r["local_vocab"] == 256 and r["threads_per_rank"] == 1
+        assert len(r["comm_s"]) == r["repeats"] == 2
+        assert 0 <= r["comm_median_s"] <= r["median_s"]
+        assert r["comm_share"] == r["comm_median_s"] / r["median_s"]
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--tokens", "8", "--tiles", "5"], "tiles=5 does not divide vocab=512"),
+        (["--tokens", "8", "8"], "repeats a count"),
+        (["--tokens", "0"], "tokens contains 0"),
+        (["--tokens", "8", "--repeats", "0"], "repeats=0 must be a positive integer"),
+        (["--tokens", "8", "--chunk-rows", "0"], "chunk_rows=0 must be >= 1"),
+        (["--tokens", "8", "--tp", "3"], "tp degree 3 must be >= 1 and divide tiles=4"),
+    ],
+)
+def test_bad_flags_are_refused_with_the_field_named(
+    flags: list[str], needle: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    base = ["--vocab", "512", "--tiles", "4"]
+    out = tmp_path / "never.json"
+    assert bench.main([*base, *flags, "--output", str(out)]) == 2
+    assert needle in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_config_refuses_unknown_paths() -> None:
+    with pytest.raises(BenchError, match=r"paths=\['fast'\] must be a non-empty subset"):
+        BenchConfig(tokens=(8,), vocab=512, tiles=4, paths=("fast",))
