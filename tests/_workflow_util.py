@@ -54,12 +54,13 @@ def env_for(repo: Path, extra: dict[str, str] | None = None, prepend: Path | Non
 
 
 def snakemake_cmd(*args: str, configfile: str = CONFIG) -> list[str]:
-    return [sys.executable, "-m", "snakemake", "--cores", "8", "--configfile", configfile, *args]
+    """``args`` (targets, flags) come first: ``--configfile`` and ``--config`` take several values."""
+    return [sys.executable, "-m", "snakemake", *args, "--cores", "8", "--configfile", configfile]
 
 
 def snakemake(repo: Path, *args: str, timeout: float = 900, env: dict[str, str] | None = None,
               configfile: str = CONFIG) -> subprocess.CompletedProcess[str]:
-    """``snakemake --cores 8 --configfile <configfile> *args`` in ``repo``."""
+    """``snakemake *args --cores 8 --configfile <configfile>`` in ``repo``."""
     return subprocess.run(snakemake_cmd(*args, configfile=configfile), cwd=repo, env=env or env_for(repo),
                           capture_output=True, text=True, timeout=timeout)
 

@@ -1,0 +1,445 @@
+"""Faults during a real workflow run, and corrupted evidence through the real workflow (issue 7).
+
+One small campaign (real vocabulary 1000 / padded 1024 / 8 tiles, TP x CP = 1x1, 1x2, 2x1,
+a short focused regression) runs with ``snakemake --cores 8`` in a temporary copy of the
+repository. Faults are real: a rank SIGKILLs itself or hangs (``RL_ENGINE_FAULT``), a second
+snakemake runs on the same directory, the archive process is SIGKILLed while it writes. The
+tests share that one copy and run in file order; each names the state it starts from and
+leaves, so the module stays within one small campaign's cost.
+
+Holding the archive writer at a known point: a ``sitecustomize`` on ``PYTHONPATH`` (written by
+the ``hold_hook`` fixture) makes ``os.fsync`` of one chosen temporary file sleep, so the test
+can SIGKILL the real process exactly while the archive's bytes sit in a temporary file next
+to the final path (or after the archive was renamed into place, while its ``.sha256`` is
+written). Nothing else in the process is changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _workflow_util import (
+    SHORT_REGRESSION,
+    SMALL_VOCAB,
+    copy_repo,
+    env_for,
+    jobs_run,
+    snakemake,
+    snakemake_cmd,
+    verify,
+    write_config,
+)
+from rl_engine import jsonio
+
+RUN_NAME = "rl-engine-logprob-nogit"
+LABELS = ("tp1-cp1", "tp1-cp2", "tp2-cp1")
+CASE: dict[str, Any] = {
+    **SMALL_VOCAB,
+    "topologies": ["1x1", "1x2", "2x1"],
+    "regression": SHORT_REGRESSION,
+    "topology_timeout_s": 180,
+    "pg_timeout_s": 60,
+}
+HANG_LIMIT_S = 20
+DOWNSTREAM = {"validation": 1, "crosscheck": 1, "summary": 1, "archive": 1, "verify_archive": 1}
+HOOK = '''"""Test hook of tests/test_gates_workflow.py: hold one fsync so the test can kill the process there."""
+import json
+import os
+import re
+import time
+
+_MARKER = os.environ.get("GATES_HOLD_FSYNC_MARKER")
+_PATTERN = os.environ.get("GATES_HOLD_FSYNC_PATTERN")
+if _MARKER and _PATTERN:
+    _real_fsync = os.fsync
+
+    def _held_fsync(fd):
+        try:
+            name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            name = ""
+        if re.fullmatch(_PATTERN, name):
+            with open(_MARKER + ".part", "w") as handle:
+                handle.write(f"{os.getpid()} {name}")
+            os.replace(_MARKER + ".part", _MARKER)
+            time.sleep(300)
+        return _real_fsync(fd)
+
+    os.fsync = _held_fsync
+'''
+# mkstemp names: "." + target name + "." + 8 of [a-z0-9_] + ".tmp" (jsonio.atomic_write_bytes)
+HOLD_ARCHIVE = rf"\.{re.escape(RUN_NAME)}\.tar\.gz\.[a-z0-9_]+\.tmp"
+HOLD_SIDECAR = rf"\.{re.escape(RUN_NAME)}\.tar\.gz\.sha256\.[a-z0-9_]+\.tmp"
+
+
+@dataclass(frozen=True)
+class Workflow:
+    repo: Path
+
+    @property
+    def results(self) -> Path:
+        return self.repo / "results"
+
+    @property
+    def run(self) -> Path:
+        return self.results / RUN_NAME
+
+    @property
+    def archive(self) -> Path:
+        return self.results / f"{RUN_NAME}.tar.gz"
+
+    @property
+    def finals(self) -> tuple[Path, Path, Path]:
+        """The archive, its .sha256 and the workflow's verify.json."""
+        return self.archive, self.results / f"{RUN_NAME}.tar.gz.sha256", self.results / f"{RUN_NAME}.verify.json"
+
+    def report(self, label: str) -> Path:
+        return self.run / f"{label}.json"
+
+    def files_of(self, label: str) -> list[Path]:
+        return [self.report(label)] + [self.run / f"{label}.{t}.f32" for t in ("logp", "lse", "entropy")]
+
+    def log(self, name: str) -> str:
+        return (self.run / "logs" / f"{name}.log").read_text(errors="replace")
+
+    def remove(self, *paths: Path) -> None:
+        for path in paths:
+            path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def wf(tmp_path_factory: pytest.TempPathFactory) -> Workflow:
+    repo = copy_repo(tmp_path_factory.mktemp("gates-workflow"))
+    write_config(repo, CASE)
+    return Workflow(repo)
+
+
+@pytest.fixture(scope="module")
+def hold_hook(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("hold-hook")
+    (directory / "sitecustomize.py").write_text(HOOK)
+    return directory
+
+
+def text_of(done: subprocess.CompletedProcess[str]) -> str:
+    return done.stdout + done.stderr
+
+
+def failed_rules(text: str) -> list[str]:
+    return re.findall(r"^Error in rule (\w+):", text, re.M)
+
+
+def started(text: str, rule: str) -> bool:
+    return re.search(rf"^(local)?rule {rule}:", text, re.M) is not None
+
+
+def ensure_complete(wf: Workflow) -> str:
+    """Bring the run to a verified archive (quick when there is nothing to do)."""
+    done = snakemake(wf.repo)
+    assert done.returncode == 0, text_of(done)[-6000:]
+    assert wf.archive.is_file()
+    return text_of(done)
+
+
+def wait_for(condition: Callable[[], bool], proc: subprocess.Popen[Any], what: str, limit_s: float = 300) -> None:
+    """Poll ``condition`` while ``proc`` runs; fail (not hang) if it exits first or never happens."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if proc.poll() is not None:
+            pytest.fail(f"the process exited ({proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not happen within {limit_s} s")
+        time.sleep(0.05)
+
+
+def processes_mentioning(needle: str) -> list[str]:
+    """Command lines of live processes that contain ``needle``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if needle in cmdline:
+            found.append(cmdline)
+    return found
+
+
+def mtimes(paths: list[Path]) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in paths}
+
+
+def hold_env(wf: Workflow, hook: Path, marker: Path, pattern: str) -> dict[str, str]:
+    return env_for(wf.repo, {"GATES_HOLD_FSYNC_MARKER": str(marker), "GATES_HOLD_FSYNC_PATTERN": pattern}, prepend=hook)
+
+
+# ---------------------------------------------------------------- faults during a run
+
+
+def test_killed_rank_fails_only_its_topology_and_leaves_no_report(wf: Workflow) -> None:
+    """From scratch, rank 1 of TP=2 x CP=1 SIGKILLs itself once the mesh is up."""
+    done = snakemake(wf.repo, env=env_for(wf.repo, {"RL_ENGINE_FAULT": "kill:2x1:1"}))
+    text = text_of(done)
+    assert done.returncode != 0, text[-4000:]
+    assert failed_rules(text) == ["topology"], text[-6000:]
+    assert "wildcards: tp=2, cp=1" in text
+    # the rule ended on the dead rank (launch exit 2: no valid report), not at its time limit (124)
+    assert "returned non-zero exit status 2." in text and "exit status 124" not in text
+    log = wf.log("tp2-cp1")
+    assert "(SIGKILL)" in log and "rank      : 1" in log  # torchrun's record of the killed rank
+    assert "error: topology 2x1: runner exited with 1; no valid report was written; outputs removed" in log
+    assert [p.name for p in wf.files_of("tp2-cp1") if p.exists()] == []
+    assert list(wf.run.glob(".tp2-cp1*")) == []  # no partial temporary report either
+    for label in ("tp1-cp1", "tp1-cp2"):  # keep-going: the other topologies completed and passed
+        assert jsonio.load(wf.report(label))["passed"] is True
+    assert not (wf.run / "validation.json").exists()
+    assert not any(p.exists() for p in wf.finals)
+
+
+def test_rerun_redoes_the_killed_topology_alone_while_a_second_run_is_locked_out(wf: Workflow, tmp_path: Path) -> None:
+    """The next plain ``snakemake --cores 8`` reruns TP=2 x CP=1 alone and ends in a verified
+    archive; a second snakemake started on the same directory meanwhile is refused by the lock."""
+    assert not wf.report("tp2-cp1").exists(), "starts where the killed-rank test left the run"
+    kept = [p for label in ("tp1-cp1", "tp1-cp2") for p in wf.files_of(label)]
+    before = mtimes(kept)
+    locks = wf.repo / ".snakemake" / "locks"
+    first_log = tmp_path / "first.log"
+    with open(first_log, "w") as out:
+        first = subprocess.Popen(snakemake_cmd(), cwd=wf.repo, env=env_for(wf.repo), stdout=out,
+                                 stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: locks.is_dir() and any(locks.glob("*.lock")), first, "the first run took its lock")
+        second = snakemake(wf.repo, timeout=300)
+        first_rc = first.wait(timeout=600)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    second_text = text_of(second)
+    assert second.returncode != 0
+    assert "Directory cannot be locked" in second_text, second_text[-3000:]
+    assert not re.search(r"^(local)?rule \w+:", second_text, re.M)  # it started no job
+    text = first_log.read_text()
+    assert first_rc == 0, text[-6000:]
+    counts = {k: v for k, v in jobs_run(text).items() if k != "all"}
+    assert counts == {"topology": 1, **DOWNSTREAM}, counts
+    assert "wildcards: tp=2, cp=1" in text
+    assert mtimes(kept) == before  # the completed topologies were not redone
+    assert jsonio.load(wf.report("tp2-cp1"))["fault_injection"] is None
+    assert not locks.exists() or list(locks.iterdir()) == []
+    verified = verify(wf.repo, wf.archive, "--recompute")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_archive_verb_killed_mid_write_leaves_nothing_at_the_final_path(wf: Workflow, hold_hook: Path,
+                                                                        tmp_path: Path) -> None:
+    """``python -m rl_engine archive`` SIGKILLed while the archive's bytes are in its temporary file."""
+    ensure_complete(wf)
+    out = tmp_path / "out" / f"{RUN_NAME}.tar.gz"
+    out.parent.mkdir()
+    out.write_bytes(b"stale archive of an earlier run")
+    out.with_name(out.name + ".sha256").write_text("stale\n")
+    marker = tmp_path / "held"
+    cmd = [sys.executable, "-m", "rl_engine", "archive", "--run-dir", str(wf.run), "--output", str(out)]
+    proc = subprocess.Popen(cmd, cwd=wf.repo, env=hold_env(wf, hold_hook, marker, HOLD_ARCHIVE),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(marker.exists, proc, "the archive writer reached its fsync")
+        pid, held = marker.read_text().split()
+        assert int(pid) == proc.pid
+        assert (out.parent / held).stat().st_size > 1000  # the whole archive is in the temporary file
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # the stale outputs were removed first; the killed writer's hidden temporary file is all that is left
+    assert sorted(p.name for p in out.parent.iterdir()) == [held]
+    rerun = subprocess.run(cmd, cwd=wf.repo, env=env_for(wf.repo), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert verify(wf.repo, out).returncode == 0
+
+
+def test_archive_job_killed_under_snakemake_leaves_no_archive_and_reruns(wf: Workflow, hold_hook: Path,
+                                                                         tmp_path: Path) -> None:
+    """The archive job is SIGKILLed after its archive was renamed into place, while the .sha256 is
+    written: Snakemake fails the job and removes the archive; the next run rebuilds it alone."""
+    ensure_complete(wf)
+    wf.remove(*wf.finals)
+    marker = tmp_path / "held"
+    log = tmp_path / "snakemake.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(snakemake_cmd(), cwd=wf.repo, env=hold_env(wf, hold_hook, marker, HOLD_SIDECAR),
+                                stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(marker.exists, proc, "the archive job reached the fsync of its .sha256")
+        pid, held = marker.read_text().split()
+        assert wf.archive.is_file() and not wf.finals[1].exists()  # the state the kill interrupts
+        os.kill(int(pid), signal.SIGKILL)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert rc != 0, text[-4000:]
+    assert failed_rules(text) == ["archive"], text[-4000:]
+    assert "returned non-zero exit status 137." in text  # 128 + SIGKILL
+    assert "Removing output files of failed job archive since they might be corrupted" in text
+    assert not any(p.exists() for p in wf.finals)
+    assert sorted(p.name for p in wf.results.glob(".*")) == [held]  # hidden, never at a final path
+    wf.remove(wf.results / held)
+    done = snakemake(wf.repo)
+    assert done.returncode == 0, text_of(done)[-4000:]
+    assert {k: v for k, v in jobs_run(text_of(done)).items() if k != "all"} == {"archive": 1, "verify_archive": 1}
+    assert verify(wf.repo, wf.archive).returncode == 0
+
+
+# ---------------------------------------------------------------- corrupted evidence through the workflow
+
+
+def test_report_added_after_validation_is_refused_by_the_archive_rule(wf: Workflow) -> None:
+    """A report of a topology the plan does not list appears after the gates passed (left from an
+    earlier plan, or dropped in by hand). It is no rule's input, so Snakemake reruns only the
+    archive and its verification; the archive re-checks the run as it is now and refuses."""
+    ensure_complete(wf)
+    stale = wf.run / "tp4-cp1.json"
+    stale.write_bytes(wf.report("tp1-cp1").read_bytes())
+    wf.remove(*wf.finals)
+    done = snakemake(wf.repo)
+    text = text_of(done)
+    assert done.returncode != 0
+    assert {k: v for k, v in jobs_run(text).items() if k != "all"} == {"archive": 1, "verify_archive": 1}
+    assert failed_rules(text) == ["archive"], text[-4000:]
+    log = (wf.results / "logs" / f"{RUN_NAME}-archive.log").read_text()
+    assert "its files no longer pass the gates that recorded a pass" in log
+    assert "tp4-cp1.json: (file): topology tp4-cp1 is not in plan.json" in log
+    assert not any(p.exists() for p in wf.finals)
+    stale.unlink()
+    healed = snakemake(wf.repo)
+    assert healed.returncode == 0, text_of(healed)[-4000:]
+    assert {k: v for k, v in jobs_run(text_of(healed)).items() if k != "all"} == {"archive": 1, "verify_archive": 1}
+    assert verify(wf.repo, wf.archive).returncode == 0
+
+
+def _edit(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    report = jsonio.load(path)
+    change(report)
+    jsonio.write_json(path, report)
+
+
+def _nan_statistic(path: Path) -> None:
+    report = jsonio.load(path)
+    report["drift"]["fp32_oracle"]["lse"]["max_abs"] = float("nan")
+    path.write_text(json.dumps(report, indent=2))  # as a non-strict writer would
+    assert "NaN" in path.read_text()
+
+
+def test_corrupted_evidence_fails_the_validation_rule_naming_file_and_field(wf: Workflow) -> None:
+    """Several corruptions at once; the validation rule names each by file and field, no archive."""
+    ensure_complete(wf)
+    saved = {p: p.read_bytes() for p in wf.run.glob("tp*-cp*.*")}
+    wf.remove(*wf.finals)
+    stale = wf.run / "tp4-cp1.json"
+    try:
+        _edit(wf.report("tp1-cp1"), lambda r: r.update(passed=False))
+        _edit(wf.report("tp1-cp2"), lambda r: (r.update(fallback=True, actual_backend="cuda-sm90"), r.pop("reduction")))
+        _nan_statistic(wf.report("tp2-cp1"))
+        raw = wf.run / "tp1-cp1.lse.f32"
+        data = bytearray(raw.read_bytes())
+        data[9] ^= 0x01
+        raw.write_bytes(bytes(data))
+        stale.write_bytes(saved[wf.report("tp1-cp1")])  # a report of a topology the plan does not list
+        done = snakemake(wf.repo)
+        text = text_of(done)
+        assert done.returncode != 0
+        assert failed_rules(text) == ["validation"], text[-4000:]
+        assert not started(text, "archive") and not any(p.exists() for p in wf.finals)
+        assert not (wf.run / "validation.json").exists()  # a failed gate leaves no passing record
+        log = wf.log("validation")
+        for expected in (
+            "tp1-cp1.json: passed: is False",
+            "tp1-cp2.json: fallback: is True",
+            "tp1-cp2.json: actual_backend: is 'cuda-sm90'",
+            "tp1-cp2.json: (file): schema report: 'reduction' is a required property",
+            "tp2-cp1.json: drift.fp32_oracle.lse.max_abs: non-finite literal NaN",
+            "tp1-cp1.json: tensors.lse.sha256:",
+            "tp4-cp1.json: (file): topology tp4-cp1 is not in plan.json",
+        ):
+            assert expected in log, (expected, log)
+    finally:
+        for path, data in saved.items():
+            path.write_bytes(data)
+        stale.unlink(missing_ok=True)
+
+
+def test_fingerprint_differing_in_one_topology_fails_the_crosscheck_rule(wf: Workflow) -> None:
+    """Starts from restored (good) reports; validation passes, the cross-topology check does not."""
+    path = wf.report("tp2-cp1")
+    saved = path.read_bytes()
+    wf.remove(*wf.finals)
+    try:
+        _edit(path, lambda r: r["bitwise_fingerprints"].update(candidate_grad_sha256="0" * 64))
+        done = snakemake(wf.repo)
+        text = text_of(done)
+        assert done.returncode != 0
+        assert failed_rules(text) == ["crosscheck"], text[-4000:]
+        assert (wf.run / "validation.json").is_file()  # the per-report gate passed...
+        log = wf.log("crosscheck")  # ...the cross-topology gate names topology and field
+        assert f"tp2-cp1: bitwise_fingerprints.candidate_grad_sha256: '{'0' * 64}' differs from tp1-cp1's" in log
+        assert "tp1-cp2: bitwise" not in log
+        assert not started(text, "archive") and not any(p.exists() for p in wf.finals)
+    finally:
+        path.write_bytes(saved)
+
+
+def test_really_failing_topology_keeps_its_report_and_blocks_the_archive(wf: Workflow) -> None:
+    """TP=2 x CP=1 really runs with a perturbed candidate (RL_ENGINE_FAULT=perturb:2x1)."""
+    wf.remove(*wf.files_of("tp2-cp1"), *wf.finals)
+    done = snakemake(wf.repo, env=env_for(wf.repo, {"RL_ENGINE_FAULT": "perturb:2x1"}))
+    text = text_of(done)
+    assert done.returncode != 0
+    assert failed_rules(text) == ["validation"], text[-4000:]  # the topology rule kept its report
+    report = jsonio.load(wf.report("tp2-cp1"))
+    assert report["passed"] is False and report["fault_injection"] == "perturb:2x1"
+    assert "acceptance failed; report kept for the validation gate" in wf.log("tp2-cp1")
+    log = wf.log("validation")
+    assert "tp2-cp1.json: passed: is False" in log and "tp2-cp1.json: failures: must be empty" in log
+    assert "tp1-cp1.json:" not in log and "tp1-cp2.json:" not in log
+    assert not started(text, "archive") and not any(p.exists() for p in wf.finals)
+
+
+def test_hanging_rank_fails_the_rule_at_its_time_limit(wf: Workflow) -> None:
+    """Rank 1 of TP=2 x CP=1 sleeps forever once the mesh is up; with topology_timeout_s=20 the
+    rule fails at the limit. TP=1 x CP=2 (two ranks, same limit, same run) completes: the control."""
+    wf.remove(*wf.files_of("tp2-cp1"), *wf.files_of("tp1-cp2"))
+    targets = [str(wf.report(label).relative_to(wf.repo)) for label in ("tp1-cp2", "tp2-cp1")]
+    env = env_for(wf.repo, {"RL_ENGINE_FAULT": "hang:2x1:1"})
+    done = snakemake(wf.repo, *targets, "--config", f"topology_timeout_s={HANG_LIMIT_S}", env=env, timeout=600)
+    text = text_of(done)
+    assert done.returncode != 0
+    assert failed_rules(text) == ["topology"], text[-4000:]
+    assert "wildcards: tp=2, cp=1" in text and "returned non-zero exit status 124." in text
+    for tp, cp in ((1, 2), (2, 1)):  # both topologies ran under the same limit
+        assert f"--tp {tp} --cp {cp} --timeout-s {HANG_LIMIT_S} " in text
+    log = wf.log("tp2-cp1")
+    assert (f"error: topology 2x1 exceeded --timeout-s={HANG_LIMIT_S}; its process group was killed and its "
+            "outputs removed") in log
+    assert [p.name for p in wf.files_of("tp2-cp1") if p.exists()] == []
+    assert jsonio.load(wf.report("tp1-cp2"))["passed"] is True
+    assert processes_mentioning(str(wf.report("tp2-cp1"))) == []  # the hung rank is gone too
