@@ -141,3 +141,17 @@ def test_bad_flags_are_refused_with_the_field_named(
 def test_config_refuses_unknown_paths() -> None:
     with pytest.raises(BenchError, match=r"paths=\['fast'\] must be a non-empty subset"):
         BenchConfig(tokens=(8,), vocab=512, tiles=4, paths=("fast",))
+
+
+def test_a_size_that_does_not_fit_in_free_memory_is_refused_up_front(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rl_engine.benchmark import memory
+
+    config = BenchConfig(tokens=(8192,), vocab=151936, tiles=64)
+    monkeypatch.setattr(memory, "mem_available", lambda: 12 * 2**30)
+    with pytest.raises(BenchError, match=r"tokens=8192 .* needs about 17\.9 GiB .* MemAvailable is 12\.0 GiB"):
+        memory.check_memory_headroom(8192, config)
+    memory.check_memory_headroom(8192, BenchConfig(tokens=(8192,), paths=("candidate", "floor")))
+    monkeypatch.setattr(memory, "mem_available", lambda: 20 * 2**30)
+    memory.check_memory_headroom(8192, config)  # enough: no error
