@@ -53,6 +53,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; artifacts are meant to be shared
         os.replace(tmp, target)
     except BaseException:
         try:
