@@ -201,3 +201,27 @@ def test_backend_under_inference_mode_gives_the_same_bytes() -> None:
     for a, b in ((plain.selected_logp, inf.selected_logp), (plain.lse, inf.lse),
                  (plain.entropy, inf.entropy)):
         assert fingerprint(a.detach()) == fingerprint(b)
+
+
+def test_unthreaded_runs_every_chunk_inline_on_the_callers_thread() -> None:
+    """Accelerator tensors take ``threaded=False``: one workspace, the caller's thread only."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        threads_seen: set[int] = set()
+        made: list[int] = []
+        order: list[int] = []
+
+        def work(ws: object, start: int, stop: int) -> None:
+            threads_seen.add(threading.get_ident())
+            order.append(start)
+
+        for_each_chunk(10, 3, lambda: made.append(1), work, threaded=False)
+        assert threads_seen == {threading.get_ident()}
+        assert made == [1] and order == [0, 3, 6, 9]
+        # negative control: threaded, the same loop uses more than one workspace
+        made.clear()
+        for_each_chunk(10, 3, lambda: made.append(1), work)
+        assert len(made) == 2
+    finally:
+        torch.set_num_threads(before)

@@ -7,87 +7,32 @@ archive with the reviewer's verifier.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
-import sys
 import tarfile
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
+from _workflow_util import (
+    SHORT_REGRESSION,
+    SMALL_VOCAB,
+    archive_of,
+    copy_repo,
+    jobs_run,
+    snakemake,
+    verify,
+    write_config,
+)
 from rl_engine import jsonio
 
-REPO = Path(__file__).resolve().parent.parent
-IGNORE = shutil.ignore_patterns(
-    ".git", "results", ".snakemake", "__pycache__", "*.egg-info", ".pytest_cache", "build"
-)
-# A fast focused regression for workflow tests (the default config runs the guide's six files).
-SHORT_REGRESSION = {"tests": ["tests/test_logprob_contract.py"], "pytest_args": ["-x"]}
 SMALL_CASE = {
-    "real_vocab": 1000,
-    "padded_vocab": 1024,
-    "num_vocab_tiles": 8,
+    **SMALL_VOCAB,
     "topologies": ["1x1", "1x2", "2x1", "2x2", "4x1"],
     "regression": SHORT_REGRESSION,
 }
-
-
-def copy_repo(dest: Path) -> Path:
-    repo = dest / "repo"
-    shutil.copytree(REPO, repo, ignore=IGNORE)
-    (repo / "results").mkdir(exist_ok=True)
-    return repo
-
-
-def write_config(repo: Path, overrides: dict) -> Path:
-    config = yaml.safe_load((repo / "config.yaml").read_text())
-    config.update(overrides)
-    path = repo / "test-config.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
-
-
-def env_for(repo: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def snakemake(repo: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "snakemake", "--cores", "8", "--configfile", "test-config.yaml", *args]
-    return subprocess.run(
-        cmd, cwd=repo, env=env_for(repo), capture_output=True, text=True, timeout=timeout
-    )
-
-
-def verify(repo: Path, archive: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rl_engine", "verify", str(archive), *args],
-        cwd=repo, env=env_for(repo), capture_output=True, text=True, timeout=600,
-    )
-
-
-def jobs_run(output: str) -> dict[str, int]:
-    """Rule -> job count from snakemake's 'Job stats' table."""
-    counts: dict[str, int] = {}
-    match = re.search(r"Job stats:\n(.*?)\n\n", output, re.S)
-    if not match:
-        return counts
-    for line in match.group(1).splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("job", "total"):
-            counts[parts[0]] = int(parts[1])
-    return counts
-
-
-def archive_of(repo: Path) -> Path:
-    found = sorted((repo / "results").glob("*.tar.gz"))
-    assert len(found) == 1, found
-    return found[0]
 
 
 @pytest.fixture(scope="module")

@@ -154,6 +154,13 @@ class Mesh:
         return dist.group.WORLD
 
 
+def group_geometry(group: Any) -> tuple[int, int]:
+    """``(size, rank)`` of a process group; ``None`` stands for a single-rank group."""
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
 def check_device(device: str) -> str:
     """The distributed backend for ``device``; CUDA must really be there (no fallback)."""
     if device not in DEVICES:
@@ -225,5 +232,6 @@ __all__ = [
     "ParallelDims",
     "check_device",
     "destroy",
+    "group_geometry",
     "init_mesh",
 ]

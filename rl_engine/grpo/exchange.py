@@ -25,16 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rl_engine.distributed.mesh import group_geometry
 from rl_engine.grpo.contract import GRPOContract, GRPOContractError
 from rl_engine.tensorio import tensor_bytes
 
 DIGEST_BYTES = 32
-
-
-def _group_geometry(group: Any) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def check_world_group(contract: GRPOContract, group: Any) -> None:
@@ -44,7 +39,7 @@ def check_world_group(contract: GRPOContract, group: Any) -> None:
             f"dp*cp*tp={contract.world_size} ranks need the loss's world group; pass "
             "world_group= (e.g. mesh.world_group, ranks ordered TP fastest)"
         )
-    size, rank = _group_geometry(group)
+    size, rank = group_geometry(group)
     if size != contract.world_size:
         raise GRPOContractError(
             f"world group size {size} disagrees with dp_world_size*cp_world_size*tp_world_size="

@@ -31,6 +31,7 @@ def for_each_chunk(
     chunk_rows: int,
     make_workspace: Callable[[], W],
     work: Callable[[W, int, int], None],
+    threaded: bool = True,
 ) -> None:
     """Call ``work(workspace, start, stop)`` once for every chunk ``[start, stop)`` of rows.
 
@@ -40,12 +41,14 @@ def for_each_chunk(
     always runs under ``torch.no_grad()`` (the chunk loops write into preallocated
     outputs and are never differentiated), and in inference mode exactly when the caller
     is (both modes are per thread, so the workers take them from the caller).
+    ``threaded=False`` (accelerators: kernels are queued asynchronously on one stream)
+    always runs inline.
     """
     starts = range(0, rows, chunk_rows)
     if not starts:
         return
     threads = torch.get_num_threads()
-    workers = min(threads, len(starts))
+    workers = min(threads, len(starts)) if threaded else 1
     if workers <= 1:
         with torch.no_grad():
             ws = make_workspace()

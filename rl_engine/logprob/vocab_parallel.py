@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.chunk_threads import for_each_chunk
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.tiles import (
@@ -47,12 +48,6 @@ class LogprobOutput:
     entropy: torch.Tensor | None
 
 
-def _group_geometry(group: Any) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
 def check_group(contract: LogprobContract, group: Any) -> None:
     """The TP group must match the contract's size and rank; checked before any collective."""
     if contract.tp_world_size > 1 and group is None:
@@ -60,7 +55,7 @@ def check_group(contract: LogprobContract, group: Any) -> None:
             f"tp_world_size={contract.tp_world_size} needs a TP process group; pass the "
             "mesh's TP group as group="
         )
-    size, rank = _group_geometry(group)
+    size, rank = group_geometry(group)
     if size != contract.tp_world_size:
         raise LogprobContractError(
             f"TP group size {size} disagrees with tp_world_size={contract.tp_world_size}; "
@@ -137,7 +132,7 @@ def _local_partials(
             row_min[start:stop] if row_min is not None else None,
         )
 
-    for_each_chunk(rows, chunk_rows, workspace, work)
+    for_each_chunk(rows, chunk_rows, workspace, work, threaded=logits.device.type == "cpu")
     finite = rows_finite(m, row_min, width, real_local) if row_min is not None else None
     return m, s, t, finite
 
@@ -281,7 +276,11 @@ def vocab_parallel_backward(
         )
 
     for_each_chunk(
-        rows, chunk_rows, lambda: GradWorkspace(min(chunk_rows, rows), local_vocab, logits.device), work
+        rows,
+        chunk_rows,
+        lambda: GradWorkspace(min(chunk_rows, rows), local_vocab, logits.device),
+        work,
+        threaded=logits.device.type == "cpu",
     )
     zero_rows = (coef == 0).nonzero().squeeze(1)  # one host sync per backward call
     if zero_rows.numel():
