@@ -338,14 +338,32 @@ def test_old_equal_to_current_gives_ratio_one_and_no_clipping(
     assert float(grad.abs().max()) > 0
 
 
-def test_group_of_equal_rewards_gets_advantage_exactly_zero(data: dict[str, torch.Tensor]) -> None:
+@pytest.mark.parametrize("value", [1.5, 0.9554973840713501, 0.1, -7.3, 1e-3])
+def test_group_of_equal_rewards_gets_advantage_exactly_zero(
+    data: dict[str, torch.Tensor], value: float
+) -> None:
+    # Non-dyadic values: an FP32 sum of them divided by the group size does not give the value
+    # back, so a centre computed in FP32 would be a tiny non-zero that the std division inflates.
     rewards = data["rewards"].clone()
-    rewards[:GROUP] = 1.5
+    rewards[:GROUP] = value
     for mode in ("group_mean_std", "group_mean"):
         out, _ = run_loss(make_contract(advantage_mode=mode), dict(data, rewards=rewards),
                           with_ref=False)
         assert tensor_bytes(out.advantages[:GROUP]) == tensor_bytes(torch.zeros(GROUP)), mode
         assert float(out.advantages[GROUP:].abs().max()) > 0, mode
+
+
+def test_equal_rewards_of_every_group_size_centre_exactly() -> None:
+    from rl_engine.grpo.objective import group_advantages
+
+    g = torch.Generator().manual_seed(5)
+    for size in range(2, 17):
+        contract = make_contract(num_sequences=2 * size, group_size=size)
+        for value in torch.rand(32, generator=g).tolist():
+            rewards = torch.full((2 * size,), value, dtype=torch.float32)
+            adv = group_advantages(rewards, contract)
+            assert tensor_bytes(adv) == tensor_bytes(torch.zeros(2 * size)), (size, value)
+
 
 
 ORACLE_CASES: dict[str, dict[str, Any]] = {

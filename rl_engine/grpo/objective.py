@@ -39,15 +39,19 @@ def group_advantages(rewards: torch.Tensor, contract: GRPOContract) -> torch.Ten
     with the unbiased (n - 1) standard deviation; a group of equal rewards gives exactly 0.
     """
     size = contract.group_size
-    grouped = rewards.reshape(contract.num_groups, size)
-    mean = ordered_sum(grouped) / float(size)
+    # Centre and scale in FP64 from the FP32 rewards: a group of n equal rewards r sums to
+    # exactly n*r there (n <= 2**29), so the mean is exactly r and the advantage exactly 0;
+    # in FP32 the fold's rounding would leave a tiny non-zero centre that the division by
+    # (std + adv_eps) blows up. The result is rounded once to FP32.
+    grouped = rewards.reshape(contract.num_groups, size).to(torch.float64)
+    mean = fold_sum(grouped) / float(size)
     centered = grouped - mean.unsqueeze(1)
     if contract.advantage_mode == "group_mean":
-        return centered.reshape(-1)
+        return centered.reshape(-1).to(torch.float32)
     assert contract.adv_eps is not None
-    var = ordered_sum(centered * centered) / float(size - 1)
+    var = fold_sum(centered * centered) / float(size - 1)
     std = torch.sqrt(var)
-    return (centered / (std + contract.adv_eps).unsqueeze(1)).reshape(-1)
+    return (centered / (std + contract.adv_eps).unsqueeze(1)).reshape(-1).to(torch.float32)
 
 
 @dataclass(frozen=True)
