@@ -8,12 +8,17 @@ into an exit code a workflow can act on:
 * ``1``: a report was written and failed acceptance (kept for the evidence);
 * ``2``: no valid report: the plan or topology is bad, the runner failed, or the report is
   missing, unreadable, or inconsistent with the runner's exit status;
-* ``124``: the time limit passed; the whole process group was killed.
+* ``124``: the time limit passed; the runner and every process it started were killed;
+* ``128 + N``: ``launch`` received signal ``N`` (SIGTERM, SIGHUP or SIGINT: a cancelled
+  Snakemake job, a CI time limit, a closed terminal); the runner and every process it
+  started were killed before ``launch`` exited.
 
 ``torchrun`` folds every failing worker's exit code into 1, so the distinction between 1
 and 2 is taken from the artifacts: a readable report with ``passed=false`` is 1. Before
 starting, the topology's report and raw tensors are removed, and after any outcome other
 than 0 or 1 they are removed again, so a failure never leaves a stale or partial output.
+``torchrun`` starts every rank in a session of its own, so stopping means the whole tree
+(:func:`rl_engine.testing.proctree.stop_tree`), not only torchrun's process group.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from types import FrameType
 from typing import Any, TextIO
 
 from rl_engine import jsonio, schemas
@@ -33,9 +40,11 @@ from rl_engine.testing.distributed_logprob_comparison import (
     EXIT_PASSED,
     remove_outputs,
 )
+from rl_engine.testing.proctree import stop_tree
 
 EXIT_TIMEOUT = 124
 KILL_GRACE_S = 5.0
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
 class LaunchError(ValueError):
@@ -65,22 +74,53 @@ def planned_topology(plan_path: str, tp: int, cp: int) -> tuple[dict[str, Any], 
     raise LaunchError(f"topology {tp}x{cp} is not in {plan_path} (planned: {listed}); re-plan or pick one of those")
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the whole process group, then SIGKILL what is left after a grace period."""
-    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            if sig == signal.SIGTERM:
-                os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group, if any
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
-            return
+class _Stopped(BaseException):
+    """Raised in the main thread by a stop signal once :class:`_StopSignals` is armed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _StopSignals:
+    """Handlers for :data:`STOP_SIGNALS` while a launch runs; the previous ones come back after.
+
+    Before :meth:`arm` (and after :meth:`disarm`) a signal is only recorded; while armed, the
+    first one raises :class:`_Stopped` and disarms, so the cleanup it starts is never cut
+    short by a second signal. ``received`` keeps every signal seen.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._armed = False
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.received.append(signum)
+        if self._armed:
+            self._armed = False
+            raise _Stopped(signum)
+
+    def __enter__(self) -> "_StopSignals":
+        if threading.current_thread() is not threading.main_thread():
+            raise LaunchError("launch must run in the main thread: it handles SIGTERM, SIGHUP and SIGINT")
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._armed = False
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+    def arm(self) -> None:
+        """Raise for a signal that came before; from now on, raise when one comes."""
+        if self.received:
+            raise _Stopped(self.received[0])
+        self._armed = True
+
+    def disarm(self) -> None:
+        self._armed = False
 
 
 def report_verdict(output: str) -> bool | None:
@@ -96,29 +136,38 @@ def report_verdict(output: str) -> bool | None:
     return bool(report["passed"])
 
 
-def launch(plan_path: str, tp: int, cp: int, timeout_s: float, log: TextIO | None) -> int:
-    if not timeout_s > 0:
-        raise LaunchError(f"--timeout-s={timeout_s} must be > 0")
-    case, entry = planned_topology(plan_path, tp, cp)
-    output = entry["output"]
+def _stopped(tp: int, cp: int, output: str, signum: int) -> int:
     remove_outputs(output)
-    env = {**os.environ, "OMP_NUM_THREADS": str(case["threads_per_rank"])}
-    stream = log if log is not None else None
-    proc = subprocess.Popen(entry["argv"], env=env, stdout=stream, stderr=subprocess.STDOUT if stream else None,
-                            start_new_session=True)
+    name = signal.Signals(signum).name
+    print(f"error: topology {tp}x{cp}: launch received {name}; the runner and its ranks were "
+          "killed and its outputs removed", file=sys.stderr)
+    return 128 + signum
+
+
+def _outcome(proc: subprocess.Popen[bytes], tp: int, cp: int, output: str, timeout_s: float,
+             stops: _StopSignals) -> int:
+    """The exit code of a started runner; every path that does not return 0 or 1 cleans up."""
     try:
-        rc = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        remove_outputs(output)
-        print(f"error: topology {tp}x{cp} exceeded --timeout-s={timeout_s:g}; its process group "
-              "was killed and its outputs removed", file=sys.stderr)
-        return EXIT_TIMEOUT
+        stops.arm()
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stops.disarm()
+            stop_tree(proc, KILL_GRACE_S)
+            remove_outputs(output)
+            print(f"error: topology {tp}x{cp} exceeded --timeout-s={timeout_s:g}; the runner and "
+                  "its ranks were killed and its outputs removed", file=sys.stderr)
+            return EXIT_TIMEOUT
+        verdict = report_verdict(output)
+        stops.disarm()
+    except _Stopped as stop:
+        stop_tree(proc, KILL_GRACE_S)
+        return _stopped(tp, cp, output, stop.signum)
     except BaseException:
-        _kill_group(proc)
+        stops.disarm()
+        stop_tree(proc, KILL_GRACE_S)
         remove_outputs(output)
         raise
-    verdict = report_verdict(output)
     if rc == 0 and verdict is True:
         return EXIT_PASSED
     if verdict is False:
@@ -128,6 +177,31 @@ def launch(plan_path: str, tp: int, cp: int, timeout_s: float, log: TextIO | Non
     why = "no valid report was written" if verdict is None else "the runner failed after writing a passing report"
     print(f"error: topology {tp}x{cp}: runner exited with {rc}; {why}; outputs removed", file=sys.stderr)
     return EXIT_NO_REPORT
+
+
+def launch(plan_path: str, tp: int, cp: int, timeout_s: float, log: TextIO | None) -> int:
+    """Run one planned topology; see the module docstring for the exit codes.
+
+    SIGTERM, SIGHUP and SIGINT are handled from before the runner starts until ``launch``
+    returns: the runner's whole tree is killed, the topology's outputs are removed and the
+    exit code is ``128 + signal``, whatever the run's own outcome would have been.
+    """
+    if not timeout_s > 0:
+        raise LaunchError(f"--timeout-s={timeout_s} must be > 0")
+    case, entry = planned_topology(plan_path, tp, cp)
+    output = entry["output"]
+    with _StopSignals() as stops:
+        remove_outputs(output)
+        if stops.received:
+            return _stopped(tp, cp, output, stops.received[0])
+        env = {**os.environ, "OMP_NUM_THREADS": str(case["threads_per_rank"])}
+        proc = subprocess.Popen(entry["argv"], env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
+                                start_new_session=True)
+        code = _outcome(proc, tp, cp, output, timeout_s, stops)
+        if stops.received and code != 128 + stops.received[0]:
+            # a stop that came while the outcome was being settled: the job was cancelled
+            return _stopped(tp, cp, output, stops.received[0])
+        return code
 
 
 def main(argv: list[str] | None = None) -> int:

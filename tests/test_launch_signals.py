@@ -1,0 +1,161 @@
+"""``python -m rl_engine launch`` cleans up when it is told to stop (SIGTERM, SIGHUP, SIGINT).
+
+Snakemake cancelling a job, a CI time limit or a closed terminal signals ``launch``; torchrun
+runs in its own session and its ranks in sessions of their own, so nothing reaches them
+unless ``launch`` passes the stop on. Each case here starts a real ``launch`` of a real small
+plan whose rank 1 hangs once the mesh is up, waits until torchrun and both ranks exist,
+signals ``launch`` and checks: exit status ``128 + signal``, none of those processes (nor
+anything else naming the report) left alive, no report or raw tensor on disk, and a message
+in the log. The three signals run at the same time (one wall-clock wait for all).
+Without the handlers, ``launch`` dies of the signal and torchrun and its ranks keep running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rl_engine import cli, jsonio
+from rl_engine.logprob.vocab_parallel import BACKEND_ID
+from rl_engine.testing.proctree import alive, descendants, stop_tree
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = [
+    "--device", "cpu", "--dtype", "bf16", "--backend", BACKEND_ID, "--real-vocab", "60",
+    "--padded-vocab", "64", "--num-vocab-tiles", "4", "--batch", "2", "--seq", "8",
+    "--prompt-tokens", "4", "--seed", "7", "--timeout-s", "120",
+]
+SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+STARTUP_LIMIT_S = 240.0  # a failure bound for slow machines, not a measured claim
+EXIT_LIMIT_S = 120.0
+
+
+def _mentioning(text: str) -> list[int]:
+    """Live (non-zombie) processes whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def _plan(run: Path) -> Path:
+    plan = run / "plan.json"
+    assert cli.main(["plan", *TINY, "--tp", "1", "--cp", "2", "--output", str(plan)]) == 0
+    return plan
+
+
+def _start(run: Path, plan: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "RL_ENGINE_FAULT": "hang:1x2:1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "rl_engine", "launch", "--plan", str(plan), "--tp", "1", "--cp", "2",
+         "--timeout-s", "600", "--log", str(run / "launch.log")],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+
+
+def test_signalled_launch_kills_torchrun_and_its_ranks_and_leaves_no_outputs(tmp_path: Path) -> None:
+    runs = {sig: tmp_path / sig.name for sig in SIGNALS}
+    procs: dict[signal.Signals, subprocess.Popen[bytes]] = {}
+    watched: dict[signal.Signals, list[int]] = {}
+    try:
+        for sig, run in runs.items():
+            run.mkdir()
+            procs[sig] = _start(run, _plan(run))
+        deadline = time.monotonic() + STARTUP_LIMIT_S
+        for sig, run in runs.items():
+            report = str(run / "tp1-cp2.json")
+            # torchrun and its two ranks all carry the report path in their command lines
+            while len(_mentioning(report)) < 3:
+                assert procs[sig].poll() is None, procs[sig].communicate()[0].decode()
+                assert time.monotonic() < deadline, f"{sig.name}: torchrun and 2 ranks never appeared"
+                time.sleep(0.2)
+            watched[sig] = sorted(set(_mentioning(report)) | {pid for pid, _ in descendants(procs[sig].pid)})
+            assert len(watched[sig]) >= 3, watched[sig]
+        for sig, proc in procs.items():
+            proc.send_signal(sig)
+        for sig, proc in procs.items():
+            out = proc.communicate(timeout=EXIT_LIMIT_S)[0].decode()
+            run = runs[sig]
+            assert proc.returncode == 128 + sig, (sig.name, proc.returncode, out)
+            assert [pid for pid in watched[sig] if alive(pid)] == [], sig.name
+            assert _mentioning(str(run / "tp1-cp2.json")) == [], sig.name
+            assert sorted(p.name for p in run.iterdir()) == ["launch.log", "plan.json"], sig.name
+            assert f"received {sig.name}" in out and "outputs removed" in out, out
+        # negative control on the same evidence: the plan still names the output that is now absent
+        for run in runs.values():
+            assert jsonio.load(run / "plan.json")["topologies"][0]["output"] == str(run / "tp1-cp2.json")
+    finally:
+        for sig, proc in procs.items():  # never leave a hung rank behind, whatever failed above
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            for pid in _mentioning(str(runs[sig] / "tp1-cp2.json")):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def test_descendants_and_alive_see_a_real_tree(tmp_path: Path) -> None:
+    """The /proc helpers find a grandchild, by pid and start time, and see it die (negative control)."""
+    proc = subprocess.Popen([sys.executable, "-c",
+                             "import subprocess, sys, time; "
+                             "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+                             "print(c.pid, flush=True); time.sleep(600)"],
+                            stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        grandchild = int(proc.stdout.readline())
+        tree = descendants(proc.pid)
+        assert grandchild in {pid for pid, _ in tree}
+        assert proc.pid not in {pid for pid, _ in tree}
+        assert alive(grandchild) and alive(proc.pid)
+        assert descendants(grandchild) == set()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while alive(grandchild):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert not alive(proc.pid)
+
+
+# A torchrun stand-in that ignores SIGTERM and starts a "rank" in a session of its own that
+# ignores SIGTERM too: only a SIGKILL aimed at the rank itself (not at the launcher's group)
+# stops it.
+STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+rank = subprocess.Popen([sys.executable, '-c',
+    'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(600)'],
+    start_new_session=True, stdout=subprocess.PIPE)
+rank.stdout.readline()
+print(rank.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_stop_tree_kills_a_rank_in_its_own_session_that_ignores_sigterm() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout is not None
+    rank = int(proc.stdout.readline())
+    try:
+        assert os.getsid(rank) == rank != os.getsid(proc.pid)  # outside the launcher's session and group
+        stop_tree(proc, grace_s=0.5)
+        assert proc.returncode == -signal.SIGKILL  # SIGTERM was ignored: the grace ran out
+        assert not alive(rank)
+    finally:
+        if alive(rank):
+            os.kill(rank, signal.SIGKILL)
