@@ -150,17 +150,20 @@ REFUSALS = [
     ({"backend": "auto"}, (), "backend='auto' is refused"),
     ({"backend": "nope"}, (), "backend='nope' is not registered"),
     ({"num_vocab_tiles": "7"}, (), "num_vocab_tiles=7 does not divide padded_vocab=1024"),
-    ({}, ("--topologies", "3x1"), "tp=3 does not split num_vocab_tiles=8 evenly"),
+    ({}, ("--topologies", "1x1,3x1"), "tp=3 does not split num_vocab_tiles=8 evenly"),
+    ({}, ("--tp", "3", "--cp", "1"), "topology 3x1: tp=3 does not split num_vocab_tiles=8 evenly"),
     ({"prompt_tokens": "16"}, (), "prompt_tokens=16 must be < seq=16"),
-    ({"num_vocab_tiles": "4"}, ("--topologies", "4x2"), "tp*cp=8 ranks exceed num_vocab_tiles=4"),
-    ({"seq": "12", "prompt_tokens": "2"}, ("--cp-layout", "zigzag", "--topologies", "1x4"),
+    ({"num_vocab_tiles": "4"}, ("--topologies", "1x1,4x2"), "tp*cp=8 ranks exceed num_vocab_tiles=4"),
+    ({"seq": "12", "prompt_tokens": "2"}, ("--cp-layout", "zigzag", "--tp", "1", "--cp", "4"),
      "cannot be split into 8 equal chunks for cp=4"),
-    ({"num_vocab_tiles": "64"}, ("--topologies", "16x1"), "tp=16 exceeds the supported maximum 8"),
-    ({}, ("--topologies", "1x8"), "cp=8 exceeds the supported maximum 4"),
+    ({"num_vocab_tiles": "64"}, ("--tp", "16", "--cp", "1"), "tp=16 exceeds the supported maximum 8"),
+    ({}, ("--topologies", "1x1,1x8"), "cp=8 exceeds the supported maximum 4"),
     ({}, ("--dist-backend", "nccl"), "dist_backend='nccl' does not serve device='cpu'"),
     ({"real_vocab": "2000"}, (), "real_vocab=2000 exceeds padded_vocab=1024"),
     ({}, ("--topologies", "2x"), "is not <TP>x<CP>"),
     ({}, ("--topologies", "1x1,1x1"), "lists 1x1 twice"),
+    ({}, ("--topologies", "2x1"), "--topologies: 1 topology listed, but the cross-topology check compares at "
+     "least 2; list 2 or more (e.g. 1x1 and 2x1); to plan one topology alone use --tp T --cp C"),
     ({}, ("--tp", "2"), "give both or neither"),
     ({}, ("--logit-scale", "0"), "logit_scale=0.0 must be > 0"),
     ({}, ("--atol", "nan"), "atol=nan must be a finite number"),
@@ -388,7 +391,7 @@ def _launch(plan: Path, tp: int, cp: int, timeout_s: float, log: Path) -> int:
 
 
 def test_torchrun_tp2_cp2_writes_a_passing_schema_valid_report(tmp_path: Path) -> None:
-    rc, plan_path = _plan(tmp_path, "--topologies", "2x2")
+    rc, plan_path = _plan(tmp_path, "--tp", "2", "--cp", "2")
     assert rc == 0
     plan = jsonio.load(plan_path)
     entry = plan["topologies"][0]
@@ -420,7 +423,7 @@ def test_torchrun_tp2_cp2_writes_a_passing_schema_valid_report(tmp_path: Path) -
 
 
 def test_torchrun_perturbed_candidate_is_reported_as_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    rc, plan_path = _plan(tmp_path, "--topologies", "1x2")
+    rc, plan_path = _plan(tmp_path, "--tp", "1", "--cp", "2")
     assert rc == 0
     monkeypatch.setenv("RL_ENGINE_FAULT", "perturb:1x2")
     assert _launch(plan_path, 1, 2, 240, tmp_path / "log") == 1, (tmp_path / "log").read_text()
@@ -461,7 +464,7 @@ def _processes_mentioning(text: str) -> list[int]:
 
 def test_launch_time_limit_kills_the_group_and_leaves_no_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    rc, plan_path = _plan(tmp_path, "--topologies", "1x2")
+    rc, plan_path = _plan(tmp_path, "--tp", "1", "--cp", "2")
     assert rc == 0
     (tmp_path / "tp1-cp2.json").write_text("{}")
     (tmp_path / "tp1-cp2.lse.f32").write_bytes(b"stale")
@@ -473,7 +476,7 @@ def test_launch_time_limit_kills_the_group_and_leaves_no_outputs(tmp_path: Path,
 
 
 def test_launch_refuses_unplanned_topology_and_bad_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, plan_path = _plan(tmp_path, "--topologies", "1x1")
+    rc, plan_path = _plan(tmp_path, "--tp", "1", "--cp", "1")
     assert rc == 0
     assert _launch(plan_path, 2, 2, 10, tmp_path / "log") == 2
     assert "topology 2x2 is not in" in capsys.readouterr().err

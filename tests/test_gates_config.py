@@ -19,6 +19,8 @@ import yaml
 from _workflow_util import REPO, SMALL_VOCAB, copy_repo, env_for, jobs_run, snakemake_cmd, write_config
 from rl_engine.evidence import config as wfconfig
 from rl_engine.evidence.config import WorkflowConfigError, check_config, load_config
+from rl_engine.testing import campaign
+from rl_engine.testing import distributed_logprob_comparison as runner
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "schemas" / "config"
 SCHEMA_FIX = "fix the value in config.yaml (see schemas/config.schema.json)"
@@ -48,35 +50,43 @@ BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("unknown dtype", {"dtype": "bf8"},
      ("config key 'dtype' has value 'bf8'", "is not one of ['bf16', 'fp16', 'fp32']", SCHEMA_FIX)),
     ("unknown backend", {"backend": "triton"},
-     ("config key 'backend' has value 'triton'", "use an explicit registered backend, one of [",
+     ("config key 'backend' has value 'triton'", "is not registered; use one of [",
       "'pytorch-vocab-parallel-logp-ws2'")),
     ("auto backend", {"backend": "auto"}, ("config key 'backend' has value 'auto'", "'auto' is refused")),
     ("unknown device", {"device": "tpu"}, ("config key 'device' has value 'tpu'", "is not one of ['cpu', 'cuda']")),
     ("real vocab above padded", {"real_vocab": 1025},
-     ("config key 'real_vocab' has value 1025, above padded_vocab=1024", "set padded_vocab >= real_vocab")),
+     ("config key 'real_vocab' has value 1025", "exceeds padded_vocab=1024",
+      "the padded vocabulary must be >= the real one")),
     ("tiles not dividing padded", {"num_vocab_tiles": 7},
      ("config key 'num_vocab_tiles' has value 7", "does not divide padded_vocab=1024",
       "choose a tile count that divides 1024")),
     ("shards not tile aligned", {"topologies": ["1x1", "3x1"]},
      ("config key 'topologies[1]' has value '3x1'", "would not be tile aligned", "use a TP degree that divides 8")),
     ("TP*CP above the tile count", {"num_vocab_tiles": 4, "topologies": ["1x1", "4x2"]},
-     ("config key 'topologies[1]' has value '4x2'", "TP*CP=8 exceeds num_vocab_tiles=4",
-      "use fewer ranks or more tiles")),
-    ("TP above the supported range", {"topologies": ["16x1"]},
-     ("config key 'topologies[0]' has value '16x1'", "TP up to 8 and CP up to 4", "remove it")),
+     ("config key 'topologies[1]' has value '4x2'", "tp*cp=8 ranks exceed num_vocab_tiles=4",
+      "use at most 4 ranks or more tiles")),
+    ("TP above the supported range", {"num_vocab_tiles": 32, "topologies": ["1x1", "16x1"]},
+     ("config key 'topologies[1]' has value '16x1'", "tp=16 exceeds the supported maximum 8", "use tp <= 8")),
+    ("CP above the supported range", {"topologies": ["1x1", "1x8"]},
+     ("config key 'topologies[1]' has value '1x8'", "cp=8 exceeds the supported maximum 4", "use cp <= 4")),
     ("CP not splitting seq", {"seq": 15, "prompt_tokens": 3, "topologies": ["1x1", "1x2"]},
      ("config key 'topologies[1]' has value '1x2'", "seq_len=15 cannot be split into 2 equal chunks",
       "use a sequence length that is a multiple of 2")),
     ("prompt tokens equal seq", {"prompt_tokens": 16},
-     ("config key 'prompt_tokens' has value 16, not below seq=16", "at least one active (response) token")),
+     ("config key 'prompt_tokens' has value 16", "must be < seq=16", "lower prompt_tokens or raise seq")),
     ("prompt tokens above seq", {"prompt_tokens": 40},
-     ("config key 'prompt_tokens' has value 40, not below seq=16",)),
+     ("config key 'prompt_tokens' has value 40", "must be < seq=16")),
     ("duplicate topologies", {"topologies": ["1x1", "2x1", "1x1"]},
      ("config key 'topologies' has value ['1x1', '2x1', '1x1']", "has non-unique elements", SCHEMA_FIX)),
     ("malformed topology", {"topologies": ["1x1", "2*1"]},
      ("config key 'topologies.1' has value '2*1'", "does not match")),
     ("empty topology list", {"topologies": []},
-     ("config key 'topologies' has value []", "should be non-empty", SCHEMA_FIX)),
+     ("config key 'topologies' has value []", "0 topologies listed", "list 2 or more")),
+    ("single topology", {"topologies": ["2x1"]},
+     ("config key 'topologies' has value ['2x1']",
+      "1 topology listed, but the cross-topology check compares at least 2", "list 2 or more (e.g. 1x1 and 2x1)")),
+    ("zero process-group timeout", {"pg_timeout_s": 0},
+     ("config key 'pg_timeout_s' has value 0", "less than or equal to the minimum of 0")),
     ("batch of zero", {"batch": 0}, ("config key 'batch' has value 0", "less than the minimum of 1")),
     ("seq of zero", {"seq": 0}, ("config key 'seq' has value 0", "less than the minimum of 1")),
     ("negative atol", tolerance("bf16", -0.1, 0.0),
@@ -122,6 +132,83 @@ def test_campaign_problems_are_reported_together() -> None:
     for key in ("'backend'", "'real_vocab'", "'prompt_tokens'"):
         assert f"config key {key}" in message, message
     assert message.count("; ") >= 2
+
+
+def test_check_config_runs_the_runners_topology_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One mechanism: tightening the runner's rule tightens check_config (no copy of the rule)."""
+    config = base()
+    assert check_config(config) is config
+    monkeypatch.setattr(campaign, "MAX_CP", 1)
+    with pytest.raises(WorkflowConfigError) as raised:
+        check_config(config)
+    assert str(raised.value) == (
+        "config key 'topologies[1]' has value '1x2': cp=2 exceeds the supported maximum 1; use cp <= 1"
+    )
+
+
+def test_check_config_runs_the_runners_case_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(campaign, "backend_ids", lambda: ["another-backend"])
+    with pytest.raises(WorkflowConfigError) as raised:
+        check_config(base())
+    assert str(raised.value) == (
+        "config key 'backend' has value 'pytorch-vocab-parallel-logp-ws2': backend="
+        "'pytorch-vocab-parallel-logp-ws2' is not registered; use one of ['another-backend']"
+    )
+
+
+def test_schema_minimum_is_the_runners_matrix_minimum() -> None:
+    schema = json.loads((REPO / "schemas" / "config.schema.json").read_text())
+    assert schema["properties"]["topologies"]["minItems"] == campaign.MIN_MATRIX_TOPOLOGIES == 2
+
+
+def _plan_rule(config: dict[str, Any], output: Path) -> list[str]:
+    """The runner's argv as workflow/rules/plan.smk builds it from the config."""
+    tolerance = config["tolerances"][config["dtype"]]
+    return [
+        "--plan", "--device", config["device"], "--backend", config["backend"], "--dtype", config["dtype"],
+        "--real-vocab", str(config["real_vocab"]), "--padded-vocab", str(config["padded_vocab"]),
+        "--num-vocab-tiles", str(config["num_vocab_tiles"]), "--batch", str(config["batch"]),
+        "--seq", str(config["seq"]), "--prompt-tokens", str(config["prompt_tokens"]), "--seed", str(config["seed"]),
+        "--logit-scale", str(config["logit_scale"]), "--cp-layout", config["cp_layout"],
+        "--topologies", ",".join(config["topologies"]), "--atol", str(tolerance["atol"]),
+        "--rtol", str(tolerance["rtol"]), "--threads-per-rank", str(config["threads_per_rank"]),
+        "--timeout-s", str(config["pg_timeout_s"]), "--output", str(output),
+    ]
+
+
+# the BAD cases the schema lets through: the runner's plan-time rules alone decide them
+CAMPAIGN_IDS = ("unknown backend", "auto backend", "real vocab above padded", "tiles not dividing padded",
+                "shards not tile aligned", "TP*CP above the tile count", "TP above the supported range",
+                "CP above the supported range", "CP not splitting seq", "prompt tokens equal seq",
+                "prompt tokens above seq", "single topology")
+CAMPAIGN_CASES = [case for case in BAD if case[0] in CAMPAIGN_IDS]
+
+
+def test_campaign_ids_name_bad_cases() -> None:
+    assert sorted(case[0] for case in CAMPAIGN_CASES) == sorted(CAMPAIGN_IDS)
+
+
+@pytest.mark.parametrize(("overrides", "expected"),
+                         [pytest.param({}, (), id="good config")]
+                         + [pytest.param(o, e, id=i) for i, o, e in CAMPAIGN_CASES])
+def test_check_config_and_the_plan_rule_agree(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              overrides: dict[str, Any], expected: tuple[str, ...]) -> None:
+    """check_config refuses exactly what the plan rule would refuse, for the same reason."""
+    config = {**base(), **overrides}
+    output = tmp_path / "plan.json"
+    rc = runner.main(_plan_rule(config, output))
+    err = capsys.readouterr().err
+    if not expected:
+        assert check_config(config) is config and rc == 0 and output.is_file(), err
+        return
+    with pytest.raises(WorkflowConfigError) as raised:
+        check_config(config)
+    assert rc == 2 and not output.exists(), err
+    # the runner's own sentence is inside the config message, after "has value ...: "
+    runner_reason = err.removeprefix("error: ").strip().split("; ")[0]
+    if runner_reason.startswith("--topologies: "):
+        runner_reason = runner_reason.removeprefix("--topologies: ")
+    assert runner_reason in str(raised.value), (runner_reason, str(raised.value))
 
 
 def _fixture(path: Path) -> dict[str, Any]:
@@ -173,12 +260,14 @@ DRY_RUNS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "schema-nested": (tolerance("bf16", -0.1, 0.0), ("config key 'tolerances.bf16.atol' has value -0.1",)),
     "non-finite": (tolerance("bf16", float("nan"), 0.0), ("config key 'tolerances.bf16.atol' has value nan",)),
     "campaign-case": ({"real_vocab": 2000, "num_vocab_tiles": 7, "prompt_tokens": 16, "backend": "triton"},
-                      ("config key 'real_vocab' has value 2000, above padded_vocab=1024",
+                      ("config key 'real_vocab' has value 2000: real_vocab=2000 exceeds padded_vocab=1024",
                        "config key 'num_vocab_tiles' has value 7", "config key 'prompt_tokens' has value 16",
                        "config key 'backend' has value 'triton'")),
     "campaign-topology": ({"num_vocab_tiles": 4, "topologies": ["1x1", "3x1", "4x2"]},
                           ("config key 'topologies[1]' has value '3x1'", "would not be tile aligned",
-                           "config key 'topologies[2]' has value '4x2': TP*CP=8 exceeds num_vocab_tiles=4")),
+                           "config key 'topologies[2]' has value '4x2': tp*cp=8 ranks exceed num_vocab_tiles=4")),
+    "single-topology": ({"topologies": ["1x1"]},
+                        ("config key 'topologies' has value ['1x1']", "the cross-topology check compares at least 2")),
 }
 
 

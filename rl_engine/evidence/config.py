@@ -1,8 +1,11 @@
 """The workflow's configuration: schema and campaign checks at parse time, and run naming.
 
 ``check_config`` is what ``workflow/Snakefile`` calls before any rule exists, so
-``snakemake -n`` already refuses a campaign that cannot run. Every error names the key, the
-value and the fix.
+``snakemake -n`` already refuses a campaign that cannot run. After the schema it runs the
+runner's own plan-time rules (:mod:`rl_engine.testing.campaign`: the case's parameters,
+each topology, the matrix) on the values the plan rule will pass, and finally builds the
+plan itself, so a config that passes here cannot fail at plan time. Every error names the
+config key, the value and the fix.
 """
 
 from __future__ import annotations
@@ -18,12 +21,21 @@ from typing import Any
 import yaml
 
 from rl_engine import schemas
-from rl_engine.distributed.bounds import BoundsError, check_cp_split, even_vocab_shards, tile_width
-from rl_engine.logprob.registry import AUTO, backend_ids
+from rl_engine.testing.campaign import (
+    DEVICE_DIST_BACKENDS,
+    TOPOLOGY_FIELDS,
+    Case,
+    PlanError,
+    build_plan,
+    case_problems,
+    check_topology,
+    matrix_problem,
+)
+from rl_engine.testing.campaign import parse_topologies as parse_topology_pairs
 
 SOURCE_PACKAGES = ("rl_engine",)
-MAX_TP = 8
-MAX_CP = 4
+# Case fields held under another config key (atol/rtol: tolerances.<dtype>.atol/rtol).
+CONFIG_KEYS = {"dist_backend": "device", "timeout_s": "pg_timeout_s"}
 
 
 class WorkflowConfigError(ValueError):
@@ -61,6 +73,8 @@ def _schema_message(error: Any) -> str:
         )
     if error.validator == "required":
         return f"config key {key!r}: {error.message}; add it (see the default config.yaml)"
+    if error.validator == "minItems" and key == "topologies":
+        return f"config key 'topologies' has value {error.instance!r}: {matrix_problem(len(error.instance))}"
     return (
         f"config key {key!r} has value {error.instance!r}: {error.message}; fix the value in "
         "config.yaml (see schemas/config.schema.json)"
@@ -82,15 +96,78 @@ def _non_finite(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[str, float
 
 
 def parse_topologies(items: list[str]) -> list[Topology]:
-    topologies = []
-    for item in items:
-        tp_text, cp_text = item.split("x")
-        topologies.append(Topology(int(tp_text), int(cp_text)))
-    return topologies
+    """The config's ``topologies`` (``"<tp>x<cp>"`` strings), parsed by the runner's parser."""
+    try:
+        return [Topology(tp, cp) for tp, cp in parse_topology_pairs(items)]
+    except PlanError as exc:
+        raise WorkflowConfigError(f"config key 'topologies' has value {items!r}: {exc}") from None
+
+
+def case_values(config: dict[str, Any]) -> dict[str, Any]:
+    """The runner's :class:`Case` fields as the plan rule passes them (tolerances of the dtype)."""
+    tolerance = config["tolerances"].get(config["dtype"], {})
+    names = ("device", "dtype", "backend", "real_vocab", "padded_vocab", "num_vocab_tiles",
+             "batch", "seq", "prompt_tokens", "seed", "cp_layout", "logit_scale", "threads_per_rank")
+    return {
+        **{name: config[name] for name in names},
+        "dist_backend": DEVICE_DIST_BACKENDS.get(config["device"], ""),
+        "atol": tolerance.get("atol"),
+        "rtol": tolerance.get("rtol"),
+        "timeout_s": config["pg_timeout_s"],
+    }
+
+
+def _config_key(field: str, config: dict[str, Any]) -> tuple[str, Any]:
+    """The config key that holds a Case field, and its value there."""
+    if field in ("atol", "rtol"):
+        return f"tolerances.{config['dtype']}.{field}", config["tolerances"][config["dtype"]][field]
+    key = CONFIG_KEYS.get(field, field)
+    return key, config[key]
+
+
+def _campaign_problems(config: dict[str, Any]) -> list[str]:
+    """The runner's plan-time rules on a schema-valid config, as config-key messages."""
+    problems: list[str] = []
+    dtype = config["dtype"]
+    has_tolerance = dtype in config["tolerances"]
+    if not has_tolerance:
+        problems.append(
+            f"config key 'tolerances' has no entry for dtype {dtype!r}; add "
+            f"tolerances.{dtype}: {{atol: ..., rtol: ...}}"
+        )
+    values = case_values(config)
+    broken: set[str] = set()
+    for field, message in case_problems(values):
+        broken.add(field)
+        if field in ("atol", "rtol") and not has_tolerance:
+            continue  # already reported: the whole entry is missing
+        key, value = _config_key(field, config)
+        problems.append(f"config key {key!r} has value {value!r}: {message}")
+    pairs = parse_topologies(config["topologies"])
+    if not broken & set(TOPOLOGY_FIELDS):  # the topology rules need those fields valid
+        for index, topo in enumerate(pairs):
+            try:
+                check_topology(topo.tp, topo.cp, **{name: values[name] for name in TOPOLOGY_FIELDS})
+            except PlanError as exc:
+                problems.append(
+                    f"config key 'topologies[{index}]' has value {config['topologies'][index]!r}: {exc}"
+                )
+    problem = matrix_problem(len(pairs))
+    if problem is not None:
+        problems.append(f"config key 'topologies' has value {config['topologies']!r}: {problem}")
+    if not problems:
+        # the plan rule's own path: a Case and a schema-valid plan, or this names why not
+        try:
+            plan = build_plan(Case(**values), tuple((t.tp, t.cp) for t in pairs), "plan.json")
+        except PlanError as exc:
+            return [f"the runner refuses this campaign at plan time: {exc}; fix the config key it names"]
+        problems += [f"the plan of this config does not match schemas/plan.schema.json: {p}"
+                     for p in schemas.errors(plan, "plan")]
+    return problems
 
 
 def check_config(config: dict[str, Any]) -> dict[str, Any]:
-    """Validate ``config`` against its schema and the campaign rules; return it unchanged."""
+    """Validate ``config`` against its schema and the runner's plan-time rules; return it unchanged."""
     validator = schemas.validator("config")
     found = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if found:
@@ -100,53 +177,7 @@ def check_config(config: dict[str, Any]) -> dict[str, Any]:
         raise WorkflowConfigError("; ".join(
             f"config key {key!r} has value {value!r}: not a finite number; use a finite value" for key, value in bad_numbers
         ))
-    problems: list[str] = []
-    known = backend_ids()
-    if config["backend"] == AUTO or config["backend"] not in known:
-        problems.append(
-            f"config key 'backend' has value {config['backend']!r}: use an explicit registered "
-            f"backend, one of {known} ('auto' is refused: evidence must name what it tested)"
-        )
-    real, padded, tiles = config["real_vocab"], config["padded_vocab"], config["num_vocab_tiles"]
-    if real > padded:
-        problems.append(
-            f"config key 'real_vocab' has value {real}, above padded_vocab={padded}; set "
-            "padded_vocab >= real_vocab"
-        )
-    if config["prompt_tokens"] >= config["seq"]:
-        problems.append(
-            f"config key 'prompt_tokens' has value {config['prompt_tokens']}, not below "
-            f"seq={config['seq']}; every sequence needs at least one active (response) token"
-        )
-    if config["dtype"] not in config["tolerances"]:
-        problems.append(
-            f"config key 'tolerances' has no entry for dtype {config['dtype']!r}; add "
-            f"tolerances.{config['dtype']}: {{atol: ..., rtol: ...}}"
-        )
-    try:
-        tile_width(padded, tiles)
-    except BoundsError as exc:
-        problems.append(f"config key 'num_vocab_tiles' has value {tiles}: {exc}")
-    else:
-        for index, topo in enumerate(parse_topologies(config["topologies"])):
-            key = f"topologies[{index}]"
-            text = config["topologies"][index]
-            if topo.tp > MAX_TP or topo.cp > MAX_CP:
-                problems.append(
-                    f"config key '{key}' has value {text!r}: TP up to {MAX_TP} and CP up to "
-                    f"{MAX_CP} are supported; remove it"
-                )
-                continue
-            if topo.world_size > tiles:
-                problems.append(
-                    f"config key '{key}' has value {text!r}: TP*CP={topo.world_size} exceeds "
-                    f"num_vocab_tiles={tiles}; use fewer ranks or more tiles"
-                )
-            try:
-                even_vocab_shards(padded, tiles, topo.tp)
-                check_cp_split(config["seq"], topo.cp, config["cp_layout"])
-            except BoundsError as exc:
-                problems.append(f"config key '{key}' has value {text!r}: {exc}")
+    problems = _campaign_problems(config)
     if problems:
         raise WorkflowConfigError("; ".join(problems))
     return config

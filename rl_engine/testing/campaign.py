@@ -1,11 +1,14 @@
 """A campaign case, its topologies and its plan: the pure, plan-time half of the runner.
 
 A :class:`Case` holds every input parameter of a run except the topology, named as the
-runner's flags with underscores. :meth:`Case.check_topology` holds every rule that makes a
-``TP x CP`` run impossible, so the planner refuses a bad plan before anything launches and
-each rank refuses the same things before any collective. :func:`build_plan` gives the
-plan's JSON: one entry per topology with the report path, the argv that runs it and the
-shell-ready ``torchrun`` command, which the report repeats as its ``launch_command``.
+runner's flags with underscores; :func:`case_problems` holds every rule about those
+parameters (a Case refuses to exist while any is broken). :func:`check_topology` holds every
+rule that makes a ``TP x CP`` run impossible, and :func:`check_matrix` the rule for a matrix
+of topologies. The planner refuses a bad plan with them before anything launches, each rank
+refuses the same things before any collective, and the workflow's ``check_config`` runs the
+very same functions at parse time. :func:`build_plan` gives the plan's JSON: one entry per
+topology with the report path, the argv that runs it and the shell-ready ``torchrun``
+command, which the report repeats as its ``launch_command``.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ import math
 import os
 import shlex
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from rl_engine.distributed.bounds import BoundsError, check_cp_split, even_vocab_shards, tile_width
 from rl_engine.logprob.comparison import default_tolerance
@@ -25,6 +28,7 @@ from rl_engine.logprob.registry import AUTO, backend_ids
 SCHEMA_VERSION = "1"
 MAX_TP = 8
 MAX_CP = 4
+MIN_MATRIX_TOPOLOGIES = 2  # the cross-topology check compares at least two
 DEFAULT_TOPOLOGIES: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2))
 DEVICE_DIST_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl"}
 DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
@@ -37,36 +41,156 @@ class PlanError(ValueError):
     """A case or topology that cannot run; the message names the field, the value and the fix."""
 
 
-def _int(name: str, value: Any, minimum: int) -> None:
+def _int_problem(name: str, value: Any, minimum: int) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise PlanError(f"{name}={value!r} must be an integer")
+        return f"{name}={value!r} must be an integer"
     if value < minimum:
-        raise PlanError(f"{name}={value} must be >= {minimum}")
+        return f"{name}={value} must be >= {minimum}"
+    return None
 
 
-def _number(name: str, value: Any, positive: bool) -> None:
+def _number_problem(name: str, value: Any, positive: bool) -> str | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise PlanError(f"{name}={value!r} must be a finite number")
+        return f"{name}={value!r} must be a finite number"
     if value < 0 or (positive and value == 0):
-        raise PlanError(f"{name}={value!r} must be {'> 0' if positive else '>= 0'}")
+        return f"{name}={value!r} must be {'> 0' if positive else '>= 0'}"
+    return None
 
 
-def parse_topologies(text: str) -> tuple[tuple[int, int], ...]:
-    """``"1x1,2x2,8x1"`` -> ``((1, 1), (2, 2), (8, 1))``, in the given order, no duplicates."""
+def _int(name: str, value: Any, minimum: int) -> None:
+    problem = _int_problem(name, value, minimum)
+    if problem is not None:
+        raise PlanError(problem)
+
+
+def parse_topology(item: str) -> tuple[int, int]:
+    """``"2x1"`` -> ``(2, 1)``: positive integers, no leading zero."""
+    part = item.strip().lower()
+    pieces = part.split("x")
+    if len(pieces) != 2 or not all(p.isdigit() and p[0] != "0" for p in pieces):
+        raise PlanError(
+            f"--topologies item {item!r} is not <TP>x<CP> with positive integers; "
+            "write e.g. 1x1,2x2,8x1"
+        )
+    return int(pieces[0]), int(pieces[1])
+
+
+def parse_topologies(items: str | Sequence[str]) -> tuple[tuple[int, int], ...]:
+    """``"1x1,2x2,8x1"`` (or ``["1x1", "2x2", "8x1"]``) -> ``((1, 1), (2, 2), (8, 1))``.
+
+    In the given order, each topology once.
+    """
     out: list[tuple[int, int]] = []
-    for item in text.split(","):
-        part = item.strip().lower()
-        pieces = part.split("x")
-        if len(pieces) != 2 or not all(p.isdigit() and p[0] != "0" for p in pieces):
-            raise PlanError(
-                f"--topologies item {item!r} is not <TP>x<CP> with positive integers; "
-                "write e.g. 1x1,2x2,8x1"
-            )
-        pair = (int(pieces[0]), int(pieces[1]))
+    for item in items.split(",") if isinstance(items, str) else items:
+        pair = parse_topology(item)
         if pair in out:
-            raise PlanError(f"--topologies lists {part} twice; list each topology once")
+            raise PlanError(f"--topologies lists {pair[0]}x{pair[1]} twice; list each topology once")
         out.append(pair)
     return tuple(out)
+
+
+def matrix_problem(count: int) -> str | None:
+    """Why a matrix of ``count`` topologies cannot be a campaign (None when it can)."""
+    if count >= MIN_MATRIX_TOPOLOGIES:
+        return None
+    return (
+        f"{count} topolog{'y' if count == 1 else 'ies'} listed, but the cross-topology check "
+        f"compares at least {MIN_MATRIX_TOPOLOGIES}; list {MIN_MATRIX_TOPOLOGIES} or more "
+        "(e.g. 1x1 and 2x1)"
+    )
+
+
+def check_matrix(topologies: Sequence[tuple[int, int]]) -> None:
+    """A campaign matrix (``--topologies``, the workflow's ``topologies``) lists at least two."""
+    problem = matrix_problem(len(topologies))
+    if problem is not None:
+        raise PlanError(f"--topologies: {problem}; to plan one topology alone use --tp T --cp C")
+
+
+def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Every broken rule of a case's parameters, as ``(field, message)`` in field order.
+
+    ``values`` holds :class:`Case`'s fields. A rule that involves several fields is only
+    checked when each of them passed its own checks, and is reported under the field
+    named first in its message. Each message names the field, the value and the fix.
+    """
+    found: list[tuple[str, str]] = []
+
+    def add(name: str, problem: str | None) -> None:
+        if problem is not None:
+            found.append((name, problem))
+
+    device, dist_backend = values["device"], values["dist_backend"]
+    if device not in DEVICE_DIST_BACKENDS:
+        add("device", f"device={device!r} is unknown; use one of {list(DEVICE_DIST_BACKENDS)}")
+    elif dist_backend != DEVICE_DIST_BACKENDS[device]:
+        add("dist_backend",
+            f"dist_backend={dist_backend!r} does not serve device={device!r}; use "
+            f"{DEVICE_DIST_BACKENDS[device]!r} (gloo on cpu, nccl on cuda; nothing falls back)")
+    if values["dtype"] not in DTYPES:
+        add("dtype", f"dtype={values['dtype']!r} is unknown; use one of {list(DTYPES)}")
+    backend = values["backend"]
+    if backend == AUTO:
+        add("backend",
+            "backend='auto' is refused: a campaign validates one named backend (evidence must "
+            f"name what it tested); name it explicitly, one of {backend_ids()}")
+    elif backend not in backend_ids():
+        add("backend", f"backend={backend!r} is not registered; use one of {backend_ids()}")
+    for name, minimum in (("real_vocab", 1), ("padded_vocab", 1), ("num_vocab_tiles", 1),
+                          ("batch", 1), ("seq", 1), ("prompt_tokens", 0), ("seed", 0),
+                          ("threads_per_rank", 1)):
+        add(name, _int_problem(name, values[name], minimum))
+    bad = {name for name, _ in found}
+    if "threads_per_rank" not in bad and values["threads_per_rank"] > 64:
+        add("threads_per_rank", f"threads_per_rank={values['threads_per_rank']} must be <= 64")
+    add("logit_scale", _number_problem("logit_scale", values["logit_scale"], positive=True))
+    add("atol", _number_problem("atol", values["atol"], positive=False))
+    add("rtol", _number_problem("rtol", values["rtol"], positive=False))
+    add("timeout_s", _number_problem("timeout_s", values["timeout_s"], positive=True))
+    if values["cp_layout"] not in CP_LAYOUTS:
+        add("cp_layout", f"cp_layout={values['cp_layout']!r} is unknown; use one of {list(CP_LAYOUTS)}")
+    real, padded, tiles = values["real_vocab"], values["padded_vocab"], values["num_vocab_tiles"]
+    if not bad & {"real_vocab", "padded_vocab"} and real > padded:
+        add("real_vocab",
+            f"real_vocab={real} exceeds padded_vocab={padded}; the padded vocabulary must be "
+            ">= the real one")
+    if not bad & {"padded_vocab", "num_vocab_tiles"}:
+        try:
+            tile_width(padded, tiles)
+        except BoundsError as exc:
+            add("num_vocab_tiles", str(exc))
+    prompt, seq = values["prompt_tokens"], values["seq"]
+    if not bad & {"prompt_tokens", "seq"} and prompt >= seq:
+        add("prompt_tokens",
+            f"prompt_tokens={prompt} must be < seq={seq}: with no active token there is no "
+            "logprob to compare; lower prompt_tokens or raise seq")
+    return found
+
+
+# The case fields the topology rules read: check_topology needs each of them valid.
+TOPOLOGY_FIELDS: tuple[str, ...] = ("padded_vocab", "num_vocab_tiles", "seq", "cp_layout")
+
+
+def check_topology(
+    tp: int, cp: int, *, padded_vocab: int, num_vocab_tiles: int, seq: int, cp_layout: str
+) -> None:
+    """Every reason a ``tp x cp`` run cannot be made from valid case fields, before anything starts."""
+    _int("tp", tp, 1)
+    _int("cp", cp, 1)
+    if tp > MAX_TP:
+        raise PlanError(f"tp={tp} exceeds the supported maximum {MAX_TP}; use tp <= {MAX_TP}")
+    if cp > MAX_CP:
+        raise PlanError(f"cp={cp} exceeds the supported maximum {MAX_CP}; use cp <= {MAX_CP}")
+    if tp * cp > num_vocab_tiles:
+        raise PlanError(
+            f"tp*cp={tp * cp} ranks exceed num_vocab_tiles={num_vocab_tiles}; use at "
+            f"most {num_vocab_tiles} ranks or more tiles"
+        )
+    try:
+        even_vocab_shards(padded_vocab, num_vocab_tiles, tp)
+        check_cp_split(seq, cp, cp_layout)
+    except BoundsError as exc:
+        raise PlanError(f"topology {tp}x{cp}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -92,49 +216,9 @@ class Case:
     timeout_s: float
 
     def __post_init__(self) -> None:
-        if self.device not in DEVICE_DIST_BACKENDS:
-            raise PlanError(f"device={self.device!r} is unknown; use one of {list(DEVICE_DIST_BACKENDS)}")
-        expected = DEVICE_DIST_BACKENDS[self.device]
-        if self.dist_backend != expected:
-            raise PlanError(
-                f"dist_backend={self.dist_backend!r} does not serve device={self.device!r}; "
-                f"use {expected!r} (gloo on cpu, nccl on cuda; nothing falls back)"
-            )
-        if self.dtype not in DTYPES:
-            raise PlanError(f"dtype={self.dtype!r} is unknown; use one of {list(DTYPES)}")
-        if self.backend == AUTO:
-            raise PlanError(
-                "backend='auto' is refused: a campaign validates one named backend; pass it "
-                f"explicitly, e.g. --backend {backend_ids()[-1]}"
-            )
-        if self.backend not in backend_ids():
-            raise PlanError(f"backend={self.backend!r} is not registered; use one of {backend_ids()}")
-        for name, minimum in (("real_vocab", 1), ("padded_vocab", 1), ("num_vocab_tiles", 1),
-                              ("batch", 1), ("seq", 1), ("prompt_tokens", 0), ("seed", 0),
-                              ("threads_per_rank", 1)):
-            _int(name, getattr(self, name), minimum)
-        if self.threads_per_rank > 64:
-            raise PlanError(f"threads_per_rank={self.threads_per_rank} must be <= 64")
-        _number("logit_scale", self.logit_scale, positive=True)
-        _number("atol", self.atol, positive=False)
-        _number("rtol", self.rtol, positive=False)
-        _number("timeout_s", self.timeout_s, positive=True)
-        if self.cp_layout not in CP_LAYOUTS:
-            raise PlanError(f"cp_layout={self.cp_layout!r} is unknown; use one of {list(CP_LAYOUTS)}")
-        if self.real_vocab > self.padded_vocab:
-            raise PlanError(
-                f"real_vocab={self.real_vocab} exceeds padded_vocab={self.padded_vocab}; "
-                "the padded vocabulary must be >= the real one"
-            )
-        try:
-            tile_width(self.padded_vocab, self.num_vocab_tiles)
-        except BoundsError as exc:
-            raise PlanError(str(exc)) from None
-        if self.prompt_tokens >= self.seq:
-            raise PlanError(
-                f"prompt_tokens={self.prompt_tokens} must be < seq={self.seq}: with no active "
-                "token there is no logprob to compare; lower --prompt-tokens or raise --seq"
-            )
+        problems = case_problems({f.name: getattr(self, f.name) for f in fields(self)})
+        if problems:
+            raise PlanError("; ".join(message for _, message in problems))
 
     @classmethod
     def create(cls, **fields: Any) -> "Case":
@@ -162,22 +246,7 @@ class Case:
 
     def check_topology(self, tp: int, cp: int) -> None:
         """Every reason a ``tp x cp`` run of this case cannot be made, before anything starts."""
-        _int("tp", tp, 1)
-        _int("cp", cp, 1)
-        if tp > MAX_TP:
-            raise PlanError(f"tp={tp} exceeds the supported maximum {MAX_TP}; use tp <= {MAX_TP}")
-        if cp > MAX_CP:
-            raise PlanError(f"cp={cp} exceeds the supported maximum {MAX_CP}; use cp <= {MAX_CP}")
-        if tp * cp > self.num_vocab_tiles:
-            raise PlanError(
-                f"tp*cp={tp * cp} ranks exceed num_vocab_tiles={self.num_vocab_tiles}; use at "
-                f"most {self.num_vocab_tiles} ranks or more tiles"
-            )
-        try:
-            even_vocab_shards(self.padded_vocab, self.num_vocab_tiles, tp)
-            check_cp_split(self.seq, cp, self.cp_layout)
-        except BoundsError as exc:
-            raise PlanError(f"topology {tp}x{cp}: {exc}") from None
+        check_topology(tp, cp, **{name: getattr(self, name) for name in TOPOLOGY_FIELDS})
 
     def runner_flags(self, tp: int, cp: int, output: str) -> list[str]:
         """The runner's flags for one topology; floats as ``repr`` so they parse back exactly."""
@@ -260,10 +329,17 @@ __all__ = [
     "DEFAULT_TOPOLOGIES",
     "MAX_CP",
     "MAX_TP",
+    "MIN_MATRIX_TOPOLOGIES",
     "PlanError",
     "RUNNER_PATH",
     "SCHEMA_VERSION",
+    "TOPOLOGY_FIELDS",
     "build_plan",
+    "case_problems",
+    "check_matrix",
+    "check_topology",
+    "matrix_problem",
     "parse_topologies",
+    "parse_topology",
     "report_path",
 ]

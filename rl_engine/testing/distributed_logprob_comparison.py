@@ -6,8 +6,9 @@ Plan (prints the torchrun commands, writes ``plan.json``)::
         --backend pytorch-vocab-parallel-logp-ws2 --real-vocab 151936 --padded-vocab 151936 \\
         --num-vocab-tiles 64 --batch 2 --seq 16 --prompt-tokens 8 --seed 123 --output DIR/plan.json
 
-The plan holds, in the order TP=1/2/4 x CP=1/2 unless ``--topologies`` (or ``--tp`` and
-``--cp``) says otherwise, one entry per topology: its report path ``DIR/tp<T>-cp<C>.json``,
+The plan holds, in the order TP=1/2/4 x CP=1/2 unless ``--topologies`` (a matrix: at least
+two, as the cross-topology check compares them) or ``--tp`` and ``--cp`` (one topology)
+says otherwise, one entry per topology: its report path ``DIR/tp<T>-cp<C>.json``,
 the ``argv`` that runs it and the equivalent ``torchrun --standalone --nproc-per-node=<T*C>``
 ``command``. Running that command (or ``python -m rl_engine launch --plan DIR/plan.json
 --tp T --cp C``) writes the report. Anything that makes a plan impossible is refused at
@@ -77,6 +78,7 @@ from rl_engine.testing.campaign import (
     Case,
     PlanError,
     build_plan,
+    check_matrix,
     parse_topologies,
 )
 from rl_engine.testing.faults import Fault, FaultError, fault_from_env
@@ -112,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--tp", type=int, help="TP degree (a run needs it; with --cp plans one topology)")
     p.add_argument("--cp", type=int, help="CP degree (a run needs it; with --tp plans one topology)")
-    p.add_argument("--topologies", help="plan only: <TP>x<CP>,... (default 1x1,1x2,2x1,2x2,4x1,4x2)")
+    p.add_argument("--topologies", help="plan only: <TP>x<CP>,... at least 2 (default 1x1,1x2,2x1,2x2,4x1,4x2)")
     p.add_argument("--cp-layout", default="contiguous", choices=CP_LAYOUTS)
     p.add_argument("--logit-scale", type=float, default=1.0)
     p.add_argument("--atol", type=float, help="default: bf16 0.05, fp16 0.005, fp32 1e-5")
@@ -140,7 +142,9 @@ def plan_topologies(args: argparse.Namespace) -> tuple[tuple[int, int], ...]:
     if args.topologies is not None:
         if args.tp is not None or args.cp is not None:
             raise PlanError("give either --topologies or --tp/--cp, not both")
-        return parse_topologies(args.topologies)
+        topologies = parse_topologies(args.topologies)
+        check_matrix(topologies)  # a matrix is what the cross-topology check compares
+        return topologies
     if (args.tp is None) != (args.cp is None):
         raise PlanError("--tp and --cp plan one topology together; give both or neither")
     if args.tp is not None:
