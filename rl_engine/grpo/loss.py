@@ -37,7 +37,7 @@ from rl_engine.grpo.objective import (
 )
 from rl_engine.logprob.contract import LogprobContractError
 from rl_engine.logprob.registry import dispatch
-from rl_engine.logprob.vocab_parallel import BACKEND_ID
+from rl_engine.logprob.vocab_parallel import BACKEND_ID, real_rows_finite
 
 DEFAULT_BACKEND = BACKEND_ID
 
@@ -137,12 +137,10 @@ def _check_local_inputs(
         return (
             f"beta={contract.beta} > 0 needs reference logits; pass ref_logits= or set beta=0"
         )
-    real_local = max(0, min(lp.local_vocab_size, lp.real_vocab_size - lp.vocab_start))
     for name, tensor in (("logits", logits), ("ref_logits", ref_logits)):
-        if tensor is None or real_local == 0:
+        if tensor is None:
             continue
-        finite = torch.isfinite(tensor[:, :real_local].detach()).all(dim=1)
-        bad = active & ~finite
+        bad = active & ~real_rows_finite(tensor, lp)
         if bool(bad.any()):
             row = int(bad.nonzero()[0, 0])
             return (
@@ -191,6 +189,10 @@ class GRPOLoss:
             contract, chosen.actual_backend, world_group, logits.device, local_error, counts
         )
         check_active_counts(active_per_sequence, contract)
+        # validate=False: the inputs were judged above, with the backend's own real-column
+        # check, and agreed on by the whole world group. The op's validate=True would make
+        # only this TP group raise (after its exchange); the CP and DP peers would then wait
+        # in gather_global until the process-group timeout.
         op = chosen.op
         logp = op(
             logits, actions, active, contract.logprob,

@@ -90,9 +90,24 @@ def preflight(
         )
 
 
-def _real_local(contract: LogprobContract) -> int:
-    """Number of real (non-padding) columns in this rank's shard."""
+def real_local_columns(contract: LogprobContract) -> int:
+    """Number of real (non-padding) columns in this rank's shard: local columns ``[0, n)``."""
     return max(0, min(contract.local_vocab_size, contract.real_vocab_size - contract.vocab_start))
+
+
+def real_rows_finite(logits: torch.Tensor, contract: LogprobContract) -> torch.Tensor:
+    """Per local row, whether every real column of this rank's shard is finite (bool ``[rows]``).
+
+    The stand-alone form of the check the forward fuses into its chunk loop with
+    ``validate=True``, for callers that must agree on validity in a wider group before any
+    collective (the GRPO loss). One min/max reduction over the real columns (both propagate
+    NaN), nothing of the logits' size allocated; padding columns never count.
+    """
+    real = real_local_columns(contract)
+    if real == 0:
+        return torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+    low, high = torch.aminmax(logits.detach()[:, :real], dim=1)
+    return torch.isfinite(low) & torch.isfinite(high)
 
 
 def _local_partials(
@@ -110,7 +125,7 @@ def _local_partials(
     """
     rows = logits.shape[0]
     width = contract.tile_width
-    real_local = _real_local(contract)
+    real_local = real_local_columns(contract)
     tiles = contract.local_vocab_size // width
     m = torch.empty(rows, tiles, dtype=torch.float32, device=logits.device)
     s = torch.empty_like(m)
@@ -258,7 +273,7 @@ def vocab_parallel_backward(
     g_logp = torch.where(active, grad_logp, zeros) if grad_logp is not None else zeros
     g_lse = grad_lse if grad_lse is not None else zeros
     coef = g_lse - g_logp
-    real_local = _real_local(contract)
+    real_local = real_local_columns(contract)
     local_target = targets - contract.vocab_start
     owned = active & (local_target >= 0) & (local_target < local_vocab)
     target_col = torch.where(owned, local_target, torch.zeros_like(local_target))
@@ -374,6 +389,8 @@ __all__ = [
     "LogprobOutput",
     "VocabParallelLogprob",
     "preflight",
+    "real_local_columns",
+    "real_rows_finite",
     "vocab_parallel_backward",
     "vocab_parallel_forward",
     "NEG_INF",
