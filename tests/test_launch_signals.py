@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from rl_engine import cli, jsonio
+from rl_engine.testing import launch as launch_module
 from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.testing.proctree import alive, descendants, stop_tree
 
@@ -159,3 +160,20 @@ def test_stop_tree_kills_a_rank_in_its_own_session_that_ignores_sigterm() -> Non
     finally:
         if alive(rank):
             os.kill(rank, signal.SIGKILL)
+
+
+def test_a_signal_before_the_runner_starts_is_not_lost() -> None:
+    """Recorded while disarmed, raised by arm(); handlers restored afterwards."""
+    before = signal.getsignal(signal.SIGHUP)
+    with launch_module._StopSignals() as stops:
+        os.kill(os.getpid(), signal.SIGHUP)  # delivered to this (main) thread: recorded only
+        assert stops.received == [signal.SIGHUP]
+        try:
+            stops.arm()
+        except launch_module._Stopped as stop:
+            assert stop.signum == signal.SIGHUP
+        else:
+            raise AssertionError("arm() must raise for a signal received before it")
+        os.kill(os.getpid(), signal.SIGTERM)  # disarmed again by the raise: recorded, not raised
+        assert stops.received == [signal.SIGHUP, signal.SIGTERM]
+    assert signal.getsignal(signal.SIGHUP) is before

@@ -114,10 +114,11 @@ class _StopSignals:
             signal.signal(sig, previous)
 
     def arm(self) -> None:
-        """Raise for a signal that came before; from now on, raise when one comes."""
+        """From now on, raise when a signal comes; raise at once for one that came before."""
+        self._armed = True  # first, so a signal between the two lines raises in the handler
         if self.received:
+            self._armed = False
             raise _Stopped(self.received[0])
-        self._armed = True
 
     def disarm(self) -> None:
         self._armed = False
