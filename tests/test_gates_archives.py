@@ -7,7 +7,8 @@ bomb and the count/total limits. Here: the same attacks hidden in tar header ext
 GNU long names), a sparse member, a second tar hidden after the end-of-archive marker, a bomb
 of trailing zeros, unsafe SHA256SUMS lines, a sidecar naming another file, a topology removed
 or an unplanned report added with SHA256SUMS recomputed to match, and the real CLI in a
-subprocess with its temporary directory and working directory watched.
+subprocess with its temporary directory and working directory watched (a symbolic link, and a
+member the file system refuses to create, which must end as a failed row with ``--json``).
 
 Every hostile archive gets a correct ``.sha256`` sidecar (unless the sidecar is the attack),
 so the check under test, not the outer checksum, has to catch it. Each verify must exit
@@ -293,4 +294,23 @@ def test_cli_on_a_hostile_archive_exits_1_and_writes_nowhere(good: Good, box: Bo
     good_run = subprocess.run([sys.executable, "-m", "rl_engine", "verify", str(good.archive)], cwd=box.cwd,
                               env=env, capture_output=True, text=True, timeout=300)
     assert good_run.returncode == 0 and "VERIFIED" in good_run.stdout  # control through the same CLI
+    assert list(box.tmp.iterdir()) == [] and list(box.cwd.iterdir()) == []
+
+
+def test_cli_on_an_archive_the_file_system_refuses_prints_a_row_and_writes_json(good: Good, box: Box,
+                                                                               tmp_path: Path) -> None:
+    """Members ``deep/a/b`` then a file ``deep/a``: extraction hits EEXIST. The real CLI must end with
+    a failed row, the failure on stderr and a schema-valid ``--json``, not a traceback."""
+    entries = list(good.entries) + [file_entry(f"{good.name}/deep/a/b", b"x"), file_entry(f"{good.name}/deep/a", b"y")]
+    path = write(box, good, entries)
+    out = tmp_path / "verify.json"
+    env = {**os.environ, "TMPDIR": str(box.tmp)}
+    done = subprocess.run([sys.executable, "-m", "rl_engine", "verify", str(path), "--json", str(out)], cwd=box.cwd,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"safe extraction: member '{good.name}/deep/a' cannot be extracted" in done.stderr
+    assert "safe extraction" in done.stdout and "FAIL" in done.stdout
+    result = jsonio.load(out)
+    assert schemas.errors(result, "verify") == [] and result["passed"] is False
+    assert row(result, "safe extraction")[0] == "FAIL" and "File exists" in row(result, "safe extraction")[1]
     assert list(box.tmp.iterdir()) == [] and list(box.cwd.iterdir()) == []

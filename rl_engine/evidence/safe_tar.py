@@ -14,7 +14,10 @@ archive is refused with an :class:`UnsafeArchiveError` whose message a reviewer 
   :attr:`Limits.max_total_bytes`, more than :attr:`Limits.max_members` members, or a
   decompressed stream that grows past what those limits allow (a decompression bomb);
 * a gzip or tar stream that is truncated or corrupt (the gzip stream is read to its end, so
-  its CRC and length are checked), or non-zero data after the tar end-of-archive marker.
+  its CRC and length are checked), or non-zero data after the tar end-of-archive marker;
+* a member the file system refuses to create (an ``OSError`` such as a file named like a
+  directory an earlier member implied, ``a/b`` then ``a``, or a name component longer than the
+  file system allows): the message names the member and the system's reason.
 
 Files are created with ``O_EXCL | O_NOFOLLOW`` under paths built from checked components
 only, with owner-only permissions, whatever modes the archive declares.
@@ -160,6 +163,7 @@ def safe_extract(archive: Path, dest: Path, limits: Limits = Limits()) -> Extrac
     dirs: list[str] = []
     top: str | None = None
     total = 0
+    current: str | None = None  # the member being extracted, for an OSError's message
     try:
         with open(archive, "rb") as raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
             stream = _CappedReader(gz, limits.max_stream_bytes)
@@ -167,7 +171,7 @@ def safe_extract(archive: Path, dest: Path, limits: Limits = Limits()) -> Extrac
                 for count, member in enumerate(tar, start=1):
                     if count > limits.max_members:
                         raise UnsafeArchiveError(f"the archive holds more than {limits.max_members} members")
-                    name = member.name
+                    name = current = member.name
                     parts = check_member_name(name)
                     clean = "/".join(parts)
                     reason = _kind(member)
@@ -203,6 +207,7 @@ def safe_extract(archive: Path, dest: Path, limits: Limits = Limits()) -> Extrac
                         raise UnsafeArchiveError(f"member {name!r} has no data")
                     _write_file(parent / parts[-1], source, member.size, name)
                     files.append(clean)
+            current = None
             rest = stream.read(CHUNK)
             while rest:
                 if rest.strip(b"\0"):
@@ -214,6 +219,13 @@ def safe_extract(archive: Path, dest: Path, limits: Limits = Limits()) -> Extrac
         raise UnsafeArchiveError(f"the archive is truncated or corrupt and cannot be read to its end ({exc})") from None
     except tarfile.TarError as exc:
         raise UnsafeArchiveError(f"the archive is not a readable tar stream ({exc})") from None
+    except OSError as exc:  # after the gzip clause: BadGzipFile is an OSError too
+        reason = exc.strerror or type(exc).__name__
+        if current is None:
+            raise UnsafeArchiveError(f"the archive cannot be read ({reason})") from None
+        raise UnsafeArchiveError(f"member {current!r} cannot be extracted: the file system refused it ({reason}); "
+                                 "refused as unsafe or malformed (e.g. a file named like a directory an earlier "
+                                 "member implied, or a name component too long)") from None
     if top is None:
         raise UnsafeArchiveError("the archive holds no members")
     return Extracted(dest / top, top, tuple(files), tuple(dirs), total)
