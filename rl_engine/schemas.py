@@ -4,6 +4,9 @@ Schemas live in ``schemas/<name>.schema.json`` with ``$id`` ``https://rl-engine.
 <name>.schema.json``; shared pieces sit in ``defs.schema.json`` and are referenced by
 that ``$id``. A directory of schemas (the repository's, or the copy inside an archive) is
 loaded as one registry, so a reviewer validates with exactly the schemas that were shipped.
+
+:func:`write_validated` is how every artifact is written: validated against its schema first,
+then strict JSON atomically; an artifact that does not match is never written.
 """
 
 from __future__ import annotations
@@ -17,11 +20,17 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
+from rl_engine import jsonio
+
 ID_PREFIX = "https://rl-engine.dev/schemas/"
 
 
 class SchemaError(ValueError):
     """A schema that is missing or itself invalid."""
+
+
+class ArtifactSchemaError(ValueError):
+    """An artifact that does not match its schema; it was not written."""
 
 
 def repo_schema_dir() -> Path:
@@ -74,3 +83,26 @@ def errors(instance: Any, name: str, directory: str | Path | None = None) -> lis
     """Every validation error as ``<json path>: <message>``; empty when valid."""
     found = sorted(validator(name, directory).iter_errors(instance), key=lambda e: list(e.path))
     return [f"{e.json_path}: {e.message}" for e in found]
+
+
+MAX_ERRORS_SHOWN = 5
+
+
+def require_valid(instance: Any, name: str, directory: str | Path | None = None, what: str = "the artifact") -> None:
+    """Raise :class:`ArtifactSchemaError` naming the first errors unless ``instance`` matches ``name``."""
+    found = errors(instance, name, directory)
+    if found:
+        shown = "; ".join(found[:MAX_ERRORS_SHOWN]) + (f"; ... and {len(found) - MAX_ERRORS_SHOWN} more"
+                                                        if len(found) > MAX_ERRORS_SHOWN else "")
+        raise ArtifactSchemaError(f"{what} does not match {Path(directory or repo_schema_dir()) / (name + '.schema.json')} ({len(found)} error(s): {shown}); "
+                                  "it was not written: fix the code that builds it or the schema")
+
+
+def write_validated(path: str | Path, instance: Any, name: str, directory: str | Path | None = None) -> None:
+    """Validate ``instance`` against schema ``name``, then write it as strict JSON atomically.
+
+    Raises :class:`ArtifactSchemaError` (nothing written at ``path``) when it does not match, and
+    :class:`rl_engine.jsonio.StrictJSONError` when it holds a non-finite number.
+    """
+    require_valid(instance, name, directory, what=str(path))
+    jsonio.write_json(path, instance)

@@ -23,7 +23,7 @@ import pytest
 
 from _evidence_run import CASE_FLAGS, PYTEST_ARGS, TOPOLOGIES, build_run, launch
 from rl_engine import cli, jsonio, schemas
-from rl_engine.evidence import archive, environment, regression, summary, validation
+from rl_engine.evidence import archive, crosscheck, environment, gitstate, regression, summary, validation
 from rl_engine.evidence.rundir import Finding, load_json
 
 BAD = "tp2-cp2"  # the topology the corruptions target (the reference is tp1-cp1)
@@ -105,6 +105,89 @@ def test_environment_outside_git_is_recorded_not_failed(tmp_path: Path) -> None:
     env = jsonio.load(tmp_path / "out" / "environment.json")
     assert env["git"]["available"] is False and env["git"]["commit"] is None
     assert schemas.errors(env, "environment") == []
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c", "commit.gpgsign=false",
+                    *args], cwd=repo, check=True, capture_output=True)
+
+
+def test_git_state_dirty_counts_untracked_but_not_ignored(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    with pytest.raises(gitstate.GitStateError, match="not a git repository"):
+        gitstate.read_git_state(repo)
+    _git(repo, "init", "-q", "-b", "trunk")
+    (repo / ".gitignore").write_text("ignored.log\n")
+    (repo / "a.txt").write_text("a\n")
+    (repo / "b.txt").write_text("b\n")
+    _git(repo, "add", ".gitignore", "a.txt", "b.txt")
+    _git(repo, "commit", "-q", "-m", "first")
+    clean = gitstate.read_git_state(repo)
+    assert clean.branch == "trunk" and len(clean.commit) == 40 and clean.commit.startswith(clean.short_commit)
+    assert not clean.dirty and clean.changed_files == ()
+    (repo / "ignored.log").write_text("noise\n")  # ignored: still clean
+    assert not gitstate.read_git_state(repo).dirty
+    (repo / "sub").mkdir()
+    (repo / "sub" / "new.py").write_text("x = 1\n")  # untracked, not ignored: dirty, listed by file
+    state = gitstate.read_git_state(repo)
+    assert state.dirty and state.changed_files == ("sub/new.py",) and state.untracked_files == ("sub/new.py",)
+    record = environment._git(repo, 20.0)  # environment.json's record uses the same definition
+    assert record["dirty"] is True and record["untracked_files"] == 1 and record["commit"] == state.commit
+    (repo / "sub" / "new.py").unlink()
+    (repo / "a.txt").write_text("changed\n")  # a tracked change
+    _git(repo, "mv", "b.txt", "c.txt")  # a staged rename: two -z fields, one change
+    state = gitstate.read_git_state(repo)
+    assert set(state.changed_files) == {"a.txt", "c.txt"} and state.untracked_files == ()
+    assert environment._git(repo, 20.0)["untracked_files"] == 0
+    assert gitstate.parse_porcelain("?? a b\0R  new\0old\0 M c\0") == (
+        gitstate.Change("??", "a b"), gitstate.Change("R ", "new"), gitstate.Change(" M", "c"))
+    with pytest.raises(gitstate.GitStateError, match="full hexadecimal"):
+        gitstate.GitState("abc", "abc", None)
+    with pytest.raises(gitstate.GitStateError, match="timeout_s"):
+        gitstate.read_git_state(repo, 0)
+
+
+def test_write_validated_refuses_before_writing(tmp_path: Path) -> None:
+    out = tmp_path / "crosscheck.json"
+    bad = {"schema_version": "1", "passed": True}
+    with pytest.raises(schemas.ArtifactSchemaError, match=r"crosscheck\.schema\.json \(4 error\(s\): \$: 'reference' is a required"):
+        schemas.write_validated(out, bad, "crosscheck")
+    assert list(tmp_path.iterdir()) == []
+    good = {"schema_version": "1", "passed": True, "reference": "tp1-cp1", "fields": ["case_id"], "topologies": [],
+            "failures": []}
+    schemas.write_validated(out, good, "crosscheck")
+    assert out.read_bytes() == jsonio.dumps(good).encode()
+    good["fields"] = [float("nan")]  # not even a string: the schema refuses before strict JSON would
+    with pytest.raises(schemas.ArtifactSchemaError, match=r"\$\.fields\[0\]"):
+        schemas.write_validated(out, good, "crosscheck")
+
+
+@pytest.mark.parametrize("verb", ["env", "regression", "validate", "crosscheck"])
+def test_every_evidence_writer_validates_before_writing(verb: str, run: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A writer bug (here: a schema_version the schema does not allow) writes nothing and says why."""
+    out = tmp_path / "out"
+    if verb == "env":
+        env = {**jsonio.load(run / "environment.json"), "schema_version": "2"}
+        monkeypatch.setattr(environment, "capture", lambda repo, timeout_s: (env, "raw"))
+        code, written = environment.main(["--output-dir", str(out)]), out / "environment.json"
+    elif verb == "regression":
+        monkeypatch.setattr(regression, "SCHEMA_VERSION", "2")
+        tiny = tmp_path / "test_one.py"
+        tiny.write_text("def test_ok():\n    pass\n")
+        code, written = regression.main(["--output-dir", str(out), "--tests", str(tiny), *PYTEST_ARGS]), out / "regression.json"
+    else:
+        module = validation if verb == "validate" else crosscheck
+        monkeypatch.setattr(module, "SCHEMA_VERSION", "2")
+        written = out / f"{verb}.json"
+        code = cli.main([verb, "--run-dir", str(run), "--output", str(written)])
+    err = capsys.readouterr().err
+    assert code == 1 and not written.exists(), err
+    assert "does not match" in err and "schema_version" in err and "it was not written" in err
+    if verb == "env":
+        assert not (out / "environment.txt").exists()
 
 
 def test_regression_counts_come_from_junit(good_run: Path) -> None:

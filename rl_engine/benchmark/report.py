@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rl_engine import jsonio, schemas
+from rl_engine import schemas
 from rl_engine.benchmark.config import BenchConfig, BenchError
 
 SCHEMA = "bench"
@@ -139,8 +139,10 @@ def render_table(doc: dict[str, Any]) -> Any:
 
 
 def write_document(doc: dict[str, Any], output: str | None) -> None:
-    problems = schemas.errors(doc, SCHEMA)
-    if problems:
-        raise BenchError("benchmark document does not match schemas/bench.schema.json: " + "; ".join(problems))
-    if output:
-        jsonio.write_json(output, doc)
+    try:
+        if output:
+            schemas.write_validated(output, doc, SCHEMA)
+        else:
+            schemas.require_valid(doc, SCHEMA, what="the benchmark document")
+    except schemas.ArtifactSchemaError as exc:
+        raise BenchError(str(exc)) from None

@@ -8,7 +8,8 @@ its fingerprint (the same :func:`~rl_engine.evidence.acceptance.check_tensor_fil
 acceptance uses). The ``crosscheck`` verb and ``verify`` both call these.
 
 ``python -m rl_engine crosscheck --run-dir RUN --output RUN/crosscheck.json [--min-topologies N]``
-writes ``crosscheck.json`` (``schemas/crosscheck.schema.json``) and exits 1, naming the topology
+writes ``crosscheck.json`` (validated against ``schemas/crosscheck.schema.json`` first: a
+non-matching result is not written and the verb exits 1) and exits 1, naming the topology
 and the field on stderr, when anything differs. Fewer than ``--min-topologies`` (default 2)
 planned topologies is a failure: a comparison of one report with itself proves nothing.
 """
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rl_engine import jsonio
+from rl_engine import schemas
 from rl_engine.evidence.acceptance import check_tensor_files
 from rl_engine.evidence.rundir import PLAN, Finding, field_path, get, load_json, planned_reports
 
@@ -112,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"crosscheck: --run-dir {args.run_dir} is not a directory", file=sys.stderr)
         return 2
     result, found = crosscheck_run(args.run_dir, args.min_topologies)
-    jsonio.write_json(args.output, result)
+    try:
+        schemas.write_validated(args.output, result, "crosscheck")
+    except schemas.ArtifactSchemaError as exc:
+        print(f"crosscheck: {exc}", file=sys.stderr)
+        return 1
     if found:
         print(f"crosscheck FAILED ({len(found)} problems):", file=sys.stderr)
         for finding in found:

@@ -2,8 +2,10 @@
 
 ``python -m rl_engine env --output-dir RUN [--repo DIR] [--timeout-s S]`` writes
 
-* ``RUN/environment.json`` (``schemas/environment.schema.json``): git commit, branch and
-  dirty flag, Python, torch and its CUDA build, CUDA availability, GPU count and names,
+* ``RUN/environment.json`` (``schemas/environment.schema.json``, validated before it is
+  written): git commit, branch and dirty flag (:mod:`rl_engine.evidence.gitstate`: dirty when
+  a tracked file changed or an untracked file is not ignored; the number of untracked files is
+  recorded too), Python, torch and its CUDA build, CUDA availability, GPU count and names,
   NCCL and gloo availability, CPU model and count, hostname, platform and the versions of
   snakemake, jsonschema, rich, numpy, pyyaml and rl_engine;
 * ``RUN/environment.txt``: the raw output of the guide's commands (``git rev-parse HEAD``,
@@ -12,7 +14,8 @@
   tool (no ``nvidia-smi`` on a CPU machine) is recorded as absent, not a failure; so is a
   repository that is not a git checkout (``git.available`` false).
 
-Exit 0 when both files are written; 2 on a bad argument.
+Exit 0 when both files are written; 1 when ``environment.json`` would not match its schema
+(then nothing is written); 2 on a bad argument.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from rl_engine import jsonio
+from rl_engine import jsonio, schemas
+from rl_engine.evidence.gitstate import GitStateError, read_git_state
 
 SCHEMA_VERSION = "1"
 PACKAGES = ("snakemake", "jsonschema", "rich", "numpy", "pyyaml", "torch", "rl_engine")
@@ -93,21 +97,19 @@ def _cpu_model() -> str:
 
 
 def _git(repo: Path, timeout_s: float) -> dict[str, Any]:
-    commit = run_command(["git", "rev-parse", "HEAD"], repo, timeout_s)
-    if not commit.present or commit.exit_code != 0:
+    """environment.json's ``git`` record from :func:`rl_engine.evidence.gitstate.read_git_state`."""
+    try:
+        state = read_git_state(repo, timeout_s)
+    except GitStateError as exc:
         return {"available": False, "commit": None, "short_commit": None, "branch": None, "dirty": None,
-                "untracked_files": None, "reason": commit.note or commit.output.strip() or "not a git repository"}
-    short = run_command(["git", "rev-parse", "--short", "HEAD"], repo, timeout_s)
-    branch = run_command(["git", "branch", "--show-current"], repo, timeout_s)
-    status = run_command(["git", "status", "--porcelain", "--untracked-files=no"], repo, timeout_s)
-    untracked = run_command(["git", "ls-files", "--others", "--exclude-standard"], repo, timeout_s)
+                "untracked_files": None, "reason": str(exc)}
     return {
         "available": True,
-        "commit": commit.output.strip(),
-        "short_commit": short.output.strip(),
-        "branch": branch.output.strip() or None,
-        "dirty": bool(status.output.strip()) if status.exit_code == 0 else None,
-        "untracked_files": len(untracked.output.splitlines()) if untracked.exit_code == 0 else None,
+        "commit": state.commit,
+        "short_commit": state.short_commit,
+        "branch": state.branch,
+        "dirty": state.dirty,
+        "untracked_files": len(state.untracked_files),
         "reason": None,
     }
 
@@ -177,8 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repo {args.repo} is not a directory")
     env, text = capture(args.repo.resolve(), args.timeout_s)
     args.output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        schemas.write_validated(args.output_dir / "environment.json", env, "environment")
+    except schemas.ArtifactSchemaError as exc:
+        print(f"env: {exc}", file=sys.stderr)
+        return 1
     jsonio.atomic_write_text(args.output_dir / "environment.txt", text)
-    jsonio.write_json(args.output_dir / "environment.json", env)
     git = env["git"]
     print(f"environment: commit {git['commit']} ({'dirty' if git['dirty'] else 'clean'}), "
           f"python {env['python']['version']}, torch {env['torch']['version']}, "

@@ -8,8 +8,11 @@ from the JUnit XML: ``passed``, ``failed``, ``skipped``, ``errors``, ``total``, 
 command, the test files, pytest's exit code and the duration.
 
 Exit 0 when pytest exited 0 and every test passed or was skipped; 1 when any test failed or
-errored, no test ran, or pytest exited non-zero (``regression.json`` is still written, as
-evidence of what failed); 2 on a bad argument or a missing test file.
+errored, no test ran, or pytest exited non-zero, or when ``regression.json`` would not match its
+schema (then it is not written); 2 on a bad argument or a missing test file. On a failed
+regression the verb still writes ``regression.json``, which a hand run keeps; under Snakemake a
+failed job's outputs are deleted, so there the record of what failed is the rule's log
+(``RUN/logs/regression.log``, which holds the echoed pytest output), not ``regression.json``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rl_engine import jsonio
+from rl_engine import schemas
 
 SCHEMA_VERSION = "1"
 LOG_NAME = "pytest-focused.log"
@@ -118,7 +121,7 @@ def run(output_dir: Path, tests: list[str], pytest_args: list[str]) -> tuple[dic
         "junit": JUNIT_NAME if problem is None else None,
         "problem": problem,
     }
-    jsonio.write_json(output_dir / JSON_NAME, result)
+    schemas.write_validated(output_dir / JSON_NAME, result, "regression")
     failed = problem is not None or code != 0 or counts.failed or counts.errors or counts.total == 0
     return result, 1 if failed else 0
 
@@ -133,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"regression: test file(s) not found: {', '.join(missing)}; fix --tests (config regression.tests)", file=sys.stderr)
         return 2
-    result, code = run(args.output_dir, args.tests, args.pytest_arg)
+    try:
+        result, code = run(args.output_dir, args.tests, args.pytest_arg)
+    except schemas.ArtifactSchemaError as exc:
+        print(f"regression: {exc}", file=sys.stderr)
+        return 1
     line = (f"regression: {result['passed']} passed, {result['failed']} failed, {result['skipped']} skipped, "
             f"{result['errors']} errors (total {result['total']}, pytest exit {result['exit_code']})")
     print(line, file=sys.stderr if code else sys.stdout)

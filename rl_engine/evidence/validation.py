@@ -7,7 +7,8 @@ failure) against ``report.schema.json`` and :func:`rl_engine.evidence.acceptance
 A ``tp<T>-cp<C>.*`` report or tensor of a topology the plan does not list (left from an
 earlier plan) is a failure too: the archive packs every file of the run, so it would ship as
 evidence unchecked. The focused regression must have run tests and have none failed. It writes
-``validation.json`` (``schemas/validation.schema.json``) and exits 1, naming the file or
+``validation.json`` (validated against ``validation.schema.json`` of ``DIR`` first; a result
+that does not match is not written and the verb exits 1) and exits 1, naming the file or
 topology and the field on stderr, when anything fails; 2 when the schemas themselves cannot
 be loaded.
 
@@ -207,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     validation = validate_run(args.run_dir, schema_dir)
     result, found = validation.result, validation.findings
-    jsonio.write_json(args.output, result)
+    try:
+        schemas.write_validated(args.output, result, "validation", schema_dir)
+    except schemas.ArtifactSchemaError as exc:
+        print(f"validate: {exc}", file=sys.stderr)
+        return 1
     if found:
         print(f"validation FAILED ({len(found)} problems):", file=sys.stderr)
         for finding in found:

@@ -154,10 +154,10 @@ def plan_topologies(args: argparse.Namespace) -> tuple[tuple[int, int], ...]:
 
 def write_plan(args: argparse.Namespace, case: Case) -> int:
     plan = build_plan(case, plan_topologies(args), args.output)
-    problems = schemas.errors(plan, "plan")
-    if problems:
-        raise PlanError("the plan does not match schemas/plan.schema.json: " + "; ".join(problems))
-    jsonio.write_json(args.output, plan)
+    try:
+        schemas.write_validated(args.output, plan, "plan")
+    except schemas.ArtifactSchemaError as exc:
+        raise PlanError(str(exc)) from None
     print(f"# plan {plan['case_id']}: {len(plan['topologies'])} topologies -> {args.output}")
     for entry in plan["topologies"]:
         print(entry["command"])
@@ -412,9 +412,10 @@ def build_report(
 
 def write_report(output: str, report: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     """Validate, then write the raw tensors and finally the report, each atomically."""
-    problems = schemas.errors(report, "report")
-    if problems:
-        raise ComparisonError("the report does not match schemas/report.schema.json: " + "; ".join(problems))
+    try:
+        schemas.require_valid(report, "report", what=output)
+    except schemas.ArtifactSchemaError as exc:
+        raise ComparisonError(str(exc)) from None
     _, tensor_files = output_paths(output)
     try:
         for name, path in tensor_files.items():
