@@ -24,7 +24,8 @@ import pytest
 
 from _evidence_run import build_run
 from rl_engine import jsonio, schemas
-from rl_engine.evidence import archive, safe_tar, verify
+from rl_engine.evidence import archive, safe_tar, summary, verify
+from rl_engine.logprob.comparison import default_tolerance
 
 Entry = tuple[tarfile.TarInfo, bytes | None]
 
@@ -135,6 +136,18 @@ def resummed(good: Good, entries: list[Entry]) -> list[Entry]:
     return [file_entry(i.name, text) if i.name == sums_name else (i, d) for i, d in entries]
 
 
+def resummarised(good: Good, entries: list[Entry], work: Path) -> list[Entry]:
+    """A forger's full job: SUMMARY.md rendered again from the entries' own evidence, SUMS recomputed."""
+    for info, data in entries:
+        if data is not None:
+            path = work / info.name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+    text = summary.summary_text(work / good.name).encode()
+    name = f"{good.name}/SUMMARY.md"
+    return resummed(good, [file_entry(i.name, text) if i.name == name else (i, d) for i, d in entries])
+
+
 def edit_json(change: Callable[[dict[str, Any]], None]) -> Callable[[bytes], bytes]:
     def apply(data: bytes) -> bytes:
         obj = jsonio.loads(data.decode())
@@ -153,10 +166,21 @@ def test_good_archive_verifies_with_recompute(good: Good, sandbox: Sandbox, caps
     assert status(result) == {
         "outer checksum": "PASS", "safe extraction": "PASS", "top folder": "PASS", "SHA256SUMS": "PASS",
         "JSON schemas (shipped)": "PASS", "focused regression": "PASS", "report acceptance": "PASS",
-        "cross-topology fingerprints": "PASS", "recorded gates": "PASS", "inputs regenerated": "PASS",
-        "oracle drift recomputed": "PASS", "schemas vs this rl_engine": "note",
+        "cross-topology fingerprints": "PASS", "recorded gates": "PASS", "SUMMARY.md": "PASS", "tolerances": "PASS",
+        "inputs regenerated": "PASS", "oracle drift recomputed": "PASS", "schemas vs this rl_engine": "note",
     }
     assert "VERIFIED" in text and "2 topologies bitwise identical" in text
+    assert "byte-identical to the summary rendered again" in problems(result, "SUMMARY.md")
+
+
+def test_verify_json_is_validated_before_it_is_written(good: Good, sandbox: Sandbox, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    out = sandbox.root / "verify.json"
+    monkeypatch.setattr(verify, "SCHEMA_VERSION", "2")  # a writer bug: the result no longer matches its schema
+    assert verify.main([str(good.archive), "--json", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"--json {out} not written" in err and "verify.schema.json" in err and "$.schema_version" in err
+    assert not out.exists()
 
 
 def test_missing_sidecar_fails_unless_skipped_knowingly(good: Good, sandbox: Sandbox, tmp_path: Path,
@@ -294,6 +318,73 @@ def test_recorded_gate_not_passed(good: Good, sandbox: Sandbox, tmp_path: Path, 
     assert "crosscheck.json: passed: the recorded gate did not pass" in problems(result, "recorded gates")
 
 
+# ---------------------------------------------------------------- SUMMARY.md and tolerances
+
+
+@pytest.mark.parametrize("forgery", ["number", "removed"])
+def test_forged_summary_with_sums_recomputed_fails(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str], forgery: str) -> None:
+    report = jsonio.loads(dict((i.name, d) for i, d in good.entries)[f"{good.name}/tp2-cp2.json"].decode())
+    true_value = repr(report["drift"]["fp32_oracle"]["dlogp"]["max_abs"])
+
+    def forge(data: bytes) -> bytes:  # a prettier drift in one row of the acceptance table, nothing else changed
+        text = data.decode()
+        assert f"| {true_value} |" in text
+        return text.replace(f"| {true_value} |", "| 1e-07 |", 1).encode()
+
+    if forgery == "number":
+        entries = edited(good, {"SUMMARY.md": forge}, resum=True)
+    else:
+        entries = resummed(good, [(i, d) for i, d in good.entries if i.name != f"{good.name}/SUMMARY.md"])
+    code, text, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
+    assert code == 1 and status(result)["SUMMARY.md"] == "FAIL", text
+    assert status(result)["SHA256SUMS"] == "PASS"  # the manifest was recomputed: only the summary check sees it
+    assert [c["name"] for c in result["checks"] if c["status"] == "FAIL"] == ["SUMMARY.md"]
+    found = problems(result, "SUMMARY.md")
+    if forgery == "number":
+        assert "1 line(s) differ" in found and "1e-07" in found and true_value in found and "line " in found
+    else:
+        assert "SUMMARY.md is missing" in found
+
+
+def _loosen(value: float) -> Callable[[bytes], bytes]:
+    """Every atol of a plan or report (case, drift statistics, launch command) set to ``value``."""
+    default = repr(default_tolerance("bf16")[0])
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return {k: value if k == "atol" else walk(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [repr(value) if i and obj[i - 1] == "--atol" else walk(v) for i, v in enumerate(obj)]
+        if isinstance(obj, str):
+            return obj.replace(f"--atol {default} ", f"--atol {value!r} ")
+        return obj
+
+    return lambda data: jsonio.dumps(walk(jsonio.loads(data.decode()))).encode()
+
+
+@pytest.mark.parametrize("factor", [10.0, 0.5])
+def test_tolerance_looser_than_the_defaults_fails_unless_accepted(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str], factor: float) -> None:
+    """Plan and reports consistently state atol = factor x the bf16 default, with the summary rendered again."""
+    atol = default_tolerance("bf16")[0] * factor
+    changes = {name: _loosen(atol) for name in ("plan.json", "tp1-cp1.json", "tp2-cp2.json")}
+    entries = resummarised(good, edited(good, changes, resum=False), tmp_path / "forge")
+    path = write_archive(tmp_path / "in" / good.archive.name, entries)
+    code, text, result = run_verify(path, sandbox, capsys)
+    if factor < 1:  # negative control: a tighter tolerance is no loophole, and the forgery itself is consistent
+        assert code == 0 and status(result)["tolerances"] == "PASS", text
+        return
+    assert code == 1 and [c["name"] for c in result["checks"] if c["status"] == "FAIL"] == ["tolerances"], text
+    found = problems(result, "tolerances")
+    for where in ("plan.json", "tp1-cp1.json", "tp2-cp2.json"):
+        assert f"{where}: case.atol={atol!r} is looser than the project's default 0.05 for bf16" in found
+    assert "--accept-looser-tolerance" in found
+    code, text, result = run_verify(path, sandbox, capsys, "--accept-looser-tolerance")
+    assert code == 0 and status(result)["tolerances"] == "note", text
+    assert "accepted on request (--accept-looser-tolerance)" in problems(result, "tolerances")
+
+
 # ---------------------------------------------------------------- --recompute
 
 
@@ -310,9 +401,10 @@ def test_recompute_catches_what_consistent_forgery_hides(good: Good, sandbox: Sa
     else:  # claims about other inputs than the ones the case regenerates
         changes = _every_report(good, lambda r: r["inputs_sha256"].update(logits="1" * 64))
         row, expected = "inputs regenerated", f"tp2-cp2.json: inputs_sha256.logits: recorded '{'1' * 64}', regenerated"
-    path = write_archive(tmp_path / "in" / good.archive.name, edited(good, changes, resum=True))
+    entries = resummarised(good, edited(good, changes, resum=False), tmp_path / "forge")
+    path = write_archive(tmp_path / "in" / good.archive.name, entries)
     code, _, result = run_verify(path, sandbox, capsys)
-    assert code == 0  # consistent forgery passes the structural checks...
+    assert code == 0  # consistent forgery (summary rendered again too) passes the structural checks...
     code, _, result = run_verify(path, sandbox, capsys, "--recompute")
     assert code == 1 and status(result)[row] == "FAIL"  # ...recomputation catches it
     assert expected in problems(result, row)
@@ -363,6 +455,32 @@ def test_hostile_member_refused(good: Good, sandbox: Sandbox, tmp_path: Path, ca
     assert reason in problems(result, "safe extraction"), problems(result, "safe extraction")
     assert not target.exists() and not (tmp_path / "in" / "attack-target").exists()
     assert "report acceptance" not in status(result)
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [("file over implied directory", "File exists"), ("300-character name", "File name too long")],
+)
+def test_member_the_file_system_refuses_is_a_failed_row(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str], kind: str, reason: str) -> None:
+    """Extraction raises OSError (EEXIST, ENAMETOOLONG): a failed row and --json, never a traceback."""
+    n = good.name
+    if kind == "file over implied directory":  # a/b creates the directory a; then a file named a
+        hostile, culprit = [file_entry(f"{n}/deep/a/b", b"x"), file_entry(f"{n}/deep/a", b"y")], f"{n}/deep/a"
+    else:
+        culprit = f"{n}/{'x' * 300}"
+        hostile = [file_entry(culprit, b"x")]
+    path = write_archive(tmp_path / "in" / good.archive.name, list(good.entries) + hostile)
+    code, text, result = run_verify(path, sandbox, capsys)
+    assert code == 1 and status(result)["safe extraction"] == "FAIL", text
+    found = problems(result, "safe extraction")
+    assert f"member {culprit!r} cannot be extracted" in found and reason in found
+    assert "Traceback" not in text and "safe extraction" in text and "FAIL" in text
+    assert "report acceptance" not in status(result)
+    dest = tmp_path / "unit"
+    dest.mkdir()
+    with pytest.raises(safe_tar.UnsafeArchiveError, match="cannot be extracted"):
+        safe_tar.safe_extract(path, dest)
 
 
 def test_decompression_bomb_refused_at_default_limits(good: Good, sandbox: Sandbox, tmp_path: Path,

@@ -36,13 +36,10 @@ from pathlib import Path
 
 from rl_engine import jsonio, schemas
 from rl_engine.evidence.crosscheck import crosscheck_run
-from rl_engine.evidence.rundir import CROSSCHECK, VALIDATION, load_json
+from rl_engine.evidence.rundir import CROSSCHECK, REVIEWING, SCHEMA_DIR, SUMS, VALIDATION, load_json
 from rl_engine.evidence.validation import validate_run
 
 SUFFIX = ".tar.gz"
-SUMS = "SHA256SUMS"
-REVIEWING = "REVIEWING.md"
-SCHEMA_DIR = "schemas"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 FIXED_MTIME = 0
 FILE_MODE = 0o644
@@ -113,6 +110,12 @@ also the fingerprint recorded in its report: for example `sha256sum tp1-cp1.logp
 equals `bitwise_fingerprints.candidate_logp_sha256` of `tp1-cp1.json`, and every report
 records the same fingerprints.
 
+The gradient is not backed by a file: `bitwise_fingerprints.candidate_grad_sha256` is
+compared across topologies (every report must record the same hash), but the gradient
+tensor itself is not in this bundle, so that hash is as each run reported it; neither
+`sha256sum` nor the verifier can recompute it. Only logp, LSE and entropy have raw `*.f32`
+files.
+
 ## With the verifier (offline, no GPU)
 
     python -m rl_engine verify {name}.tar.gz              # checksums, schemas, acceptance, fingerprints
@@ -122,10 +125,16 @@ The verifier checks the outer `.sha256`, every `SHA256SUMS` line with no file mi
 extra, every JSON file against the schemas shipped here, the acceptance of every report
 (passed, requested == actual backend, no fallback, TP outputs replicated, finite drift within
 tolerance), each raw tensor against its fingerprint and all fingerprints across topologies.
+It renders `SUMMARY.md` again from the evidence files with the function the `summary` step
+used and requires the shipped one to be byte-identical, so the numbers you read are the
+evidence's. It also requires the case's `atol`/`rtol` (plan and every report) to be no looser
+than rl_engine's defaults for the dtype: a consistently raised tolerance fails unless you
+pass `--accept-looser-tolerance`, which turns that row into a note naming the looser values.
 `--recompute` regenerates each report's inputs from its `case` (checking `inputs_sha256`)
 and recomputes the drift against the FP32 and FP64 oracles from the raw tensors. It reads
 the archive member by member into a temporary directory and refuses links, devices, absolute
-or `..` paths, duplicate names and oversized members. It exits 0 only when every check holds.
+or `..` paths, duplicate names, oversized members and members the file system cannot create.
+It exits 0 only when every check holds.
 """
 
 

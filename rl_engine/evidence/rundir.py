@@ -2,8 +2,9 @@
 
 A run directory (``results/<name>/``, or the top folder of an extracted archive) holds
 ``environment.json``, ``regression.json``, ``plan.json`` and one ``tp<T>-cp<C>.json`` report
-per planned topology with its raw ``*.f32`` tensors. Every check in :mod:`rl_engine.evidence`
-reads it through this module, so the workflow's gates and the reviewer's verifier see the
+per planned topology with its raw ``*.f32`` tensors; an extracted archive's top folder also
+holds :data:`ARCHIVE_ONLY` (``SHA256SUMS``, ``REVIEWING.md``, ``schemas/``), which ``archive``
+adds. Every check in :mod:`rl_engine.evidence` reads it through this module, so the workflow's gates and the reviewer's verifier see the
 same files the same way.
 
 Problems are :class:`Finding` values that name the file (or topology), the field (a dotted
@@ -30,6 +31,12 @@ PLAN = "plan.json"
 VALIDATION = "validation.json"
 CROSSCHECK = "crosscheck.json"
 SUMMARY = "SUMMARY.md"
+
+# what ``archive`` adds beside the run's own files (never in a run directory)
+SUMS = "SHA256SUMS"
+REVIEWING = "REVIEWING.md"
+SCHEMA_DIR = "schemas"
+ARCHIVE_ONLY: frozenset[str] = frozenset({SUMS, REVIEWING, SCHEMA_DIR})
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,16 @@ abs, result), acceptance results at full precision, fingerprints, hardware and r
 boundary, and artifacts with their SHA-256. Every number comes from those files; nothing is
 typed in. The same tables are printed on the console with rich.
 
-Exit 0 when written (whatever the run's status: a failed run gets a FAILED summary); 1 when
-an evidence file cannot be read.
+The text is a function of the evidence files alone (:func:`summary_text`): ``verify`` renders it
+again from an extracted archive and compares bytes with the shipped ``SUMMARY.md``. The
+artifact table lists every file of the run directory except ``SUMMARY.md`` itself, ``logs/``,
+hidden files and what only an archive holds (``SHA256SUMS``, ``REVIEWING.md``, ``schemas/``).
+
+Exit 0 when written, whatever the evidence says: evidence whose recorded gates failed gets a
+FAILED status. That happens only when the verb is run by hand on such evidence; in the
+workflow the summary rule needs ``validation.json`` and ``crosscheck.json``, and Snakemake
+deletes those when their gate fails, so a workflow never reaches the summary of a failed run.
+Exit 1 when an evidence file cannot be read.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from rich.table import Table
 
 from rl_engine import jsonio
 from rl_engine.evidence.rundir import (
+    ARCHIVE_ONLY,
     CROSSCHECK,
     ENVIRONMENT,
     PLAN,
@@ -224,7 +233,7 @@ def sections(ev: Evidence, run_dir: Path) -> dict[str, Section]:
     for path in sorted(run_dir.rglob("*")):
         rel = path.relative_to(run_dir)
         if not path.is_file() or path.is_symlink() or rel.as_posix() == SUMMARY or rel.parts[0] == LOG_DIR \
-                or any(p.startswith(".") for p in rel.parts):
+                or rel.parts[0] in ARCHIVE_ONLY or any(p.startswith(".") for p in rel.parts):
             continue
         artifacts.append((rel.as_posix(), str(path.stat().st_size), jsonio.sha256_file(path)))
     arts = Section("Artifacts", ("File", "Bytes", "SHA-256"), tuple(artifacts))
@@ -290,6 +299,11 @@ def render(ev: Evidence, run_dir: Path) -> tuple[str, dict[str, Section]]:
         "requirement is tolerance, not oracle bitwise equality. It does not claim end-to-end trainer or "
         "inference-engine replay, pipeline or data-parallel model execution, or a fused kernel.",
         "",
+        "The gradient is the one fingerprint without a file: `candidate_grad_sha256` is compared across "
+        "topologies, but the gradient tensor is not in the evidence, so that hash is as each run reported "
+        "it and no one can recompute it from the archive (logp, LSE and entropy are backed by raw `*.f32` "
+        "files whose SHA-256 equals their fingerprint).",
+        "",
         "## Artifacts",
         "",
         "SHA-256 of each evidence file of the run directory (per-stage logs under `logs/` are covered by "
@@ -298,6 +312,14 @@ def render(ev: Evidence, run_dir: Path) -> tuple[str, dict[str, Section]]:
         secs["artifacts"].markdown(),
     ]
     return "\n".join(out), secs
+
+
+def summary_text(run_dir: Path) -> str:
+    """SUMMARY.md's text for the evidence in ``run_dir`` (:class:`SummaryError` when unreadable).
+
+    The summary verb writes exactly this; ``verify`` compares it with an archive's SUMMARY.md.
+    """
+    return render(load_evidence(run_dir), run_dir)[0]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """The reviewer's verifier: one offline command that says whether an evidence archive holds.
 
-``python -m rl_engine verify ARCHIVE [--recompute] [--no-outer-checksum] [--json OUT]
-[--max-member-mib N] [--max-total-mib N] [--max-members N]``
+``python -m rl_engine verify ARCHIVE [--recompute] [--no-outer-checksum]
+[--accept-looser-tolerance] [--json OUT] [--max-member-mib N] [--max-total-mib N] [--max-members N]``
 
 Runs without a GPU or network and checks, each as a row of the printed table:
 
@@ -10,8 +10,9 @@ Runs without a GPU or network and checks, each as a row of the printed table:
    ``--no-outer-checksum`` is given (then the row says the check was skipped on request);
 2. **safe extraction**: the archive is read member by member into a fresh temporary directory
    (:mod:`rl_engine.evidence.safe_tar`): absolute or ``..`` paths, links, devices, FIFOs,
-   duplicate names, oversized members (default caps 256 MiB a member, 2 GiB in all) and a
-   truncated or corrupt gzip are refused with the reason; nothing is written anywhere else
+   duplicate names, oversized members (default caps 256 MiB a member, 2 GiB in all), a
+   member the file system cannot create (a file named like a directory, an over-long name) and
+   a truncated or corrupt gzip are refused with the reason; nothing is written anywhere else
    and the temporary directory is removed on exit;
 3. **top folder**: every member lies under ``NAME/``, the archive's own name;
 4. **SHA256SUMS**: every line verifies and no file is missing from it or extra;
@@ -24,7 +25,15 @@ Runs without a GPU or network and checks, each as a row of the printed table:
 8. **cross-topology fingerprints**: :func:`rl_engine.evidence.crosscheck.crosscheck_run` (the
    same function as the workflow's ``crosscheck``);
 9. **recorded gates**: the archived ``validation.json`` and ``crosscheck.json`` passed;
-10. with ``--recompute``: **inputs regenerated** (``make_inputs(case)`` hashes to the report's
+10. **SUMMARY.md**: the shipped summary (what a reviewer reads) is byte-identical to the one
+    :func:`rl_engine.evidence.summary.summary_text` (what the ``summary`` verb writes) renders
+    again from the extracted evidence; the first differing line is named otherwise;
+11. **tolerances**: the ``atol``/``rtol`` of the plan's case and of every report's case are no
+    looser than the project's defaults for the dtype
+    (:func:`rl_engine.logprob.comparison.default_tolerance`, what the runner uses when the
+    config sets none). Looser tolerances fail unless ``--accept-looser-tolerance`` is given;
+    then the row is a note that names them, not a pass. Tighter tolerances pass;
+12. with ``--recompute``: **inputs regenerated** (``make_inputs(case)`` hashes to the report's
     ``inputs_sha256``) and **oracle drift recomputed** from the raw tensors against the FP32
     and FP64 oracles, equal to the reported statistics within :data:`RECOMPUTE_TOL` and within
     the case's tolerance element by element.
@@ -32,7 +41,8 @@ Runs without a GPU or network and checks, each as a row of the printed table:
 A note row says whether the shipped schemas are byte-identical to this installation's (a
 difference is reported, not failed: an older archive may carry older schemas; the semantic
 checks above do not depend on the schemas). Exit 0 only when every check holds; 1 otherwise;
-2 on a bad argument. ``--json OUT`` also writes the table as ``schemas/verify.schema.json``.
+2 on a bad argument. ``--json OUT`` also writes the table as ``schemas/verify.schema.json``
+(validated before it is written).
 """
 
 from __future__ import annotations
@@ -52,8 +62,9 @@ from rich.table import Table
 from rl_engine import jsonio, schemas
 from rl_engine.evidence.archive import SCHEMA_DIR, SUFFIX, SUMS
 from rl_engine.evidence.crosscheck import crosscheck_run
-from rl_engine.evidence.rundir import PLAN, Finding, load_json, planned_reports
+from rl_engine.evidence.rundir import PLAN, SUMMARY, Finding, is_number, load_json, planned_reports
 from rl_engine.evidence.safe_tar import MIB, Extracted, Limits, UnsafeArchiveError, safe_extract
+from rl_engine.evidence.summary import SummaryError, summary_text
 from rl_engine.evidence.validation import validate_run
 
 SCHEMA_VERSION = "1"
@@ -62,6 +73,8 @@ RECOMPUTED_STATS = ("max_abs", "mean_abs", "p95_abs", "p99_abs")
 SIDECAR_LINE = re.compile(r"^([0-9a-f]{64}) [ *](\S.*)$")
 SUMS_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 MAX_DETAIL_LINES = 12
+MAX_QUOTED = 160
+LOOSER_FLAG = "--accept-looser-tolerance"
 
 
 @dataclass(frozen=True)
@@ -146,6 +159,80 @@ def check_sums(root: Path, files: tuple[str, ...], top: str) -> Check:
     if problems:
         return Check("SHA256SUMS", False, f"{len(problems)} problem(s)", problems)
     return Check("SHA256SUMS", True, f"{len(listed)} files verified, none missing or extra")
+
+
+def _quote(line: str | None) -> str:
+    if line is None:
+        return "(no such line)"
+    return repr(line) if len(line) <= MAX_QUOTED else repr(line[:MAX_QUOTED]) + "..."
+
+
+def check_summary(root: Path) -> Check:
+    """The shipped SUMMARY.md against the summary the extracted evidence renders, byte for byte."""
+    shipped = root / SUMMARY
+    if shipped.is_symlink() or not shipped.is_file():
+        return Check("SUMMARY.md", False, f"{SUMMARY} is missing: the archive has no summary for a reviewer to read")
+    try:
+        expected = summary_text(root)
+    except SummaryError as exc:
+        return Check("SUMMARY.md", False, f"cannot render the summary again from the evidence: {exc}")
+    except Exception as exc:  # damaged evidence: a failed row, not a traceback
+        return Check("SUMMARY.md", False, f"rendering the summary again stopped: {type(exc).__name__}: {exc}")
+    actual = shipped.read_bytes()
+    if actual == expected.encode("utf-8"):
+        return Check("SUMMARY.md", True, "byte-identical to the summary rendered again from the evidence")
+    have = actual.decode("utf-8", errors="replace").split("\n")
+    want = expected.split("\n")
+    differing = [i for i in range(max(len(have), len(want)))
+                 if (have[i] if i < len(have) else None) != (want[i] if i < len(want) else None)]
+    first = differing[0]
+    problem = (f"line {first + 1}: {SUMMARY} has {_quote(have[first] if first < len(have) else None)} but the "
+               f"evidence renders {_quote(want[first] if first < len(want) else None)}")
+    return Check("SUMMARY.md", False, f"{SUMMARY} is not what the evidence renders ({len(differing)} line(s) differ): "
+                 "what a reviewer reads does not match the evidence", [problem])
+
+
+def check_tolerances(root: Path, accept_looser: bool) -> Check:
+    """Every case's atol/rtol against the project's default tolerance for its dtype."""
+    from rl_engine.logprob.comparison import ComparisonError, default_tolerance  # imports torch: only here
+
+    plan, found = load_json(root / PLAN)
+    planned, plan_found = planned_reports(plan, root) if plan is not None else ([], [])
+    problems = [str(f) for f in found + plan_found]
+    cases: list[tuple[str, Any]] = [(PLAN, plan.get("case") if isinstance(plan, dict) else None)]
+    for item in planned:
+        report, _ = load_json(item.path)  # unreadable reports already fail other rows
+        if report is not None:
+            cases.append((item.file, report.get("case") if isinstance(report, dict) else None))
+    looser: list[str] = []
+    for where, case in cases:
+        if not isinstance(case, dict):
+            problems.append(f"{where}: case: missing, so its tolerance cannot be checked")
+            continue
+        dtype = case.get("dtype")
+        try:
+            defaults = default_tolerance(dtype)
+        except (ComparisonError, TypeError) as exc:
+            problems.append(f"{where}: case.dtype: {exc}")
+            continue
+        for key, default in zip(("atol", "rtol"), defaults):
+            value = case.get(key)
+            if not is_number(value) or not math.isfinite(value) or value < 0:
+                problems.append(f"{where}: case.{key}: {value!r} is not a finite number >= 0")
+            elif value > default:
+                looser.append(f"{where}: case.{key}={value!r} is looser than the project's default {default!r} "
+                              f"for {dtype}")
+    if problems:
+        return Check("tolerances", False, f"{len(problems)} problem(s)", problems)
+    if looser and not accept_looser:
+        return Check("tolerances", False, f"{len(looser)} tolerance(s) looser than the project's defaults: a "
+                     f"lowered bar can make a report pass ({LOOSER_FLAG} accepts them knowingly)",
+                     looser)
+    if looser:
+        return Check("tolerances", None, f"looser than the project's defaults, accepted on request ({LOOSER_FLAG}): "
+                     + "; ".join(looser), looser)
+    return Check("tolerances", True, f"atol/rtol of the plan and {len(cases) - 1} reports no looser than the "
+                 "project's defaults for their dtype")
 
 
 def _compare_stats(where: str, reported: Any, recomputed: dict[str, Any], path: str,
@@ -258,7 +345,7 @@ def schema_note(shipped: Path) -> Check:
 
 
 def verify(archive: Path, *, recompute_drift: bool = False, skip_outer: bool = False,
-           limits: Limits = Limits()) -> list[Check]:
+           limits: Limits = Limits(), accept_looser_tolerance: bool = False) -> list[Check]:
     """Every check of the module docstring, in order; later checks are skipped after a refusal."""
     checks = [check_outer(archive, skip_outer)]
     with tempfile.TemporaryDirectory(prefix="rl_engine-verify-") as tmp:
@@ -276,14 +363,14 @@ def verify(archive: Path, *, recompute_drift: bool = False, skip_outer: bool = F
         else:
             checks.append(Check("top folder", True, f"every member under {extracted.top}/"))
         try:
-            checks.extend(_checks_of_extracted(extracted, recompute_drift))
+            checks.extend(_checks_of_extracted(extracted, recompute_drift, accept_looser_tolerance))
         except Exception as exc:  # damaged content must end as a failed row a reviewer can read
             checks.append(Check("internal error", False, f"checking stopped: {type(exc).__name__}: {exc}"))
     return checks
 
 
-def _checks_of_extracted(extracted: Extracted, recompute_drift: bool) -> list[Check]:
-    """Checks 4-10 on an extracted archive (see the module docstring)."""
+def _checks_of_extracted(extracted: Extracted, recompute_drift: bool, accept_looser: bool) -> list[Check]:
+    """Checks 4-12 on an extracted archive (see the module docstring)."""
     checks: list[Check] = []
     root = extracted.root
     checks.append(check_sums(root, extracted.files, extracted.top))
@@ -307,6 +394,8 @@ def _checks_of_extracted(extracted: Extracted, recompute_drift: bool) -> list[Ch
                              f"the ones shipped in {extracted.top}/{SCHEMA_DIR}/"))
     checks.append(_from_findings("recorded gates", gates, "validation.json and crosscheck.json passed, "
                                  "with the shipped schemas"))
+    checks.append(check_summary(root))
+    checks.append(check_tolerances(root, accept_looser))
     if recompute_drift:
         checks.extend(recompute(root))
     if shipped.is_dir():
@@ -336,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("archive", type=Path, help="results/NAME.tar.gz (NAME.tar.gz.sha256 expected next to it)")
     parser.add_argument("--recompute", action="store_true", help="regenerate inputs and recompute oracle drift")
     parser.add_argument("--no-outer-checksum", action="store_true", help="accept a missing NAME.tar.gz.sha256 (row says so)")
+    parser.add_argument(LOOSER_FLAG, dest="accept_looser_tolerance", action="store_true",
+                        help="accept atol/rtol looser than the project's defaults for the dtype (bf16/fp16/fp32 "
+                             "defaults of rl_engine.logprob.comparison); without it they fail, with it the "
+                             "tolerances row is a note naming them")
     parser.add_argument("--json", type=Path, default=None, help="also write the result as JSON (verify.schema.json)")
     parser.add_argument("--max-member-mib", type=int, default=Limits().max_member_bytes // MIB)
     parser.add_argument("--max-total-mib", type=int, default=Limits().max_total_bytes // MIB)
@@ -348,20 +441,25 @@ def main(argv: list[str] | None = None) -> int:
         limits = Limits(args.max_member_mib * MIB, args.max_total_mib * MIB, args.max_members)
     except ValueError as exc:
         parser.error(str(exc))
-    checks = verify(args.archive, recompute_drift=args.recompute, skip_outer=args.no_outer_checksum, limits=limits)
+    checks = verify(args.archive, recompute_drift=args.recompute, skip_outer=args.no_outer_checksum, limits=limits,
+                    accept_looser_tolerance=args.accept_looser_tolerance)
     passed = all(c.passed is not False for c in checks) and any(c.name == "recorded gates" for c in checks)
     console = Console(width=160)
     console.print(_table(args.archive, checks))
     failures = [f"{c.name}: {p}" for c in checks if c.passed is False for p in (c.problems or [c.detail])]
     if args.json is not None:
-        jsonio.write_json(args.json, {
-            "schema_version": SCHEMA_VERSION,
-            "archive": args.archive.name,
-            "recompute": args.recompute,
-            "passed": passed,
-            "checks": [c.to_dict() for c in checks],
-            "failures": failures,
-        })
+        try:
+            schemas.write_validated(args.json, {
+                "schema_version": SCHEMA_VERSION,
+                "archive": args.archive.name,
+                "recompute": args.recompute,
+                "passed": passed,
+                "checks": [c.to_dict() for c in checks],
+                "failures": failures,
+            }, "verify")
+        except schemas.ArtifactSchemaError as exc:
+            print(f"verify: --json {args.json} not written: {exc}", file=sys.stderr)
+            return 1
     if passed:
         console.print(f"[bold green]VERIFIED[/]: every check holds for {args.archive.name}")
         return 0
