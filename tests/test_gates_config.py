@@ -9,6 +9,7 @@ names the key, the value and the fix, and that a good config dry-runs (negative 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import yaml
 
 from _workflow_util import REPO, SMALL_VOCAB, copy_repo, env_for, jobs_run, snakemake_cmd, write_config
 from rl_engine.evidence import config as wfconfig
+from rl_engine.evidence import environment
 from rl_engine.evidence.config import WorkflowConfigError, check_config, load_config
 from rl_engine.testing import campaign
 from rl_engine.testing import distributed_logprob_comparison as runner
@@ -248,6 +250,46 @@ def test_check_config_verb(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     good = tmp_path / "good.yaml"
     good.write_text(yaml.safe_dump(base()))
     assert wfconfig.main([str(good)]) == 0
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c", "commit.gpgsign=false",
+                    *args], cwd=repo, check=True, capture_output=True,
+                   env={**os.environ, "GIT_CONFIG_GLOBAL": os.devnull})
+
+
+def test_run_name_and_environment_agree_on_dirty(tmp_path: Path) -> None:
+    """The run name's -dirty and environment.json's git.dirty come from one definition.
+
+    ``status.showUntrackedFiles=no`` in the checkout hid an untracked file from the run
+    name's plain ``git status`` while environment.json counted it: the same tree was named
+    clean and recorded dirty.
+    """
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    config = {"campaign": "c"}
+    assert wfconfig.run_name(config, repo) == "c-nogit"
+    assert environment._git(repo, 20.0)["available"] is False
+    _git(repo, "init", "-q")
+    (repo / ".gitignore").write_text("ignored.log\n")
+    (repo / "a.txt").write_text("a\n")
+    _git(repo, "add", ".gitignore", "a.txt")
+    _git(repo, "commit", "-q", "-m", "first")
+    _git(repo, "config", "status.showUntrackedFiles", "no")
+    short = environment._git(repo, 20.0)["short_commit"]
+    states = []
+    for step in ("clean", "ignored", "untracked", "tracked change"):
+        if step == "ignored":
+            (repo / "ignored.log").write_text("noise\n")
+        if step == "untracked":
+            (repo / "new.py").write_text("x = 1\n")
+        if step == "tracked change":
+            (repo / "new.py").unlink()
+            (repo / "a.txt").write_text("changed\n")
+        dirty = environment._git(repo, 20.0)["dirty"]
+        assert wfconfig.run_name(config, repo) == f"c-{short}{'-dirty' if dirty else ''}", step
+        states.append(dirty)
+    assert states == [False, False, True, True]  # both outcomes seen (negative control)
 
 
 # ---------------------------------------------------------------- real snakemake -n

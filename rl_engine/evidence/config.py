@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import yaml
 
 from rl_engine import schemas
+from rl_engine.evidence.gitstate import GitStateError, read_git_state
 from rl_engine.testing.campaign import (
     DEVICE_DIST_BACKENDS,
     TOPOLOGY_FIELDS,
@@ -191,28 +191,18 @@ def load_config(path: str | Path) -> dict[str, Any]:
     return check_config(data)
 
 
-def _git(repo: Path, *args: str) -> str | None:
-    try:
-        done = subprocess.run(
-            ["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=20
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
 def run_name(config: dict[str, Any], repo: str | Path) -> str:
-    """``<campaign>-<short commit>[-dirty]``; ``-nogit`` outside a git checkout.
+    """``<campaign>-<short commit>[-dirty]``; ``-nogit`` when the git state cannot be read.
 
+    Dirty means what environment.json's ``git.dirty`` means (:mod:`rl_engine.evidence.gitstate`:
+    a changed tracked file or an untracked file that is not ignored), so the two always agree.
     Stable across reruns of the same tree, so a rerun completes the same run directory.
     """
-    repo = Path(repo)
-    short = _git(repo, "rev-parse", "--short=7", "HEAD")
-    if short is None:
+    try:
+        state = read_git_state(repo)
+    except GitStateError:
         return f"{config['campaign']}-nogit"
-    status = _git(repo, "status", "--porcelain")
-    dirty = "-dirty" if status else ""
-    return f"{config['campaign']}-{short}{dirty}"
+    return f"{config['campaign']}-{state.short_commit}{'-dirty' if state.dirty else ''}"
 
 
 def engine_sources(repo: str | Path) -> list[str]:
