@@ -438,8 +438,8 @@ def test_hanging_rank_fails_the_rule_at_its_time_limit(wf: Workflow) -> None:
     for tp, cp in ((1, 2), (2, 1)):  # both topologies ran under the same limit
         assert f"--tp {tp} --cp {cp} --timeout-s {HANG_LIMIT_S} " in text
     log = wf.log("tp2-cp1")
-    assert (f"error: topology 2x1 exceeded --timeout-s={HANG_LIMIT_S}; its process group was killed and its "
-            "outputs removed") in log
+    assert (f"error: topology 2x1 exceeded --timeout-s={HANG_LIMIT_S}; the runner and its ranks were "
+            "killed and its outputs removed") in log
     assert [p.name for p in wf.files_of("tp2-cp1") if p.exists()] == []
     assert jsonio.load(wf.report("tp1-cp2"))["passed"] is True
     assert processes_mentioning(str(wf.report("tp2-cp1"))) == []  # the hung rank is gone too
