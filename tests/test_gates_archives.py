@@ -25,61 +25,24 @@ import os
 import subprocess
 import sys
 import tarfile
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from _evidence_run import build_run
+from _archive_util import Entry, Good, build_good_archive, make_sandbox
+from _archive_util import Sandbox as Box
 from rl_engine import jsonio, schemas
 from rl_engine.evidence import archive, verify
 
-Entry = tuple[tarfile.TarInfo, bytes | None]
-
-
-@dataclass(frozen=True)
-class Good:
-    archive: Path
-    name: str
-    entries: tuple[Entry, ...]
-
-    def data(self, rel: str) -> bytes:
-        found = [d for i, d in self.entries if i.name == f"{self.name}/{rel}"]
-        assert len(found) == 1 and found[0] is not None, rel
-        return found[0]
-
-
 @pytest.fixture(scope="module")
 def good(tmp_path_factory: pytest.TempPathFactory) -> Good:
-    base = tmp_path_factory.mktemp("gates-archives")
-    run = build_run(base / "rl-engine-gates-run", base / "focused-tests")
-    out = base / "results" / f"{run.name}.tar.gz"
-    assert archive.main(["--run-dir", str(run), "--output", str(out)]) == 0
-    entries = []
-    with tarfile.open(out) as tar:
-        for member in tar.getmembers():
-            data = tar.extractfile(member).read() if member.isfile() else None  # type: ignore[union-attr]
-            entries.append((member, data))
-    return Good(out, run.name, tuple(entries))
-
-
-@dataclass(frozen=True)
-class Box:
-    root: Path
-    tmp: Path
-    cwd: Path
+    return build_good_archive(tmp_path_factory.mktemp("gates-archives"), "rl-engine-gates-run")
 
 
 @pytest.fixture()
 def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Box:
-    tmp, cwd = tmp_path / "tmp", tmp_path / "cwd"
-    tmp.mkdir()
-    cwd.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    monkeypatch.chdir(cwd)
-    return Box(tmp_path, tmp, cwd)
+    return make_sandbox(tmp_path, monkeypatch)
 
 
 def file_entry(name: str, data: bytes) -> Entry:

@@ -15,57 +15,24 @@ import io
 import json
 import shutil
 import tarfile
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
-from _evidence_run import build_run
+from _archive_util import Entry, Good, Sandbox, build_good_archive, make_sandbox
 from rl_engine import jsonio, schemas
 from rl_engine.evidence import archive, safe_tar, summary, verify
 from rl_engine.logprob.comparison import default_tolerance
 
-Entry = tuple[tarfile.TarInfo, bytes | None]
-
-
-@dataclass(frozen=True)
-class Good:
-    archive: Path
-    name: str
-    entries: tuple[Entry, ...]
-
-
 @pytest.fixture(scope="module")
 def good(tmp_path_factory: pytest.TempPathFactory) -> Good:
-    base = tmp_path_factory.mktemp("verify")
-    run = build_run(base / "rl-engine-verify-run", base / "focused-tests")
-    out = base / "results" / f"{run.name}.tar.gz"
-    assert archive.main(["--run-dir", str(run), "--output", str(out)]) == 0
-    entries = []
-    with tarfile.open(out) as tar:
-        for member in tar.getmembers():
-            data = tar.extractfile(member).read() if member.isfile() else None  # type: ignore[union-attr]
-            entries.append((member, data))
-    return Good(out, run.name, tuple(entries))
-
-
-@dataclass(frozen=True)
-class Sandbox:
-    tmp: Path
-    cwd: Path
-    root: Path
+    return build_good_archive(tmp_path_factory.mktemp("verify"), "rl-engine-verify-run")
 
 
 @pytest.fixture()
 def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Sandbox:
-    tmp, cwd = tmp_path / "tmp", tmp_path / "cwd"
-    tmp.mkdir()
-    cwd.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    monkeypatch.chdir(cwd)
-    return Sandbox(tmp, cwd, tmp_path)
+    return make_sandbox(tmp_path, monkeypatch)
 
 
 def run_verify(path: Path, box: Sandbox, capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, str, dict[str, Any]]:
