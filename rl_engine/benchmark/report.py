@@ -11,6 +11,7 @@ import torch
 
 from rl_engine import schemas
 from rl_engine.benchmark.config import BenchConfig, BenchError
+from rl_engine.evidence.environment import cpu_model
 
 SCHEMA = "bench"
 # Issue 6 targets: (name, phase, ratio key, limit).
@@ -64,17 +65,8 @@ def evaluate_targets(ratios: dict[str, dict[str, dict[str, float | None]]]) -> l
 
 
 def machine() -> dict[str, Any]:
-    model = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     return {
-        "cpu_model": model,
+        "cpu_model": cpu_model(),
         "logical_cpus": os.cpu_count() or 1,
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -22,9 +22,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rl_engine import schemas
 from rl_engine.evidence.acceptance import check_tensor_files
-from rl_engine.evidence.rundir import PLAN, Finding, field_path, get, load_json, planned_reports
+from rl_engine.evidence.rundir import (
+    PLAN,
+    Finding,
+    field_path,
+    finish_gate,
+    get,
+    load_json,
+    planned_reports,
+)
 
 SCHEMA_VERSION = "1"
 FINGERPRINT_FIELDS: tuple[tuple[str, ...], ...] = tuple(
@@ -113,17 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"crosscheck: --run-dir {args.run_dir} is not a directory", file=sys.stderr)
         return 2
     result, found = crosscheck_run(args.run_dir, args.min_topologies)
-    try:
-        schemas.write_validated(args.output, result, "crosscheck")
-    except schemas.ArtifactSchemaError as exc:
-        print(f"crosscheck: {exc}", file=sys.stderr)
-        return 1
-    if found:
-        print(f"crosscheck FAILED ({len(found)} problems):", file=sys.stderr)
-        for finding in found:
-            print(f"  {finding}", file=sys.stderr)
-        return 1
-    fps = result["topologies"][0]["bitwise_fingerprints"] or {}
-    print(f"crosscheck passed: {len(result['topologies'])} topologies bitwise identical "
-          f"(logp {fps.get('candidate_logp_sha256')}, lse {fps.get('candidate_lse_sha256')})")
-    return 0
+    first = result["topologies"][0] if result["topologies"] else {}
+    fps = first.get("bitwise_fingerprints") or {}
+    return finish_gate(
+        "crosscheck", args.output, result, "crosscheck", found,
+        f"crosscheck passed: {len(result['topologies'])} topologies bitwise identical "
+        f"(logp {fps.get('candidate_logp_sha256')}, lse {fps.get('candidate_lse_sha256')})",
+    )

@@ -86,7 +86,8 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU model name from /proc/cpuinfo, else what platform knows (environment and bench)."""
     try:
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
             if line.lower().startswith("model name"):
@@ -157,7 +158,7 @@ def capture(repo: Path, timeout_s: float) -> tuple[dict[str, Any], str]:
         "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
                    "executable": py},
         "torch": _torch(),
-        "cpu": {"model": _cpu_model(), "count": os.cpu_count() or 1},
+        "cpu": {"model": cpu_model(), "count": os.cpu_count() or 1},
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "packages": {name: _version(name) for name in PACKAGES},

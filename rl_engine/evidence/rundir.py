@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rl_engine import jsonio
+from rl_engine import jsonio, schemas
 
 REPORT_NAME = re.compile(r"^tp([1-9][0-9]*)-cp([1-9][0-9]*)\.json$")
 WHOLE_FILE = "(file)"
@@ -197,3 +198,31 @@ def planned_reports(plan: Any, run_dir: Path) -> tuple[list[PlannedReport], list
         command = entry.get("command")
         planned.append(PlannedReport(label, tp, cp, run_dir / name, command if isinstance(command, str) else None))
     return planned, found
+
+
+def finish_gate(
+    verb: str,
+    output: Path,
+    result: dict[str, Any],
+    schema_name: str,
+    found: list[Finding],
+    passed_message: str,
+    schema_dir: Path | None = None,
+) -> int:
+    """Write a gate's schema-valid result, then report it: 0 passed, 1 findings or bad result.
+
+    The result file is written either way (it is evidence of what failed); the findings go to
+    stderr, one per line, naming file or topology and field.
+    """
+    try:
+        schemas.write_validated(output, result, schema_name, schema_dir)
+    except schemas.ArtifactSchemaError as exc:
+        print(f"{verb}: {exc}", file=sys.stderr)
+        return 1
+    if found:
+        print(f"{verb} FAILED ({len(found)} problems):", file=sys.stderr)
+        for finding in found:
+            print(f"  {finding}", file=sys.stderr)
+        return 1
+    print(passed_message)
+    return 0

@@ -29,6 +29,7 @@ from typing import Any
 from rl_engine import jsonio, schemas
 from rl_engine.evidence.acceptance import check_report
 from rl_engine.evidence.rundir import (
+    finish_gate,
     CROSSCHECK,
     ENVIRONMENT,
     PLAN,
@@ -208,16 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     validation = validate_run(args.run_dir, schema_dir)
     result, found = validation.result, validation.findings
-    try:
-        schemas.write_validated(args.output, result, "validation", schema_dir)
-    except schemas.ArtifactSchemaError as exc:
-        print(f"validate: {exc}", file=sys.stderr)
-        return 1
-    if found:
-        print(f"validation FAILED ({len(found)} problems):", file=sys.stderr)
-        for finding in found:
-            print(f"  {finding}", file=sys.stderr)
-        return 1
-    print(f"validation passed: {len(result['files'])} files and {len(result['reports'])} reports "
-          f"valid against {schema_dir} and accepted")
-    return 0
+    return finish_gate(
+        "validation", args.output, result, "validation", found,
+        f"validation passed: {len(result['files'])} files and {len(result['reports'])} reports "
+        f"valid against {schema_dir} and accepted",
+        schema_dir,
+    )

@@ -176,10 +176,7 @@ def remove_outputs(output: str) -> None:
     """Remove a topology's report and raw tensors, so a failed run leaves nothing stale."""
     report, tensors = output_paths(output)
     for path in (report, *tensors.values()):
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+        path.unlink(missing_ok=True)
 
 
 def rank_contract(case: Case, tp: int, cp: int, tp_rank: int, cp_rank: int) -> LogprobContract:
