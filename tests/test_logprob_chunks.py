@@ -15,6 +15,7 @@ import torch
 
 from rl_engine.logprob.chunk_threads import for_each_chunk
 from rl_engine.logprob.contract import LogprobContract
+from rl_engine.logprob.portable import exp as portable_exp
 from rl_engine.logprob.tiles import ChunkWorkspace, FoldPlan, fold_sum_, merge_tiles, rows_finite
 from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
 from rl_engine.tensorio import fingerprint, tensor_bytes
@@ -49,7 +50,7 @@ def _reference_partials(
     m = xv.amax(dim=-1) + 0.0
     shift = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     y = xv - shift.unsqueeze(-1)
-    e = torch.exp(y)
+    e = portable_exp(y.contiguous())  # the spec's E, not a library exp
     s = fold_sum_(e.clone())
     t = None
     if entropy:

@@ -91,6 +91,8 @@ def check_evidence(run_dir: Path, schema_dir: Path) -> None:
 
 
 def reviewing_text(name: str) -> str:
+    from rl_engine.logprob.portable import SPEC_VERSION
+
     return f"""# Reviewing {name}
 
 This bundle is the evidence of one rl_engine validation run: the environment record, the
@@ -110,16 +112,22 @@ also the fingerprint recorded in its report: for example `sha256sum tp1-cp1.logp
 equals `bitwise_fingerprints.candidate_logp_sha256` of `tp1-cp1.json`, and every report
 records the same fingerprints.
 
-The gradient is not backed by a file: `bitwise_fingerprints.candidate_grad_sha256` is
-compared across topologies (every report must record the same hash), but the gradient
-tensor itself is not in this bundle, so that hash is as each run reported it; neither
-`sha256sum` nor the verifier can recompute it. Only logp, LSE and entropy have raw `*.f32`
-files.
+The gradient is not backed by a file (it would be about 10 MB per topology):
+`bitwise_fingerprints.candidate_grad_sha256` is compared across topologies (every report
+must record the same hash), and `verify --recompute` recomputes it.
+
+## The arithmetic, and replaying it
+
+Every report records `arithmetic_spec` (`{SPEC_VERSION}`): the candidate's logp, LSE,
+entropy and gradient are IEEE-754 basic operations in the fixed order of rl_engine's
+`docs/arithmetic.md`, with its own exp and log, no library transcendental, no library
+reduction and no fused multiply-add. Any conforming CPU or GPU computes the same bytes
+(given gradual underflow, the IEEE default), so your machine can replay the candidate.
 
 ## With the verifier (offline, no GPU)
 
     python -m rl_engine verify {name}.tar.gz              # checksums, schemas, acceptance, fingerprints
-    python -m rl_engine verify {name}.tar.gz --recompute  # also regenerate inputs and oracle drift
+    python -m rl_engine verify {name}.tar.gz --recompute  # also regenerate inputs, oracle drift, and replay the candidate
 
 The verifier checks the outer `.sha256`, every `SHA256SUMS` line with no file missing or
 extra, every JSON file against the schemas shipped here, the acceptance of every report
@@ -130,8 +138,12 @@ used and requires the shipped one to be byte-identical, so the numbers you read 
 evidence's. It also requires the case's `atol`/`rtol` (plan and every report) to be no looser
 than rl_engine's defaults for the dtype: a consistently raised tolerance fails unless you
 pass `--accept-looser-tolerance`, which turns that row into a note naming the looser values.
-`--recompute` regenerates each report's inputs from its `case` (checking `inputs_sha256`)
-and recomputes the drift against the FP32 and FP64 oracles from the raw tensors. It reads
+The verifier refuses a report made under another `arithmetic_spec` than its own.
+`--recompute` regenerates each report's inputs from its `case` (checking `inputs_sha256`),
+recomputes the drift against the FP32 and FP64 oracles from the raw tensors, and replays the
+candidate at TP=1 in one process: every topology's logp, LSE and entropy files and all four
+fingerprints (the gradient's included) must equal the replay byte for byte, or it names the
+first differing token. It reads
 the archive member by member into a temporary directory and refuses links, devices, absolute
 or `..` paths, duplicate names, oversized members and members the file system cannot create.
 It exits 0 only when every check holds.

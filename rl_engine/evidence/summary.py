@@ -174,6 +174,7 @@ def sections(ev: Evidence, run_dir: Path) -> dict[str, Section]:
         ("Hardware", hardware_text(env)),
         ("Runtime", runtime),
         ("Candidate", f"{DTYPE_LABELS.get(case.get('dtype'), case.get('dtype'))} {case.get('backend')} with FP32 accumulation"),
+        ("Arithmetic", _arithmetic_text(ev.reports)),
         ("Reference", "Independent full-vocabulary FP32 PyTorch oracle"),
         ("Topology", f"TP={_list_degrees(tps)} x CP={_list_degrees(cps)}; {_list_degrees(ranks)} ranks"),
         ("Focused regression", regression_text(ev.regression)),
@@ -296,13 +297,15 @@ def render(ev: Evidence, run_dir: Path) -> tuple[str, dict[str, Section]]:
         "entropy and the gradient of the active logprob sum), and tolerance compliance against an "
         "independent full-vocabulary FP32 oracle (FP64 statistics recorded for diagnosis). Candidate "
         "versus oracle drift is expected from the rounded logits and the fixed-order reduction: the "
-        "requirement is tolerance, not oracle bitwise equality. It does not claim end-to-end trainer or "
+        "requirement is tolerance, not oracle bitwise equality. The candidate's numbers follow "
+        f"{_arithmetic_text(ev.reports).split(':')[0]} (docs/arithmetic.md): basic IEEE-754 operations in a "
+        "fixed order, with its own exp and log, so `verify --recompute` replays them byte for byte on any "
+        "machine with gradual underflow and no contracted multiply-adds. It does not claim end-to-end trainer or "
         "inference-engine replay, pipeline or data-parallel model execution, or a fused kernel.",
         "",
         "The gradient is the one fingerprint without a file: `candidate_grad_sha256` is compared across "
-        "topologies, but the gradient tensor is not in the evidence, so that hash is as each run reported "
-        "it and no one can recompute it from the archive (logp, LSE and entropy are backed by raw `*.f32` "
-        "files whose SHA-256 equals their fingerprint).",
+        "topologies, and `verify --recompute` recomputes it by replaying the candidate at TP=1 (logp, LSE "
+        "and entropy are also backed by raw `*.f32` files whose SHA-256 equals their fingerprint).",
         "",
         "## Artifacts",
         "",
@@ -312,6 +315,15 @@ def render(ev: Evidence, run_dir: Path) -> tuple[str, dict[str, Section]]:
         secs["artifacts"].markdown(),
     ]
     return "\n".join(out), secs
+
+
+def _arithmetic_text(reports: list[dict[str, Any]]) -> str:
+    """The reports' arithmetic specification (docs/arithmetic.md), or what disagrees."""
+    specs = sorted({str(r.get("arithmetic_spec")) for r in reports})
+    if len(specs) == 1:
+        return (f"{specs[0]}: IEEE-754 basic operations only (docs/arithmetic.md); the same bytes on "
+                "any conforming CPU or GPU")
+    return "MIXED: " + ", ".join(specs)
 
 
 def summary_text(run_dir: Path) -> str:

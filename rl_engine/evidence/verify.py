@@ -33,10 +33,15 @@ Runs without a GPU or network and checks, each as a row of the printed table:
     (:func:`rl_engine.logprob.comparison.default_tolerance`, what the runner uses when the
     config sets none). Looser tolerances fail unless ``--accept-looser-tolerance`` is given;
     then the row is a note that names them, not a pass. Tighter tolerances pass;
-12. with ``--recompute``: **inputs regenerated** (``make_inputs(case)`` hashes to the report's
-    ``inputs_sha256``) and **oracle drift recomputed** from the raw tensors against the FP32
+12. **arithmetic spec**: every report was computed under this installation's
+    ``docs/arithmetic.md`` version (:data:`rl_engine.logprob.portable.SPEC_VERSION`);
+13. with ``--recompute``: **inputs regenerated** (``make_inputs(case)`` hashes to the report's
+    ``inputs_sha256``), **oracle drift recomputed** from the raw tensors against the FP32
     and FP64 oracles, equal to the reported statistics within :data:`RECOMPUTE_TOL` and within
-    the case's tolerance element by element.
+    the case's tolerance element by element, and **candidate replayed**: the candidate
+    recomputed at TP=1 in this process (:func:`rl_engine.testing.replay.replay_candidate`)
+    must equal, byte for byte, every topology's logp, LSE and entropy files and all four
+    fingerprints, the gradient's included; the first differing token is named.
 
 A note row says whether the shipped schemas are byte-identical to this installation's (a
 difference is reported, not failed: an older archive may carry older schemas; the semantic
@@ -330,6 +335,91 @@ def recompute(root: Path) -> tuple[Check, Check]:
     return inputs, drift_check
 
 
+def check_arithmetic_spec(root: Path) -> Check:
+    """Every planned report names this installation's arithmetic specification."""
+    from rl_engine.logprob.portable import SPEC_VERSION
+
+    plan, found = load_json(root / PLAN)
+    planned, plan_found = planned_reports(plan, root) if plan is not None else ([], [])
+    if found or plan_found or not planned:
+        msg = [str(f) for f in found + plan_found] or ["no planned reports"]
+        return Check("arithmetic spec", False, msg[0], msg)
+    problems = []
+    for item in planned:
+        report, _ = load_json(item.path)
+        got = report.get("arithmetic_spec") if isinstance(report, dict) else None
+        if got != SPEC_VERSION:
+            problems.append(f"{item.file}: arithmetic_spec: {got!r}, but this verifier implements "
+                            f"{SPEC_VERSION!r}; verify with the rl_engine release of that version")
+    if problems:
+        return Check("arithmetic spec", False, f"{len(problems)} problem(s)", problems)
+    return Check("arithmetic spec", True, f"{len(planned)} reports computed under {SPEC_VERSION} (docs/arithmetic.md)")
+
+
+def _first_difference(name: str, archived: Any, replayed: Any) -> str:
+    """The first token whose bytes differ, with both values and their bits."""
+    import torch
+
+    a = archived.view(torch.int32)
+    b = replayed.view(torch.int32)
+    index = int((a != b).nonzero()[0, 0]) if a.numel() == b.numel() else 0
+    if a.numel() != b.numel():
+        return f"{name}: {a.numel()} values archived, {b.numel()} replayed"
+    return (f"{name}: first differing token {index}: archived {float(archived[index])!r} "
+            f"(0x{int(a[index]) & 0xFFFFFFFF:08x}), replayed {float(replayed[index])!r} "
+            f"(0x{int(b[index]) & 0xFFFFFFFF:08x})")
+
+
+def replay(root: Path) -> Check:
+    """Recompute the candidate at TP=1 and require byte equality with every topology."""
+    import torch
+
+    from rl_engine.tensorio import read_raw_f32, tensor_bytes
+    from rl_engine.testing.replay import REPLAYED, replay_candidate
+
+    name = "candidate replayed"
+    plan, found = load_json(root / PLAN)
+    planned, plan_found = planned_reports(plan, root) if plan is not None else ([], [])
+    if found or plan_found or not planned:
+        msg = [str(f) for f in found + plan_found] or ["no planned reports"]
+        return Check(name, False, msg[0], msg)
+    problems: list[str] = []
+    cache: dict[tuple[Any, ...], Any] = {}
+    compared = 0
+    try:
+        for item in planned:
+            report, found = load_json(item.path)
+            case = report.get("case") if isinstance(report, dict) else None
+            if found or not isinstance(case, dict):
+                problems.append(f"{item.file}: case: unreadable report or case")
+                continue
+            key = tuple(sorted((k, v) for k, v in case.items() if k not in ("tp", "cp") and not isinstance(v, (dict, list))))
+            if key not in cache:
+                cache[key] = replay_candidate(case)
+            again = cache[key]
+            for tensor in REPLAYED:
+                try:
+                    archived = read_raw_f32(item.path.parent / report["tensors"][tensor]["path"])
+                except (KeyError, TypeError, OSError, ValueError) as exc:
+                    problems.append(f"{item.file}: tensors.{tensor}: cannot read the raw file ({exc})")
+                    continue
+                if tensor_bytes(archived) != tensor_bytes(again.tensors[tensor]):
+                    problems.append(f"{item.file}: " + _first_difference(tensor, archived, again.tensors[tensor]))
+            recorded = report.get("bitwise_fingerprints") if isinstance(report.get("bitwise_fingerprints"), dict) else {}
+            for field, digest in again.fingerprints().items():
+                if recorded.get(field) != digest:
+                    problems.append(f"{item.file}: bitwise_fingerprints.{field}: recorded {recorded.get(field)!r}, "
+                                    f"replayed {digest}")
+            compared += 1
+    except Exception as exc:  # a hostile or damaged case must end as a failed row, not a traceback
+        problems.append(f"replay stopped: {type(exc).__name__}: {exc}")
+    if problems:
+        return Check(name, False, f"{len(problems)} problem(s)", problems)
+    return Check(name, True, f"the candidate recomputed at TP=1 on this machine ({torch.__version__}, "
+                 f"{len(cache)} case(s)) equals the logp, LSE and entropy bytes and the four fingerprints "
+                 f"of all {compared} topologies")
+
+
 def schema_note(shipped: Path) -> Check:
     mine = schemas.repo_schema_dir()
     differ = []
@@ -396,8 +486,10 @@ def _checks_of_extracted(extracted: Extracted, recompute_drift: bool, accept_loo
                                  "with the shipped schemas"))
     checks.append(check_summary(root))
     checks.append(check_tolerances(root, accept_looser))
+    checks.append(check_arithmetic_spec(root))
     if recompute_drift:
         checks.extend(recompute(root))
+        checks.append(replay(root))
     if shipped.is_dir():
         checks.append(schema_note(shipped))
     return checks

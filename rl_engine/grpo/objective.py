@@ -6,7 +6,8 @@ every rank evaluates exactly these operations on exactly these shapes, and a sin
 evaluates the same. That is what makes the loss, the statistics and the per-token gradient
 coefficients byte-identical whatever the TP, CP and DP degrees.
 
-Sums use :func:`ordered_sum`, a pairwise fold whose grouping depends only on the length of the
+The exponentials are the portable ``E`` of ``docs/arithmetic.md`` (section 9), so the loss
+bytes do not depend on the device's exp either. Sums use :func:`ordered_sum`, a pairwise fold whose grouping depends only on the length of the
 summed dimension (never ``torch.sum``, which regroups with the thread count). Counts are
 integer sums (exact in any order).
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from rl_engine.grpo.contract import GRPOContract, GRPOContractError
+from rl_engine.logprob.portable import exp_differentiable
 from rl_engine.logprob.tiles import fold_sum
 
 
@@ -77,7 +79,7 @@ def token_terms(
     zeros = torch.zeros_like(old_logp)
     adv = advantages.unsqueeze(1).expand_as(old_logp)
     delta = torch.where(active, logp - torch.where(active, old_logp, zeros), zeros)
-    ratio = torch.exp(delta)
+    ratio = exp_differentiable(delta)  # E of docs/arithmetic.md, not a library exp
     low = 1.0 - contract.clip_eps_low
     high = 1.0 + contract.clip_eps_high
     unclipped = ratio * adv
@@ -90,7 +92,7 @@ def token_terms(
         ref = torch.where(active, ref_logp, zeros)
         if contract.kl_estimator == "k3":
             diff = ref - logp  # q - p, q the reference and p the policy logprob
-            per_token = torch.exp(diff) - diff - 1.0
+            per_token = exp_differentiable(diff) - diff - 1.0
         else:
             per_token = logp - ref  # p - q (written so that p == q gives +0.0, not -0.0)
         kl = torch.where(active, per_token, zeros)

@@ -5,6 +5,9 @@ the tile width or the tile count, never on the number of rows, the chunk size, t
 thread count or which rank computes the tile. ``torch.sum`` is not used: on the CPU it
 splits a long row across threads when there are few rows, which changes the bits.
 
+The exp and log are the portable ones of :mod:`rl_engine.logprob.portable`: every number is
+the one ``docs/arithmetic.md`` (sections 6-8) defines, on any IEEE-754 device.
+
 Speed without changing a bit: a :class:`ChunkWorkspace` owns one cache-sized FP32 chunk
 buffer per call and replays, chunk after chunk, the same in-place operations on
 precomputed views of it (upcast, tile max, shift, exp, pairwise fold). Nothing is
@@ -17,6 +20,15 @@ import math
 from typing import NamedTuple
 
 import torch
+
+from rl_engine.logprob.portable import (
+    ExpScratch,
+    canonical_nan_,
+    exp,
+    exp_into,
+    log,
+    round_into,
+)
 
 NEG_INF = float("-inf")
 # Rows per chunk aim at this many bytes of FP32 per chunk buffer: the chunk stays in the
@@ -89,6 +101,7 @@ class _ChunkViews(NamedTuple):
     fold: FoldPlan
     exp_buf: torch.Tensor | None
     exp_fold: FoldPlan | None
+    scratch: ExpScratch
 
 
 class ChunkWorkspace:
@@ -121,6 +134,7 @@ class ChunkWorkspace:
         self.buf = torch.empty(chunk_rows, local_vocab, dtype=torch.float32, device=device)
         self.exp_buf = torch.empty_like(self.buf) if with_entropy else None
         self.shift = torch.empty(chunk_rows, self.tiles, dtype=torch.float32, device=device)
+        self.scratch = ExpScratch((chunk_rows, local_vocab), device)
         self._views: dict[int, _ChunkViews] = {}
 
     def views(self, rows: int) -> _ChunkViews:
@@ -141,6 +155,7 @@ class ChunkWorkspace:
                 fold=FoldPlan(buf.view(shape)),
                 exp_buf=exp_buf,
                 exp_fold=FoldPlan(exp_buf.view(shape)) if exp_buf is not None else None,
+                scratch=self.scratch.rows(rows),
             )
             self._views[rows] = found
         return found
@@ -171,22 +186,23 @@ class ChunkWorkspace:
         v.tiles.sub_(v.shift_per_tile)
         if self.with_entropy:
             assert v.exp_buf is not None and v.exp_fold is not None and t_out is not None
-            torch.exp(v.buf, out=v.exp_buf)
+            exp_into(v.buf, v.exp_buf, v.scratch)
             if v.padding is not None:
                 v.padding.fill_(0.0)  # y = 0 on padding: exp == 0 there, and 0 * 0 keeps it out
             v.buf.mul_(v.exp_buf)
             v.fold.run_into(t_out)
             v.exp_fold.run_into(s_out)
         else:
-            v.buf.exp_()
+            exp_into(v.buf, v.buf, v.scratch)
             v.fold.run_into(s_out)
 
 
 class GradWorkspace:
-    """Reusable FP32 chunk buffer of one backward call."""
+    """Reusable FP32 chunk buffer (and exp scratch) of one backward call."""
 
     def __init__(self, chunk_rows: int, local_vocab: int, device: torch.device) -> None:
         self.buf = torch.empty(chunk_rows, local_vocab, dtype=torch.float32, device=device)
+        self.scratch = ExpScratch((chunk_rows, local_vocab), device)
 
     def softmax_times(
         self,
@@ -197,19 +213,23 @@ class GradWorkspace:
         target_add: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
-        """``out = coef * exp(x - lse)``, plus ``target_add`` at ``target_col`` in FP32,
-        rounded once to ``out``'s dtype.
+        """``out = coef * E(x - lse)``, plus ``target_add`` at ``target_col`` in FP32, NaN made
+        canonical, rounded once to ``out``'s dtype (``docs/arithmetic.md`` sections 7-8).
 
         Adding ``-0.0`` is the identity for every FP32 value, so rows that own no target
-        carry ``-0.0`` in ``target_add`` and keep their bits.
+        carry ``-0.0`` in ``target_add`` and keep their bits. ``scatter_add_`` adds exactly
+        one value to one element per row: a single rounded addition.
         """
-        buf = self.buf[: chunk.shape[0]]
+        rows = chunk.shape[0]
+        buf = self.buf[:rows]
+        sc = self.scratch.rows(rows)
         buf.copy_(chunk)
         buf.sub_(lse.unsqueeze(1))
-        buf.exp_()
+        exp_into(buf, buf, sc)
         buf.mul_(coef.unsqueeze(1))
         buf.scatter_add_(1, target_col.unsqueeze(1), target_add.unsqueeze(1))
-        out.copy_(buf)
+        canonical_nan_(buf, sc.mask)
+        round_into(buf, out, sc.ka)
 
 
 def rows_finite(
@@ -230,11 +250,16 @@ def rows_finite(
 def merge_tiles(
     m: torch.Tensor, s: torch.Tensor, t: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Merge ``[rows, num_tiles]`` partials in global tile order: LSE and, if given, entropy."""
+    """Merge ``[rows, num_tiles]`` partials in global tile order: LSE and, if given, entropy.
+
+    ``docs/arithmetic.md`` section 6, steps 5-8: a row whose tiles are all ``-inf`` has
+    ``LSE = -inf`` (the shift is 0, the weighted sum 0 and ``L(0) = -inf``).
+    """
     big = m.amax(dim=-1, keepdim=True)
-    weight = torch.exp(m - big)
+    big_shift = torch.where(big == NEG_INF, torch.zeros_like(big), big)
+    weight = exp(m - big_shift)
     total = fold_sum_(s * weight)
-    lse = big.squeeze(-1) + torch.log(total)
+    lse = big_shift.squeeze(-1) + log(total)
     entropy = None
     if t is not None:
         shift = torch.where(m == NEG_INF, torch.zeros_like(m), m)

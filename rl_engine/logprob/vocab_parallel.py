@@ -27,6 +27,12 @@ import torch.distributed as dist
 from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.chunk_threads import for_each_chunk
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.logprob.portable import (
+    ArithmeticEnvironmentError,
+    canonical_nan_,
+    require_gradual_underflow,
+    rounded,
+)
 from rl_engine.logprob.tiles import (
     NEG_INF,
     ChunkWorkspace,
@@ -133,6 +139,7 @@ def _local_partials(
     row_min = torch.empty(rows, dtype=torch.float32, device=logits.device) if validate else None
 
     def workspace() -> ChunkWorkspace:
+        require_gradual_underflow(logits.device)  # per worker thread
         return ChunkWorkspace(
             min(chunk_rows, rows), contract.local_vocab_size, width, real_local, with_entropy,
             logits.device,
@@ -243,6 +250,9 @@ def vocab_parallel_forward(
     owner = _owner_rank(targets, contract).unsqueeze(1)
     target_logit = targets_by_rank.gather(1, owner).squeeze(1)
     logp = torch.where(active, target_logit - lse, torch.zeros_like(lse))
+    for out in (logp, lse, entropy):
+        if out is not None:
+            canonical_nan_(out)
     return logp, lse, entropy
 
 
@@ -290,17 +300,21 @@ def vocab_parallel_backward(
             grad[start:stop],
         )
 
+    def workspace() -> GradWorkspace:
+        require_gradual_underflow(logits.device)  # per worker thread
+        return GradWorkspace(min(chunk_rows, rows), local_vocab, logits.device)
+
     for_each_chunk(
         rows,
         chunk_rows,
-        lambda: GradWorkspace(min(chunk_rows, rows), local_vocab, logits.device),
+        workspace,
         work,
         threaded=logits.device.type == "cpu",
     )
     zero_rows = (coef == 0).nonzero().squeeze(1)  # one host sync per backward call
     if zero_rows.numel():
         grad.index_fill_(0, zero_rows, 0.0)
-        at_target = (target_add[zero_rows] + 0.0).to(grad.dtype)  # +0.0 + g, as in FP32
+        at_target = rounded(canonical_nan_(target_add[zero_rows] + 0.0), grad.dtype)  # +0.0 + g
         grad[zero_rows, target_col[zero_rows]] = at_target
     if real_local < local_vocab:
         grad[:, real_local:] = 0.0
@@ -366,6 +380,10 @@ class VocabParallelLogprob:
         chunk_rows: int | None = None,
     ) -> LogprobOutput:
         contract.check_inputs(logits, targets, active)
+        try:
+            require_gradual_underflow(logits.device)
+        except ArithmeticEnvironmentError as exc:
+            raise LogprobContractError(str(exc)) from None
         if chunk_rows is None:
             chunk_rows = default_chunk_rows(contract.local_vocab_size)
         if chunk_rows < 1:

@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from rl_engine import jsonio, schemas
 from rl_engine.distributed.mesh import LaunchEnv, MeshError, ParallelDims, destroy, init_mesh
+from rl_engine.logprob.portable import SPEC_VERSION
 from rl_engine.logprob.comparison import ComparisonError, drift_failures, oracle_drift
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import fp32_oracle
@@ -350,6 +351,7 @@ def build_report(
         "failures": failures,
         "requested_backend": case.backend,
         "actual_backend": rank0["actual_backend"],
+        "arithmetic_spec": SPEC_VERSION,
         "fallback": any(r["fallback"] for r in results),
         "tp_outputs_bitwise_replicated": not tp_failures,
         "bitwise_fingerprints": {

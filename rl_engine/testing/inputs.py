@@ -1,13 +1,18 @@
-"""The campaign's inputs, regenerable by anyone from the case's integers.
+"""The campaign's inputs, regenerable by anyone, on any machine, from the case's integers.
 
-Recipe (:func:`make_inputs`), exactly, on the CPU and independent of the topology::
+Recipe (:func:`make_inputs`, ``docs/arithmetic.md`` section 10): every logit comes from a
+64-bit integer hash (splitmix64) of the seed and the element index, made bell-shaped by
+summing the hash's four 16-bit pieces (an Irwin-Hall variable), converted exactly to FP32 and
+scaled by two rounded multiplications::
 
-    g = torch.Generator(device="cpu"); g.manual_seed(seed)
-    logits = torch.randn(batch * seq, padded_vocab, generator=g, dtype=torch.float32) * logit_scale
-    targets = torch.randint(0, real_vocab, (batch * seq,), generator=g, dtype=torch.int64)
+    z = splitmix64(seed * 0x9E3779B97F4A7C15 + i * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019)
+    logit[i] = (f32(z0 + z1 + z2 + z3 - 131070) * 0x1.bb67aep-16) * f32(logit_scale)
+    target[row] = splitmix64(... i = 2**62 + row ...) mod real_vocab
     logits[:, real_vocab:] = PADDING_LOGIT          # padding columns, never counted
     active = (arange(batch * seq) % seq) >= prompt_tokens
 
+No library random generator is involved: ``torch.randn`` gives other bytes under its AVX2
+kernel than under its scalar one, which would make the evidence unreplayable elsewhere.
 Row ``s * seq + p`` is position ``p`` of sequence ``s``; the first ``prompt_tokens``
 positions of every sequence are inactive (a prompt contributes no logprob). Padding
 columns hold the large value :data:`PADDING_LOGIT`, so a kernel that let padding count
@@ -22,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from rl_engine.tensorio import fingerprint
@@ -101,24 +107,56 @@ class InputSpec:
         return self.batch * self.seq
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_INDEX_MUL = np.uint64(0xD1B54A32D192ED03)
+_OFFSET = np.uint64(0x632BE59BD9B4E019)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_TARGET_BASE = 2**62
+_UNIT = np.float32(float.fromhex("0x1.bb67aep-16"))  # binary32 nearest 1 / sqrt((2**32 - 1) / 3)
+_ROW_BLOCK_ELEMENTS = 1 << 22  # bounds the uint64 temporaries (32 MiB each)
+
+
+def _splitmix64(seed: int, index: np.ndarray) -> np.ndarray:
+    """splitmix64 of ``seed`` and the uint64 element indices (wrapping 64-bit arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = np.uint64(seed) * _GOLDEN + index * _INDEX_MUL + _OFFSET
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def _bell(z: np.ndarray) -> np.ndarray:
+    """``f32(z0 + z1 + z2 + z3 - 131070) * UNIT`` of each hash (exact integer sum, one rounding)."""
+    mask = np.uint64(0xFFFF)
+    total = (z & mask) + ((z >> np.uint64(16)) & mask) + ((z >> np.uint64(32)) & mask) + (z >> np.uint64(48))
+    centred = total.astype(np.int64) - 131070  # |centred| < 2**18: exact in binary32
+    return centred.astype(np.float32) * _UNIT
+
+
 def make_inputs(case: Mapping[str, Any] | Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logits_fp32 [batch*seq, padded], targets int64 [batch*seq], active bool [batch*seq])``.
 
-    Pure: the same case gives the same bytes on every call, rank and machine with the same
-    torch CPU generator. See the module docstring for the exact recipe.
+    Pure and portable: the same case gives the same bytes on every call, rank, machine and
+    instruction set. See the module docstring for the exact recipe.
     """
     spec = InputSpec.from_case(case)
-    g = torch.Generator(device="cpu")
-    g.manual_seed(spec.seed)
-    n = spec.num_tokens
-    logits = torch.randn(n, spec.padded_vocab, generator=g, dtype=torch.float32) * float(
-        spec.logit_scale
-    )
-    targets = torch.randint(0, spec.real_vocab, (n,), generator=g, dtype=torch.int64)
-    logits[:, spec.real_vocab :] = PADDING_LOGIT
+    n, vocab = spec.num_tokens, spec.padded_vocab
+    scale = np.float32(spec.logit_scale)
+    logits = np.empty((n, vocab), dtype=np.float32)
+    block = max(1, _ROW_BLOCK_ELEMENTS // vocab)
+    columns = np.arange(vocab, dtype=np.uint64)
+    for start in range(0, n, block):
+        stop = min(n, start + block)
+        rows = np.arange(start, stop, dtype=np.uint64)[:, None]
+        index = rows * np.uint64(vocab) + columns
+        logits[start:stop] = _bell(_splitmix64(spec.seed, index)) * scale
+    logits[:, spec.real_vocab :] = np.float32(PADDING_LOGIT)
+    target_hash = _splitmix64(spec.seed, np.arange(n, dtype=np.uint64) + np.uint64(_TARGET_BASE))
+    targets = (target_hash % np.uint64(spec.real_vocab)).astype(np.int64)
     positions = torch.arange(n, dtype=torch.int64) % spec.seq
     active = positions >= spec.prompt_tokens
-    return logits, targets, active
+    return torch.from_numpy(logits), torch.from_numpy(targets), active
 
 
 def inputs_sha256(

@@ -1,0 +1,500 @@
+"""A second, independent implementation of ``docs/arithmetic.md`` (``rl-engine-arith/1``).
+
+Written from that document alone, in NumPy binary32 / 32-bit integer arithmetic. It shares
+no code with the PyTorch path (``rl_engine.logprob``) and imports neither it nor ``torch``.
+
+Only basic operations are used: element-wise ``np.add`` / ``np.subtract`` / ``np.multiply`` /
+``np.divide`` on float32 arrays (each one IEEE binary32 operation rounded to nearest even;
+NumPy never contracts two separate ufunc calls into a fused multiply-add), IEEE comparisons,
+``np.where``, ``np.maximum`` / ``np.minimum`` (which propagate NaN), integer shifts/masks and
+bit views. No ``np.exp``/``np.log``/``np.sum``/``np.dot``/``np.cumsum``: every sum is the
+fixed fold ``F`` of section 4. NumPy does not set FTZ/DAZ, so subnormals are gradual.
+
+Public API::
+
+    SPEC_VERSION
+    exp32(y), log32(x), fold(v, axis=-1)
+    to_f32(bits_or_array, dtype)
+    forward(logits, dtype, targets, active, real_vocab, num_tiles, with_entropy)
+    backward(logits, dtype, targets, active, lse, grad_logp, grad_lse, real_vocab, num_tiles)
+    make_inputs(batch, seq, prompt_tokens, real_vocab, padded_vocab, seed, logit_scale)
+    canon_nan(x), round_bf16(x), round_f16(x)
+    measure_ulp()        # also: python -m rl_engine.spec_numpy --measure
+
+bfloat16 values are carried as their uint16 bit patterns (NumPy has no bfloat16 type).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+SPEC_VERSION = "rl-engine-arith/1"
+
+F32 = np.float32
+U32 = np.uint32
+I32 = np.int32
+
+
+def _hx(s: str) -> np.float32:
+    """A binary32 constant from a hex-float literal; refuses one that binary32 cannot hold."""
+    d = float.fromhex(s)
+    f = F32(d)
+    if float(f) != d:
+        raise AssertionError(f"constant {s} is not a binary32 value")
+    return f
+
+
+# ---- section 3 constants ------------------------------------------------------------
+E_LO = _hx("-0x1.5cp+6")  # -87
+E_HI = _hx("0x1.64p+6")  # 89
+LOG2E = _hx("0x1.715476p+0")
+SHIFTER = _hx("0x1.8p+23")
+LN2_HI = _hx("0x1.62e4p-1")
+LN2_LO = _hx("0x1.7f7d1cp-20")
+C6 = _hx("0x1.6a244cp-10")
+C5 = _hx("0x1.1239d4p-7")
+C4 = _hx("0x1.5558f2p-5")
+C3 = _hx("0x1.555492p-3")
+C2 = _hx("0x1.fffffcp-2")
+
+# ---- section 5 constants ------------------------------------------------------------
+SQRT2 = _hx("0x1.6a09e6p+0")
+L1 = _hx("0x1.555554p-1")
+L2 = _hx("0x1.999abcp-2")
+L3 = _hx("0x1.242b1ap-2")
+L4 = _hx("0x1.e4bc8ep-3")
+
+# ---- section 10 constant ------------------------------------------------------------
+IH_SCALE = _hx("0x1.bb67aep-16")
+
+ONE = F32(1.0)
+TWO = F32(2.0)
+HALF = F32(0.5)
+ZERO = F32(0.0)
+NEG_INF = F32(-np.inf)
+POS_INF = F32(np.inf)
+TWO_P23 = _hx("0x1p+23")
+
+CANON_NAN_BITS = U32(0x7FC00000)
+CANON_NAN = np.array([0x7FC00000], dtype=U32).view(F32)[0]
+
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _f32(a) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype != F32:
+        raise TypeError(f"expected a float32 array, got {a.dtype}")
+    return a
+
+
+def _chk(a: np.ndarray) -> np.ndarray:
+    """Guard against silent promotion to float64 inside this module."""
+    if a.dtype != F32:  # pragma: no cover - a bug in this module
+        raise AssertionError(f"internal dtype drift: {a.dtype}")
+    return a
+
+
+# ------------------------------------------------------------------------------------
+# Section 3: E(y)
+# ------------------------------------------------------------------------------------
+def exp32(y: np.ndarray) -> np.ndarray:
+    """``E(y)`` of section 3, element-wise on a float32 array."""
+    y = _f32(y)
+    with np.errstate(over="ignore", invalid="ignore"):
+        under = np.less(y, E_LO)  # 1. false for NaN
+        yc = np.minimum(np.maximum(y, E_LO), E_HI)  # 2. NaN stays NaN
+        kf = np.subtract(np.add(np.multiply(yc, LOG2E), SHIFTER), SHIFTER)  # 3.
+        r = np.subtract(np.subtract(yc, np.multiply(kf, LN2_HI)), np.multiply(kf, LN2_LO))  # 4.
+        q = np.add(np.multiply(C6, r), C5)  # 5. Horner, each step a multiply then an add
+        q = np.add(np.multiply(q, r), C4)
+        q = np.add(np.multiply(q, r), C3)
+        q = np.add(np.multiply(q, r), C2)
+        q = np.add(np.multiply(q, r), ONE)
+        p = np.add(np.multiply(q, r), ONE)
+        # 6. exact float -> integer; a NaN kf may become any integer: use 0.
+        k = np.where(np.isnan(kf), ZERO, kf).astype(I32)
+        a = np.right_shift(k, 1)  # arithmetic shift on int32
+        b = np.subtract(k, a)
+        sa = np.left_shift(np.add(a, I32(127)), 23).astype(I32).view(F32)
+        sb = np.left_shift(np.add(b, I32(127)), 23).astype(I32).view(F32)
+        res = np.multiply(np.multiply(p, sa), sb)  # 7.
+        res = np.where(under, ZERO, res)  # 8.
+    return _chk(res)
+
+
+# ------------------------------------------------------------------------------------
+# Section 4: F
+# ------------------------------------------------------------------------------------
+def fold(v, axis: int = -1):
+    """The fixed fold ``F`` of section 4 along ``axis`` (grouping depends on the length only).
+
+    Works on any array whose ``+`` is the intended operation (float32 for the spec; object
+    arrays are accepted so the grouping itself can be inspected symbolically).
+    """
+    v = np.moveaxis(np.asarray(v), axis, -1).copy()
+    n = v.shape[-1]
+    if n < 1:
+        raise ValueError("fold of zero terms is undefined")
+    w = n
+    while w > 1:
+        h = w // 2
+        v[..., :h] = v[..., :h] + v[..., w - h : w]
+        w = w - h
+    return v[..., 0][()]  # a scalar for 1-D input, else an array
+
+
+# ------------------------------------------------------------------------------------
+# Section 5: L(x)
+# ------------------------------------------------------------------------------------
+def log32(x: np.ndarray) -> np.ndarray:
+    """``L(x)`` of section 5, element-wise on a float32 array."""
+    x = _f32(x)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        nan_or_neg = np.isnan(x) | np.less(x, ZERO)
+        is_zero = np.equal(x, ZERO)
+        is_inf = np.equal(x, POS_INF)
+        sub = np.greater(x, ZERO) & np.less(x, F32(np.finfo(F32).tiny))
+        xs = np.where(sub, np.multiply(x, TWO_P23), x)  # exact
+        u = xs.view(U32).astype(I32)  # positive values: bits < 2**31
+        e = np.subtract(np.right_shift(u, 23), I32(127))
+        e = np.where(sub, np.subtract(e, I32(23)), e)
+        m = np.bitwise_or(np.bitwise_and(u, I32(0x007FFFFF)), I32(0x3F800000)).view(F32)
+        big = np.greater(m, SQRT2)
+        m = np.where(big, np.multiply(m, HALF), m)
+        e = np.where(big, np.add(e, I32(1)), e)
+        f = np.subtract(m, ONE)
+        s = np.divide(f, np.add(TWO, f))
+        z = np.multiply(s, s)
+        R = np.add(np.multiply(L4, z), L3)
+        R = np.add(np.multiply(R, z), L2)
+        R = np.add(np.multiply(R, z), L1)
+        R = np.multiply(R, z)
+        hf = np.multiply(HALF, np.multiply(f, f))
+        ef = e.astype(F32)  # exact, |e| < 2**24
+        inner = np.add(np.multiply(s, np.add(hf, R)), np.multiply(ef, LN2_LO))
+        res = np.subtract(np.multiply(ef, LN2_HI), np.subtract(np.subtract(hf, inner), f))
+        res = np.where(is_inf, POS_INF, res)
+        res = np.where(is_zero, NEG_INF, res)
+        res = np.where(nan_or_neg, CANON_NAN, res)
+    return _chk(res.astype(F32, copy=False))
+
+
+# ------------------------------------------------------------------------------------
+# Conversions and the one rounding (sections 1, 2, 8)
+# ------------------------------------------------------------------------------------
+def _check_dtype(dtype: str) -> str:
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    return dtype
+
+
+def to_f32(bits_or_array, dtype: str) -> np.ndarray:
+    """Exact upcast to binary32: bf16 (uint16 bits) via ``bits << 16``, binary16 IEEE, binary32 as is."""
+    _check_dtype(dtype)
+    a = np.asarray(bits_or_array)
+    if dtype == "bfloat16":
+        if a.dtype != np.uint16:
+            raise TypeError(f"bfloat16 logits are passed as uint16 bits, got {a.dtype}")
+        return np.left_shift(a.astype(U32), U32(16)).view(F32)
+    if dtype == "float16":
+        if a.dtype != np.float16:
+            raise TypeError(f"float16 logits must be np.float16, got {a.dtype}")
+        return a.astype(F32)  # IEEE binary16 -> binary32 is exact (subnormals included)
+    if a.dtype != F32:
+        raise TypeError(f"float32 logits must be np.float32, got {a.dtype}")
+    return a
+
+
+def canon_nan(x: np.ndarray) -> np.ndarray:
+    """Every NaN becomes the canonical quiet NaN ``0x7FC00000`` (section 2)."""
+    x = _f32(x)
+    return np.where(np.isnan(x), CANON_NAN, x)
+
+
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """Section 8 bf16 rounding of a float32 array -> uint16 bits (NaN canonicalized first)."""
+    u = canon_nan(x).view(U32)
+    # After canonicalization u <= 0xFF800000 or u == 0x7FC00000, so u + 0x8000 cannot wrap.
+    r = np.add(np.add(u, U32(0x7FFF)), np.bitwise_and(np.right_shift(u, U32(16)), U32(1)))
+    return np.bitwise_and(np.right_shift(r, U32(16)), U32(0xFFFF)).astype(np.uint16)
+
+
+def round_f16(x: np.ndarray) -> np.ndarray:
+    """Section 8 binary16 rounding of a float32 array -> np.float16.
+
+    NaN is canonicalized first (0x7FC00000 converts to 0x7E00). The conversion itself is
+    NumPy's ``astype(np.float16)``, an IEEE convertFormat with round to nearest even,
+    subnormal results and overflow to infinity (checked on hand-picked patterns in
+    tests/test_spec_numpy.py); it is the one place where a library rounding is used.
+    """
+    with np.errstate(over="ignore"):
+        return canon_nan(x).astype(np.float16)
+
+
+def _round_to(g: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float32":
+        return canon_nan(g)
+    if dtype == "bfloat16":
+        return round_bf16(g)
+    return round_f16(g)
+
+
+# ------------------------------------------------------------------------------------
+# Section 6: forward
+# ------------------------------------------------------------------------------------
+def _rows_block(rows: int, vp: int) -> int:
+    # ~2**22 elements per block of intermediates
+    return max(1, min(rows, (1 << 22) // max(vp, 1)))
+
+
+def _as_1d(a, rows: int, dtype, name: str) -> np.ndarray:
+    a = np.asarray(a)
+    if a.shape != (rows,):
+        raise ValueError(f"{name} must have shape ({rows},), got {a.shape}")
+    return a.astype(dtype, copy=False)
+
+
+def _check_common(logits, dtype, targets, active, real_vocab, num_tiles):
+    _check_dtype(dtype)
+    x_all = to_f32(logits, dtype)
+    if x_all.ndim != 2:
+        raise ValueError("logits must be [rows, padded_vocab]")
+    rows, vp = x_all.shape
+    if not (1 <= real_vocab <= vp):
+        raise ValueError("need 1 <= real_vocab <= padded_vocab")
+    if num_tiles < 1 or vp % num_tiles:
+        raise ValueError("num_tiles must divide padded_vocab")
+    targets = _as_1d(targets, rows, np.int64, "targets")
+    active = _as_1d(active, rows, bool, "active")
+    if np.any(active & ((targets < 0) | (targets >= vp))):
+        raise ValueError("active target outside [0, padded_vocab)")
+    return x_all, rows, vp, targets, active
+
+
+def _masked_block(x_all, r0, r1, real_vocab):
+    x = x_all[r0:r1].copy()
+    x[:, real_vocab:] = NEG_INF  # padding columns read as -inf
+    return x
+
+
+def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int,
+            with_entropy: bool):
+    """Section 6 over the full vocabulary in one process. Returns (logp, lse, entropy|None)."""
+    x_all, rows, vp, targets, active = _check_common(
+        logits, dtype, targets, active, real_vocab, num_tiles)
+    T = int(num_tiles)
+    w = vp // T
+    logp = np.empty(rows, F32)
+    lse = np.empty(rows, F32)
+    ent = np.empty(rows, F32) if with_entropy else None
+    pad = np.arange(vp) >= real_vocab
+    blk = _rows_block(rows, vp)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for r0 in range(0, rows, blk):
+            r1 = min(rows, r0 + blk)
+            x = _masked_block(x_all, r0, r1, real_vocab).reshape(r1 - r0, T, w)
+            m = np.maximum.reduce(x, axis=2)  # 1. NaN propagates (np.maximum)
+            m = np.add(m, ZERO)  # -0 + 0 = +0
+            sh = np.where(np.equal(m, NEG_INF), ZERO, m)  # 2.
+            y = np.subtract(x, sh[:, :, None])  # 3.
+            e = exp32(y)
+            s = fold(e, axis=2)
+            if with_entropy:
+                yp = np.where(pad.reshape(T, w)[None], ZERO, y)  # 4.
+                t = fold(np.multiply(e, yp), axis=2)
+            B = np.maximum.reduce(m, axis=1)  # 5.
+            Bs = np.where(np.equal(B, NEG_INF), ZERO, B)
+            wj = exp32(np.subtract(m, Bs[:, None]))  # 6.
+            S = fold(np.multiply(s, wj), axis=1)
+            L = np.add(Bs, log32(S))  # 7.
+            if with_entropy:
+                Mn = fold(np.multiply(wj, np.add(t, np.multiply(sh, s))), axis=1)  # 8.
+                M = np.divide(Mn, S)
+                ent[r0:r1] = canon_nan(_chk(np.subtract(L, M)))
+            act = active[r0:r1]
+            tg = np.where(act, targets[r0:r1], 0)
+            xt = x.reshape(r1 - r0, vp)[np.arange(r1 - r0), tg]  # copied, never summed
+            lp = np.where(act, np.subtract(xt, L), ZERO)  # 9.
+            logp[r0:r1] = canon_nan(_chk(lp))  # 10.
+            lse[r0:r1] = canon_nan(_chk(L))
+    return logp, lse, ent
+
+
+# ------------------------------------------------------------------------------------
+# Sections 7, 8: backward
+# ------------------------------------------------------------------------------------
+def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
+             real_vocab: int, num_tiles: int):
+    """Section 7 gradient, rounded once to the logits' representation (section 8).
+
+    ``grad_logp`` / ``grad_lse``: float32 [rows] or None (absent = 0). Returns uint16 bf16
+    bits, np.float16 or np.float32 of the logits' shape.
+    """
+    x_all, rows, vp, targets, active = _check_common(
+        logits, dtype, targets, active, real_vocab, num_tiles)
+    lse = _f32(_as_1d(lse, rows, F32, "lse"))
+    g_logp = np.zeros(rows, F32) if grad_logp is None else _as_1d(grad_logp, rows, F32, "grad_logp")
+    g_lse = np.zeros(rows, F32) if grad_lse is None else _as_1d(grad_lse, rows, F32, "grad_lse")
+    gl = np.where(active, g_logp, ZERO)
+    coef = np.subtract(g_lse, gl)
+    out_dtype = {"bfloat16": np.uint16, "float16": np.float16, "float32": F32}[dtype]
+    out = np.empty((rows, vp), out_dtype)
+    blk = _rows_block(rows, vp)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for r0 in range(0, rows, blk):
+            r1 = min(rows, r0 + blk)
+            n = r1 - r0
+            x = _masked_block(x_all, r0, r1, real_vocab)
+            p = exp32(np.subtract(x, lse[r0:r1, None]))  # 1.
+            c = coef[r0:r1, None]
+            g = np.multiply(c, p)
+            zero_row = np.equal(coef[r0:r1], ZERO)
+            g = np.where(zero_row[:, None], ZERO, g)  # coef == 0 rows: +0 everywhere ...
+            act = active[r0:r1]
+            ar = np.arange(n)[act]
+            tc = targets[r0:r1][act]
+            base = g[ar, tc]
+            g[ar, tc] = np.add(base, gl[r0:r1][act])  # 2. ... except round(0 + gl) at target
+            g[:, real_vocab:] = ZERO  # padding columns are +0
+            out[r0:r1] = _round_to(_chk(g), dtype)  # 3.
+    return out
+
+
+# ------------------------------------------------------------------------------------
+# Section 10: inputs
+# ------------------------------------------------------------------------------------
+_M64 = (1 << 64) - 1
+_G = 0x9E3779B97F4A7C15
+_H = 0xD1B54A32D192ED03
+_K = 0x632BE59BD9B4E019
+_S1 = 0xBF58476D1CE4E5B9
+_S2 = 0x94D049BB133111EB
+
+
+def _splitmix(i: np.ndarray, seed: int) -> np.ndarray:
+    """The section 10 hash of uint64 indices ``i`` (wrapping uint64 arithmetic)."""
+    base = np.uint64(((int(seed) * _G) + _K) & _M64)
+    z = np.add(np.multiply(i, np.uint64(_H)), base)
+    z = np.multiply(np.bitwise_xor(z, np.right_shift(z, np.uint64(30))), np.uint64(_S1))
+    z = np.multiply(np.bitwise_xor(z, np.right_shift(z, np.uint64(27))), np.uint64(_S2))
+    return np.bitwise_xor(z, np.right_shift(z, np.uint64(31)))
+
+
+def make_inputs(batch: int, seq: int, prompt_tokens: int, real_vocab: int,
+                padded_vocab: int, seed: int, logit_scale: float):
+    """Section 10 inputs: (logits float32 [batch*seq, padded_vocab], targets int64, active bool)."""
+    rows = int(batch) * int(seq)
+    vp = int(padded_vocab)
+    if not (1 <= real_vocab <= vp):
+        raise ValueError("need 1 <= real_vocab <= padded_vocab")
+    scale = F32(logit_scale)  # f32(logit_scale)
+    logits = np.empty((rows, vp), F32)
+    cols = np.arange(vp, dtype=np.uint64)
+    blk = max(1, min(rows, (1 << 21) // max(vp, 1)))
+    mask16 = np.uint64(0xFFFF)
+    for r0 in range(0, rows, blk):
+        r1 = min(rows, r0 + blk)
+        rr = np.arange(r0, r1, dtype=np.uint64)
+        i = np.add(np.multiply(rr[:, None], np.uint64(vp)), cols[None, :])
+        z = _splitmix(i, seed)
+        n = (np.bitwise_and(z, mask16)
+             + np.bitwise_and(np.right_shift(z, np.uint64(16)), mask16)
+             + np.bitwise_and(np.right_shift(z, np.uint64(32)), mask16)
+             + np.right_shift(z, np.uint64(48)))
+        c = np.subtract(n.astype(np.int64), 131070).astype(I32).astype(F32)  # exact
+        v = np.multiply(np.multiply(c, IH_SCALE), scale)
+        v[:, real_vocab:] = F32(100.0)
+        logits[r0:r1] = _chk(v)
+    ti = np.add(np.arange(rows, dtype=np.uint64), np.uint64(1 << 62))
+    targets = np.remainder(_splitmix(ti, seed), np.uint64(real_vocab)).astype(np.int64)
+    active = (np.arange(rows, dtype=np.int64) % int(seq)) >= int(prompt_tokens)
+    return logits, targets, active
+
+
+# ------------------------------------------------------------------------------------
+# Accuracy measurement
+# ------------------------------------------------------------------------------------
+def _bits_range(lo_bits: int, hi_bits: int, stride: int = 1, block: int = 1 << 24):
+    """Yield uint32 arrays of bit patterns lo_bits..hi_bits (inclusive) with a stride."""
+    b = lo_bits
+    while b <= hi_bits:
+        e = min(hi_bits + 1, b + block * stride)
+        yield np.arange(b, e, stride, dtype=np.uint64).astype(U32)
+        b = e
+
+
+def _f32_bits(x: float) -> int:
+    return int(np.array([x], F32).view(U32)[0])
+
+
+def ulp_errors(res: np.ndarray, ref64: np.ndarray):
+    """(|res - ref| / ulp(f32(ref)) as float64, correctly-rounded mask).
+
+    The ULP is that of the float64 reference rounded to binary32 (``np.spacing`` of its
+    magnitude; the subnormal spacing for tiny values). Equal values (infinities included)
+    have error 0.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        ref32 = ref64.astype(F32)
+        exact = (res == ref32) | (np.isnan(res) & np.isnan(ref32))
+        ulp = np.spacing(np.abs(ref32)).astype(np.float64)
+        err = np.abs(res.astype(np.float64) - ref64) / ulp
+        err = np.where(exact, 0.0, err)
+        err = np.where(np.isnan(err), np.inf, err)
+    return err, exact
+
+
+class _Acc:
+    def __init__(self, name):
+        self.name, self.n, self.cr, self.max, self.arg = name, 0, 0, -1.0, None
+
+    def add(self, x, res, ref64):
+        err, exact = ulp_errors(res, ref64)
+        self.n += x.size
+        self.cr += int(np.count_nonzero(exact))
+        j = int(np.argmax(err))
+        if err[j] > self.max:
+            self.max, self.arg = float(err[j]), float(x[j])
+
+    def line(self):
+        return (f"{self.name}: n={self.n} max_ulp={self.max:.4f} at x={self.arg!r} "
+                f"({float(np.float32(self.arg)).hex() if self.arg is not None else ''}) "
+                f"correctly_rounded={self.cr / max(self.n, 1):.6f}")
+
+
+def measure_ulp(full: bool = True, out=sys.stdout):
+    """Sweep exp32/log32 against float64 np.exp/np.log (the reference only).
+
+    full=True: every binary32 in [-87, 0] and every 16th in [0, 88.72] for exp; every
+    binary32 in [1, 2**18], every 64th positive normal and every 64th positive subnormal for
+    log. Returns a dict name -> (max_ulp, argmax, fraction correctly rounded, n).
+    """
+    s = 1 if full else 64
+    sweeps = {
+        "exp[-87,0]": (exp32, np.exp, 0x80000000, _f32_bits(-87.0), s),
+        "exp[0,88.72]": (exp32, np.exp, 0, _f32_bits(88.72), 16 if full else 64),
+        "log[1,2^18]": (log32, np.log, _f32_bits(1.0), _f32_bits(2.0 ** 18), s),
+        "log[normals]": (log32, np.log, 0x00800000, 0x7F7FFFFF, 64 if full else 1024),
+        "log[subnormals]": (log32, np.log, 0x00000001, 0x007FFFFF, 64 if full else 1024),
+    }
+    out_d = {}
+    for name, (fn, ref, lo, hi, st) in sweeps.items():
+        t0 = time.time()
+        acc = _Acc(name)
+        for bits in _bits_range(lo, hi, st):
+            x = bits.view(F32)
+            acc.add(x, fn(x), ref(x.astype(np.float64)))
+        print(acc.line() + f" [{time.time() - t0:.1f}s]", file=out, flush=True)
+        out_d[name] = (acc.max, acc.arg, acc.cr / max(acc.n, 1), acc.n)
+    return out_d
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if "--measure" in sys.argv[1:]:
+        measure_ulp(full="--quick" not in sys.argv[1:])
+    else:
+        print("usage: python -m rl_engine.spec_numpy --measure [--quick]")

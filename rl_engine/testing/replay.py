@@ -1,0 +1,63 @@
+"""Replay the candidate of a campaign case at TP=1, CP=1 in one process, on any machine.
+
+Because the candidate's arithmetic is ``docs/arithmetic.md`` (IEEE-754 basic operations in a
+fixed order, TP deciding only who computes a tile), one process on a reviewer's laptop
+computes the same bytes as every topology of the campaign did on its cluster. ``verify
+--recompute`` uses this to require byte equality with the archived logp, LSE and entropy
+files and with all four fingerprints, the gradient's included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from rl_engine.logprob.contract import LogprobContract
+from rl_engine.logprob.registry import dispatch
+from rl_engine.tensorio import fingerprint
+from rl_engine.testing.inputs import make_inputs
+
+REPLAYED = ("logp", "lse", "entropy")
+
+
+@dataclass(frozen=True)
+class Replay:
+    """The candidate's outputs for a whole case: float32 ``[tokens]`` tensors and the gradient."""
+
+    tensors: dict[str, torch.Tensor]  # logp, lse, entropy
+    grad: torch.Tensor  # [tokens, padded_vocab] in the logits dtype
+
+    def fingerprints(self) -> dict[str, str]:
+        """The report's ``bitwise_fingerprints`` hashes of this replay."""
+        found = {f"candidate_{name}_sha256": fingerprint(t) for name, t in self.tensors.items()}
+        found["candidate_grad_sha256"] = fingerprint(self.grad)
+        return found
+
+
+def replay_candidate(case: Mapping[str, Any]) -> Replay:
+    """Regenerate the case's inputs and compute the candidate on all of them, TP=1, CP=1, CPU.
+
+    The gradient is that of the sum of the selected logprobs over all tokens (what every
+    topology's runner differentiates).
+    """
+    logits, targets, active = make_inputs(case)
+    contract = LogprobContract(
+        real_vocab_size=int(case["real_vocab"]),
+        padded_vocab_size=int(case["padded_vocab"]),
+        num_vocab_tiles=int(case["num_vocab_tiles"]),
+        num_sequences=int(case["batch"]),
+        seq_len=int(case["seq"]),
+        logits_dtype=str(case["dtype"]),
+    )
+    op = dispatch(str(case["backend"]), contract, "cpu").op
+    x = logits.to(contract.torch_dtype).requires_grad_(True)
+    out = op(x, targets, active, contract, compute_entropy=True)
+    out.selected_logp.backward(torch.ones_like(out.selected_logp))
+    assert x.grad is not None and out.entropy is not None
+    tensors = {"logp": out.selected_logp.detach(), "lse": out.lse.detach(), "entropy": out.entropy.detach()}
+    return Replay(tensors, x.grad.detach())
+
+
+__all__ = ["REPLAYED", "Replay", "replay_candidate"]
