@@ -83,13 +83,22 @@ def _single_rank_reference(case: Case) -> dict[str, Any]:
 # ----- inputs -----------------------------------------------------------------------------
 def test_inputs_follow_the_documented_recipe() -> None:
     logits, targets, active = make_inputs(CASE)
-    g = torch.Generator(device="cpu")
-    g.manual_seed(123)
-    want_logits = torch.randn(32, 1024, generator=g, dtype=torch.float32) * 1.0
-    want_targets = torch.randint(0, 1000, (32,), generator=g, dtype=torch.int64)
-    want_logits[:, 1000:] = PADDING_LOGIT
-    assert fingerprint(logits) == fingerprint(want_logits)
-    assert fingerprint(targets) == fingerprint(want_targets)
+    mask = (1 << 64) - 1
+
+    def splitmix(index: int) -> int:  # docs/arithmetic.md section 10, in Python integers
+        z = (123 * 0x9E3779B97F4A7C15 + index * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    unit = torch.tensor(float.fromhex("0x1.bb67aep-16"), dtype=torch.float32)
+    for row, col in ((0, 0), (0, 999), (5, 17), (31, 998)):
+        z = splitmix(row * 1024 + col)
+        n = sum((z >> shift) & 0xFFFF for shift in (0, 16, 32, 48))
+        want = torch.tensor(float(n - 131070), dtype=torch.float32) * unit
+        assert logits[row, col].view(torch.int32).item() == want.view(torch.int32).item()
+    assert bool((logits[:, 1000:] == PADDING_LOGIT).all())
+    assert targets.tolist() == [splitmix(2**62 + row) % 1000 for row in range(32)]
     assert active.tolist() == [p >= 8 for _ in range(2) for p in range(16)]
     again = make_inputs(dict(CASE))
     assert inputs_sha256(*again) == inputs_sha256(logits, targets, active)

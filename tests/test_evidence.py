@@ -387,7 +387,7 @@ def test_summary_numbers_come_from_the_evidence(good_run: Path, run: Path) -> No
     assert "| Required matrix | 2 of 2 topology reports passed |" in text
     assert f"| plan.json | {(good_run / 'plan.json').stat().st_size} | {jsonio.sha256_file(good_run / 'plan.json')} |" in text
     # the boundary says the gradient hash has no file behind it, and that is true of the run
-    assert "`candidate_grad_sha256` is compared across topologies, but the gradient tensor is not in the evidence" in text
+    assert "`candidate_grad_sha256` is compared across topologies, and `verify --recompute` recomputes it" in text
     assert not [p.name for p in good_run.rglob("*") if "grad" in p.name]
     assert summary.summary_text(good_run) == text  # the verb writes exactly what verify renders again
     # negative control: change the evidence, the summary follows
@@ -451,8 +451,9 @@ def test_archive_is_byte_reproducible_and_well_formed(good_run: Path, tmp_path: 
     assert f"sha256sum -c {name}.tar.gz.sha256" in files["REVIEWING.md"].decode()
     reviewing = files["REVIEWING.md"].decode()
     assert "python -m rl_engine verify" in reviewing and "--accept-looser-tolerance" in reviewing
-    assert "`bitwise_fingerprints.candidate_grad_sha256` is\ncompared across topologies" in reviewing
-    assert "not in this bundle" in reviewing and not [rel for rel in files if "grad" in rel]
+    assert "`bitwise_fingerprints.candidate_grad_sha256` is compared across topologies" in reviewing
+    assert "rl-engine-arith/1" in reviewing and "replays the\ncandidate at TP=1" in reviewing
+    assert "not backed by a file" in reviewing and not [rel for rel in files if "grad" in rel]
     lines = files["SHA256SUMS"].decode().splitlines()
     listed = {line.split("  ", 1)[1]: line.split("  ", 1)[0] for line in lines}
     assert set(listed) == set(files) - {"SHA256SUMS"}

@@ -134,7 +134,8 @@ def test_good_archive_verifies_with_recompute(good: Good, sandbox: Sandbox, caps
         "outer checksum": "PASS", "safe extraction": "PASS", "top folder": "PASS", "SHA256SUMS": "PASS",
         "JSON schemas (shipped)": "PASS", "focused regression": "PASS", "report acceptance": "PASS",
         "cross-topology fingerprints": "PASS", "recorded gates": "PASS", "SUMMARY.md": "PASS", "tolerances": "PASS",
-        "inputs regenerated": "PASS", "oracle drift recomputed": "PASS", "schemas vs this rl_engine": "note",
+        "arithmetic spec": "PASS", "inputs regenerated": "PASS", "oracle drift recomputed": "PASS",
+        "candidate replayed": "PASS", "schemas vs this rl_engine": "note",
     }
     assert "VERIFIED" in text and "2 topologies bitwise identical" in text
     assert "byte-identical to the summary rendered again" in problems(result, "SUMMARY.md")
@@ -522,3 +523,63 @@ def test_safe_extract_unit_contract(tmp_path: Path) -> None:
 def test_verify_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert verify.main([str(tmp_path / "missing.tar.gz")]) == 2
     assert "is not a file" in capsys.readouterr().err
+
+
+def test_one_ulp_forgery_rebuilt_with_the_projects_verbs_is_caught_only_by_the_replay(
+    good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A forger moves one logp value of every topology by one ULP and rebuilds everything
+    downstream with rl_engine's own verbs: raw tensors, fingerprints, drift statistics,
+    validation.json, crosscheck.json, SUMMARY.md, SHA256SUMS and the archive. Plain verify
+    accepts it (every structural and statistical claim is consistent); ``--recompute``
+    replays the candidate and names the first differing token."""
+    import torch
+
+    from rl_engine import cli
+    from rl_engine.logprob.comparison import oracle_drift
+    from rl_engine.tensorio import fingerprint, read_raw_f32, write_raw
+    from rl_engine.testing.inputs import make_inputs
+
+    work = tmp_path / "forge"
+    with tarfile.open(good.archive) as tar:
+        tar.extractall(work, filter="data")
+    run = work / good.name
+    for generated in ("SHA256SUMS", "REVIEWING.md"):
+        (run / generated).unlink()
+    shutil.rmtree(run / "schemas")
+    forged_token = None
+    for label in ("tp1-cp1", "tp2-cp2"):
+        report = json.loads((run / f"{label}.json").read_text())
+        logp_path = run / report["tensors"]["logp"]["path"]
+        logp = read_raw_f32(logp_path)
+        lse = read_raw_f32(run / report["tensors"]["lse"]["path"])
+        logits, targets, active = make_inputs(report["case"])
+        forged_token = int(active.nonzero()[-1, 0])  # the last active token
+        bits = logp.view(torch.int32)
+        bits[forged_token] += 1  # one ULP
+        digest = write_raw(logp_path, logp)
+        assert digest == fingerprint(logp)
+        report["tensors"]["logp"]["sha256"] = digest
+        report["bitwise_fingerprints"]["candidate_logp_sha256"] = digest
+        case = report["case"]
+        report["drift"] = oracle_drift(logp, lse, logits, targets, active, case["real_vocab"], case["dtype"],
+                                       case["atol"], case["rtol"])
+        jsonio.write_json(run / f"{label}.json", report)
+    assert cli.main(["validate", "--run-dir", str(run), "--output", str(run / "validation.json")]) == 0
+    assert cli.main(["crosscheck", "--run-dir", str(run), "--output", str(run / "crosscheck.json")]) == 0
+    assert cli.main(["summary", "--run-dir", str(run), "--output", str(run / "SUMMARY.md")]) == 0
+    forged = tmp_path / "out" / good.archive.name
+    assert archive.main(["--run-dir", str(run), "--output", str(forged)]) == 0
+    capsys.readouterr()
+
+    code, _, result = run_verify(forged, sandbox, capsys)
+    assert code == 0, result  # the forgery is consistent: every structural check passes
+    code, _, result = run_verify(forged, sandbox, capsys, "--recompute")
+    assert code == 1
+    rows = status(result)
+    assert rows["candidate replayed"] == "FAIL"
+    assert rows["inputs regenerated"] == "PASS" and rows["oracle drift recomputed"] == "PASS"
+    text = problems(result, "candidate replayed")
+    for label in ("tp1-cp1", "tp2-cp2"):
+        assert f"{label}.json: logp: first differing token {forged_token}:" in text
+        assert f"{label}.json: bitwise_fingerprints.candidate_logp_sha256" in text
