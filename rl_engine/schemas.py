@@ -1,9 +1,14 @@
 """JSON Schemas (draft 2020-12) of every artifact: loading, cross-file ``$ref`` and validation.
 
-Schemas live in ``schemas/<name>.schema.json`` with ``$id`` ``https://rl-engine.dev/schemas/
-<name>.schema.json``; shared pieces sit in ``defs.schema.json`` and are referenced by
-that ``$id``. A directory of schemas (the repository's, or the copy inside an archive) is
-loaded as one registry, so a reviewer validates with exactly the schemas that were shipped.
+Schemas live in ``schemas/<name>.schema.json`` and carry no ``$id``: their identity is their
+file name. Shared pieces sit in ``defs.schema.json`` and are referenced relatively
+(``defs.schema.json#/$defs/...``), which resolves against the location a validator read the
+schema from, so any standard validator (``check-jsonschema --schemafile
+schemas/report.schema.json tp1-cp1.json``) finds the referenced file beside it, offline. (An
+absolute ``$id`` on a domain would make validators fetch it from there; a relative ``$id`` is
+resolved against the working directory by some validators.) A directory of schemas (the repository's, or the
+copy inside an archive) is loaded as one registry keyed by file name, so a reviewer validates
+with exactly the schemas that were shipped.
 
 :func:`write_validated` is how every artifact is written: validated against its schema first,
 then strict JSON atomically; an artifact that does not match is never written.
@@ -22,7 +27,6 @@ from referencing.jsonschema import DRAFT202012
 
 from rl_engine import jsonio
 
-ID_PREFIX = "https://rl-engine.dev/schemas/"
 
 
 class SchemaError(ValueError):
@@ -39,7 +43,8 @@ def repo_schema_dir() -> Path:
 
 
 def schema_id(name: str) -> str:
-    return f"{ID_PREFIX}{name}.schema.json"
+    """The registry key of a schema: its file name, what relative ``$ref``s name."""
+    return f"{name}.schema.json"
 
 
 def _load_dir(directory: Path) -> dict[str, dict[str, Any]]:
@@ -47,8 +52,9 @@ def _load_dir(directory: Path) -> dict[str, dict[str, Any]]:
     for path in sorted(directory.glob("*.schema.json")):
         schema = json.loads(path.read_text(encoding="utf-8"))
         name = path.name[: -len(".schema.json")]
-        if schema.get("$id") != schema_id(name):
-            raise SchemaError(f"{path}: $id must be {schema_id(name)!r}, got {schema.get('$id')!r}")
+        if "$id" in schema:
+            raise SchemaError(f"{path}: $id={schema['$id']!r} must be removed: a schema is known by its file "
+                              "name, and its $refs resolve against the files beside it")
         try:
             Draft202012Validator.check_schema(schema)
         except Exception as exc:  # jsonschema.SchemaError

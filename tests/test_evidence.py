@@ -544,3 +544,39 @@ def test_cli_maps_every_evidence_verb() -> None:
         assert verb in cli.VERBS
     done = subprocess.run([sys.executable, "-m", "rl_engine", "validate", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "--run-dir" in done.stdout
+
+
+# ---------------------------------------------------------------- any standard validator, offline
+ARTIFACT_SCHEMAS = {"plan.json": "plan", "validation.json": "validation", "crosscheck.json": "crosscheck",
+                    "environment.json": "environment", "regression.json": "regression"}
+NO_NETWORK = {"HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
+              "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "NO_PROXY": ""}
+
+
+def _check_jsonschema(schema: Path, instance: Path) -> subprocess.CompletedProcess[str]:
+    """The standard ``check-jsonschema`` CLI (not our code), with every network route refused."""
+    return subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--schemafile", str(schema), str(instance)],
+        env={**os.environ, **NO_NETWORK}, capture_output=True, text=True, timeout=120, check=False,
+    )
+
+
+def test_check_jsonschema_validates_every_artifact_offline_with_the_shipped_schemas(
+    good_run: Path, tmp_path: Path,
+) -> None:
+    shipped = tmp_path / "schemas"  # as the archive ships them, away from the repository
+    shutil.copytree(schemas.repo_schema_dir(), shipped)
+    files = {name: good_run / name for name in ARTIFACT_SCHEMAS}
+    files.update({p.name: p for p in good_run.glob("tp*-cp*.json")})
+    assert len(files) == len(ARTIFACT_SCHEMAS) + len(TOPOLOGIES)
+    for name, path in sorted(files.items()):
+        schema = ARTIFACT_SCHEMAS.get(name, "report")
+        done = _check_jsonschema(shipped / f"{schema}.schema.json", path)
+        assert done.returncode == 0, f"{name}: {done.stdout}{done.stderr}"
+    # negative control: the same validator, a broken report, fails naming the field
+    report = jsonio.load(good_run / "tp1-cp1.json")
+    report["bitwise_fingerprints"]["candidate_lse_sha256"] = "not-a-hash"
+    bad = tmp_path / "tp1-cp1.json"
+    jsonio.write_json(bad, report)
+    done = _check_jsonschema(shipped / "report.schema.json", bad)
+    assert done.returncode == 1 and "candidate_lse_sha256" in done.stdout, done.stdout + done.stderr
