@@ -22,6 +22,7 @@ from _workflow_util import (
     archive_of,
     copy_repo,
     jobs_run,
+    run_name_of,
     snakemake,
     verify,
     write_config,
@@ -50,11 +51,12 @@ def test_small_campaign_builds_an_archive_that_verifies(small_run) -> None:
     repo, done, _ = small_run
     counts = jobs_run(done.stdout + done.stderr)
     assert counts.get("topology") == len(SMALL_CASE["topologies"]), counts
+    name = run_name_of(repo)
     archive = archive_of(repo)
-    assert archive.name == "rl-engine-logprob-nogit.tar.gz"
+    assert archive.name == f"{name}.tar.gz"
     verified = verify(repo, archive, "--recompute")
     assert verified.returncode == 0, verified.stdout + verified.stderr
-    run = repo / "results" / "rl-engine-logprob-nogit"
+    run = repo / "results" / name
     crosscheck = jsonio.load(run / "crosscheck.json")
     assert crosscheck["passed"] is True
     summary = (run / "SUMMARY.md").read_text()
@@ -63,9 +65,9 @@ def test_small_campaign_builds_an_archive_that_verifies(small_run) -> None:
         assert re.search(rf"^\|\s*{tp}\s*\|\s*{cp}\s*\|", summary, re.M), (topo, summary)
     with tarfile.open(archive) as tar:
         names = tar.getnames()
-    assert "rl-engine-logprob-nogit/SHA256SUMS" in names
+    assert f"{name}/SHA256SUMS" in names
     assert any(n.endswith("/schemas/report.schema.json") for n in names)
-    assert (repo / "results" / "rl-engine-logprob-nogit.verify.json").is_file()
+    assert (repo / "results" / f"{name}.verify.json").is_file()
 
 
 def test_second_run_has_nothing_to_do(small_run) -> None:
@@ -78,7 +80,7 @@ def test_second_run_has_nothing_to_do(small_run) -> None:
 
 def test_deleted_report_reruns_only_that_topology_and_what_follows(small_run) -> None:
     repo, _, _ = small_run
-    run = repo / "results" / "rl-engine-logprob-nogit"
+    run = repo / "results" / run_name_of(repo)
     before = {p.name: p.stat().st_mtime_ns for p in run.glob("tp*-cp*.json")}
     (run / "tp2-cp1.json").unlink()
     done = snakemake(repo)
@@ -120,7 +122,7 @@ def test_default_campaign_end_to_end(tmp_path: Path) -> None:
     archive = archive_of(repo)
     verified = verify(repo, archive)
     assert verified.returncode == 0, verified.stdout + verified.stderr
-    run = repo / "results" / "rl-engine-logprob-nogit"
+    run = repo / "results" / run_name_of(repo)
     reports = [jsonio.load(run / f"tp{t[0]}-cp{t[2]}.json") for t in ("1x1", "1x2", "2x1", "2x2", "4x1", "4x2")]
     assert {r["bitwise_fingerprints"]["candidate_logp_sha256"] for r in reports}.__len__() == 1
     assert all(r["case"]["real_vocab"] == 151936 for r in reports)
