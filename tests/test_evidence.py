@@ -603,3 +603,35 @@ def test_cli_maps_every_evidence_verb() -> None:
         assert verb in cli.VERBS
     done = subprocess.run([sys.executable, "-m", "rl_engine", "validate", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "--run-dir" in done.stdout
+
+
+def _help(verb: str, capsys: pytest.CaptureFixture[str]) -> str:
+    try:
+        code = cli.main([verb, "--help"])
+    except SystemExit as exc:  # argparse's --help
+        code = exc.code
+    assert code in (0, None), verb
+    return capsys.readouterr().out
+
+
+def test_every_verb_help_says_what_it_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 14: plan --help and compare --help printed the same text under the runner's file name, and
+    launch --help printed its own usage line as its description."""
+    helps = {verb: _help(verb, capsys) for verb in cli.VERBS}
+    for verb, text in helps.items():
+        assert text.startswith(f"usage: python -m rl_engine {verb} "), (verb, text[:200])
+        description = text.split("\n\n", 2)[1]  # argparse: usage, blank line, description
+        assert not description.lstrip().startswith(("usage", "``python -m")), (verb, description)
+        assert len(description.split()) >= 8, (verb, description)
+    assert len(set(helps.values())) == len(helps)  # no two verbs print the same help
+    assert "Plan a TP x CP campaign without running it" in helps["plan"]
+    assert "Run one topology's comparison: launched once per rank by torchrun" in helps["compare"]
+    assert "Run one planned topology" in helps["launch"]
+
+
+@pytest.mark.parametrize("argv", [["check-config", "/nonexistent/config.yaml"], ["env", "--output-dir", "/proc/no/such"]])
+def test_file_errors_end_in_a_message_without_a_traceback(argv: list[str], tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "rl_engine", *argv], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert done.returncode in (1, 2), done.stderr
+    assert "No such file or directory" in done.stderr and "Traceback" not in done.stderr and 'File "' not in done.stderr

@@ -308,6 +308,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         check_workflow_config(load_config(args.config))
+    except (OSError, yaml.YAMLError) as exc:
+        print(f"{args.config}: cannot be read: {exc}", file=sys.stderr)
+        return 2
     except WorkflowConfigError as exc:
         print(f"{args.config}: {exc}", file=sys.stderr)
         return 2
