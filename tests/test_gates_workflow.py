@@ -429,6 +429,9 @@ def test_really_failing_topology_keeps_its_report_and_blocks_the_archive(wf: Wor
     assert "tp2-cp1.json: passed: is False" in log and "tp2-cp1.json: failures: must be empty" in log
     assert "tp1-cp1.json:" not in log and "tp1-cp2.json:" not in log
     assert not started(text, "archive") and not any(p.exists() for p in wf.finals)
+    closing = done.stdout[done.stdout.rindex("rl_engine evidence workflow: result"):]  # issue 14: the verdict
+    assert "FAILED at validation gate (missing validation.json)" in closing, closing
+    assert f"{wf.name}/logs/validation.log" in closing and "none: no archive is built" in closing
 
 
 def test_hanging_rank_fails_the_rule_at_its_time_limit(wf: Workflow) -> None:

@@ -7,6 +7,7 @@ archive with the reviewer's verifier.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -70,6 +71,19 @@ def test_small_campaign_builds_an_archive_that_verifies(small_run) -> None:
     assert (repo / "results" / f"{name}.verify.json").is_file()
 
 
+def test_the_console_ends_with_the_verdict_and_the_archive(small_run) -> None:
+    """Issue 14: the run ended with Snakemake's step counter; now its last table gives the verdict,
+    the archive and its SHA-256, SUMMARY.md and the reviewer's verify command."""
+    repo, done, _ = small_run
+    name = run_name_of(repo)
+    digest = (repo / "results" / f"{name}.tar.gz.sha256").read_text().split()[0]
+    tail = done.stdout[done.stdout.rindex("rl_engine evidence workflow: result"):]
+    for text in ("Verdict", "VERIFIED", f"results/{name}.tar.gz", digest, f"results/{name}/SUMMARY.md",
+                 f"python -m rl_engine verify results/{name}.tar.gz"):
+        assert text in tail, (text, tail)
+    assert "Finished job" not in tail and "steps (100%) done" not in tail  # nothing of the run after it
+
+
 def test_second_run_has_nothing_to_do(small_run) -> None:
     repo, _, _ = small_run
     done = snakemake(repo)
@@ -109,6 +123,32 @@ def test_verify_rejects_a_tampered_archive(small_run, tmp_path: Path) -> None:
     done = verify(repo, bad)
     assert done.returncode != 0
     assert "sha256" in (done.stdout + done.stderr).lower()
+
+
+def test_a_changed_campaign_gets_its_own_run_and_going_back_has_nothing_to_do(small_run) -> None:
+    """Issue 14: --config topologies=... ran in the default campaign's directory and failed validation on
+    reports "left from an earlier plan"; going back failed the same way; seed=7 overwrote the archive."""
+    repo, _, _ = small_run
+    first = run_name_of(repo)
+    first_archive = repo / "results" / f"{first}.tar.gz"
+    kept = {p: p.read_bytes() for p in (first_archive, first_archive.with_name(first_archive.name + ".sha256"))}
+    other = ["1x1", "2x1"]
+    done = snakemake(repo, "--config", f"topologies={json.dumps(other)}")
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-6000:]
+    assert "left from an earlier plan" not in text
+    second = run_name_of(repo, topologies=other)
+    assert second != first and second.startswith("rl-engine-logprob-nogit-case-")
+    assert sorted(p.name for p in (repo / "results" / second).glob("tp*-cp*.json")) == ["tp1-cp1.json", "tp2-cp1.json"]
+    assert verify(repo, repo / "results" / f"{second}.tar.gz").returncode == 0
+    assert {p: p.read_bytes() for p in kept} == kept  # the first campaign's archive is untouched
+    back = snakemake(repo)
+    assert back.returncode == 0, (back.stdout + back.stderr)[-4000:]
+    assert "Nothing to be done" in back.stdout + back.stderr
+    seed = snakemake(repo, "-n", "--config", "seed=7")  # a new seed plans a new run and a new archive
+    planned = set(re.findall(r"results/([^/\s]+?)(?:\.tar\.gz|/)", seed.stdout + seed.stderr)) - {"logs"}
+    assert planned == {run_name_of(repo, seed=7)} and run_name_of(repo, seed=7) not in (first, second), planned
+    assert verify(repo, first_archive).returncode == 0
 
 
 def test_default_campaign_end_to_end(tmp_path: Path) -> None:
