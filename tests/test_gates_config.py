@@ -361,6 +361,8 @@ def test_config_errors_say_when_the_value_came_from_the_command_line() -> None:
     message = str(from_cli.value)
     assert "config key 'seed' has value -1 (given with --config seed=...; the config file has seed: 123)" in message
     assert "fix the value given with --config seed=..." in message and "config.yaml" not in message
+    with pytest.raises(WorkflowConfigError, match=r"fix the value in my\.yaml \(see"):  # the file that set it
+        check_config(config, wfconfig.Origin(files={"seed": -1}, file_of={"seed": "my.yaml"}))
     campaign_cli = wfconfig.Origin(cli={"topologies": ["1x1", "3x1"]}, files={"topologies": ["1x1", "2x1"]})
     with pytest.raises(WorkflowConfigError, match=r"config key 'topologies\[1\]' has value '3x1' \(given with "
                                                    r"--config topologies=\.\.\.; the config file has topologies: "):
@@ -386,7 +388,7 @@ def test_cuda_campaign_is_refused_on_a_machine_without_cuda() -> None:
 DRY_RUNS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "unknown-key": ({"topology": ["1x1"]}, ("unknown config key(s) ['topology']", "remove or rename them")),
     "schema-value": ({"dtype": "bf8"}, ("config key 'dtype' has value 'bf8'", "is not one of ['bf16', 'fp16', 'fp32']",
-                                        SCHEMA_FIX)),
+                                        "fix the value in schema-value.yaml (see schemas/config.schema.json)")),
     "schema-nested": (tolerance("bf16", -0.1, 0.0), ("config key 'tolerances.bf16.atol' has value -0.1",)),
     "non-finite": (tolerance("bf16", float("nan"), 0.0), ("config key 'tolerances.bf16.atol' has value nan",)),
     "campaign-case": ({"real_vocab": 2000, "num_vocab_tiles": 7, "prompt_tokens": 16, "backend": "triton"},

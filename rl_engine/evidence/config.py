@@ -50,10 +50,12 @@ class WorkflowConfigError(ValueError):
 @dataclass(frozen=True)
 class Origin:
     """Where the config's values came from: ``cli`` holds Snakemake's ``--config`` values
-    (top-level keys), ``files`` the config files' merged values before ``--config``."""
+    (top-level keys), ``files`` the config files' merged values before ``--config`` and
+    ``file_of`` the config file that set each top-level key last (default: config.yaml)."""
 
     cli: Mapping[str, Any] = field(default_factory=dict)
     files: Mapping[str, Any] = field(default_factory=dict)
+    file_of: Mapping[str, str] = field(default_factory=dict)
 
     def top(self, key: str) -> str:
         return re.split(r"[.\[]", key, maxsplit=1)[0]
@@ -74,7 +76,7 @@ class Origin:
     def fix(self, key: str) -> str:
         if self.from_cli(key):
             return f"fix the value given with --config {self.top(key)}=... (see schemas/config.schema.json)"
-        return "fix the value in config.yaml (see schemas/config.schema.json)"
+        return f"fix the value in {self.file_of.get(self.top(key), 'config.yaml')} (see schemas/config.schema.json)"
 
 
 @dataclass(frozen=True)
@@ -245,6 +247,7 @@ def check_workflow_config(config: dict[str, Any], origin: Origin = Origin()) -> 
 def workflow_origin(cli: Mapping[str, Any], configfiles: Sequence[str | Path]) -> Origin:
     """The :class:`Origin` of a Snakemake run: ``--config`` values and the config files' merged values."""
     files: dict[str, Any] = {}
+    file_of: dict[str, str] = {}
     for path in configfiles:
         try:
             with open(path, encoding="utf-8") as handle:
@@ -253,7 +256,8 @@ def workflow_origin(cli: Mapping[str, Any], configfiles: Sequence[str | Path]) -
             continue  # Snakemake itself reports a config file it cannot read
         if isinstance(data, dict):
             files.update(data)
-    return Origin(dict(cli), files)
+            file_of.update({key: Path(path).name for key in data})
+    return Origin(dict(cli), files, file_of)
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
