@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from rl_engine.evidence import resources
+from rl_engine.evidence.config import WorkflowConfigError
 from rl_engine.evidence.regression import KILL_GRACE_S
 
 from _workflow_util import REPO, SMALL_VOCAB, copy_repo, env_for, run_name_of, snakemake_cmd, write_config
@@ -230,6 +231,27 @@ def test_the_machine_provides_its_gpu_count_unless_given() -> None:
     wf = FakeWorkflow({})
     assert resources.register_gpus(wf, "cpu") is None and wf.global_resources == {}
     assert [resources.topology_gpus(d, 4, 2) for d in ("cuda", "cpu")] == [8, 0]
+    config = {"device": "cuda", "topologies": ["1x1", "4x2"]}
+    assert resources.provide_gpus(FakeWorkflow({"gpus": 8}), config) == 8
+    with pytest.raises(WorkflowConfigError, match=r"'topologies\[1\]' has value '4x2': needs 8 GPUs \(one per rank\) "
+                                                  r"but 4 are provided \(--resources gpus"):
+        resources.provide_gpus(FakeWorkflow({"gpus": 4}), config)
+    assert resources.provide_gpus(FakeWorkflow({}), dict(config, device="cpu")) is None
+
+
+def test_a_topology_with_more_ranks_than_gpus_is_refused_at_parse_time(fake_cuda: tuple[Path, Path]) -> None:
+    """Snakemake scales a claim above what is provided down and starts the job: 4 ranks on 2 GPUs."""
+    repo, hook = fake_cuda
+    done = subprocess.run(snakemake_cmd("-n"), cwd=repo, env=env_for(repo, {"FAKE_GPUS": "2"}, prepend=hook),
+                          capture_output=True, text=True, timeout=300)
+    text = done.stdout + done.stderr
+    assert done.returncode != 0, text[-3000:]
+    for index, topology in ((2, "2x2"), (3, "4x1")):
+        assert (f"config key 'topologies[{index}]' has value '{topology}': needs 4 GPUs (one per rank) but 2 are "
+                "provided (torch.cuda.device_count() on this machine)") in text, text[-3000:]
+    assert "'1x1'" not in text and "'2x1'" not in text and "Building DAG of jobs" not in text
+    assert 'File "' not in text
+    dry_run(repo, hook, 2, "--resources", "gpus=4")  # control: 4 GPUs provided, the same campaign plans
 
 
 def test_cpu_topology_jobs_claim_no_gpu(fake_cuda: tuple[Path, Path]) -> None:
