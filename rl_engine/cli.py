@@ -10,8 +10,8 @@ import importlib
 import sys
 
 VERBS: dict[str, tuple[str, str]] = {
-    "plan": ("rl_engine.testing.distributed_logprob_comparison", "run plan: print and write plan.json"),
-    "compare": ("rl_engine.testing.distributed_logprob_comparison", "run one topology (under torchrun)"),
+    "plan": ("rl_engine.testing.distributed_logprob_comparison", "plan a TP x CP campaign: write plan.json, print the torchrun commands"),
+    "compare": ("rl_engine.testing.distributed_logprob_comparison", "run one topology's comparison (each rank, under torchrun)"),
     "launch": ("rl_engine.testing.launch", "run one planned topology with a time limit"),
     "env": ("rl_engine.evidence.environment", "capture environment.json and environment.txt"),
     "regression": ("rl_engine.evidence.regression", "run the focused pytest suite with counts"),
@@ -23,6 +23,28 @@ VERBS: dict[str, tuple[str, str]] = {
     "check-config": ("rl_engine.evidence.config", "validate config.yaml against its schema"),
     "bench": ("rl_engine.bench", "benchmark candidate vs naive vs floor"),
 }
+
+
+# plan and compare share the runner's parser (compare is the runner itself); each has its own help.
+RUNNER_HELP: dict[str, str] = {
+    "plan": ("Plan a TP x CP campaign without running it: check the case and every topology (the same rules "
+             "every rank applies), write plan.json (schemas/plan.schema.json) with each topology's report path "
+             "and exact torchrun command, and print those commands. --topologies lists the matrix (or --tp and "
+             "--cp plan one); --output is plan.json. (--plan is implied.)"),
+    "compare": ("Run one topology's comparison: launched once per rank by torchrun (see plan.json's commands), "
+                "it computes the candidate backend's logprob, LSE, entropy and gradient on the case's seeded "
+                "inputs, compares them with the full-vocabulary FP32 and FP64 oracles, and rank 0 writes the "
+                "report (--output tp<T>-cp<C>.json) and its raw *.f32 tensors. Exit 0 passed, 1 failed "
+                "acceptance (report kept), 2 no valid report."),
+}
+
+
+def runner_help(verb: str, module: object) -> str:
+    """``--help`` of plan or compare: the runner's options under the verb's own name and description."""
+    parser = module.build_parser()  # type: ignore[attr-defined]
+    parser.prog = f"python -m rl_engine {verb}"
+    parser.description = RUNNER_HELP[verb]
+    return parser.format_help()
 
 
 def usage() -> str:
@@ -42,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown verb {verb!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(VERBS[verb][0])
-    if verb in ("plan", "compare"):
-        return int(module.main(([] if verb == "compare" else ["--plan"]) + rest))
-    return int(module.main(rest))
+    try:
+        if verb in RUNNER_HELP:
+            if "-h" in rest or "--help" in rest:
+                print(runner_help(verb, module))
+                return 0
+            return int(module.main(([] if verb == "compare" else ["--plan"]) + rest))
+        return int(module.main(rest))
+    except OSError as exc:  # a file the verb was pointed at cannot be read or written: the message, no traceback
+        print(f"{verb}: {exc}", file=sys.stderr)
+        return 1

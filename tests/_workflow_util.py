@@ -1,7 +1,8 @@
 """Helpers for tests that run the real workflow with snakemake in a temporary copy of the repo.
 
 Not a test module (no ``test_`` prefix). The copy has no ``.git``, so its run is named
-``<campaign>-nogit``; ``PYTHONPATH`` points at the copy, so the copy's code is what runs.
+``<campaign>-nogit-case-<hash>`` (:func:`run_name_of`); ``PYTHONPATH`` points at the copy, so the
+copy's code is what runs.
 """
 
 from __future__ import annotations
@@ -41,6 +42,16 @@ def write_config(repo: Path, overrides: dict[str, Any], name: str = CONFIG) -> P
     path = repo / name
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def run_name_of(repo: Path, configfile: str = CONFIG, **overrides: Any) -> str:
+    """The run name the workflow gives ``repo``'s ``configfile`` with ``--config`` ``overrides``."""
+    from rl_engine.evidence.config import run_name
+
+    config = yaml.safe_load((repo / "config.yaml").read_text())
+    config.update(yaml.safe_load((repo / configfile).read_text()))
+    config.update(overrides)
+    return run_name(config, repo)
 
 
 def env_for(repo: Path, extra: dict[str, str] | None = None, prepend: Path | None = None) -> dict[str, str]:
@@ -94,5 +105,5 @@ def archive_of(repo: Path) -> Path:
 
 __all__ = [
     "CONFIG", "IGNORE", "REPO", "SHORT_REGRESSION", "SMALL_VOCAB", "archive_of", "copy_repo", "env_for",
-    "jobs_run", "snakemake", "snakemake_cmd", "verify", "write_config",
+    "jobs_run", "run_name_of", "snakemake", "snakemake_cmd", "verify", "write_config",
 ]

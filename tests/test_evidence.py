@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import yaml
 
 from _evidence_run import CASE_FLAGS, PYTEST_ARGS, TOPOLOGIES, build_run, launch
 from rl_engine import cli, jsonio, schemas
@@ -401,6 +402,41 @@ def test_summary_numbers_come_from_the_evidence(good_run: Path, run: Path) -> No
     assert "| Focused regression | 41 passed, 3 skipped |" in changed
 
 
+def test_summary_has_the_reproduction_section_and_every_skip_reason(good_run: Path, run: Path) -> None:
+    """Issue 14: SUMMARY.md lacked the guide's Reproduction section and the reason of each skipped test."""
+    from snakemake.utils import update_config
+
+    from rl_engine.evidence import config as wfconfig
+    from rl_engine.evidence.casename import case_hash, evidence_resolved_case
+
+    text = (good_run / "SUMMARY.md").read_text()
+    env, plan = jsonio.load(good_run / "environment.json"), jsonio.load(good_run / "plan.json")
+    reg = jsonio.load(good_run / "regression.json")
+    assert "## Focused regression" in text and "## Reproduction" in text
+    assert "| test_tiny_focused::test_skipped | demonstrates a recorded skip |" in text  # from the JUnit XML
+    commit = env["git"]["commit"]
+    assert f"    git checkout {commit}\n    test \"$(git rev-parse HEAD)\" = \"{commit}\"" in text
+    assert ("The working tree was DIRTY" in text) is (env["git"]["dirty"] is True)
+    assert f"    {reg['command']}\n" in text
+    for entry in plan["topologies"]:
+        assert f"    {entry['command']}\n" in text
+    plan_line = next(line for line in text.splitlines() if line.startswith("    python -m rl_engine plan "))
+    assert plan_line.endswith(f"--topologies 1x1,2x2 --output {plan['output_dir']}/plan.json")
+    # reproduce.yaml over config.yaml is this run's case: the same case hash as the evidence
+    block = text.split("`reproduce.yaml` (over the repository's `config.yaml`", 1)[1].split("\n\n", 2)[1]
+    reproduce = yaml.safe_load("\n".join(line[4:] for line in block.splitlines()))
+    config = yaml.safe_load((Path(__file__).resolve().parent.parent / "config.yaml").read_text())
+    update_config(config, reproduce)
+    assert wfconfig.config_case_hash(config) == case_hash(evidence_resolved_case(plan, reg))
+    # negative controls: no skip, and an unreadable JUnit XML, say so instead of a table
+    (run / "pytest-junit.xml").write_text(
+        (run / "pytest-junit.xml").read_text().replace('skipped="1"', 'skipped="0"').split("<testcase", 1)[0]
+        + "</testsuite></testsuites>")
+    assert "No test was skipped." in summary.summary_text(run)
+    (run / "pytest-junit.xml").write_text("<not xml")
+    assert "pytest-junit.xml cannot be read (ParseError), so the skip reasons are unknown" in summary.summary_text(run)
+
+
 def test_summary_of_failing_run_says_failed(perturbed_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     gate("validate", perturbed_run, capsys)
     shutil.copy(perturbed_run / "validate-out.json", perturbed_run / "validation.json")
@@ -458,6 +494,30 @@ def test_archive_is_byte_reproducible_and_well_formed(good_run: Path, tmp_path: 
     listed = {line.split("  ", 1)[1]: line.split("  ", 1)[0] for line in lines}
     assert set(listed) == set(files) - {"SHA256SUMS"}
     assert all(jsonio.sha256_bytes(files[rel]) == digest for rel, digest in listed.items())
+
+
+def test_reviewing_says_how_to_get_rl_engine_at_the_tested_commit(good_run: Path, run: Path, tmp_path: Path) -> None:
+    """Issue 14: REVIEWING.md did not say how to get the code that made the evidence."""
+    def reviewing(run_dir: Path, out: Path) -> str:
+        assert _archive(run_dir, out) == 0
+        with tarfile.open(out) as tar:
+            return tar.extractfile(f"{run_dir.name}/REVIEWING.md").read().decode()  # type: ignore[union-attr]
+
+    git = jsonio.load(good_run / "environment.json")["git"]
+    text = reviewing(good_run, tmp_path / "a" / f"{good_run.name}.tar.gz")
+    assert "## rl_engine at the tested commit" in text
+    assert f"    git checkout {git['commit']}\n    test \"$(git rev-parse HEAD)\" = \"{git['commit']}\"" in text
+    assert f"branch `{git['branch']}`" in text and "pip install -e '.[test]'" in text
+    assert ("The working tree was DIRTY" in text) is (git["dirty"] is True)
+    assert ("The working tree was clean" in text) is (git["dirty"] is False)
+    env = jsonio.load(run / "environment.json")  # negative control: a run with no git state says so
+    env["git"] = {"available": False, "commit": None, "short_commit": None, "branch": None, "dirty": None,
+                  "untracked_files": None, "reason": "not a git repository"}
+    jsonio.write_json(run / "environment.json", env)
+    for gate_verb, out in (("validate", "validation.json"), ("crosscheck", "crosscheck.json")):
+        assert cli.main([gate_verb, "--run-dir", str(run), "--output", str(run / out)]) == 0
+    text = reviewing(run, tmp_path / "b" / "run.tar.gz")
+    assert "No git state was recorded for this run (not a git repository)" in text and "git checkout" not in text
 
 
 def test_archive_checks_with_sha256sum_alone(good_run: Path, tmp_path: Path) -> None:
@@ -580,3 +640,34 @@ def test_check_jsonschema_validates_every_artifact_offline_with_the_shipped_sche
     jsonio.write_json(bad, report)
     done = _check_jsonschema(shipped / "report.schema.json", bad)
     assert done.returncode == 1 and "candidate_lse_sha256" in done.stdout, done.stdout + done.stderr
+
+def _help(verb: str, capsys: pytest.CaptureFixture[str]) -> str:
+    try:
+        code = cli.main([verb, "--help"])
+    except SystemExit as exc:  # argparse's --help
+        code = exc.code
+    assert code in (0, None), verb
+    return capsys.readouterr().out
+
+
+def test_every_verb_help_says_what_it_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 14: plan --help and compare --help printed the same text under the runner's file name, and
+    launch --help printed its own usage line as its description."""
+    helps = {verb: _help(verb, capsys) for verb in cli.VERBS}
+    for verb, text in helps.items():
+        assert text.startswith(f"usage: python -m rl_engine {verb} "), (verb, text[:200])
+        description = text.split("\n\n", 2)[1]  # argparse: usage, blank line, description
+        assert not description.lstrip().startswith(("usage", "``python -m")), (verb, description)
+        assert len(description.split()) >= 8, (verb, description)
+    assert len(set(helps.values())) == len(helps)  # no two verbs print the same help
+    assert "Plan a TP x CP campaign without running it" in helps["plan"]
+    assert "Run one topology's comparison: launched once per rank by torchrun" in helps["compare"]
+    assert "Run one planned topology" in helps["launch"]
+
+
+@pytest.mark.parametrize("argv", [["check-config", "/nonexistent/config.yaml"], ["env", "--output-dir", "/proc/no/such"]])
+def test_file_errors_end_in_a_message_without_a_traceback(argv: list[str], tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "rl_engine", *argv], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert done.returncode in (1, 2), done.stderr
+    assert "No such file or directory" in done.stderr and "Traceback" not in done.stderr and 'File "' not in done.stderr

@@ -19,6 +19,7 @@ import yaml
 
 from _workflow_util import REPO, SMALL_VOCAB, copy_repo, env_for, jobs_run, snakemake_cmd, write_config
 from rl_engine.evidence import config as wfconfig
+from rl_engine.evidence.casename import RunName, RunNameError, case_hash, evidence_resolved_case, pytest_args_of
 from rl_engine.evidence import environment
 from rl_engine.evidence.config import WorkflowConfigError, check_config, load_config
 from rl_engine.testing import campaign
@@ -267,8 +268,9 @@ def test_run_name_and_environment_agree_on_dirty(tmp_path: Path) -> None:
     """
     repo = tmp_path / "repo"
     repo.mkdir()
-    config = {"campaign": "c"}
-    assert wfconfig.run_name(config, repo) == "c-nogit"
+    config = dict(base(), campaign="c")
+    digest = wfconfig.config_case_hash(config)
+    assert wfconfig.run_name(config, repo) == f"c-nogit-case-{digest}"
     assert environment._git(repo, 20.0)["available"] is False
     _git(repo, "init", "-q")
     (repo / ".gitignore").write_text("ignored.log\n")
@@ -287,9 +289,97 @@ def test_run_name_and_environment_agree_on_dirty(tmp_path: Path) -> None:
             (repo / "new.py").unlink()
             (repo / "a.txt").write_text("changed\n")
         dirty = environment._git(repo, 20.0)["dirty"]
-        assert wfconfig.run_name(config, repo) == f"c-{short}{'-dirty' if dirty else ''}", step
+        name = wfconfig.run_name(config, repo)
+        assert name == f"c-{short}{'-dirty' if dirty else ''}-case-{digest}", step
+        assert RunName.parse(name) == RunName("c", short, dirty, digest)
         states.append(dirty)
     assert states == [False, False, True, True]  # both outcomes seen (negative control)
+
+
+# (change, whether it changes the evidence and so the run name)
+CASE_CHANGES: list[tuple[str, dict[str, Any], bool]] = [
+    ("seed", {"seed": 7}, True),
+    ("topologies", {"topologies": ["1x1", "2x1", "8x1"]}, True),
+    ("topology order", {"topologies": ["2x1", "1x2", "1x1"]}, True),
+    ("device", {"device": "cuda"}, True),
+    ("dtype", {"dtype": "fp32"}, True),
+    ("tolerance of the dtype", tolerance("bf16", 0.01, 0.0), True),
+    ("shape", {"seq": 32}, True),
+    ("backend threads", {"threads_per_rank": 2}, True),
+    ("process-group timeout", {"pg_timeout_s": 60}, True),
+    ("regression tests", {"regression": {"tests": ["tests/test_logprob_chunks.py"]}}, True),
+    ("regression pytest args", {"regression": {"tests": base()["regression"]["tests"], "pytest_args": ["-x"]}}, True),
+    ("campaign", {"campaign": "other"}, True),
+    ("topology time limit", {"topology_timeout_s": 20}, False),
+    ("regression time limit", {"regression": {**base()["regression"], "timeout_s": 5}}, False),
+    ("tolerance of another dtype", tolerance("fp16", 0.001, 0.0), False),
+    ("integer logit scale", {"logit_scale": 1}, False),
+]
+
+
+@pytest.mark.parametrize(("overrides", "changes"), [pytest.param(o, c, id=i) for i, o, c in CASE_CHANGES])
+def test_run_name_changes_exactly_with_the_evidence(tmp_path: Path, overrides: dict[str, Any], changes: bool) -> None:
+    """Issue 14: --config topologies=... or seed=7 started in the directory of the default campaign
+    (reports "left from an earlier plan", an overwritten archive). Each case now has its own name;
+    what does not change the evidence (wall-clock limits) keeps the name, so a rerun completes it."""
+    config = base()
+    changed = dict(config, **overrides)
+    assert (wfconfig.run_name(changed, tmp_path) != wfconfig.run_name(config, tmp_path)) is changes
+
+
+def test_case_hash_of_the_evidence_is_the_hash_of_the_config(tmp_path: Path) -> None:
+    """The hash in the name can be computed again from plan.json and regression.json (verify does)."""
+    config = dict(base(), logit_scale=1, regression={"tests": ["tests/a.py", "tests/b.py"], "pytest_args": ["-x", "-k", "a b"]})
+    values = wfconfig.case_values(config)
+    plan = campaign.build_plan(campaign.Case(**values), ((1, 1), (1, 2), (2, 1)), str(tmp_path / "plan.json"))
+    plan = json.loads(json.dumps(plan))  # as read back from disk
+    command = "python -m pytest -q -rs tests/a.py tests/b.py -x -k 'a b' --junitxml=results/r/pytest-junit.xml"
+    regression = {"tests": ["tests/a.py", "tests/b.py"], "command": command}
+    assert case_hash(evidence_resolved_case(plan, regression)) == wfconfig.config_case_hash(config)
+    regression["command"] = command.replace(" -x", "")
+    assert case_hash(evidence_resolved_case(plan, regression)) != wfconfig.config_case_hash(config)
+    with pytest.raises(RunNameError, match="is not 'python -m pytest -q -rs <tests> \\[args\\]"):
+        pytest_args_of({"tests": ["tests/a.py"], "command": "pytest tests/a.py"})
+
+
+def test_run_name_parse_refuses_names_without_a_case() -> None:
+    with pytest.raises(RunNameError, match="is not a run name"):
+        RunName.parse("rl-engine-logprob-abc1234-dirty")
+    assert RunName.parse("my-camp-1-abc1234-dirty-case-0123abcd") == RunName("my-camp-1", "abc1234", True, "0123abcd")
+    assert str(RunName.parse("c-nogit-case-0123abcd")) == "c-nogit-case-0123abcd"
+
+
+def test_config_errors_say_when_the_value_came_from_the_command_line() -> None:
+    """Issue 14: a bad --config value was reported as if config.yaml held it."""
+    config = dict(base(), seed=-1)
+    with pytest.raises(WorkflowConfigError) as from_file:
+        check_config(config)
+    assert "--config" not in str(from_file.value) and SCHEMA_FIX in str(from_file.value)
+    origin = wfconfig.Origin(cli={"seed": -1}, files={"seed": 123})
+    with pytest.raises(WorkflowConfigError) as from_cli:
+        check_config(config, origin)
+    message = str(from_cli.value)
+    assert "config key 'seed' has value -1 (given with --config seed=...; the config file has seed: 123)" in message
+    assert "fix the value given with --config seed=..." in message and "config.yaml" not in message
+    with pytest.raises(WorkflowConfigError, match=r"fix the value in my\.yaml \(see"):  # the file that set it
+        check_config(config, wfconfig.Origin(files={"seed": -1}, file_of={"seed": "my.yaml"}))
+    campaign_cli = wfconfig.Origin(cli={"topologies": ["1x1", "3x1"]}, files={"topologies": ["1x1", "2x1"]})
+    with pytest.raises(WorkflowConfigError, match=r"config key 'topologies\[1\]' has value '3x1' \(given with "
+                                                   r"--config topologies=\.\.\.; the config file has topologies: "):
+        check_config(dict(base(), topologies=["1x1", "3x1"]), campaign_cli)
+    with pytest.raises(WorkflowConfigError, match=r"unknown config key\(s\) \['sed'\] \(given with --config\)"):
+        check_config(dict(base(), sed=7), wfconfig.Origin(cli={"sed": 7}))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_campaign_is_refused_on_a_machine_without_cuda() -> None:
+    """Issue 14: device=cuda passed the dry run here and failed 35 s later in six tracebacks."""
+    config = dict(base(), device="cuda")
+    assert check_config(config) is config  # the campaign itself is valid...
+    with pytest.raises(WorkflowConfigError, match="config key 'device' has value 'cuda': device='cuda' was requested "
+                                                  "but CUDA is not available; nothing falls back to the CPU"):
+        wfconfig.check_workflow_config(config)  # ...this machine cannot run it
+    assert wfconfig.check_workflow_config(base()) == base()  # negative control
 
 
 # ---------------------------------------------------------------- real snakemake -n
@@ -298,7 +388,7 @@ def test_run_name_and_environment_agree_on_dirty(tmp_path: Path) -> None:
 DRY_RUNS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "unknown-key": ({"topology": ["1x1"]}, ("unknown config key(s) ['topology']", "remove or rename them")),
     "schema-value": ({"dtype": "bf8"}, ("config key 'dtype' has value 'bf8'", "is not one of ['bf16', 'fp16', 'fp32']",
-                                        SCHEMA_FIX)),
+                                        "fix the value in schema-value.yaml (see schemas/config.schema.json)")),
     "schema-nested": (tolerance("bf16", -0.1, 0.0), ("config key 'tolerances.bf16.atol' has value -0.1",)),
     "non-finite": (tolerance("bf16", float("nan"), 0.0), ("config key 'tolerances.bf16.atol' has value nan",)),
     "campaign-case": ({"real_vocab": 2000, "num_vocab_tiles": 7, "prompt_tokens": 16, "backend": "triton"},
@@ -339,6 +429,24 @@ def test_snakemake_dry_run_refuses_bad_config_before_any_job(dry_runs: tuple[Pat
     for part in DRY_RUNS[name][1]:
         assert part in text, (part, text)
     assert "Building DAG of jobs" not in text and jobs_run(text) == {}, text  # refused before the DAG
+    assert 'File "' not in text and "Traceback" not in text, text  # the message alone, no traceback after it
+    assert list((repo / "results").iterdir()) == []
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_snakemake_dry_run_refuses_cuda_on_a_machine_without_cuda(dry_runs: tuple[Path, dict[str, Any]]) -> None:
+    """Issue 14: ``snakemake -n --config device=cuda`` passed here; the jobs failed 35 s later."""
+    repo, _ = dry_runs
+    write_config(repo, base(), name="good.yaml")
+    done = subprocess.run(snakemake_cmd("-n", "--config", "device=cuda", configfile="good.yaml"), cwd=repo,
+                          env=env_for(repo), capture_output=True, text=True, timeout=300)
+    text = done.stdout + done.stderr
+    assert done.returncode != 0, text
+    assert ("WorkflowConfigError (workflow/Snakefile, before any job): config key 'device' has value 'cuda' (given "
+            "with --config device=...; the config file has device: 'cpu'): device='cuda' was requested but CUDA is "
+            "not available; nothing falls back to the CPU: run on a GPU machine or set device: cpu") in text, text
+    assert "Building DAG of jobs" not in text and jobs_run(text) == {}, text
+    assert 'File "' not in text and "Traceback" not in text, text
     assert list((repo / "results").iterdir()) == []
 
 

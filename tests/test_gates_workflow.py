@@ -36,6 +36,7 @@ from _workflow_util import (
     copy_repo,
     env_for,
     jobs_run,
+    run_name_of,
     snakemake,
     snakemake_cmd,
     verify,
@@ -43,7 +44,6 @@ from _workflow_util import (
 )
 from rl_engine import jsonio
 
-RUN_NAME = "rl-engine-logprob-nogit"
 LABELS = ("tp1-cp1", "tp1-cp2", "tp2-cp1")
 CASE: dict[str, Any] = {
     **SMALL_VOCAB,
@@ -79,14 +79,21 @@ if _MARKER and _PATTERN:
 
     os.fsync = _held_fsync
 '''
-# mkstemp names: "." + target name + "." + 8 of [a-z0-9_] + ".tmp" (jsonio.atomic_write_bytes)
-HOLD_ARCHIVE = rf"\.{re.escape(RUN_NAME)}\.tar\.gz\.[a-z0-9_]+\.tmp"
-HOLD_SIDECAR = rf"\.{re.escape(RUN_NAME)}\.tar\.gz\.sha256\.[a-z0-9_]+\.tmp"
+
+
+def hold_archive(name: str) -> str:
+    """mkstemp names: "." + target name + "." + 8 of [a-z0-9_] + ".tmp" (jsonio.atomic_write_bytes)."""
+    return rf"\.{re.escape(name)}\.tar\.gz\.[a-z0-9_]+\.tmp"
+
+
+def hold_sidecar(name: str) -> str:
+    return rf"\.{re.escape(name)}\.tar\.gz\.sha256\.[a-z0-9_]+\.tmp"
 
 
 @dataclass(frozen=True)
 class Workflow:
     repo: Path
+    name: str  # the run name of CASE
 
     @property
     def results(self) -> Path:
@@ -94,16 +101,16 @@ class Workflow:
 
     @property
     def run(self) -> Path:
-        return self.results / RUN_NAME
+        return self.results / self.name
 
     @property
     def archive(self) -> Path:
-        return self.results / f"{RUN_NAME}.tar.gz"
+        return self.results / f"{self.name}.tar.gz"
 
     @property
     def finals(self) -> tuple[Path, Path, Path]:
         """The archive, its .sha256 and the workflow's verify.json."""
-        return self.archive, self.results / f"{RUN_NAME}.tar.gz.sha256", self.results / f"{RUN_NAME}.verify.json"
+        return self.archive, self.results / f"{self.name}.tar.gz.sha256", self.results / f"{self.name}.verify.json"
 
     def report(self, label: str) -> Path:
         return self.run / f"{label}.json"
@@ -123,7 +130,7 @@ class Workflow:
 def wf(tmp_path_factory: pytest.TempPathFactory) -> Workflow:
     repo = copy_repo(tmp_path_factory.mktemp("gates-workflow"))
     write_config(repo, CASE)
-    return Workflow(repo)
+    return Workflow(repo, run_name_of(repo))
 
 
 @pytest.fixture(scope="module")
@@ -249,13 +256,13 @@ def test_archive_verb_killed_mid_write_leaves_nothing_at_the_final_path(wf: Work
                                                                         tmp_path: Path) -> None:
     """``python -m rl_engine archive`` SIGKILLed while the archive's bytes are in its temporary file."""
     ensure_complete(wf)
-    out = tmp_path / "out" / f"{RUN_NAME}.tar.gz"
+    out = tmp_path / "out" / f"{wf.name}.tar.gz"
     out.parent.mkdir()
     out.write_bytes(b"stale archive of an earlier run")
     out.with_name(out.name + ".sha256").write_text("stale\n")
     marker = tmp_path / "held"
     cmd = [sys.executable, "-m", "rl_engine", "archive", "--run-dir", str(wf.run), "--output", str(out)]
-    proc = subprocess.Popen(cmd, cwd=wf.repo, env=hold_env(wf, hold_hook, marker, HOLD_ARCHIVE),
+    proc = subprocess.Popen(cmd, cwd=wf.repo, env=hold_env(wf, hold_hook, marker, hold_archive(wf.name)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(marker.exists, proc, "the archive writer reached its fsync")
@@ -284,7 +291,7 @@ def test_archive_job_killed_under_snakemake_leaves_no_archive_and_reruns(wf: Wor
     marker = tmp_path / "held"
     log = tmp_path / "snakemake.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(snakemake_cmd(), cwd=wf.repo, env=hold_env(wf, hold_hook, marker, HOLD_SIDECAR),
+        proc = subprocess.Popen(snakemake_cmd(), cwd=wf.repo, env=hold_env(wf, hold_hook, marker, hold_sidecar(wf.name)),
                                 stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(marker.exists, proc, "the archive job reached the fsync of its .sha256")
@@ -326,7 +333,7 @@ def test_report_added_after_validation_is_refused_by_the_archive_rule(wf: Workfl
     assert done.returncode != 0
     assert {k: v for k, v in jobs_run(text).items() if k != "all"} == {"archive": 1, "verify_archive": 1}
     assert failed_rules(text) == ["archive"], text[-4000:]
-    log = (wf.results / "logs" / f"{RUN_NAME}-archive.log").read_text()
+    log = (wf.results / "logs" / f"{wf.name}-archive.log").read_text()
     assert "its files no longer pass the gates that recorded a pass" in log
     assert "tp4-cp1.json: (file): topology tp4-cp1 is not in plan.json" in log
     assert not any(p.exists() for p in wf.finals)
@@ -422,6 +429,9 @@ def test_really_failing_topology_keeps_its_report_and_blocks_the_archive(wf: Wor
     assert "tp2-cp1.json: passed: is False" in log and "tp2-cp1.json: failures: must be empty" in log
     assert "tp1-cp1.json:" not in log and "tp1-cp2.json:" not in log
     assert not started(text, "archive") and not any(p.exists() for p in wf.finals)
+    closing = done.stdout[done.stdout.rindex("rl_engine evidence workflow: result"):]  # issue 14: the verdict
+    assert "FAILED at validation gate (missing validation.json)" in closing, closing
+    assert f"{wf.name}/logs/validation.log" in closing and "none: no archive is built" in closing
 
 
 def test_hanging_rank_fails_the_rule_at_its_time_limit(wf: Workflow) -> None:

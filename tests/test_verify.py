@@ -23,6 +23,7 @@ import pytest
 from _archive_util import Entry, Good, Sandbox, build_good_archive, make_sandbox
 from rl_engine import jsonio, schemas
 from rl_engine.evidence import archive, safe_tar, summary, verify
+from rl_engine.evidence.casename import RunName, case_hash, evidence_resolved_case
 from rl_engine.logprob.comparison import default_tolerance
 
 @pytest.fixture(scope="module")
@@ -136,10 +137,73 @@ def test_good_archive_verifies_with_recompute(good: Good, sandbox: Sandbox, caps
         "cross-topology fingerprints": "PASS", "recorded gates": "PASS", "SUMMARY.md": "PASS", "tolerances": "PASS",
         "arithmetic spec": "PASS", "inputs regenerated": "PASS", "oracle drift recomputed": "PASS",
         "candidate replayed": "PASS", "schemas vs this rl_engine": "note",
+        "tested": "note", "run name": "note",
     }
     assert "VERIFIED" in text and "2 topologies bitwise identical" in text
     assert "byte-identical to the summary rendered again" in problems(result, "SUMMARY.md")
 
+
+
+def renamed(good: Good, name: str, entries: list[Entry] | None = None) -> list[Entry]:
+    """The archive's entries under another top folder (SHA256SUMS paths are relative: still valid)."""
+    out: list[Entry] = []
+    for info, data in entries if entries is not None else list(good.entries):
+        copy = tarfile.TarInfo(name + info.name[len(good.name):])
+        copy.type, copy.size, copy.mode = info.type, info.size, info.mode
+        out.append((copy, data))
+    return out
+
+
+def evidence_name(good: Good, campaign: str = "c", **changes: Any) -> RunName:
+    """The run name the good archive's evidence calls for, with ``changes`` to its parts."""
+    git = jsonio.loads(good.data("environment.json").decode())["git"]
+    plan = jsonio.loads(good.data("plan.json").decode())
+    regression = jsonio.loads(good.data("regression.json").decode())
+    parts = {"campaign": campaign, "commit": git["short_commit"], "dirty": git["dirty"] is True,
+             "case": case_hash(evidence_resolved_case(plan, regression))}
+    parts.update(changes)
+    return RunName(**parts)
+
+
+@pytest.mark.parametrize("dirty", [False, True])
+def test_verify_prints_the_tested_commit_and_case_and_a_dirty_tree(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str], dirty: bool) -> None:
+    """Issue 14: verify did not say which commit and case it verified, nor that the tree was dirty."""
+    def set_dirty(env: dict[str, Any]) -> None:
+        env["git"]["dirty"] = dirty
+
+    entries = resummarised(good, edited(good, {"environment.json": edit_json(set_dirty)}, resum=False), tmp_path / "w")
+    path = write_archive(tmp_path / f"{good.name}.tar.gz", entries)
+    code, text, result = run_verify(path, sandbox, capsys)
+    assert code == 0, text
+    git = jsonio.loads(good.data("environment.json").decode())["git"]
+    plan = jsonio.loads(good.data("plan.json").decode())
+    detail = problems(result, "tested")
+    assert f"commit {git['commit']} (branch {git['branch']})" in detail
+    assert f"case {plan['case_id']} on cpu/gloo" in detail and "topologies 1x1, 2x2" in detail
+    assert ("DIRTY working tree: the tested code had changes that no commit holds" in detail) is dirty
+    assert ("clean working tree" in detail) is not dirty
+    assert "DIRTY working tree" in text if dirty else "clean working tree" in text
+
+
+def test_run_name_must_name_the_evidence(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The archive's <campaign>-<commit>[-dirty]-case-<hash> is checked against environment, plan, regression."""
+    right = evidence_name(good)
+    path = write_archive(tmp_path / "right" / f"{right}.tar.gz", renamed(good, str(right)))
+    code, text, result = run_verify(path, sandbox, capsys)
+    assert code == 0, text
+    assert status(result)["run name"] == "PASS" and f"case {right.case} match" in problems(result, "run name")
+    wrong_case = evidence_name(good, case="0" * 8 if right.case != "0" * 8 else "1" * 8)
+    wrong_tree = evidence_name(good, dirty=not right.dirty)
+    for wrong, expected in ((wrong_case, f"the name says case {wrong_case.case} but plan.json and regression.json "
+                                         f"hash to case {right.case}: the archive is named for another campaign"),
+                            (wrong_tree, f"the name says {'dirty' if wrong_tree.dirty else 'clean'} but "
+                                         "environment.json records git.dirty")):
+        path = write_archive(tmp_path / str(wrong) / f"{wrong}.tar.gz", renamed(good, str(wrong)))
+        code, text, result = run_verify(path, sandbox, capsys)
+        assert code == 1 and status(result)["run name"] == "FAIL", text
+        assert expected in problems(result, "run name"), problems(result, "run name")
 
 def test_verify_json_is_validated_before_it_is_written(good: Good, sandbox: Sandbox, capsys: pytest.CaptureFixture[str],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:

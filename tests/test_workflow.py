@@ -7,6 +7,7 @@ archive with the reviewer's verifier.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ from _workflow_util import (
     archive_of,
     copy_repo,
     jobs_run,
+    run_name_of,
     snakemake,
     verify,
     write_config,
@@ -50,11 +52,12 @@ def test_small_campaign_builds_an_archive_that_verifies(small_run) -> None:
     repo, done, _ = small_run
     counts = jobs_run(done.stdout + done.stderr)
     assert counts.get("topology") == len(SMALL_CASE["topologies"]), counts
+    name = run_name_of(repo)
     archive = archive_of(repo)
-    assert archive.name == "rl-engine-logprob-nogit.tar.gz"
+    assert archive.name == f"{name}.tar.gz"
     verified = verify(repo, archive, "--recompute")
     assert verified.returncode == 0, verified.stdout + verified.stderr
-    run = repo / "results" / "rl-engine-logprob-nogit"
+    run = repo / "results" / name
     crosscheck = jsonio.load(run / "crosscheck.json")
     assert crosscheck["passed"] is True
     summary = (run / "SUMMARY.md").read_text()
@@ -63,9 +66,22 @@ def test_small_campaign_builds_an_archive_that_verifies(small_run) -> None:
         assert re.search(rf"^\|\s*{tp}\s*\|\s*{cp}\s*\|", summary, re.M), (topo, summary)
     with tarfile.open(archive) as tar:
         names = tar.getnames()
-    assert "rl-engine-logprob-nogit/SHA256SUMS" in names
+    assert f"{name}/SHA256SUMS" in names
     assert any(n.endswith("/schemas/report.schema.json") for n in names)
-    assert (repo / "results" / "rl-engine-logprob-nogit.verify.json").is_file()
+    assert (repo / "results" / f"{name}.verify.json").is_file()
+
+
+def test_the_console_ends_with_the_verdict_and_the_archive(small_run) -> None:
+    """Issue 14: the run ended with Snakemake's step counter; now its last table gives the verdict,
+    the archive and its SHA-256, SUMMARY.md and the reviewer's verify command."""
+    repo, done, _ = small_run
+    name = run_name_of(repo)
+    digest = (repo / "results" / f"{name}.tar.gz.sha256").read_text().split()[0]
+    tail = done.stdout[done.stdout.rindex("rl_engine evidence workflow: result"):]
+    for text in ("Verdict", "VERIFIED", f"results/{name}.tar.gz", digest, f"results/{name}/SUMMARY.md",
+                 f"python -m rl_engine verify results/{name}.tar.gz"):
+        assert text in tail, (text, tail)
+    assert "Finished job" not in tail and "steps (100%) done" not in tail  # nothing of the run after it
 
 
 def test_second_run_has_nothing_to_do(small_run) -> None:
@@ -78,7 +94,7 @@ def test_second_run_has_nothing_to_do(small_run) -> None:
 
 def test_deleted_report_reruns_only_that_topology_and_what_follows(small_run) -> None:
     repo, _, _ = small_run
-    run = repo / "results" / "rl-engine-logprob-nogit"
+    run = repo / "results" / run_name_of(repo)
     before = {p.name: p.stat().st_mtime_ns for p in run.glob("tp*-cp*.json")}
     (run / "tp2-cp1.json").unlink()
     done = snakemake(repo)
@@ -109,6 +125,32 @@ def test_verify_rejects_a_tampered_archive(small_run, tmp_path: Path) -> None:
     assert "sha256" in (done.stdout + done.stderr).lower()
 
 
+def test_a_changed_campaign_gets_its_own_run_and_going_back_has_nothing_to_do(small_run) -> None:
+    """Issue 14: --config topologies=... ran in the default campaign's directory and failed validation on
+    reports "left from an earlier plan"; going back failed the same way; seed=7 overwrote the archive."""
+    repo, _, _ = small_run
+    first = run_name_of(repo)
+    first_archive = repo / "results" / f"{first}.tar.gz"
+    kept = {p: p.read_bytes() for p in (first_archive, first_archive.with_name(first_archive.name + ".sha256"))}
+    other = ["1x1", "2x1"]
+    done = snakemake(repo, "--config", f"topologies={json.dumps(other)}")
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-6000:]
+    assert "left from an earlier plan" not in text
+    second = run_name_of(repo, topologies=other)
+    assert second != first and second.startswith("rl-engine-logprob-nogit-case-")
+    assert sorted(p.name for p in (repo / "results" / second).glob("tp*-cp*.json")) == ["tp1-cp1.json", "tp2-cp1.json"]
+    assert verify(repo, repo / "results" / f"{second}.tar.gz").returncode == 0
+    assert {p: p.read_bytes() for p in kept} == kept  # the first campaign's archive is untouched
+    back = snakemake(repo)
+    assert back.returncode == 0, (back.stdout + back.stderr)[-4000:]
+    assert "Nothing to be done" in back.stdout + back.stderr
+    seed = snakemake(repo, "-n", "--config", "seed=7")  # a new seed plans a new run and a new archive
+    planned = set(re.findall(r"results/([^/\s]+?)(?:\.tar\.gz|/)", seed.stdout + seed.stderr)) - {"logs"}
+    assert planned == {run_name_of(repo, seed=7)} and run_name_of(repo, seed=7) not in (first, second), planned
+    assert verify(repo, first_archive).returncode == 0
+
+
 def test_default_campaign_end_to_end(tmp_path: Path) -> None:
     """The guide's campaign (vocabulary 151936, TP=1/2/4 x CP=1/2) with a short regression."""
     repo = copy_repo(tmp_path)
@@ -120,7 +162,7 @@ def test_default_campaign_end_to_end(tmp_path: Path) -> None:
     archive = archive_of(repo)
     verified = verify(repo, archive)
     assert verified.returncode == 0, verified.stdout + verified.stderr
-    run = repo / "results" / "rl-engine-logprob-nogit"
+    run = repo / "results" / run_name_of(repo)
     reports = [jsonio.load(run / f"tp{t[0]}-cp{t[2]}.json") for t in ("1x1", "1x2", "2x1", "2x2", "4x1", "4x2")]
     assert {r["bitwise_fingerprints"]["candidate_logp_sha256"] for r in reports}.__len__() == 1
     assert all(r["case"]["real_vocab"] == 151936 for r in reports)

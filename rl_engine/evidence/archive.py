@@ -33,10 +33,11 @@ import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rl_engine import jsonio, schemas
 from rl_engine.evidence.crosscheck import crosscheck_run
-from rl_engine.evidence.rundir import CROSSCHECK, REVIEWING, SCHEMA_DIR, SUMS, VALIDATION, load_json
+from rl_engine.evidence.rundir import CROSSCHECK, ENVIRONMENT, REVIEWING, SCHEMA_DIR, SUMS, VALIDATION, load_json
 from rl_engine.evidence.validation import validate_run
 
 SUFFIX = ".tar.gz"
@@ -90,7 +91,38 @@ def check_evidence(run_dir: Path, schema_dir: Path) -> None:
                            "no archive is built from failing evidence")
 
 
-def reviewing_text(name: str) -> str:
+def checkout_text(git: dict[str, Any]) -> str:
+    """REVIEWING.md's section on getting rl_engine at the tested commit, from environment.json's git."""
+    commit = git.get("commit")
+    if git.get("available") is not True or not isinstance(commit, str):
+        return f"""## rl_engine at the tested commit
+
+No git state was recorded for this run ({git.get('reason')}): the tested code is not named by
+a commit. Ask the sender for the source tree the run used; the verifier below does not need it.
+"""
+    dirty = ("""
+The working tree was DIRTY when the run was made: it had changes that no commit holds, so this
+commit gives the committed code, not exactly the tested code (the 'tested' row of the verifier
+says the same).
+""" if git.get("dirty") else """
+The working tree was clean when the run was made: this commit is exactly the tested code.
+""")
+    return f"""## rl_engine at the tested commit
+
+The evidence was made by rl_engine at commit `{commit}` (branch `{git.get('branch')}`,
+recorded in `environment.json`). In a clone of the rl_engine repository you were given:
+
+    git fetch origin                 # the commit must be on the remote you cloned
+    git checkout {commit}
+    test "$(git rev-parse HEAD)" = "{commit}"
+    pip install -e '.[test]'         # on a CPU-only machine: add -c constraints/cpu.txt
+{dirty}
+`SUMMARY.md`'s Reproduction section gives the config and the exact commands of the run.
+"""
+
+
+def reviewing_text(name: str, git: dict[str, Any] | None = None) -> str:
+    """REVIEWING.md of archive ``name``; ``git`` is environment.json's git record."""
     from rl_engine.logprob.portable import SPEC_VERSION
 
     return f"""# Reviewing {name}
@@ -147,7 +179,8 @@ first differing token. It reads
 the archive member by member into a temporary directory and refuses links, devices, absolute
 or `..` paths, duplicate names, oversized members and members the file system cannot create.
 It exits 0 only when every check holds.
-"""
+
+{checkout_text(git or {"available": False, "reason": "environment.json has no git record"})}"""
 
 
 def _collect(run_dir: Path) -> tuple[list[tuple[str, bytes]], list[str]]:
@@ -229,7 +262,9 @@ def build(run_dir: Path, output: Path, schema_dir: Path) -> Built:
         raise ArchiveError(f"no *.schema.json in {schema_dir}; the archive must ship the schemas it was checked with")
     schemas.load(schema_dir)  # refuse to ship schemas that do not load
     files += [(f"{SCHEMA_DIR}/{p.name}", p.read_bytes()) for p in schema_files]
-    files.append((REVIEWING, reviewing_text(name).encode("utf-8")))
+    environment, _ = load_json(run_dir / ENVIRONMENT)  # schema-valid: check_evidence passed
+    git = environment.get("git") if isinstance(environment, dict) else None
+    files.append((REVIEWING, reviewing_text(name, git if isinstance(git, dict) else None).encode("utf-8")))
     files.append((SUMS, sums_text(files).encode("utf-8")))
     data = tar_gz_bytes(name, files)
     digest = jsonio.sha256_bytes(data)

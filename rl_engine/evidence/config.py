@@ -5,21 +5,26 @@
 runner's own plan-time rules (:mod:`rl_engine.testing.campaign`: the case's parameters,
 each topology, the matrix) on the values the plan rule will pass, and finally builds the
 plan itself, so a config that passes here cannot fail at plan time. Every error names the
-config key, the value and the fix.
+config key, the value and the fix, and says when the value came from ``--config`` rather than
+the config file. :func:`check_workflow_config` adds what only this machine can answer (CUDA for
+``device: cuda``); it is what the Snakefile calls, so ``snakemake -n`` refuses a campaign that
+cannot run here before any job.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import yaml
 
 from rl_engine import schemas
+from rl_engine.evidence.casename import NOGIT, RunName, case_hash, resolved_case
 from rl_engine.evidence.gitstate import GitStateError, read_git_state
 from rl_engine.testing.campaign import (
     DEVICE_DIST_BACKENDS,
@@ -43,6 +48,38 @@ class WorkflowConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class Origin:
+    """Where the config's values came from: ``cli`` holds Snakemake's ``--config`` values
+    (top-level keys), ``files`` the config files' merged values before ``--config`` and
+    ``file_of`` the config file that set each top-level key last (default: config.yaml)."""
+
+    cli: Mapping[str, Any] = field(default_factory=dict)
+    files: Mapping[str, Any] = field(default_factory=dict)
+    file_of: Mapping[str, str] = field(default_factory=dict)
+
+    def top(self, key: str) -> str:
+        return re.split(r"[.\[]", key, maxsplit=1)[0]
+
+    def from_cli(self, key: str) -> bool:
+        return self.top(key) in self.cli
+
+    def describe(self, key: str, value: Any) -> str:
+        """``config key 'K' has value V``, plus where V came from when it was ``--config``."""
+        text = f"config key {key!r} has value {value!r}"
+        if self.from_cli(key):
+            top = self.top(key)
+            text += f" (given with --config {top}=...; "
+            text += (f"the config file has {top}: {self.files[top]!r})" if top in self.files
+                     else "the config file does not set it)")
+        return text
+
+    def fix(self, key: str) -> str:
+        if self.from_cli(key):
+            return f"fix the value given with --config {self.top(key)}=... (see schemas/config.schema.json)"
+        return f"fix the value in {self.file_of.get(self.top(key), 'config.yaml')} (see schemas/config.schema.json)"
+
+
+@dataclass(frozen=True)
 class Topology:
     tp: int
     cp: int
@@ -61,12 +98,14 @@ def _key(path: Any) -> str:
     return ".".join(parts) if parts else "<top level>"
 
 
-def _schema_message(error: Any) -> str:
+def _schema_message(error: Any, origin: Origin) -> str:
     key = _key(error.absolute_path)
     if error.validator == "additionalProperties":
         allowed = sorted(error.schema.get("properties", {}))
         extra = sorted(set(error.instance) - set(allowed))
         where = f" under {key!r}" if error.absolute_path else ""
+        if not error.absolute_path and any(k in origin.cli for k in extra):
+            where = " (given with --config)"
         return (
             f"unknown config key(s) {extra}{where}; remove or rename them (allowed keys: "
             f"{allowed})"
@@ -74,11 +113,8 @@ def _schema_message(error: Any) -> str:
     if error.validator == "required":
         return f"config key {key!r}: {error.message}; add it (see the default config.yaml)"
     if error.validator == "minItems" and key == "topologies":
-        return f"config key 'topologies' has value {error.instance!r}: {matrix_problem(len(error.instance))}"
-    return (
-        f"config key {key!r} has value {error.instance!r}: {error.message}; fix the value in "
-        "config.yaml (see schemas/config.schema.json)"
-    )
+        return f"{origin.describe('topologies', error.instance)}: {matrix_problem(len(error.instance))}"
+    return f"{origin.describe(key, error.instance)}: {error.message}; {origin.fix(key)}"
 
 
 def _non_finite(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[str, float]]:
@@ -125,7 +161,7 @@ def _config_key(field: str, config: dict[str, Any]) -> tuple[str, Any]:
     return key, config[key]
 
 
-def _campaign_problems(config: dict[str, Any]) -> list[str]:
+def _campaign_problems(config: dict[str, Any], origin: Origin) -> list[str]:
     """The runner's plan-time rules on a schema-valid config, as config-key messages."""
     problems: list[str] = []
     dtype = config["dtype"]
@@ -142,19 +178,17 @@ def _campaign_problems(config: dict[str, Any]) -> list[str]:
         if field in ("atol", "rtol") and not has_tolerance:
             continue  # already reported: the whole entry is missing
         key, value = _config_key(field, config)
-        problems.append(f"config key {key!r} has value {value!r}: {message}")
+        problems.append(f"{origin.describe(key, value)}: {message}")
     pairs = parse_topologies(config["topologies"])
     if not broken & set(TOPOLOGY_FIELDS):  # the topology rules need those fields valid
         for index, topo in enumerate(pairs):
             try:
                 check_topology(topo.tp, topo.cp, **{name: values[name] for name in TOPOLOGY_FIELDS})
             except PlanError as exc:
-                problems.append(
-                    f"config key 'topologies[{index}]' has value {config['topologies'][index]!r}: {exc}"
-                )
+                problems.append(f"{origin.describe(f'topologies[{index}]', config['topologies'][index])}: {exc}")
     problem = matrix_problem(len(pairs))
     if problem is not None:
-        problems.append(f"config key 'topologies' has value {config['topologies']!r}: {problem}")
+        problems.append(f"{origin.describe('topologies', config['topologies'])}: {problem}")
     if not problems:
         # the plan rule's own path: a Case and a schema-valid plan, or this names why not
         try:
@@ -166,21 +200,64 @@ def _campaign_problems(config: dict[str, Any]) -> list[str]:
     return problems
 
 
-def check_config(config: dict[str, Any]) -> dict[str, Any]:
-    """Validate ``config`` against its schema and the runner's plan-time rules; return it unchanged."""
+def check_config(config: dict[str, Any], origin: Origin = Origin()) -> dict[str, Any]:
+    """Validate ``config`` against its schema and the runner's plan-time rules; return it unchanged.
+
+    ``origin`` says which values came from ``--config``: their messages say so.
+    """
     validator = schemas.validator("config")
     found = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if found:
-        raise WorkflowConfigError(_schema_message(found[0]))
+        raise WorkflowConfigError(_schema_message(found[0], origin))
     bad_numbers = _non_finite(config)
     if bad_numbers:
         raise WorkflowConfigError("; ".join(
-            f"config key {key!r} has value {value!r}: not a finite number; use a finite value" for key, value in bad_numbers
+            f"{origin.describe(key, value)}: not a finite number; use a finite value" for key, value in bad_numbers
         ))
-    problems = _campaign_problems(config)
+    problems = _campaign_problems(config, origin)
     if problems:
         raise WorkflowConfigError("; ".join(problems))
     return config
+
+
+def machine_problems(config: dict[str, Any], origin: Origin = Origin()) -> list[str]:
+    """What this machine cannot run of a schema-valid config: ``device: cuda`` without CUDA/NCCL.
+
+    The message is the one the ranks would raise (:func:`rl_engine.distributed.mesh.check_device`),
+    given before any job instead of in every topology's log.
+    """
+    from rl_engine.distributed.mesh import MeshError, check_device  # imports torch.distributed
+
+    try:
+        check_device(config["device"])
+    except MeshError as exc:
+        return [f"{origin.describe('device', config['device'])}: {exc}"]
+    return []
+
+
+def check_workflow_config(config: dict[str, Any], origin: Origin = Origin()) -> dict[str, Any]:
+    """:func:`check_config`, then :func:`machine_problems`: what ``workflow/Snakefile`` calls."""
+    check_config(config, origin)
+    problems = machine_problems(config, origin)
+    if problems:
+        raise WorkflowConfigError("; ".join(problems))
+    return config
+
+
+def workflow_origin(cli: Mapping[str, Any], configfiles: Sequence[str | Path]) -> Origin:
+    """The :class:`Origin` of a Snakemake run: ``--config`` values and the config files' merged values."""
+    files: dict[str, Any] = {}
+    file_of: dict[str, str] = {}
+    for path in configfiles:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                data = yaml.safe_load(handle)
+        except OSError:
+            continue  # Snakemake itself reports a config file it cannot read
+        if isinstance(data, dict):
+            files.update(data)
+            file_of.update({key: Path(path).name for key in data})
+    return Origin(dict(cli), files, file_of)
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
@@ -191,18 +268,29 @@ def load_config(path: str | Path) -> dict[str, Any]:
     return check_config(data)
 
 
-def run_name(config: dict[str, Any], repo: str | Path) -> str:
-    """``<campaign>-<short commit>[-dirty]``; ``-nogit`` when the git state cannot be read.
+def config_case_hash(config: dict[str, Any]) -> str:
+    """The case hash (:mod:`rl_engine.evidence.casename`) of a checked config."""
+    regression = config["regression"]
+    return case_hash(resolved_case(case_values(config), config["topologies"], regression["tests"],
+                                   regression.get("pytest_args", [])))
 
-    Dirty means what environment.json's ``git.dirty`` means (:mod:`rl_engine.evidence.gitstate`:
-    a changed tracked file or an untracked file that is not ignored), so the two always agree.
-    Stable across reruns of the same tree, so a rerun completes the same run directory.
+
+def run_name(config: dict[str, Any], repo: str | Path) -> str:
+    """``<campaign>-<short commit>[-dirty]-case-<hash>``; ``nogit`` for the commit when git cannot be read.
+
+    The case hash (:func:`config_case_hash`) covers every value that determines the evidence, so
+    a changed topology list, seed or device is a new run directory and a new archive, and never
+    meets the files of another campaign. Dirty means what environment.json's ``git.dirty`` means
+    (:mod:`rl_engine.evidence.gitstate`: a changed tracked file or an untracked file that is not
+    ignored), so the two always agree. Stable across reruns of the same tree and case, so a
+    rerun completes the same run directory.
     """
+    digest = config_case_hash(config)
     try:
         state = read_git_state(repo)
     except GitStateError:
-        return f"{config['campaign']}-nogit"
-    return f"{config['campaign']}-{state.short_commit}{'-dirty' if state.dirty else ''}"
+        return str(RunName(config["campaign"], NOGIT, False, digest))
+    return str(RunName(config["campaign"], state.short_commit, state.dirty, digest))
 
 
 def engine_sources(repo: str | Path) -> list[str]:
@@ -215,11 +303,18 @@ def engine_sources(repo: str | Path) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rl_engine check-config")
-    parser.add_argument("config", nargs="?", default="config.yaml")
+    parser = argparse.ArgumentParser(
+        prog="python -m rl_engine check-config",
+        description="Check a workflow config file against schemas/config.schema.json, the runner's "
+                    "plan-time rules and this machine (device: cuda needs CUDA), as snakemake does when "
+                    "it parses the workflow. Exit 0 when valid, 2 with the key, value and fix otherwise.")
+    parser.add_argument("config", nargs="?", default="config.yaml", help="config file (default: config.yaml)")
     args = parser.parse_args(argv)
     try:
-        load_config(args.config)
+        check_workflow_config(load_config(args.config))
+    except (OSError, yaml.YAMLError) as exc:
+        print(f"{args.config}: cannot be read: {exc}", file=sys.stderr)
+        return 2
     except WorkflowConfigError as exc:
         print(f"{args.config}: {exc}", file=sys.stderr)
         return 2

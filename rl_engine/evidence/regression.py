@@ -1,11 +1,18 @@
 """Focused regression: the guide's step 1 with machine-readable counts.
 
-``python -m rl_engine regression --output-dir RUN --tests FILE... [--pytest-arg ARG]...``
+``python -m rl_engine regression --output-dir RUN --tests FILE... [--pytest-arg ARG]... [--timeout-s S]``
 runs ``sys.executable -m pytest -q -rs FILE... --junitxml=RUN/pytest-junit.xml`` as a
 subprocess, writes its combined output to ``RUN/pytest-focused.log`` (and echoes it), and
 writes ``RUN/regression.json`` (``schemas/regression.schema.json``) with the counts parsed
 from the JUnit XML: ``passed``, ``failed``, ``skipped``, ``errors``, ``total``, plus the
 command, the test files, pytest's exit code and the duration.
+
+pytest runs in a process group of its own, and this verb stops it and everything it started
+(:func:`rl_engine.testing.proctree.stop_tree`, as ``launch`` does for torchrun) when it gets
+SIGINT, SIGTERM or SIGHUP (Ctrl-C in the terminal, a cancelled Snakemake job) and when
+``--timeout-s`` passes; then it writes no ``regression.json`` and exits ``128 + N`` or ``124``.
+The workflow used GNU ``timeout``, which put itself and pytest in their own process group, out
+of reach of the terminal's Ctrl-C: Snakemake waited for pytest to finish.
 
 Exit 0 when pytest exited 0 and every test passed or was skipped; 1 when any test failed or
 errored, no test ran, or pytest exited non-zero, or when ``regression.json`` would not match its
@@ -19,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -28,11 +37,23 @@ from pathlib import Path
 from typing import Any
 
 from rl_engine import schemas
+from rl_engine.testing.launch import _Stopped, _StopSignals
+from rl_engine.testing.proctree import stop_tree
 
 SCHEMA_VERSION = "1"
 LOG_NAME = "pytest-focused.log"
 JUNIT_NAME = "pytest-junit.xml"
 JSON_NAME = "regression.json"
+EXIT_TIMEOUT = 124
+KILL_GRACE_S = 5.0
+
+
+class RegressionStopped(RuntimeError):
+    """pytest was stopped (time limit or signal); ``code`` is the verb's exit code."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class JUnitError(ValueError):
@@ -83,8 +104,47 @@ def parse_junit(path: Path) -> Counts:
     return Counts(passed=passed, failed=failures, skipped=skipped, errors=errors)
 
 
-def run(output_dir: Path, tests: list[str], pytest_args: list[str]) -> tuple[dict[str, Any], int]:
-    """Run pytest, write the log, the JUnit XML and regression.json; return it and the exit code."""
+def _copy_output(source: Any, handle: Any) -> None:
+    for line in source:
+        handle.write(line)
+        handle.flush()
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+
+def _run_pytest(argv: list[str], log: Path, timeout_s: float | None) -> int:
+    """pytest's exit code; :class:`RegressionStopped` after stopping it on a signal or the time limit."""
+    with open(log, "w", encoding="utf-8") as handle, _StopSignals() as stops:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                                start_new_session=True)
+        copier = threading.Thread(target=_copy_output, args=(proc.stdout, handle), daemon=True)
+        copier.start()
+        try:
+            stops.arm()
+            code = proc.wait(timeout=timeout_s)
+            stops.disarm()
+        except subprocess.TimeoutExpired:
+            stops.disarm()
+            stop_tree(proc, KILL_GRACE_S)  # type: ignore[arg-type]
+            copier.join()
+            raise RegressionStopped(EXIT_TIMEOUT, f"pytest exceeded --timeout-s={timeout_s:g}; it and every process "
+                                                  "it started were killed; regression.json not written") from None
+        except _Stopped as stopped:
+            stop_tree(proc, KILL_GRACE_S)  # type: ignore[arg-type]
+            copier.join()
+            name = signal.Signals(stopped.signum).name
+            raise RegressionStopped(128 + stopped.signum, f"received {name}; pytest and every process it started "
+                                                          "were stopped; regression.json not written") from None
+        copier.join()
+        return code
+
+
+def run(output_dir: Path, tests: list[str], pytest_args: list[str],
+        timeout_s: float | None = None) -> tuple[dict[str, Any], int]:
+    """Run pytest, write the log, the JUnit XML and regression.json; return it and the exit code.
+
+    Raises :class:`RegressionStopped` when pytest was stopped (``timeout_s`` or a signal).
+    """
     output_dir.mkdir(parents=True, exist_ok=True)
     junit = output_dir / JUNIT_NAME
     log = output_dir / LOG_NAME
@@ -93,13 +153,7 @@ def run(output_dir: Path, tests: list[str], pytest_args: list[str]) -> tuple[dic
     argv = [sys.executable, "-m", "pytest", "-q", "-rs", *tests, *pytest_args, f"--junitxml={junit}"]
     shown = ["python", *argv[1:]]
     start = time.monotonic()
-    with open(log, "w", encoding="utf-8") as handle:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            handle.write(line)
-            sys.stdout.write(line)
-        code = proc.wait()
+    code = _run_pytest(argv, log, timeout_s)
     duration = time.monotonic() - start
     try:
         counts = parse_junit(junit)
@@ -131,16 +185,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", required=True, type=Path, help="run directory to write into")
     parser.add_argument("--tests", required=True, nargs="+", help="test files to run")
     parser.add_argument("--pytest-arg", action="append", default=[], help="extra pytest argument (repeatable)")
+    parser.add_argument("--timeout-s", type=float, default=None,
+                        help="wall-clock limit: stop pytest and what it started, exit 124 (default: none)")
     args = parser.parse_args(argv)
+    if args.timeout_s is not None and not args.timeout_s > 0:
+        parser.error(f"--timeout-s={args.timeout_s} must be > 0 (config regression.timeout_s)")
     missing = [t for t in args.tests if not Path(t.split("::", 1)[0]).exists()]
     if missing:
         print(f"regression: test file(s) not found: {', '.join(missing)}; fix --tests (config regression.tests)", file=sys.stderr)
         return 2
     try:
-        result, code = run(args.output_dir, args.tests, args.pytest_arg)
+        result, code = run(args.output_dir, args.tests, args.pytest_arg, args.timeout_s)
     except schemas.ArtifactSchemaError as exc:
         print(f"regression: {exc}", file=sys.stderr)
         return 1
+    except RegressionStopped as exc:
+        print(f"regression: {exc}", file=sys.stderr)
+        return exc.code
     line = (f"regression: {result['passed']} passed, {result['failed']} failed, {result['skipped']} skipped, "
             f"{result['errors']} errors (total {result['total']}, pytest exit {result['exit_code']})")
     print(line, file=sys.stderr if code else sys.stdout)

@@ -1,11 +1,13 @@
 """``SUMMARY.md``: the reference guide's write-up, generated from the evidence files only.
 
 ``python -m rl_engine summary --run-dir RUN --output RUN/SUMMARY.md`` reads
-``environment.json``, ``regression.json``, ``plan.json``, every planned report,
-``validation.json`` and ``crosscheck.json`` and writes, in the guide's shape: status, tested
-commit, validation matrix, per-topology table (TP, CP, ranks, LSE max abs, active dlogp max
-abs, result), acceptance results at full precision, fingerprints, hardware and runtime,
-boundary, and artifacts with their SHA-256. Every number comes from those files; nothing is
+``environment.json``, ``regression.json`` (and the JUnit XML it names), ``plan.json``, every
+planned report, ``validation.json`` and ``crosscheck.json`` and writes, in the guide's shape:
+status, tested commit, validation matrix, per-topology table (TP, CP, ranks, LSE max abs,
+active dlogp max abs, result), acceptance results at full precision, the focused regression
+with the reason of every skipped test, fingerprints, hardware and runtime, reproduction (the
+commit, a config file that reproduces the case and the run's exact commands), boundary, and
+artifacts with their SHA-256. Every number comes from those files; nothing is
 typed in. The same tables are printed on the console with rich.
 
 The text is a function of the evidence files alone (:func:`summary_text`): ``verify`` renders it
@@ -23,15 +25,19 @@ Exit 1 when an evidence file cannot be read.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from rich.console import Console
 from rich.table import Table
 
 from rl_engine import jsonio
+from rl_engine.evidence.casename import RunNameError, pytest_args_of
 from rl_engine.evidence.rundir import (
     ARCHIVE_ONLY,
     CROSSCHECK,
@@ -154,6 +160,100 @@ def regression_text(reg: dict[str, Any]) -> str:
     return text
 
 
+def skipped_tests(run_dir: Path, reg: dict[str, Any]) -> tuple[tuple[str, str], ...] | str:
+    """``(test id, reason)`` of every skipped test in the regression's JUnit XML, in file order;
+    a sentence instead when the XML was not recorded or cannot be read."""
+    junit = reg.get("junit")
+    if not isinstance(junit, str) or "/" in junit or junit.startswith("."):
+        return "the JUnit XML was not recorded (regression.json junit is null), so the skip reasons are unknown"
+    try:
+        root = ET.parse(run_dir / junit).getroot()
+    except (OSError, ET.ParseError) as exc:
+        return f"{junit} cannot be read ({type(exc).__name__}), so the skip reasons are unknown"
+    found = []
+    for case in root.iter("testcase"):
+        skipped = case.find("skipped")
+        if skipped is not None:
+            test = f"{case.get('classname', '')}::{case.get('name', '')}"
+            found.append((test, (skipped.get("message") or skipped.text or "(no reason given)").strip()))
+    return tuple(found)
+
+
+REPRODUCE_CONFIG = "reproduce.yaml"
+CONFIG_OF_CASE = (("device", "device"), ("backend", "backend"), ("dtype", "dtype"), ("real_vocab", "real_vocab"),
+                  ("padded_vocab", "padded_vocab"), ("num_vocab_tiles", "num_vocab_tiles"), ("batch", "batch"),
+                  ("seq", "seq"), ("prompt_tokens", "prompt_tokens"), ("seed", "seed"), ("logit_scale", "logit_scale"),
+                  ("cp_layout", "cp_layout"), ("threads_per_rank", "threads_per_rank"), ("pg_timeout_s", "timeout_s"))
+PLAN_FLAGS = (("device", "--device"), ("backend", "--backend"), ("dtype", "--dtype"), ("real_vocab", "--real-vocab"),
+              ("padded_vocab", "--padded-vocab"), ("num_vocab_tiles", "--num-vocab-tiles"), ("batch", "--batch"),
+              ("seq", "--seq"), ("prompt_tokens", "--prompt-tokens"), ("seed", "--seed"),
+              ("logit_scale", "--logit-scale"), ("cp_layout", "--cp-layout"), ("atol", "--atol"), ("rtol", "--rtol"),
+              ("threads_per_rank", "--threads-per-rank"), ("timeout_s", "--timeout-s"))
+
+
+def reproduce_config(ev: Evidence) -> str:
+    """A config file (YAML) that, over the repository's config.yaml, is this run's case."""
+    case = ev.plan.get("case", {})
+    config: dict[str, Any] = {key: case.get(field) for key, field in CONFIG_OF_CASE}
+    config["topologies"] = [f"{p.tp}x{p.cp}" for p in ev.planned]
+    config["tolerances"] = {case.get("dtype"): {"atol": case.get("atol"), "rtol": case.get("rtol")}}
+    regression: dict[str, Any] = {"tests": list(ev.regression.get("tests") or [])}
+    try:
+        regression["pytest_args"] = pytest_args_of(ev.regression)
+    except RunNameError as exc:
+        regression["pytest_args"] = f"unknown: {exc}"
+    config["regression"] = regression
+    return yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=1000)
+
+
+def reproduction(ev: Evidence) -> str:
+    """The Reproduction section: the commit, how to rerun the case, and the run's exact commands."""
+    git = ev.environment.get("git", {})
+    case = ev.plan.get("case", {})
+    commit = git.get("commit")
+    if git.get("available") is True:
+        where = (f"Tested commit `{commit}` (branch `{git.get('branch')}`). "
+                 + ("The working tree was DIRTY: it had changes that no commit holds, so the commands below at that "
+                    "commit run the committed code, not exactly the tested code." if git.get("dirty") else
+                    "The working tree was clean."))
+        checkout = [f"git checkout {commit}", f'test "$(git rev-parse HEAD)" = "{commit}"']
+    else:
+        where = (f"No git state was recorded ({git.get('reason')}): the tested code is not named by a commit; run "
+                 "the commands below in a copy of the tested source tree.")
+        checkout = []
+    plan_cmd = ["python", "-m", "rl_engine", "plan"]
+    for field, flag in PLAN_FLAGS:
+        value = case.get(field)
+        plan_cmd += [flag, repr(value) if isinstance(value, float) else str(value)]
+    plan_cmd += ["--topologies", ",".join(f"{p.tp}x{p.cp}" for p in ev.planned),
+                 "--output", f"{ev.plan.get('output_dir')}/{PLAN}"]
+    lines = [
+        "## Reproduction",
+        "",
+        where,
+        "",
+        f"In a clone of rl_engine (see `REVIEWING.md` in the archive), the whole run with this case, from the "
+        f"repository root, with `{REPRODUCE_CONFIG}` below:",
+        "",
+        *(f"    {line}" for line in checkout),
+        "    pip install -e '.[test]'",
+        f"    snakemake --cores 8 --configfile {REPRODUCE_CONFIG}",
+        "",
+        f"`{REPRODUCE_CONFIG}` (over the repository's `config.yaml`; it gives this run's case hash):",
+        "",
+        *(f"    {line}" for line in reproduce_config(ev).splitlines()),
+        "",
+        "The exact commands of this run, as recorded in the evidence (the focused regression from "
+        f"`{REGRESSION}`, the plan from `{PLAN}`'s case, and each topology's `torchrun` from `{PLAN}`):",
+        "",
+        f"    {ev.regression.get('command')}",
+        f"    {shlex.join(plan_cmd)}",
+        *(f"    {p.command}" for p in ev.planned),
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def sections(ev: Evidence, run_dir: Path) -> dict[str, Section]:
     case = ev.plan.get("case", {})
     env = ev.environment
@@ -238,8 +338,10 @@ def sections(ev: Evidence, run_dir: Path) -> dict[str, Section]:
             continue
         artifacts.append((rel.as_posix(), str(path.stat().st_size), jsonio.sha256_file(path)))
     arts = Section("Artifacts", ("File", "Bytes", "SHA-256"), tuple(artifacts))
+    skips = skipped_tests(run_dir, ev.regression)
+    skipped = Section("Skipped tests", ("Test", "Reason"), skips if isinstance(skips, tuple) else ())
     return {"matrix": matrix, "topology": topo, "acceptance": accept, "fingerprints": fingerprints,
-            "hardware": hardware, "artifacts": arts}
+            "hardware": hardware, "artifacts": arts, "skipped": skipped}
 
 
 def render(ev: Evidence, run_dir: Path) -> tuple[str, dict[str, Section]]:
@@ -281,6 +383,12 @@ def render(ev: Evidence, run_dir: Path) -> tuple[str, dict[str, Section]]:
         "## Acceptance results",
         "",
         secs["acceptance"].markdown(),
+        "## Focused regression",
+        "",
+        f"{regression_text(ev.regression)} (pytest exit {ev.regression.get('exit_code')}; `{ev.regression.get('log')}`, "
+        f"`{ev.regression.get('junit')}`).",
+        "",
+        skipped_text(run_dir, ev.regression, secs["skipped"]),
         "## Fingerprints",
         "",
         secs["fingerprints"].title,
@@ -289,6 +397,7 @@ def render(ev: Evidence, run_dir: Path) -> tuple[str, dict[str, Section]]:
         "## Hardware and runtime",
         "",
         secs["hardware"].markdown(),
+        reproduction(ev),
         "## Boundary",
         "",
         f"This run covers deterministic TP/CP-aware selected-token logprob with {case.get('dtype')} candidate "
@@ -324,6 +433,15 @@ def _arithmetic_text(reports: list[dict[str, Any]]) -> str:
         return (f"{specs[0]}: IEEE-754 basic operations only (docs/arithmetic.md); the same bytes on "
                 "any conforming CPU or GPU")
     return "MIXED: " + ", ".join(specs)
+
+
+def skipped_text(run_dir: Path, reg: dict[str, Any], section: Section) -> str:
+    skips = skipped_tests(run_dir, reg)
+    if isinstance(skips, str):
+        return f"Skipped tests: {skips}.\n"
+    if not skips:
+        return "No test was skipped.\n"
+    return f"Every skipped test and its reason, from `{reg.get('junit')}`:\n\n" + section.markdown()
 
 
 def summary_text(run_dir: Path) -> str:

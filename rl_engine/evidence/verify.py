@@ -43,6 +43,13 @@ Runs without a GPU or network and checks, each as a row of the printed table:
     must equal, byte for byte, every topology's logp, LSE and entropy files and all four
     fingerprints, the gradient's included; the first differing token is named.
 
+Two more rows say what was tested: **tested** (a note: the commit, its branch, whether the
+working tree was dirty, i.e. had changes no commit holds, and the case: its id, device, dist
+backend and topologies) and **run name** (the archive's name ``<campaign>-<commit>[-dirty]-case-<hash>``
+must name the evidence: the commit and dirty flag of ``environment.json`` and the case hash of
+``plan.json`` and ``regression.json``, :mod:`rl_engine.evidence.casename`; a name without a
+case hash, from before per-case names, is a note).
+
 A note row says whether the shipped schemas are byte-identical to this installation's (a
 difference is reported, not failed: an older archive may carry older schemas; the semantic
 checks above do not depend on the schemas). Exit 0 only when every check holds; 1 otherwise;
@@ -66,8 +73,9 @@ from rich.table import Table
 
 from rl_engine import jsonio, schemas
 from rl_engine.evidence.archive import SCHEMA_DIR, SUFFIX, SUMS
+from rl_engine.evidence.casename import NOGIT, RunName, RunNameError, case_hash, evidence_resolved_case
 from rl_engine.evidence.crosscheck import crosscheck_run
-from rl_engine.evidence.rundir import PLAN, SUMMARY, Finding, is_number, load_json, planned_reports
+from rl_engine.evidence.rundir import ENVIRONMENT, PLAN, REGRESSION, SUMMARY, Finding, is_number, load_json, planned_reports
 from rl_engine.evidence.safe_tar import MIB, Extracted, Limits, UnsafeArchiveError, safe_extract
 from rl_engine.evidence.summary import SummaryError, summary_text
 from rl_engine.evidence.validation import validate_run
@@ -195,6 +203,66 @@ def check_summary(root: Path) -> Check:
                f"evidence renders {_quote(want[first] if first < len(want) else None)}")
     return Check("SUMMARY.md", False, f"{SUMMARY} is not what the evidence renders ({len(differing)} line(s) differ): "
                  "what a reviewer reads does not match the evidence", [problem])
+
+
+def _tested(root: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """environment.json's git record, plan.json and regression.json (empty objects when unreadable)."""
+    loaded = []
+    for name in (ENVIRONMENT, PLAN, REGRESSION):
+        obj, _ = load_json(root / name)  # unreadable files already fail other rows
+        loaded.append(obj if isinstance(obj, dict) else {})
+    git = loaded[0].get("git")
+    return (git if isinstance(git, dict) else {}), loaded[1], loaded[2]
+
+
+def tested_note(root: Path) -> Check:
+    """What was tested: commit, branch, dirty or clean, and the case (a note, never a failure)."""
+    git, plan, _ = _tested(root)
+    case = plan.get("case") if isinstance(plan.get("case"), dict) else {}
+    topologies = ", ".join(f"{e.get('tp')}x{e.get('cp')}" for e in plan.get("topologies") or [] if isinstance(e, dict))
+    if git.get("available") is True:
+        tree = ("DIRTY working tree: the tested code had changes that no commit holds, so checking out the commit "
+                "does not give exactly the tested code" if git.get("dirty") else "clean working tree")
+        commit = f"commit {git.get('commit')} (branch {git.get('branch')}), {tree}"
+    else:
+        commit = f"no git state recorded ({git.get('reason')}): the tested code cannot be named by a commit"
+    detail = (f"{commit}; case {plan.get('case_id')} on {case.get('device')}/{case.get('dist_backend')}, "
+              f"backend {case.get('backend')}, topologies {topologies}")
+    return Check("tested", None, detail)
+
+
+def check_run_name(root: Path, top: str) -> Check:
+    """The archive's name ``<campaign>-<commit>[-dirty]-case-<hash>`` names its evidence."""
+    if "-case-" not in top:
+        return Check("run name", None, f"{top!r} carries no case hash (an archive from before per-case run names); "
+                     "commit and case are in the 'tested' row")
+    try:
+        name = RunName.parse(top)
+    except RunNameError as exc:
+        return Check("run name", False, str(exc), [str(exc)])
+    git, plan, regression = _tested(root)
+    problems = []
+    if git.get("available") is True:
+        short, dirty = git.get("short_commit"), git.get("dirty") is True
+        if name.commit != short:
+            problems.append(f"the name says commit {name.commit} but {ENVIRONMENT} records git.short_commit {short!r}")
+        if name.dirty != dirty:
+            problems.append(f"the name says {'dirty' if name.dirty else 'clean'} but {ENVIRONMENT} records "
+                            f"git.dirty {git.get('dirty')!r}")
+    elif name.commit != NOGIT:
+        problems.append(f"the name says commit {name.commit} but {ENVIRONMENT} records no git state")
+    try:
+        digest = case_hash(evidence_resolved_case(plan, regression))
+    except RunNameError as exc:
+        problems.append(f"the case hash cannot be computed from the evidence: {exc}")
+    else:
+        if digest != name.case:
+            problems.append(f"the name says case {name.case} but {PLAN} and {REGRESSION} hash to case {digest}: "
+                            "the archive is named for another campaign")
+    if problems:
+        return Check("run name", False, problems[0], problems)
+    return Check("run name", True, f"campaign {name.campaign}, commit {name.commit}{' (dirty)' if name.dirty else ''} "
+                 f"and case {name.case} match {ENVIRONMENT}, {PLAN} and {REGRESSION}")
 
 
 def check_tolerances(root: Path, accept_looser: bool) -> Check:
@@ -460,9 +528,11 @@ def verify(archive: Path, *, recompute_drift: bool = False, skip_outer: bool = F
 
 
 def _checks_of_extracted(extracted: Extracted, recompute_drift: bool, accept_looser: bool) -> list[Check]:
-    """Checks 4-12 on an extracted archive (see the module docstring)."""
+    """The tested commit and case, the run name, then checks 4-12 on an extracted archive (module docstring)."""
     checks: list[Check] = []
     root = extracted.root
+    checks.append(tested_note(root))
+    checks.append(check_run_name(root, extracted.top))
     checks.append(check_sums(root, extracted.files, extracted.top))
     shipped = root / SCHEMA_DIR
     validation = validate_run(root, shipped, gates=True)

@@ -52,7 +52,11 @@ class LaunchError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m rl_engine launch", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m rl_engine launch",
+        description="Run one planned topology (its torchrun command from plan.json) under a wall-clock limit, "
+                    "killing the runner and its ranks on the limit or a signal. Exit 0 passed, 1 failed "
+                    "acceptance (report kept), 2 no valid report (outputs removed), 124 time limit, 128+N signal N.")
     p.add_argument("--plan", required=True, help="plan.json written by the plan verb")
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--cp", type=int, required=True)

@@ -1,3 +1,7 @@
+# The time limit is the verb's own (--timeout-s): GNU timeout would move pytest out of the
+# terminal's process group, and Ctrl-C would not reach it.
+
+
 rule regression:
     input:
         tests=config["regression"]["tests"],
@@ -18,6 +22,5 @@ rule regression:
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "timeout --kill-after=10 {params.timeout} "
         "python -m rl_engine regression --output-dir {params.run} --tests {input.tests} "
-        "{params.extra} > {log} 2>&1"
+        "{params.extra} --timeout-s {params.timeout} > {log} 2>&1"

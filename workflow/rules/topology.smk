@@ -1,6 +1,9 @@
 # One torchrun per topology. A report that fails acceptance is kept (the runner exits 1
 # after writing it) so the validation gate can name what failed; any other failure
-# (crash, killed rank, time limit) fails the rule and leaves no report.
+# (crash, killed rank, time limit) fails the rule and leaves no report. On cuda each rank
+# holds a GPU: the scheduler never runs topologies that together need more than `gpus`.
+
+from rl_engine.evidence.resources import topology_gpus
 
 
 rule topology:
@@ -20,6 +23,8 @@ rule topology:
     params:
         timeout=config["topology_timeout_s"],
     threads: lambda wildcards: int(wildcards.tp) * int(wildcards.cp) * config["threads_per_rank"]
+    resources:
+        gpus=lambda wildcards: topology_gpus(config["device"], int(wildcards.tp), int(wildcards.cp)),
     conda:
         "../envs/rl_engine.yaml"
     shell:

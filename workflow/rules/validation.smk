@@ -17,11 +17,8 @@ rule validation:
     params:
         run=lambda wildcards, output: os.path.dirname(output[0]),
         schemas=lambda wildcards, input: os.path.dirname(input.schemas[0]),
-        # A previous archive of this run name must not outlive evidence that changed.
-        stale=[f"results/{RUN_NAME}.tar.gz", f"results/{RUN_NAME}.tar.gz.sha256", f"results/{RUN_NAME}.verify.json"],
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "rm -f {params.stale}; "
         "python -m rl_engine validate --run-dir {params.run} --schemas {params.schemas} "
         "--output {output} > {log} 2>&1"

@@ -1,0 +1,105 @@
+"""The workflow's closing message (issue 14: the console ended with Snakemake's step counter).
+
+:func:`rl_engine.evidence.closing.closing` reads the files the stages left; these tests lay out
+run directories by hand for each outcome. ``tests/test_workflow.py`` checks the message of a
+real run, and ``tests/test_gates_workflow.py`` that of a run whose validation gate fails.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from rl_engine import jsonio
+from rl_engine.evidence.closing import VERIFIED, closing, print_closing, stages
+
+NAME = "camp-abc1234-case-0123abcd"
+STEMS = ["tp1-cp1", "tp2-cp1"]
+DIGEST = "ab" * 32
+
+
+def lay_out(results: Path, upto: str | None = None, verify_passed: bool = True) -> Path:
+    """Every stage's outputs up to (not including) the stage named ``upto``; all of them when None."""
+    run = results / NAME
+    for stage in stages(run, STEMS):
+        if stage.rule == upto:
+            break
+        for path in stage.outputs:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.name.endswith(".sha256"):
+                path.write_text(f"{DIGEST}  {NAME}.tar.gz\n")
+            elif path.name.endswith(".verify.json"):
+                jsonio.write_json(path, {"archive": f"{NAME}.tar.gz", "passed": verify_passed})
+            else:
+                path.write_text("x")
+    return run
+
+
+def rows(result) -> dict[str, str]:
+    return dict(result.rows)
+
+
+def test_verified_run_names_archive_checksum_summary_and_command(tmp_path: Path) -> None:
+    run = lay_out(tmp_path / "results")
+    result = closing(run, STEMS, succeeded=True)
+    assert result.verdict == VERIFIED
+    archive = tmp_path / "results" / f"{NAME}.tar.gz"
+    assert rows(result)["Archive"] == str(archive) and rows(result)["SHA-256"] == DIGEST
+    assert rows(result)["SUMMARY.md"] == str(run / "SUMMARY.md")
+    assert rows(result)["Verify (reviewer)"] == f"python -m rl_engine verify {archive}"
+    out = io.StringIO()
+    print_closing(run, STEMS, succeeded=True, console=Console(file=out, width=200))
+    printed = out.getvalue()
+    for text in (VERIFIED, str(archive), DIGEST, str(run / "SUMMARY.md"), f"python -m rl_engine verify {archive}"):
+        assert text in printed, (text, printed)
+
+
+def test_failed_gate_is_named_with_its_log_and_an_older_archive_is_not_this_runs(tmp_path: Path) -> None:
+    """A rerun whose validation fails beside the archive of an earlier run of the same case."""
+    run = lay_out(tmp_path / "results")
+    (run / "validation.json").unlink()  # what Snakemake does to a failed job's output
+    result = closing(run, STEMS, succeeded=False)
+    assert result.verdict == "FAILED at validation gate (missing validation.json)"
+    assert rows(result)["Log"] == str(run / "logs" / "validation.log") + " (not written)"
+    assert rows(result)["Archive"].startswith(f"none from this run; {tmp_path / 'results' / NAME}.tar.gz is from an "
+                                              "earlier run of this case")
+    assert "SHA-256" not in rows(result) and rows(result)["SUMMARY.md"] == "not written by this run"
+    assert rows(result)["Verify (reviewer)"].endswith("(once the archive is built)")
+
+
+@pytest.mark.parametrize(("upto", "verdict"), [
+    ("regression", "FAILED at regression (missing regression.json)"),
+    ("topology tp2-cp1", "FAILED at topology tp2-cp1 (missing tp2-cp1.json, tp2-cp1.logp.f32, tp2-cp1.lse.f32, "
+                         "tp2-cp1.entropy.f32)"),
+    ("crosscheck gate", "FAILED at crosscheck gate (missing crosscheck.json)"),
+    ("archive", "FAILED at archive (missing camp-abc1234-case-0123abcd.tar.gz, camp-abc1234-case-0123abcd.tar.gz.sha256)"),
+])
+def test_the_first_missing_stage_is_the_failing_one(tmp_path: Path, upto: str, verdict: str) -> None:
+    run = lay_out(tmp_path / "results", upto=upto)
+    result = closing(run, STEMS, succeeded=False)
+    assert result.verdict == verdict
+    assert ("Archive" in rows(result) and rows(result)["Archive"].startswith("none: no archive is built"))
+
+
+def test_rejected_or_stale_verification_is_not_verified(tmp_path: Path) -> None:
+    run = lay_out(tmp_path / "results", verify_passed=False)
+    verify_json = tmp_path / "results" / f"{NAME}.verify.json"
+    assert closing(run, STEMS, succeeded=False).verdict.startswith("FAILED at verify_archive: ")
+    jsonio.write_json(verify_json, {"archive": f"{NAME}.tar.gz", "passed": True})
+    assert closing(run, STEMS, succeeded=True).verdict == VERIFIED
+    os.utime(verify_json, (1, 1))  # older than the archive it claims to have checked
+    assert closing(run, STEMS, succeeded=True).verdict != VERIFIED
+    jsonio.write_json(verify_json, {"archive": "other.tar.gz", "passed": True})
+    assert closing(run, STEMS, succeeded=True).verdict != VERIFIED
+
+
+def test_a_successful_partial_run_is_incomplete(tmp_path: Path) -> None:
+    """Explicit targets (e.g. one report) succeed without the archive: not a failure, not verified."""
+    run = lay_out(tmp_path / "results", upto="validation gate")
+    result = closing(run, STEMS, succeeded=True)
+    assert result.verdict == "INCOMPLETE: validation gate not built by this run (missing validation.json)"
+    assert "Log" not in rows(result)
