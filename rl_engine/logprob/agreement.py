@@ -180,7 +180,8 @@ def _judge(
     if failed:
         details = "; ".join(f"{role} rank {names[r]}: {received[r].message}" for r in failed)
         raise LogprobContractError(
-            f"{call}: {role} {_ranks(failed)} rejected their inputs, so every rank of the "
+            f"{call}: {role} {_ranks(failed)} rejected {'its' if len(failed) == 1 else 'their'} "
+            f"inputs, so every rank of the "
             f"{role} group stops before any numerical collective. {details}"
         )
     counts = {len(got.values) for got in received}
