@@ -27,7 +27,15 @@ from rl_engine.logprob import (
     dispatch,
     gather_tokens,
 )
-from rl_engine.logprob.agreement import RECORD_BYTES, agree
+from rl_engine.logprob.agreement import (
+    MESSAGE_BYTES,
+    RECORD_BYTES,
+    CallRecord,
+    agree,
+    decode_record,
+    decode_slot,
+    encode_slot,
+)
 from rl_engine.logprob.vocab_parallel import AGREEMENT_HINTS, call_record
 from rl_engine.tensorio import fingerprint
 from rl_engine.testing.multiproc import run_workers
@@ -121,6 +129,10 @@ def _scenarios(rank: int, mesh: Any) -> list[tuple[str, Callable[[], Any]]]:
             cp_rank=rank), logits=local[:4], targets=targets[:4],
             active=active[:4])),
         ("flush_denormal_on_one_rank", flushing),
+        # rank 0 gathers over the group while rank 1 computes: two calls meet in one collective
+        ("different_calls", (lambda: gather_tokens(
+            torch.zeros(4), LogprobContract(PADDED, PADDED, TILES, 1, SEQ, cp_world_size=2,
+                                            cp_rank=0), tp)) if rank == 0 else call()),
         # different garbage on inactive rows is not a disagreement: same bytes, no error
         ("inactive_garbage_differs", call(targets=inactive_garbage if one else targets)),
         ("good", call()),
@@ -188,6 +200,15 @@ def test_disagreeing_tp_ranks_raise_the_same_error_on_every_rank(
         assert seconds < PG_TIMEOUT_S / 3, (rank, name, seconds)  # nobody waited for a timeout
         messages.add(message)
     assert len(messages) == 1, messages  # the same error, word for word, on every rank
+
+
+def test_ranks_in_different_calls_are_told_apart(disagreements: list[dict[str, Any]]) -> None:
+    """The record names its call: an op meeting a gather in the same collective raises on both."""
+    for res in disagreements:
+        outcome, message, calls, _ = res["different_calls"]
+        assert outcome == "raised" and "are not in the same call" in message, message
+        assert "gather_tokens" in message and "selected_logprob" in message, message
+        assert calls == [AGREEMENT]
 
 
 def test_different_garbage_on_inactive_rows_is_not_a_disagreement(
@@ -307,3 +328,32 @@ def test_the_agreement_step_is_cheap_at_2048_tokens() -> None:
         print(f"agreement at {TOKENS} tokens: record {res['record_s'] * 1e6:.0f} us, "
               f"all-gather + checks {res['agree_s'] * 1e6:.0f} us")
         assert res["record_s"] < 0.02 and res["agree_s"] < 0.05, res
+
+
+# ----- the record itself (one process) ----------------------------------------------------------
+
+
+def test_the_record_has_a_fixed_size_and_round_trips() -> None:
+    fields = (("compute_entropy", "true"), ("contract.num_vocab_tiles", "16"),
+              ("targets", "sha256:" + "ab" * 32))
+    ok = CallRecord("selected_logprob", None, fields)
+    bad = CallRecord("selected_logprob", "é" * MESSAGE_BYTES, fields)  # 2 bytes a character
+    for record in (ok, bad):
+        raw = record.encode()
+        assert len(raw) == RECORD_BYTES
+        got = decode_record(raw)
+        assert got.magic_ok and got.call == "selected_logprob"
+        assert got.values[:2] == ("true", "16") and got.values[2].startswith("sha256:")
+    assert decode_record(ok.encode()).failed is False
+    message = decode_record(bad.encode()).message
+    assert message == "é" * (MESSAGE_BYTES // 2)  # truncated to whole characters
+    assert decode_record(bytes(RECORD_BYTES)).magic_ok is False  # zeros: not a record
+    # short values travel as text, long ones as a digest that still tells them apart
+    assert decode_slot(encode_slot("zigzag")) == "zigzag"
+    assert decode_slot(encode_slot("x" * 40)) != decode_slot(encode_slot("x" * 39 + "y"))
+
+
+def test_a_single_rank_group_exchanges_nothing_and_raises_its_own_verdict() -> None:
+    agree(CallRecord("selected_logprob", None, ()), None, torch.device("cpu"))
+    with pytest.raises(LogprobContractError, match="^my own problem$"):
+        agree(CallRecord("selected_logprob", "my own problem", ()), None, torch.device("cpu"))

@@ -152,7 +152,8 @@ def _check_local_inputs(
 
 
 class GRPOLoss:
-    """The GRPO loss op. Holds the dispatched logprob op (its preflight is cached)."""
+    """The GRPO loss op. Holds the dispatched logprob op (dispatch is cached; the op's
+    agreement step runs on every call, so the cache never changes the collectives)."""
 
     def __init__(self, backend: str = DEFAULT_BACKEND) -> None:
         self.requested_backend = backend

@@ -36,9 +36,10 @@ from rl_engine.logprob.contract import LogprobContractError
 MAGIC = b"RLA1"
 SLOT_BYTES = 16
 MAX_FIELDS = 40
-MESSAGE_BYTES = 360
-# magic, verdict flag, field count, message length (2 bytes), the call's name slot, fields, message
-RECORD_BYTES = 4 + 1 + 1 + 2 + SLOT_BYTES + MAX_FIELDS * SLOT_BYTES + MESSAGE_BYTES
+CALL_BYTES = 32
+MESSAGE_BYTES = 344
+# magic, verdict flag, field count, message length (2 bytes), the call's name, fields, message
+RECORD_BYTES = 4 + 1 + 1 + 2 + CALL_BYTES + MAX_FIELDS * SLOT_BYTES + MESSAGE_BYTES
 assert RECORD_BYTES == 1024
 TEXT, DIGEST = ord("t"), ord("h")
 UNKNOWN = "?"  # a field a rank could not compute (its verdict says why)
@@ -79,6 +80,8 @@ class CallRecord:
     def __post_init__(self) -> None:
         if len(self.fields) > MAX_FIELDS:
             raise ValueError(f"{len(self.fields)} fields exceed MAX_FIELDS={MAX_FIELDS}")
+        if not self.call.isascii() or len(self.call) > CALL_BYTES:
+            raise ValueError(f"call={self.call!r} must be ASCII of at most {CALL_BYTES} characters")
 
     def encode(self) -> bytes:
         message = b""
@@ -86,7 +89,7 @@ class CallRecord:
             message = self.verdict.encode("utf-8")[:MESSAGE_BYTES]
             message = message.decode("utf-8", errors="ignore").encode("utf-8")  # whole chars
         head = MAGIC + bytes([0 if self.verdict is None else 1, len(self.fields)])
-        head += len(message).to_bytes(2, "little") + encode_slot(self.call)
+        head += len(message).to_bytes(2, "little") + self.call.encode("ascii").ljust(CALL_BYTES, b"\0")
         body = b"".join(encode_slot(value) for _, value in self.fields)
         body = body.ljust(MAX_FIELDS * SLOT_BYTES, b"\0")
         out = head + body + message.ljust(MESSAGE_BYTES, b"\0")
@@ -110,8 +113,8 @@ def decode_record(raw: bytes) -> Received:
         return Received(False, "", False, "", ())
     failed, count = bool(raw[4]), raw[5]
     length = int.from_bytes(raw[6:8], "little")
-    call = decode_slot(raw[8 : 8 + SLOT_BYTES])
-    start = 8 + SLOT_BYTES
+    call = raw[8 : 8 + CALL_BYTES].rstrip(b"\0").decode("ascii", errors="replace")
+    start = 8 + CALL_BYTES
     values = tuple(
         decode_slot(raw[start + i * SLOT_BYTES : start + (i + 1) * SLOT_BYTES]) for i in range(count)
     )
@@ -167,8 +170,7 @@ def _judge(
     hints: dict[str, str],
 ) -> None:
     call = record.call
-    sent = decode_slot(encode_slot(call))
-    strangers = [r for r, got in enumerate(received) if not got.magic_ok or got.call != sent]
+    strangers = [r for r, got in enumerate(received) if not got.magic_ok or got.call != call]
     if strangers:
         seen = {r: (got.call if got.magic_ok else "another collective") for r, got in enumerate(received)}
         raise LogprobContractError(

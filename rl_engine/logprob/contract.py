@@ -3,7 +3,8 @@
 The contract is the numerical identity of a call. Everything that can change the output
 bits (vocabulary sizes, the tile count, the shard bounds, the dtype, the token layout)
 lives here and in :meth:`LogprobContract.cross_rank_fingerprint`, so ranks that disagree
-are caught by a preflight before any numerical collective.
+are caught by the op's agreement step (:mod:`rl_engine.logprob.agreement`) before any
+numerical collective.
 """
 
 from __future__ import annotations
