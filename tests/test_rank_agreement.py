@@ -121,6 +121,7 @@ def _scenarios(rank: int, mesh: Any) -> list[tuple[str, Callable[[], Any]]]:
         ("logits_shape_on_one_rank", call(logits=local[:, :256] if one else local)),
         ("logits_dtype_on_one_rank", call(logits=local.float() if one else local)),
         ("bad_target_on_one_rank", call(targets=bad_target if one else targets)),
+        ("targets_not_a_tensor_on_one_rank", call(targets=targets.tolist() if one else targets)),
         ("chunk_rows_on_one_rank", call(chunk_rows=2.5 if one else None)),
         ("contract_tp_rank_on_one_rank", call(contract=LogprobContract(
             REAL, PADDED, TILES, 1, SEQ, tp_world_size=2, tp_rank=0) if one else contract)),
@@ -152,6 +153,8 @@ EXPECTED: dict[str, tuple[str, ...]] = {  # every fragment must be in the messag
     "logits_dtype_on_one_rank": ("TP rank 1 rejected its inputs", "logits.dtype=torch.float32"),
     "bad_target_on_one_rank": ("TP rank 1 rejected", "targets[4]=1000",
                                "outside [0, real_vocab_size=1000)"),
+    "targets_not_a_tensor_on_one_rank": ("TP rank 1 rejected",
+                                         "targets must be a torch.Tensor, got list"),
     "chunk_rows_on_one_rank": ("TP rank 1 rejected", "chunk_rows=2.5 must be a positive integer"),
     "contract_tp_rank_on_one_rank": ("TP rank 1 rejected",
                                      "rank 1 in the TP group disagrees with tp_rank=0"),

@@ -314,6 +314,11 @@ class LogprobContract:
         self, logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor
     ) -> None:
         """Shape, dtype and device checks that need no reduction over the data."""
+        for name, value in (("logits", logits), ("targets", targets), ("active", active)):
+            if not isinstance(value, torch.Tensor):
+                raise LogprobContractError(
+                    f"{name} must be a torch.Tensor, got {type(value).__name__}"
+                )
         expected = (self.num_tokens, self.local_vocab_size)
         if logits.dim() != 2 or tuple(logits.shape) != expected:
             raise LogprobContractError(

@@ -485,6 +485,10 @@ class VocabParallelLogprob:
                 contract.check_targets(targets, active)
         except LogprobContractError as exc:
             verdict = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a local failure must not leave peers waiting
+            if group_geometry(group)[0] == 1:
+                raise
+            verdict = f"{type(exc).__name__} in the local checks: {exc}"
         size, _ = group_geometry(group)
         if size > 1:
             device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
