@@ -51,6 +51,18 @@ def test_the_readme_and_the_example_give_the_same_command() -> None:
     assert EXAMPLE_COMMAND in EXAMPLE.read_text(encoding="utf-8")
 
 
+def test_the_readme_excerpt_is_the_examples_code() -> None:
+    """Every line of the README's TP x CP excerpt is a line of the script the test runs."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("**TP x CP: a runnable trainer step.**"):]
+    excerpt = section[section.index("```python") + len("```python"):]
+    excerpt = excerpt[: excerpt.index("```")]
+    script = {line.strip() for line in EXAMPLE.read_text(encoding="utf-8").splitlines()}
+    lines = [line.strip() for line in excerpt.splitlines() if line.strip()]
+    assert len(lines) > 10
+    assert [line for line in lines if line not in script] == []
+
+
 def test_the_trainer_example_runs_under_torchrun_and_equals_one_rank() -> None:
     """TP=2 x CP=2 (zigzag) on 4 gloo processes: logp, LSE and every rank's gradient block
     are the bytes of the single-rank call on the same logits."""
