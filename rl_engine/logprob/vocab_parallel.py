@@ -134,13 +134,16 @@ def call_record(
     fields: list[tuple[str, str]] = [("backend", str(backend_id))]
     if isinstance(contract, LogprobContract):
         shared = contract.to_dict()
-        fields += [(f"contract.{k}", json.dumps(shared[k], separators=(",", ":"))) for k in CONTRACT_FIELDS]
+        fields += [
+            (f"contract.{k}", json.dumps(shared[k], separators=(",", ":")))
+            for k in CONTRACT_FIELDS
+        ]
         fields.append(("cp_rank", str(contract.cp_rank)))
     else:
         fields += [(f"contract.{k}", UNKNOWN) for k in CONTRACT_FIELDS]
         fields.append(("cp_rank", UNKNOWN))
-    fields.append(("compute_entropy", json.dumps(compute_entropy) if isinstance(compute_entropy, bool) else UNKNOWN))
-    fields.append(("validate", json.dumps(validate) if isinstance(validate, bool) else UNKNOWN))
+    for name, flag in (("compute_entropy", compute_entropy), ("validate", validate)):
+        fields.append((name, json.dumps(flag) if isinstance(flag, bool) else UNKNOWN))
     if verdict is None:
         effective = targets.masked_fill(~active, contract.ignore_index)
         fields += [("targets", tensor_digest(effective)), ("active", tensor_digest(active))]
@@ -384,8 +387,10 @@ class _FirstOrderOnly(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, holder: list[torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
-        return holder.pop()
+    def forward(  # type: ignore[override]
+        ctx: Any, logits: torch.Tensor, holder: list[torch.Tensor]
+    ) -> torch.Tensor:
+        return holder.pop()  # the gradient, computed outside; ``logits`` only links the graph
 
     @staticmethod
     def backward(ctx: Any, _grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
