@@ -200,7 +200,7 @@ def negative_worker(rank: int, data: dict[str, torch.Tensor]) -> dict[str, Any]:
     mesh = init_mesh(tp=2, cp=2, dp=1)
     case = CASES["bf16-token-k3"]
     outcome: dict[str, Any] = {}
-    for label in ("beta", "reward", "empty"):
+    for label in ("beta", "reward", "empty", "actions"):
         objective = dict(case["objective"])
         if label == "beta" and rank == 3:
             objective["beta"] = 0.06
@@ -214,6 +214,11 @@ def negative_worker(rank: int, data: dict[str, torch.Tensor]) -> dict[str, Any]:
             rewards = data["rewards"].clone()
             rewards[5] = float("nan")
             local["rewards"] = rewards
+        if label == "actions" and rank == 1:  # a TP peer of rank 0 with another action
+            actions = data["actions"].clone()
+            row = next(i for i in contract.global_token_indices if bool(data["active"][i]))
+            actions[row] = (int(actions[row]) + 1) % REAL_VOCAB
+            local["actions"] = actions
         if label == "empty":
             active = data["active"].clone()
             active[3 * SEQ_LEN : 4 * SEQ_LEN] = False
@@ -366,3 +371,16 @@ def test_empty_sequence_is_rejected_on_every_rank_before_numerics(
         assert empty["raised"] is not None, f"rank {rank} did not raise"
         assert "sequences [3] have no active token" in empty["raised"], empty["raised"]
         assert empty["collectives"] == [("all_gather", "torch.int64")]
+
+
+def test_actions_that_differ_on_a_tp_peer_raise_on_every_rank_before_numerics(
+    mesh_results: dict[int, list[dict[str, Any]]],
+) -> None:
+    """The world preflight carries a digest of each rank's actions and mask: a TP peer that
+    holds other actions makes every rank (all TP groups, all CP ranks) raise together, before
+    the logprob op's own TP agreement could stop one TP group alone."""
+    for rank, rank_results in enumerate(mesh_results[4]):
+        actions = rank_results["negative"]["actions"]
+        assert actions["raised"] is not None, f"rank {rank} did not raise"
+        assert "rank 1 (dp=0, cp=0, tp=1) hold actions" in actions["raised"], actions["raised"]
+        assert actions["collectives"] == [("all_gather", "torch.int64")]

@@ -544,13 +544,13 @@ def _bad_input_worker(rank: int, b: Batch) -> dict[str, tuple[str, str, int]]:
 def test_bad_input_across_ranks_raises_on_every_rank() -> None:
     b = make_batch("bf16", real=1000, padded=1024, tiles=16, seed=51, num_sequences=1, seq_len=8)
     results = run_workers(_bad_input_worker, 2, b, timeout_s=120)
-    expected = {  # scenario: (message fragment, collectives entered)
-        "tiles": ("preflight mismatch", 1),
-        "ignore_index": ("preflight mismatch", 1),
-        "backend": ("preflight mismatch", 1),
-        "group_size": ("TP group size 2 disagrees with tp_world_size=1", 0),
-        "group_rank": ("disagrees with tp_rank=", 0),
-        "bad_target": ("outside [0, real_vocab_size=1000)", 0),
+    expected = {  # scenario: (message fragment, collectives entered): the agreement step first
+        "tiles": ("TP ranks disagree on contract.num_vocab_tiles", 1),
+        "ignore_index": ("TP ranks disagree on contract.ignore_index", 1),
+        "backend": ("TP ranks disagree on backend", 1),
+        "group_size": ("TP group size 2 disagrees with tp_world_size=1", 1),
+        "group_rank": ("disagrees with tp_rank=", 1),
+        "bad_target": ("outside [0, real_vocab_size=1000)", 1),
         "nan_on_one_rank": ("non-finite", 2),
     }
     for rank, res in enumerate(results):
@@ -558,6 +558,7 @@ def test_bad_input_across_ranks_raises_on_every_rank() -> None:
             outcome, message, entered = res[name]
             assert outcome == "raised" and needle in message, (rank, name, message)
             assert entered == collectives, (rank, name, entered)
+            assert message == results[0][name][1], (rank, name)  # the same error on every rank
         assert "tp_rank=0" in res["nan_on_one_rank"][1]  # names the rank that holds the value
     assert results[0]["good"][0] == "ok" and results[0]["good"] == results[1]["good"]
     reference = run_local(b.contract(), b)

@@ -30,6 +30,8 @@ from rl_engine.grpo.contract import GRPOContract, GRPOContractError
 from rl_engine.tensorio import tensor_bytes
 
 DIGEST_BYTES = 32
+INPUT_DIGEST_BYTES = 16
+COUNTS_AT = DIGEST_BYTES + 1 + INPUT_DIGEST_BYTES
 
 
 def check_world_group(contract: GRPOContract, group: Any) -> None:
@@ -61,6 +63,18 @@ def preflight_token(contract: GRPOContract, backend_id: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8")).digest()
 
 
+def inputs_digest(actions: torch.Tensor, active: torch.Tensor, ignore_index: int) -> bytes:
+    """16 bytes identifying this rank's actions (on active rows) and mask; TP peers must match.
+
+    The logprob op's own agreement step checks the same thing, but only within a TP group: a
+    TP group that raised there would leave the other groups waiting in :func:`gather_global`.
+    Checked here, in the world group's preflight, every rank raises together.
+    """
+    digest = hashlib.sha256(tensor_bytes(actions.masked_fill(~active, ignore_index)))
+    digest.update(tensor_bytes(active))
+    return digest.digest()[:INPUT_DIGEST_BYTES]
+
+
 def local_active_counts(contract: GRPOContract, active: torch.Tensor) -> torch.Tensor:
     """Active tokens of each local sequence on this rank (its CP positions only), int64."""
     return active.reshape(contract.local_num_sequences, -1).sum(dim=1)
@@ -73,10 +87,12 @@ def preflight(
     device: torch.device,
     local_error: str | None,
     active_counts: torch.Tensor | None,
+    input_digest: bytes | None = None,
 ) -> torch.Tensor:
     """Agree on contract, backend and input validity, or every rank raises.
 
-    One all-gather of an int64 row per rank: the 32 digest bytes, an error flag and the
+    One all-gather of an int64 row per rank: the 32 digest bytes, an error flag, the 16 bytes
+    of :func:`inputs_digest` (TP peers must hold the same actions and mask) and the
     rank's per-sequence active-token counts (``active_counts``, from
     :func:`local_active_counts`; ignored when ``local_error`` is set). Returns the exact
     integer active-token count of every global sequence, the same on every rank.
@@ -85,13 +101,17 @@ def preflight(
     if local_error is None and active_counts is None:
         raise GRPOContractError("internal: preflight needs the active counts of valid inputs")
     slot = max(end - start for start, end in contract.dp_sequence_bounds or ())
-    mine = torch.zeros(DIGEST_BYTES + 1 + slot, dtype=torch.int64, device=device)
+    mine = torch.zeros(COUNTS_AT + slot, dtype=torch.int64, device=device)
     mine[:DIGEST_BYTES] = torch.tensor(
         list(preflight_token(contract, backend_id)), dtype=torch.int64, device=device
     )
     mine[DIGEST_BYTES] = 0 if local_error is None else 1
+    if local_error is None and input_digest is not None:
+        mine[DIGEST_BYTES + 1 : COUNTS_AT] = torch.tensor(
+            list(input_digest), dtype=torch.int64, device=device
+        )
     if local_error is None and active_counts is not None:
-        mine[DIGEST_BYTES + 1 : DIGEST_BYTES + 1 + active_counts.numel()] = active_counts
+        mine[COUNTS_AT : COUNTS_AT + active_counts.numel()] = active_counts
     if contract.world_size == 1:
         if local_error is not None:
             raise GRPOContractError(local_error)
@@ -116,13 +136,29 @@ def preflight(
             f"ranks {bad} rejected their local inputs (their errors say why); every rank "
             "stops before any numerical collective"
         )
+    differ = [
+        rank for rank, row in enumerate(rows)
+        if not torch.equal(
+            row[DIGEST_BYTES + 1 : COUNTS_AT],
+            rows[_source_rank(contract, rank, False)][DIGEST_BYTES + 1 : COUNTS_AT],
+        )
+    ]
+    if differ:
+        where = ", ".join(
+            "rank {} (dp={}, cp={}, tp={})".format(r, *contract.coords(r)) for r in differ
+        )
+        raise GRPOContractError(
+            f"{where} hold actions (on active tokens) or an active mask that differ from their "
+            "TP group's rank 0; give every TP rank of a CP rank the same actions and mask. "
+            "Every rank stops before any numerical collective"
+        )
     counts = torch.zeros(contract.num_sequences, dtype=torch.int64, device=device)
     assert contract.dp_sequence_bounds is not None
     for rank, row in enumerate(rows):
         dp_rank, _, tp_rank = contract.coords(rank)
         if tp_rank == 0:  # each CP rank adds the counts of its positions (exact integers)
             start, end = contract.dp_sequence_bounds[dp_rank]
-            counts[start:end] += row[DIGEST_BYTES + 1 : DIGEST_BYTES + 1 + end - start]
+            counts[start:end] += row[COUNTS_AT : COUNTS_AT + end - start]
     return counts
 
 
@@ -291,6 +327,7 @@ __all__ = [
     "GlobalBatch",
     "check_world_group",
     "gather_global",
+    "inputs_digest",
     "local_active_counts",
     "preflight",
     "preflight_token",

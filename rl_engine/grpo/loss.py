@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rl_engine.grpo.contract import GRPOContract, GRPOContractError
-from rl_engine.grpo.exchange import gather_global, local_active_counts, preflight
+from rl_engine.grpo.exchange import gather_global, inputs_digest, local_active_counts, preflight
 from rl_engine.grpo.objective import (
     check_active_counts,
     group_advantages,
@@ -152,7 +152,8 @@ def _check_local_inputs(
 
 
 class GRPOLoss:
-    """The GRPO loss op. Holds the dispatched logprob op (its preflight is cached)."""
+    """The GRPO loss op. Holds the dispatched logprob op (dispatch is cached; the op's
+    agreement step runs on every call, so the cache never changes the collectives)."""
 
     def __init__(self, backend: str = DEFAULT_BACKEND) -> None:
         self.requested_backend = backend
@@ -185,14 +186,20 @@ class GRPOLoss:
             contract, logits, actions, old_logp, rewards, active, ref_logits
         )
         counts = None if local_error is not None else local_active_counts(contract, active)
+        digest = (
+            None if local_error is not None
+            else inputs_digest(actions, active, contract.logprob.ignore_index)
+        )
         active_per_sequence = preflight(
-            contract, chosen.actual_backend, world_group, logits.device, local_error, counts
+            contract, chosen.actual_backend, world_group, logits.device, local_error, counts,
+            digest,
         )
         check_active_counts(active_per_sequence, contract)
         # validate=False: the inputs were judged above, with the backend's own real-column
-        # check, and agreed on by the whole world group. The op's validate=True would make
-        # only this TP group raise (after its exchange); the CP and DP peers would then wait
-        # in gather_global until the process-group timeout.
+        # check, and agreed on by the whole world group (actions and mask included). The op's
+        # validate=True would make only this TP group raise (after its exchange); the CP and
+        # DP peers would then wait in gather_global until the process-group timeout. The op's
+        # own agreement step (one small all-gather in the TP group) then always passes.
         op = chosen.op
         logp = op(
             logits, actions, active, contract.logprob,

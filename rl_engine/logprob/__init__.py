@@ -1,5 +1,6 @@
-"""Deterministic vocab-parallel selected-token logprob: contract, backend, oracle, registry."""
+"""Deterministic vocab-parallel selected-token logprob: contract, backends, oracles, dispatch."""
 
+from rl_engine.logprob.api import gather_tokens, selected_logprob
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import fp32_oracle, fp64_oracle
 from rl_engine.logprob.registry import BackendUnavailableError, Dispatch, dispatch
@@ -16,4 +17,6 @@ __all__ = [
     "dispatch",
     "fp32_oracle",
     "fp64_oracle",
+    "gather_tokens",
+    "selected_logprob",
 ]

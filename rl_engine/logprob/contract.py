@@ -3,7 +3,8 @@
 The contract is the numerical identity of a call. Everything that can change the output
 bits (vocabulary sizes, the tile count, the shard bounds, the dtype, the token layout)
 lives here and in :meth:`LogprobContract.cross_rank_fingerprint`, so ranks that disagree
-are caught by a preflight before any numerical collective.
+are caught by the op's agreement step (:mod:`rl_engine.logprob.agreement`) before any
+numerical collective.
 """
 
 from __future__ import annotations
@@ -185,6 +186,51 @@ class LogprobContract:
         object.__setattr__(self, "vocab_shard_bounds", bounds)
         object.__setattr__(self, "_token_indices", indices)
 
+    @classmethod
+    def from_mesh(
+        cls,
+        mesh: Any,
+        *,
+        real_vocab_size: int,
+        num_vocab_tiles: int,
+        num_sequences: int,
+        seq_len: int,
+        padded_vocab_size: int | None = None,
+        **fields: Any,
+    ) -> "LogprobContract":
+        """This rank's contract on ``mesh`` (:func:`rl_engine.distributed.mesh.init_mesh`).
+
+        The TP and CP degrees and this rank's coordinates come from the mesh, so they are
+        never typed twice. ``padded_vocab_size`` defaults to ``real_vocab_size``; every other
+        field (``cp_layout``, ``logits_dtype``, ``vocab_shard_bounds``, ...) passes through.
+        ``num_sequences`` counts the sequences this rank's DP shard holds.
+        """
+        taken = sorted(set(fields) & {"tp_world_size", "tp_rank", "cp_world_size", "cp_rank"})
+        if taken:
+            raise LogprobContractError(
+                f"from_mesh takes {taken} from the mesh; do not pass them (or build the "
+                "contract with LogprobContract(...) directly)"
+            )
+        try:
+            tp, cp = mesh.dims.tp, mesh.dims.cp
+            tp_rank, cp_rank = mesh.tp_rank, mesh.cp_rank
+        except AttributeError:
+            raise LogprobContractError(
+                f"mesh={mesh!r} is not a mesh: pass the one init_mesh(...) returned"
+            ) from None
+        return cls(
+            real_vocab_size=real_vocab_size,
+            padded_vocab_size=real_vocab_size if padded_vocab_size is None else padded_vocab_size,
+            num_vocab_tiles=num_vocab_tiles,
+            num_sequences=num_sequences,
+            seq_len=seq_len,
+            tp_world_size=tp,
+            tp_rank=tp_rank,
+            cp_world_size=cp,
+            cp_rank=cp_rank,
+            **fields,
+        )
+
     # ----- derived geometry -------------------------------------------------------------
     @property
     def tile_width(self) -> int:
@@ -268,6 +314,11 @@ class LogprobContract:
         self, logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor
     ) -> None:
         """Shape, dtype and device checks that need no reduction over the data."""
+        for name, value in (("logits", logits), ("targets", targets), ("active", active)):
+            if not isinstance(value, torch.Tensor):
+                raise LogprobContractError(
+                    f"{name} must be a torch.Tensor, got {type(value).__name__}"
+                )
         expected = (self.num_tokens, self.local_vocab_size)
         if logits.dim() != 2 or tuple(logits.shape) != expected:
             raise LogprobContractError(

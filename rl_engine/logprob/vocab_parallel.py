@@ -17,7 +17,8 @@ size, the number of rows or the thread count.
 
 from __future__ import annotations
 
-import hashlib
+import json
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,8 @@ import torch.distributed as dist
 
 from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.chunk_threads import for_each_chunk
-from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, tensor_digest
+from rl_engine.logprob.contract import RANK_LOCAL_FIELDS, LogprobContract, LogprobContractError
 from rl_engine.logprob.portable import (
     ArithmeticEnvironmentError,
     canonical_nan_,
@@ -55,7 +57,7 @@ class LogprobOutput:
 
 
 def check_group(contract: LogprobContract, group: Any) -> None:
-    """The TP group must match the contract's size and rank; checked before any collective."""
+    """The TP group must match the contract's size and rank (a local check, raises here)."""
     if contract.tp_world_size > 1 and group is None:
         raise LogprobContractError(
             f"tp_world_size={contract.tp_world_size} needs a TP process group; pass the "
@@ -74,26 +76,80 @@ def check_group(contract: LogprobContract, group: Any) -> None:
         )
 
 
-def preflight(
-    contract: LogprobContract, backend_id: str, group: Any, device: torch.device
-) -> None:
-    """The ranks of a TP group agree on contract, backend id and tile count, or every rank raises."""
-    check_group(contract, group)
-    if contract.tp_world_size == 1:
-        return
-    token = f"{contract.tp_group_fingerprint()}|{backend_id}|tiles={contract.num_vocab_tiles}"
-    digest = hashlib.sha256(token.encode("utf-8")).digest()
-    mine = torch.tensor(list(digest), dtype=torch.uint8, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(contract.tp_world_size)]
-    dist.all_gather(gathered, mine, group=group)
-    digests = [bytes(t.cpu().tolist()).hex()[:16] for t in gathered]
-    if len(set(digests)) != 1:
+CONTRACT_FIELDS: tuple[str, ...] = tuple(
+    sorted(k for k in LogprobContract(1, 1, 1, 1, 1).to_dict() if k not in RANK_LOCAL_FIELDS)
+)
+CALL = "selected_logprob"
+AGREEMENT_HINTS: dict[str, str] = {
+    "contract.": "Build every rank's contract from the same config and the mesh "
+    "(LogprobContract.from_mesh).",
+    "cp_rank": "The ranks of one TP group hold the same tokens, so they share cp_rank: pass "
+    "the mesh's TP group and build the contract from the mesh.",
+    "backend": "Dispatch the same backend id on every rank.",
+    "compute_entropy": "Pass the same compute_entropy on every rank.",
+    "validate": "Pass the same validate on every rank.",
+    "targets": "Every TP rank of a CP rank must get the same targets on its active rows "
+    "(inactive rows are ignored): take them from the same batch.",
+    "active": "Every TP rank of a CP rank must get the same active mask: take it from the "
+    "same batch.",
+}
+
+
+def _flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
         raise LogprobContractError(
-            "preflight mismatch in the TP group: contract fingerprint, backend id or tile count "
-            f"differ between ranks (per TP rank: {digests}; this rank: tp_rank="
-            f"{contract.tp_rank}, backend={backend_id}, num_vocab_tiles="
-            f"{contract.num_vocab_tiles}); build every rank's contract from the same config"
+            f"{name}={value!r} must be True or False (got {type(value).__name__})"
         )
+
+
+def check_chunk_rows(chunk_rows: Any) -> None:
+    """``chunk_rows`` is ``None`` (the cache-sized default) or a positive integer."""
+    if chunk_rows is None:
+        return
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, numbers.Integral):
+        raise LogprobContractError(
+            f"chunk_rows={chunk_rows!r} must be a positive integer or None (got "
+            f"{type(chunk_rows).__name__}); it sets how many rows are computed at a time and "
+            "never changes a byte: pass e.g. chunk_rows=16, or None for the default"
+        )
+    if chunk_rows < 1:
+        raise LogprobContractError(f"chunk_rows={chunk_rows} must be >= 1 (or None)")
+
+
+def call_record(
+    contract: Any,
+    backend_id: str,
+    targets: Any,
+    active: Any,
+    compute_entropy: Any,
+    validate: Any,
+    verdict: str | None,
+) -> CallRecord:
+    """This rank's agreement record: its verdict and every per-call field TP peers share.
+
+    Targets are digested with inactive rows replaced by ``ignore_index`` (the op never reads
+    them, so peers may hold different garbage there). Fields a rank could not compute
+    (its verdict says why) are ``?``.
+    """
+    fields: list[tuple[str, str]] = [("backend", str(backend_id))]
+    if isinstance(contract, LogprobContract):
+        shared = contract.to_dict()
+        fields += [
+            (f"contract.{k}", json.dumps(shared[k], separators=(",", ":")))
+            for k in CONTRACT_FIELDS
+        ]
+        fields.append(("cp_rank", str(contract.cp_rank)))
+    else:
+        fields += [(f"contract.{k}", UNKNOWN) for k in CONTRACT_FIELDS]
+        fields.append(("cp_rank", UNKNOWN))
+    for name, flag in (("compute_entropy", compute_entropy), ("validate", validate)):
+        fields.append((name, json.dumps(flag) if isinstance(flag, bool) else UNKNOWN))
+    if verdict is None:
+        effective = targets.masked_fill(~active, contract.ignore_index)
+        fields += [("targets", tensor_digest(effective)), ("active", tensor_digest(active))]
+    else:
+        fields += [("targets", UNKNOWN), ("active", UNKNOWN)]
+    return CallRecord(CALL, verdict, tuple(fields))
 
 
 def real_local_columns(contract: LogprobContract) -> int:
@@ -321,6 +377,31 @@ def vocab_parallel_backward(
     return grad
 
 
+class _FirstOrderOnly(torch.autograd.Function):
+    """Carries the op's gradient under ``create_graph=True``; differentiating it raises.
+
+    The op's backward is hand-written and has no derivative of its own. Under
+    ``create_graph=True`` its gradient is attached to this node (whose input is the logits),
+    so a term built on it (a gradient penalty) raises when differentiated, instead of
+    silently contributing nothing.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, logits: torch.Tensor, holder: list[torch.Tensor]
+    ) -> torch.Tensor:
+        return holder.pop()  # the gradient, computed outside; ``logits`` only links the graph
+
+    @staticmethod
+    def backward(ctx: Any, _grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        raise LogprobContractError(
+            "create_graph=True: the selected-logprob op is differentiable once; its gradient "
+            "has no derivative (double backward, e.g. a gradient penalty through the logits "
+            "of this op, is not supported). Build the penalty on a detached gradient, or on "
+            "a path that does not go through this op"
+        )
+
+
 class _VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -350,22 +431,32 @@ class _VocabParallelLogprob(torch.autograd.Function):
         ctx: Any, grad_logp: torch.Tensor, grad_lse: torch.Tensor, _grad_entropy: Any
     ) -> tuple[Any, ...]:
         logits, targets, active, lse = ctx.saved_tensors
-        grad = vocab_parallel_backward(
-            logits, targets, active, lse, grad_logp, grad_lse, ctx.contract, ctx.chunk_rows
-        )
+        create_graph = torch.is_grad_enabled()  # the engine enables it for create_graph=True
+        with torch.no_grad():
+            grad = vocab_parallel_backward(
+                logits.detach(), targets, active, lse.detach(),
+                grad_logp.detach() if grad_logp is not None else None,
+                grad_lse.detach() if grad_lse is not None else None,
+                ctx.contract, ctx.chunk_rows,
+            )
+        if create_graph and logits.requires_grad:
+            grad = _FirstOrderOnly.apply(logits, [grad])
         return grad, None, None, None, None, None, None, None
 
 
 class VocabParallelLogprob:
     """The callable op of backend ``pytorch-vocab-parallel-logp-ws2``.
 
-    Preflight (group geometry and cross-rank agreement) runs once per contract and group.
+    Every call with a TP group of more than one rank starts with the same collective on every
+    rank: the agreement step of :mod:`rl_engine.logprob.agreement` (one all-gather of a
+    1 KiB record carrying the rank's verdict on its own inputs and a digest of the contract,
+    the backend, the flags, the targets and the mask). Local checks never raise before it, so
+    a rank that rejects its input, or ranks that disagree, make every rank of the group raise
+    the same :class:`LogprobContractError`; nothing is cached between calls, so a fresh op
+    instance on one rank makes the same collectives as a reused one.
     """
 
     backend_id = BACKEND_ID
-
-    def __init__(self) -> None:
-        self._preflighted: set[tuple[str, int, int]] = set()
 
     def __call__(
         self,
@@ -379,25 +470,43 @@ class VocabParallelLogprob:
         validate: bool = True,
         chunk_rows: int | None = None,
     ) -> LogprobOutput:
-        contract.check_inputs(logits, targets, active)
+        verdict: str | None = None
         try:
-            require_gradual_underflow(logits.device)
-        except ArithmeticEnvironmentError as exc:
-            raise LogprobContractError(str(exc)) from None
+            if not isinstance(contract, LogprobContract):
+                raise LogprobContractError(
+                    f"contract={contract!r} must be a LogprobContract (e.g. "
+                    "LogprobContract.from_mesh(mesh, ...))"
+                )
+            _flag("compute_entropy", compute_entropy)
+            _flag("validate", validate)
+            check_chunk_rows(chunk_rows)
+            check_group(contract, group)
+            contract.check_inputs(logits, targets, active)
+            try:
+                require_gradual_underflow(logits.device)
+            except ArithmeticEnvironmentError as exc:
+                raise LogprobContractError(str(exc)) from None
+            if validate:
+                contract.check_targets(targets, active)
+        except LogprobContractError as exc:
+            verdict = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a local failure must not leave peers waiting
+            if group_geometry(group)[0] == 1:
+                raise
+            verdict = f"{type(exc).__name__} in the local checks: {exc}"
+        size, _ = group_geometry(group)
+        if size > 1:
+            device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
+            record = call_record(
+                contract, self.backend_id, targets, active, compute_entropy, validate, verdict
+            )
+            agree(record, group, device, role="TP", hints=AGREEMENT_HINTS)
+        elif verdict is not None:
+            raise LogprobContractError(verdict)
         if chunk_rows is None:
             chunk_rows = default_chunk_rows(contract.local_vocab_size)
-        if chunk_rows < 1:
-            raise LogprobContractError(f"chunk_rows={chunk_rows} must be >= 1")
-        if validate:
-            contract.check_targets(targets, active)
-        key = (contract.tp_group_fingerprint(), id(group), contract.tp_rank)
-        if key not in self._preflighted:
-            preflight(contract, self.backend_id, group, logits.device)
-            self._preflighted.add(key)
-        else:
-            check_group(contract, group)
         logp, lse, entropy = _VocabParallelLogprob.apply(
-            logits, targets, active, contract, group, chunk_rows, compute_entropy, validate
+            logits, targets, active, contract, group, int(chunk_rows), compute_entropy, validate
         )
         return LogprobOutput(logp, lse, entropy if compute_entropy else None)
 
@@ -406,7 +515,9 @@ __all__ = [
     "BACKEND_ID",
     "LogprobOutput",
     "VocabParallelLogprob",
-    "preflight",
+    "call_record",
+    "check_chunk_rows",
+    "check_group",
     "real_local_columns",
     "real_rows_finite",
     "vocab_parallel_backward",

@@ -1,0 +1,180 @@
+"""What a trainer calls: the one-call TP=1 logprob and the gather into global token order.
+
+* :func:`selected_logprob`: the common single-rank case (no TP, no CP) in one call, with the
+  contract built from the tensors themselves.
+* :func:`gather_tokens`: per-token values of this CP rank (``[contract.num_tokens, ...]``,
+  for example ``out.selected_logp``) placed, with every other CP rank's, at their global
+  token indices (``sequence * seq_len + position``). Transport only: nothing is added.
+  Differentiable: the backward hands this rank the gradient rows of its own tokens (each
+  rank computes the same global loss, so no gradient collective is needed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rl_engine.distributed.bounds import token_indices
+from rl_engine.distributed.mesh import group_geometry
+from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree
+from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
+from rl_engine.logprob.vocab_parallel import LogprobOutput, VocabParallelLogprob
+
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in LOGITS_DTYPES.items()}
+
+
+def selected_logprob(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    active: torch.Tensor | None = None,
+    *,
+    num_vocab_tiles: int,
+    real_vocab_size: int | None = None,
+    compute_entropy: bool = False,
+    validate: bool = True,
+    chunk_rows: int | None = None,
+) -> LogprobOutput:
+    """Selected-token logprob of full-vocabulary logits on one rank (TP=1, CP=1).
+
+    ``logits`` is ``[tokens, vocab]`` or ``[batch, seq, vocab]`` in bf16, fp16 or fp32;
+    ``targets`` (int64) and ``active`` (bool, default all active) have the logits' shape
+    without the vocabulary. Columns ``>= real_vocab_size`` (default: every column) are
+    padding. ``num_vocab_tiles`` must divide the vocabulary; it is part of the numerical
+    identity (another tile count gives other bytes), so pick it once for a run. The outputs
+    (FP32, shape of ``targets``) are the bytes the TP x CP op gives for the same logits.
+    """
+    if not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3):
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise LogprobContractError(
+            f"logits={shape} must be a tensor of shape [tokens, vocab] or [batch, seq, vocab]"
+        )
+    if logits.dtype not in DTYPE_NAMES:
+        raise LogprobContractError(
+            f"logits.dtype={logits.dtype} is not supported; use one of "
+            f"{list(DTYPE_NAMES)} (accumulation is FP32 whatever the input)"
+        )
+    lead = tuple(logits.shape[:-1])
+    if active is None:
+        active = torch.ones(lead, dtype=torch.bool, device=logits.device)
+    for name, tensor in (("targets", targets), ("active", active)):
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != lead:
+            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise LogprobContractError(
+                f"{name}.shape={got} must equal logits.shape[:-1]={lead} (one per token)"
+            )
+    vocab = logits.shape[-1]
+    num_sequences, seq_len = (1, lead[0]) if len(lead) == 1 else lead
+    contract = LogprobContract(
+        real_vocab_size=vocab if real_vocab_size is None else real_vocab_size,
+        padded_vocab_size=vocab,
+        num_vocab_tiles=num_vocab_tiles,
+        num_sequences=num_sequences,
+        seq_len=seq_len,
+        logits_dtype=DTYPE_NAMES[logits.dtype],
+    )
+    out = VocabParallelLogprob()(
+        logits.reshape(-1, vocab), targets.reshape(-1), active.reshape(-1), contract,
+        compute_entropy=compute_entropy, validate=validate, chunk_rows=chunk_rows,
+    )
+    return LogprobOutput(
+        out.selected_logp.reshape(lead),
+        out.lse.reshape(lead),
+        out.entropy.reshape(lead) if out.entropy is not None else None,
+    )
+
+
+GATHER_CALL = "gather_tokens"
+GATHER_HINTS = {
+    "contract": "Build every rank's contract from the same config and the mesh "
+    "(LogprobContract.from_mesh).",
+    "dtype": "Gather the same output on every CP rank.",
+    "row_shape": "Gather the same output on every CP rank.",
+}
+
+
+def _rank_index(contract: LogprobContract, cp_rank: int, device: torch.device) -> torch.Tensor:
+    rows = token_indices(
+        range(contract.num_sequences), contract.seq_len, contract.cp_world_size, cp_rank,
+        contract.cp_layout,
+    )
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, local: torch.Tensor, contract: LogprobContract, group: Any
+    ) -> torch.Tensor:
+        size = contract.cp_world_size
+        if size == 1:
+            pieces = [local]
+        else:
+            wire = local.to(torch.uint8) if local.dtype == torch.bool else local.contiguous()
+            pieces = [torch.empty_like(wire) for _ in range(size)]
+            dist.all_gather(pieces, wire, group=group)
+            pieces = [p.to(torch.bool) if local.dtype == torch.bool else p for p in pieces]
+        out = local.new_empty((contract.global_num_tokens, *local.shape[1:]))
+        for cp_rank, piece in enumerate(pieces):
+            out[_rank_index(contract, cp_rank, local.device)] = piece
+        ctx.index = _rank_index(contract, contract.cp_rank, local.device)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return grad[ctx.index], None, None
+
+
+def gather_tokens(local: torch.Tensor, contract: LogprobContract, group: Any = None) -> torch.Tensor:
+    """Every CP rank's per-token values in global token order: ``[num_sequences * seq_len, ...]``.
+
+    ``local`` holds this rank's tokens in local row order (``[contract.num_tokens, ...]``, as
+    the op returns them); ``group`` is the CP group (``mesh.cp_group``; ``None`` when CP=1).
+    The TP ranks of a CP rank hold identical outputs, so the CP group alone is enough. Like
+    the op, the call starts with the agreement step on the CP group: a rank whose input is
+    wrong, or ranks that gather different things, raise on every CP rank.
+    """
+    verdict: str | None = None
+    try:
+        if not isinstance(contract, LogprobContract):
+            raise LogprobContractError(f"contract={contract!r} must be a LogprobContract")
+        if not isinstance(local, torch.Tensor) or local.dim() < 1:
+            raise LogprobContractError(
+                f"local={local!r} must be a tensor with one row per local token"
+            )
+        if local.shape[0] != contract.num_tokens:
+            raise LogprobContractError(
+                f"local.shape={tuple(local.shape)} must start with num_tokens="
+                f"{contract.num_tokens} (this CP rank's tokens, cp_rank={contract.cp_rank})"
+            )
+        if contract.cp_world_size > 1 and group is None:
+            raise LogprobContractError(
+                f"cp_world_size={contract.cp_world_size} needs the CP process group; pass "
+                "group=mesh.cp_group"
+            )
+        size, rank = group_geometry(group)
+        if (size, rank) != (contract.cp_world_size, contract.cp_rank):
+            raise LogprobContractError(
+                f"the CP group (size {size}, rank {rank}) disagrees with cp_world_size="
+                f"{contract.cp_world_size}, cp_rank={contract.cp_rank}; pass group=mesh.cp_group "
+                "and build the contract from the same mesh"
+            )
+    except LogprobContractError as exc:
+        verdict = str(exc)
+    size, _ = group_geometry(group)
+    if size > 1:
+        ok = verdict is None
+        record = CallRecord(GATHER_CALL, verdict, (
+            ("contract", contract.cross_rank_fingerprint() if ok else UNKNOWN),
+            ("dtype", str(local.dtype).replace("torch.", "") if ok else UNKNOWN),
+            ("row_shape", str(list(local.shape[1:])) if ok else UNKNOWN),
+        ))
+        device = local.device if isinstance(local, torch.Tensor) else torch.device("cpu")
+        agree(record, group, device, role="CP", hints=GATHER_HINTS)
+    elif verdict is not None:
+        raise LogprobContractError(verdict)
+    return _GatherTokens.apply(local, contract, group)
+
+
+__all__ = ["gather_tokens", "selected_logprob"]
