@@ -35,7 +35,6 @@ from rl_engine.logprob.agreement import (
     decode_slot,
     encode_slot,
 )
-
 from rl_engine.tensorio import fingerprint
 from rl_engine.testing.multiproc import run_workers
 
