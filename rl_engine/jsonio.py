@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 
 class StrictJSONError(ValueError):
@@ -24,6 +25,27 @@ def dumps(obj: Any) -> str:
         return json.dumps(obj, allow_nan=False, sort_keys=True, indent=2) + "\n"
     except ValueError as exc:
         raise StrictJSONError(f"value is not strict JSON ({exc}); replace NaN/Infinity") from None
+
+
+def find_leaves(value: Any, match: Callable[[Any], bool],
+                parts: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], Any]]:
+    """``(path, leaf)`` of every leaf of nested dicts/lists for which ``match(leaf)`` holds.
+
+    The one walker behind every "where is the non-finite number" question (config values,
+    in-memory artifacts, lenient parses of files); ``path`` holds keys and list indices.
+    """
+    if match(value):
+        yield parts, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from find_leaves(item, match, parts + (key,))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from find_leaves(item, match, parts + (index,))
+
+
+def is_non_finite_float(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
 
 
 def _reject_constant(name: str) -> Any:

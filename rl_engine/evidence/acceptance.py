@@ -133,7 +133,7 @@ def _check_drift(found: list[Finding], where: str, report: Any, case: dict[str, 
     if not ok or not isinstance(drift, dict):
         found.append(Finding(where, "drift", "missing: drift statistics against the oracles are required"))
         return
-    for path in non_finite_numbers(drift, ("drift",)):
+    for path in non_finite_numbers({"drift": drift}):
         found.append(Finding(where, path, "is not a finite number"))
     batch, seq, prompt = case.get("batch"), case.get("seq"), case.get("prompt_tokens")
     counts = {}

@@ -14,7 +14,6 @@ cannot run here before any job.
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from rl_engine import schemas
+from rl_engine import jsonio, schemas
 from rl_engine.evidence.casename import NOGIT, RunName, case_hash, resolved_case
 from rl_engine.evidence.gitstate import GitStateError, read_git_state
 from rl_engine.testing.campaign import (
@@ -117,18 +116,9 @@ def _schema_message(error: Any, origin: Origin) -> str:
     return f"{origin.describe(key, error.instance)}: {error.message}; {origin.fix(key)}"
 
 
-def _non_finite(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[str, float]]:
+def _non_finite(value: Any) -> list[tuple[str, float]]:
     """Key paths of NaN/infinite numbers (YAML ``.nan``/``.inf``; the schema's bounds pass NaN)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return [(_key(path), value)]
-    found: list[tuple[str, float]] = []
-    if isinstance(value, dict):
-        for key, item in value.items():
-            found += _non_finite(item, path + (key,))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            found += _non_finite(item, path + (index,))
-    return found
+    return [(_key(path), leaf) for path, leaf in jsonio.find_leaves(value, jsonio.is_non_finite_float)]
 
 
 def parse_topologies(items: list[str]) -> list[Topology]:

@@ -14,7 +14,6 @@ JSON path) and what is wrong; nothing here raises on bad evidence.
 from __future__ import annotations
 
 import json
-import math
 import re
 import sys
 from dataclasses import dataclass
@@ -88,17 +87,9 @@ class _NonFinite:
         self.literal = literal
 
 
-def _non_finite_paths(value: Any, parts: tuple[str | int, ...] = ()) -> list[tuple[str, str]]:
-    if isinstance(value, _NonFinite):
-        return [(field_path(parts), value.literal)]
-    found: list[tuple[str, str]] = []
-    if isinstance(value, dict):
-        for key, item in value.items():
-            found += _non_finite_paths(item, parts + (str(key),))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            found += _non_finite_paths(item, parts + (index,))
-    return found
+def _non_finite_paths(value: Any) -> list[tuple[str, str]]:
+    leaves = jsonio.find_leaves(value, lambda leaf: isinstance(leaf, _NonFinite))
+    return [(field_path(parts), leaf.literal) for parts, leaf in leaves]
 
 
 def load_json(path: Path, where: str | None = None) -> tuple[Any, list[Finding]]:
@@ -150,18 +141,9 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def non_finite_numbers(value: Any, parts: tuple[str | int, ...] = ()) -> list[str]:
+def non_finite_numbers(value: Any) -> list[str]:
     """JSON paths of every non-finite float inside ``value`` (for in-memory objects)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return [field_path(parts)]
-    found: list[str] = []
-    if isinstance(value, dict):
-        for key, item in value.items():
-            found += non_finite_numbers(item, parts + (str(key),))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            found += non_finite_numbers(item, parts + (index,))
-    return found
+    return [field_path(parts) for parts, _ in jsonio.find_leaves(value, jsonio.is_non_finite_float)]
 
 
 def planned_reports(plan: Any, run_dir: Path) -> tuple[list[PlannedReport], list[Finding]]:

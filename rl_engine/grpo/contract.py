@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from rl_engine.distributed.bounds import token_indices
+from rl_engine.distributed.mesh import ParallelDims
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 
 ADVANTAGE_MODES: tuple[str, ...] = ("group_mean_std", "group_mean")
@@ -321,15 +322,19 @@ class GRPOContract:
     def world_size(self) -> int:
         return self.dp_world_size * self.cp_world_size * self.tp_world_size
 
+    @property
+    def dims(self) -> ParallelDims:
+        """The loss's (dp, cp, tp) world as the mesh's one definition of rank coordinates."""
+        return ParallelDims(dp=self.dp_world_size, cp=self.cp_world_size, tp=self.tp_world_size,
+                            world_size=self.world_size)
+
     def rank_of(self, dp_rank: int, cp_rank: int, tp_rank: int) -> int:
-        """Rank in the loss's world group (TP fastest, as in ``ParallelDims``)."""
-        return (dp_rank * self.cp_world_size + cp_rank) * self.tp_world_size + tp_rank
+        """Rank in the loss's world group (TP fastest): :meth:`ParallelDims.rank_of`."""
+        return self.dims.rank_of(dp_rank, cp_rank, tp_rank)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """``(dp_rank, cp_rank, tp_rank)`` of a rank of the world group."""
-        dp_cp, tp_rank = divmod(rank, self.tp_world_size)
-        dp_rank, cp_rank = divmod(dp_cp, self.cp_world_size)
-        return dp_rank, cp_rank, tp_rank
+        """``(dp_rank, cp_rank, tp_rank)`` of a rank of the world group: :meth:`ParallelDims.coords`."""
+        return self.dims.coords(rank)
 
     @property
     def rank(self) -> int:
