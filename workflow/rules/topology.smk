@@ -1,6 +1,14 @@
 # One torchrun per topology. A report that fails acceptance is kept (the runner exits 1
 # after writing it) so the validation gate can name what failed; any other failure
 # (crash, killed rank, time limit) fails the rule and leaves no report.
+# The resources are what a Slurm job of this topology asks for (topology_resources: nodes
+# from ranks_per_node, one task per node, mpi="srun" across nodes, GPUs on cuda, runtime
+# from topology_timeout_s); the local executor ignores them. With more than one node,
+# launch runs one torchrun per node under srun and needs that Slurm job.
+
+
+def topology_resource(key):
+    return lambda wildcards: topology_resources(config, int(wildcards.tp), int(wildcards.cp))[key]
 
 
 rule topology:
@@ -19,11 +27,15 @@ rule topology:
         cp=r"[1-9][0-9]*",
     params:
         timeout=config["topology_timeout_s"],
+        ranks_per_node=config["ranks_per_node"],
     threads: lambda wildcards: int(wildcards.tp) * int(wildcards.cp) * config["threads_per_rank"]
+    resources:
+        **{key: topology_resource(key) for key in TOPOLOGY_RESOURCES},
     conda:
         "../envs/rl_engine.yaml"
     shell:
         "rc=0; python -m rl_engine launch --plan {input.plan} --tp {wildcards.tp} "
-        "--cp {wildcards.cp} --timeout-s {params.timeout} > {log} 2>&1 || rc=$?; "
+        "--cp {wildcards.cp} --timeout-s {params.timeout} --ranks-per-node {params.ranks_per_node} "
+        "> {log} 2>&1 || rc=$?; "
         'if [ "$rc" -eq 1 ]; then echo "acceptance failed; report kept for the validation gate" >> {log}; '
         'elif [ "$rc" -ne 0 ]; then exit "$rc"; fi'
