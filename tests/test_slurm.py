@@ -1,0 +1,212 @@
+"""The campaign on a real Slurm cluster (issue 12): marker ``slurm``, ``pytest -m slurm``.
+
+Needs the two-node cluster of ``.ci/slurm-cluster.sh start`` (``.ci/run`` starts it before the
+tests and stops it after); every test here skips, saying so, when that cluster is not up.
+The workflow runs in a temporary copy of the repository exactly as the README says:
+``snakemake --workflow-profile workflow/profiles/slurm --config ranks_per_node=2``, plus a
+small config and a short first status check. With two ranks per node the 2x2 topology
+spans node1 and node2.
+
+1. the campaign builds an archive that verifies; the 2x2 report names node1 and node2, and
+   each job asked Slurm for what its topology needs (the sbatch lines);
+2. a rank on node2 is killed mid-run: the job fails, no report is left, the other
+   topology is untouched, and the next run redoes that topology alone;
+3. a bad ``ranks_per_node`` is refused while the workflow is parsed: no job reaches Slurm;
+4. nothing is left behind: no job in the queue, no launch, torchrun or rank alive.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _workflow_util import (
+    CONFIG,
+    SHORT_REGRESSION,
+    SMALL_VOCAB,
+    archive_of,
+    copy_repo,
+    env_for,
+    jobs_run,
+    verify,
+    write_config,
+)
+from rl_engine import jsonio
+
+pytestmark = pytest.mark.slurm
+
+NODES = ("node1", "node2")
+CASE = {**SMALL_VOCAB, "topologies": ["1x1", "2x2"], "regression": SHORT_REGRESSION}
+RUN = "results/rl-engine-logprob-nogit"
+PROFILE = "workflow/profiles/slurm"
+# a shorter first status check than the executor's 40 s (MinJobAge=900 of the test cluster
+# keeps finished jobs visible to squeue far longer than 3x this)
+FAST_POLL = ("--slurm-init-seconds-before-status-checks", "5")
+RUN_LIMIT_S = 900.0  # a failure bound for slow machines, not a measured claim
+
+
+def _cluster_problem() -> str | None:
+    """Why the test cluster is not usable (None when node1 and node2 answer)."""
+    if shutil.which("sinfo") is None:
+        return "sinfo is not installed"
+    try:
+        done = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "sinfo timed out"
+    if done.returncode != 0:
+        return f"sinfo failed: {done.stderr.strip()}"
+    states = dict(line.split() for line in done.stdout.splitlines() if len(line.split()) == 2)
+    down = [n for n in NODES if not re.match(r"(idle|mix|alloc)", states.get(n, "missing"))]
+    return f"nodes not up: {down} (sinfo: {states})" if down else None
+
+
+@pytest.fixture(scope="module")
+def cluster() -> None:
+    problem = _cluster_problem()
+    if problem is not None:
+        pytest.skip(f"no Slurm test cluster ({problem}); start one with `.ci/slurm-cluster.sh start` "
+                    "(.ci/run does)")
+
+
+def slurm_snakemake(repo: Path, *args: str, ranks_per_node: str = "2", configfile: str = CONFIG,
+                    extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "snakemake", "--workflow-profile", PROFILE, "--configfile", configfile,
+           *FAST_POLL, "--verbose", *args, "--config", f"ranks_per_node={ranks_per_node}"]
+    return subprocess.run(cmd, cwd=repo, env=env_for(repo, extra_env), capture_output=True, text=True,
+                          timeout=RUN_LIMIT_S)
+
+
+def sbatch_lines(output: str) -> list[str]:
+    """The executor's sbatch calls, without the --wrap'ed snakemake command."""
+    return [line.split("sbatch call: ", 1)[1].split(" --wrap=", 1)[0]
+            for line in output.splitlines() if "sbatch call: " in line]
+
+
+def slurm_jobs() -> list[str]:
+    """Every job slurmctld still knows (MinJobAge keeps finished ones), one line each."""
+    done = subprocess.run(["scontrol", "-o", "show", "job"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return [line for line in done.stdout.splitlines() if line.startswith("JobId=")]
+
+
+@pytest.fixture(scope="module")
+def campaign(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    repo = copy_repo(tmp_path_factory.mktemp("slurm"))
+    write_config(repo, CASE)
+    start = time.monotonic()
+    done = slurm_snakemake(repo)
+    elapsed = time.monotonic() - start
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-8000:]
+    print(f"\nslurm campaign: {elapsed:.1f} s")
+    for line in sbatch_lines(text):
+        print(line)
+    return {"repo": repo, "text": text, "elapsed": elapsed}
+
+
+def test_campaign_through_the_slurm_profile_spans_both_nodes_and_verifies(campaign: dict[str, Any]) -> None:
+    repo, text = campaign["repo"], campaign["text"]
+    counts = jobs_run(text)
+    assert counts.get("topology") == 2 and counts.get("archive") == 1, counts
+    verified = verify(repo, archive_of(repo))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    report = jsonio.load(repo / RUN / "tp2-cp2.json")
+    ranks = report["topology"]["ranks"]
+    print("tp2-cp2 ranks:", [(r["rank"], r["node"]) for r in ranks])
+    assert report["topology"]["nnodes"] == 2
+    assert sorted(r["node"] for r in ranks) == ["node1", "node1", "node2", "node2"]
+    single = jsonio.load(repo / RUN / "tp1-cp1.json")
+    assert single["topology"]["nnodes"] == 1 and single["topology"]["ranks"][0]["node"] in NODES
+    # the spanning topology's bytes equal the single-node one's
+    assert report["bitwise_fingerprints"] == single["bitwise_fingerprints"]
+    summary = (repo / RUN / "SUMMARY.md").read_text()
+    assert re.search(r"^\| 2 \| 2 \| 4 \| 2: node1, node2 \|", summary, re.M), summary
+    log = (repo / RUN / "logs" / "tp2-cp2.log").read_text()
+    assert "4 ranks on 2 nodes (node1,node2) x 2, c10d rendezvous at 127.0.0.1:" in log, log[-3000:]
+
+
+def test_each_job_asked_slurm_for_what_its_topology_needs(campaign: dict[str, Any]) -> None:
+    lines = sbatch_lines(campaign["text"])
+    spanning = [line for line in lines if "rule_topology_wildcards_2_2" in line]
+    single = [line for line in lines if "rule_topology_wildcards_1_1" in line]
+    assert len(spanning) == 1 and len(single) == 1, lines
+    for part in ("--nodes=2", "--ntasks=2", "--cpus-per-task=2", "-t 15", "--mem 5000"):
+        assert part in spanning[0], (part, spanning[0])
+    for part in ("--nodes=1", "--ntasks=1", "--cpus-per-task=1"):
+        assert part in single[0], (part, single[0])
+    local = {"plan", "validation", "crosscheck", "summary", "archive", "verify_archive"}
+    assert not [line for line in lines if any(f"rule_{rule} " in line or f"rule_{rule}'" in line for rule in local)]
+    assert any("rule_environment" in line for line in lines) and any("rule_regression" in line for line in lines)
+
+
+def test_a_rank_killed_on_node2_fails_the_job_and_the_rerun_redoes_that_topology_alone(
+        campaign: dict[str, Any]) -> None:
+    repo = campaign["repo"]
+    report = repo / RUN / "tp2-cp2.json"
+    untouched = (repo / RUN / "tp1-cp1.json").stat().st_mtime_ns
+    report.unlink()
+    failed = slurm_snakemake(repo, extra_env={"RL_ENGINE_FAULT": "kill:2x2:node2/0"})
+    text = failed.stdout + failed.stderr
+    assert failed.returncode != 0, text[-6000:]
+    assert jobs_run(text).get("topology") == 1, jobs_run(text)
+    assert not report.exists() and not list((repo / RUN).glob("tp2-cp2.*.f32"))  # no partial report
+    log = (repo / RUN / "logs" / "tp2-cp2.log").read_text()
+    assert "srun: error: node2: task 1: Exited with exit code 2" in log, log[-4000:]
+    assert "error: topology 2x2, node node2 (node rank 1 of 2): torchrun exited with" in log, log[-4000:]
+    assert "SIGKILL" in log and "no valid report was written; outputs removed" in log, log[-4000:]
+    rerun = slurm_snakemake(repo)
+    text = rerun.stdout + rerun.stderr
+    assert rerun.returncode == 0, text[-6000:]
+    counts = jobs_run(text)
+    assert counts.get("topology") == 1 and "environment" not in counts and "regression" not in counts, counts
+    assert (repo / RUN / "tp1-cp1.json").stat().st_mtime_ns == untouched
+    assert jsonio.load(report)["topology"]["nnodes"] == 2
+    verified = verify(repo, archive_of(repo))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_bad_ranks_per_node_is_refused_before_any_job_reaches_slurm(cluster: None, tmp_path: Path) -> None:
+    repo = copy_repo(tmp_path)
+    write_config(repo, {**CASE, "topologies": ["1x1", "2x1", "4x2"]})
+    before = slurm_jobs()
+    for value, message in (("3", "config key 'ranks_per_node' has value 3: topology '4x2' (topologies[2])"),
+                           ("0", "config key 'ranks_per_node' has value 0")):
+        done = slurm_snakemake(repo, ranks_per_node=value)
+        text = done.stdout + done.stderr
+        assert done.returncode != 0, text[-4000:]
+        assert "WorkflowConfigError" in text and message in text, text[-4000:]
+        assert "sbatch call" not in text and "Building DAG of jobs" not in text, text[-4000:]
+    assert slurm_jobs() == before
+    assert list((repo / "results").iterdir()) == []
+    assert not (repo / ".snakemake" / "slurm_logs").exists()
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if text in cmdline and state not in ("Z", "X"):
+            found.append(f"{entry.name}: {cmdline[:200]}")
+    return found
+
+
+def test_nothing_is_left_behind(campaign: dict[str, Any]) -> None:
+    """Runs last: the queue is empty and no launch, torchrun, rank or job step of the runs is alive."""
+    queue = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True, timeout=30)
+    assert queue.returncode == 0 and queue.stdout.strip() == "", queue.stdout + queue.stderr
+    repo = str(campaign["repo"])
+    assert _processes_mentioning(repo) == []
+    assert _processes_mentioning("--rdzv-id=rl-engine-") == []
