@@ -147,6 +147,15 @@ stop() {
         if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null || true; left+=("$pid"); fi
     done
     for file in $(pidfiles); do rm -f "$file"; done
+    # job steps (slurmstepd) end with their jobs; one still running after the daemons is a leak
+    for _ in $(seq 1 100); do
+        pgrep -x slurmstepd >/dev/null || break
+        sleep 0.1
+    done
+    if pgrep -x slurmstepd >/dev/null; then
+        log "job step daemons still running: $(pgrep -a -x slurmstepd | tr '\n' ' ')"
+        exit 1
+    fi
     if [ "${#left[@]}" -gt 0 ]; then
         log "killed daemons that ignored SIGTERM: ${left[*]}"
         exit 1
