@@ -40,7 +40,7 @@ write_conf() {
     for node in "${NODES[@]}"; do mkdir -p "$STATE/$node"; done
     local port=$((CTLD_PORT + 1)) node_lines=""
     for node in "${NODES[@]}"; do
-        node_lines+="NodeName=$node NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=$port CPUs=$NODE_CPUS RealMemory=16000 State=UNKNOWN"$'\n'
+        node_lines+="NodeName=$node NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=$port CPUs=$NODE_CPUS RealMemory=64000 State=UNKNOWN"$'\n'
         port=$((port + 1))
     done
     cat >"$CONF" <<EOF

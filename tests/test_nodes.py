@@ -20,7 +20,13 @@ import yaml
 from _workflow_util import REPO, SMALL_VOCAB
 from rl_engine import cli, jsonio
 from rl_engine.evidence import summary
-from rl_engine.evidence.config import RUNTIME_MARGIN_MIN, WorkflowConfigError, check_config, topology_resources
+from rl_engine.evidence.config import (
+    RUNTIME_MARGIN_MIN,
+    WorkflowConfigError,
+    check_config,
+    topology_resource_functions,
+    topology_resources,
+)
 from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.testing import faults, nodes
 from rl_engine.testing.nodes import NodeLayout, NodeLayoutError
@@ -103,6 +109,13 @@ def test_topology_resources_follow_ranks_per_node() -> None:
     gpu = topology_resources(cfg, 2, 2)
     assert (gpu["nodes"], gpu["cpus_per_task"], gpu["gres"], gpu["tasks_per_gpu"], gpu["runtime"]) == \
         (1, 8, "gpu:4", 0, 2 + RUNTIME_MARGIN_MIN)
+
+
+def test_the_rules_resource_functions_give_the_same_values() -> None:
+    cfg = check_config(config(ranks_per_node=2))
+    functions = topology_resource_functions(cfg)
+    wildcards = SimpleNamespace(tp="2", cp="2")
+    assert {key: fn(wildcards) for key, fn in functions.items()} == topology_resources(cfg, 2, 2)
 
 
 class _Resources(dict):

@@ -15,7 +15,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -203,6 +203,18 @@ def topology_resources(config: dict[str, Any], tp: int, cp: int) -> dict[str, An
         "tasks_per_gpu": 0 if config["device"] == "cuda" else None,
     }
     return resources
+
+
+TOPOLOGY_RESOURCES = ("nodes", "tasks", "cpus_per_task", "mem_mb", "runtime", "mpi", "gres", "tasks_per_gpu")
+
+
+def topology_resource_functions(config: dict[str, Any]) -> dict[str, Callable[[Any], Any]]:
+    """The topology rule's ``resources:``, one function of the wildcards per resource."""
+
+    def resource(key: str) -> Callable[[Any], Any]:
+        return lambda wildcards: topology_resources(config, int(wildcards.tp), int(wildcards.cp))[key]
+
+    return {key: resource(key) for key in TOPOLOGY_RESOURCES}
 
 
 def check_config(config: dict[str, Any]) -> dict[str, Any]:

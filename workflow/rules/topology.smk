@@ -7,10 +7,6 @@
 # launch runs one torchrun per node under srun and needs that Slurm job.
 
 
-def topology_resource(key):
-    return lambda wildcards: topology_resources(config, int(wildcards.tp), int(wildcards.cp))[key]
-
-
 rule topology:
     input:
         plan=f"{RUN}/plan.json",
@@ -30,7 +26,7 @@ rule topology:
         ranks_per_node=config["ranks_per_node"],
     threads: lambda wildcards: int(wildcards.tp) * int(wildcards.cp) * config["threads_per_rank"]
     resources:
-        **{key: topology_resource(key) for key in TOPOLOGY_RESOURCES},
+        **topology_resource_functions(config),
     conda:
         "../envs/rl_engine.yaml"
     shell:
