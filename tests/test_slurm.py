@@ -17,8 +17,10 @@ spans node1 and node2.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -38,7 +40,8 @@ from _workflow_util import (
     verify,
     write_config,
 )
-from rl_engine import jsonio
+from rl_engine import cli, jsonio
+from rl_engine.logprob.vocab_parallel import BACKEND_ID
 
 pytestmark = pytest.mark.slurm
 
@@ -50,6 +53,13 @@ PROFILE = "workflow/profiles/slurm"
 # keeps finished jobs visible to squeue far longer than 3x this)
 FAST_POLL = ("--slurm-init-seconds-before-status-checks", "5")
 RUN_LIMIT_S = 900.0  # a failure bound for slow machines, not a measured claim
+STARTUP_LIMIT_S = 300.0  # likewise
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TINY = [
+    "--device", "cpu", "--dtype", "bf16", "--backend", BACKEND_ID, "--real-vocab", "60",
+    "--padded-vocab", "64", "--num-vocab-tiles", "4", "--batch", "2", "--seq", "8",
+    "--prompt-tokens", "4", "--seed", "7", "--timeout-s", "120",
+]
 
 
 def _cluster_problem() -> str | None:
@@ -188,6 +198,58 @@ def test_bad_ranks_per_node_is_refused_before_any_job_reaches_slurm(cluster: Non
     assert not (repo / ".snakemake" / "slurm_logs").exists()
 
 
+def _salloc_launch(run: Path, plan: Path, timeout_s: int, fault: str) -> subprocess.Popen[str]:
+    """``launch`` of the plan's 2x2 at two ranks per node inside a fresh two-node allocation."""
+    env = env_for(REPO_ROOT, {"RL_ENGINE_FAULT": fault})
+    return subprocess.Popen(
+        ["salloc", "--nodes=2", "--ntasks=2", "--cpus-per-task=2", "--quiet",
+         sys.executable, "-m", "rl_engine", "launch", "--plan", str(plan), "--tp", "2", "--cp", "2",
+         "--timeout-s", str(timeout_s), "--ranks-per-node", "2", "--log", str(run / "launch.log")],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def test_time_limit_and_stop_signal_kill_every_nodes_tree(cluster: None, tmp_path: Path) -> None:
+    """A rank on node2 hangs. One launch hits its time limit (124), another is sent SIGTERM while
+    its ranks run on both nodes (143); the two run at once, on distinct rendezvous ports. Each
+    stops its srun with SIGUSR1 (srun would SIGKILL the step on SIGTERM), each node's launch
+    kills its own torchrun and ranks, and nothing of either run survives."""
+    runs = {name: tmp_path / name for name in ("limit", "sigterm")}
+    plans = {}
+    for name, run in runs.items():
+        run.mkdir()
+        plans[name] = run / "plan.json"
+        assert cli.main(["plan", *TINY, "--topologies", "1x1,2x2", "--output", str(plans[name])]) == 0
+    procs = {"limit": _salloc_launch(runs["limit"], plans["limit"], 40, "hang:2x2:node2/0"),
+             "sigterm": _salloc_launch(runs["sigterm"], plans["sigterm"], 600, "hang:2x2:node2/0")}
+    deadline = time.monotonic() + STARTUP_LIMIT_S
+    ranks: list[str] = []
+    while time.monotonic() < deadline:  # both nodes' ranks of the second run are up
+        ranks = _processes_mentioning(f"{runs['sigterm']}/tp2-cp2.json")
+        runners = [p for p in ranks if "distributed_logprob_comparison.py" in p and "torch.distributed.run" not in p]
+        if len(runners) == 4:
+            break
+        assert procs["sigterm"].poll() is None, procs["sigterm"].communicate()[0]
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"the 2x2 ranks did not start: {ranks}")
+    outer = [p for p in _processes_mentioning(str(plans["sigterm"]))
+             if " launch " in p and "--rdzv-endpoint" not in p and "salloc" not in p]
+    assert len(outer) == 1, outer
+    os.kill(int(outer[0].split(":")[0]), signal.SIGTERM)
+    codes = {name: proc.wait(timeout=STARTUP_LIMIT_S) for name, proc in procs.items()}
+    logs = {name: (run / "launch.log").read_text() for name, run in runs.items()}
+    assert codes == {"limit": 124, "sigterm": 128 + signal.SIGTERM}, (codes, logs)
+    endpoints = {re.search(r"c10d rendezvous at (\S+);", text).group(1) for text in logs.values()}
+    assert len(endpoints) == 2, endpoints
+    for name, text in logs.items():
+        for node in NODES:
+            assert re.search(rf"error: topology 2x2, node {node} \(node rank [01] of 2\): received SIGUSR1; "
+                             "its torchrun and ranks were killed", text), (name, node, text[-3000:])
+        assert not list(runs[name].glob("tp2-cp2*")), name  # no partial report
+        assert _processes_mentioning(str(runs[name])) == [], name
+
+
 def _processes_mentioning(text: str) -> list[str]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -199,7 +261,7 @@ def _processes_mentioning(text: str) -> list[str]:
         except (OSError, IndexError):
             continue
         if text in cmdline and state not in ("Z", "X"):
-            found.append(f"{entry.name}: {cmdline[:200]}")
+            found.append(f"{entry.name}: {cmdline}")
     return found
 
 

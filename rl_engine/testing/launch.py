@@ -25,8 +25,9 @@ Topologies that span nodes (``--ranks-per-node R`` below the topology's ranks; s
 then starts ``srun`` with one task per node, each task a ``launch`` of that node's part (the
 internal ``--rdzv-endpoint``/``--rdzv-id`` flags): one ``torchrun`` of the node's ranks joining
 a c10d rendezvous on the first node. Every node's ``launch`` keeps the guarantees above for
-its own tree (time limit, stop signals, exit codes 0, 2, 124 and 128+N); a node whose ranks
-fail fails its task, ``srun --kill-on-bad-exit`` ends the other nodes' tasks, and the outer
+its own tree (time limit, stop signals, exit codes 0, 2, 124 and 128+N; it also stops on
+SIGUSR1, which is how the outer ``launch`` stops it through srun); a node whose ranks fail
+fails its task, ``srun --kill-on-bad-exit`` ends the other nodes' tasks, and the outer
 ``launch`` judges the report and removes the outputs exactly as on one node.
 """
 
@@ -64,10 +65,13 @@ from rl_engine.testing.proctree import stop_tree
 
 EXIT_TIMEOUT = 124
 KILL_GRACE_S = 5.0
-# srun forwards SIGTERM to every node's launch, which needs KILL_GRACE_S plus its settle time
-# to stop its own tree; only then is srun killed outright.
-SRUN_GRACE_S = 30.0
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+# srun turns SIGTERM, SIGHUP and SIGINT into an immediate SIGKILL of the whole step, which no
+# node's launch can catch, but forwards SIGUSR1 to every task. So a multi-node launch stops its
+# srun with SIGUSR1 first, each node's launch (which also stops on SIGUSR1) kills its own tree
+# and exits, and srun is killed outright only after SRUN_GRACE_S.
+NODE_STOP_SIGNAL = signal.SIGUSR1
+SRUN_GRACE_S = 30.0
 
 
 class LaunchError(ValueError):
@@ -117,7 +121,8 @@ class _StopSignals:
     short by a second signal. ``received`` keeps every signal seen.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
+        self.signals = signals
         self.received: list[int] = []
         self._armed = False
         self._previous: dict[signal.Signals, Any] = {}
@@ -131,7 +136,7 @@ class _StopSignals:
     def __enter__(self) -> "_StopSignals":
         if threading.current_thread() is not threading.main_thread():
             raise LaunchError("launch must run in the main thread: it handles SIGTERM, SIGHUP and SIGINT")
-        for sig in STOP_SIGNALS:
+        for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -172,8 +177,22 @@ def _stopped(tp: int, cp: int, output: str, signum: int) -> int:
     return 128 + signum
 
 
+def _stop_runner(proc: subprocess.Popen[bytes], forward: signal.Signals | None) -> None:
+    """Stop the runner's tree; with ``forward``, first send it that signal and give it SRUN_GRACE_S."""
+    if forward is not None and proc.poll() is None:
+        try:
+            os.kill(proc.pid, forward)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=SRUN_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    stop_tree(proc, KILL_GRACE_S)
+
+
 def _outcome(proc: subprocess.Popen[bytes], tp: int, cp: int, output: str, timeout_s: float,
-             stops: _StopSignals, grace_s: float = KILL_GRACE_S) -> int:
+             stops: _StopSignals, forward: signal.Signals | None = None) -> int:
     """The exit code of a started runner; every path that does not return 0 or 1 cleans up."""
     try:
         stops.arm()
@@ -181,7 +200,7 @@ def _outcome(proc: subprocess.Popen[bytes], tp: int, cp: int, output: str, timeo
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             stops.disarm()
-            stop_tree(proc, grace_s)
+            _stop_runner(proc, forward)
             remove_outputs(output)
             print(f"error: topology {tp}x{cp} exceeded --timeout-s={timeout_s:g}; the runner and "
                   "its ranks were killed and its outputs removed", file=sys.stderr)
@@ -189,11 +208,11 @@ def _outcome(proc: subprocess.Popen[bytes], tp: int, cp: int, output: str, timeo
         verdict = report_verdict(output)
         stops.disarm()
     except _Stopped as stop:
-        stop_tree(proc, grace_s)
+        _stop_runner(proc, forward)
         return _stopped(tp, cp, output, stop.signum)
     except BaseException:
         stops.disarm()
-        stop_tree(proc, grace_s)
+        _stop_runner(proc, forward)
         remove_outputs(output)
         raise
     if rc == 0 and verdict is True:
@@ -255,7 +274,7 @@ def _node_part(case: dict[str, Any], entry: dict[str, Any], tp: int, cp: int, ti
     node_rank = _node_rank(os.environ)
     argv = node_torchrun_argv(entry["argv"], layout, endpoint, rdzv_id, node_rank)
     where = f"topology {tp}x{cp}, node {node_name()} (node rank {node_rank} of {layout.nodes})"
-    with _StopSignals() as stops:
+    with _StopSignals(STOP_SIGNALS + (NODE_STOP_SIGNAL,)) as stops:
         if stops.received:
             return 128 + stops.received[0]
         env = {**os.environ, "OMP_NUM_THREADS": str(case["threads_per_rank"])}
@@ -313,13 +332,13 @@ def launch(plan_path: str, tp: int, cp: int, timeout_s: float, log: TextIO | Non
         remove_outputs(output)
         if stops.received:
             return _stopped(tp, cp, output, stops.received[0])
-        argv, grace = entry["argv"], KILL_GRACE_S
+        argv, forward = entry["argv"], None
         if layout.nodes > 1:
-            argv, grace = _job_argv(plan_path, tp, cp, timeout_s, case, layout, log), SRUN_GRACE_S
+            argv, forward = _job_argv(plan_path, tp, cp, timeout_s, case, layout, log), NODE_STOP_SIGNAL
         env = {**os.environ, "OMP_NUM_THREADS": str(case["threads_per_rank"])}
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
                                 start_new_session=True)
-        code = _outcome(proc, tp, cp, output, timeout_s, stops, grace)
+        code = _outcome(proc, tp, cp, output, timeout_s, stops, forward)
         if stops.received and code != 128 + stops.received[0]:
             # a stop that came while the outcome was being settled: the job was cancelled
             return _stopped(tp, cp, output, stops.received[0])
