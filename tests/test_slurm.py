@@ -250,6 +250,82 @@ def test_time_limit_and_stop_signal_kill_every_nodes_tree(cluster: None, tmp_pat
         assert _processes_mentioning(str(runs[name])) == [], name
 
 
+def _pid_of(text: str) -> int:
+    return int(text.split(":", 1)[0])
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _tree(root: int) -> list[int]:
+    """``root`` and every live descendant."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def test_a_dead_node_fails_the_launch_and_leaves_nothing(cluster: None, tmp_path: Path) -> None:
+    """node2 dies mid-run: its slurmd, its job step daemon and every process of the step are
+    SIGKILLed at once. The launch fails (2) with no report and nothing alive; node2 is then
+    brought back (``.ci/slurm-cluster.sh start`` restarts its slurmd)."""
+    plan = tmp_path / "plan.json"
+    assert cli.main(["plan", *TINY, "--topologies", "1x1,2x2", "--output", str(plan)]) == 0
+    proc = _salloc_launch(tmp_path, plan, 600, "hang:2x2:node2/0")
+    try:
+        deadline = time.monotonic() + STARTUP_LIMIT_S
+        parts: list[str] = []
+        while time.monotonic() < deadline:
+            runners = [p for p in _processes_mentioning(f"{tmp_path}/tp2-cp2.json")
+                       if "distributed_logprob_comparison.py" in p and "torch.distributed.run" not in p]
+            parts = [p for p in _processes_mentioning(str(plan)) if "--rdzv-endpoint" in p and not p.split(": ", 1)[1].startswith("srun")]
+            if len(runners) == 4 and len(parts) == 2:
+                break
+            assert proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"the 2x2 ranks did not start: {parts}")
+        node2 = [_pid_of(p) for p in parts if _environ(_pid_of(p)).get("SLURMD_NODENAME") == "node2"]
+        assert len(node2) == 1, parts
+        stepd = int(Path(f"/proc/{node2[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        slurmd = [_pid_of(p) for p in _processes_mentioning("slurmd -N node2") if "slurmd" in p.split(": ", 1)[1][:7]]
+        assert len(slurmd) == 1, slurmd
+        for pid in [*slurmd, *_tree(stepd)]:
+            os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=STARTUP_LIMIT_S)
+        log = (tmp_path / "launch.log").read_text() + out  # launch's own messages go to stderr
+        assert proc.returncode == 2, (proc.returncode, log[-3000:])
+        assert "Node failure on node2" in log and "no valid report was written; outputs removed" in log, log[-3000:]
+        # the surviving node's launch ended: its ranks failed first, or Slurm told it to stop
+        assert re.search(r"node node1 \(node rank 0 of 2\): (torchrun exited with|received SIGTERM; its torchrun "
+                         r"and ranks were killed)", log), log[-3000:]
+        assert not list(tmp_path.glob("tp2-cp2*"))
+        assert _processes_mentioning(str(tmp_path)) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        restarted = subprocess.run([str(REPO_ROOT / ".ci" / "slurm-cluster.sh"), "start"], capture_output=True,
+                                   text=True, timeout=120)
+        assert restarted.returncode == 0, restarted.stderr
+    assert _cluster_problem() is None
+
+
 def _processes_mentioning(text: str) -> list[str]:
     found = []
     for entry in Path("/proc").iterdir():
