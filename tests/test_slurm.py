@@ -13,6 +13,10 @@ spans node1 and node2.
    topology is untouched, and the next run redoes that topology alone;
 3. a bad ``ranks_per_node`` is refused while the workflow is parsed: no job reaches Slurm;
 4. nothing is left behind: no job in the queue, no launch, torchrun or rank alive.
+
+Beyond the workflow, ``launch`` is run in ``salloc`` allocations: its time limit and a SIGTERM
+stop every node's tree (two runs at once, on distinct rendezvous ports), and a node that dies
+mid-run fails the launch and leaves nothing.
 """
 
 from __future__ import annotations
