@@ -41,7 +41,7 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any, Mapping, TextIO
 
 from rl_engine import jsonio, schemas
 from rl_engine.testing.distributed_logprob_comparison import (
@@ -254,7 +254,7 @@ def _job_argv(plan_path: str, tp: int, cp: int, timeout_s: float, case: dict[str
     return argv
 
 
-def _node_rank(environ: dict[str, str] | os._Environ[str]) -> int:
+def _node_rank(environ: Mapping[str, str]) -> int:
     raw = environ.get("SLURM_NODEID", "")
     if not raw.isdigit():
         raise LaunchError(
