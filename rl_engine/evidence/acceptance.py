@@ -223,6 +223,9 @@ def check_report(
                 found.append(Finding(where, field_path(base + ("actual_backend",)), f"rank {rank.get('rank')!r} materialised {rank.get('actual_backend')!r}, requested {requested!r}"))
             if rank.get("fallback") is not False:
                 found.append(Finding(where, field_path(base + ("fallback",)), f"rank {rank.get('rank')!r} recorded fallback={rank.get('fallback')!r}"))
+        nodes = {rank.get("node") for rank in ranks if isinstance(rank, dict)} if isinstance(ranks, list) else set()
+        if ranks and topo.get("nnodes") != len(nodes):
+            found.append(Finding(where, "topology.nnodes", f"is {topo.get('nnodes')!r} but the ranks ran on {len(nodes)} distinct node(s) {sorted(map(str, nodes))}"))
 
     ok, fps = get(report, ("bitwise_fingerprints",))
     if not ok or not isinstance(fps, dict):

@@ -180,6 +180,15 @@ the archive member by member into a temporary directory and refuses links, devic
 or `..` paths, duplicate names, oversized members and members the file system cannot create.
 It exits 0 only when every check holds.
 
+## Across nodes
+
+Each report records, per rank, the node it ran on (`topology.ranks[].node`: the Slurm node
+name, else the hostname) and `topology.nnodes`; `SUMMARY.md` lists the nodes per topology.
+Acceptance requires `nnodes` to equal the number of distinct node names. A topology that
+spans nodes is held to the same checks as one that does not: its TP peers must produce
+identical bytes wherever they ran, and its fingerprints must equal every other topology's,
+single-node ones included, so the numbers do not depend on the node placement either.
+
 {checkout_text(git or {"available": False, "reason": "environment.json has no git record"})}"""
 
 

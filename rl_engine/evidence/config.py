@@ -18,7 +18,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
@@ -36,8 +36,12 @@ from rl_engine.testing.campaign import (
     matrix_problem,
 )
 from rl_engine.testing.campaign import parse_topologies as parse_topology_pairs
+from rl_engine.testing.nodes import NodeLayout, fitting_ranks_per_node, layout_problem
 
 SOURCE_PACKAGES = ("rl_engine",)
+RUNTIME_MARGIN_MIN = 5  # a topology job's Slurm time limit beyond topology_timeout_s
+MEM_MB_PER_RANK = 2000  # a topology job's memory per node: this per rank on the node, plus the launchers'
+MEM_MB_LAUNCH = 1000
 # Case fields held under another config key (atol/rtol: tolerances.<dtype>.atol/rtol).
 CONFIG_KEYS = {"dist_backend": "device", "timeout_s": "pg_timeout_s"}
 
@@ -179,6 +183,15 @@ def _campaign_problems(config: dict[str, Any], origin: Origin) -> list[str]:
     problem = matrix_problem(len(pairs))
     if problem is not None:
         problems.append(f"{origin.describe('topologies', config['topologies'])}: {problem}")
+    for index, topo in enumerate(pairs):
+        problem = layout_problem(topo.world_size, config["ranks_per_node"])
+        if problem is not None:
+            fitting = fitting_ranks_per_node([t.world_size for t in pairs])
+            problems.append(
+                f"{origin.describe('ranks_per_node', config['ranks_per_node'])}: topology "
+                f"{config['topologies'][index]!r} (topologies[{index}]): {problem}; values that fit every "
+                f"listed topology: {fitting}"
+            )
     if not problems:
         # the plan rule's own path: a Case and a schema-valid plan, or this names why not
         try:
@@ -188,6 +201,44 @@ def _campaign_problems(config: dict[str, Any], origin: Origin) -> list[str]:
         problems += [f"the plan of this config does not match schemas/plan.schema.json: {p}"
                      for p in schemas.errors(plan, "plan")]
     return problems
+
+
+def topology_resources(config: dict[str, Any], tp: int, cp: int) -> dict[str, Any]:
+    """What the topology rule of ``tp x cp`` asks a cluster for (Snakemake resources).
+
+    ``nodes`` from ``ranks_per_node``; one task per node (each runs that node's torchrun);
+    ``cpus_per_task`` the node's ranks x ``threads_per_rank``; ``mem_mb`` (per node)
+    :data:`MEM_MB_PER_RANK` per rank on the node plus :data:`MEM_MB_LAUNCH`; ``runtime`` (minutes) the
+    topology's time limit plus :data:`RUNTIME_MARGIN_MIN` for start-up and clean-up, so
+    ``launch``'s own limit always fires first; ``mpi="srun"`` when it spans nodes (the
+    executor then leaves the srun to the rule); on cuda ``gres=gpu:<ranks on a node>``. One
+    node keeps ``tasks=1`` and no ``mpi``: Snakemake's Slurm executor refuses MPI with one task.
+    """
+    layout = NodeLayout(tp * cp, config["ranks_per_node"])
+    resources: dict[str, Any] = {
+        "nodes": layout.nodes,
+        "tasks": layout.nodes,
+        "cpus_per_task": layout.ranks_on_node * config["threads_per_rank"],
+        "mem_mb": layout.ranks_on_node * MEM_MB_PER_RANK + MEM_MB_LAUNCH,
+        "runtime": math.ceil(config["topology_timeout_s"] / 60) + RUNTIME_MARGIN_MIN,
+        "mpi": "srun" if layout.nodes > 1 else None,
+        "gres": f"gpu:{layout.ranks_on_node}" if config["device"] == "cuda" else None,
+        # with gres the executor would turn `tasks` into --ntasks-per-gpu; 0 keeps it out
+        "tasks_per_gpu": 0 if config["device"] == "cuda" else None,
+    }
+    return resources
+
+
+TOPOLOGY_RESOURCES = ("nodes", "tasks", "cpus_per_task", "mem_mb", "runtime", "mpi", "gres", "tasks_per_gpu")
+
+
+def topology_resource_functions(config: dict[str, Any]) -> dict[str, Callable[[Any], Any]]:
+    """The topology rule's ``resources:``, one function of the wildcards per resource."""
+
+    def resource(key: str) -> Callable[[Any], Any]:
+        return lambda wildcards: topology_resources(config, int(wildcards.tp), int(wildcards.cp))[key]
+
+    return {key: resource(key) for key in TOPOLOGY_RESOURCES}
 
 
 def check_config(config: dict[str, Any], origin: Origin = Origin()) -> dict[str, Any]:

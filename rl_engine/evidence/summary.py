@@ -3,11 +3,11 @@
 ``python -m rl_engine summary --run-dir RUN --output RUN/SUMMARY.md`` reads
 ``environment.json``, ``regression.json`` (and the JUnit XML it names), ``plan.json``, every
 planned report, ``validation.json`` and ``crosscheck.json`` and writes, in the guide's shape:
-status, tested commit, validation matrix, per-topology table (TP, CP, ranks, LSE max abs,
-active dlogp max abs, result), acceptance results at full precision, the focused regression
-with the reason of every skipped test, fingerprints, hardware and runtime, reproduction (the
-commit, a config file that reproduces the case and the run's exact commands), boundary, and
-artifacts with their SHA-256. Every number comes from those files; nothing is
+status, tested commit, validation matrix, per-topology table (TP, CP, ranks, the nodes they
+ran on, LSE max abs, active dlogp max abs, result), acceptance results at full precision, the
+focused regression with the reason of every skipped test, fingerprints, hardware and runtime,
+reproduction (the commit, a config file that reproduces the case and the run's exact
+commands), boundary, and artifacts with their SHA-256. Every number comes from those files; nothing is
 typed in. The same tables are printed on the console with rich.
 
 The text is a function of the evidence files alone (:func:`summary_text`): ``verify`` renders it
@@ -138,6 +138,13 @@ def _result(report: dict[str, Any]) -> str:
 
 def _list_degrees(values: list[int]) -> str:
     return "/".join(str(v) for v in sorted(set(values)))
+
+
+def nodes_text(report: dict[str, Any]) -> str:
+    """``<nnodes>: <node>, ...``: how many nodes a topology ran on and which (sorted names)."""
+    ranks = _get(report, "topology", "ranks")
+    names = sorted({str(r.get("node")) for r in ranks if isinstance(r, dict)}) if isinstance(ranks, list) else []
+    return f"{_get(report, 'topology', 'nnodes')}: {', '.join(names)}"
 
 
 def status_passed(ev: Evidence) -> bool:
@@ -292,12 +299,14 @@ def sections(ev: Evidence, run_dir: Path) -> dict[str, Section]:
         lse = _get(report, "drift", "fp32_oracle", "lse", "max_abs")
         dlogp = _get(report, "drift", "fp32_oracle", "dlogp", "max_abs")
         world = _get(report, "topology", "world_size")
-        per_topology.append((str(item.tp), str(item.cp), str(world), _sci(lse), _sci(dlogp), _result(report)))
+        per_topology.append((str(item.tp), str(item.cp), str(world), nodes_text(report), _sci(lse), _sci(dlogp),
+                             _result(report)))
         acceptance.append((str(item.tp), str(item.cp), str(world), _result(report), _exact(lse), _exact(dlogp),
                            _exact(_get(report, "drift", "fp64_oracle", "lse", "max_abs")),
                            _exact(_get(report, "drift", "fp64_oracle", "dlogp", "max_abs"))))
     topo = Section("Per-topology results (FP32 oracle)",
-                   ("TP", "CP", "Ranks", "LSE max abs", "Active dlogp max abs", "Result"), tuple(per_topology))
+                   ("TP", "CP", "Ranks", "Nodes", "LSE max abs", "Active dlogp max abs", "Result"),
+                   tuple(per_topology))
     accept = Section("Acceptance results (full precision)",
                      ("TP", "CP", "Ranks", "Result", "LSE max abs (FP32)", "Active dlogp max abs (FP32)",
                       "LSE max abs (FP64)", "Active dlogp max abs (FP64)"), tuple(acceptance))

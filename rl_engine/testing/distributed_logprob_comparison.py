@@ -84,6 +84,7 @@ from rl_engine.testing.campaign import (
 )
 from rl_engine.testing.faults import Fault, FaultError, fault_from_env
 from rl_engine.testing.inputs import inputs_sha256, make_inputs
+from rl_engine.testing.nodes import node_name
 
 EXIT_PASSED = 0
 EXIT_FAILED = 1
@@ -229,6 +230,7 @@ def compute_rank(
         "rank": rank,
         "tp_rank": tp_rank,
         "cp_rank": cp_rank,
+        "node": node_name(),
         "token_indices": list(contract.token_indices),
         "vocab_bounds": [contract.vocab_start, contract.vocab_end],
         "requested_backend": selected.requested_backend,
@@ -385,8 +387,9 @@ def build_report(
             "cp": cp,
             "world_size": tp * cp,
             "cp_layout": case.cp_layout,
+            "nnodes": len({r["node"] for r in results}),
             "ranks": [
-                {key: r[key] for key in ("rank", "tp_rank", "cp_rank", "token_indices", "vocab_bounds",
+                {key: r[key] for key in ("rank", "tp_rank", "cp_rank", "node", "token_indices", "vocab_bounds",
                                          "actual_backend", "fallback", "contract_fingerprint")}
                 for r in results
             ],
@@ -447,7 +450,7 @@ def run_topology(args: argparse.Namespace, case: Case) -> int:
     try:
         dist.barrier()
         if fault is not None:
-            fault.trigger_after_mesh(tp, cp, mesh.rank)
+            fault.trigger_after_mesh(tp, cp, mesh.rank, node_name(), launch.local_rank)
         setup_s = time.perf_counter() - start
         result = compute_rank(case, tp, cp, mesh.rank, mesh.tp_rank, mesh.cp_rank, mesh.tp_group, mesh.device)
         gathered: list[Any] | None = [None] * (tp * cp) if mesh.rank == 0 else None

@@ -1,0 +1,354 @@
+"""The campaign on a real Slurm cluster (issue 12): marker ``slurm``, ``pytest -m slurm``.
+
+Needs the two-node cluster of ``.ci/slurm-cluster.sh start`` (``.ci/run`` starts it before the
+tests and stops it after); every test here skips, saying so, when that cluster is not up.
+The workflow runs in a temporary copy of the repository exactly as the README says:
+``snakemake --workflow-profile workflow/profiles/slurm --config ranks_per_node=2``, plus a
+small config and a short first status check. With two ranks per node the 2x2 topology
+spans node1 and node2.
+
+1. the campaign builds an archive that verifies; the 2x2 report names node1 and node2, and
+   each job asked Slurm for what its topology needs (the sbatch lines);
+2. a rank on node2 is killed mid-run: the job fails, no report is left, the other
+   topology is untouched, and the next run redoes that topology alone;
+3. a bad ``ranks_per_node`` is refused while the workflow is parsed: no job reaches Slurm;
+4. nothing is left behind: no job in the queue, no launch, torchrun or rank alive.
+
+Beyond the workflow, ``launch`` is run in ``salloc`` allocations: its time limit and a SIGTERM
+stop every node's tree (two runs at once, on distinct rendezvous ports), and a node that dies
+mid-run fails the launch and leaves nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _workflow_util import (
+    CONFIG,
+    SHORT_REGRESSION,
+    SMALL_VOCAB,
+    archive_of,
+    copy_repo,
+    env_for,
+    jobs_run,
+    verify,
+    write_config,
+)
+from rl_engine import cli, jsonio
+from rl_engine.logprob.vocab_parallel import BACKEND_ID
+
+pytestmark = pytest.mark.slurm
+
+NODES = ("node1", "node2")
+CASE = {**SMALL_VOCAB, "topologies": ["1x1", "2x2"], "regression": SHORT_REGRESSION}
+RUN = "results/rl-engine-logprob-nogit"
+PROFILE = "workflow/profiles/slurm"
+# a shorter first status check than the executor's 40 s (MinJobAge=900 of the test cluster
+# keeps finished jobs visible to squeue far longer than 3x this)
+FAST_POLL = ("--slurm-init-seconds-before-status-checks", "5")
+RUN_LIMIT_S = 900.0  # a failure bound for slow machines, not a measured claim
+STARTUP_LIMIT_S = 300.0  # likewise
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TINY = [
+    "--device", "cpu", "--dtype", "bf16", "--backend", BACKEND_ID, "--real-vocab", "60",
+    "--padded-vocab", "64", "--num-vocab-tiles", "4", "--batch", "2", "--seq", "8",
+    "--prompt-tokens", "4", "--seed", "7", "--timeout-s", "120",
+]
+
+
+def _cluster_problem() -> str | None:
+    """Why the test cluster is not usable (None when node1 and node2 answer)."""
+    if shutil.which("sinfo") is None:
+        return "sinfo is not installed"
+    try:
+        done = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "sinfo timed out"
+    if done.returncode != 0:
+        return f"sinfo failed: {done.stderr.strip()}"
+    states = dict(line.split() for line in done.stdout.splitlines() if len(line.split()) == 2)
+    down = [n for n in NODES if not re.match(r"(idle|mix|alloc)", states.get(n, "missing"))]
+    return f"nodes not up: {down} (sinfo: {states})" if down else None
+
+
+@pytest.fixture(scope="module")
+def cluster() -> None:
+    problem = _cluster_problem()
+    if problem is not None:
+        pytest.skip(f"no Slurm test cluster ({problem}); start one with `.ci/slurm-cluster.sh start` "
+                    "(.ci/run does)")
+
+
+def slurm_snakemake(repo: Path, *args: str, ranks_per_node: str = "2", configfile: str = CONFIG,
+                    extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "snakemake", "--workflow-profile", PROFILE, "--configfile", configfile,
+           *FAST_POLL, "--verbose", *args, "--config", f"ranks_per_node={ranks_per_node}"]
+    return subprocess.run(cmd, cwd=repo, env=env_for(repo, extra_env), capture_output=True, text=True,
+                          timeout=RUN_LIMIT_S)
+
+
+def sbatch_lines(output: str) -> list[str]:
+    """The executor's sbatch calls, without the --wrap'ed snakemake command."""
+    return [line.split("sbatch call: ", 1)[1].split(" --wrap=", 1)[0]
+            for line in output.splitlines() if "sbatch call: " in line]
+
+
+def slurm_jobs() -> list[str]:
+    """Every job slurmctld still knows (MinJobAge keeps finished ones), one line each."""
+    done = subprocess.run(["scontrol", "-o", "show", "job"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return [line for line in done.stdout.splitlines() if line.startswith("JobId=")]
+
+
+@pytest.fixture(scope="module")
+def campaign(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    repo = copy_repo(tmp_path_factory.mktemp("slurm"))
+    write_config(repo, CASE)
+    start = time.monotonic()
+    done = slurm_snakemake(repo)
+    elapsed = time.monotonic() - start
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-8000:]
+    print(f"\nslurm campaign: {elapsed:.1f} s")
+    for line in sbatch_lines(text):
+        print(line)
+    return {"repo": repo, "text": text, "elapsed": elapsed}
+
+
+def test_campaign_through_the_slurm_profile_spans_both_nodes_and_verifies(campaign: dict[str, Any]) -> None:
+    repo, text = campaign["repo"], campaign["text"]
+    counts = jobs_run(text)
+    assert counts.get("topology") == 2 and counts.get("archive") == 1, counts
+    verified = verify(repo, archive_of(repo))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    report = jsonio.load(repo / RUN / "tp2-cp2.json")
+    ranks = report["topology"]["ranks"]
+    print("tp2-cp2 ranks:", [(r["rank"], r["node"]) for r in ranks])
+    assert report["topology"]["nnodes"] == 2
+    assert sorted(r["node"] for r in ranks) == ["node1", "node1", "node2", "node2"]
+    single = jsonio.load(repo / RUN / "tp1-cp1.json")
+    assert single["topology"]["nnodes"] == 1 and single["topology"]["ranks"][0]["node"] in NODES
+    # the spanning topology's bytes equal the single-node one's
+    assert report["bitwise_fingerprints"] == single["bitwise_fingerprints"]
+    summary = (repo / RUN / "SUMMARY.md").read_text()
+    assert re.search(r"^\| 2 \| 2 \| 4 \| 2: node1, node2 \|", summary, re.M), summary
+    log = (repo / RUN / "logs" / "tp2-cp2.log").read_text()
+    assert "4 ranks on 2 nodes (node1,node2) x 2, c10d rendezvous at 127.0.0.1:" in log, log[-3000:]
+
+
+def test_each_job_asked_slurm_for_what_its_topology_needs(campaign: dict[str, Any]) -> None:
+    lines = sbatch_lines(campaign["text"])
+    spanning = [line for line in lines if "rule_topology_wildcards_2_2" in line]
+    single = [line for line in lines if "rule_topology_wildcards_1_1" in line]
+    assert len(spanning) == 1 and len(single) == 1, lines
+    for part in ("--nodes=2", "--ntasks=2", "--cpus-per-task=2", "-t 15", "--mem 5000"):
+        assert part in spanning[0], (part, spanning[0])
+    for part in ("--nodes=1", "--ntasks=1", "--cpus-per-task=1"):
+        assert part in single[0], (part, single[0])
+    local = {"plan", "validation", "crosscheck", "summary", "archive", "verify_archive"}
+    assert not [line for line in lines if any(f"rule_{rule} " in line or f"rule_{rule}'" in line for rule in local)]
+    assert any("rule_environment" in line for line in lines) and any("rule_regression" in line for line in lines)
+
+
+def test_a_rank_killed_on_node2_fails_the_job_and_the_rerun_redoes_that_topology_alone(
+        campaign: dict[str, Any]) -> None:
+    repo = campaign["repo"]
+    report = repo / RUN / "tp2-cp2.json"
+    untouched = (repo / RUN / "tp1-cp1.json").stat().st_mtime_ns
+    report.unlink()
+    failed = slurm_snakemake(repo, extra_env={"RL_ENGINE_FAULT": "kill:2x2:node2/0"})
+    text = failed.stdout + failed.stderr
+    assert failed.returncode != 0, text[-6000:]
+    assert jobs_run(text).get("topology") == 1, jobs_run(text)
+    assert not report.exists() and not list((repo / RUN).glob("tp2-cp2.*.f32"))  # no partial report
+    log = (repo / RUN / "logs" / "tp2-cp2.log").read_text()
+    assert "srun: error: node2: task 1: Exited with exit code 2" in log, log[-4000:]
+    assert "error: topology 2x2, node node2 (node rank 1 of 2): torchrun exited with" in log, log[-4000:]
+    assert "SIGKILL" in log and "no valid report was written; outputs removed" in log, log[-4000:]
+    rerun = slurm_snakemake(repo)
+    text = rerun.stdout + rerun.stderr
+    assert rerun.returncode == 0, text[-6000:]
+    counts = jobs_run(text)
+    assert counts.get("topology") == 1 and "environment" not in counts and "regression" not in counts, counts
+    assert (repo / RUN / "tp1-cp1.json").stat().st_mtime_ns == untouched
+    assert jsonio.load(report)["topology"]["nnodes"] == 2
+    verified = verify(repo, archive_of(repo))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_bad_ranks_per_node_is_refused_before_any_job_reaches_slurm(cluster: None, tmp_path: Path) -> None:
+    repo = copy_repo(tmp_path)
+    write_config(repo, {**CASE, "topologies": ["1x1", "2x1", "4x2"]})
+    before = slurm_jobs()
+    for value, message in (("3", "config key 'ranks_per_node' has value 3: topology '4x2' (topologies[2])"),
+                           ("0", "config key 'ranks_per_node' has value 0")):
+        done = slurm_snakemake(repo, ranks_per_node=value)
+        text = done.stdout + done.stderr
+        assert done.returncode != 0, text[-4000:]
+        assert "WorkflowConfigError" in text and message in text, text[-4000:]
+        assert "sbatch call" not in text and "Building DAG of jobs" not in text, text[-4000:]
+    assert slurm_jobs() == before
+    assert list((repo / "results").iterdir()) == []
+    assert not (repo / ".snakemake" / "slurm_logs").exists()
+
+
+def _salloc_launch(run: Path, plan: Path, timeout_s: int, fault: str) -> subprocess.Popen[str]:
+    """``launch`` of the plan's 2x2 at two ranks per node inside a fresh two-node allocation."""
+    env = env_for(REPO_ROOT, {"RL_ENGINE_FAULT": fault})
+    return subprocess.Popen(
+        ["salloc", "--nodes=2", "--ntasks=2", "--cpus-per-task=2", "--quiet",
+         sys.executable, "-m", "rl_engine", "launch", "--plan", str(plan), "--tp", "2", "--cp", "2",
+         "--timeout-s", str(timeout_s), "--ranks-per-node", "2", "--log", str(run / "launch.log")],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def test_time_limit_and_stop_signal_kill_every_nodes_tree(cluster: None, tmp_path: Path) -> None:
+    """A rank on node2 hangs. One launch hits its time limit (124), another is sent SIGTERM while
+    its ranks run on both nodes (143); the two run at once, on distinct rendezvous ports. Each
+    stops its srun with SIGUSR1 (srun would SIGKILL the step on SIGTERM), each node's launch
+    kills its own torchrun and ranks, and nothing of either run survives."""
+    runs = {name: tmp_path / name for name in ("limit", "sigterm")}
+    plans = {}
+    for name, run in runs.items():
+        run.mkdir()
+        plans[name] = run / "plan.json"
+        assert cli.main(["plan", *TINY, "--topologies", "1x1,2x2", "--output", str(plans[name])]) == 0
+    procs = {"limit": _salloc_launch(runs["limit"], plans["limit"], 40, "hang:2x2:node2/0"),
+             "sigterm": _salloc_launch(runs["sigterm"], plans["sigterm"], 600, "hang:2x2:node2/0")}
+    deadline = time.monotonic() + STARTUP_LIMIT_S
+    ranks: list[str] = []
+    while time.monotonic() < deadline:  # both nodes' ranks of the second run are up
+        ranks = _processes_mentioning(f"{runs['sigterm']}/tp2-cp2.json")
+        runners = [p for p in ranks if "distributed_logprob_comparison.py" in p and "torch.distributed.run" not in p]
+        if len(runners) == 4:
+            break
+        assert procs["sigterm"].poll() is None, procs["sigterm"].communicate()[0]
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"the 2x2 ranks did not start: {ranks}")
+    outer = [p for p in _processes_mentioning(str(plans["sigterm"]))
+             if " launch " in p and "--rdzv-endpoint" not in p and "salloc" not in p]
+    assert len(outer) == 1, outer
+    os.kill(int(outer[0].split(":")[0]), signal.SIGTERM)
+    codes = {name: proc.wait(timeout=STARTUP_LIMIT_S) for name, proc in procs.items()}
+    logs = {name: (run / "launch.log").read_text() for name, run in runs.items()}
+    assert codes == {"limit": 124, "sigterm": 128 + signal.SIGTERM}, (codes, logs)
+    endpoints = {re.search(r"c10d rendezvous at (\S+);", text).group(1) for text in logs.values()}
+    assert len(endpoints) == 2, endpoints
+    for name, text in logs.items():
+        for node in NODES:
+            assert re.search(rf"error: topology 2x2, node {node} \(node rank [01] of 2\): received SIGUSR1; "
+                             "its torchrun and ranks were killed", text), (name, node, text[-3000:])
+        assert not list(runs[name].glob("tp2-cp2*")), name  # no partial report
+        assert _processes_mentioning(str(runs[name])) == [], name
+
+
+def _pid_of(text: str) -> int:
+    return int(text.split(":", 1)[0])
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _tree(root: int) -> list[int]:
+    """``root`` and every live descendant."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def test_a_dead_node_fails_the_launch_and_leaves_nothing(cluster: None, tmp_path: Path) -> None:
+    """node2 dies mid-run: its slurmd, its job step daemon and every process of the step are
+    SIGKILLed at once. The launch fails (2) with no report and nothing alive; node2 is then
+    brought back (``.ci/slurm-cluster.sh start`` restarts its slurmd)."""
+    plan = tmp_path / "plan.json"
+    assert cli.main(["plan", *TINY, "--topologies", "1x1,2x2", "--output", str(plan)]) == 0
+    proc = _salloc_launch(tmp_path, plan, 600, "hang:2x2:node2/0")
+    try:
+        deadline = time.monotonic() + STARTUP_LIMIT_S
+        parts: list[str] = []
+        while time.monotonic() < deadline:
+            runners = [p for p in _processes_mentioning(f"{tmp_path}/tp2-cp2.json")
+                       if "distributed_logprob_comparison.py" in p and "torch.distributed.run" not in p]
+            parts = [p for p in _processes_mentioning(str(plan)) if "--rdzv-endpoint" in p and not p.split(": ", 1)[1].startswith("srun")]
+            if len(runners) == 4 and len(parts) == 2:
+                break
+            assert proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"the 2x2 ranks did not start: {parts}")
+        node2 = [_pid_of(p) for p in parts if _environ(_pid_of(p)).get("SLURMD_NODENAME") == "node2"]
+        assert len(node2) == 1, parts
+        stepd = int(Path(f"/proc/{node2[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        slurmd = [_pid_of(p) for p in _processes_mentioning("slurmd -N node2") if "slurmd" in p.split(": ", 1)[1][:7]]
+        assert len(slurmd) == 1, slurmd
+        for pid in [*slurmd, *_tree(stepd)]:
+            os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=STARTUP_LIMIT_S)
+        log = (tmp_path / "launch.log").read_text() + out  # launch's own messages go to stderr
+        assert proc.returncode == 2, (proc.returncode, log[-3000:])
+        assert "Node failure on node2" in log and "no valid report was written; outputs removed" in log, log[-3000:]
+        # the surviving node's launch ended: its ranks failed first, or Slurm told it to stop
+        assert re.search(r"node node1 \(node rank 0 of 2\): (torchrun exited with|received SIGTERM; its torchrun "
+                         r"and ranks were killed)", log), log[-3000:]
+        assert not list(tmp_path.glob("tp2-cp2*"))
+        assert _processes_mentioning(str(tmp_path)) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        restarted = subprocess.run([str(REPO_ROOT / ".ci" / "slurm-cluster.sh"), "start"], capture_output=True,
+                                   text=True, timeout=120)
+        assert restarted.returncode == 0, restarted.stderr
+    assert _cluster_problem() is None
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if text in cmdline and state not in ("Z", "X"):
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+def test_nothing_is_left_behind(campaign: dict[str, Any]) -> None:
+    """Runs last: the queue is empty and no launch, torchrun, rank or job step of the runs is alive."""
+    queue = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True, timeout=30)
+    assert queue.returncode == 0 and queue.stdout.strip() == "", queue.stdout + queue.stderr
+    repo = str(campaign["repo"])
+    assert _processes_mentioning(repo) == []
+    assert _processes_mentioning("--rdzv-id=rl-engine-") == []
