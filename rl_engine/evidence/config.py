@@ -14,6 +14,7 @@ cannot run here before any job.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from dataclasses import dataclass, field
