@@ -41,6 +41,7 @@ from _workflow_util import (
     copy_repo,
     env_for,
     jobs_run,
+    run_name_of,
     verify,
     write_config,
 )
@@ -51,7 +52,11 @@ pytestmark = pytest.mark.slurm
 
 NODES = ("node1", "node2")
 CASE = {**SMALL_VOCAB, "topologies": ["1x1", "2x2"], "regression": SHORT_REGRESSION}
-RUN = "results/rl-engine-logprob-nogit"
+
+
+def run_of(repo: Path) -> Path:
+    """The run directory the workflow names for the test config (its case, not ranks_per_node)."""
+    return Path("results") / run_name_of(repo)
 PROFILE = "workflow/profiles/slurm"
 # a shorter first status check than the executor's 40 s (MinJobAge=900 of the test cluster
 # keeps finished jobs visible to squeue far longer than 3x this)
@@ -131,18 +136,18 @@ def test_campaign_through_the_slurm_profile_spans_both_nodes_and_verifies(campai
     assert counts.get("topology") == 2 and counts.get("archive") == 1, counts
     verified = verify(repo, archive_of(repo))
     assert verified.returncode == 0, verified.stdout + verified.stderr
-    report = jsonio.load(repo / RUN / "tp2-cp2.json")
+    report = jsonio.load(repo / run_of(repo) / "tp2-cp2.json")
     ranks = report["topology"]["ranks"]
     print("tp2-cp2 ranks:", [(r["rank"], r["node"]) for r in ranks])
     assert report["topology"]["nnodes"] == 2
     assert sorted(r["node"] for r in ranks) == ["node1", "node1", "node2", "node2"]
-    single = jsonio.load(repo / RUN / "tp1-cp1.json")
+    single = jsonio.load(repo / run_of(repo) / "tp1-cp1.json")
     assert single["topology"]["nnodes"] == 1 and single["topology"]["ranks"][0]["node"] in NODES
     # the spanning topology's bytes equal the single-node one's
     assert report["bitwise_fingerprints"] == single["bitwise_fingerprints"]
-    summary = (repo / RUN / "SUMMARY.md").read_text()
+    summary = (repo / run_of(repo) / "SUMMARY.md").read_text()
     assert re.search(r"^\| 2 \| 2 \| 4 \| 2: node1, node2 \|", summary, re.M), summary
-    log = (repo / RUN / "logs" / "tp2-cp2.log").read_text()
+    log = (repo / run_of(repo) / "logs" / "tp2-cp2.log").read_text()
     assert "4 ranks on 2 nodes (node1,node2) x 2, c10d rendezvous at 127.0.0.1:" in log, log[-3000:]
 
 
@@ -163,15 +168,15 @@ def test_each_job_asked_slurm_for_what_its_topology_needs(campaign: dict[str, An
 def test_a_rank_killed_on_node2_fails_the_job_and_the_rerun_redoes_that_topology_alone(
         campaign: dict[str, Any]) -> None:
     repo = campaign["repo"]
-    report = repo / RUN / "tp2-cp2.json"
-    untouched = (repo / RUN / "tp1-cp1.json").stat().st_mtime_ns
+    report = repo / run_of(repo) / "tp2-cp2.json"
+    untouched = (repo / run_of(repo) / "tp1-cp1.json").stat().st_mtime_ns
     report.unlink()
     failed = slurm_snakemake(repo, extra_env={"RL_ENGINE_FAULT": "kill:2x2:node2/0"})
     text = failed.stdout + failed.stderr
     assert failed.returncode != 0, text[-6000:]
     assert jobs_run(text).get("topology") == 1, jobs_run(text)
-    assert not report.exists() and not list((repo / RUN).glob("tp2-cp2.*.f32"))  # no partial report
-    log = (repo / RUN / "logs" / "tp2-cp2.log").read_text()
+    assert not report.exists() and not list((repo / run_of(repo)).glob("tp2-cp2.*.f32"))  # no partial report
+    log = (repo / run_of(repo) / "logs" / "tp2-cp2.log").read_text()
     assert "srun: error: node2: task 1: Exited with exit code 2" in log, log[-4000:]
     assert "error: topology 2x2, node node2 (node rank 1 of 2): torchrun exited with" in log, log[-4000:]
     assert "SIGKILL" in log and "no valid report was written; outputs removed" in log, log[-4000:]
@@ -180,7 +185,7 @@ def test_a_rank_killed_on_node2_fails_the_job_and_the_rerun_redoes_that_topology
     assert rerun.returncode == 0, text[-6000:]
     counts = jobs_run(text)
     assert counts.get("topology") == 1 and "environment" not in counts and "regression" not in counts, counts
-    assert (repo / RUN / "tp1-cp1.json").stat().st_mtime_ns == untouched
+    assert (repo / run_of(repo) / "tp1-cp1.json").stat().st_mtime_ns == untouched
     assert jsonio.load(report)["topology"]["nnodes"] == 2
     verified = verify(repo, archive_of(repo))
     assert verified.returncode == 0, verified.stdout + verified.stderr
@@ -190,7 +195,8 @@ def test_bad_ranks_per_node_is_refused_before_any_job_reaches_slurm(cluster: Non
     repo = copy_repo(tmp_path)
     write_config(repo, {**CASE, "topologies": ["1x1", "2x1", "4x2"]})
     before = slurm_jobs()
-    for value, message in (("3", "config key 'ranks_per_node' has value 3: topology '4x2' (topologies[2])"),
+    for value, message in (("3", "config key 'ranks_per_node' has value 3 (given with --config ranks_per_node=...; the config file "
+                            "has ranks_per_node: 8): topology '4x2' (topologies[2])"),
                            ("0", "config key 'ranks_per_node' has value 0")):
         done = slurm_snakemake(repo, ranks_per_node=value)
         text = done.stdout + done.stderr

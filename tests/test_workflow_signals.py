@@ -157,7 +157,7 @@ from pathlib import Path
 
 p = argparse.ArgumentParser()
 p.add_argument("--plan"); p.add_argument("--tp", type=int); p.add_argument("--cp", type=int)
-p.add_argument("--timeout-s")
+p.add_argument("--timeout-s"); p.add_argument("--ranks-per-node")
 a = p.parse_args()
 run = Path(a.plan).parent
 start = time.time()
