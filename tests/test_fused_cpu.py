@@ -163,7 +163,7 @@ def test_negative_control_a_library_exp_in_the_eager_loop_breaks_the_equality(
     fused = _run(FusedCpuLogprob(), x, targets, active, contract, True)
     monkeypatch.setattr(tiles, "exp_into", lambda y, out, sc: torch.exp(y, out=out))
     library = _run(VocabParallelLogprob(), x, targets, active, contract, True)
-    assert fused["lse"] != library["lse"] and fused["grad"] != library["grad"]
+    assert fused["grad"] != library["grad"]  # fp32: the gradient is not rounded
 
 
 # ----- per TP shard: partials and local gradient --------------------------------------------
