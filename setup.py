@@ -10,6 +10,7 @@ from setuptools import Extension, setup
 FUSED_CPU = Extension(
     "rl_engine.logprob._fused_cpu",
     sources=["rl_engine/logprob/_fused_cpu.c"],
+    depends=["rl_engine/logprob/_fused_cpu_lanes.h"],
     extra_compile_args=[
         "-O3",
         "-std=gnu11",

@@ -197,20 +197,32 @@ def test_every_tp_shard_computes_the_eager_partials_and_gradient(dtype: str, tp:
 # ----- instruction-set variants ---------------------------------------------------------------
 
 
-def _has_avx2() -> bool:
-    return fused_cpu.load_kernel().selected_isa(fused_cpu.ISA_AVX2) == fused_cpu.ISA_AVX2
+def _isas() -> list[str]:
+    kernel = fused_cpu.load_kernel()
+    return ["baseline"] + [name for name in ("avx2", "avx512")
+                           if kernel.selected_isa(fused_cpu.ISA_NAMES[name]) == fused_cpu.ISA_NAMES[name]]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
-def test_baseline_and_avx2_kernels_give_the_same_bytes(dtype: str) -> None:
-    if not _has_avx2():
-        pytest.skip("this CPU has no AVX2: only the baseline kernel runs here")
+def test_baseline_avx2_and_avx512_kernels_give_the_same_bytes(dtype: str) -> None:
+    isas = _isas()
+    if len(isas) == 1:
+        pytest.skip("this CPU has neither AVX2 nor AVX-512: only the baseline kernel runs here")
     x, targets, active = _inputs(dtype, 997, 1001, 11, seed=11)
     contract = _contract(dtype, 997, 1001, 7, 11)
-    runs = {isa: _run(FusedCpuLogprob(isa=isa), x, targets, active, contract, True)
-            for isa in ("baseline", "avx2", "auto")}
-    assert runs["baseline"] == runs["avx2"] == runs["auto"]
-    assert runs["avx2"] == _run(VocabParallelLogprob(), x, targets, active, contract, True)
+    eager = _run(VocabParallelLogprob(), x, targets, active, contract, True)
+    for isa in isas + ["auto"]:
+        assert _run(FusedCpuLogprob(isa=isa), x, targets, active, contract, True) == eager, isa
+
+
+def test_an_instruction_set_the_cpu_lacks_is_refused() -> None:
+    kernel = fused_cpu.load_kernel()
+    missing = [n for n in ("avx2", "avx512") if kernel.selected_isa(fused_cpu.ISA_NAMES[n]) < 0]
+    if not missing:
+        pytest.skip("this CPU has every variant")
+    x, targets, active = _inputs("bf16", 1000, 1024, 3, seed=1, specials=False)
+    with pytest.raises(fused_cpu.FusedKernelError, match="instruction set this CPU lacks"):
+        FusedCpuLogprob(isa=missing[0])(x, targets, active, _contract("bf16", 1000, 1024, 8, 3))
 
 
 # ----- element functions -----------------------------------------------------------------------

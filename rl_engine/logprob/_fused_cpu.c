@@ -13,8 +13,8 @@
  * of the entropy term are written into two more tile buffers, and the fixed fold F of
  * section 4 (in-place halving, grouping a function of the tile width alone) sums them.
  *
- * Two instruction-set variants of the same source: the baseline (SSE2) and an AVX2 clone
- * (target attribute, no FMA). Both evaluate the same IEEE-754 operations element by
+ * Three instruction-set variants of the same source: the baseline (SSE2), an AVX2 clone and
+ * an AVX-512 clone (target attributes; none enables FMA, and contraction is off anyway). Both evaluate the same IEEE-754 operations element by
  * element in the same order, so they give the same bytes; the test suite compares them.
  *
  * Threads split rows only: `threads` pthreads each take a contiguous range of rows.
@@ -45,6 +45,7 @@
 #define ISA_AUTO 0
 #define ISA_BASELINE 1
 #define ISA_AVX2 2
+#define ISA_AVX512 3
 
 typedef union {
     float f;
@@ -182,85 +183,7 @@ static int flushes_subnormals(void) {
     return r == 0.0f;
 }
 
-/* ------------------------------------------------------------------ 8-lane vectors */
-/* GCC vector extensions: each operation is the same IEEE-754 operation on every lane (SSE2
- * pairs of 4 lanes in the baseline build, one AVX2 register in the AVX2 clone), so a lane
- * computes exactly what the scalar code above computes for its element. */
-typedef float vf __attribute__((vector_size(32)));
-typedef int32_t vi __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(32)));
-typedef uint16_t vh __attribute__((vector_size(16)));
-#define LANES 8
-
-static inline __attribute__((always_inline)) vf vsplat(float x) {
-    return (vf){x, x, x, x, x, x, x, x};
-}
-
-static inline __attribute__((always_inline)) vf vsel(vi mask, vf a, vf b) {
-    return (vf)(((vi)a & mask) | ((vi)b & ~mask));
-}
-
-static inline __attribute__((always_inline)) vf vload(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline __attribute__((always_inline)) void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
-static inline __attribute__((always_inline)) vf vload_bf16(const uint16_t *p) {
-    vh h;
-    memcpy(&h, p, sizeof h);
-    vu u = __builtin_convertvector(h, vu) << 16;
-    return (vf)u;
-}
-
-/* E(y) on 8 lanes: rle_exp's operations, in its order. */
-static inline __attribute__((always_inline)) vf vexp(vf y) {
-    vi under = y < vsplat(E_LO);
-    vf yc = vsel(y < vsplat(E_LO), vsplat(E_LO), y);
-    yc = vsel(yc > vsplat(E_HI), vsplat(E_HI), yc);
-    vf t = yc * vsplat(E_LOG2E);
-    t = t + vsplat(E_SHIFTER);
-    vf kf = t - vsplat(E_SHIFTER);
-    vf a1 = kf * vsplat(E_LN2_HI);
-    vf r = yc - a1;
-    vf a2 = kf * vsplat(E_LN2_LO);
-    r = r - a2;
-    vf q = r * vsplat(E_C6);
-    q = q + vsplat(E_C5);
-    q = q * r;
-    q = q + vsplat(E_C4);
-    q = q * r;
-    q = q + vsplat(E_C3);
-    q = q * r;
-    q = q + vsplat(E_C2);
-    q = q * r;
-    q = q + vsplat(1.0f);
-    q = q * r;
-    vf p = q + vsplat(1.0f);
-    vf kfn = vsel(kf == kf, kf, vsplat(0.0f)); /* a NaN kf becomes 0 (any integer allowed) */
-    vi k = __builtin_convertvector(kfn, vi);
-    vi ka = k >> 1;
-    vi kb = k - ka;
-    vf sa = (vf)((vu)(ka + 127) << 23);
-    vf sb = (vf)((vu)(kb + 127) << 23);
-    vf res = p * sa;
-    res = res * sb;
-    return vsel(under, vsplat(0.0f), res);
-}
-
-static inline __attribute__((always_inline)) vf vcanonical(vf g) {
-    return vsel(g != g, (vf)((vu){0, 0, 0, 0, 0, 0, 0, 0} + CANONICAL_NAN_BITS), g);
-}
-
-static inline __attribute__((always_inline)) vh vround_bf16(vf g) {
-    vu u = (vu)g;
-    vu r = ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) & 0xFFFFu;
-    return __builtin_convertvector(r, vh);
-}
-
-/* ------------------------------------------------------------------ forward */
+/* ------------------------------------------------------------------ argument blocks */
 
 typedef struct {
     const void *logits;
@@ -268,128 +191,6 @@ typedef struct {
     int64_t rows, row_stride, local_vocab, tile_width, real_local;
     float *m, *s, *t, *row_min; /* t, row_min may be NULL */
 } fwd_args;
-
-/* Upcast the real columns [c0, c0 + nreal) of a row into x, -inf on the rest of the tile. */
-static inline __attribute__((always_inline)) void tile_upcast(const char *rowp, int dtype,
-                                                              int64_t c0, int64_t nreal,
-                                                              int64_t w, float *restrict x) {
-    int64_t c = 0;
-    if (dtype == DT_BF16) {
-        const uint16_t *src = (const uint16_t *)rowp + c0;
-        for (; c + LANES <= nreal; c += LANES) vstore(x + c, vload_bf16(src + c));
-        for (; c < nreal; c++) x[c] = f_of((uint32_t)src[c] << 16);
-    } else if (dtype == DT_F32) {
-        memcpy(x, (const float *)rowp + c0, (size_t)nreal * sizeof(float));
-    } else {
-        for (; c < nreal; c++) x[c] = upcast(rowp, DT_F16, c0 + c);
-    }
-    for (c = nreal; c < w; c++) x[c] = -__builtin_inff();
-}
-
-/* Max (NaN if any lane saw a NaN), min and NaN flag of x[0..n), n >= 0. Both are order
- * free: max and min of a set do not depend on grouping, and a zero's sign is fixed by the
- * caller's + 0. */
-static inline __attribute__((always_inline)) void tile_minmax(const float *restrict x, int64_t n,
-                                                              float *mx_out, float *mn_out,
-                                                              int *nan_out) {
-    vf vmx = vsplat(-__builtin_inff()), vmn = vsplat(__builtin_inff());
-    vi vnan = (vi){0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t c = 0;
-    for (; c + LANES <= n; c += LANES) {
-        vf v = vload(x + c);
-        vmx = vsel(v > vmx, v, vmx);
-        vmn = vsel(v < vmn, v, vmn);
-        vnan |= v != v;
-    }
-    float mx = -__builtin_inff(), mn = __builtin_inff();
-    int nan = 0;
-    for (int l = 0; l < LANES; l++) {
-        mx = vmx[l] > mx ? vmx[l] : mx;
-        mn = vmn[l] < mn ? vmn[l] : mn;
-        nan |= vnan[l] != 0;
-    }
-    for (; c < n; c++) {
-        float v = x[c];
-        mx = v > mx ? v : mx;
-        mn = v < mn ? v : mn;
-        nan |= v != v;
-    }
-    *mx_out = mx;
-    *mn_out = mn;
-    *nan_out = nan;
-}
-
-static inline __attribute__((always_inline)) void fwd_rows(const fwd_args *a, int64_t r0,
-                                                           int64_t r1, float *restrict x,
-                                                           float *restrict eb,
-                                                           float *restrict tb) {
-    const int64_t w = a->tile_width;
-    const int64_t tiles = a->local_vocab / w;
-    const size_t esz = a->dtype == DT_F32 ? 4 : 2;
-    for (int64_t row = r0; row < r1; row++) {
-        const char *rowp = (const char *)a->logits + (size_t)row * (size_t)a->row_stride * esz;
-        float rmin = __builtin_inff();
-        int rnan = 0;
-        for (int64_t j = 0; j < tiles; j++) {
-            const int64_t c0 = j * w;
-            int64_t nreal = a->real_local - c0;
-            nreal = nreal < 0 ? 0 : (nreal > w ? w : nreal);
-            tile_upcast(rowp, a->dtype, c0, nreal, w, x);
-            float mx, mn;
-            int nan;
-            tile_minmax(x, nreal, &mx, &mn, &nan);
-            if (nreal > 0) {
-                rmin = mn < rmin ? mn : rmin;
-                rnan |= nan;
-            }
-            /* section 6 step 1: max (NaN if any NaN), then + 0; step 2: the shift */
-            float mj = nan ? f_of(CANONICAL_NAN_BITS) : mx;
-            mj = mj + 0.0f;
-            const float sh = mj == -__builtin_inff() ? 0.0f : mj;
-            const vf vsh = vsplat(sh);
-            /* steps 3-4 */
-            int64_t c = 0;
-            if (tb != NULL) {
-                const int64_t nr8 = nreal - nreal % LANES;
-                for (; c < nr8; c += LANES) {
-                    vf y = vload(x + c) - vsh;
-                    vf e = vexp(y);
-                    vstore(eb + c, e);
-                    vstore(tb + c, e * y);
-                }
-                for (; c < w; c++) {
-                    float y = x[c] - sh;
-                    float e = rle_exp(y);
-                    float yp = c < nreal ? y : 0.0f; /* y' = 0 on padding columns */
-                    eb[c] = e;
-                    tb[c] = e * yp;
-                }
-                a->t[row * tiles + j] = rle_fold(tb, w);
-            } else {
-                for (; c + LANES <= w; c += LANES) vstore(eb + c, vexp(vload(x + c) - vsh));
-                for (; c < w; c++) eb[c] = rle_exp(x[c] - sh);
-            }
-            a->s[row * tiles + j] = rle_fold(eb, w);
-            a->m[row * tiles + j] = mj;
-        }
-        if (a->row_min != NULL && a->real_local > 0)
-            a->row_min[row] = rnan ? f_of(CANONICAL_NAN_BITS) : rmin;
-    }
-}
-
-static void fwd_rows_baseline(const fwd_args *a, int64_t r0, int64_t r1, float *restrict x,
-                              float *restrict eb, float *restrict tb) {
-    fwd_rows(a, r0, r1, x, eb, tb);
-}
-
-__attribute__((target("avx2"))) static void fwd_rows_avx2(const fwd_args *a, int64_t r0,
-                                                          int64_t r1, float *restrict x,
-                                                          float *restrict eb,
-                                                          float *restrict tb) {
-    fwd_rows(a, r0, r1, x, eb, tb);
-}
-
-/* ------------------------------------------------------------------ backward */
 
 typedef struct {
     const void *logits;
@@ -400,80 +201,39 @@ typedef struct {
     void *grad; /* [rows, local_vocab] contiguous, dtype of the logits */
 } bwd_args;
 
-static inline __attribute__((always_inline)) void store_one(void *out, int dtype, int64_t c,
-                                                            float g) {
+static inline __attribute__((always_inline)) void store_scalar(void *out, int dtype, int64_t c,
+                                                               float g) {
     g = canonical(g);
     if (dtype == DT_F32) ((float *)out)[c] = g;
     else if (dtype == DT_BF16) ((uint16_t *)out)[c] = round_bf16(g);
     else ((uint16_t *)out)[c] = round_f16(g);
 }
 
-/* Section 7 step 1 and 3 for one column (scalar; tails and the target column). */
-static inline __attribute__((always_inline)) float grad_one(const char *rowp, int dtype,
-                                                            int64_t c, float lse, float coef) {
-    float x = upcast(rowp, dtype, c);
-    float y = x - lse;
-    return coef * rle_exp(y);
-}
+/* ------------------------------------------------------------------ the three variants */
 
-static inline __attribute__((always_inline)) void bwd_rows(const bwd_args *a, int64_t r0,
-                                                           int64_t r1) {
-    const int dtype = a->dtype;
-    const size_t esz = dtype == DT_F32 ? 4 : 2;
-    const int64_t V = a->local_vocab, R = a->real_local;
-    for (int64_t row = r0; row < r1; row++) {
-        const char *rowp = (const char *)a->logits + (size_t)row * (size_t)a->row_stride * esz;
-        char *out = (char *)a->grad + (size_t)row * (size_t)V * esz;
-        const float coef = a->coef[row];
-        const float lse = a->lse[row];
-        const int64_t tc = a->target_col[row];
-        if (coef == 0.0f) {
-            /* section 7 override: +0 everywhere, round(+0 + gl) at the owned target */
-            memset(out, 0, (size_t)V * esz);
-            if (tc >= 0 && tc < R) store_one(out, dtype, tc, a->target_add[row] + 0.0f);
-            continue;
-        }
-        const vf vlse = vsplat(lse), vcoef = vsplat(coef);
-        int64_t c = 0;
-        if (dtype == DT_BF16) {
-            const uint16_t *src = (const uint16_t *)rowp;
-            for (; c + LANES <= R; c += LANES) {
-                vf g = vcoef * vexp(vload_bf16(src + c) - vlse);
-                vh h = vround_bf16(vcanonical(g));
-                memcpy((uint16_t *)out + c, &h, sizeof h);
-            }
-        } else if (dtype == DT_F32) {
-            const float *src = (const float *)rowp;
-            for (; c + LANES <= R; c += LANES) {
-                vf g = vcoef * vexp(vload(src + c) - vlse);
-                vstore((float *)out + c, vcanonical(g));
-            }
-        } else {
-            float xs[LANES], gs[LANES];
-            for (; c + LANES <= R; c += LANES) {
-                for (int l = 0; l < LANES; l++) xs[l] = upcast(rowp, DT_F16, c + l);
-                vf g = vcoef * vexp(vload(xs) - vlse);
-                vstore(gs, g);
-                for (int l = 0; l < LANES; l++) ((uint16_t *)out)[c + l] = round_f16(canonical(gs[l]));
-            }
-        }
-        for (; c < R; c++) store_one(out, dtype, c, grad_one(rowp, dtype, c, lse, coef));
-        if (tc >= 0 && tc < R) {
-            /* step 2: the same operations for the one column, then + gl, rounded once */
-            float g = grad_one(rowp, dtype, tc, lse, coef);
-            g = g + a->target_add[row];
-            store_one(out, dtype, tc, g);
-        }
-        if (R < V) memset(out + (size_t)R * esz, 0, (size_t)(V - R) * esz);
-    }
-}
+#define LANES 4
+#define RLE_NAME(n) n##_baseline
+#include "_fused_cpu_lanes.h"
+#undef RLE_NAME
+#undef LANES
 
-static void bwd_rows_baseline(const bwd_args *a, int64_t r0, int64_t r1) { bwd_rows(a, r0, r1); }
+#pragma GCC push_options
+#pragma GCC target("avx2")
+#define LANES 8
+#define RLE_NAME(n) n##_avx2
+#include "_fused_cpu_lanes.h"
+#undef RLE_NAME
+#undef LANES
+#pragma GCC pop_options
 
-__attribute__((target("avx2"))) static void bwd_rows_avx2(const bwd_args *a, int64_t r0,
-                                                          int64_t r1) {
-    bwd_rows(a, r0, r1);
-}
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl")
+#define LANES 16
+#define RLE_NAME(n) n##_avx512
+#include "_fused_cpu_lanes.h"
+#undef RLE_NAME
+#undef LANES
+#pragma GCC pop_options
 
 /* ------------------------------------------------------------------ threads */
 
@@ -500,12 +260,14 @@ static void *run_job(void *p) {
             return NULL;
         }
         float *tb = a->t != NULL ? buf + 2 * n : NULL;
-        if (jb->isa == ISA_AVX2) fwd_rows_avx2(a, jb->r0, jb->r1, buf, buf + n, tb);
+        if (jb->isa == ISA_AVX512) fwd_rows_avx512(a, jb->r0, jb->r1, buf, buf + n, tb);
+        else if (jb->isa == ISA_AVX2) fwd_rows_avx2(a, jb->r0, jb->r1, buf, buf + n, tb);
         else fwd_rows_baseline(a, jb->r0, jb->r1, buf, buf + n, tb);
         free(buf);
     } else {
         const bwd_args *a = (const bwd_args *)jb->args;
-        if (jb->isa == ISA_AVX2) bwd_rows_avx2(a, jb->r0, jb->r1);
+        if (jb->isa == ISA_AVX512) bwd_rows_avx512(a, jb->r0, jb->r1);
+        else if (jb->isa == ISA_AVX2) bwd_rows_avx2(a, jb->r0, jb->r1);
         else bwd_rows_baseline(a, jb->r0, jb->r1);
     }
     jb->status = RLE_OK;
@@ -516,8 +278,12 @@ static int resolve_isa(int isa) {
     if (isa == ISA_BASELINE) return ISA_BASELINE;
     __builtin_cpu_init();
     int has_avx2 = __builtin_cpu_supports("avx2");
+    int has_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                     __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
     if (isa == ISA_AVX2) return has_avx2 ? ISA_AVX2 : -1;
-    return has_avx2 ? ISA_AVX2 : ISA_BASELINE;
+    if (isa == ISA_AVX512) return has_avx512 ? ISA_AVX512 : -1;
+    if (isa != ISA_AUTO) return -1;
+    return has_avx512 ? ISA_AVX512 : (has_avx2 ? ISA_AVX2 : ISA_BASELINE);
 }
 
 static int run_split(int kind, int isa, const void *args, int64_t rows, int threads) {

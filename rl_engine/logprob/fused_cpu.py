@@ -42,11 +42,11 @@ from rl_engine.logprob.tiles import rows_finite
 FUSED_CPU_ID = "cpu-vocab-parallel-logp-ws2"
 MODULE = "rl_engine.logprob._fused_cpu"
 ABI_VERSION = 1
-ISA_AUTO, ISA_BASELINE, ISA_AVX2 = 0, 1, 2
-ISA_NAMES = {"auto": ISA_AUTO, "baseline": ISA_BASELINE, "avx2": ISA_AVX2}
+ISA_AUTO, ISA_BASELINE, ISA_AVX2, ISA_AVX512 = 0, 1, 2, 3
+ISA_NAMES = {"auto": ISA_AUTO, "baseline": ISA_BASELINE, "avx2": ISA_AVX2, "avx512": ISA_AVX512}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _STATUS = {
-    1: "bad arguments (a bug in rl_engine/logprob/fused_cpu.py)",
+    1: "bad arguments, or an instruction set this CPU lacks (isa=)",
     2: (
         "a kernel thread flushes subnormal numbers to zero (FTZ/DAZ); rl-engine-arith/1 needs "
         "IEEE gradual underflow: call torch.set_flush_denormal(False) before the logprob op"
@@ -243,7 +243,7 @@ class FusedCpuLogprob(VocabParallelLogprob):
 
     Same call, same validation, same exchange and merge as ``pytorch-vocab-parallel-logp-ws2``;
     ``threads`` (default ``torch.get_num_threads()`` at call time) and ``isa`` (``auto``,
-    ``baseline``, ``avx2``: the same bytes, tests compare them) select how the kernel runs.
+    ``baseline``, ``avx2``, ``avx512``: the same bytes, tests compare them) select how the kernel runs.
     Building it loads the kernel, so a missing kernel raises here, not at the first call.
     """
 
