@@ -37,7 +37,7 @@ from rl_engine.logprob.tiles import (
     NEG_INF,
     ChunkWorkspace,
     GradWorkspace,
-    default_chunk_rows,
+    chunk_rows_for_device,
     merge_tiles,
     rows_finite,
 )
@@ -446,7 +446,8 @@ class VocabParallelLogprob:
         return EAGER_ENGINE
 
     def default_chunk_rows(self, contract: LogprobContract, device: torch.device) -> int:
-        return default_chunk_rows(contract.local_vocab_size)
+        """Cache-sized rows on a CPU, a memory budget on an accelerator (:func:`chunk_rows_for_device`)."""
+        return chunk_rows_for_device(contract.local_vocab_size, device)
 
     def __call__(
         self,
