@@ -169,6 +169,18 @@ def test_negative_control_a_library_exp_in_the_eager_loop_breaks_the_equality(
 # ----- per TP shard: partials and local gradient --------------------------------------------
 
 
+def _partial_bytes(t: torch.Tensor) -> bytes:
+    """Bytes of a tile partial with every NaN written canonically.
+
+    A NaN partial's payload is not part of the specification (it depends on which NaN an
+    operation propagates, e.g. ``inf - inf`` against an input NaN): every output made from
+    the partials is written with the canonical NaN, and those outputs are compared raw.
+    """
+    if t.dtype.is_floating_point:
+        t = torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
+    return tensor_bytes(t)
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_every_tp_shard_computes_the_eager_partials_and_gradient(dtype: str, tp: int) -> None:
@@ -187,7 +199,7 @@ def test_every_tp_shard_computes_the_eager_partials_and_gradient(dtype: str, tp:
             for a, b in zip(eager, fused):
                 assert (a is None) == (b is None)
                 if a is not None:
-                    assert tensor_bytes(a) == tensor_bytes(b), (rank, entropy, validate)
+                    assert _partial_bytes(a) == _partial_bytes(b), (rank, entropy, validate)
         terms = backward_terms(local, targets, active, lse, g_logp, g_lse, c)
         eager_grad = EAGER_ENGINE.local_backward(local, lse, terms, 4)
         fused_grad = FusedCpuEngine(threads=2).local_backward(local, lse, terms, 4)

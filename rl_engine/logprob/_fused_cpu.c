@@ -23,6 +23,12 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#define RLE_X86 1
+#include <immintrin.h>
+#else
+#define RLE_X86 0
+#endif
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -216,7 +222,10 @@ static inline __attribute__((always_inline)) void store_scalar(void *out, int dt
 #include "_fused_cpu_lanes.h"
 #undef RLE_NAME
 #undef LANES
+#undef RLE_VMAX
+#undef RLE_VMIN
 
+#if RLE_X86
 #pragma GCC push_options
 #pragma GCC target("avx2")
 #define LANES 8
@@ -224,6 +233,8 @@ static inline __attribute__((always_inline)) void store_scalar(void *out, int dt
 #include "_fused_cpu_lanes.h"
 #undef RLE_NAME
 #undef LANES
+#undef RLE_VMAX
+#undef RLE_VMIN
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -233,7 +244,10 @@ static inline __attribute__((always_inline)) void store_scalar(void *out, int dt
 #include "_fused_cpu_lanes.h"
 #undef RLE_NAME
 #undef LANES
+#undef RLE_VMAX
+#undef RLE_VMIN
 #pragma GCC pop_options
+#endif /* RLE_X86 */
 
 /* ------------------------------------------------------------------ threads */
 
@@ -260,15 +274,21 @@ static void *run_job(void *p) {
             return NULL;
         }
         float *tb = a->t != NULL ? buf + 2 * n : NULL;
+#if RLE_X86
         if (jb->isa == ISA_AVX512) fwd_rows_avx512(a, jb->r0, jb->r1, buf, buf + n, tb);
         else if (jb->isa == ISA_AVX2) fwd_rows_avx2(a, jb->r0, jb->r1, buf, buf + n, tb);
-        else fwd_rows_baseline(a, jb->r0, jb->r1, buf, buf + n, tb);
+        else
+#endif
+            fwd_rows_baseline(a, jb->r0, jb->r1, buf, buf + n, tb);
         free(buf);
     } else {
         const bwd_args *a = (const bwd_args *)jb->args;
+#if RLE_X86
         if (jb->isa == ISA_AVX512) bwd_rows_avx512(a, jb->r0, jb->r1);
         else if (jb->isa == ISA_AVX2) bwd_rows_avx2(a, jb->r0, jb->r1);
-        else bwd_rows_baseline(a, jb->r0, jb->r1);
+        else
+#endif
+            bwd_rows_baseline(a, jb->r0, jb->r1);
     }
     jb->status = RLE_OK;
     return NULL;
@@ -276,6 +296,9 @@ static void *run_job(void *p) {
 
 static int resolve_isa(int isa) {
     if (isa == ISA_BASELINE) return ISA_BASELINE;
+#if !RLE_X86
+    return isa == ISA_AUTO ? ISA_BASELINE : -1;
+#endif
     __builtin_cpu_init();
     int has_avx2 = __builtin_cpu_supports("avx2");
     int has_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&

@@ -102,54 +102,85 @@ static inline __attribute__((always_inline)) RLE_NAME(vh) RLE_NAME(vround_bf16)(
 
 
 
-/* Upcast the real columns [c0, c0 + nreal) of a row into x, -inf on the rest of the tile. */
-static inline __attribute__((always_inline)) void RLE_NAME(tile_upcast)(const char *rowp, int dtype,
-                                                              int64_t c0, int64_t nreal,
-                                                              int64_t w, float *restrict x) {
+/* max(a, b) and min(a, b) of the instruction set: `a > b ? a : b` and `a < b ? a : b` lane by
+ * lane (x86 MAXPS/MINPS return the second operand when either is NaN). A NaN is never picked:
+ * the caller learns of NaN from the tile's sum (see fwd_rows). */
+#if !RLE_X86
+#define RLE_VMAX(a, b) RLE_NAME(vsel)((a) > (b), (a), (b))
+#define RLE_VMIN(a, b) RLE_NAME(vsel)((a) < (b), (a), (b))
+#elif LANES == 16
+#define RLE_VMAX(a, b) ((RLE_NAME(vf))_mm512_max_ps((__m512)(a), (__m512)(b)))
+#define RLE_VMIN(a, b) ((RLE_NAME(vf))_mm512_min_ps((__m512)(a), (__m512)(b)))
+#elif LANES == 8
+#define RLE_VMAX(a, b) ((RLE_NAME(vf))_mm256_max_ps((__m256)(a), (__m256)(b)))
+#define RLE_VMIN(a, b) ((RLE_NAME(vf))_mm256_min_ps((__m256)(a), (__m256)(b)))
+#else
+#define RLE_VMAX(a, b) ((RLE_NAME(vf))_mm_max_ps((__m128)(a), (__m128)(b)))
+#define RLE_VMIN(a, b) ((RLE_NAME(vf))_mm_min_ps((__m128)(a), (__m128)(b)))
+#endif
+
+/* Upcast the real columns [c0, c0 + nreal) of a row into x (-inf on the rest of the tile) and
+ * return their max ignoring NaN (-inf when there is none) and, with want_min, their min
+ * ignoring NaN. Max and min of a set do not depend on grouping; a zero's sign is fixed by
+ * the caller's + 0. */
+static inline __attribute__((always_inline)) float RLE_NAME(tile_upcast_max)(
+    const char *rowp, int dtype, int64_t c0, int64_t nreal, int64_t w, float *restrict x,
+    int want_min, float *mn_out) {
+    RLE_NAME(vf) vmx = RLE_NAME(vsplat)(-__builtin_inff()), vmn = RLE_NAME(vsplat)(__builtin_inff());
     int64_t c = 0;
     if (dtype == DT_BF16) {
         const uint16_t *src = (const uint16_t *)rowp + c0;
-        for (; c + LANES <= nreal; c += LANES) RLE_NAME(vstore)(x + c, RLE_NAME(vload_bf16)(src + c));
-        for (; c < nreal; c++) x[c] = f_of((uint32_t)src[c] << 16);
+        if (want_min) {
+            for (; c + LANES <= nreal; c += LANES) {
+                RLE_NAME(vf) v = RLE_NAME(vload_bf16)(src + c);
+                RLE_NAME(vstore)(x + c, v);
+                vmx = RLE_VMAX(v, vmx);
+                vmn = RLE_VMIN(v, vmn);
+            }
+        } else {
+            for (; c + LANES <= nreal; c += LANES) {
+                RLE_NAME(vf) v = RLE_NAME(vload_bf16)(src + c);
+                RLE_NAME(vstore)(x + c, v);
+                vmx = RLE_VMAX(v, vmx);
+            }
+        }
+        for (int64_t k = c; k < nreal; k++) x[k] = f_of((uint32_t)src[k] << 16);
     } else if (dtype == DT_F32) {
-        memcpy(x, (const float *)rowp + c0, (size_t)nreal * sizeof(float));
+        const float *src = (const float *)rowp + c0;
+        for (; c + LANES <= nreal; c += LANES) {
+            RLE_NAME(vf) v = RLE_NAME(vload)(src + c);
+            RLE_NAME(vstore)(x + c, v);
+            vmx = RLE_VMAX(v, vmx);
+            vmn = RLE_VMIN(v, vmn);
+        }
+        for (int64_t k = c; k < nreal; k++) x[k] = src[k];
     } else {
-        for (; c < nreal; c++) x[c] = upcast(rowp, DT_F16, c0 + c);
-    }
-    for (c = nreal; c < w; c++) x[c] = -__builtin_inff();
-}
-
-/* Max (NaN if any lane saw a NaN), min and NaN flag of x[0..n), n >= 0. Both are order
- * free: max and min of a set do not depend on grouping, and a zero's sign is fixed by the
- * caller's + 0. */
-static inline __attribute__((always_inline)) void RLE_NAME(tile_minmax)(const float *restrict x, int64_t n,
-                                                              float *mx_out, float *mn_out,
-                                                              int *nan_out) {
-    RLE_NAME(vf) vmx = RLE_NAME(vsplat)(-__builtin_inff()), vmn = RLE_NAME(vsplat)(__builtin_inff());
-    RLE_NAME(vi) vnan = RLE_NAME(vsplati)(0);
-    int64_t c = 0;
-    for (; c + LANES <= n; c += LANES) {
-        RLE_NAME(vf) v = RLE_NAME(vload)(x + c);
-        vmx = RLE_NAME(vsel)(v > vmx, v, vmx);
-        vmn = RLE_NAME(vsel)(v < vmn, v, vmn);
-        vnan |= v != v;
+        for (c = 0; c < nreal; c++) x[c] = upcast(rowp, DT_F16, c0 + c);
+        for (c = 0; c + LANES <= nreal; c += LANES) {
+            RLE_NAME(vf) v = RLE_NAME(vload)(x + c);
+            vmx = RLE_VMAX(v, vmx);
+            vmn = RLE_VMIN(v, vmn);
+        }
     }
     float mx = -__builtin_inff(), mn = __builtin_inff();
-    int nan = 0;
     for (int l = 0; l < LANES; l++) {
         mx = vmx[l] > mx ? vmx[l] : mx;
         mn = vmn[l] < mn ? vmn[l] : mn;
-        nan |= vnan[l] != 0;
     }
-    for (; c < n; c++) {
+    for (; c < nreal; c++) { /* the tail, already in x */
         float v = x[c];
         mx = v > mx ? v : mx;
         mn = v < mn ? v : mn;
-        nan |= v != v;
     }
-    *mx_out = mx;
+    for (c = nreal; c < w; c++) x[c] = -__builtin_inff();
     *mn_out = mn;
-    *nan_out = nan;
+    return mx;
+}
+
+static __attribute__((noinline)) int RLE_NAME(has_nan)(const float *x, int64_t n) {
+    for (int64_t c = 0; c < n; c++)
+        if (x[c] != x[c]) return 1;
+    return 0;
 }
 
 static __attribute__((noinline)) void RLE_NAME(fwd_rows)(const fwd_args *a, int64_t r0,
@@ -167,17 +198,15 @@ static __attribute__((noinline)) void RLE_NAME(fwd_rows)(const fwd_args *a, int6
             const int64_t c0 = j * w;
             int64_t nreal = a->real_local - c0;
             nreal = nreal < 0 ? 0 : (nreal > w ? w : nreal);
-            RLE_NAME(tile_upcast)(rowp, a->dtype, c0, nreal, w, x);
-            float mx, mn;
-            int nan;
-            RLE_NAME(tile_minmax)(x, nreal, &mx, &mn, &nan);
-            if (nreal > 0) {
-                rmin = mn < rmin ? mn : rmin;
-                rnan |= nan;
-            }
-            /* section 6 step 1: max (NaN if any NaN), then + 0; step 2: the shift */
-            float mj = nan ? f_of(CANONICAL_NAN_BITS) : mx;
-            mj = mj + 0.0f;
+            float mn;
+            const float mx = RLE_NAME(tile_upcast_max)(rowp, a->dtype, c0, nreal, w, x,
+                                                       a->row_min != NULL, &mn);
+            if (nreal > 0) rmin = mn < rmin ? mn : rmin;
+            /* Section 6 steps 1-2 take m = NaN when a column is NaN; here the shift comes from
+             * the max ignoring NaN. Both give the same s and t: a NaN column makes its y, E(y)
+             * and E(y) * y NaN, so the folds are NaN either way (payloads do not matter: every
+             * output is made canonical). m itself is set to NaN below, from the sum. */
+            float mj = mx + 0.0f;
             const float sh = mj == -__builtin_inff() ? 0.0f : mj;
             const RLE_NAME(vf) vsh = RLE_NAME(vsplat)(sh);
             /* steps 3-4 */
@@ -202,8 +231,13 @@ static __attribute__((noinline)) void RLE_NAME(fwd_rows)(const fwd_args *a, int6
                 for (; c + LANES <= w; c += LANES) RLE_NAME(vstore)(eb + c, RLE_NAME(vexp_le0)(RLE_NAME(vload)(x + c) - vsh));
                 for (; c < w; c++) eb[c] = rle_exp(x[c] - sh);
             }
-            a->s[row * tiles + j] = rle_fold(eb, w);
-            a->m[row * tiles + j] = mj;
+            const float sj = rle_fold(eb, w);
+            /* A NaN column makes s NaN. Without one, s is NaN only when the max is +inf
+             * (inf - inf); only then is the tile scanned. */
+            const int nan = sj != sj && (mx != __builtin_inff() || RLE_NAME(has_nan)(x, nreal));
+            rnan |= nan;
+            a->s[row * tiles + j] = sj;
+            a->m[row * tiles + j] = nan ? f_of(CANONICAL_NAN_BITS) : mj;
         }
         if (a->row_min != NULL && a->real_local > 0)
             a->row_min[row] = rnan ? f_of(CANONICAL_NAN_BITS) : rmin;
