@@ -17,7 +17,7 @@
  * an AVX-512 clone (target attributes; none enables FMA, and contraction is off anyway). Both evaluate the same IEEE-754 operations element by
  * element in the same order, so they give the same bytes; the test suite compares them.
  *
- * Threads split rows only: `threads` pthreads each take a contiguous range of rows.
+ * Threads split rows only: `threads` pthreads take blocks of rows from a shared counter.
  * A worker refuses to run if its thread flushes subnormals (FTZ/DAZ): return code 2.
  */
 #define PY_SSIZE_T_CLEAN
@@ -251,13 +251,25 @@ static inline __attribute__((always_inline)) void store_scalar(void *out, int dt
 
 /* ------------------------------------------------------------------ threads */
 
+/* Rows are handed out in blocks of RLE_BLOCK_ROWS from one atomic counter: a worker that
+ * is descheduled (a busy machine) does not hold up the others with a fixed share. Which
+ * worker computes a row never changes a bit: a row's operations involve that row alone. */
+#define RLE_BLOCK_ROWS 4
+
 typedef struct {
     int kind; /* 0 forward, 1 backward */
     int isa;
     const void *args;
-    int64_t r0, r1;
+    int64_t rows;
+    int64_t *next; /* shared: the first row not yet handed out */
     int status;
 } job;
+
+static inline int64_t take_block(job *jb, int64_t *r1) {
+    int64_t r0 = __atomic_fetch_add(jb->next, RLE_BLOCK_ROWS, __ATOMIC_RELAXED);
+    *r1 = r0 + RLE_BLOCK_ROWS < jb->rows ? r0 + RLE_BLOCK_ROWS : jb->rows;
+    return r0;
+}
 
 static void *run_job(void *p) {
     job *jb = (job *)p;
@@ -274,21 +286,27 @@ static void *run_job(void *p) {
             return NULL;
         }
         float *tb = a->t != NULL ? buf + 2 * n : NULL;
+        int64_t r0, r1;
+        while ((r0 = take_block(jb, &r1)) < jb->rows) {
 #if RLE_X86
-        if (jb->isa == ISA_AVX512) fwd_rows_avx512(a, jb->r0, jb->r1, buf, buf + n, tb);
-        else if (jb->isa == ISA_AVX2) fwd_rows_avx2(a, jb->r0, jb->r1, buf, buf + n, tb);
-        else
+            if (jb->isa == ISA_AVX512) fwd_rows_avx512(a, r0, r1, buf, buf + n, tb);
+            else if (jb->isa == ISA_AVX2) fwd_rows_avx2(a, r0, r1, buf, buf + n, tb);
+            else
 #endif
-            fwd_rows_baseline(a, jb->r0, jb->r1, buf, buf + n, tb);
+                fwd_rows_baseline(a, r0, r1, buf, buf + n, tb);
+        }
         free(buf);
     } else {
         const bwd_args *a = (const bwd_args *)jb->args;
+        int64_t r0, r1;
+        while ((r0 = take_block(jb, &r1)) < jb->rows) {
 #if RLE_X86
-        if (jb->isa == ISA_AVX512) bwd_rows_avx512(a, jb->r0, jb->r1);
-        else if (jb->isa == ISA_AVX2) bwd_rows_avx2(a, jb->r0, jb->r1);
-        else
+            if (jb->isa == ISA_AVX512) bwd_rows_avx512(a, r0, r1);
+            else if (jb->isa == ISA_AVX2) bwd_rows_avx2(a, r0, r1);
+            else
 #endif
-            bwd_rows_baseline(a, jb->r0, jb->r1);
+                bwd_rows_baseline(a, r0, r1);
+        }
     }
     jb->status = RLE_OK;
     return NULL;
@@ -313,16 +331,18 @@ static int run_split(int kind, int isa, const void *args, int64_t rows, int thre
     int chosen = resolve_isa(isa);
     if (chosen < 0 || threads < 1) return RLE_BAD_ARG;
     if (rows <= 0) return RLE_OK;
-    if ((int64_t)threads > rows) threads = (int)rows;
+    int64_t blocks = (rows + RLE_BLOCK_ROWS - 1) / RLE_BLOCK_ROWS;
+    if ((int64_t)threads > blocks) threads = (int)blocks;
     job jobs[256];
     pthread_t tids[256];
     if (threads > 256) threads = 256;
+    int64_t next = 0;
     for (int i = 0; i < threads; i++) {
         jobs[i].kind = kind;
         jobs[i].isa = chosen;
         jobs[i].args = args;
-        jobs[i].r0 = rows * i / threads;
-        jobs[i].r1 = rows * (i + 1) / threads;
+        jobs[i].rows = rows;
+        jobs[i].next = &next;
         jobs[i].status = RLE_THREAD_FAILED;
     }
     int started = 1;
@@ -330,9 +350,9 @@ static int run_split(int kind, int isa, const void *args, int64_t rows, int thre
         if (pthread_create(&tids[i], NULL, run_job, &jobs[i]) != 0) break;
         started++;
     }
-    run_job(&jobs[0]); /* the calling thread takes the first range */
+    run_job(&jobs[0]); /* the calling thread works too (and alone if no thread started) */
     for (int i = 1; i < started; i++) pthread_join(tids[i], NULL);
-    for (int i = 0; i < threads; i++)
+    for (int i = 0; i < started; i++)
         if (jobs[i].status != RLE_OK) return jobs[i].status;
     return RLE_OK;
 }
