@@ -209,29 +209,48 @@ static __attribute__((noinline)) void RLE_NAME(fwd_rows)(const fwd_args *a, int6
             float mj = mx + 0.0f;
             const float sh = mj == -__builtin_inff() ? 0.0f : mj;
             const RLE_NAME(vf) vsh = RLE_NAME(vsplat)(sh);
-            /* steps 3-4 */
+            /* steps 3-4, with the first level of each fold F done as the terms are made:
+             * F's level 1 adds v[i] + v[w - h + i] for i < h (h = w / 2), leaving v[h] alone
+             * when w is odd; the rest of F then folds the first w - h values. */
+            const int64_t h = w / 2, base = w - h;
             int64_t c = 0;
             if (tb != NULL) {
-                const int64_t nr8 = nreal - nreal % LANES;
-                for (; c < nr8; c += LANES) {
-                    RLE_NAME(vf) y = RLE_NAME(vload)(x + c) - vsh;
-                    RLE_NAME(vf) e = RLE_NAME(vexp_le0)(y);
-                    RLE_NAME(vstore)(eb + c, e);
-                    RLE_NAME(vstore)(tb + c, e * y);
+                for (; c + LANES <= h && base + c + LANES <= nreal; c += LANES) {
+                    RLE_NAME(vf) y0 = RLE_NAME(vload)(x + c) - vsh;
+                    RLE_NAME(vf) y1 = RLE_NAME(vload)(x + base + c) - vsh;
+                    RLE_NAME(vf) e0 = RLE_NAME(vexp_le0)(y0);
+                    RLE_NAME(vf) e1 = RLE_NAME(vexp_le0)(y1);
+                    RLE_NAME(vstore)(eb + c, e0 + e1);
+                    RLE_NAME(vstore)(tb + c, (e0 * y0) + (e1 * y1));
                 }
-                for (; c < w; c++) {
-                    float y = x[c] - sh;
-                    float e = rle_exp(y);
-                    float yp = c < nreal ? y : 0.0f; /* y' = 0 on padding columns */
-                    eb[c] = e;
-                    tb[c] = e * yp;
+                for (; c < base; c++) {
+                    float y0 = x[c] - sh;
+                    float e0 = rle_exp(y0);
+                    float t0 = e0 * (c < nreal ? y0 : 0.0f); /* y' = 0 on padding columns */
+                    if (c < h) {
+                        float y1 = x[base + c] - sh;
+                        float e1 = rle_exp(y1);
+                        float t1 = e1 * (base + c < nreal ? y1 : 0.0f);
+                        e0 = e0 + e1;
+                        t0 = t0 + t1;
+                    }
+                    eb[c] = e0;
+                    tb[c] = t0;
                 }
-                a->t[row * tiles + j] = rle_fold(tb, w);
+                a->t[row * tiles + j] = rle_fold(tb, base);
             } else {
-                for (; c + LANES <= w; c += LANES) RLE_NAME(vstore)(eb + c, RLE_NAME(vexp_le0)(RLE_NAME(vload)(x + c) - vsh));
-                for (; c < w; c++) eb[c] = rle_exp(x[c] - sh);
+                for (; c + LANES <= h; c += LANES) {
+                    RLE_NAME(vf) e0 = RLE_NAME(vexp_le0)(RLE_NAME(vload)(x + c) - vsh);
+                    RLE_NAME(vf) e1 = RLE_NAME(vexp_le0)(RLE_NAME(vload)(x + base + c) - vsh);
+                    RLE_NAME(vstore)(eb + c, e0 + e1);
+                }
+                for (; c < base; c++) {
+                    float e0 = rle_exp(x[c] - sh);
+                    if (c < h) e0 = e0 + rle_exp(x[base + c] - sh);
+                    eb[c] = e0;
+                }
             }
-            const float sj = rle_fold(eb, w);
+            const float sj = rle_fold(eb, base);
             /* A NaN column makes s NaN. Without one, s is NaN only when the max is +inf
              * (inf - inf); only then is the tile scanned. */
             const int nan = sj != sj && (mx != __builtin_inff() || RLE_NAME(has_nan)(x, nreal));
