@@ -166,6 +166,40 @@ def test_negative_control_a_library_exp_in_the_eager_loop_breaks_the_equality(
     assert fused["grad"] != library["grad"]  # fp32: the gradient is not rounded
 
 
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
+def test_exp_arguments_near_the_spec_boundaries_in_both_kernels(isa: str) -> None:
+    """Rows whose ``x - max`` and ``x - lse`` sweep [-88, 0] densely, with every binary32
+    around -87 (LO) and around the smallest normal results: the vector ``E`` of the forward
+    (its clamp-free, single-scale form) and of the backward give the eager bytes."""
+    if isa not in _isas():
+        pytest.skip(f"this CPU lacks {isa}")
+    around = np.float32(-87.0)
+    near = [around]
+    for _ in range(300):
+        near.append(np.nextafter(near[-1], np.float32(0)))
+    low = [around]
+    for _ in range(300):
+        low.append(np.nextafter(low[-1], np.float32(-np.inf)))
+    values = np.concatenate([np.array(near + low, dtype=np.float32),
+                             np.linspace(-88.0, 0.0, 4096, dtype=np.float32),
+                             np.array([-0.0, 0.0, -1e-30, -126 * np.log(2)], dtype=np.float32)])
+    rows, width = 4, values.size + (-values.size) % 16
+    x = torch.full((rows, width), -1000.0)
+    for r in range(rows):
+        x[r, : values.size] = torch.from_numpy(values) + float(r) * 0.25
+        x[r, values.size:] = -100.0
+    tiles = width // 16
+    contract = _contract("fp32", width, width, tiles, rows)
+    targets = torch.zeros(rows, dtype=torch.int64)
+    active = torch.ones(rows, dtype=torch.bool)
+    eager = _run(VocabParallelLogprob(), x, targets, active, contract, True)
+    fused = _run(FusedCpuLogprob(isa=isa), x, targets, active, contract, True)
+    assert fused == eager
+    m1, s1, t1, _ = EAGER_ENGINE.local_partials(x, contract, 3, True, False)
+    m2, s2, t2, _ = FusedCpuEngine(isa=isa).local_partials(x, contract, 3, True, False)
+    assert [_partial_bytes(v) for v in (m1, s1, t1)] == [_partial_bytes(v) for v in (m2, s2, t2)]
+
+
 # ----- per TP shard: partials and local gradient --------------------------------------------
 
 

@@ -76,6 +76,13 @@ static inline __attribute__((always_inline)) RLE_NAME(vf) RLE_NAME(vexp_impl)(RL
     q = q * r;
     RLE_NAME(vf) p = q + RLE_NAME(vsplat)(1.0f);
     RLE_NAME(vi) k = __builtin_convertvector(kf, RLE_NAME(vi));
+    if (le0) {
+        /* y in [LO, 0]: k in [-126, 0], p in [0.7, 1.5], and every value of (p * 2^a) * 2^b
+         * is a normal binary32, so both multiplications are exact and equal p * 2^k: one
+         * multiplication by 2^k gives the same bits (lanes with y < LO are replaced below). */
+        RLE_NAME(vf) sk = (RLE_NAME(vf))((RLE_NAME(vu))(k + 127) << 23);
+        return (RLE_NAME(vf))((RLE_NAME(vi))(p * sk) & ~under);
+    }
     RLE_NAME(vi) ka = k >> 1;
     RLE_NAME(vi) kb = k - ka;
     RLE_NAME(vf) sa = (RLE_NAME(vf))((RLE_NAME(vu))(ka + 127) << 23);
