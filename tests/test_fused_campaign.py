@@ -112,3 +112,26 @@ def test_crosscheck_against_fails_naming_the_run_topology_and_field(runs, tmp_pa
     assert f"{forged}:tp4-cp2: bitwise_fingerprints.candidate_grad_sha256:" in err
     result = json.loads(out.read_text())
     assert result["passed"] is False and result["against"][0]["passed"] is False
+
+
+def test_verify_replays_a_fused_run_with_the_eager_reference_without_the_kernel(
+    runs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reviewer's machine without the compiled kernel still replays a fused-backend run."""
+    from rl_engine.evidence import verify
+    from rl_engine.logprob import registry
+
+    monkeypatch.setattr(registry, "kernel_unavailable", lambda: "the compiled module is not built")
+    with pytest.raises(registry.BackendUnavailableError):
+        registry.dispatch(FUSED, replay_case_contract(), "cpu")
+    check = verify.replay(runs["fused-zigzag"][0])
+    assert check.passed is True, check.problems
+    assert "equals the logp, LSE and entropy bytes and the four fingerprints of all 3" in check.detail
+
+
+def replay_case_contract():
+    from rl_engine.logprob.contract import LogprobContract
+
+    return LogprobContract(real_vocab_size=CASE["real_vocab"], padded_vocab_size=CASE["padded_vocab"],
+                           num_vocab_tiles=CASE["num_vocab_tiles"], num_sequences=CASE["batch"],
+                           seq_len=CASE["seq"], logits_dtype=CASE["dtype"])

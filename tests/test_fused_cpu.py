@@ -448,3 +448,7 @@ def test_fingerprint_of_the_default_case_equals_the_eager_one() -> None:
     fused = replay_candidate({**case, "backend": FUSED_CPU_ID})
     assert fused.fingerprints() == eager.fingerprints()
     assert fingerprint(fused.grad) == fingerprint(eager.grad)
+    # verify --recompute replays a fused-backend case with the eager reference
+    by_reference = replay_candidate({**case, "backend": FUSED_CPU_ID},
+                                    backend="pytorch-vocab-parallel-logp-ws2")
+    assert by_reference.fingerprints() == fused.fingerprints()
