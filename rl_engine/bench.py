@@ -1,7 +1,8 @@
 """``python -m rl_engine bench``: the deterministic logprob against what users would write instead.
 
-TP=1 mode (default): the paths of :mod:`rl_engine.benchmark.paths` (``candidate``,
-``naive``, ``floor``), each for ``forward`` and ``forward_backward``, at every ``--tokens``.
+TP=1 mode (default): the paths of :mod:`rl_engine.benchmark.paths` (``candidate``: the eager
+backend; ``fused``: the compiled CPU backend, where its kernel loads; ``naive``, ``floor``),
+each for ``forward`` and ``forward_backward``, at every ``--tokens``.
 
 Time: every (path, phase) is warmed up, then the repeats run round-robin (one of each per
 round, the order rotating), so a busy spell on a shared machine hits every path alike;
@@ -27,10 +28,11 @@ from typing import Any, Callable
 
 import torch
 
-from rl_engine.benchmark.config import PATHS, PHASES, BenchConfig, BenchError
+from rl_engine.benchmark.config import BACKEND_PATHS, PATHS, PHASES, BenchConfig, BenchError
 from rl_engine.benchmark.memory import MEMORY_METHOD, check_memory_headroom, probe_memory, run_memory_probe
-from rl_engine.benchmark.paths import Inputs, build_step, make_inputs
+from rl_engine.benchmark.paths import Inputs, build_step, default_paths, make_inputs
 from rl_engine.benchmark.report import (
+    compute_path_ratios,
     compute_ratios,
     config_dict,
     evaluate_targets,
@@ -95,6 +97,7 @@ def run_tp1(config: BenchConfig, log: Callable[[str], None] = print) -> dict[str
                 "peak_mem_bytes": peaks[(path, phase)], "repeats": len(times),
             })
     ratios = compute_ratios(rows)
+    path_ratios = compute_path_ratios(rows)
     return {
         "schema_version": "1",
         "mode": "tp1",
@@ -106,7 +109,9 @@ def run_tp1(config: BenchConfig, log: Callable[[str], None] = print) -> dict[str
         "memory_method": MEMORY_METHOD if config.memory else None,
         "rows": rows,
         "ratios": ratios,
-        "targets": evaluate_targets(ratios),
+        "backends": {p: BACKEND_PATHS[p] for p in config.paths if p in BACKEND_PATHS},
+        "path_ratios": path_ratios,
+        "targets": evaluate_targets(ratios, path_ratios),
     }
 
 
@@ -127,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-validate", action="store_true", help="candidate with validate=False")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    p.add_argument("--paths", nargs="+", default=None, choices=PATHS,
+                   help="default: every path this machine runs (fused where its kernel loads)")
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
     p.add_argument("--tp", type=int, nargs="+", default=[], help="TP degrees: run the torchrun mode")
     p.add_argument("--output", default=None, help="write the JSON document here")
@@ -142,7 +148,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         repeats=args.repeats, warmup=args.warmup,
         threads=args.threads if args.threads is not None else torch.get_num_threads(),
         chunk_rows=args.chunk_rows, validate=not args.no_validate, memory=not args.no_memory,
-        seed=args.seed, paths=tuple(args.paths), phases=tuple(args.phases), tp=tuple(args.tp),
+        seed=args.seed, paths=tuple(args.paths) if args.paths else default_paths(), phases=tuple(args.phases), tp=tuple(args.tp),
     )
 
 

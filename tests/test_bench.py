@@ -17,7 +17,7 @@ import pytest
 from rl_engine import jsonio, schemas
 from rl_engine import bench
 from rl_engine.benchmark.config import PATHS, PHASES, BenchConfig, BenchError
-from rl_engine.benchmark.report import TARGETS
+from rl_engine.benchmark.report import FUSED_TARGETS, TARGETS
 
 SMALL = ["--vocab", "512", "--tiles", "4", "--repeats", "2", "--warmup", "1", "--threads", "2"]
 
@@ -77,11 +77,54 @@ def test_ratios_are_the_quotients_of_this_runs_rows(timing_doc: dict[str, Any]) 
     assert bench.compute_ratios(other) != doc["ratios"]
 
 
+def _fused_ratios_from_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Independent recomputation: fused over naive, floor and the eager candidate."""
+    by = {(r["path"], r["phase"], r["tokens"]): r for r in rows}
+    out: dict[str, Any] = {}
+    for (path, phase, tokens), row in by.items():
+        if path != "fused":
+            continue
+        entry: dict[str, float | None] = {}
+        for other in ("naive", "floor", "candidate"):
+            ref = by[(other, phase, tokens)]
+            entry[f"time_vs_{other}"] = row["median_s"] / ref["median_s"]
+            mem, ref_mem = row["peak_mem_bytes"], ref["peak_mem_bytes"]
+            entry[f"peak_mem_vs_{other}"] = (
+                None if mem is None or ref_mem is None or ref_mem == 0 else mem / ref_mem
+            )
+        out.setdefault(str(tokens), {})[phase] = entry
+    return {"fused": out}
+
+
+def test_every_available_backend_has_rows_and_its_ratios(timing_doc: dict[str, Any]) -> None:
+    doc = timing_doc
+    assert doc["backends"] == {"candidate": "pytorch-vocab-parallel-logp-ws2",
+                               "fused": "cpu-vocab-parallel-logp-ws2"}
+    assert {r["path"] for r in doc["rows"]} == {"candidate", "fused", "naive", "floor"}
+    assert doc["path_ratios"] == _fused_ratios_from_rows(doc["rows"])
+
+
+def test_an_unavailable_fused_kernel_is_left_out_by_default_and_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rl_engine.benchmark import paths
+    from rl_engine.logprob import fused_cpu
+
+    monkeypatch.setattr(fused_cpu, "kernel_unavailable", lambda: "the compiled module is not built")
+    assert paths.default_paths() == ("candidate", "naive", "floor")
+    with pytest.raises(BenchError, match="paths contains 'fused' but backend cpu-vocab-parallel-logp-ws2 "
+                                         "is unavailable here: the compiled module is not built"):
+        BenchConfig(tokens=(8,), vocab=512, tiles=4, paths=("fused", "floor"))
+
+
 def test_targets_are_read_from_the_ratios(timing_doc: dict[str, Any]) -> None:
     doc = timing_doc
-    assert len(doc["targets"]) == 2 * len(TARGETS)
+    assert len(doc["targets"]) == 2 * (len(TARGETS) + len(FUSED_TARGETS))
     for t in doc["targets"]:
-        value = doc["ratios"][str(t["tokens"])][t["phase"]][t["ratio"]]
+        if t["path"] == "fused":
+            value = doc["path_ratios"]["fused"][str(t["tokens"])][t["phase"]][t["ratio"]]
+        else:
+            value = doc["ratios"][str(t["tokens"])][t["phase"]][t["ratio"]]
         assert t["value"] == value
         assert t["met"] == (None if value is None else value <= t["limit"])
     memory = [t for t in doc["targets"] if t["ratio"].startswith("peak_mem")]
@@ -101,7 +144,9 @@ def test_memory_probe_sees_the_naive_paths_fp32_copies(tmp_path: Path) -> None:
     assert peaks[("naive", "forward_backward")] > peaks[("naive", "forward")]
     # every forward+backward returns a gradient of the logits (bf16): it is counted
     assert peaks[("candidate", "forward_backward")] >= tokens * vocab * 2 * 0.95
+    assert peaks[("fused", "forward_backward")] >= tokens * vocab * 2 * 0.95
     assert doc["ratios"] == _ratios_from_rows(doc["rows"])
+    assert doc["path_ratios"] == _fused_ratios_from_rows(doc["rows"])
     assert doc["memory_method"] and "fresh subprocess" in doc["memory_method"]
 
 

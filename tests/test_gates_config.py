@@ -56,6 +56,9 @@ BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
      ("config key 'backend' has value 'triton'", "is not registered; use one of [",
       "'pytorch-vocab-parallel-logp-ws2'")),
     ("auto backend", {"backend": "auto"}, ("config key 'backend' has value 'auto'", "'auto' is refused")),
+    ("cpu-only backend on cuda", {"backend": "cpu-vocab-parallel-logp-ws2", "device": "cuda"},
+     ("config key 'backend' has value 'cpu-vocab-parallel-logp-ws2'",
+      "does not run on device='cuda' (its devices: ['cpu'])", "choose a backend for 'cuda'")),
     ("unknown device", {"device": "tpu"}, ("config key 'device' has value 'tpu'", "is not one of ['cpu', 'cuda']")),
     ("real vocab above padded", {"real_vocab": 1025},
      ("config key 'real_vocab' has value 1025", "exceeds padded_vocab=1024",
@@ -113,6 +116,8 @@ def test_good_configs_pass_unchanged() -> None:
     assert check_config(default) is default
     small = base()
     assert check_config(small) == base()
+    fused = {**base(), "backend": "cpu-vocab-parallel-logp-ws2"}  # the workflow selects it by name
+    assert check_config(fused)["backend"] == "cpu-vocab-parallel-logp-ws2"
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [pytest.param(o, e, id=i) for i, o, e in BAD])

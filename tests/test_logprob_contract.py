@@ -228,8 +228,8 @@ def test_fingerprint_sensitive_to_single_choice_fields(monkeypatch: pytest.Monke
 # ----- dispatch ---------------------------------------------------------------------------------
 
 
-def test_backend_ids_lists_both_backends() -> None:
-    assert set(backend_ids()) == {BACKEND_ID, CUDA_SM90_ID}
+def test_backend_ids_lists_every_backend() -> None:
+    assert set(backend_ids()) == {BACKEND_ID, CUDA_SM90_ID, "cpu-vocab-parallel-logp-ws2"}
 
 
 def test_dispatch_by_explicit_id_with_provenance() -> None:

@@ -7,7 +7,12 @@ from dataclasses import dataclass
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract
 from rl_engine.logprob.tiles import default_chunk_rows
 
-PATHS: tuple[str, ...] = ("candidate", "naive", "floor")
+PATHS: tuple[str, ...] = ("candidate", "fused", "naive", "floor")
+# The benchmarked backends: path name -> backend id ("candidate" is the eager reference).
+BACKEND_PATHS: dict[str, str] = {
+    "candidate": "pytorch-vocab-parallel-logp-ws2",
+    "fused": "cpu-vocab-parallel-logp-ws2",
+}
 PHASES: tuple[str, ...] = ("forward", "forward_backward")
 
 
@@ -61,6 +66,15 @@ class BenchConfig:
             bad = [v for v in values if v not in allowed]
             if bad or not values:
                 raise BenchError(f"{name}={list(values)} must be a non-empty subset of {list(allowed)}")
+        if "fused" in self.paths:
+            from rl_engine.logprob.fused_cpu import kernel_unavailable
+
+            reason = kernel_unavailable()
+            if reason is not None:
+                raise BenchError(
+                    f"paths contains 'fused' but backend {BACKEND_PATHS['fused']} is unavailable "
+                    f"here: {reason}; build it or leave 'fused' out of --paths"
+                )
         for degree in self.tp:
             if degree < 1 or self.tiles % degree:
                 raise BenchError(

@@ -2,6 +2,8 @@
 
 - ``candidate``: backend ``pytorch-vocab-parallel-logp-ws2`` as a user calls it (default
   chunk size, ``validate=True`` unless ``--no-validate``), gradient through ``selected_logp``;
+- ``fused``: backend ``cpu-vocab-parallel-logp-ws2`` (the compiled one-pass kernel, the same
+  bytes as ``candidate``) called the same way;
 - ``naive``: ``torch.log_softmax(logits.float(), -1).gather(...)`` with autograd, masked by
   the active rows;
 - ``floor``: one pass over the logits in row chunks, upcast and row max (the least any
@@ -24,6 +26,13 @@ from rl_engine.benchmark.config import PATHS, BenchConfig, BenchError
 from rl_engine.logprob.chunk_threads import for_each_chunk
 from rl_engine.logprob.contract import LOGITS_DTYPES
 from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
+
+
+def default_paths() -> tuple[str, ...]:
+    """Every path this machine can run: the fused backend only where its kernel loads."""
+    from rl_engine.logprob.fused_cpu import kernel_unavailable
+
+    return tuple(p for p in PATHS if p != "fused" or kernel_unavailable() is None)
 
 LOGIT_SCALE = 2.0
 Step = Callable[[], Any]
@@ -107,8 +116,13 @@ def build_step(path: str, phase: str, inputs: Inputs, config: BenchConfig) -> tu
     def reset() -> None:
         leaf.grad = None
 
-    if path == "candidate":
-        op = VocabParallelLogprob()
+    if path in ("candidate", "fused"):
+        if path == "fused":
+            from rl_engine.logprob.fused_cpu import FusedCpuLogprob
+
+            op: VocabParallelLogprob = FusedCpuLogprob()
+        else:
+            op = VocabParallelLogprob()
         if phase == "forward":
             def step() -> Any:
                 with torch.no_grad():

@@ -22,6 +22,14 @@ TARGETS: tuple[tuple[str, str, str, float], ...] = (
     ("forward+backward peak memory <= 0.25x naive", "forward_backward", "peak_mem_vs_naive", 0.25),
     ("moonshot: forward time <= 1.5x floor", "forward", "time_vs_floor", 1.5),
 )
+# Issue 11 targets of the fused backend (path "fused"): (name, phase, ratio key, limit).
+FUSED_TARGETS: tuple[tuple[str, str, str, float], ...] = (
+    ("fused forward time <= 1.5x floor", "forward", "time_vs_floor", 1.5),
+    ("fused forward+backward time <= 1.5x floor", "forward_backward", "time_vs_floor", 1.5),
+    ("fused forward peak memory <= eager's", "forward", "peak_mem_vs_candidate", 1.0),
+    ("fused forward+backward peak memory <= eager's", "forward_backward", "peak_mem_vs_candidate", 1.0),
+    ("moonshot: fused forward time <= 1.2x floor", "forward", "time_vs_floor", 1.2),
+)
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
@@ -51,16 +59,49 @@ def compute_ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, 
     return out
 
 
-def evaluate_targets(ratios: dict[str, dict[str, dict[str, float | None]]]) -> list[dict[str, Any]]:
-    """Issue 6's targets, checked against the ratios of this run (``met`` null if not measured)."""
+def compute_path_ratios(
+    rows: list[dict[str, Any]],
+) -> dict[str, dict[str, dict[str, dict[str, float | None]]]]:
+    """Per backend path other than ``candidate`` (``fused``), per tokens and phase: its time and
+    peak memory over naive's, floor's and the eager candidate's, from ``rows`` alone."""
+    index = {(r["path"], r["phase"], r["tokens"]): r for r in rows if r.get("tp", 1) == 1}
+    out: dict[str, dict[str, dict[str, dict[str, float | None]]]] = {}
+    for (path, phase, tokens), row in sorted(index.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
+        if path != "fused":
+            continue
+        entry: dict[str, float | None] = {}
+        for other in ("naive", "floor", "candidate"):
+            ref = index.get((other, phase, tokens))
+            if ref is None:
+                continue
+            entry[f"time_vs_{other}"] = _ratio(row["median_s"], ref["median_s"])
+            entry[f"peak_mem_vs_{other}"] = _ratio(row["peak_mem_bytes"], ref["peak_mem_bytes"])
+        out.setdefault(path, {}).setdefault(str(tokens), {})[phase] = entry
+    return out
+
+
+def _targets_of(path: str, ratios: dict[str, dict[str, dict[str, float | None]]],
+                table: tuple[tuple[str, str, str, float], ...]) -> list[dict[str, Any]]:
     out = []
     for tokens, phases in ratios.items():
-        for name, phase, key, limit in TARGETS:
+        for name, phase, key, limit in table:
             value = phases.get(phase, {}).get(key)
             out.append({
-                "target": name, "tokens": int(tokens), "phase": phase, "ratio": key,
+                "target": name, "path": path, "tokens": int(tokens), "phase": phase, "ratio": key,
                 "value": value, "limit": limit, "met": None if value is None else value <= limit,
             })
+    return out
+
+
+def evaluate_targets(
+    ratios: dict[str, dict[str, dict[str, float | None]]],
+    path_ratios: dict[str, dict[str, dict[str, dict[str, float | None]]]] | None = None,
+) -> list[dict[str, Any]]:
+    """Issue 6's targets of the eager candidate and issue 11's of the fused backend, checked
+    against the ratios of this run (``met`` null if not measured)."""
+    out = _targets_of("candidate", ratios, TARGETS)
+    if path_ratios and "fused" in path_ratios:
+        out += _targets_of("fused", path_ratios["fused"], FUSED_TARGETS)
     return out
 
 
@@ -112,14 +153,18 @@ def render_table(doc: dict[str, Any]) -> Any:
                           f"{r['median_s']:.4f}", f"{r['comm_median_s']:.4f}",
                           f"{100 * r['comm_share']:.1f}%")
         return table
-    table = Table(title=f"{doc['backend']} vs naive vs floor, {doc['config']['dtype']}, "
+    backends = ", ".join(f"{p} = {b}" for p, b in doc.get("backends", {}).items()) or doc["backend"]
+    table = Table(title=f"{backends}; vs naive vs floor, {doc['config']['dtype']}, "
                         f"vocab {doc['config']['vocab']}, threads={doc['threads']}")
     for col in ("tokens", "phase", "path", "median s", "peak MiB", "time / naive", "time / floor",
                 "mem / naive"):
         table.add_column(col, justify="right")
     for r in doc["rows"]:
-        entry = doc["ratios"].get(str(r["tokens"]), {}).get(r["phase"], {})
-        is_cand = r["path"] == "candidate"
+        if r["path"] == "candidate":
+            entry = doc["ratios"].get(str(r["tokens"]), {}).get(r["phase"], {})
+        else:
+            entry = doc.get("path_ratios", {}).get(r["path"], {}).get(str(r["tokens"]), {}).get(r["phase"], {})
+        is_cand = r["path"] in doc.get("backends", {"candidate": None})
         table.add_row(
             str(r["tokens"]), r["phase"], r["path"], f"{r['median_s']:.4f}",
             _fmt_mem(r["peak_mem_bytes"]),

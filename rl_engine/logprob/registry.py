@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from rl_engine.logprob.contract import DETERMINISM_SCOPES, LogprobContract, LogprobContractError
+from rl_engine.logprob.fused_cpu import FUSED_CPU_ID, FusedCpuLogprob, kernel_unavailable
 from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
 
 AUTO = "auto"
@@ -147,12 +148,35 @@ def default_registry() -> dict[str, BackendSpec]:
             build=VocabParallelLogprob,
             priority=0,
         ),
+        BackendSpec(
+            # the eager backend's bytes from a compiled one-pass kernel (CPU only); never
+            # chosen by auto (priority below the eager backend): a user asks for it by name
+            backend_id=FUSED_CPU_ID,
+            capabilities=BackendCapabilities(
+                dtypes=ALL_DTYPES,
+                max_tp_world_size=1 << 16,
+                supports_padding=True,
+                mask_modes=frozenset({"explicit"}),
+                exports_lse=True,
+                determinism_scopes=frozenset(DETERMINISM_SCOPES),
+                devices=frozenset({"cpu"}),
+            ),
+            availability=kernel_unavailable,
+            build=FusedCpuLogprob,
+            priority=-10,
+        ),
     ]
     return {spec.backend_id: spec for spec in sorted(specs, key=lambda s: -s.priority)}
 
 
 def backend_ids(registry: dict[str, BackendSpec] | None = None) -> list[str]:
     return list((registry or default_registry()).keys())
+
+
+def backend_devices(backend_id: str, registry: dict[str, BackendSpec] | None = None) -> frozenset[str]:
+    """The devices a registered backend declares (empty for an unknown id)."""
+    spec = (registry or default_registry()).get(backend_id)
+    return spec.capabilities.devices if spec is not None else frozenset()
 
 
 def machine_lacks(device: str) -> str | None:

@@ -271,3 +271,47 @@ def merge_tiles(
 def default_chunk_rows(local_vocab: int, target_bytes: int = CHUNK_TARGET_BYTES) -> int:
     """Rows per chunk so one FP32 chunk stays near ``target_bytes`` (cache sized)."""
     return max(1, min(4096, target_bytes // max(1, 4 * local_vocab)))
+
+
+# Accelerators: a chunk's workspace may use at most this many bytes, and at most this share
+# of the device's free memory; the chunk then holds hundreds of rows instead of a CPU
+# cache's few (thousands of kernel launches fewer per call). Bytes never depend on it.
+ACCELERATOR_CHUNK_BYTES = 1 << 30
+ACCELERATOR_FREE_SHARE = 4  # at most 1/4 of the free memory
+ACCELERATOR_MAX_ROWS = 16384
+# Bytes per logit column of a chunk's workspace: the FP32 buffer and the entropy buffer (4 + 4),
+# E's scratch (kf, q: 4 + 4; ka, kb: int32 4 + 4; a bool mask 1).
+WORKSPACE_BYTES_PER_COLUMN = 25
+
+
+def chunk_rows_for_device(
+    local_vocab: int, device: torch.device | str, free_bytes: int | None = None
+) -> int:
+    """Rows per chunk of the eager chunk loops on ``device`` (the op's default ``chunk_rows``).
+
+    * CPU: :func:`default_chunk_rows`, cache sized (about 2 MiB of FP32 per chunk: 3 rows at
+      vocabulary 151936), because each chunk is upcast, shifted, exponentiated and folded
+      while it sits in the core's L2.
+    * An accelerator (CUDA or another non-CPU device): a memory budget. The workspace of one
+      chunk (``WORKSPACE_BYTES_PER_COLUMN`` bytes per column) may use ``min(1 GiB, free / 4)``,
+      where ``free`` is ``free_bytes`` or the device's free memory (``torch.cuda.mem_get_info``;
+      devices without that query get the 1 GiB budget): 282 rows at vocabulary 151936 with
+      plenty free, at least 1 row, at most ``ACCELERATOR_MAX_ROWS``.
+
+    The chunk size decides only how rows are batched: the bytes of every output are the same
+    for any chunk size (``tests/test_vocab_parallel_logp.py::test_chunk_size_invariance``).
+    """
+    if isinstance(local_vocab, bool) or not isinstance(local_vocab, int) or local_vocab < 1:
+        raise ValueError(f"local_vocab={local_vocab!r} must be a positive integer")
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return default_chunk_rows(local_vocab)
+    if free_bytes is None and dev.type == "cuda" and torch.cuda.is_available():
+        free_bytes, _total = torch.cuda.mem_get_info(dev)
+    budget = ACCELERATOR_CHUNK_BYTES
+    if free_bytes is not None:
+        if free_bytes < 0:
+            raise ValueError(f"free_bytes={free_bytes} must be >= 0")
+        budget = min(budget, free_bytes // ACCELERATOR_FREE_SHARE)
+    rows = budget // (WORKSPACE_BYTES_PER_COLUMN * local_vocab)
+    return max(1, min(ACCELERATOR_MAX_ROWS, rows))

@@ -39,7 +39,7 @@ from rl_engine.logprob.tiles import (
     NEG_INF,
     ChunkWorkspace,
     GradWorkspace,
-    default_chunk_rows,
+    chunk_rows_for_device,
     merge_tiles,
     rows_finite,
 )
@@ -274,9 +274,15 @@ def vocab_parallel_forward(
     chunk_rows: int,
     with_entropy: bool,
     validate: bool,
+    engine: "LocalEngine | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Forward without autograd: ``(selected_logp, lse, entropy)`` in FP32 for the local rows."""
-    m, s, t, finite = _local_partials(logits, contract, chunk_rows, with_entropy, validate)
+    """Forward without autograd: ``(selected_logp, lse, entropy)`` in FP32 for the local rows.
+
+    ``engine`` computes the local tile partials (default: the eager chunk loop); the
+    exchange, the merge and everything after are the same for every engine.
+    """
+    engine = engine or EAGER_ENGINE
+    m, s, t, finite = engine.local_partials(logits, contract, chunk_rows, with_entropy, validate)
     target_value = _local_target_logit(logits, targets, contract)
     check = validate and contract.num_tokens > 0
     if check:
@@ -312,7 +318,22 @@ def vocab_parallel_forward(
     return logp, lse, entropy
 
 
-def vocab_parallel_backward(
+@dataclass(frozen=True)
+class BackwardTerms:
+    """Per-row terms of the backward (``docs/arithmetic.md`` section 7), shared by every engine.
+
+    ``coef = g_lse - gl``; ``target_col`` is the local target column of rows that own an
+    active target (``0`` elsewhere) and ``target_add`` is ``gl`` there, ``-0.0`` elsewhere
+    (adding ``-0.0`` is the identity for every FP32 value).
+    """
+
+    coef: torch.Tensor
+    target_col: torch.Tensor
+    target_add: torch.Tensor
+    real_local: int
+
+
+def backward_terms(
     logits: torch.Tensor,
     targets: torch.Tensor,
     active: torch.Tensor,
@@ -320,30 +341,24 @@ def vocab_parallel_backward(
     grad_logp: torch.Tensor | None,
     grad_lse: torch.Tensor | None,
     contract: LogprobContract,
-    chunk_rows: int,
-) -> torch.Tensor:
-    """Local logits gradient, recomputed chunk by chunk from the stored logits.
-
-    ``d logp / dx = onehot(target) - softmax`` on active rows, ``d lse / dx = softmax``;
-    padding columns get exactly zero. Rows with no upstream gradient (inactive rows of a
-    logp-only loss) get exactly ``+0.0`` even when their logits are non-finite (``0 * nan``
-    would be ``nan``). Each chunk is computed in one reused FP32 buffer and rounded once
-    into the gradient; the target column is added in FP32 before rounding, by one
-    ``scatter_add_`` per chunk (``-0.0`` on rows that own no target: the identity), so
-    the loop has no host sync. Rows without upstream gradient are overwritten after the
-    loop with what the FP32 sequence gives them (zeros, and ``0.0 + g`` at the target),
-    which costs one index look-up per call instead of a masked pass per chunk.
-    """
-    rows, local_vocab = logits.shape
+) -> BackwardTerms:
+    local_vocab = logits.shape[1]
     zeros = torch.zeros_like(lse)
     g_logp = torch.where(active, grad_logp, zeros) if grad_logp is not None else zeros
     g_lse = grad_lse if grad_lse is not None else zeros
     coef = g_lse - g_logp
-    real_local = real_local_columns(contract)
     local_target = targets - contract.vocab_start
     owned = active & (local_target >= 0) & (local_target < local_vocab)
     target_col = torch.where(owned, local_target, torch.zeros_like(local_target))
     target_add = torch.where(owned, g_logp, torch.full_like(g_logp, -0.0))
+    return BackwardTerms(coef, target_col, target_add, real_local_columns(contract))
+
+
+def _eager_backward(
+    logits: torch.Tensor, lse: torch.Tensor, terms: BackwardTerms, chunk_rows: int
+) -> torch.Tensor:
+    rows, local_vocab = logits.shape
+    coef, target_col, target_add = terms.coef, terms.target_col, terms.target_add
     grad = torch.empty_like(logits)
 
     def work(ws: GradWorkspace, start: int, stop: int) -> None:
@@ -372,8 +387,8 @@ def vocab_parallel_backward(
         grad.index_fill_(0, zero_rows, 0.0)
         at_target = rounded(canonical_nan_(target_add[zero_rows] + 0.0), grad.dtype)  # +0.0 + g
         grad[zero_rows, target_col[zero_rows]] = at_target
-    if real_local < local_vocab:
-        grad[:, real_local:] = 0.0
+    if terms.real_local < local_vocab:
+        grad[:, terms.real_local:] = 0.0
     return grad
 
 
@@ -402,6 +417,61 @@ class _FirstOrderOnly(torch.autograd.Function):
         )
 
 
+class LocalEngine:
+    """The per-rank compute of a backend: local tile partials and the local gradient.
+
+    Everything else (validation, exchange, merge, autograd) is shared. The eager engine
+    runs PyTorch elementwise ops in cache-sized row chunks; a compiled engine
+    (:mod:`rl_engine.logprob.fused_cpu`) must give the same bytes.
+    """
+
+    def local_partials(
+        self,
+        logits: torch.Tensor,
+        contract: LogprobContract,
+        chunk_rows: int,
+        with_entropy: bool,
+        validate: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        return _local_partials(logits, contract, chunk_rows, with_entropy, validate)
+
+    def local_backward(
+        self, logits: torch.Tensor, lse: torch.Tensor, terms: BackwardTerms, chunk_rows: int
+    ) -> torch.Tensor:
+        return _eager_backward(logits, lse, terms, chunk_rows)
+
+
+EAGER_ENGINE = LocalEngine()
+
+
+def vocab_parallel_backward(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    active: torch.Tensor,
+    lse: torch.Tensor,
+    grad_logp: torch.Tensor | None,
+    grad_lse: torch.Tensor | None,
+    contract: LogprobContract,
+    chunk_rows: int,
+    engine: LocalEngine | None = None,
+) -> torch.Tensor:
+    """Local logits gradient, recomputed chunk by chunk from the stored logits.
+
+    ``d logp / dx = onehot(target) - softmax`` on active rows, ``d lse / dx = softmax``;
+    padding columns get exactly zero. Rows with no upstream gradient (inactive rows of a
+    logp-only loss) get exactly ``+0.0`` even when their logits are non-finite (``0 * nan``
+    would be ``nan``). Each chunk is computed in one reused FP32 buffer and rounded once
+    into the gradient; the target column is added in FP32 before rounding, by one
+    ``scatter_add_`` per chunk (``-0.0`` on rows that own no target: the identity), so
+    the loop has no host sync. Rows without upstream gradient are overwritten after the
+    loop with what the FP32 sequence gives them (zeros, and ``0.0 + g`` at the target),
+    which costs one index look-up per call instead of a masked pass per chunk.
+    ``engine`` replaces the chunk loop (default: the eager one); the terms are shared.
+    """
+    terms = backward_terms(logits, targets, active, lse, grad_logp, grad_lse, contract)
+    return (engine or EAGER_ENGINE).local_backward(logits, lse, terms, chunk_rows)
+
+
 class _VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -414,13 +484,15 @@ class _VocabParallelLogprob(torch.autograd.Function):
         chunk_rows: int,
         with_entropy: bool,
         validate: bool,
+        engine: LocalEngine,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logp, lse, entropy = vocab_parallel_forward(
-            logits, targets, active, contract, group, chunk_rows, with_entropy, validate
+            logits, targets, active, contract, group, chunk_rows, with_entropy, validate, engine
         )
         ctx.save_for_backward(logits, targets, active, lse)
         ctx.contract = contract
         ctx.chunk_rows = chunk_rows
+        ctx.engine = engine
         if entropy is None:
             entropy = torch.empty(0, dtype=torch.float32, device=logits.device)
         ctx.mark_non_differentiable(entropy)
@@ -437,11 +509,11 @@ class _VocabParallelLogprob(torch.autograd.Function):
                 logits.detach(), targets, active, lse.detach(),
                 grad_logp.detach() if grad_logp is not None else None,
                 grad_lse.detach() if grad_lse is not None else None,
-                ctx.contract, ctx.chunk_rows,
+                ctx.contract, ctx.chunk_rows, ctx.engine,
             )
         if create_graph and logits.requires_grad:
             grad = _FirstOrderOnly.apply(logits, [grad])
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None
 
 
 class VocabParallelLogprob:
@@ -457,6 +529,15 @@ class VocabParallelLogprob:
     """
 
     backend_id = BACKEND_ID
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+
+    def engine(self) -> LocalEngine:
+        """The per-rank compute (the eager chunk loops here; a compiled kernel in subclasses)."""
+        return EAGER_ENGINE
+
+    def default_chunk_rows(self, contract: LogprobContract, device: torch.device) -> int:
+        """Cache-sized rows on a CPU, a memory budget on an accelerator (:func:`chunk_rows_for_device`)."""
+        return chunk_rows_for_device(contract.local_vocab_size, device)
 
     def __call__(
         self,
@@ -482,6 +563,11 @@ class VocabParallelLogprob:
             check_chunk_rows(chunk_rows)
             check_group(contract, group)
             contract.check_inputs(logits, targets, active)
+            if logits.device.type not in self.devices:
+                raise LogprobContractError(
+                    f"logits.device={logits.device} is not served by backend {self.backend_id!r} "
+                    f"(devices {sorted(self.devices)}); move the logits or dispatch another backend"
+                )
             try:
                 require_gradual_underflow(logits.device)
             except ArithmeticEnvironmentError as exc:
@@ -504,15 +590,20 @@ class VocabParallelLogprob:
         elif verdict is not None:
             raise LogprobContractError(verdict)
         if chunk_rows is None:
-            chunk_rows = default_chunk_rows(contract.local_vocab_size)
+            chunk_rows = self.default_chunk_rows(contract, logits.device)
         logp, lse, entropy = _VocabParallelLogprob.apply(
-            logits, targets, active, contract, group, int(chunk_rows), compute_entropy, validate
+            logits, targets, active, contract, group, int(chunk_rows), compute_entropy, validate,
+            self.engine(),
         )
         return LogprobOutput(logp, lse, entropy if compute_entropy else None)
 
 
 __all__ = [
     "BACKEND_ID",
+    "BackwardTerms",
+    "EAGER_ENGINE",
+    "LocalEngine",
+    "backward_terms",
     "LogprobOutput",
     "VocabParallelLogprob",
     "call_record",

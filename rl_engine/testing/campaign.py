@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 
 from rl_engine.distributed.bounds import BoundsError, check_cp_split, even_vocab_shards, tile_width
 from rl_engine.logprob.comparison import default_tolerance
-from rl_engine.logprob.registry import AUTO, backend_ids
+from rl_engine.logprob.registry import AUTO, backend_devices, backend_ids
 
 SCHEMA_VERSION = "1"
 MAX_TP = 8
@@ -136,6 +136,11 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
             f"name what it tested); name it explicitly, one of {backend_ids()}")
     elif backend not in backend_ids():
         add("backend", f"backend={backend!r} is not registered; use one of {backend_ids()}")
+    elif device in DEVICE_DIST_BACKENDS and device not in backend_devices(backend):
+        add("backend",
+            f"backend={backend!r} does not run on device={device!r} (its devices: "
+            f"{sorted(backend_devices(backend))}); choose a backend for {device!r} or change "
+            "the device")
     for name, minimum in (("real_vocab", 1), ("padded_vocab", 1), ("num_vocab_tiles", 1),
                           ("batch", 1), ("seq", 1), ("prompt_tokens", 0), ("seed", 0),
                           ("threads_per_rank", 1)):

@@ -36,9 +36,18 @@ class Replay:
         return found
 
 
-def replay_candidate(case: Mapping[str, Any]) -> Replay:
+# Backends that compute docs/arithmetic.md (rl-engine-arith/1): any of them replays a case
+# run with any other, byte for byte (tests/test_fused_cpu.py, tests/test_fused_campaign.py).
+ARITH_BACKENDS = ("pytorch-vocab-parallel-logp-ws2", "cpu-vocab-parallel-logp-ws2")
+REFERENCE_BACKEND = "pytorch-vocab-parallel-logp-ws2"
+
+
+def replay_candidate(case: Mapping[str, Any], backend: str | None = None) -> Replay:
     """Regenerate the case's inputs and compute the candidate on all of them, TP=1, CP=1, CPU.
 
+    ``backend`` (default: the case's) names the backend that recomputes; ``verify
+    --recompute`` passes the eager reference for a case of any ``ARITH_BACKENDS`` backend, so a
+    reviewer's machine needs no compiled kernel to check a fused-backend run.
     The gradient is that of the sum of the selected logprobs over all tokens (what every
     topology's runner differentiates).
     """
@@ -51,7 +60,7 @@ def replay_candidate(case: Mapping[str, Any]) -> Replay:
         seq_len=int(case["seq"]),
         logits_dtype=str(case["dtype"]),
     )
-    op = dispatch(str(case["backend"]), contract, "cpu").op
+    op = dispatch(backend or str(case["backend"]), contract, "cpu").op
     x = logits.to(contract.torch_dtype).requires_grad_(True)
     out = op(x, targets, active, contract, compute_entropy=True)
     out.selected_logp.backward(torch.ones_like(out.selected_logp))

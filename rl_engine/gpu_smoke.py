@@ -1,0 +1,265 @@
+"""``python -m rl_engine gpu-smoke``: portable bits on a GPU, in one command.
+
+1. Runs the campaign of ``config.yaml`` (``--config``) with ``device: cuda``: a plan and one
+   ``launch`` per topology that fits the machine's GPUs (TP x CP ranks, one GPU each; the
+   topologies that do not fit are listed as skipped), under the backend
+   ``pytorch-vocab-parallel-logp-ws2`` (the backend of the config when it runs on the device),
+   then the cross-topology check of that run.
+2. Runs the same case on the CPU: a single-process replay (TP=1, CP=1) with every backend
+   available on the CPU (``pytorch-vocab-parallel-logp-ws2`` and, where its kernel loads,
+   ``cpu-vocab-parallel-logp-ws2``).
+3. Requires that every device report's four fingerprints (logp, LSE, entropy, gradient)
+   equal every CPU replay's: the promise of ``docs/arithmetic.md`` (the same bytes on any
+   IEEE-754 device). Then times the forward (``no_grad``, median of ``--repeats`` after one
+   warm-up, device synchronised) of every backend available on the device at ``--tokens``
+   tokens (default 8192) of the case's vocabulary and dtype, beside a floor
+   (``logits.float().amax(-1)``: one read of the logits).
+
+``--cpu-only`` does all of it with ``device: cpu`` (gloo ranks instead of GPUs): what the
+test suite runs (``tests/test_gpu_smoke.py``). Writes ``<output-dir>/smoke.json`` and prints a
+summary. Exit codes: 0 every fingerprint equal; 1 a difference or a failed topology (named on
+stderr); 2 the smoke cannot start (no CUDA without ``--cpu-only``, a bad config).
+
+Usage on a GPU machine (CUDA build of torch installed, then ``pip install -e .``)::
+
+    python -m rl_engine gpu-smoke --output-dir results/gpu-smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rl_engine import jsonio, schemas
+from rl_engine.evidence.config import WorkflowConfigError, case_values, load_config, parse_topologies
+from rl_engine.evidence.crosscheck import crosscheck_run
+from rl_engine.logprob.contract import LogprobContract
+from rl_engine.logprob.registry import BackendUnavailableError, default_registry, dispatch
+from rl_engine.logprob.tiles import chunk_rows_for_device
+from rl_engine.logprob.vocab_parallel import BACKEND_ID
+from rl_engine.testing.campaign import DEVICE_DIST_BACKENDS, Case, PlanError, build_plan
+from rl_engine.testing.replay import replay_candidate
+
+FIELDS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256",
+          "candidate_grad_sha256")
+EXIT_OK, EXIT_DIFFERS, EXIT_CANNOT_START = 0, 1, 2
+
+
+class SmokeError(RuntimeError):
+    """The smoke cannot start; the message says why and what to do."""
+
+
+def _device_case(config: dict[str, Any], device: str) -> Case:
+    values = case_values(config)
+    values["device"] = device
+    values["dist_backend"] = DEVICE_DIST_BACKENDS[device]
+    devices = default_registry()[values["backend"]].capabilities.devices
+    if device not in devices:
+        values["backend"] = BACKEND_ID  # e.g. the fused CPU backend in config.yaml: eager on cuda
+    return Case.create(**values)
+
+
+def _fitting(config: dict[str, Any], max_ranks: int | None) -> tuple[list[tuple[int, int]], list[str]]:
+    pairs = [(t.tp, t.cp) for t in parse_topologies(config["topologies"])]
+    if max_ranks is None:
+        return pairs, []
+    fit = [(tp, cp) for tp, cp in pairs if tp * cp <= max_ranks]
+    skipped = [f"{tp}x{cp}" for tp, cp in pairs if tp * cp > max_ranks]
+    return fit, skipped
+
+
+def run_device_campaign(case: Case, topologies: list[tuple[int, int]], run_dir: Path,
+                        timeout_s: int) -> dict[str, Any]:
+    """Plan and launch every topology; return each report (or the failure) by label."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    plan_path = run_dir / "plan.json"
+    plan = build_plan(case, tuple(topologies), str(plan_path))
+    schemas.write_validated(plan_path, plan, "plan")
+    results: dict[str, Any] = {}
+    for tp, cp in topologies:
+        label = f"tp{tp}-cp{cp}"
+        log = run_dir / "logs" / f"{label}.log"
+        done = subprocess.run(
+            [sys.executable, "-m", "rl_engine", "launch", "--plan", str(plan_path), "--tp", str(tp),
+             "--cp", str(cp), "--timeout-s", str(timeout_s), "--log", str(log)],
+            capture_output=True, text=True, timeout=timeout_s + 60, check=False,
+        )
+        report_path = run_dir / f"{label}.json"
+        if done.returncode != 0 or not report_path.exists():
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else done.stderr[-2000:]
+            results[label] = {"exit_code": done.returncode, "error": tail}
+        else:
+            results[label] = jsonio.loads(report_path.read_text(encoding="utf-8"))
+    return results
+
+
+def cpu_replays(case: Case) -> dict[str, dict[str, str]]:
+    """The case at TP=1, CP=1 on the CPU, once per backend available on the CPU."""
+    out: dict[str, dict[str, str]] = {}
+    for backend_id, spec in default_registry().items():
+        if "cpu" not in spec.capabilities.devices or spec.availability() is not None:
+            continue
+        replay = replay_candidate({**case.to_dict(), "backend": backend_id})
+        out[backend_id] = replay.fingerprints()
+    return out
+
+
+def time_forwards(case: Case, device: torch.device, tokens: int, repeats: int) -> list[dict[str, Any]]:
+    """Forward time of every backend available on ``device`` (and a one-read floor)."""
+    from rl_engine.benchmark.paths import make_inputs
+
+    inputs = make_inputs(tokens, case.padded_vocab, case.dtype, case.seed)
+    logits = inputs.logits.to(device)
+    targets = inputs.targets.clamp(max=case.real_vocab - 1).to(device)
+    active = inputs.active.to(device)
+    contract = LogprobContract(
+        real_vocab_size=case.real_vocab, padded_vocab_size=case.padded_vocab,
+        num_vocab_tiles=case.num_vocab_tiles, num_sequences=1, seq_len=tokens,
+        logits_dtype=case.dtype,
+    )
+
+    def timed(fn: Any) -> list[float]:
+        samples = []
+        for i in range(repeats + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            with torch.no_grad():
+                fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:  # the first call warms up
+                samples.append(time.perf_counter() - start)
+        return samples
+
+    rows = []
+    for backend_id in default_registry():
+        try:
+            op = dispatch(backend_id, contract, device.type).op
+        except BackendUnavailableError as exc:
+            rows.append({"path": backend_id, "skipped": str(exc)})
+            continue
+        samples = timed(lambda: op(logits, targets, active, contract))
+        rows.append({"path": backend_id, "median_s": statistics.median(samples), "times_s": samples,
+                     "chunk_rows": chunk_rows_for_device(case.padded_vocab, device)})
+    samples = timed(lambda: logits.float().amax(dim=-1))
+    rows.append({"path": "floor", "median_s": statistics.median(samples), "times_s": samples})
+    floor = rows[-1]["median_s"]
+    for row in rows:
+        if "median_s" in row:
+            row["time_vs_floor"] = row["median_s"] / floor if floor > 0 else None
+    return rows
+
+
+def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    config = load_config(args.config)
+    device = "cpu" if args.cpu_only else "cuda"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise SmokeError("CUDA is not available on this machine (torch "
+                             f"{torch.__version__}); install a CUDA build of torch, or pass --cpu-only")
+        max_ranks = args.max_ranks or torch.cuda.device_count()
+    else:
+        max_ranks = args.max_ranks
+    case = _device_case(config, device)
+    topologies, skipped = _fitting(config, max_ranks)
+    if not topologies:
+        raise SmokeError(f"no topology of {config['topologies']} fits {max_ranks} rank(s); "
+                         "add a 1x1 topology to the config or use a machine with more GPUs")
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    problems: list[str] = []
+    print(f"[1/3] campaign on {device} with {case.backend}: "
+          f"{', '.join(f'{tp}x{cp}' for tp, cp in topologies)}"
+          + (f" (skipped, too few devices: {', '.join(skipped)})" if skipped else ""))
+    reports = run_device_campaign(case, topologies, out_dir / f"campaign-{device}", args.timeout_s)
+    device_prints: dict[str, dict[str, str]] = {}
+    for label, report in reports.items():
+        if "error" in report:
+            problems.append(f"{device} campaign {label}: exit code {report['exit_code']}: {report['error'][-500:]}")
+            continue
+        if report.get("passed") is not True:
+            problems.append(f"{device} campaign {label}: passed={report.get('passed')}: {report.get('failures')}")
+        device_prints[label] = {k: report["bitwise_fingerprints"][k] for k in FIELDS}
+    _cross, cross_found = crosscheck_run(out_dir / f"campaign-{device}", min_topologies=1)
+    problems += [f"{device} campaign crosscheck: {f}" for f in cross_found]
+    cpu_replays_result = cpu_replays(case)
+    cpu_backends = list(cpu_replays_result)
+    print(f"[2/3] the same case on the CPU (TP=1, CP=1): {', '.join(cpu_backends)}")
+    for label, prints in device_prints.items():
+        for backend_id, cpu in cpu_replays_result.items():
+            for key in FIELDS:
+                if prints[key] != cpu[key]:
+                    problems.append(f"{device} {label} {key} {prints[key]} differs from the CPU replay "
+                                    f"with {backend_id}: {cpu[key]}")
+    print(f"[3/3] forward timing on {device} at {args.tokens} tokens")
+    timing = time_forwards(case, torch.device(device), args.tokens, args.repeats)
+    result = {
+        "device": device,
+        "torch": torch.__version__,
+        "cuda_device": torch.cuda.get_device_name(0) if device == "cuda" else None,
+        "case": case.to_dict(),
+        "campaign_backend": case.backend,
+        "topologies_run": [f"{tp}x{cp}" for tp, cp in topologies],
+        "topologies_skipped": skipped,
+        "device_fingerprints": device_prints,
+        "cpu_fingerprints": cpu_replays_result,
+        "cpu_backends": cpu_backends,
+        "timing": {"tokens": args.tokens, "repeats": args.repeats, "rows": timing},
+        "passed": not problems,
+        "failures": problems,
+    }
+    jsonio.write_json(out_dir / "smoke.json", result)
+    return result, problems
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rl_engine gpu-smoke", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="config.yaml", help="the campaign (default config.yaml)")
+    p.add_argument("--output-dir", default="results/gpu-smoke", help="where runs and smoke.json go")
+    p.add_argument("--cpu-only", action="store_true", help="everything but CUDA: the campaign on the CPU")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens of the timed forward (default 8192)")
+    p.add_argument("--repeats", type=int, default=5, help="timed forwards per backend (median)")
+    p.add_argument("--max-ranks", type=int, default=None,
+                   help="largest TP*CP to run (default: the GPU count; no limit with --cpu-only)")
+    p.add_argument("--timeout-s", type=int, default=900, help="time limit of one topology")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("tokens", "repeats", "timeout_s"):
+        if getattr(args, name) < 1:
+            print(f"gpu-smoke: --{name.replace('_', '-')}={getattr(args, name)} must be >= 1", file=sys.stderr)
+            return EXIT_CANNOT_START
+    try:
+        result, problems = smoke(args)
+    except (SmokeError, WorkflowConfigError, PlanError, OSError) as exc:
+        print(f"gpu-smoke: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_START
+    for row in result["timing"]["rows"]:
+        if "median_s" in row:
+            print(f"  {row['path']:<34} {row['median_s']:.4f} s  ({row['time_vs_floor']:.2f}x floor)")
+        else:
+            print(f"  {row['path']:<34} skipped: {row['skipped']}")
+    if problems:
+        print(f"gpu-smoke FAILED ({len(problems)} problems):", file=sys.stderr)
+        for problem in problems:
+            print(f"  {problem}", file=sys.stderr)
+        return EXIT_DIFFERS
+    print(f"gpu-smoke passed: {len(result['device_fingerprints'])} {result['device']} topologies and "
+          f"{len(result['cpu_fingerprints'])} CPU backends give identical fingerprints -> "
+          f"{Path(args.output_dir) / 'smoke.json'}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,272 @@
+"""Backend ``cpu-vocab-parallel-logp-ws2``: the eager backend with its chunk loops in compiled C.
+
+The per-rank compute (tile partials of the forward, the local gradient of the backward)
+runs in ``rl_engine/logprob/_fused_cpu.c``: one pass per (row, tile) while the tile sits in
+L1 (upcast, tile max, ``E``, fixed fold ``F``), and one pass per row for the gradient
+(recompute ``E(x - lse)``, scale, add the target term, canonical NaN, round once). It
+follows ``docs/arithmetic.md`` (``rl-engine-arith/1``) operation for operation; everything
+else (validation, the all-gather of partials, the merge, autograd) is the eager backend's
+code, so the two backends give the same bytes (``tests/test_fused_cpu.py``).
+
+Why C through ctypes: the kernel needs nothing but IEEE binary32 arithmetic, integer bit
+operations and threads, so plain C compiled by setuptools during ``pip install`` (no torch
+headers, so pip's isolated build environment needs setuptools alone, never a CUDA torch) is
+enough; ``-ffp-contract=off -fno-fast-math`` pin the operations. numba would add llvmlite and
+a JIT cache on disk, and its LLVM may contract multiply-adds unless every function is
+configured carefully. ctypes releases the GIL during the call; the C code splits rows
+between ``torch.get_num_threads()`` pthreads.
+
+Fail closed: if the compiled module is missing or does not load, :func:`kernel_unavailable`
+says why, the registry marks the backend unavailable and ``dispatch`` raises
+``BackendUnavailableError`` with that reason. Nothing falls back to the eager code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.logprob.vocab_parallel import (
+    BackwardTerms,
+    LocalEngine,
+    VocabParallelLogprob,
+    real_local_columns,
+)
+from rl_engine.logprob.tiles import rows_finite
+
+FUSED_CPU_ID = "cpu-vocab-parallel-logp-ws2"
+MODULE = "rl_engine.logprob._fused_cpu"
+ABI_VERSION = 1
+ISA_AUTO, ISA_BASELINE, ISA_AVX2, ISA_AVX512 = 0, 1, 2, 3
+ISA_NAMES = {"auto": ISA_AUTO, "baseline": ISA_BASELINE, "avx2": ISA_AVX2, "avx512": ISA_AVX512}
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_STATUS = {
+    1: "bad arguments, or an instruction set this CPU lacks (isa=)",
+    2: (
+        "a kernel thread flushes subnormal numbers to zero (FTZ/DAZ); rl-engine-arith/1 needs "
+        "IEEE gradual underflow: call torch.set_flush_denormal(False) before the logprob op"
+    ),
+    3: "out of memory for a tile buffer",
+    4: "a kernel thread failed to start",
+}
+
+
+class FusedKernelError(RuntimeError):
+    """The compiled kernel could not load, or a call to it failed; the message says why."""
+
+
+@dataclass(frozen=True)
+class FusedKernel:
+    """The loaded shared object and its typed entry points."""
+
+    path: str
+    lib: ctypes.CDLL
+
+    def check(self, status: int, what: str) -> None:
+        if status != 0:
+            reason = _STATUS.get(status, f"status {status}")
+            if status == 2:
+                raise LogprobContractError(f"{FUSED_CPU_ID} {what}: {reason}")
+            raise FusedKernelError(f"{FUSED_CPU_ID} {what} failed: {reason}")
+
+    def selected_isa(self, isa: int = ISA_AUTO) -> int:
+        return int(self.lib.rle_selected_isa(isa))
+
+
+_c_i64 = ctypes.c_int64
+_c_p = ctypes.c_void_p
+
+
+def _load() -> FusedKernel:
+    spec = importlib.util.find_spec(MODULE)
+    if spec is None or spec.origin is None:
+        raise FusedKernelError(
+            f"the compiled module {MODULE} is not built; run `pip install -e .` (or "
+            "`python setup.py build_ext --inplace` in a checkout) with a C compiler available"
+        )
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    except OSError as exc:
+        raise FusedKernelError(f"{spec.origin} does not load: {exc}") from None
+    try:
+        version = int(lib.rle_abi_version())
+    except AttributeError as exc:
+        raise FusedKernelError(f"{spec.origin} lacks the kernel entry points: {exc}") from None
+    if version != ABI_VERSION:
+        raise FusedKernelError(
+            f"{spec.origin} has kernel ABI {version}, this code needs {ABI_VERSION}; rebuild it "
+            "(`pip install -e .` or `python setup.py build_ext --inplace`)"
+        )
+    lib.rle_forward_partials.restype = ctypes.c_int
+    lib.rle_forward_partials.argtypes = [
+        _c_p, ctypes.c_int, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64,
+        _c_p, _c_p, _c_p, _c_p, ctypes.c_int, ctypes.c_int,
+    ]
+    lib.rle_backward.restype = ctypes.c_int
+    lib.rle_backward.argtypes = [
+        _c_p, ctypes.c_int, _c_i64, _c_i64, _c_i64, _c_i64,
+        _c_p, _c_p, _c_p, _c_p, _c_p, ctypes.c_int, ctypes.c_int,
+    ]
+    for name in ("rle_exp_array", "rle_round_f16_array", "rle_round_bf16_array",
+                 "rle_upcast_f16_array"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [_c_p, _c_p, _c_i64]
+    lib.rle_selected_isa.restype = ctypes.c_int
+    lib.rle_selected_isa.argtypes = [ctypes.c_int]
+    return FusedKernel(spec.origin, lib)
+
+
+@lru_cache(maxsize=1)
+def _cached() -> FusedKernel | FusedKernelError:
+    try:
+        return _load()
+    except FusedKernelError as exc:
+        return exc
+
+
+def load_kernel() -> FusedKernel:
+    """The compiled kernel (loaded once per process), or :class:`FusedKernelError` with the reason."""
+    found = _cached()
+    if isinstance(found, FusedKernelError):
+        raise found
+    return found
+
+
+def kernel_unavailable() -> str | None:
+    """Why the kernel cannot be used here (None when it can): the registry's availability."""
+    found = _cached()
+    return str(found) if isinstance(found, FusedKernelError) else None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _row_major(logits: torch.Tensor) -> torch.Tensor:
+    """Rows with unit column stride (the kernel reads rows at a row stride)."""
+    if logits.dim() == 2 and logits.stride(1) == 1 and logits.stride(0) >= logits.shape[1]:
+        return logits
+    return logits.contiguous()
+
+
+def _threads(threads: int | None) -> int:
+    n = torch.get_num_threads() if threads is None else threads
+    if n < 1:
+        raise LogprobContractError(f"threads={n} must be >= 1")
+    return n
+
+
+def fused_partials(
+    logits: torch.Tensor,
+    contract: LogprobContract,
+    with_entropy: bool,
+    validate: bool,
+    *,
+    threads: int | None = None,
+    isa: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(m, s, t, finite)`` of the local shard: what the eager ``_local_partials`` returns."""
+    kernel = load_kernel()
+    x = _row_major(logits.detach())
+    rows = x.shape[0]
+    width = contract.tile_width
+    real_local = real_local_columns(contract)
+    tiles = contract.local_vocab_size // width
+    m = torch.empty(rows, tiles, dtype=torch.float32)
+    s = torch.empty_like(m)
+    t = torch.empty_like(m) if with_entropy else None
+    row_min = torch.empty(rows, dtype=torch.float32) if validate else None
+    if rows:
+        status = kernel.lib.rle_forward_partials(
+            x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), contract.local_vocab_size,
+            width, real_local, m.data_ptr(), s.data_ptr(), _ptr(t), _ptr(row_min),
+            _threads(threads), ISA_NAMES[isa],
+        )
+        kernel.check(status, "forward")
+    finite = rows_finite(m, row_min, width, real_local) if row_min is not None else None
+    return m, s, t, finite
+
+
+def fused_backward(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    terms: BackwardTerms,
+    *,
+    threads: int | None = None,
+    isa: str = "auto",
+) -> torch.Tensor:
+    """The local gradient (section 7-8), with the ``coef == 0`` overrides and zero padding."""
+    kernel = load_kernel()
+    x = _row_major(logits.detach())
+    rows, local_vocab = x.shape
+    grad = torch.empty((rows, local_vocab), dtype=x.dtype)
+    if rows:
+        lse_c = lse.detach().float().contiguous()
+        coef = terms.coef.float().contiguous()
+        col = terms.target_col.to(torch.int64).contiguous()
+        add = terms.target_add.float().contiguous()
+        status = kernel.lib.rle_backward(
+            x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), local_vocab,
+            terms.real_local, lse_c.data_ptr(), coef.data_ptr(), col.data_ptr(),
+            add.data_ptr(), grad.data_ptr(), _threads(threads), ISA_NAMES[isa],
+        )
+        kernel.check(status, "backward")
+    return grad
+
+
+class FusedCpuEngine(LocalEngine):
+    """:class:`LocalEngine` on the compiled kernel (``chunk_rows`` is not used: rows stream)."""
+
+    def __init__(self, threads: int | None = None, isa: str = "auto") -> None:
+        if isa not in ISA_NAMES:
+            raise LogprobContractError(f"isa={isa!r} is not one of {sorted(ISA_NAMES)}")
+        self.threads = threads
+        self.isa = isa
+
+    def local_partials(self, logits, contract, chunk_rows, with_entropy, validate):  # type: ignore[override]
+        return fused_partials(
+            logits, contract, with_entropy, validate, threads=self.threads, isa=self.isa
+        )
+
+    def local_backward(self, logits, lse, terms, chunk_rows):  # type: ignore[override]
+        return fused_backward(logits, lse, terms, threads=self.threads, isa=self.isa)
+
+
+class FusedCpuLogprob(VocabParallelLogprob):
+    """The callable op of backend ``cpu-vocab-parallel-logp-ws2`` (CPU tensors only).
+
+    Same call, same validation, same exchange and merge as ``pytorch-vocab-parallel-logp-ws2``;
+    ``threads`` (default ``torch.get_num_threads()`` at call time) and ``isa`` (``auto``,
+    ``baseline``, ``avx2``, ``avx512``: the same bytes, tests compare them) select how the kernel runs.
+    Building it loads the kernel, so a missing kernel raises here, not at the first call.
+    """
+
+    backend_id = FUSED_CPU_ID
+    devices = frozenset({"cpu"})
+
+    def __init__(self, threads: int | None = None, isa: str = "auto") -> None:
+        super().__init__()
+        load_kernel()
+        self._engine = FusedCpuEngine(threads, isa)
+
+    def engine(self) -> LocalEngine:
+        return self._engine
+
+
+__all__ = [
+    "FUSED_CPU_ID",
+    "FusedCpuEngine",
+    "FusedCpuLogprob",
+    "FusedKernel",
+    "FusedKernelError",
+    "fused_backward",
+    "fused_partials",
+    "kernel_unavailable",
+    "load_kernel",
+]

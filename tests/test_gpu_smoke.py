@@ -1,0 +1,92 @@
+"""``python -m rl_engine gpu-smoke --cpu-only``: everything the GPU smoke does but CUDA.
+
+A real run on a small config (torchrun campaign with gloo ranks, CPU replays with both CPU
+backends, forward timing) must pass with identical fingerprints everywhere; a CPU replay
+that differs by one fingerprint makes it exit 1 naming the topology and field; without CUDA
+the GPU mode refuses to start (exit 2) instead of falling back to the CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from rl_engine import gpu_smoke, jsonio
+
+REPO = Path(__file__).resolve().parents[1]
+FIELDS = gpu_smoke.FIELDS
+
+
+def _small_config(tmp: Path, **over: Any) -> Path:
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    config.update(real_vocab=1000, padded_vocab=1024, num_vocab_tiles=8, batch=2, seq=8,
+                  prompt_tokens=3, topologies=["1x1", "2x1", "1x2"], **over)
+    path = tmp / "small.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("smoke")
+    config = _small_config(tmp)
+    out = tmp / "out"
+    code = gpu_smoke.main(["--cpu-only", "--config", str(config), "--output-dir", str(out),
+                           "--tokens", "64", "--repeats", "2"])
+    return code, out, jsonio.load(out / "smoke.json")
+
+
+@pytest.mark.slow
+def test_cpu_only_smoke_passes_with_identical_fingerprints(smoke_run) -> None:
+    code, out, result = smoke_run
+    assert code == 0 and result["passed"] is True and result["failures"] == []
+    assert result["device"] == "cpu" and result["topologies_run"] == ["1x1", "2x1", "1x2"]
+    assert set(result["cpu_fingerprints"]) == {"pytorch-vocab-parallel-logp-ws2",
+                                               "cpu-vocab-parallel-logp-ws2"}
+    expected = result["cpu_fingerprints"]["pytorch-vocab-parallel-logp-ws2"]
+    assert set(expected) == set(FIELDS)
+    assert result["cpu_fingerprints"]["cpu-vocab-parallel-logp-ws2"] == expected
+    assert result["device_fingerprints"] and all(p == expected for p in result["device_fingerprints"].values())
+    timed = {row["path"]: row for row in result["timing"]["rows"]}
+    for path in ("pytorch-vocab-parallel-logp-ws2", "cpu-vocab-parallel-logp-ws2", "floor"):
+        assert timed[path]["median_s"] > 0 and len(timed[path]["times_s"]) == 2
+    assert "device cpu not in ['cuda']" in timed["cuda-sm90"]["skipped"]
+    assert (out / "campaign-cpu" / "plan.json").exists()
+
+
+@pytest.mark.slow
+def test_a_differing_cpu_fingerprint_fails_naming_topology_and_field(
+    smoke_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, out, result = smoke_run
+    reports = {label: jsonio.load(out / "campaign-cpu" / f"{label}.json")
+               for label in ("tp1-cp1", "tp2-cp1", "tp1-cp2")}
+    forged = {b: dict(p) for b, p in result["cpu_fingerprints"].items()}
+    forged["cpu-vocab-parallel-logp-ws2"]["candidate_grad_sha256"] = "0" * 64
+    monkeypatch.setattr(gpu_smoke, "run_device_campaign", lambda case, topologies, run_dir, timeout_s: reports)
+    monkeypatch.setattr(gpu_smoke, "crosscheck_run", lambda run_dir, min_topologies: ({}, []))
+    monkeypatch.setattr(gpu_smoke, "cpu_replays", lambda case: forged)
+    code = gpu_smoke.main(["--cpu-only", "--config", str(_small_config(tmp_path)), "--output-dir",
+                           str(tmp_path / "out"), "--tokens", "8", "--repeats", "1"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "cpu tp2-cp1 candidate_grad_sha256" in err and "cpu-vocab-parallel-logp-ws2" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_without_cuda_the_gpu_mode_refuses_to_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = gpu_smoke.main(["--config", str(_small_config(tmp_path)), "--output-dir", str(tmp_path / "o")])
+    assert code == 2
+    assert "CUDA is not available" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_a_config_backend_that_cannot_run_on_the_device_runs_the_eager_one(tmp_path: Path) -> None:
+    config = yaml.safe_load(_small_config(tmp_path, backend="cpu-vocab-parallel-logp-ws2").read_text())
+    assert gpu_smoke._device_case(config, "cuda").backend == "pytorch-vocab-parallel-logp-ws2"
+    assert gpu_smoke._device_case(config, "cpu").backend == "cpu-vocab-parallel-logp-ws2"
+    fit, skipped = gpu_smoke._fitting({"topologies": ["1x1", "2x1", "4x2"]}, 2)
+    assert fit == [(1, 1), (2, 1)] and skipped == ["4x2"]
