@@ -27,7 +27,9 @@ EAGER = "pytorch-vocab-parallel-logp-ws2"
 FUSED = "cpu-vocab-parallel-logp-ws2"
 CASE = {"dtype": "bf16", "real_vocab": 1000, "padded_vocab": 1024, "num_vocab_tiles": 8,
         "batch": 2, "seq": 8, "prompt_tokens": 3, "seed": 7, "logit_scale": 2.0}
-ALL = ("1x1", "1x2", "2x1", "2x2", "4x1", "4x2")
+# Torchrun campaigns cost about 11 s a topology here; TP 1-8 shards of the kernel are compared
+# byte for byte in-process (tests/test_fused_cpu.py), so these runs cover TP=1/2/4, CP=2 in both
+# layouts and the 8-rank topology through the real launcher.
 FIELDS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256",
           "candidate_grad_sha256")
 
@@ -65,9 +67,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict
     base = tmp_path_factory.mktemp("fused-campaign")
     return {
         "fused-contiguous": (base / "fused-contiguous",
-                             _campaign(base / "fused-contiguous", FUSED, "contiguous", ALL)),
-        "fused-zigzag": (base / "fused-zigzag",
-                         _campaign(base / "fused-zigzag", FUSED, "zigzag", ("1x2", "2x2", "4x2"))),
+                             _campaign(base / "fused-contiguous", FUSED, "contiguous", ("1x1", "2x1", "4x2"))),
+        "fused-zigzag": (base / "fused-zigzag", _campaign(base / "fused-zigzag", FUSED, "zigzag", ("2x2",))),
         "eager-contiguous": (base / "eager-contiguous",
                              _campaign(base / "eager-contiguous", EAGER, "contiguous", ("1x1", "2x2"))),
     }
@@ -92,7 +93,7 @@ def test_crosscheck_compares_the_runs_of_two_backends(runs, tmp_path: Path) -> N
     result = json.loads(out.read_text())
     assert result["passed"] is True and result["backend"] == EAGER
     assert result["against"] == [{"run_dir": str(fused_dir), "backend": FUSED,
-                                  "reports_compared": len(ALL), "passed": True}]
+                                  "reports_compared": 3, "passed": True}]
 
 
 def test_crosscheck_against_fails_naming_the_run_topology_and_field(runs, tmp_path: Path, capsys) -> None:

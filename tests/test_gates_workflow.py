@@ -44,6 +44,8 @@ from _workflow_util import (
 )
 from rl_engine import jsonio
 
+pytestmark = pytest.mark.slow  # end to end: snakemake runs (in the full suite, not the quick loop)
+
 LABELS = ("tp1-cp1", "tp1-cp2", "tp2-cp1")
 CASE: dict[str, Any] = {
     **SMALL_VOCAB,

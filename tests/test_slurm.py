@@ -48,7 +48,7 @@ from _workflow_util import (
 from rl_engine import cli, jsonio
 from rl_engine.logprob.vocab_parallel import BACKEND_ID
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 NODES = ("node1", "node2")
 CASE = {**SMALL_VOCAB, "topologies": ["1x1", "2x2"], "regression": SHORT_REGRESSION}

@@ -30,6 +30,8 @@ from _workflow_util import (
 )
 from rl_engine import jsonio
 
+pytestmark = pytest.mark.slow  # end to end: snakemake runs (in the full suite, not the quick loop)
+
 SMALL_CASE = {
     **SMALL_VOCAB,
     "topologies": ["1x1", "1x2", "2x1", "2x2", "4x1"],

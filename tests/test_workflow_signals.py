@@ -31,6 +31,8 @@ from rl_engine.evidence.regression import KILL_GRACE_S
 
 from _workflow_util import REPO, SMALL_VOCAB, copy_repo, env_for, run_name_of, snakemake_cmd, write_config
 
+pytestmark = pytest.mark.slow  # end to end: snakemake runs (in the full suite, not the quick loop)
+
 SLEEPING_TEST = "tests/test_sleeps_for_interrupt.py"
 SLEEP_S = 120
 INTERRUPT_LIMIT_S = 15.0
