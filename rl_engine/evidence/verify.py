@@ -265,6 +265,28 @@ def check_run_name(root: Path, top: str) -> Check:
                  f"and case {name.case} match {ENVIRONMENT}, {PLAN} and {REGRESSION}")
 
 
+def _planned(root: Path) -> tuple[list[Any], list[str]]:
+    """The plan's reports, or the messages of a failed row when there are none to check."""
+    plan, found = load_json(root / PLAN)
+    planned, plan_found = planned_reports(plan, root) if plan is not None else ([], [])
+    if found or plan_found or not planned:
+        return [], [str(f) for f in found + plan_found] or ["no planned reports"]
+    return planned, []
+
+
+def _report_case(item: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """A planned report and its case, or ``None`` for what cannot be read."""
+    report, found = load_json(item.path)
+    if found or not isinstance(report, dict) or not isinstance(report.get("case"), dict):
+        return None, None
+    return report, report["case"]
+
+
+def _case_key(case: dict[str, Any]) -> tuple[Any, ...]:
+    """What identifies a case across its topologies (everything but tp and cp)."""
+    return tuple(sorted((k, v) for k, v in case.items() if k not in ("tp", "cp") and not isinstance(v, (dict, list))))
+
+
 def check_tolerances(root: Path, accept_looser: bool) -> Check:
     """Every case's atol/rtol against the project's default tolerance for its dtype."""
     from rl_engine.logprob.comparison import ComparisonError, default_tolerance  # imports torch: only here
@@ -336,10 +358,8 @@ def recompute(root: Path) -> tuple[Check, Check]:
     from rl_engine.tensorio import read_raw_f32
     from rl_engine.testing.inputs import inputs_sha256, make_inputs
 
-    plan, found = load_json(root / PLAN)
-    planned, plan_found = planned_reports(plan, root) if plan is not None else ([], [])
-    if found or plan_found or not planned:
-        msg = [str(f) for f in found + plan_found] or ["no planned reports"]
+    planned, msg = _planned(root)
+    if msg:
         return Check("inputs regenerated", False, msg[0], msg), Check("oracle drift recomputed", False, msg[0], msg)
     input_problems: list[str] = []
     drift_problems: list[str] = []
@@ -348,12 +368,11 @@ def recompute(root: Path) -> tuple[Check, Check]:
     threads = torch.get_num_threads()
     try:
         for item in planned:
-            report, found = load_json(item.path)
-            case = report.get("case") if isinstance(report, dict) else None
-            if found or not isinstance(case, dict):
+            report, case = _report_case(item)
+            if report is None or case is None:
                 input_problems.append(f"{item.file}: case: unreadable report or case")
                 continue
-            key = tuple(sorted((k, v) for k, v in case.items() if k not in ("tp", "cp") and not isinstance(v, (dict, list))))
+            key = _case_key(case)
             try:
                 if key not in cache:
                     logits, targets, active = make_inputs(case)
@@ -407,10 +426,8 @@ def check_arithmetic_spec(root: Path) -> Check:
     """Every planned report names this installation's arithmetic specification."""
     from rl_engine.logprob.portable import SPEC_VERSION
 
-    plan, found = load_json(root / PLAN)
-    planned, plan_found = planned_reports(plan, root) if plan is not None else ([], [])
-    if found or plan_found or not planned:
-        msg = [str(f) for f in found + plan_found] or ["no planned reports"]
+    planned, msg = _planned(root)
+    if msg:
         return Check("arithmetic spec", False, msg[0], msg)
     problems = []
     for item in planned:
@@ -446,22 +463,19 @@ def replay(root: Path) -> Check:
     from rl_engine.testing.replay import ARITH_BACKENDS, REFERENCE_BACKEND, REPLAYED, replay_candidate
 
     name = "candidate replayed"
-    plan, found = load_json(root / PLAN)
-    planned, plan_found = planned_reports(plan, root) if plan is not None else ([], [])
-    if found or plan_found or not planned:
-        msg = [str(f) for f in found + plan_found] or ["no planned reports"]
+    planned, msg = _planned(root)
+    if msg:
         return Check(name, False, msg[0], msg)
     problems: list[str] = []
     cache: dict[tuple[Any, ...], Any] = {}
     compared = 0
     try:
         for item in planned:
-            report, found = load_json(item.path)
-            case = report.get("case") if isinstance(report, dict) else None
-            if found or not isinstance(case, dict):
+            report, case = _report_case(item)
+            if report is None or case is None:
                 problems.append(f"{item.file}: case: unreadable report or case")
                 continue
-            key = tuple(sorted((k, v) for k, v in case.items() if k not in ("tp", "cp") and not isinstance(v, (dict, list))))
+            key = _case_key(case)
             if key not in cache:
                 # a case of any backend of the arithmetic spec is replayed by the eager
                 # reference: no compiled kernel needed here, and the strictest comparison
