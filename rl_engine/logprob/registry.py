@@ -115,6 +115,19 @@ def _sm90_build() -> Any:  # pragma: no cover - needs the compiled extension
 ALL_DTYPES = frozenset({"bf16", "fp16", "fp32"})
 
 
+def _arith_capabilities(*devices: str) -> BackendCapabilities:
+    """What both backends of docs/arithmetic.md serve; they differ only in their devices."""
+    return BackendCapabilities(
+        dtypes=ALL_DTYPES,
+        max_tp_world_size=1 << 16,
+        supports_padding=True,
+        mask_modes=frozenset({"explicit"}),
+        exports_lse=True,
+        determinism_scopes=frozenset(DETERMINISM_SCOPES),
+        devices=frozenset(devices),
+    )
+
+
 def default_registry() -> dict[str, BackendSpec]:
     """The registered backends, highest priority first for ``auto``."""
     specs = [
@@ -135,15 +148,7 @@ def default_registry() -> dict[str, BackendSpec]:
         ),
         BackendSpec(
             backend_id=BACKEND_ID,
-            capabilities=BackendCapabilities(
-                dtypes=ALL_DTYPES,
-                max_tp_world_size=1 << 16,
-                supports_padding=True,
-                mask_modes=frozenset({"explicit"}),
-                exports_lse=True,
-                determinism_scopes=frozenset(DETERMINISM_SCOPES),
-                devices=frozenset({"cpu", "cuda"}),
-            ),
+            capabilities=_arith_capabilities("cpu", "cuda"),
             availability=lambda: None,
             build=VocabParallelLogprob,
             priority=0,
@@ -152,15 +157,7 @@ def default_registry() -> dict[str, BackendSpec]:
             # the eager backend's bytes from a compiled one-pass kernel (CPU only); never
             # chosen by auto (priority below the eager backend): a user asks for it by name
             backend_id=FUSED_CPU_ID,
-            capabilities=BackendCapabilities(
-                dtypes=ALL_DTYPES,
-                max_tp_world_size=1 << 16,
-                supports_padding=True,
-                mask_modes=frozenset({"explicit"}),
-                exports_lse=True,
-                determinism_scopes=frozenset(DETERMINISM_SCOPES),
-                devices=frozenset({"cpu"}),
-            ),
+            capabilities=_arith_capabilities("cpu"),
             availability=kernel_unavailable,
             build=FusedCpuLogprob,
             priority=-10,
