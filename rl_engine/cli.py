@@ -10,9 +10,10 @@ import importlib
 import sys
 
 VERBS: dict[str, tuple[str, str]] = {
-    "plan": ("rl_engine.testing.distributed_logprob_comparison", "plan a TP x CP campaign: write plan.json, print the torchrun commands"),
-    "compare": ("rl_engine.testing.distributed_logprob_comparison", "run one topology's comparison (each rank, under torchrun)"),
-    "launch": ("rl_engine.testing.launch", "run one planned topology with a time limit"),
+    "case": ("rl_engine.campaign.case", "write and check the case file (case.json) the plan is built from"),
+    "plan": ("rl_engine.campaign.plan", "plan a TP x CP campaign from a case file: write plan.json, print the torchrun commands"),
+    "compare": ("rl_engine.campaign.run", "run one planned topology's comparison (each rank, under torchrun)"),
+    "launch": ("rl_engine.campaign.launch", "run one planned topology with a time limit"),
     "env": ("rl_engine.evidence.environment", "capture environment.json and environment.txt"),
     "regression": ("rl_engine.evidence.regression", "run the focused pytest suite with counts"),
     "validate": ("rl_engine.evidence.validation", "validate artifacts and report acceptance"),
@@ -24,28 +25,6 @@ VERBS: dict[str, tuple[str, str]] = {
     "bench": ("rl_engine.bench", "benchmark every backend vs naive vs floor"),
     "gpu-smoke": ("rl_engine.gpu_smoke", "campaign on cuda == the same case on the CPU, and forward timing"),
 }
-
-
-# plan and compare share the runner's parser (compare is the runner itself); each has its own help.
-RUNNER_HELP: dict[str, str] = {
-    "plan": ("Plan a TP x CP campaign without running it: check the case and every topology (the same rules "
-             "every rank applies), write plan.json (schemas/plan.schema.json) with each topology's report path "
-             "and exact torchrun command, and print those commands. --topologies lists the matrix (or --tp and "
-             "--cp plan one); --output is plan.json. (--plan is implied.)"),
-    "compare": ("Run one topology's comparison: launched once per rank by torchrun (see plan.json's commands), "
-                "it computes the candidate backend's logprob, LSE, entropy and gradient on the case's seeded "
-                "inputs, compares them with the full-vocabulary FP32 and FP64 oracles, and rank 0 writes the "
-                "report (--output tp<T>-cp<C>.json) and its raw *.f32 tensors. Exit 0 passed, 1 failed "
-                "acceptance (report kept), 2 no valid report."),
-}
-
-
-def runner_help(verb: str, module: object) -> str:
-    """``--help`` of plan or compare: the runner's options under the verb's own name and description."""
-    parser = module.build_parser()  # type: ignore[attr-defined]
-    parser.prog = f"python -m rl_engine {verb}"
-    parser.description = RUNNER_HELP[verb]
-    return parser.format_help()
 
 
 def usage() -> str:
@@ -66,11 +45,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(VERBS[verb][0])
     try:
-        if verb in RUNNER_HELP:
-            if "-h" in rest or "--help" in rest:
-                print(runner_help(verb, module))
-                return 0
-            return int(module.main(([] if verb == "compare" else ["--plan"]) + rest))
         return int(module.main(rest))
     except OSError as exc:  # a file the verb was pointed at cannot be read or written: the message, no traceback
         print(f"{verb}: {exc}", file=sys.stderr)

@@ -45,8 +45,10 @@ from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.registry import BackendUnavailableError, default_registry, dispatch
 from rl_engine.logprob.tiles import chunk_rows_for_device
 from rl_engine.logprob.vocab_parallel import BACKEND_ID
-from rl_engine.testing.campaign import DEVICE_DIST_BACKENDS, Case, PlanError, build_plan
-from rl_engine.testing.replay import replay_candidate
+from rl_engine.campaign.case import Case, PlanError
+from rl_engine.campaign.plan import build_plan
+from rl_engine.campaign.tables import DEVICE_DIST_BACKENDS
+from rl_engine.campaign.replay import replay_candidate
 
 FIELDS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256",
           "candidate_grad_sha256")

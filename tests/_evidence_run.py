@@ -1,19 +1,22 @@
 """Real evidence for the evidence and verifier tests: a tiny-vocabulary run built by the CLI.
 
 Not a test module (no ``test_`` prefix); ``tests/test_evidence.py`` and ``tests/test_verify.py``
-import it. Everything here runs the real verbs: ``plan``, ``launch`` (torchrun with gloo
+import it. Everything here runs the real verbs: ``case``, ``plan``, ``launch`` (torchrun with gloo
 ranks), ``env``, ``regression`` (a real pytest subprocess), ``validate``, ``crosscheck``,
 ``summary`` and ``archive``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 from rl_engine import cli
+from rl_engine.campaign import plan
+from rl_engine.campaign.case import case_document
 
 # real 1000 < padded 1024 (so padding columns exist), 8 tiles, 16 tokens of which 10 active
 CASE_FLAGS = [
@@ -58,8 +61,10 @@ def logs(run_dir: Path) -> str:
 def build_run(run_dir: Path, tests_dir: Path) -> Path:
     """A complete, passing run directory (up to SUMMARY.md), like the workflow makes."""
     (run_dir / "logs").mkdir(parents=True)
-    assert cli.main(["plan", *CASE_FLAGS, "--topologies", ",".join(TOPOLOGIES),
-                     "--output", str(run_dir / "plan.json")]) == 0
+    args = plan.build_parser().parse_args([*CASE_FLAGS, "--topologies", ",".join(TOPOLOGIES), "--output", "-"])
+    document = case_document(*plan.case_from_args(args))
+    assert cli.main(["case", "--json", json.dumps(document), "--output", str(run_dir / "case.json")]) == 0
+    assert cli.main(["plan", "--case", str(run_dir / "case.json"), "--output", str(run_dir / "plan.json")]) == 0
     for topology in TOPOLOGIES:
         code = launch(run_dir, topology)
         assert code == 0, logs(run_dir)

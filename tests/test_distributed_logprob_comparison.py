@@ -27,22 +27,24 @@ from rl_engine.distributed.mesh import ParallelDims
 from rl_engine.logprob.comparison import ComparisonError, compare_single_rank
 from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.tensorio import fingerprint
-from rl_engine.testing import campaign
-from rl_engine.testing.campaign import DEFAULT_TOPOLOGIES, RUNNER_PATH, Case, PlanError
-from rl_engine.testing.distributed_logprob_comparison import (
+from rl_engine.campaign import case as campaign
+from rl_engine.campaign import plan as planmod
+from rl_engine.campaign.case import Case, PlanError
+from rl_engine.campaign.plan import load_plan
+from rl_engine.campaign.plan import main as plan_main
+from rl_engine.campaign.tables import DEFAULT_TOPOLOGIES
+from rl_engine.campaign.run import (
     assemble,
-    build_parser,
     build_report,
-    case_from_args,
     compute_rank,
     main,
     rank_contract,
     tp_replication_failures,
     write_report,
 )
-from rl_engine.testing.faults import Fault, FaultError, fault_from_env, parse_fault
-from rl_engine.testing.inputs import PADDING_LOGIT, inputs_sha256, make_inputs
-from rl_engine.testing.multiproc import run_workers
+from rl_engine.campaign.faults import Fault, FaultError, fault_from_env, parse_fault
+from rl_engine.campaign.inputs import PADDING_LOGIT, inputs_sha256, make_inputs
+from _multiproc import run_workers
 
 FLAGS = [
     "--device", "cpu", "--dtype", "bf16", "--backend", BACKEND_ID, "--real-vocab", "1000",
@@ -54,6 +56,7 @@ CASE = dict(device="cpu", dtype="bf16", backend=BACKEND_ID, real_vocab=1000, pad
             logit_scale=1.0, threads_per_rank=1)
 FP_KEYS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256", "candidate_grad_sha256")
 CPU = torch.device("cpu")
+GUIDE_SCRIPT = Path(__file__).resolve().parents[1] / "rl_engine" / "testing" / "distributed_logprob_comparison.py"
 
 
 def _case(**overrides: Any) -> Case:
@@ -70,7 +73,7 @@ def _with(flags: list[str], **values: str) -> list[str]:
 
 def _plan(tmp_path: Path, *extra: str, flags: list[str] = FLAGS) -> tuple[int, Path]:
     output = tmp_path / "plan.json"
-    return main(["--plan", *flags, *extra, "--output", str(output)]), output
+    return plan_main(["--plan", *flags, *extra, "--output", str(output)]), output
 
 
 def _single_rank_reference(case: Case) -> dict[str, Any]:
@@ -116,21 +119,18 @@ def test_plan_default_matrix_order_and_commands(tmp_path: Path, capsys: pytest.C
     assert [(t["tp"], t["cp"]) for t in plan["topologies"]] == [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2)]
     assert plan["case_id"] == "bf16-v1000-p1024-t8-b2-s16-pt8-seed123-contiguous-scale1"
     assert plan["case"] == _case().to_dict() and "tp" not in plan["case"]
-    assert plan["output_dir"] == str(tmp_path.resolve())
+    assert load_plan(output)[0] == _case()  # the plan holds the case; nothing else does
     printed = capsys.readouterr().out.splitlines()
     for entry in plan["topologies"]:
         tp, cp, n = entry["tp"], entry["cp"], entry["tp"] * entry["cp"]
         assert entry["world_size"] == n
-        assert entry["output"] == str(tmp_path.resolve() / f"tp{tp}-cp{cp}.json")
-        assert entry["command"].startswith(f"torchrun --standalone --nproc-per-node={n} ")
+        assert entry["output"] == f"tp{tp}-cp{cp}.json"  # beside the plan: no machine's path in it
+        assert entry["command"] == (f"torchrun --standalone --nproc-per-node={n} -m rl_engine.campaign.run "
+                                    f"{output} --tp {tp} --cp {cp}")
         assert entry["command"] in printed
-        argv = entry["argv"]
+        argv = planmod.launch_argv(output, tp, cp)
         assert argv[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
-        assert argv[5] == str(RUNNER_PATH) and RUNNER_PATH.is_file()
         assert shlex.split(entry["command"])[3:] == argv[5:]
-        # the planned flags parse back to the same case and topology
-        args = build_parser().parse_args(argv[6:])
-        assert case_from_args(args) == _case() and (args.tp, args.cp, args.output) == (tp, cp, entry["output"])
 
 
 def test_plan_topologies_and_single_topology(tmp_path: Path) -> None:
@@ -143,7 +143,7 @@ def test_plan_topologies_and_single_topology(tmp_path: Path) -> None:
     plan = jsonio.load(output)
     assert rc == 0 and [(t["tp"], t["cp"]) for t in plan["topologies"]] == [(2, 1)]
     assert plan["case"]["atol"] == 0.01 and plan["case"]["threads_per_rank"] == 2
-    assert "--atol 0.01" in plan["topologies"][0]["command"]
+    assert "--atol" not in plan["topologies"][0]["command"]  # the case lives in the plan only
 
 
 def test_guide_case_id_and_tolerances() -> None:
@@ -189,12 +189,15 @@ def test_plan_time_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
 
 
 def test_usage_errors_return_2_and_help_0(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--plan", "--device", "cpu"]) == 2
+    assert plan_main(["--plan", "--device", "cpu"]) == 2
     assert "required" in capsys.readouterr().err
+    assert plan_main(["--plan", "--device", "cpu", "--output", "p.json"]) == 2
+    assert "the case needs --dtype, --backend" in capsys.readouterr().err
+    assert plan_main(["--help"]) == 0
     assert main(["--help"]) == 0
 
 
-def test_cli_plan_verb_is_the_runner(tmp_path: Path) -> None:
+def test_cli_plan_verb_is_the_guides_plan_command(tmp_path: Path) -> None:
     assert cli.main(["plan", *FLAGS, "--output", str(tmp_path / "p.json")]) == 0
     assert jsonio.load(tmp_path / "p.json")["case_id"].startswith("bf16-v1000")
 
@@ -202,7 +205,7 @@ def test_cli_plan_verb_is_the_runner(tmp_path: Path) -> None:
 def test_guide_plan_command_runs_as_a_script(tmp_path: Path) -> None:
     """The guide's command, script path and all, from another working directory."""
     proc = subprocess.run(
-        [sys.executable, str(RUNNER_PATH), "--plan", *FLAGS, "--output", str(tmp_path / "plan.json")],
+        [sys.executable, str(GUIDE_SCRIPT), "--plan", *FLAGS, "--output", str(tmp_path / "plan.json")],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -239,9 +242,10 @@ def test_token_bounds_for_both_layouts(layout: str, expected: list[list[int]]) -
 # ----- report logic in one process ---------------------------------------------------------
 def _one_rank_report(case: Case, fault: Fault | None = None, tmp: Path | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[dict[str, Any]]]:
     results = [compute_rank(case, 1, 1, 0, 0, 0, None, CPU)]
-    output = str((tmp or Path("/nonexistent")) / "tp1-cp1.json")
+    output = (tmp or Path("/nonexistent")) / "tp1-cp1.json"
     timings = {"setup_s": 0.0, "forward_s": 0.0, "backward_s": 0.0, "total_s": 0.0}
-    report, tensors = build_report(case, 1, 1, output, results, fault, timings)
+    command = planmod.launch_command(output.with_name("plan.json"), 1, 1)
+    report, tensors = build_report(case, 1, 1, output, command, results, fault, timings)
     return report, tensors, results
 
 
@@ -254,7 +258,7 @@ def test_single_process_report_is_valid_and_matches_the_harness() -> None:
     assert report["bitwise_fingerprints"] == reference["bitwise_fingerprints"]
     assert report["drift"] == reference["drift"]
     assert report["inputs_sha256"] == inputs_sha256(*make_inputs(case))
-    assert report["launch_command"] == case.launch_command(1, 1, "/nonexistent/tp1-cp1.json")
+    assert report["launch_command"] == planmod.launch_command("/nonexistent/plan.json", 1, 1)
     for name in ("logp", "lse", "entropy"):
         assert report["tensors"][name]["path"] == f"tp1-cp1.{name}.f32"
         assert report["tensors"][name]["sha256"] == fingerprint(tensors[name])
@@ -264,7 +268,7 @@ def test_fallback_on_a_rank_fails_acceptance() -> None:
     case = _case()
     results = [compute_rank(case, 1, 1, 0, 0, 0, None, CPU)]
     results[0]["fallback"] = True
-    report, _ = build_report(case, 1, 1, "/x/tp1-cp1.json", results, None,
+    report, _ = build_report(case, 1, 1, Path("/x/tp1-cp1.json"), "torchrun", results, None,
                              {"setup_s": 0.0, "forward_s": 0.0, "backward_s": 0.0, "total_s": 0.0})
     assert report["passed"] is False and report["fallback"] is True
     assert report["failures"][0].startswith("backend: rank 0")
@@ -338,24 +342,28 @@ def test_invalid_report_is_never_written(tmp_path: Path) -> None:
 
 def test_run_refusals_before_any_collective(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    out = str(tmp_path / "tp2-cp1.json")
+    rc, plan = _plan(tmp_path, "--tp", "2", "--cp", "1")
+    assert rc == 0
+    out = [str(plan), "--tp", "2", "--cp", "1"]
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.delenv("MASTER_ADDR", raising=False)
-    assert main([*FLAGS, "--tp", "2", "--cp", "1", "--output", out]) == 2
+    assert main(out) == 2
     assert "WORLD_SIZE=3 disagrees" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RL_ENGINE_FAULT", "kill:2x1")
-    assert main([*FLAGS, "--tp", "2", "--cp", "1", "--output", out]) == 2
+    assert main(out) == 2
     assert "RL_ENGINE_FAULT='kill:2x1' does not parse" in capsys.readouterr().err
     monkeypatch.delenv("RL_ENGINE_FAULT")
-    assert main([*FLAGS, "--tp", "2", "--output", out]) == 2
-    assert "needs --tp and --cp" in capsys.readouterr().err
-    assert main([*FLAGS, "--tp", "2", "--cp", "1", "--output", str(tmp_path / "report.txt")]) == 2
-    assert "must name the report, a .json file" in capsys.readouterr().err
+    assert main([str(plan), "--tp", "2"]) == 2
+    assert "the following arguments are required: --cp" in capsys.readouterr().err
+    assert main([str(plan), "--tp", "1", "--cp", "1"]) == 2
+    assert "topology 1x1 is not in the plan" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing.json"), "--tp", "2", "--cp", "1"]) == 2
+    assert "write it with `python -m rl_engine plan`" in capsys.readouterr().err
     assert not dist.is_initialized()
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [plan]
 
 
 # ----- real processes ---------------------------------------------------------------------
@@ -383,7 +391,7 @@ def test_fingerprints_equal_across_tp_cp_and_layouts() -> None:
         case = _case(cp_layout=layout)
         for tp, cp in DEFAULT_TOPOLOGIES:
             results = [per_rank[r][(layout, tp, cp)] for r in range(tp * cp)]
-            report, _ = build_report(case, tp, cp, f"/x/tp{tp}-cp{cp}.json", results, None,
+            report, _ = build_report(case, tp, cp, Path(f"/x/tp{tp}-cp{cp}.json"), "torchrun", results, None,
                                      {"setup_s": 0.0, "forward_s": 0.0, "backward_s": 0.0, "total_s": 0.0})
             assert report["passed"] is True, (layout, tp, cp, report["failures"])
             assert report["tp_outputs_bitwise_replicated"] is True
@@ -448,9 +456,11 @@ def test_torchrun_perturbed_candidate_is_reported_as_failed(tmp_path: Path, monk
 
 def test_torchrun_world_size_disagreeing_with_tp_cp_is_rejected(tmp_path: Path) -> None:
     output = tmp_path / "tp2-cp1.json"
+    rc, plan = _plan(tmp_path, "--tp", "2", "--cp", "1")
+    assert rc == 0
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-         str(RUNNER_PATH), *FLAGS, "--tp", "2", "--cp", "1", "--output", str(output)],
+         "-m", "rl_engine.campaign.run", str(plan), "--tp", "2", "--cp", "1"],
         capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode != 0

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from _evidence_run import CASE_FLAGS, PYTEST_ARGS, TOPOLOGIES, build_run, launch
+from _evidence_run import PYTEST_ARGS, TOPOLOGIES, build_run, launch
 from rl_engine import cli, jsonio, schemas
 from rl_engine.evidence import archive, crosscheck, environment, gitstate, regression, summary, validation
 from rl_engine.evidence.rundir import Finding, load_json
@@ -43,8 +43,9 @@ def perturbed_run(good_run: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     base = tmp_path_factory.mktemp("perturbed")
     run = base / "run"
     (run / "logs").mkdir(parents=True)
-    # plan.json records absolute report paths, so a perturbed run is planned in its own directory
-    assert cli.main(["plan", *CASE_FLAGS, "--topologies", ",".join(TOPOLOGIES), "--output", str(run / "plan.json")]) == 0
+    # plan.json names its reports by file name, beside it: the good run's case and plan serve here
+    for name in ("case.json", "plan.json"):
+        shutil.copy(good_run / name, run / name)
     assert launch(run, "1x1") == 0
     assert launch(run, "2x2", fault="perturb:2x2") == 1  # report written, acceptance failed
     for name in ("environment.json", "environment.txt", "regression.json", "pytest-focused.log", "pytest-junit.xml"):
@@ -249,7 +250,7 @@ def test_really_perturbed_topology_fails_validation_and_crosscheck(perturbed_run
     ("field", "change", "expected"),
     [
         ("fallback", lambda r: r.update(fallback=True), f"{BAD}.json: fallback: is True"),
-        ("backend", lambda r: r.update(actual_backend="cuda-sm90"), f"{BAD}.json: actual_backend: is 'cuda-sm90'"),
+        ("backend", lambda r: r.update(actual_backend="cpu-vocab-parallel-logp-ws2"), f"{BAD}.json: actual_backend: is 'cpu-vocab-parallel-logp-ws2'"),
         ("replicated", lambda r: r.update(tp_outputs_bitwise_replicated=False), f"{BAD}.json: tp_outputs_bitwise_replicated"),
         ("rank-fallback", lambda r: r["topology"]["ranks"][3].update(fallback=True), f"{BAD}.json: topology.ranks[3].fallback"),
         ("drift", lambda r: r["drift"]["fp32_oracle"]["dlogp"].update(max_abs=0.5), f"{BAD}.json: drift.fp32_oracle.dlogp.max_abs: 0.5 exceeds atol"),
@@ -426,7 +427,7 @@ def test_summary_has_the_reproduction_section_and_every_skip_reason(good_run: Pa
     for entry in plan["topologies"]:
         assert f"    {entry['command']}\n" in text
     plan_line = next(line for line in text.splitlines() if line.startswith("    python -m rl_engine plan "))
-    assert plan_line.endswith(f"--topologies 1x1,2x2 --output {plan['output_dir']}/plan.json")
+    assert plan_line == f"    python -m rl_engine plan --case results/{good_run.name}/case.json --output results/{good_run.name}/plan.json"
     # reproduce.yaml over config.yaml is this run's case: the same case hash as the evidence
     block = text.split("`reproduce.yaml` (over the repository's `config.yaml`", 1)[1].split("\n\n", 2)[1]
     reproduce = yaml.safe_load("\n".join(line[4:] for line in block.splitlines()))
@@ -612,7 +613,7 @@ def test_cli_maps_every_evidence_verb() -> None:
 
 
 # ---------------------------------------------------------------- any standard validator, offline
-ARTIFACT_SCHEMAS = {"plan.json": "plan", "validation.json": "validation", "crosscheck.json": "crosscheck",
+ARTIFACT_SCHEMAS = {"case.json": "case", "plan.json": "plan", "validation.json": "validation", "crosscheck.json": "crosscheck",
                     "environment.json": "environment", "regression.json": "regression"}
 NO_NETWORK = {"HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
               "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "NO_PROXY": ""}
@@ -665,8 +666,9 @@ def test_every_verb_help_says_what_it_does(capsys: pytest.CaptureFixture[str]) -
         assert not description.lstrip().startswith(("usage", "``python -m")), (verb, description)
         assert len(description.split()) >= 8, (verb, description)
     assert len(set(helps.values())) == len(helps)  # no two verbs print the same help
-    assert "Plan a TP x CP campaign without running it" in helps["plan"]
-    assert "Run one topology's comparison: launched once per rank by torchrun" in helps["compare"]
+    assert "Write plan.json for a case" in helps["plan"]
+    assert "Run one topology of a plan under torchrun" in helps["compare"]
+    assert "case.schema.json and every case rule" in helps["case"]
     assert "Run one planned topology" in helps["launch"]
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rl_engine import cli
-from rl_engine.testing.replay import replay_candidate
+from rl_engine.campaign.replay import replay_candidate
 
 pytestmark = pytest.mark.slow
 

@@ -440,7 +440,7 @@ def test_non_finite_active_row_raises_the_eager_message() -> None:
 
 
 def test_fingerprint_of_the_default_case_equals_the_eager_one() -> None:
-    from rl_engine.testing.replay import replay_candidate
+    from rl_engine.campaign.replay import replay_candidate
 
     case = {"dtype": "bf16", "real_vocab": 151936, "padded_vocab": 152064, "num_vocab_tiles": 64,
             "batch": 2, "seq": 16, "prompt_tokens": 8, "seed": 123, "logit_scale": 1.0}

@@ -22,8 +22,10 @@ from rl_engine.evidence import config as wfconfig
 from rl_engine.evidence.casename import RunName, RunNameError, case_hash, evidence_resolved_case, pytest_args_of
 from rl_engine.evidence import environment
 from rl_engine.evidence.config import WorkflowConfigError, check_config, load_config
-from rl_engine.testing import campaign
-from rl_engine.testing import distributed_logprob_comparison as runner
+from rl_engine.campaign import case as campaign
+from rl_engine.campaign.tables import MIN_MATRIX_TOPOLOGIES
+from rl_engine.campaign.plan import build_plan
+from rl_engine.campaign.plan import main as plan_main
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "schemas" / "config"
 SCHEMA_FIX = "fix the value in config.yaml (see schemas/config.schema.json)"
@@ -166,22 +168,19 @@ def test_check_config_runs_the_runners_case_rules(monkeypatch: pytest.MonkeyPatc
 
 def test_schema_minimum_is_the_runners_matrix_minimum() -> None:
     schema = json.loads((REPO / "schemas" / "config.schema.json").read_text())
-    assert schema["properties"]["topologies"]["minItems"] == campaign.MIN_MATRIX_TOPOLOGIES == 2
+    assert schema["properties"]["topologies"]["minItems"] == MIN_MATRIX_TOPOLOGIES == 2
 
 
-def _plan_rule(config: dict[str, Any], output: Path) -> list[str]:
-    """The runner's argv as workflow/rules/plan.smk builds it from the config."""
-    tolerance = config["tolerances"][config["dtype"]]
-    return [
-        "--plan", "--device", config["device"], "--backend", config["backend"], "--dtype", config["dtype"],
-        "--real-vocab", str(config["real_vocab"]), "--padded-vocab", str(config["padded_vocab"]),
-        "--num-vocab-tiles", str(config["num_vocab_tiles"]), "--batch", str(config["batch"]),
-        "--seq", str(config["seq"]), "--prompt-tokens", str(config["prompt_tokens"]), "--seed", str(config["seed"]),
-        "--logit-scale", str(config["logit_scale"]), "--cp-layout", config["cp_layout"],
-        "--topologies", ",".join(config["topologies"]), "--atol", str(tolerance["atol"]),
-        "--rtol", str(tolerance["rtol"]), "--threads-per-rank", str(config["threads_per_rank"]),
-        "--timeout-s", str(config["pg_timeout_s"]), "--output", str(output),
-    ]
+def _case_rule(config: dict[str, Any], output: Path) -> list[str]:
+    """The case verb's argv for the config's values, unchecked (the Snakefile only passes checked
+    ones: here the verb must refuse the same things by itself)."""
+    document = {
+        "schema_version": "1",
+        "case_id": "unchecked",
+        "case": wfconfig.case_values(config),
+        "topologies": [{"tp": int(t.split("x")[0]), "cp": int(t.split("x")[1])} for t in config["topologies"]],
+    }
+    return ["--json", json.dumps(document), "--output", str(output)]
 
 
 # the BAD cases the schema lets through: the runner's plan-time rules alone decide them
@@ -201,19 +200,23 @@ def test_campaign_ids_name_bad_cases() -> None:
                          + [pytest.param(o, e, id=i) for i, o, e in CAMPAIGN_CASES])
 def test_check_config_and_the_plan_rule_agree(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                               overrides: dict[str, Any], expected: tuple[str, ...]) -> None:
-    """check_config refuses exactly what the plan rule would refuse, for the same reason."""
+    """check_config refuses exactly what the case rule would refuse, for the same reason; a good
+    config's case file (as the Snakefile makes it) is written and plans."""
     config = {**base(), **overrides}
-    output = tmp_path / "plan.json"
-    rc = runner.main(_plan_rule(config, output))
-    err = capsys.readouterr().err
+    output = tmp_path / "case.json"
     if not expected:
-        assert check_config(config) is config and rc == 0 and output.is_file(), err
+        assert check_config(config) is config
+        rc = campaign.main(["--json", json.dumps(wfconfig.config_case(config)), "--output", str(output)])
+        assert rc == 0 and output.is_file(), capsys.readouterr().err
+        assert plan_main(["--case", str(output), "--output", str(tmp_path / "plan.json")]) == 0
         return
+    rc = campaign.main(_case_rule(config, output))
+    err = capsys.readouterr().err
     with pytest.raises(WorkflowConfigError) as raised:
         check_config(config)
     assert rc == 2 and not output.exists(), err
     # the runner's own sentence is inside the config message, after "has value ...: "
-    runner_reason = err.removeprefix("error: ").strip().split("; ")[0]
+    runner_reason = err.removeprefix("case: --json: ").strip().split("; ")[0]
     if runner_reason.startswith("--topologies: "):
         runner_reason = runner_reason.removeprefix("--topologies: ")
     assert runner_reason in str(raised.value), (runner_reason, str(raised.value))
@@ -336,7 +339,7 @@ def test_case_hash_of_the_evidence_is_the_hash_of_the_config(tmp_path: Path) -> 
     """The hash in the name can be computed again from plan.json and regression.json (verify does)."""
     config = dict(base(), logit_scale=1, regression={"tests": ["tests/a.py", "tests/b.py"], "pytest_args": ["-x", "-k", "a b"]})
     values = wfconfig.case_values(config)
-    plan = campaign.build_plan(campaign.Case(**values), ((1, 1), (1, 2), (2, 1)), str(tmp_path / "plan.json"))
+    plan = build_plan(campaign.Case(**values), ((1, 1), (1, 2), (2, 1)), "plan.json")
     plan = json.loads(json.dumps(plan))  # as read back from disk
     command = "python -m pytest -q -rs tests/a.py tests/b.py -x -k 'a b' --junitxml=results/r/pytest-junit.xml"
     regression = {"tests": ["tests/a.py", "tests/b.py"], "command": command}

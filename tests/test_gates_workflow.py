@@ -367,7 +367,7 @@ def test_corrupted_evidence_fails_the_validation_rule_naming_file_and_field(wf: 
     stale = wf.run / "tp4-cp1.json"
     try:
         _edit(wf.report("tp1-cp1"), lambda r: r.update(passed=False))
-        _edit(wf.report("tp1-cp2"), lambda r: (r.update(fallback=True, actual_backend="cuda-sm90"), r.pop("reduction")))
+        _edit(wf.report("tp1-cp2"), lambda r: (r.update(fallback=True, actual_backend="cpu-vocab-parallel-logp-ws2"), r.pop("reduction")))
         _nan_statistic(wf.report("tp2-cp1"))
         raw = wf.run / "tp1-cp1.lse.f32"
         data = bytearray(raw.read_bytes())
@@ -384,7 +384,7 @@ def test_corrupted_evidence_fails_the_validation_rule_naming_file_and_field(wf: 
         for expected in (
             "tp1-cp1.json: passed: is False",
             "tp1-cp2.json: fallback: is True",
-            "tp1-cp2.json: actual_backend: is 'cuda-sm90'",
+            "tp1-cp2.json: actual_backend: is 'cpu-vocab-parallel-logp-ws2'",
             "tp1-cp2.json: (file): schema report: 'reduction' is a required property",
             "tp2-cp1.json: drift.fp32_oracle.lse.max_abs: non-finite literal NaN",
             "tp1-cp1.json: tensors.lse.sha256:",

@@ -54,7 +54,6 @@ def test_cpu_only_smoke_passes_with_identical_fingerprints(smoke_run) -> None:
     timed = {row["path"]: row for row in result["timing"]["rows"]}
     for path in ("pytorch-vocab-parallel-logp-ws2", "cpu-vocab-parallel-logp-ws2", "floor"):
         assert timed[path]["median_s"] > 0 and len(timed[path]["times_s"]) == 2
-    assert "device cpu not in ['cuda']" in timed["cuda-sm90"]["skipped"]
     assert (out / "campaign-cpu" / "plan.json").exists()
 
 

@@ -23,13 +23,13 @@ from rl_engine.logprob import registry
 from rl_engine.logprob.contract import RANK_LOCAL_FIELDS, LogprobContract, LogprobContractError
 from rl_engine.logprob.registry import (
     AUTO,
-    CUDA_SM90_ID,
     BackendCapabilities,
     BackendSpec,
     BackendUnavailableError,
     backend_ids,
     dispatch,
 )
+from rl_engine.campaign.tables import BACKEND_DEVICES, FUSED_CPU_BACKEND
 from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
 
 NO_CUDA = not torch.cuda.is_available()
@@ -229,7 +229,9 @@ def test_fingerprint_sensitive_to_single_choice_fields(monkeypatch: pytest.Monke
 
 
 def test_backend_ids_lists_every_backend() -> None:
-    assert set(backend_ids()) == {BACKEND_ID, CUDA_SM90_ID, "cpu-vocab-parallel-logp-ws2"}
+    assert backend_ids() == [BACKEND_ID, FUSED_CPU_BACKEND] == list(BACKEND_DEVICES)
+    for backend in backend_ids():  # the devices the campaign's table gives, and no others
+        assert registry.backend_devices(backend) == frozenset(BACKEND_DEVICES[backend])
 
 
 def test_dispatch_by_explicit_id_with_provenance() -> None:
@@ -255,10 +257,13 @@ def test_unregistered_backend_raises_naming_it() -> None:
 
 
 def test_explicit_incapable_backend_fails_closed_with_every_reason() -> None:
+    narrow = dataclasses.replace(CAPABLE, dtypes=frozenset({"bf16"}), devices=frozenset({"cuda"}),
+                                 determinism_scopes=frozenset({"fixed_topology"}))
+    specs = _registry(BackendSpec("narrow", narrow, lambda: None, _never_build, priority=5))
     with pytest.raises(BackendUnavailableError) as info:
-        dispatch(CUDA_SM90_ID, make(logits_dtype="fp32"), "cpu")
+        dispatch("narrow", make(logits_dtype="fp32"), "cpu", registry=specs)
     message = str(info.value)
-    assert "cuda-sm90" in message and "incapable" in message
+    assert "narrow" in message and "incapable" in message
     for reason in ("dtype fp32 not in ['bf16']", "device cpu not in ['cuda']",
                    "determinism_scope cross_tp_bitwise not in ['fixed_topology']"):
         assert reason in message
@@ -271,28 +276,20 @@ def test_explicit_backend_on_unknown_device_is_incapable() -> None:
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="checks the CUDA-less machine's fail-closed path")
-def test_explicit_cuda_sm90_is_unavailable_here_with_reason() -> None:
-    capable = make(logits_dtype="bf16", determinism_scope="fixed_topology")
-    with pytest.raises(BackendUnavailableError, match="unavailable: CUDA is not available"):
-        dispatch(CUDA_SM90_ID, capable, "cuda")
-
-
-@pytest.mark.skipif(not NO_CUDA, reason="checks the CUDA-less machine's fail-closed path")
 def test_cuda_request_on_a_machine_without_cuda_never_falls_back_to_cpu() -> None:
     c = make(determinism_scope="fixed_topology")
     with pytest.raises(BackendUnavailableError, match="device cuda is not available"):
         dispatch(BACKEND_ID, c, "cuda")
     with pytest.raises(BackendUnavailableError) as info:
         dispatch(AUTO, c, "cuda")
-    assert CUDA_SM90_ID in str(info.value) and BACKEND_ID in str(info.value)
+    assert BACKEND_ID in str(info.value) and FUSED_CPU_BACKEND in str(info.value)
+    assert "device cuda not in ['cpu']" in str(info.value)
 
 
-def test_auto_on_cpu_reports_the_incapable_candidate_without_fallback() -> None:
+def test_auto_on_cpu_takes_the_eager_backend_without_fallback() -> None:
     chosen = dispatch(AUTO, make(), "cpu")
     assert chosen.requested_backend == AUTO and chosen.actual_backend == BACKEND_ID
-    assert chosen.fallback is False
-    assert [b for b, _ in chosen.rejections] == [CUDA_SM90_ID]
-    assert chosen.rejections[0][1].startswith("incapable: ")
+    assert chosen.fallback is False and chosen.rejections == ()
 
 
 CAPABLE = BackendCapabilities(

@@ -28,8 +28,9 @@ from rl_engine.evidence.config import (
     topology_resources,
 )
 from rl_engine.logprob.vocab_parallel import BACKEND_ID
-from rl_engine.testing import faults, nodes
-from rl_engine.testing.nodes import NodeLayout, NodeLayoutError
+from rl_engine.campaign import faults, nodes
+from rl_engine.campaign.plan import runner_args
+from rl_engine.campaign.nodes import NodeLayout, NodeLayoutError
 
 TINY = [
     "--device", "cpu", "--dtype", "bf16", "--backend", BACKEND_ID, "--real-vocab", "60",
@@ -163,21 +164,22 @@ def test_node_name_prefers_slurms_name() -> None:
 def test_node_torchrun_argv_joins_a_c10d_rendezvous_and_only_the_first_node_hosts_it(tmp_path: Path) -> None:
     plan = tmp_path / "plan.json"
     assert cli.main(["plan", *TINY, "--tp", "2", "--cp", "2", "--output", str(plan)]) == 0
-    entry = jsonio.load(plan)["topologies"][0]
     layout = NodeLayout(4, 2)
-    first = nodes.node_torchrun_argv(entry["argv"], layout, "10.0.0.1:29411", "rl-engine-7-tp2-cp2", 0)
-    second = nodes.node_torchrun_argv(entry["argv"], layout, "10.0.0.1:29411", "rl-engine-7-tp2-cp2", 1)
+    runner = runner_args(plan, 2, 2)
+    first = nodes.node_torchrun_argv(runner, layout, "10.0.0.1:29411", "rl-engine-7-tp2-cp2", 0)
+    second = nodes.node_torchrun_argv(runner, layout, "10.0.0.1:29411", "rl-engine-7-tp2-cp2", 1)
     for argv in (first, second):
         assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
         assert {"--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29411",
                 "--rdzv-id=rl-engine-7-tp2-cp2", "--max-restarts=0"} <= set(argv)
         assert "--standalone" not in argv
-        assert argv[-len(entry["argv"]) + 5:] == entry["argv"][5:]  # the runner and its flags, unchanged
+        assert argv[-len(runner):] == runner  # the runner, the plan and its topology, unchanged
+    # what the plan's single-node command runs after torchrun's own flags
+    command = jsonio.load(plan)["topologies"][0]["command"].split()
+    assert command[3:] == runner
     assert "--rdzv-conf=is_host=1" in first and "--rdzv-conf=is_host=0" in second
     with pytest.raises(nodes.SlurmError, match="node rank 2"):
-        nodes.node_torchrun_argv(entry["argv"], layout, "h:1", "id", 2)
-    with pytest.raises(nodes.SlurmError, match="re-plan"):
-        nodes.runner_part(["python", "-m", "torch.distributed.run", "--nnodes=2", "x"])
+        nodes.node_torchrun_argv(runner, layout, "h:1", "id", 2)
 
 
 def test_srun_argv_asks_for_one_task_per_node_with_its_cpus_and_gpus() -> None:

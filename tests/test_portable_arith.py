@@ -36,9 +36,9 @@ from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import fp64_oracle
 from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
 from rl_engine.tensorio import fingerprint, tensor_bytes
-from rl_engine.testing.inputs import make_inputs
-from rl_engine.testing.multiproc import run_workers
-from rl_engine.testing.replay import replay_candidate
+from rl_engine.campaign.inputs import make_inputs
+from _multiproc import run_workers
+from rl_engine.campaign.replay import replay_candidate
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CASE = {
@@ -58,7 +58,7 @@ import json, os, sys
 import torch
 from rl_engine.logprob import portable
 import rl_engine.logprob.tiles as tiles
-import rl_engine.testing.replay as replay
+import rl_engine.campaign.replay as replay
 swap = os.environ.get("SWAP", "")
 if swap == "torch-exp":   # negative control: the library exp and log
     def library_exp_into(y, out, sc):

@@ -1,6 +1,6 @@
 """TP ranks that disagree on a call raise the same LogprobContractError on every rank (issue 14).
 
-Real processes and real gloo collectives (:func:`rl_engine.testing.multiproc.run_workers`).
+Real processes and real gloo collectives (:func:`_multiproc.run_workers`).
 Each scenario reproduces a case that crashed (SIGABRT), hung until the process-group timeout
 or silently returned different values before the per-call agreement step; each must now
 raise on both ranks, with the same message naming the field and the ranks, after exactly
@@ -36,7 +36,7 @@ from rl_engine.logprob.agreement import (
     encode_slot,
 )
 from rl_engine.tensorio import fingerprint
-from rl_engine.testing.multiproc import run_workers
+from _multiproc import run_workers
 
 REAL, PADDED, TILES, SEQ = 1000, 1024, 16, 8
 PG_TIMEOUT_S = 30

@@ -160,7 +160,7 @@ def test_each_job_asked_slurm_for_what_its_topology_needs(campaign: dict[str, An
         assert part in spanning[0], (part, spanning[0])
     for part in ("--nodes=1", "--ntasks=1", "--cpus-per-task=1"):
         assert part in single[0], (part, single[0])
-    local = {"plan", "validation", "crosscheck", "summary", "archive", "verify_archive"}
+    local = {"case", "plan", "validation", "crosscheck", "summary", "archive", "verify_archive"}
     assert not [line for line in lines if any(f"rule_{rule} " in line or f"rule_{rule}'" in line for rule in local)]
     assert any("rule_environment" in line for line in lines) and any("rule_regression" in line for line in lines)
 

@@ -602,7 +602,7 @@ def test_one_ulp_forgery_rebuilt_with_the_projects_verbs_is_caught_only_by_the_r
     from rl_engine import cli
     from rl_engine.logprob.comparison import oracle_drift
     from rl_engine.tensorio import fingerprint, read_raw_f32, write_raw
-    from rl_engine.testing.inputs import make_inputs
+    from rl_engine.campaign.inputs import make_inputs
 
     work = tmp_path / "forge"
     with tarfile.open(good.archive) as tar:

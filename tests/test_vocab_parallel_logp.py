@@ -2,7 +2,7 @@
 
 Determinism claims compare bytes (``tensor_bytes`` / ``fingerprint``); only the
 comparisons with the oracles use tolerances. Multi-process runs use real processes and
-real gloo collectives through :func:`rl_engine.testing.multiproc.run_workers`; each
+real gloo collectives through :func:`_multiproc.run_workers`; each
 spawn batches many checks.
 """
 
@@ -21,7 +21,7 @@ from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import fp32_oracle, fp64_oracle
 from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
 from rl_engine.tensorio import fingerprint, tensor_bytes
-from rl_engine.testing.multiproc import run_workers
+from _multiproc import run_workers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OUTPUTS = ("logp", "lse", "entropy", "grad")
@@ -587,7 +587,7 @@ def _harness_worker(rank: int, mode: str) -> Any:
 
 
 def test_run_workers_returns_values_and_reports_failures(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rl_engine.testing.multiproc import WorkerError
+    from _multiproc import WorkerError
 
     monkeypatch.setenv("RL_ENGINE_HARNESS_MARK", "seen")
     values = run_workers(_harness_worker, 2, "echo", threads=2)

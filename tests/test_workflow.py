@@ -103,7 +103,7 @@ def test_deleted_report_reruns_only_that_topology_and_what_follows(small_run) ->
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
     counts = jobs_run(done.stdout + done.stderr)
     assert counts.get("topology") == 1, counts
-    for rule in ("environment", "regression", "plan"):
+    for rule in ("environment", "regression", "case", "plan"):
         assert rule not in counts, counts
     for rule in ("validation", "crosscheck", "summary", "archive", "verify_archive"):
         assert counts.get(rule) == 1, counts

@@ -6,7 +6,7 @@ same bounds from the same integers.
 
 from __future__ import annotations
 
-CP_LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
+from rl_engine.campaign.tables import CP_LAYOUTS
 
 
 class BoundsError(ValueError):

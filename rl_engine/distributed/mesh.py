@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from rl_engine.distributed.bounds import CP_LAYOUTS
 
-DEVICES: dict[str, str] = {"cpu": "gloo", "cuda": "nccl"}
-DEFAULT_TIMEOUT_S = 120.0
+from rl_engine.campaign.tables import DEFAULT_PG_TIMEOUT_S as DEFAULT_TIMEOUT_S
+from rl_engine.campaign.tables import DEVICE_DIST_BACKENDS as DEVICES
 
 
 class MeshError(RuntimeError):

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from rl_engine.campaign.tables import GATING_ORACLE, ORACLES
+from rl_engine.campaign.tables import TORCH_DTYPE_NAMES as DTYPE_TORCH_NAMES
 from rl_engine.evidence.rundir import Finding, PlannedReport, field_path, get, is_number, non_finite_numbers
 from rl_engine.jsonio import sha256_file
 
@@ -35,9 +37,6 @@ TENSOR_FINGERPRINTS: dict[str, str] = {
     "lse": "candidate_lse_sha256",
     "entropy": "candidate_entropy_sha256",
 }
-DTYPE_TORCH_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-ORACLES = ("fp32_oracle", "fp64_oracle")
-GATING_ORACLE = "fp32_oracle"
 QUANTITIES = ("lse", "dlogp")
 FLOAT32_BYTES = 4
 

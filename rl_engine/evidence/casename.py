@@ -91,7 +91,7 @@ def resolved_case(case: Mapping[str, Any], topologies: Sequence[Any], tests: Seq
                   pytest_args: Sequence[str]) -> dict[str, Any]:
     """The values that determine a run's evidence, in one canonical JSON-ready object.
 
-    ``case``: the plan's case (the runner's :class:`~rl_engine.testing.campaign.Case` fields);
+    ``case``: the plan's case (the runner's :class:`~rl_engine.campaign.case.Case` fields);
     ``topologies``: ``"<tp>x<cp>"`` strings, ``(tp, cp)`` pairs or plan entries, in plan order.
     """
     normalized: dict[str, Any] = {}

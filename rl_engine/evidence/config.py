@@ -2,9 +2,10 @@
 
 ``check_config`` is what ``workflow/Snakefile`` calls before any rule exists, so
 ``snakemake -n`` already refuses a campaign that cannot run. After the schema it runs the
-runner's own plan-time rules (:mod:`rl_engine.testing.campaign`: the case's parameters,
-each topology, the matrix) on the values the plan rule will pass, and finally builds the
-plan itself, so a config that passes here cannot fail at plan time. Every error names the
+case's rules (:mod:`rl_engine.campaign.case`: the case's parameters, each topology, the
+matrix) on the config's values, and finally builds the case file (:func:`config_case`, what the
+case rule writes and the plan is built from), so a config that passes here cannot fail at plan
+time. Nothing here imports torch or builds a command. Every error names the
 config key, the value and the fix, and says when the value came from ``--config`` rather than
 the config file. :func:`check_workflow_config` adds what only this machine can answer (CUDA for
 ``device: cuda``); it is what the Snakefile calls, so ``snakemake -n`` refuses a campaign that
@@ -26,18 +27,18 @@ import yaml
 from rl_engine import jsonio, schemas
 from rl_engine.evidence.casename import NOGIT, RunName, case_hash, resolved_case
 from rl_engine.evidence.gitstate import GitStateError, read_git_state
-from rl_engine.testing.campaign import (
-    DEVICE_DIST_BACKENDS,
+from rl_engine.campaign.case import (
     TOPOLOGY_FIELDS,
     Case,
     PlanError,
-    build_plan,
+    case_document,
     case_problems,
     check_topology,
     matrix_problem,
 )
-from rl_engine.testing.campaign import parse_topologies as parse_topology_pairs
-from rl_engine.testing.nodes import NodeLayout, fitting_ranks_per_node, layout_problem
+from rl_engine.campaign.case import parse_topologies as parse_topology_pairs
+from rl_engine.campaign.tables import DEVICE_DIST_BACKENDS
+from rl_engine.campaign.nodes import NodeLayout, fitting_ranks_per_node, layout_problem
 
 SOURCE_PACKAGES = ("rl_engine",)
 RUNTIME_MARGIN_MIN = 5  # a topology job's Slurm time limit beyond topology_timeout_s
@@ -194,13 +195,13 @@ def _campaign_problems(config: dict[str, Any], origin: Origin) -> list[str]:
                 f"listed topology: {fitting}"
             )
     if not problems:
-        # the plan rule's own path: a Case and a schema-valid plan, or this names why not
+        # the case rule's own path: a schema-valid case file, or this names why not
         try:
-            plan = build_plan(Case(**values), tuple((t.tp, t.cp) for t in pairs), "plan.json")
+            document = case_document(Case(**values), tuple((t.tp, t.cp) for t in pairs))
         except PlanError as exc:
             return [f"the runner refuses this campaign at plan time: {exc}; fix the config key it names"]
-        problems += [f"the plan of this config does not match schemas/plan.schema.json: {p}"
-                     for p in schemas.errors(plan, "plan")]
+        problems += [f"the case file of this config does not match schemas/case.schema.json: {p}"
+                     for p in schemas.errors(document, "case")]
     return problems
 
 
@@ -333,6 +334,12 @@ def run_name(config: dict[str, Any], repo: str | Path) -> str:
     except GitStateError:
         return str(RunName(config["campaign"], NOGIT, False, digest))
     return str(RunName(config["campaign"], state.short_commit, state.dirty, digest))
+
+
+def config_case(config: dict[str, Any]) -> dict[str, Any]:
+    """The case file's JSON of a checked config: what the case rule writes to case.json."""
+    topologies = tuple((t.tp, t.cp) for t in parse_topologies(config["topologies"]))
+    return case_document(Case(**case_values(config)), topologies)
 
 
 def engine_sources(repo: str | Path) -> list[str]:

@@ -27,6 +27,7 @@ WHOLE_FILE = "(file)"
 
 ENVIRONMENT = "environment.json"
 REGRESSION = "regression.json"
+CASE = "case.json"
 PLAN = "plan.json"
 VALIDATION = "validation.json"
 CROSSCHECK = "crosscheck.json"
@@ -149,8 +150,7 @@ def non_finite_numbers(value: Any) -> list[str]:
 def planned_reports(plan: Any, run_dir: Path) -> tuple[list[PlannedReport], list[Finding]]:
     """The reports a plan promises, located by file name inside ``run_dir``.
 
-    The plan records the absolute output path of the machine that ran it; a copied run or an
-    extracted archive keeps only the file name, so reports are looked up by name here.
+    The plan names each report by its file name, beside the plan.
     """
     found: list[Finding] = []
     ok, entries = get(plan, ("topologies",))

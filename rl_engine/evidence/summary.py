@@ -40,6 +40,7 @@ from rl_engine import jsonio
 from rl_engine.evidence.casename import RunNameError, pytest_args_of
 from rl_engine.evidence.rundir import (
     ARCHIVE_ONLY,
+    CASE,
     CROSSCHECK,
     ENVIRONMENT,
     PLAN,
@@ -191,13 +192,6 @@ CONFIG_OF_CASE = (("device", "device"), ("backend", "backend"), ("dtype", "dtype
                   ("padded_vocab", "padded_vocab"), ("num_vocab_tiles", "num_vocab_tiles"), ("batch", "batch"),
                   ("seq", "seq"), ("prompt_tokens", "prompt_tokens"), ("seed", "seed"), ("logit_scale", "logit_scale"),
                   ("cp_layout", "cp_layout"), ("threads_per_rank", "threads_per_rank"), ("pg_timeout_s", "timeout_s"))
-PLAN_FLAGS = (("device", "--device"), ("backend", "--backend"), ("dtype", "--dtype"), ("real_vocab", "--real-vocab"),
-              ("padded_vocab", "--padded-vocab"), ("num_vocab_tiles", "--num-vocab-tiles"), ("batch", "--batch"),
-              ("seq", "--seq"), ("prompt_tokens", "--prompt-tokens"), ("seed", "--seed"),
-              ("logit_scale", "--logit-scale"), ("cp_layout", "--cp-layout"), ("atol", "--atol"), ("rtol", "--rtol"),
-              ("threads_per_rank", "--threads-per-rank"), ("timeout_s", "--timeout-s"))
-
-
 def reproduce_config(ev: Evidence) -> str:
     """A config file (YAML) that, over the repository's config.yaml, is this run's case."""
     case = ev.plan.get("case", {})
@@ -213,10 +207,9 @@ def reproduce_config(ev: Evidence) -> str:
     return yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=1000)
 
 
-def reproduction(ev: Evidence) -> str:
+def reproduction(ev: Evidence, run_dir: Path) -> str:
     """The Reproduction section: the commit, how to rerun the case, and the run's exact commands."""
     git = ev.environment.get("git", {})
-    case = ev.plan.get("case", {})
     commit = git.get("commit")
     if git.get("available") is True:
         where = (f"Tested commit `{commit}` (branch `{git.get('branch')}`). "
@@ -228,12 +221,8 @@ def reproduction(ev: Evidence) -> str:
         where = (f"No git state was recorded ({git.get('reason')}): the tested code is not named by a commit; run "
                  "the commands below in a copy of the tested source tree.")
         checkout = []
-    plan_cmd = ["python", "-m", "rl_engine", "plan"]
-    for field, flag in PLAN_FLAGS:
-        value = case.get(field)
-        plan_cmd += [flag, repr(value) if isinstance(value, float) else str(value)]
-    plan_cmd += ["--topologies", ",".join(f"{p.tp}x{p.cp}" for p in ev.planned),
-                 "--output", f"{ev.plan.get('output_dir')}/{PLAN}"]
+    run = f"results/{run_dir.name}"
+    plan_cmd = ["python", "-m", "rl_engine", "plan", "--case", f"{run}/{CASE}", "--output", f"{run}/{PLAN}"]
     lines = [
         "## Reproduction",
         "",
@@ -251,7 +240,7 @@ def reproduction(ev: Evidence) -> str:
         *(f"    {line}" for line in reproduce_config(ev).splitlines()),
         "",
         "The exact commands of this run, as recorded in the evidence (the focused regression from "
-        f"`{REGRESSION}`, the plan from `{PLAN}`'s case, and each topology's `torchrun` from `{PLAN}`):",
+        f"`{REGRESSION}`, the plan from `{CASE}`, and each topology's `torchrun` from `{PLAN}`):",
         "",
         f"    {ev.regression.get('command')}",
         f"    {shlex.join(plan_cmd)}",
@@ -406,7 +395,7 @@ def render(ev: Evidence, run_dir: Path) -> tuple[str, dict[str, Section]]:
         "## Hardware and runtime",
         "",
         secs["hardware"].markdown(),
-        reproduction(ev),
+        reproduction(ev, run_dir),
         "## Boundary",
         "",
         f"This run covers deterministic TP/CP-aware selected-token logprob with {case.get('dtype')} candidate "

@@ -32,6 +32,7 @@ from rl_engine.evidence.rundir import (
     finish_gate,
     CROSSCHECK,
     ENVIRONMENT,
+    CASE,
     PLAN,
     REGRESSION,
     VALIDATION,
@@ -43,7 +44,8 @@ from rl_engine.evidence.rundir import (
 
 SCHEMA_VERSION = "1"
 MAX_MESSAGE = 300
-FILES: tuple[tuple[str, str], ...] = ((ENVIRONMENT, "environment"), (REGRESSION, "regression"), (PLAN, "plan"))
+FILES: tuple[tuple[str, str], ...] = ((ENVIRONMENT, "environment"), (REGRESSION, "regression"), (CASE, "case"),
+                                      (PLAN, "plan"))
 GATES: tuple[tuple[str, str], ...] = ((VALIDATION, "validation"), (CROSSCHECK, "crosscheck"))
 TOPOLOGY_FILE = re.compile(r"^tp([1-9][0-9]*)-cp([1-9][0-9]*)\.")
 
@@ -118,6 +120,22 @@ class Validation:
         return not self.findings
 
 
+def plan_case_findings(plan: Any, case_file: Any) -> list[Finding]:
+    """The plan must be the plan of the case file: the same case and the same topologies, in order."""
+    if not isinstance(plan, dict) or not isinstance(case_file, dict):
+        return []  # a missing or unreadable file is already a finding of its own
+    found = []
+    if plan.get("case") != case_file.get("case"):
+        differ = sorted(k for k in set(plan.get("case") or {}) | set(case_file.get("case") or {})
+                        if (plan.get("case") or {}).get(k) != (case_file.get("case") or {}).get(k))
+        found.append(Finding(PLAN, "case", f"differs from {CASE}'s case in {differ}: the plan was not built from this case file"))
+    pairs = [(t.get("tp"), t.get("cp")) for t in plan.get("topologies", []) if isinstance(t, dict)]
+    wanted = [(t.get("tp"), t.get("cp")) for t in case_file.get("topologies", []) if isinstance(t, dict)]
+    if pairs != wanted:
+        found.append(Finding(PLAN, "topologies", f"plans {pairs}, but {CASE} lists {wanted}"))
+    return found
+
+
 def validate_run(run_dir: Path, schema_dir: Path, *, gates: bool = False) -> Validation:
     """Validate a run directory against ``schema_dir`` and the acceptance.
 
@@ -157,6 +175,7 @@ def validate_run(run_dir: Path, schema_dir: Path, *, gates: bool = False) -> Val
         everything = file_load + file_schema + file_other
         files.append({"file": name, "schema": schema_name, "valid": not everything, "errors": [str(f) for f in everything]})
     plan = loaded.get(PLAN)
+    acceptance += plan_case_findings(plan, loaded.get(CASE))
     reports: list[dict[str, Any]] = []
     if plan is not None:
         planned, plan_found = planned_reports(plan, run_dir)

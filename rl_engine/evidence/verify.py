@@ -39,7 +39,7 @@ Runs without a GPU or network and checks, each as a row of the printed table:
     ``inputs_sha256``), **oracle drift recomputed** from the raw tensors against the FP32
     and FP64 oracles, equal to the reported statistics within :data:`RECOMPUTE_TOL` and within
     the case's tolerance element by element, and **candidate replayed**: the candidate
-    recomputed at TP=1 in this process (:func:`rl_engine.testing.replay.replay_candidate`)
+    recomputed at TP=1 in this process (:func:`rl_engine.campaign.replay.replay_candidate`)
     must equal, byte for byte, every topology's logp, LSE and entropy files and all four
     fingerprints, the gradient's included; the first differing token is named.
 
@@ -356,7 +356,7 @@ def recompute(root: Path) -> tuple[Check, Check]:
 
     from rl_engine.logprob.comparison import oracle_drift
     from rl_engine.tensorio import read_raw_f32
-    from rl_engine.testing.inputs import inputs_sha256, make_inputs
+    from rl_engine.campaign.inputs import inputs_sha256, make_inputs
 
     planned, msg = _planned(root)
     if msg:
@@ -460,7 +460,7 @@ def replay(root: Path) -> Check:
     import torch
 
     from rl_engine.tensorio import read_raw_f32, tensor_bytes
-    from rl_engine.testing.replay import ARITH_BACKENDS, REFERENCE_BACKEND, REPLAYED, replay_candidate
+    from rl_engine.campaign.replay import ARITH_BACKENDS, REFERENCE_BACKEND, REPLAYED, replay_candidate
 
     name = "candidate replayed"
     planned, msg = _planned(root)

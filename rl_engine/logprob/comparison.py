@@ -26,19 +26,13 @@ from typing import Any
 
 import torch
 
+from rl_engine.campaign.tables import DEFAULT_TOLERANCES, GATING_ORACLE
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract
 from rl_engine.logprob.oracle import fp32_oracle, fp64_oracle
 from rl_engine.logprob.registry import Dispatch, dispatch
 from rl_engine.tensorio import DTYPE_NAMES, fingerprint
 
-DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
-    "bf16": (0.05, 0.0),
-    "fp16": (0.005, 0.0),
-    "fp32": (1e-5, 0.0),
-}
 REL_FLOOR = float(torch.finfo(torch.float32).tiny)
-GATING_ORACLE = "fp32_oracle"
-ORACLES: tuple[str, ...] = ("fp32_oracle", "fp64_oracle")
 
 
 class ComparisonError(ValueError):

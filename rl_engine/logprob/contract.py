@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rl_engine.campaign.tables import DTYPES, TORCH_DTYPE_NAMES
 from rl_engine.distributed.bounds import (
     CP_LAYOUTS,
     BoundsError,
@@ -26,11 +27,7 @@ from rl_engine.distributed.bounds import (
     token_indices,
 )
 
-LOGITS_DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-}
+LOGITS_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, TORCH_DTYPE_NAMES[name]) for name in DTYPES}
 DETERMINISM_SCOPES: tuple[str, ...] = ("cross_tp_bitwise", "fixed_topology")
 MASK_MODES: tuple[str, ...] = ("explicit",)
 ACCUMULATION_DTYPE = "fp32"

@@ -30,6 +30,7 @@ from functools import lru_cache
 
 import torch
 
+from rl_engine.campaign.tables import FUSED_CPU_BACKEND
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.vocab_parallel import (
     BackwardTerms,
@@ -39,7 +40,7 @@ from rl_engine.logprob.vocab_parallel import (
 )
 from rl_engine.logprob.tiles import rows_finite
 
-FUSED_CPU_ID = "cpu-vocab-parallel-logp-ws2"
+FUSED_CPU_ID = FUSED_CPU_BACKEND
 MODULE = "rl_engine.logprob._fused_cpu"
 ABI_VERSION = 1
 ISA_AUTO, ISA_BASELINE, ISA_AVX2, ISA_AVX512 = 0, 1, 2, 3

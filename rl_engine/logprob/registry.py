@@ -12,12 +12,11 @@ from typing import Any, Callable
 
 import torch
 
+from rl_engine.campaign.tables import AUTO, BACKEND_DEVICES, DTYPES
 from rl_engine.logprob.contract import DETERMINISM_SCOPES, LogprobContract, LogprobContractError
 from rl_engine.logprob.fused_cpu import FUSED_CPU_ID, FusedCpuLogprob, kernel_unavailable
 from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
 
-AUTO = "auto"
-CUDA_SM90_ID = "cuda-sm90"
 
 
 class BackendUnavailableError(LogprobContractError):
@@ -95,36 +94,17 @@ class Dispatch:
         }
 
 
-def _sm90_availability() -> str | None:
-    if not torch.cuda.is_available():
-        return "CUDA is not available on this machine"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) != (9, 0):
-        return f"needs compute capability 9.0 (SM90), found {major}.{minor}"
-    try:
-        from rl_engine import _C  # type: ignore[attr-defined]  # noqa: F401
-    except ImportError:
-        return "extension rl_engine._C.batch_invariant_logp_sm90 is not compiled"
-    return None
-
-
-def _sm90_build() -> Any:  # pragma: no cover - needs the compiled extension
-    raise BackendUnavailableError(f"{CUDA_SM90_ID}: the compiled extension is absent")
-
-
-ALL_DTYPES = frozenset({"bf16", "fp16", "fp32"})
-
-
-def _arith_capabilities(*devices: str) -> BackendCapabilities:
-    """What both backends of docs/arithmetic.md serve; they differ only in their devices."""
+def _arith_capabilities(backend_id: str) -> BackendCapabilities:
+    """What both backends of docs/arithmetic.md serve; they differ only in their devices
+    (:data:`rl_engine.campaign.tables.BACKEND_DEVICES`)."""
     return BackendCapabilities(
-        dtypes=ALL_DTYPES,
+        dtypes=frozenset(DTYPES),
         max_tp_world_size=1 << 16,
         supports_padding=True,
         mask_modes=frozenset({"explicit"}),
         exports_lse=True,
         determinism_scopes=frozenset(DETERMINISM_SCOPES),
-        devices=frozenset(devices),
+        devices=frozenset(BACKEND_DEVICES[backend_id]),
     )
 
 
@@ -132,23 +112,8 @@ def default_registry() -> dict[str, BackendSpec]:
     """The registered backends, highest priority first for ``auto``."""
     specs = [
         BackendSpec(
-            backend_id=CUDA_SM90_ID,
-            capabilities=BackendCapabilities(
-                dtypes=frozenset({"bf16"}),
-                max_tp_world_size=8,
-                supports_padding=True,
-                mask_modes=frozenset({"explicit"}),
-                exports_lse=True,
-                determinism_scopes=frozenset({"fixed_topology"}),
-                devices=frozenset({"cuda"}),
-            ),
-            availability=_sm90_availability,
-            build=_sm90_build,
-            priority=10,
-        ),
-        BackendSpec(
             backend_id=BACKEND_ID,
-            capabilities=_arith_capabilities("cpu", "cuda"),
+            capabilities=_arith_capabilities(BACKEND_ID),
             availability=lambda: None,
             build=VocabParallelLogprob,
             priority=0,
@@ -157,7 +122,7 @@ def default_registry() -> dict[str, BackendSpec]:
             # the eager backend's bytes from a compiled one-pass kernel (CPU only); never
             # chosen by auto (priority below the eager backend): a user asks for it by name
             backend_id=FUSED_CPU_ID,
-            capabilities=_arith_capabilities("cpu"),
+            capabilities=_arith_capabilities(FUSED_CPU_ID),
             availability=kernel_unavailable,
             build=FusedCpuLogprob,
             priority=-10,

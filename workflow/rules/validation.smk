@@ -6,6 +6,7 @@ rule validation:
     input:
         environment=f"{RUN}/environment.json",
         regression=f"{RUN}/regression.json",
+        case=f"{RUN}/case.json",
         plan=f"{RUN}/plan.json",
         reports=REPORTS,
         tensors=TENSORS,

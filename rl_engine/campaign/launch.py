@@ -1,6 +1,6 @@
 """``python -m rl_engine launch --plan RUN/plan.json --tp T --cp C --timeout-s S [--log FILE]``.
 
-Runs one planned topology (its ``argv`` from the plan) as a subprocess in its own process
+Runs one planned topology (the plan's torchrun command, through this interpreter) as a subprocess in its own process
 group, with ``OMP_NUM_THREADS`` set to the case's threads per rank, and turns the outcome
 into an exit code a workflow can act on:
 
@@ -18,10 +18,10 @@ and 2 is taken from the artifacts: a readable report with ``passed=false`` is 1.
 starting, the topology's report and raw tensors are removed, and after any outcome other
 than 0 or 1 they are removed again, so a failure never leaves a stale or partial output.
 ``torchrun`` starts every rank in a session of its own, so stopping means the whole tree
-(:func:`rl_engine.testing.proctree.stop_tree`), not only torchrun's process group.
+(:func:`rl_engine.campaign.proctree.stop_tree`), not only torchrun's process group.
 
 Topologies that span nodes (``--ranks-per-node R`` below the topology's ranks; see
-:mod:`rl_engine.testing.nodes`) run only inside a Slurm job of that many nodes. ``launch``
+:mod:`rl_engine.campaign.nodes`) run only inside a Slurm job of that many nodes. ``launch``
 then starts ``srun`` with one task per node, each task a ``launch`` of that node's part (the
 internal ``--rdzv-endpoint``/``--rdzv-id`` flags): one ``torchrun`` of the node's ranks joining
 a c10d rendezvous on the first node. Every node's ``launch`` keeps the guarantees above for
@@ -44,13 +44,19 @@ from types import FrameType
 from typing import Any, Mapping, TextIO
 
 from rl_engine import jsonio, schemas
-from rl_engine.testing.distributed_logprob_comparison import (
+from rl_engine.campaign.case import PlanError
+from rl_engine.campaign.plan import (
     EXIT_FAILED,
     EXIT_NO_REPORT,
     EXIT_PASSED,
+    launch_argv,
+    load_plan,
+    planned_entry,
     remove_outputs,
+    report_path,
+    runner_args,
 )
-from rl_engine.testing.nodes import (
+from rl_engine.campaign.nodes import (
     NodeLayout,
     NodeLayoutError,
     SlurmError,
@@ -61,7 +67,7 @@ from rl_engine.testing.nodes import (
     node_torchrun_argv,
     srun_argv,
 )
-from rl_engine.testing.proctree import stop_tree
+from rl_engine.campaign.proctree import stop_tree
 
 EXIT_TIMEOUT = 124
 KILL_GRACE_S = 5.0
@@ -97,16 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def planned_topology(plan_path: str, tp: int, cp: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The plan's case and its entry for ``tp x cp``; the plan must match its schema."""
-    plan = jsonio.load(plan_path)
-    problems = schemas.errors(plan, "plan")
-    if problems:
-        raise LaunchError(f"{plan_path} does not match schemas/plan.schema.json: " + "; ".join(problems))
-    for entry in plan["topologies"]:
-        if (entry["tp"], entry["cp"]) == (tp, cp):
-            return plan["case"], entry
-    listed = ", ".join(f"{e['tp']}x{e['cp']}" for e in plan["topologies"])
-    raise LaunchError(f"topology {tp}x{cp} is not in {plan_path} (planned: {listed}); re-plan or pick one of those")
+    """The plan's case and its entry for ``tp x cp``; the plan must match its schema and rules."""
+    try:
+        case, plan = load_plan(plan_path)
+        return case.to_dict(), planned_entry(plan, tp, cp, plan_path)
+    except PlanError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 class _Stopped(BaseException):
@@ -268,7 +270,7 @@ def _node_rank(environ: Mapping[str, str]) -> int:
     return int(raw)
 
 
-def _node_part(case: dict[str, Any], entry: dict[str, Any], tp: int, cp: int, timeout_s: float,
+def _node_part(plan_path: str, case: dict[str, Any], tp: int, cp: int, timeout_s: float,
                log: TextIO | None, layout: NodeLayout, endpoint: str, rdzv_id: str) -> int:
     """This node's ``torchrun`` of a multi-node topology: 0, 2 (its ranks failed), 124 or 128+N.
 
@@ -276,7 +278,7 @@ def _node_part(case: dict[str, Any], entry: dict[str, Any], tp: int, cp: int, ti
     answers for its own tree.
     """
     node_rank = _node_rank(os.environ)
-    argv = node_torchrun_argv(entry["argv"], layout, endpoint, rdzv_id, node_rank)
+    argv = node_torchrun_argv(runner_args(plan_path, tp, cp), layout, endpoint, rdzv_id, node_rank)
     where = f"topology {tp}x{cp}, node {node_name()} (node rank {node_rank} of {layout.nodes})"
     with _StopSignals(STOP_SIGNALS + (NODE_STOP_SIGNAL,)) as stops:
         if stops.received:
@@ -330,13 +332,13 @@ def launch(plan_path: str, tp: int, cp: int, timeout_s: float, log: TextIO | Non
         if layout.nodes == 1:
             raise LaunchError(f"--rdzv-endpoint is for topologies that span nodes; {tp}x{cp} at "
                               f"--ranks-per-node={layout.ranks_per_node} runs on one node")
-        return _node_part(case, entry, tp, cp, timeout_s, log, layout, *rendezvous)
-    output = entry["output"]
+        return _node_part(plan_path, case, tp, cp, timeout_s, log, layout, *rendezvous)
+    output = report_path(plan_path, entry)
     with _StopSignals() as stops:
         remove_outputs(output)
         if stops.received:
             return _stopped(tp, cp, output, stops.received[0])
-        argv, forward = entry["argv"], None
+        argv, forward = launch_argv(plan_path, tp, cp), None
         if layout.nodes > 1:
             argv, forward = _job_argv(plan_path, tp, cp, timeout_s, case, layout, log), NODE_STOP_SIGNAL
         env = {**os.environ, "OMP_NUM_THREADS": str(case["threads_per_rank"])}

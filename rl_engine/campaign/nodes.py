@@ -23,10 +23,6 @@ from typing import Mapping, Sequence
 SLURM_NODE_VAR = "SLURMD_NODENAME"
 SCONTROL_TIMEOUT_S = 30.0
 MAX_RANKS_PER_NODE = 64
-# What the plan's argv holds before the runner script: the interpreter, the launcher module and
-# the single-node flags (rl_engine.testing.campaign.Case.launch_argv).
-STANDALONE_FLAG = "--standalone"
-NPROC_PREFIX = "--nproc-per-node="
 
 
 class NodeLayoutError(ValueError):
@@ -168,37 +164,26 @@ def free_port(address: str) -> int:
 
 
 # ----- argv ----------------------------------------------------------------------------------
-def runner_part(plan_argv: Sequence[str]) -> list[str]:
-    """The runner script and its flags from a plan's single-node argv."""
-    argv = list(plan_argv)
-    head = [sys.executable, "-m", "torch.distributed.run", STANDALONE_FLAG]
-    if len(argv) < 6 or argv[1:4] != head[1:4] or not argv[4].startswith(NPROC_PREFIX):
-        raise SlurmError(
-            f"the plan's argv {argv[:6]!r}... is not `<python> -m torch.distributed.run --standalone "
-            "--nproc-per-node=N <runner> ...`; re-plan with this rl_engine"
-        )
-    return argv[5:]
-
-
-def node_torchrun_argv(plan_argv: Sequence[str], layout: NodeLayout, endpoint: str, rdzv_id: str,
+def node_torchrun_argv(runner_args: Sequence[str], layout: NodeLayout, endpoint: str, rdzv_id: str,
                        node_rank: int) -> list[str]:
     """One node's ``torchrun``: ``ranks_on_node`` ranks joining a c10d rendezvous at ``endpoint``.
 
     The first node (``node_rank`` 0) hosts the rendezvous store (``is_host=1``); the others
     only connect to it, so nothing depends on guessing which node owns the address.
+    ``runner_args`` is what follows torchrun's own flags (:func:`rl_engine.campaign.plan.runner_args`).
     """
     if not 0 <= node_rank < layout.nodes:
         raise SlurmError(f"node rank {node_rank} must lie in [0, {layout.nodes})")
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={layout.nodes}",
-        f"{NPROC_PREFIX}{layout.ranks_on_node}",
+        f"--nproc-per-node={layout.ranks_on_node}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={rdzv_id}",
         f"--rdzv-conf=is_host={1 if node_rank == 0 else 0}",
         "--max-restarts=0",
-        *runner_part(plan_argv),
+        *runner_args,
     ]
 
 
@@ -231,6 +216,5 @@ __all__ = [
     "node_address",
     "node_name",
     "node_torchrun_argv",
-    "runner_part",
     "srun_argv",
 ]

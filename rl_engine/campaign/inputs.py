@@ -30,6 +30,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from rl_engine.campaign.case import case_problems
 from rl_engine.tensorio import fingerprint
 
 PADDING_LOGIT = 100.0
@@ -61,32 +62,10 @@ class InputSpec:
     logit_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        for name, minimum in (
-            ("batch", 1),
-            ("seq", 1),
-            ("prompt_tokens", 0),
-            ("real_vocab", 1),
-            ("padded_vocab", 1),
-            ("seed", 0),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise InputSpecError(f"{name}={value!r} must be an integer >= {minimum}")
-        if self.real_vocab > self.padded_vocab:
-            raise InputSpecError(
-                f"real_vocab={self.real_vocab} exceeds padded_vocab={self.padded_vocab}; "
-                "the padded vocabulary must be >= the real one"
-            )
-        if self.prompt_tokens > self.seq:
-            raise InputSpecError(
-                f"prompt_tokens={self.prompt_tokens} exceeds seq={self.seq}; a prompt is a "
-                "prefix of the sequence"
-            )
-        scale = self.logit_scale
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-            raise InputSpecError(f"logit_scale={scale!r} must be a finite number > 0")
-        if scale != scale or scale == float("inf"):
-            raise InputSpecError(f"logit_scale={scale!r} must be a finite number > 0")
+        # the case's own rules on these fields (rl_engine.campaign.case), nothing of its own
+        problems = case_problems({name: getattr(self, name) for name in SPEC_FIELDS})
+        if problems:
+            raise InputSpecError("; ".join(message for _, message in problems))
 
     @classmethod
     def from_case(cls, case: Mapping[str, Any] | Any) -> "InputSpec":

@@ -9,7 +9,7 @@ A fault only ever makes a run fail; it never makes a failing run pass. Values:
 * ``kill:<T>x<C>:<rank>``: that rank SIGKILLs itself once the mesh is up;
 * ``hang:<T>x<C>:<rank>``: that rank sleeps forever once the mesh is up;
 * ``kill:<T>x<C>:<node>/<local rank>`` and ``hang:...``: the same for the rank with that
-  ``LOCAL_RANK`` on the node of that name (:func:`rl_engine.testing.nodes.node_name`), for a
+  ``LOCAL_RANK`` on the node of that name (:func:`rl_engine.campaign.nodes.node_name`), for a
   topology spanning nodes, where the global ranks a node gets are decided at rendezvous.
 
 A fault for another topology does nothing in this one (but is still recorded); a value

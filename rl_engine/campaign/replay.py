@@ -17,7 +17,7 @@ import torch
 from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.registry import dispatch
 from rl_engine.tensorio import fingerprint
-from rl_engine.testing.inputs import make_inputs
+from rl_engine.campaign.inputs import make_inputs
 
 REPLAYED = ("logp", "lse", "entropy")
 

@@ -1,0 +1,365 @@
+"""One campaign case: every parameter and every rule about them, torch-free.
+
+A :class:`Case` holds every input parameter of a run except the topology; it refuses to exist
+while any rule of :func:`case_problems` is broken. :func:`check_topology` holds every rule that
+makes a ``TP x CP`` run of a case impossible, :func:`check_matrix` the rule for a matrix of
+topologies. The constant sets and defaults are in :mod:`rl_engine.campaign.tables`. Everything
+reads these: the workflow's config check (at parse time), the plan, every rank before any
+collective, the input recipe, acceptance, the summary and verify.
+
+The case file (``case.json``, ``schemas/case.schema.json``) is a case with its topologies: what
+the workflow's resolved config becomes, and what the plan is built from
+(:func:`case_document`, :func:`load_case_file`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+from dataclasses import fields as dataclass_fields
+from typing import Any, Mapping, Sequence
+
+from rl_engine import jsonio, schemas
+from rl_engine.campaign.tables import (
+    AUTO,
+    BACKEND_DEVICES,
+    CP_LAYOUTS,
+    DEFAULT_PG_TIMEOUT_S,
+    DEFAULT_TOLERANCES,
+    DEVICE_DIST_BACKENDS,
+    DTYPES,
+    MAX_CP,
+    MAX_THREADS_PER_RANK,
+    MAX_TP,
+    MIN_MATRIX_TOPOLOGIES,
+    SCHEMA_VERSION,
+)
+from rl_engine.distributed.bounds import BoundsError, check_cp_split, even_vocab_shards, tile_width
+
+
+class PlanError(ValueError):
+    """A case or topology that cannot run; the message names the field, the value and the fix."""
+
+
+def _int_problem(name: str, value: Any, minimum: int) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"{name}={value!r} must be an integer"
+    if value < minimum:
+        return f"{name}={value} must be >= {minimum}"
+    return None
+
+
+def _number_problem(name: str, value: Any, positive: bool) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return f"{name}={value!r} must be a finite number"
+    if value < 0 or (positive and value == 0):
+        return f"{name}={value!r} must be {'> 0' if positive else '>= 0'}"
+    return None
+
+
+def _int(name: str, value: Any, minimum: int) -> None:
+    problem = _int_problem(name, value, minimum)
+    if problem is not None:
+        raise PlanError(problem)
+
+
+def parse_topology(item: str) -> tuple[int, int]:
+    """``"2x1"`` -> ``(2, 1)``: positive integers, no leading zero."""
+    part = item.strip().lower()
+    pieces = part.split("x")
+    if len(pieces) != 2 or not all(p.isdigit() and p[0] != "0" for p in pieces):
+        raise PlanError(
+            f"--topologies item {item!r} is not <TP>x<CP> with positive integers; "
+            "write e.g. 1x1,2x2,8x1"
+        )
+    return int(pieces[0]), int(pieces[1])
+
+
+def parse_topologies(items: str | Sequence[str]) -> tuple[tuple[int, int], ...]:
+    """``"1x1,2x2,8x1"`` (or ``["1x1", "2x2", "8x1"]``) -> ``((1, 1), (2, 2), (8, 1))``.
+
+    In the given order, each topology once.
+    """
+    out: list[tuple[int, int]] = []
+    for item in items.split(",") if isinstance(items, str) else items:
+        pair = parse_topology(item)
+        if pair in out:
+            raise PlanError(f"--topologies lists {pair[0]}x{pair[1]} twice; list each topology once")
+        out.append(pair)
+    return tuple(out)
+
+
+def matrix_problem(count: int) -> str | None:
+    """Why a matrix of ``count`` topologies cannot be a campaign (None when it can)."""
+    if count >= MIN_MATRIX_TOPOLOGIES:
+        return None
+    return (
+        f"{count} topolog{'y' if count == 1 else 'ies'} listed, but the cross-topology check "
+        f"compares at least {MIN_MATRIX_TOPOLOGIES}; list {MIN_MATRIX_TOPOLOGIES} or more "
+        "(e.g. 1x1 and 2x1)"
+    )
+
+
+def check_matrix(topologies: Sequence[tuple[int, int]]) -> None:
+    """A campaign matrix (``--topologies``, the workflow's ``topologies``) lists at least two."""
+    problem = matrix_problem(len(topologies))
+    if problem is not None:
+        raise PlanError(f"--topologies: {problem}; to plan one topology alone use --tp T --cp C")
+
+
+def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Every broken rule of a case's parameters, as ``(field, message)`` in field order.
+
+    ``values`` holds :class:`Case`'s fields, or a subset of them (the input recipe's
+    :class:`~rl_engine.campaign.inputs.InputSpec`): a rule is checked when every field it reads
+    is present. A rule that involves several fields is only checked when each of them passed
+    its own checks, and is reported under the field named first in its message. Each message
+    names the field, the value and the fix.
+    """
+    found: list[tuple[str, str]] = []
+
+    def add(name: str, problem: str | None) -> None:
+        if problem is not None:
+            found.append((name, problem))
+
+    def has(*names: str) -> bool:
+        return all(name in values for name in names) and not {n for n, _ in found} & set(names)
+
+    if has("device"):
+        device = values["device"]
+        if device not in DEVICE_DIST_BACKENDS:
+            add("device", f"device={device!r} is unknown; use one of {list(DEVICE_DIST_BACKENDS)}")
+        elif has("dist_backend") and values["dist_backend"] != DEVICE_DIST_BACKENDS[device]:
+            add("dist_backend",
+                f"dist_backend={values['dist_backend']!r} does not serve device={device!r}; use "
+                f"{DEVICE_DIST_BACKENDS[device]!r} (gloo on cpu, nccl on cuda; nothing falls back)")
+    if has("dtype") and values["dtype"] not in DTYPES:
+        add("dtype", f"dtype={values['dtype']!r} is unknown; use one of {list(DTYPES)}")
+    if has("backend"):
+        backend = values["backend"]
+        if backend == AUTO:
+            add("backend",
+                "backend='auto' is refused: a campaign validates one named backend (evidence must "
+                f"name what it tested); name it explicitly, one of {list(BACKEND_DEVICES)}")
+        elif backend not in BACKEND_DEVICES:
+            add("backend", f"backend={backend!r} is not registered; use one of {list(BACKEND_DEVICES)}")
+        elif has("device") and values["device"] not in BACKEND_DEVICES[backend]:
+            add("backend",
+                f"backend={backend!r} does not run on device={values['device']!r} (its devices: "
+                f"{sorted(BACKEND_DEVICES[backend])}); choose a backend for {values['device']!r} or "
+                "change the device")
+    for name, minimum in (("real_vocab", 1), ("padded_vocab", 1), ("num_vocab_tiles", 1),
+                          ("batch", 1), ("seq", 1), ("prompt_tokens", 0), ("seed", 0),
+                          ("threads_per_rank", 1)):
+        if name in values:
+            add(name, _int_problem(name, values[name], minimum))
+    if has("threads_per_rank") and values["threads_per_rank"] > MAX_THREADS_PER_RANK:
+        add("threads_per_rank",
+            f"threads_per_rank={values['threads_per_rank']} must be <= {MAX_THREADS_PER_RANK}")
+    for name, positive in (("logit_scale", True), ("atol", False), ("rtol", False), ("timeout_s", True)):
+        if name in values:
+            add(name, _number_problem(name, values[name], positive))
+    if has("cp_layout") and values["cp_layout"] not in CP_LAYOUTS:
+        add("cp_layout", f"cp_layout={values['cp_layout']!r} is unknown; use one of {list(CP_LAYOUTS)}")
+    if has("real_vocab", "padded_vocab") and values["real_vocab"] > values["padded_vocab"]:
+        add("real_vocab",
+            f"real_vocab={values['real_vocab']} exceeds padded_vocab={values['padded_vocab']}; the "
+            "padded vocabulary must be >= the real one")
+    if has("padded_vocab", "num_vocab_tiles"):
+        try:
+            tile_width(values["padded_vocab"], values["num_vocab_tiles"])
+        except BoundsError as exc:
+            add("num_vocab_tiles", str(exc))
+    if has("prompt_tokens", "seq") and values["prompt_tokens"] >= values["seq"]:
+        add("prompt_tokens",
+            f"prompt_tokens={values['prompt_tokens']} must be < seq={values['seq']}: with no active "
+            "token there is no logprob to compare; lower prompt_tokens or raise seq")
+    return found
+
+
+FLOAT_FIELDS: tuple[str, ...] = ("logit_scale", "atol", "rtol", "timeout_s")
+# The case fields the topology rules read: check_topology needs each of them valid.
+TOPOLOGY_FIELDS: tuple[str, ...] = ("padded_vocab", "num_vocab_tiles", "seq", "cp_layout")
+
+
+def check_topology(
+    tp: int, cp: int, *, padded_vocab: int, num_vocab_tiles: int, seq: int, cp_layout: str
+) -> None:
+    """Every reason a ``tp x cp`` run cannot be made from valid case fields, before anything starts."""
+    _int("tp", tp, 1)
+    _int("cp", cp, 1)
+    if tp > MAX_TP:
+        raise PlanError(f"tp={tp} exceeds the supported maximum {MAX_TP}; use tp <= {MAX_TP}")
+    if cp > MAX_CP:
+        raise PlanError(f"cp={cp} exceeds the supported maximum {MAX_CP}; use cp <= {MAX_CP}")
+    if tp * cp > num_vocab_tiles:
+        raise PlanError(
+            f"tp*cp={tp * cp} ranks exceed num_vocab_tiles={num_vocab_tiles}; use at "
+            f"most {num_vocab_tiles} ranks or more tiles"
+        )
+    try:
+        even_vocab_shards(padded_vocab, num_vocab_tiles, tp)
+        check_cp_split(seq, cp, cp_layout)
+    except BoundsError as exc:
+        raise PlanError(f"topology {tp}x{cp}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Case:
+    """Every input parameter of a campaign case except the topology (the plan's ``case``)."""
+
+    device: str
+    dist_backend: str
+    dtype: str
+    backend: str
+    real_vocab: int
+    padded_vocab: int
+    num_vocab_tiles: int
+    batch: int
+    seq: int
+    prompt_tokens: int
+    seed: int
+    cp_layout: str
+    logit_scale: float
+    atol: float
+    rtol: float
+    threads_per_rank: int
+    timeout_s: float
+
+    def __post_init__(self) -> None:
+        problems = case_problems(self.to_dict())
+        if problems:
+            raise PlanError("; ".join(message for _, message in problems))
+        for name in FLOAT_FIELDS:  # 1 and 1.0 are the same case: the case file holds 1.0
+            object.__setattr__(self, name, float(getattr(self, name)))
+
+    @classmethod
+    def create(cls, **fields: Any) -> "Case":
+        """Fill what a case may leave out: ``dist_backend`` from the device, ``atol``/``rtol`` from
+        the dtype (:data:`DEFAULT_TOLERANCES`), ``timeout_s``, ``cp_layout``, ``logit_scale`` and
+        ``threads_per_rank`` from their defaults; None counts as left out."""
+        fields = {name: value for name, value in fields.items() if value is not None}
+        fields.setdefault("dist_backend", DEVICE_DIST_BACKENDS.get(fields.get("device", ""), ""))
+        d_atol, d_rtol = DEFAULT_TOLERANCES.get(fields.get("dtype", ""), (0.0, 0.0))
+        fields.setdefault("atol", d_atol)
+        fields.setdefault("rtol", d_rtol)
+        fields.setdefault("timeout_s", DEFAULT_PG_TIMEOUT_S)
+        fields.setdefault("cp_layout", "contiguous")
+        fields.setdefault("logit_scale", 1.0)
+        fields.setdefault("threads_per_rank", 1)
+        missing = [f.name for f in dataclass_fields(cls) if f.name not in fields]
+        if missing:
+            raise PlanError(f"case fields {missing} are missing; give each of them")
+        return cls(**fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def case_id(self) -> str:
+        """Deterministic id of the numerical case (no topology, no tolerance)."""
+        return (
+            f"{self.dtype}-v{self.real_vocab}-p{self.padded_vocab}-t{self.num_vocab_tiles}"
+            f"-b{self.batch}-s{self.seq}-pt{self.prompt_tokens}-seed{self.seed}"
+            f"-{self.cp_layout}-scale{self.logit_scale:g}"
+        )
+
+    def check_topology(self, tp: int, cp: int) -> None:
+        """Every reason a ``tp x cp`` run of this case cannot be made, before anything starts."""
+        check_topology(tp, cp, **{name: getattr(self, name) for name in TOPOLOGY_FIELDS})
+
+
+def case_document(case: Case, topologies: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    """The case file's JSON: the case and its topologies, in report order."""
+    for tp, cp in topologies:
+        case.check_topology(tp, cp)
+    check_matrix(topologies)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "case_id": case.case_id,
+        "case": case.to_dict(),
+        "topologies": [{"tp": tp, "cp": cp} for tp, cp in topologies],
+    }
+
+
+def write_case_file(path: str | os.PathLike[str], case: Case, topologies: Sequence[tuple[int, int]]) -> None:
+    schemas.write_validated(path, case_document(case, topologies), "case")
+
+
+def case_from_document(document: Any, what: str) -> tuple[Case, tuple[tuple[int, int], ...]]:
+    """The case and topologies of a case file's JSON: every case rule, the topologies of a
+    campaign (a matrix of at least two), then the schema, and a ``case_id`` that is the case's own.
+    The rules come first: their messages name the field, the value and the fix."""
+    try:
+        case = Case(**document["case"])
+        topologies = tuple((t["tp"], t["cp"]) for t in document["topologies"])
+    except (TypeError, KeyError):
+        case = None  # not even the shape of a case file: the schema says what is wrong
+    except PlanError as exc:
+        raise PlanError(f"{what}: {exc}") from None
+    try:
+        if case is not None:
+            for tp, cp in topologies:
+                case.check_topology(tp, cp)
+            check_matrix(topologies)
+        schemas.require_valid(document, "case", what=what)
+    except (schemas.ArtifactSchemaError, PlanError) as exc:
+        raise PlanError(f"{what}: {exc}") from None
+    assert case is not None  # a schema-valid document has a case's shape
+    if document["case_id"] != case.case_id:
+        raise PlanError(f"{what}: case_id={document['case_id']!r} is not the case's id {case.case_id!r}; "
+                        "write the case file with `python -m rl_engine case`")
+    return case, topologies
+
+
+def load_case_file(path: str | os.PathLike[str]) -> tuple[Case, tuple[tuple[int, int], ...]]:
+    """The case and topologies of a case file: strict JSON, schema-valid, every rule kept."""
+    try:
+        document = jsonio.load(path)
+    except (jsonio.StrictJSONError, OSError) as exc:
+        raise PlanError(f"case file {path}: {exc}; write it with `python -m rl_engine case`") from None
+    return case_from_document(document, f"case file {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m rl_engine case --json DOCUMENT --output case.json``: the workflow's case rule.
+
+    The Snakefile turns the resolved config (config files and ``--config`` overrides) into the
+    case file's JSON when it parses it (:func:`rl_engine.evidence.config.config_case`); this
+    checks that document once more (schema, every rule) and writes it. 0 written, 2 refused.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m rl_engine case",
+        description="Check a case file's JSON (schemas/case.schema.json and every case rule) and write it.")
+    parser.add_argument("--json", required=True, help="the case file's JSON, one object")
+    parser.add_argument("--output", required=True, help="the case file to write (case.json)")
+    args = parser.parse_args(argv)
+    try:
+        document = jsonio.loads(args.json)
+        case, topologies = case_from_document(document, "--json")
+        write_case_file(args.output, case, topologies)
+    except (jsonio.StrictJSONError, PlanError, schemas.ArtifactSchemaError) as exc:
+        print(f"case: {exc}", file=sys.stderr)
+        return 2
+    print(f"case {case.case_id}: {len(topologies)} topologies -> {args.output}")
+    return 0
+
+
+__all__ = [
+    "Case",
+    "PlanError",
+    "case_document",
+    "case_from_document",
+    "case_problems",
+    "check_matrix",
+    "check_topology",
+    "load_case_file",
+    "main",
+    "matrix_problem",
+    "parse_topologies",
+    "parse_topology",
+    "write_case_file",
+]

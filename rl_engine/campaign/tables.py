@@ -1,0 +1,47 @@
+"""The campaign's constant tables: the one place each of these facts is written.
+
+No imports, no torch: the case rules (:mod:`rl_engine.campaign.case`), the kernel's contract,
+registry and mesh, the gates and the workflow's config check all read their sets and defaults
+from here. The schemas in ``schemas/`` repeat some of them as enums for standard validators;
+``tests/test_case.py`` fails when a schema and this table disagree.
+"""
+
+from __future__ import annotations
+
+# Logits dtypes a campaign and every backend serve, and torch's name for each.
+DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
+TORCH_DTYPE_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+# Acceptance tolerance against the FP32 oracle when a case names none: (atol, rtol).
+DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
+    "bf16": (0.05, 0.0),
+    "fp16": (0.005, 0.0),
+    "fp32": (1e-5, 0.0),
+}
+GATING_ORACLE = "fp32_oracle"  # the oracle acceptance gates on; the FP64 one is recorded only
+ORACLES: tuple[str, ...] = ("fp32_oracle", "fp64_oracle")
+
+# Device -> its process-group backend. Nothing falls back from one to the other.
+DEVICE_DIST_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl"}
+
+# Token layouts of context parallelism (distributed/bounds.py computes them).
+CP_LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
+
+# Backends by id, with the devices each runs on. "auto" picks one; a campaign refuses it.
+AUTO = "auto"
+EAGER_BACKEND = "pytorch-vocab-parallel-logp-ws2"
+FUSED_CPU_BACKEND = "cpu-vocab-parallel-logp-ws2"
+BACKEND_DEVICES: dict[str, tuple[str, ...]] = {
+    EAGER_BACKEND: ("cpu", "cuda"),
+    FUSED_CPU_BACKEND: ("cpu",),
+}
+
+# Campaign bounds and defaults.
+MAX_TP = 8
+MAX_CP = 4
+MAX_THREADS_PER_RANK = 64
+MIN_MATRIX_TOPOLOGIES = 2  # the cross-topology check compares at least two
+DEFAULT_TOPOLOGIES: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2))
+DEFAULT_PG_TIMEOUT_S = 120.0  # process-group timeout: a lost rank fails the collective
+
+SCHEMA_VERSION = "1"  # of case.json, plan.json and the reports

@@ -1,0 +1,130 @@
+"""One case, one plan: the constant tables, the torch-free case and its file, and the one-way flow.
+
+The tables (rl_engine/campaign/tables.py) are the only place each constant is written; the
+schemas repeat some as enums for standard validators, and these tests fail when the two
+disagree. The case file is what the workflow's resolved config becomes, and the plan is built
+from it alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl_engine import jsonio, schemas
+from rl_engine.campaign import case as casemod
+from rl_engine.campaign import tables
+from rl_engine.campaign.case import Case, PlanError, case_document, load_case_file
+from rl_engine.campaign.inputs import InputSpec, InputSpecError
+from rl_engine.campaign.plan import build_plan, load_plan
+from rl_engine.campaign.plan import main as plan_main
+from rl_engine.evidence import config as wfconfig
+
+REPO = Path(__file__).resolve().parents[1]
+DEFS = json.loads((REPO / "schemas" / "defs.schema.json").read_text())["$defs"]
+CONFIG_SCHEMA = json.loads((REPO / "schemas" / "config.schema.json").read_text())["properties"]
+SMALL = dict(device="cpu", dtype="bf16", backend=tables.EAGER_BACKEND, real_vocab=1000, padded_vocab=1024,
+             num_vocab_tiles=8, batch=2, seq=16, prompt_tokens=8, seed=123)
+
+
+def test_schema_enums_are_the_tables() -> None:
+    assert DEFS["dtype"]["enum"] == list(tables.DTYPES) == CONFIG_SCHEMA["dtype"]["enum"]
+    assert DEFS["device"]["enum"] == list(tables.DEVICE_DIST_BACKENDS) == CONFIG_SCHEMA["device"]["enum"]
+    assert DEFS["dist_backend"]["enum"] == list(tables.DEVICE_DIST_BACKENDS.values())
+    assert DEFS["cp_layout"]["enum"] == list(tables.CP_LAYOUTS)
+    assert DEFS["backend_id"]["enum"] == list(tables.BACKEND_DEVICES)
+    assert DEFS["tp_degree"]["maximum"] == tables.MAX_TP and DEFS["cp_degree"]["maximum"] == tables.MAX_CP
+    assert CONFIG_SCHEMA["threads_per_rank"]["maximum"] == tables.MAX_THREADS_PER_RANK
+    assert CONFIG_SCHEMA["topologies"]["minItems"] == tables.MIN_MATRIX_TOPOLOGIES
+    assert set(tables.TORCH_DTYPE_NAMES.values()) <= set(DEFS["torch_dtype_name"]["enum"])
+    assert set(DEFS["case_common"]["required"]) == {f.name for f in dataclasses.fields(Case)}
+
+
+def test_default_config_tolerances_and_timeout_are_the_tables() -> None:
+    config = wfconfig.load_config(REPO / "config.yaml")
+    assert {d: (t["atol"], t["rtol"]) for d, t in config["tolerances"].items()} == tables.DEFAULT_TOLERANCES
+    assert config["pg_timeout_s"] == tables.DEFAULT_PG_TIMEOUT_S
+    assert [tuple(map(int, t.split("x"))) for t in config["topologies"]] == list(tables.DEFAULT_TOPOLOGIES)
+
+
+def test_the_harness_modules_import_without_torch() -> None:
+    """Checking the config, the case and the plan loads no torch (the Snakefile imports them)."""
+    code = ("import sys, rl_engine.evidence.config, rl_engine.campaign.case, rl_engine.campaign.plan, "
+            "rl_engine.campaign.tables; assert 'torch' not in sys.modules, 'torch was imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_one_rule_for_prompt_tokens_everywhere() -> None:
+    """inputs.py once allowed prompt_tokens == seq while the campaign refused it: now one rule."""
+    with pytest.raises(PlanError, match="prompt_tokens=16 must be < seq=16") as from_case:
+        Case.create(**{**SMALL, "prompt_tokens": 16})
+    with pytest.raises(InputSpecError) as from_inputs:
+        InputSpec(batch=2, seq=16, prompt_tokens=16, real_vocab=1000, padded_vocab=1024, seed=123)
+    assert str(from_inputs.value) == str(from_case.value)
+    assert casemod.case_problems({"seq": 16, "prompt_tokens": 16}) == [
+        ("prompt_tokens", str(from_case.value))]
+    assert casemod.case_problems({"seq": 16}) == []  # a rule needs every field it reads
+
+
+def test_case_defaults_come_from_the_tables() -> None:
+    case = Case.create(**SMALL)
+    assert (case.dist_backend, case.atol, case.rtol) == ("gloo", *tables.DEFAULT_TOLERANCES["bf16"])
+    assert case.timeout_s == tables.DEFAULT_PG_TIMEOUT_S and case.cp_layout == "contiguous"
+    assert Case.create(**{**SMALL, "logit_scale": 1}).logit_scale.hex() == (1.0).hex()  # 1 is 1.0
+    with pytest.raises(PlanError, match=r"case fields \['seed'\] are missing"):
+        Case.create(**{k: v for k, v in SMALL.items() if k != "seed"})
+
+
+def test_case_file_round_trip_and_plan_from_it(tmp_path: Path) -> None:
+    case = Case.create(**SMALL)
+    path = tmp_path / "case.json"
+    document = case_document(case, ((1, 1), (2, 2)))
+    assert casemod.main(["--json", json.dumps(document), "--output", str(path)]) == 0
+    assert jsonio.load(path) == document and schemas.errors(document, "case") == []
+    assert load_case_file(path) == (case, ((1, 1), (2, 2)))
+    plan_path = tmp_path / "plan.json"
+    assert plan_main(["--case", str(path), "--output", str(plan_path)]) == 0
+    loaded, plan = load_plan(plan_path)
+    assert loaded == case and plan == build_plan(case, ((1, 1), (2, 2)), plan_path)
+    assert [e["output"] for e in plan["topologies"]] == ["tp1-cp1.json", "tp2-cp2.json"]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda d: d["case"].update(seq=10, prompt_tokens=2, cp_layout="zigzag"), "cannot be split into 4 equal chunks"),
+    (lambda d: d["case"].update(backend="auto"), "backend='auto' is refused"),
+    (lambda d: d.update(topologies=[{"tp": 1, "cp": 1}]), "1 topology listed"),
+    (lambda d: d.update(case_id="bf16-v1-p1-t1-b1-s1-pt0-seed0-contiguous-scale1"), "is not the case's id"),
+    (lambda d: d["case"].pop("seed"), "'seed' is a required property"),
+    (lambda d: d["case"].update(extra=1), "Unevaluated properties are not allowed ('extra'"),
+])
+def test_case_verb_refuses_a_bad_case_file_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                              change, message: str) -> None:
+    document = case_document(Case.create(**SMALL), ((1, 1), (1, 2)))
+    change(document)
+    output = tmp_path / "case.json"
+    assert casemod.main(["--json", json.dumps(document), "--output", str(output)]) == 2
+    assert message in capsys.readouterr().err
+    assert not output.exists()
+
+
+def test_plan_with_a_case_file_refuses_case_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "case.json"
+    casemod.write_case_file(path, Case.create(**SMALL), ((1, 1), (1, 2)))
+    assert plan_main(["--case", str(path), "--seed", "5", "--output", str(tmp_path / "plan.json")]) == 2
+    assert "holds the whole case; drop --seed" in capsys.readouterr().err
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_snakefile_case_json_is_the_config_case() -> None:
+    """The case rule writes config_case(config): the config's values through the case's rules."""
+    config = wfconfig.load_config(REPO / "config.yaml")
+    document = wfconfig.config_case(config)
+    case, topologies = casemod.case_from_document(document, "config.yaml")
+    assert case.to_dict() == {**wfconfig.case_values(config), "logit_scale": 1.0, "timeout_s": 120.0}
+    assert [f"{tp}x{cp}" for tp, cp in topologies] == config["topologies"]
