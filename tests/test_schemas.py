@@ -17,6 +17,7 @@ import pytest
 from jsonschema import Draft202012Validator
 from referencing.exceptions import Unresolvable
 
+from _schema_fixtures import FixtureError, InvalidCase, apply_patch
 from rl_engine import jsonio, schemas
 
 SCHEMA_DIR = schemas.repo_schema_dir()
@@ -129,6 +130,49 @@ def test_invalid_fixture_is_refused(name: str, path: Path) -> None:
     if expect.exists():
         wanted = expect.read_text(encoding="utf-8").strip()
         assert any(wanted in p for p in problems), (wanted, problems)
+
+
+DOC = {"a": {"b": [1, 2], "c/d": 0, "e~f": 1}}
+
+
+@pytest.mark.parametrize(("patch", "expected"), [
+    ([{"op": "replace", "path": "/a/b/1", "value": 5}], {"a": {"b": [1, 5], "c/d": 0, "e~f": 1}}),
+    ([{"op": "add", "path": "/a/b/-", "value": 3}], {"a": {"b": [1, 2, 3], "c/d": 0, "e~f": 1}}),
+    ([{"op": "add", "path": "/a/b/0", "value": 0}], {"a": {"b": [0, 1, 2], "c/d": 0, "e~f": 1}}),
+    ([{"op": "remove", "path": "/a/c~1d"}, {"op": "remove", "path": "/a/e~0f"}], {"a": {"b": [1, 2]}}),
+    ([{"op": "add", "path": "/a/g", "value": {"h": None}}], {"a": {"b": [1, 2], "c/d": 0, "e~f": 1, "g": {"h": None}}}),
+])
+def test_patch_applier_follows_rfc_6902(patch: list[dict[str, Any]], expected: Any) -> None:
+    before = json.loads(json.dumps(DOC))
+    assert apply_patch(DOC, patch) == expected
+    assert DOC == before  # the base is never modified
+
+
+@pytest.mark.parametrize("patch", [
+    [{"op": "replace", "path": "/a/x", "value": 1}],       # a typo: no such member
+    [{"op": "remove", "path": "/a/b/2"}],                  # index out of range
+    [{"op": "replace", "path": "/a/b/01", "value": 1}],    # not a plain index
+    [{"op": "add", "path": "/a/x/y", "value": 1}],         # the parent does not exist
+    [{"op": "add", "path": "/a/c~1d", "value": 1}],        # add over an existing member
+    [{"op": "replace", "path": "a/b", "value": 1}],        # not a JSON Pointer
+    [{"op": "replace", "path": "/a/b/0/x", "value": 1}],   # below a number
+    [{"op": "move", "from": "/a/b", "path": "/a/z"}],      # unsupported operation
+    [{"op": "replace", "path": "/a/b"}],                   # no value
+    [],                                                     # changes nothing
+])
+def test_patch_applier_fails_loudly(patch: list[dict[str, Any]]) -> None:
+    with pytest.raises(FixtureError):
+        apply_patch(DOC, patch)
+
+
+def test_text_case_must_find_its_text_once(tmp_path: Path) -> None:
+    base = tmp_path / "base.json"
+    base.write_text('{"a": 1.0, "b": 1.0}')
+    with pytest.raises(FixtureError, match="occurs 0 times"):
+        InvalidCase("x", "typo", base, "NaN", find='"c": 1.0', replace='"c": NaN').text()
+    with pytest.raises(FixtureError, match="occurs 2 times"):
+        InvalidCase("x", "ambiguous", base, "NaN", find="1.0", replace="NaN").text()
+    assert InvalidCase("x", "ok", base, "NaN", find='"a": 1.0', replace='"a": NaN').text() == '{"a": NaN, "b": 1.0}'
 
 
 @pytest.mark.parametrize("kind", ["NaN", "Infinity", "-Infinity"])
