@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from _schema_fixtures import InvalidCase, invalid_cases
 from _workflow_util import REPO, SMALL_VOCAB, copy_repo, env_for, jobs_run, snakemake_cmd, write_config
 from rl_engine.evidence import config as wfconfig
 from rl_engine.evidence.casename import RunName, RunNameError, case_hash, evidence_resolved_case, pytest_args_of
@@ -222,21 +223,21 @@ def test_check_config_and_the_plan_rule_agree(tmp_path: Path, capsys: pytest.Cap
     assert runner_reason in str(raised.value), (runner_reason, str(raised.value))
 
 
-def _fixture(path: Path) -> dict[str, Any]:
+def _fixture(text: str) -> dict[str, Any]:
     # json, not yaml: PyYAML reads 1e-05 (no dot) as a string; json reads the NaN literal as nan
-    return json.loads(path.read_text())
+    return json.loads(text)
 
 
-@pytest.mark.parametrize("path", sorted((FIXTURES / "invalid").glob("*.json")), ids=lambda p: p.stem)
-def test_invalid_schema_fixtures_are_refused_by_the_workflow_check(path: Path) -> None:
-    """The config fixtures of tests/test_schemas.py are refused by check_config too."""
+@pytest.mark.parametrize("case", invalid_cases("config"), ids=lambda c: c.name)
+def test_invalid_schema_fixtures_are_refused_by_the_workflow_check(case: InvalidCase) -> None:
+    """The invalid config cases of tests/test_schemas.py are refused by check_config too."""
     with pytest.raises(WorkflowConfigError, match="config key"):
-        check_config(_fixture(path))
+        check_config(_fixture(case.text()))
 
 
 @pytest.mark.parametrize("path", sorted((FIXTURES / "valid").glob("*.json")), ids=lambda p: p.stem)
 def test_valid_schema_fixtures_pass_the_workflow_check(path: Path) -> None:
-    config = _fixture(path)
+    config = _fixture(path.read_text())
     assert check_config(config) is config
 
 

@@ -1,9 +1,15 @@
 """Every schema in schemas/ is a valid draft 2020-12 schema whose references resolve, and
-its fixtures behave: each ``valid`` fixture validates, each ``invalid`` fixture is refused.
+its fixtures behave: each valid fixture validates, each invalid case is refused for its reason.
 
-Fixtures live in ``tests/fixtures/schemas/<schema name>/{valid,invalid}/*.json``. An invalid
-fixture may have a sibling ``<stem>.expect.txt`` holding a substring that the refusal (the
-strict-JSON error or one schema error) must contain, so it fails for the intended reason.
+Valid fixtures are whole documents in ``tests/fixtures/schemas/<schema name>/valid/*.json``.
+Invalid cases are rows of ``tests/fixtures/schemas/<schema name>/invalid.json``, each named for
+the rule it breaks: a JSON patch (RFC 6902) of the table's valid base document (or of another
+valid variant the case names), or, for what no parsed document can hold (a NaN literal), a text
+replacement in the base's text. Each carries an ``expect`` substring that the refusal (the
+strict-JSON error or one schema error) must contain, so it fails for the intended reason; the
+base must be accepted, so the change is what the validator refuses. The table format and its
+strict applier (a typo in a path fails, it never gives back the valid base) are in
+``tests/_schema_fixtures.py``.
 New schemas are picked up automatically; fixtures of a schema belong to its owner.
 """
 
@@ -17,6 +23,7 @@ import pytest
 from jsonschema import Draft202012Validator
 from referencing.exceptions import Unresolvable
 
+from _schema_fixtures import FixtureError, InvalidCase, all_invalid_cases, apply_patch, invalid_cases
 from rl_engine import jsonio, schemas
 
 SCHEMA_DIR = schemas.repo_schema_dir()
@@ -27,11 +34,14 @@ NOT_ARTIFACTS = {"defs"}  # shared pieces only, nothing is validated against it
 FIXTURES_REQUIRED = {"report", "plan"}
 
 
-def _fixtures(kind: str) -> list[Any]:
+def _valid_fixtures() -> list[Any]:
     return [
         pytest.param(path.parts[-3], path, id=f"{path.parts[-3]}/{path.name}")
-        for path in sorted(FIXTURES.glob(f"*/{kind}/*.json"))
+        for path in sorted(FIXTURES.glob("*/valid/*.json"))
     ]
+
+
+INVALID_CASES = [pytest.param(case, id=case.id) for case in all_invalid_cases()]
 
 
 def _refs(node: Any) -> Iterator[str]:
@@ -46,10 +56,11 @@ def _refs(node: Any) -> Iterator[str]:
             yield from _refs(item)
 
 
-def _refusal(name: str, path: Path) -> list[str]:
+def _refusal(name: str, text: str) -> list[str]:
+    """What refuses ``text`` as a ``name`` artifact: the strict-JSON error, or the schema errors."""
     try:
-        instance = jsonio.load(path)
-    except jsonio.StrictJSONError as exc:
+        instance = jsonio.loads(text)
+    except (jsonio.StrictJSONError, json.JSONDecodeError) as exc:
         return [str(exc)]
     return schemas.errors(instance, name)
 
@@ -107,28 +118,87 @@ def test_unresolvable_reference_is_detected(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", sorted(set(SCHEMA_NAMES) - NOT_ARTIFACTS))
 def test_artifact_schema_has_fixtures(name: str) -> None:
     valid = list(FIXTURES.glob(f"{name}/valid/*.json"))
-    invalid = list(FIXTURES.glob(f"{name}/invalid/*.json"))
+    invalid = invalid_cases(name)
     if name not in FIXTURES_REQUIRED and not (valid or invalid):
-        pytest.skip(f"no fixtures for {name} yet: add tests/fixtures/schemas/{name}/valid|invalid/")
+        pytest.skip(f"no fixtures for {name} yet: add tests/fixtures/schemas/{name}/valid/ and invalid.json")
     assert valid, f"{name}: no valid fixture"
-    assert invalid, f"{name}: no invalid fixture"
+    assert invalid, f"{name}: no invalid case in tests/fixtures/schemas/{name}/invalid.json"
 
 
-@pytest.mark.parametrize(("name", "path"), _fixtures("valid"))
+def test_fixture_directories_hold_only_valid_documents_and_one_table() -> None:
+    """An invalid document is a row of invalid.json: a file elsewhere would never be tested."""
+    for directory in sorted(p for p in FIXTURES.iterdir() if p.is_dir()):
+        assert directory.name in SCHEMA_NAMES, f"fixture directory {directory.name} names no schema"
+        extra = sorted(p.name for p in directory.iterdir() if p.name not in ("valid", "invalid.json"))
+        assert extra == [], f"{directory}: unexpected {extra}"
+        assert {p.suffix for p in (directory / "valid").iterdir()} == {".json"}, directory
+
+
+@pytest.mark.parametrize(("name", "path"), _valid_fixtures())
 def test_valid_fixture_validates(name: str, path: Path) -> None:
     assert name in SCHEMA_NAMES, f"fixture directory {name} names no schema"
     assert schemas.errors(jsonio.load(path), name) == []
 
 
-@pytest.mark.parametrize(("name", "path"), _fixtures("invalid"))
-def test_invalid_fixture_is_refused(name: str, path: Path) -> None:
-    assert name in SCHEMA_NAMES, f"fixture directory {name} names no schema"
-    problems = _refusal(name, path)
-    assert problems, f"{path} should be refused"
-    expect = path.with_name(path.stem + ".expect.txt")
-    if expect.exists():
-        wanted = expect.read_text(encoding="utf-8").strip()
-        assert any(wanted in p for p in problems), (wanted, problems)
+@pytest.mark.parametrize("case", INVALID_CASES)
+def test_invalid_case_is_refused_for_its_reason(case: InvalidCase) -> None:
+    """The base is accepted; the case breaks it, and the refusal names the rule it breaks."""
+    assert case.schema in SCHEMA_NAMES, f"fixture directory {case.schema} names no schema"
+    assert _refusal(case.schema, case.base_text()) == [], f"base {case.base} must be valid"
+    problems = _refusal(case.schema, case.text())
+    assert problems, f"{case.id} should be refused"
+    assert any(case.expect in p for p in problems), (case.expect, problems)
+
+
+@pytest.mark.parametrize("case", INVALID_CASES)
+def test_invalid_case_differs_from_its_base(case: InvalidCase) -> None:
+    if case.patch:
+        assert json.loads(case.text()) != json.loads(case.base_text()), f"{case.id}: the patch changes nothing"
+    else:
+        assert case.text() != case.base_text(), f"{case.id}: the text edit changes nothing"
+
+
+DOC = {"a": {"b": [1, 2], "c/d": 0, "e~f": 1}}
+
+
+@pytest.mark.parametrize(("patch", "expected"), [
+    ([{"op": "replace", "path": "/a/b/1", "value": 5}], {"a": {"b": [1, 5], "c/d": 0, "e~f": 1}}),
+    ([{"op": "add", "path": "/a/b/-", "value": 3}], {"a": {"b": [1, 2, 3], "c/d": 0, "e~f": 1}}),
+    ([{"op": "add", "path": "/a/b/0", "value": 0}], {"a": {"b": [0, 1, 2], "c/d": 0, "e~f": 1}}),
+    ([{"op": "remove", "path": "/a/c~1d"}, {"op": "remove", "path": "/a/e~0f"}], {"a": {"b": [1, 2]}}),
+    ([{"op": "add", "path": "/a/g", "value": {"h": None}}], {"a": {"b": [1, 2], "c/d": 0, "e~f": 1, "g": {"h": None}}}),
+])
+def test_patch_applier_follows_rfc_6902(patch: list[dict[str, Any]], expected: Any) -> None:
+    before = json.loads(json.dumps(DOC))
+    assert apply_patch(DOC, patch) == expected
+    assert DOC == before  # the base is never modified
+
+
+@pytest.mark.parametrize("patch", [
+    [{"op": "replace", "path": "/a/x", "value": 1}],       # a typo: no such member
+    [{"op": "remove", "path": "/a/b/2"}],                  # index out of range
+    [{"op": "replace", "path": "/a/b/01", "value": 1}],    # not a plain index
+    [{"op": "add", "path": "/a/x/y", "value": 1}],         # the parent does not exist
+    [{"op": "add", "path": "/a/c~1d", "value": 1}],        # add over an existing member
+    [{"op": "replace", "path": "a/b", "value": 1}],        # not a JSON Pointer
+    [{"op": "replace", "path": "/a/b/0/x", "value": 1}],   # below a number
+    [{"op": "move", "from": "/a/b", "path": "/a/z"}],      # unsupported operation
+    [{"op": "replace", "path": "/a/b"}],                   # no value
+    [],                                                     # changes nothing
+])
+def test_patch_applier_fails_loudly(patch: list[dict[str, Any]]) -> None:
+    with pytest.raises(FixtureError):
+        apply_patch(DOC, patch)
+
+
+def test_text_case_must_find_its_text_once(tmp_path: Path) -> None:
+    base = tmp_path / "base.json"
+    base.write_text('{"a": 1.0, "b": 1.0}')
+    with pytest.raises(FixtureError, match="occurs 0 times"):
+        InvalidCase("x", "typo", base, "NaN", find='"c": 1.0', replace='"c": NaN').text()
+    with pytest.raises(FixtureError, match="occurs 2 times"):
+        InvalidCase("x", "ambiguous", base, "NaN", find="1.0", replace="NaN").text()
+    assert InvalidCase("x", "ok", base, "NaN", find='"a": 1.0', replace='"a": NaN').text() == '{"a": NaN, "b": 1.0}'
 
 
 @pytest.mark.parametrize("kind", ["NaN", "Infinity", "-Infinity"])
