@@ -42,24 +42,53 @@ def _example() -> ModuleType:
     return module
 
 
-# ----- the README's example, run as written -----------------------------------------------------
+# ----- the README's API and docs/trainer.md's example, run as written -------------------------------
+
+TRAINER_DOC = ROOT / "docs" / "trainer.md"
 
 
 def test_the_readme_and_the_example_give_the_same_command() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert EXAMPLE_COMMAND in readme
+    assert EXAMPLE_COMMAND in TRAINER_DOC.read_text(encoding="utf-8")
     assert EXAMPLE_COMMAND in EXAMPLE.read_text(encoding="utf-8")
 
 
-def test_the_readme_excerpt_is_the_examples_code() -> None:
-    """Every line of the README's TP x CP excerpt is a line of the script the test runs."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("**TP x CP: a runnable trainer step.**"):]
+def test_the_documented_excerpt_is_the_examples_code() -> None:
+    """Every line of docs/trainer.md's TP x CP excerpt is a line of the script the test runs."""
+    doc = TRAINER_DOC.read_text(encoding="utf-8")
+    section = doc[doc.index("## TP x CP: a runnable trainer step"):]
     excerpt = section[section.index("```python") + len("```python"):]
     excerpt = excerpt[: excerpt.index("```")]
     script = {line.strip() for line in EXAMPLE.read_text(encoding="utf-8").splitlines()}
     lines = [line.strip() for line in excerpt.splitlines() if line.strip()]
     assert len(lines) > 10
+    assert [line for line in lines if line not in script] == []
+
+
+def test_the_readme_api_runs_on_one_rank_and_quotes_the_example() -> None:
+    """The README's API block: its imports and its one-rank call run as written; every TP x CP
+    line (those not eliding arguments with ``...``) is a line of the script the test runs."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## The API"):]
+    block = section[section.index("```python") + len("```python"):]
+    block = block[: block.index("```")]
+    one_rank, tp_cp = block.split("# TP x CP", 1)
+    torch.manual_seed(0)
+    inputs: dict[str, Any] = {
+        "logits": torch.randn(4, 151936).to(torch.bfloat16),
+        "targets": torch.tensor([0, 5, 151935, 7]),
+        "active": torch.tensor([True, True, False, True]),
+    }
+    exec(compile(one_rank, "README.md", "exec"), inputs)  # the README, run as written
+    out = inputs["out"]
+    expected = selected_logprob(inputs["logits"], inputs["targets"], inputs["active"],
+                                num_vocab_tiles=64, real_vocab_size=151936)
+    assert tensor_bytes(out.selected_logp) == tensor_bytes(expected.selected_logp)
+    assert out.selected_logp.dtype == torch.float32 and out.lse.shape == (4,)
+    script = {line.strip() for line in EXAMPLE.read_text(encoding="utf-8").splitlines()}
+    lines = [line.strip() for line in tp_cp.splitlines()[1:] if line.strip() and "..." not in line]
+    assert len(lines) >= 4
     assert [line for line in lines if line not in script] == []
 
 

@@ -1,0 +1,89 @@
+"""The README and docs/ (issue 13): every relative link resolves, and the README's test command
+is the one CI runs.
+
+A link is ``[text](target)`` outside code; ``target`` is a path relative to the file that holds
+it, optionally with ``#anchor``, which must be the GitHub anchor of a heading of the target.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)
+INDENTED = re.compile(r"^(?: {4}|\t).*$", re.MULTILINE)
+CODE_SPAN = re.compile(r"(`+)(?!`).*?(?<!`)\1(?!`)", re.DOTALL)
+LINK = re.compile(r"(?<!!)\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*#*[ \t]*$", re.MULTILINE)
+
+
+def prose(text: str) -> str:
+    """The text without fenced blocks, indented code and code spans."""
+    text = FENCE.sub("", text)
+    text = INDENTED.sub("", text)
+    return CODE_SPAN.sub("", text)
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case; backticks, asterisks and punctuation other
+    than '_' and '-' dropped; spaces to '-'."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text
+    text = re.sub(r"[`*]", "", text).strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in HEADING.findall(FENCE.sub("", page.read_text(encoding="utf-8"))):
+        base = anchor(heading)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def links(page: Path) -> list[str]:
+    return LINK.findall(prose(page.read_text(encoding="utf-8")))
+
+
+def test_the_pages_have_links_to_check() -> None:
+    assert (ROOT / "docs" / "arithmetic.md") in PAGES
+    readme = links(ROOT / "README.md")
+    assert "docs/arithmetic.md" in readme and len(readme) >= 10
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page: Path) -> None:
+    broken = []
+    for target in links(page):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        path, _, fragment = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif fragment and dest.suffix == ".md" and fragment not in anchors(dest):
+            broken.append(f"{target}: no heading with anchor #{fragment} in {dest.name}")
+    assert broken == [], f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_every_docs_page_is_linked_from_the_readme() -> None:
+    readme = set(links(ROOT / "README.md"))
+    missing = [p.name for p in PAGES[1:] if f"docs/{p.name}" not in readme]
+    assert missing == []
+
+
+def test_the_readme_test_command_is_the_one_ci_runs() -> None:
+    """.ci/run installs and runs pytest with the README's command, byte for byte."""
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    install = next(line for line in ci if line.startswith("python -m pip install"))
+    pytest_line = next(line for line in ci if line.startswith("python -m pytest"))
+    command = f"{install.removeprefix('python -m ')} && {pytest_line}"
+    assert command in (ROOT / "README.md").read_text(encoding="utf-8")
