@@ -114,7 +114,7 @@ def cpu_replays(case: Case) -> dict[str, dict[str, str]]:
 
 def time_forwards(case: Case, device: torch.device, tokens: int, repeats: int) -> list[dict[str, Any]]:
     """Forward time of every backend available on ``device`` (and a one-read floor)."""
-    from rl_engine.benchmark.paths import make_inputs
+    from rl_engine.benchmark.inputs import make_inputs
 
     inputs = make_inputs(tokens, case.padded_vocab, case.dtype, case.seed)
     logits = inputs.logits.to(device)

@@ -1,5 +1,6 @@
-"""``python -m rl_engine bench`` at tiny sizes: document shape, ratios from the same run's rows,
-memory probe that sees real allocations, TP mode under torchrun, refusal of bad flags.
+"""``python -m rl_engine bench`` (:mod:`rl_engine.benchmark`) at tiny sizes: document shape, ratios
+from the same run's rows, memory probe that sees real allocations, TP mode under torchrun with
+every path, one input maker for both modes, refusal of bad flags.
 
 No timing thresholds: times on a shared machine say nothing about correctness. What is
 checked is that every reported ratio is the quotient of the rows it names, and that the
@@ -13,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from rl_engine import jsonio, schemas
-from rl_engine import bench
+from rl_engine.benchmark import cli, paths, report
 from rl_engine.benchmark.config import PATHS, PHASES, BenchConfig, BenchError
+from rl_engine.benchmark.inputs import make_inputs
 from rl_engine.benchmark.report import FUSED_TARGETS, TARGETS
 
 SMALL = ["--vocab", "512", "--tiles", "4", "--repeats", "2", "--warmup", "1", "--threads", "2"]
@@ -24,7 +27,7 @@ SMALL = ["--vocab", "512", "--tiles", "4", "--repeats", "2", "--warmup", "1", "-
 
 def _run(tmp_path: Path, name: str, *flags: str) -> dict[str, Any]:
     out = tmp_path / f"{name}.json"
-    assert bench.main([*flags, "--output", str(out)]) == 0
+    assert cli.main([*flags, "--output", str(out)]) == 0
     doc = jsonio.load(out)
     assert schemas.errors(doc, "bench") == []
     return doc
@@ -74,7 +77,7 @@ def test_ratios_are_the_quotients_of_this_runs_rows(timing_doc: dict[str, Any]) 
     naive = next(r for r in other if (r["path"], r["phase"], r["tokens"]) == ("naive", "forward", 24))
     naive["median_s"] *= 1.5
     assert _ratios_from_rows(other) != doc["ratios"]
-    assert bench.compute_ratios(other) != doc["ratios"]
+    assert report.compute_ratios(other) != doc["ratios"]
 
 
 def _fused_ratios_from_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -107,7 +110,6 @@ def test_every_available_backend_has_rows_and_its_ratios(timing_doc: dict[str, A
 def test_an_unavailable_fused_kernel_is_left_out_by_default_and_refused_by_name(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from rl_engine.benchmark import paths
     from rl_engine.logprob import fused_cpu
 
     monkeypatch.setattr(fused_cpu, "kernel_unavailable", lambda: "the compiled module is not built")
@@ -162,6 +164,17 @@ def test_tp_mode_under_torchrun_reports_every_rank(tmp_path: Path) -> None:
         assert r["comm_share"] == r["comm_median_s"] / r["median_s"]
 
 
+def test_a_tp_shard_holds_the_columns_of_the_logits_tp1_sees() -> None:
+    full = make_inputs(300, 512, "bf16", 7)  # more rows than one block: the cut is per block
+    for start, stop in ((0, 256), (256, 512), (128, 384)):
+        shard = make_inputs(300, 512, "bf16", 7, columns=(start, stop))
+        assert shard.logits.shape == (300, stop - start)
+        assert torch.equal(shard.logits.view(torch.int16), full.logits[:, start:stop].view(torch.int16))
+        assert torch.equal(shard.targets, full.targets) and bool(shard.active.all())
+    with pytest.raises(BenchError, match=r"columns=\(256, 600\) must satisfy"):
+        make_inputs(8, 512, "bf16", 7, columns=(256, 600))
+
+
 @pytest.mark.parametrize(
     "flags, needle",
     [
@@ -178,7 +191,7 @@ def test_bad_flags_are_refused_with_the_field_named(
 ) -> None:
     base = ["--vocab", "512", "--tiles", "4"]
     out = tmp_path / "never.json"
-    assert bench.main([*base, *flags, "--output", str(out)]) == 2
+    assert cli.main([*base, *flags, "--output", str(out)]) == 2
     assert needle in capsys.readouterr().err
     assert not out.exists()
 

@@ -1,4 +1,4 @@
-"""The benchmarked paths (candidate, naive, floor) and their seeded inputs.
+"""The benchmarked paths and their steps, on the whole vocabulary (TP=1) or a TP rank's shard.
 
 - ``candidate``: backend ``pytorch-vocab-parallel-logp-ws2`` as a user calls it (default
   chunk size, ``validate=True`` unless ``--no-validate``), gradient through ``selected_logp``;
@@ -6,7 +6,7 @@
   bytes as ``candidate``) called the same way;
 - ``naive``: ``torch.log_softmax(logits.float(), -1).gather(...)`` with autograd, masked by
   the active rows;
-- ``floor``: one pass over the logits in row chunks, upcast and row max (the least any
+- ``floor``: one pass over the (local) logits in row chunks, upcast and row max (the least any
   exact method must do); its backward adds one more read of the logits and one write of a
   gradient in the logits dtype. The floor runs its chunks through the same chunk runner
   as the candidate, so neither is handicapped by the other's threading.
@@ -17,15 +17,16 @@ logprobs); ``forward_backward`` builds the graph, runs backward and returns the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from rl_engine.benchmark.config import PATHS, BenchConfig, BenchError
+from rl_engine.benchmark.config import BACKEND_PATHS, PATHS, BenchConfig, BenchError
+from rl_engine.benchmark.inputs import Inputs
 from rl_engine.logprob.chunk_threads import for_each_chunk
-from rl_engine.logprob.contract import LOGITS_DTYPES
-from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
+from rl_engine.logprob.contract import LogprobContract
+
+Step = Callable[[], Any]
 
 
 def default_paths() -> tuple[str, ...]:
@@ -33,35 +34,6 @@ def default_paths() -> tuple[str, ...]:
     from rl_engine.logprob.fused_cpu import kernel_unavailable
 
     return tuple(p for p in PATHS if p != "fused" or kernel_unavailable() is None)
-
-LOGIT_SCALE = 2.0
-Step = Callable[[], Any]
-
-
-@dataclass
-class Inputs:
-    logits: torch.Tensor
-    targets: torch.Tensor
-    active: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.element_size() * t.numel() for t in (self.logits, self.targets, self.active))
-
-
-def make_inputs(tokens: int, vocab: int, dtype: str, seed: int, block_rows: int = 256) -> Inputs:
-    """Seeded logits ``[tokens, vocab]`` built block by block (no full-size FP32 transient).
-
-    Every row is active and its target a real vocabulary id.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.empty(tokens, vocab, dtype=LOGITS_DTYPES[dtype])
-    for start in range(0, tokens, block_rows):
-        stop = min(tokens, start + block_rows)
-        logits[start:stop] = torch.randn(stop - start, vocab, generator=gen).mul_(LOGIT_SCALE)
-    targets = torch.randint(0, vocab, (tokens,), generator=gen)
-    active = torch.ones(tokens, dtype=torch.bool)
-    return Inputs(logits, targets, active)
 
 
 def _naive_logp(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
@@ -105,34 +77,43 @@ def floor_backward(logits: torch.Tensor, chunk_rows: int) -> torch.Tensor:
     return grad
 
 
-def build_step(path: str, phase: str, inputs: Inputs, config: BenchConfig) -> tuple[Step, Step]:
+def build_step(path: str, phase: str, inputs: Inputs, config: BenchConfig,
+               contract: LogprobContract | None = None, group: Any = None) -> tuple[Step, Step]:
     """``(step, reset)``: ``step()`` runs the path once and returns what it produced (kept
-    alive until the clock stops); ``reset()`` drops the gradient it left behind."""
-    contract = config.contract(inputs.logits.shape[0])
-    chunk_rows = config.resolved_chunk_rows()
+    alive until the clock stops); ``reset()`` drops the gradient it left behind.
+
+    ``inputs`` hold the whole vocabulary (TP=1) or, with a TP ``contract`` and its ``group``,
+    that rank's shard.
+    """
+    contract = contract or config.contract(inputs.logits.shape[0])
+    chunk_rows = config.resolved_chunk_rows(contract.local_vocab_size)
     logits, targets, active = inputs.logits, inputs.targets, inputs.active
     leaf = logits.detach().requires_grad_(phase == "forward_backward")
 
     def reset() -> None:
         leaf.grad = None
 
-    if path in ("candidate", "fused"):
-        if path == "fused":
-            from rl_engine.logprob.fused_cpu import FusedCpuLogprob
+    if path in BACKEND_PATHS:
+        from rl_engine.logprob.registry import BackendUnavailableError, dispatch
 
-            op: VocabParallelLogprob = FusedCpuLogprob()
-        else:
-            op = VocabParallelLogprob()
+        try:
+            op = dispatch(BACKEND_PATHS[path], contract, logits.device.type).op
+        except BackendUnavailableError as exc:
+            raise BenchError(f"path={path!r}: {exc}") from None
         if phase == "forward":
             def step() -> Any:
                 with torch.no_grad():
-                    return op(logits, targets, active, contract, validate=config.validate)
+                    return op(logits, targets, active, contract, group=group, validate=config.validate,
+                              chunk_rows=config.chunk_rows)
         else:
             def step() -> Any:
-                out = op(leaf, targets, active, contract, validate=config.validate)
+                out = op(leaf, targets, active, contract, group=group, validate=config.validate,
+                         chunk_rows=config.chunk_rows)
                 out.selected_logp.sum().backward()
                 return leaf.grad
     elif path == "naive":
+        if contract.tp_world_size != 1:
+            raise BenchError("path='naive' runs at TP=1 only")
         if phase == "forward":
             def step() -> Any:
                 with torch.no_grad():

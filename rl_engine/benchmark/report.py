@@ -1,17 +1,21 @@
-"""Ratios, targets, provenance, the rich table and the checked JSON document."""
+"""The one report of both modes: rows, ratios, targets, provenance, the rich table and the
+checked JSON document (``schemas/bench.schema.json``)."""
 
 from __future__ import annotations
 
 import os
 import platform
+import statistics
 from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from rl_engine import schemas
-from rl_engine.benchmark.config import BenchConfig, BenchError
+from rl_engine.benchmark.config import BACKEND_PATHS, BenchConfig, BenchError
+from rl_engine.benchmark.memory import MEMORY_METHOD
 from rl_engine.evidence.environment import cpu_model
+from rl_engine.logprob.vocab_parallel import BACKEND_ID
 
 SCHEMA = "bench"
 # Issue 6 targets: (name, phase, ratio key, limit).
@@ -132,12 +136,53 @@ def config_dict(config: BenchConfig) -> dict[str, Any]:
     return out
 
 
+def timing_row(path: str, phase: str, tokens: int, config: BenchConfig, times: list[float],
+               peak_mem_bytes: int | None) -> dict[str, Any]:
+    """A row of either mode (the TP mode adds its rank's fields)."""
+    return {
+        "path": path, "phase": phase, "tokens": tokens, "vocab": config.vocab,
+        "dtype": config.dtype, "median_s": statistics.median(times), "min_s": min(times),
+        "times_s": times, "peak_mem_bytes": peak_mem_bytes, "repeats": len(times),
+    }
+
+
+def document(config: BenchConfig, mode: str, rows: list[dict[str, Any]],
+             load_before: list[float]) -> dict[str, Any]:
+    """The benchmark document of a run: its rows and what is computed from them alone."""
+    doc: dict[str, Any] = {
+        "schema_version": "1",
+        "mode": mode,
+        "backend": BACKEND_ID,
+        "threads": config.threads,
+        "config": config_dict(config),
+        "machine": machine(),
+        "loadavg": {"before": load_before, "after": loadavg()},
+        "memory_method": None,
+        "rows": rows,
+        "ratios": {},
+        "targets": [],
+    }
+    if mode == "tp1":
+        doc["backends"] = {p: BACKEND_PATHS[p] for p in config.paths if p in BACKEND_PATHS}
+        doc["memory_method"] = MEMORY_METHOD if config.memory else None
+        doc["ratios"] = compute_ratios(rows)
+        doc["path_ratios"] = compute_path_ratios(rows)
+        doc["targets"] = evaluate_targets(doc["ratios"], doc["path_ratios"])
+    return doc
+
+
 def _fmt_ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}x"
 
 
 def _fmt_mem(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**20:,.1f}"
+
+
+def _entry(ratios: dict[str, Any], path_ratios: dict[str, Any], path: str, tokens: int,
+           phase: str) -> dict[str, float | None]:
+    table = ratios if path == "candidate" else path_ratios.get(path, {})
+    return table.get(str(tokens), {}).get(phase, {})
 
 
 def render_table(doc: dict[str, Any]) -> Any:
@@ -160,10 +205,7 @@ def render_table(doc: dict[str, Any]) -> Any:
                 "mem / naive"):
         table.add_column(col, justify="right")
     for r in doc["rows"]:
-        if r["path"] == "candidate":
-            entry = doc["ratios"].get(str(r["tokens"]), {}).get(r["phase"], {})
-        else:
-            entry = doc.get("path_ratios", {}).get(r["path"], {}).get(str(r["tokens"]), {}).get(r["phase"], {})
+        entry = _entry(doc["ratios"], doc.get("path_ratios", {}), r["path"], r["tokens"], r["phase"])
         is_cand = r["path"] in doc.get("backends", {"candidate": None})
         table.add_row(
             str(r["tokens"]), r["phase"], r["path"], f"{r['median_s']:.4f}",
