@@ -10,6 +10,7 @@ memory numbers come from allocations that are known to happen.
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
@@ -152,16 +153,71 @@ def test_memory_probe_sees_the_naive_paths_fp32_copies(tmp_path: Path) -> None:
     assert doc["memory_method"] and "fresh subprocess" in doc["memory_method"]
 
 
-def test_tp_mode_under_torchrun_reports_every_rank(tmp_path: Path) -> None:
-    doc = _run(tmp_path, "tp", "--tp", "2", "--tokens", "8", *SMALL)
+def _tp_ratios_from_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Independent recomputation: per TP degree, the slowest rank's median of every path, then
+    every backend over naive and floor (and fused over the eager candidate)."""
+    slowest: dict[tuple[int, str, str, int], float] = {}
+    for r in rows:
+        key = (r["tp"], r["path"], r["phase"], r["tokens"])
+        slowest[key] = max(slowest.get(key, 0.0), r["median_s"])
+    out: dict[str, Any] = {}
+    for (tp, path, phase, tokens), median in slowest.items():
+        if path not in ("candidate", "fused"):
+            continue
+        others = ("naive", "floor") if path == "candidate" else ("naive", "floor", "candidate")
+        entry: dict[str, float | None] = {}
+        for other in others:
+            entry[f"time_vs_{other}"] = median / slowest[(tp, other, phase, tokens)]
+            entry[f"peak_mem_vs_{other}"] = None
+        tables = out.setdefault(str(tp), {"ratios": {}, "path_ratios": {}})
+        table = tables["ratios"] if path == "candidate" else tables["path_ratios"].setdefault(path, {})
+        table.setdefault(str(tokens), {})[phase] = entry
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_doc(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run(tmp_path_factory.mktemp("bench-tp"), "tp", "--tp", "2", "--tokens", "8", *SMALL)
+
+
+def test_tp_mode_under_torchrun_reports_every_rank(tp_doc: dict[str, Any]) -> None:
+    doc = tp_doc
     assert doc["mode"] == "tp" and doc["config"]["tp"] == [2]
-    keys = sorted((r["tp"], r["rank"], r["phase"]) for r in doc["rows"])
-    assert keys == sorted((2, rank, ph) for rank in (0, 1) for ph in PHASES)
+    keys = sorted((r["tp"], r["rank"], r["path"], r["phase"]) for r in doc["rows"])
+    assert keys == sorted((2, rank, p, ph) for rank in (0, 1) for p in PATHS for ph in PHASES)
     for r in doc["rows"]:
         assert r["local_vocab"] == 256 and r["threads_per_rank"] == 1
         assert len(r["comm_s"]) == r["repeats"] == 2
         assert 0 <= r["comm_median_s"] <= r["median_s"]
         assert r["comm_share"] == r["comm_median_s"] / r["median_s"]
+        assert all(math.isfinite(t) and t > 0 for t in r["times_s"])
+    # the floor reads its shard without a collective; every other path all-gathers or all-reduces
+    assert all((r["comm_median_s"] == 0) == (r["path"] == "floor") for r in doc["rows"])
+
+
+def test_tp_mode_times_the_fused_and_eager_backends_against_this_runs_baselines(
+    tp_doc: dict[str, Any],
+) -> None:
+    doc = tp_doc
+    assert doc["backends"] == {"candidate": "pytorch-vocab-parallel-logp-ws2",
+                               "fused": "cpu-vocab-parallel-logp-ws2"}
+    assert {"candidate", "fused"} <= {r["path"] for r in doc["rows"]}
+    assert doc["tp_ratios"] == _tp_ratios_from_rows(doc["rows"])
+    values = [v for t in doc["tp_ratios"].values() for v in _leaves(t) if v is not None]
+    assert values and all(math.isfinite(v) and v > 0 for v in values)
+    assert set(doc["tp_ratios"]["2"]["path_ratios"]["fused"]["8"]["forward"]) >= {
+        "time_vs_naive", "time_vs_floor", "time_vs_candidate"}
+    assert doc["ratios"] == {} and doc["targets"] == []  # issue 6/11 targets are TP=1's
+    # negative control: one rank slower in a copy changes the recomputation
+    other = copy.deepcopy(doc["rows"])
+    next(r for r in other if r["path"] == "naive" and r["rank"] == 1)["median_s"] *= 10
+    assert report.compute_tp_ratios(other) != doc["tp_ratios"]
+
+
+def _leaves(node: Any) -> list[Any]:
+    if isinstance(node, dict):
+        return [leaf for value in node.values() for leaf in _leaves(value)]
+    return [node]
 
 
 def test_a_tp_shard_holds_the_columns_of_the_logits_tp1_sees() -> None:
@@ -173,6 +229,20 @@ def test_a_tp_shard_holds_the_columns_of_the_logits_tp1_sees() -> None:
         assert torch.equal(shard.targets, full.targets) and bool(shard.active.all())
     with pytest.raises(BenchError, match=r"columns=\(256, 600\) must satisfy"):
         make_inputs(8, 512, "bf16", 7, columns=(256, 600))
+
+
+def test_the_tp_baseline_check_refuses_a_naive_path_that_computes_something_else(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rl_engine.benchmark import tp
+
+    config = BenchConfig(tokens=(8,), vocab=512, tiles=4, threads=1)
+    inputs = make_inputs(8, 512, "bf16", 0)
+    tp.check_naive(inputs, config, config.contract(8), None)  # the real naive path agrees
+    real = paths._naive_logp
+    monkeypatch.setattr(paths, "_naive_logp", lambda *a: real(*a) * 1.01)
+    with pytest.raises(BenchError, match="the naive path's logprob differs from the candidate's"):
+        tp.check_naive(inputs, config, config.contract(8), None)
 
 
 @pytest.mark.parametrize(

@@ -27,8 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rl_engine bench",
         description="Benchmark every backend available here (candidate: the eager one; fused: the "
-        "compiled CPU one) against naive log_softmax and a one-pass floor; or, with --tp, the "
-        "candidate under torchrun.",
+        "compiled CPU one) against naive log_softmax and a one-pass floor; with --tp, the same paths "
+        "on vocabulary shards under torchrun (naive: a vocab-parallel log_softmax).",
     )
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--vocab", type=int, default=151936)

@@ -4,8 +4,9 @@
   chunk size, ``validate=True`` unless ``--no-validate``), gradient through ``selected_logp``;
 - ``fused``: backend ``cpu-vocab-parallel-logp-ws2`` (the compiled one-pass kernel, the same
   bytes as ``candidate``) called the same way;
-- ``naive``: ``torch.log_softmax(logits.float(), -1).gather(...)`` with autograd, masked by
-  the active rows;
+- ``naive``: at TP=1 ``torch.log_softmax(logits.float(), -1).gather(...)`` with autograd,
+  masked by the active rows; under TP what a user writes without this engine (Megatron-LM's
+  vocab-parallel cross-entropy, :class:`NaiveVocabParallelLogp`);
 - ``floor``: one pass over the (local) logits in row chunks, upcast and row max (the least any
   exact method must do); its backward adds one more read of the logits and one write of a
   gradient in the logits dtype. The floor runs its chunks through the same chunk runner
@@ -39,6 +40,45 @@ def default_paths() -> tuple[str, ...]:
 def _naive_logp(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(logits.float(), dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
     return torch.where(active, logp, torch.zeros_like(logp))
+
+
+class NaiveVocabParallelLogp(torch.autograd.Function):
+    """The logprob a user writes for vocab-sharded logits without this engine (the shape of
+    Megatron-LM's vocab-parallel cross-entropy): an FP32 copy of the shard, all-reduce of the
+    row max, of the target logit and of the sum of exponentials, the softmax kept for backward
+    (``tokens x local vocab`` FP32), gradient ``(onehot - softmax) * grad`` in the logits dtype.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor,
+                vocab_start: int, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        x = logits.to(torch.float32, copy=True)
+        row_max = x.amax(dim=-1)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        x.sub_(row_max.unsqueeze(1))
+        local = targets - vocab_start
+        inside = (local >= 0) & (local < x.shape[1])
+        local = local.clamp(0, x.shape[1] - 1)
+        picked = torch.where(inside, x.gather(1, local.unsqueeze(1)).squeeze(1), 0.0)
+        dist.all_reduce(picked, group=group)
+        x.exp_()
+        sum_exp = x.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        x.div_(sum_exp.unsqueeze(1))
+        ctx.save_for_backward(x, local, inside, active)
+        ctx.logits_dtype = logits.dtype
+        return torch.where(active, picked - sum_exp.log(), 0.0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        softmax, local, inside, active = ctx.saved_tensors
+        g = torch.where(active, grad, 0.0)
+        out = softmax.mul_(-g.unsqueeze(1))
+        rows = inside.nonzero().squeeze(1)
+        out[rows, local[rows]] += g[rows]
+        return out.to(ctx.logits_dtype), None, None, None, None
 
 
 def floor_forward(logits: torch.Tensor, chunk_rows: int) -> torch.Tensor:
@@ -112,15 +152,18 @@ def build_step(path: str, phase: str, inputs: Inputs, config: BenchConfig,
                 out.selected_logp.sum().backward()
                 return leaf.grad
     elif path == "naive":
-        if contract.tp_world_size != 1:
-            raise BenchError("path='naive' runs at TP=1 only")
+        def naive(x: torch.Tensor) -> torch.Tensor:
+            if contract.tp_world_size == 1:
+                return _naive_logp(x, targets, active)
+            return NaiveVocabParallelLogp.apply(x, targets, active, contract.vocab_start, group)
+
         if phase == "forward":
             def step() -> Any:
                 with torch.no_grad():
-                    return _naive_logp(logits, targets, active)
+                    return naive(logits)
         else:
             def step() -> Any:
-                _naive_logp(leaf, targets, active).sum().backward()
+                naive(leaf).sum().backward()
                 return leaf.grad
     elif path == "floor":
         if phase == "forward":
