@@ -22,7 +22,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "archive": ("rl_engine.evidence.archive", "pack a byte-reproducible archive"),
     "verify": ("rl_engine.evidence.verify", "verify an archive offline"),
     "check-config": ("rl_engine.evidence.config", "validate config.yaml against its schema"),
-    "bench": ("rl_engine.bench", "benchmark every backend vs naive vs floor"),
+    "bench": ("rl_engine.benchmark.cli", "benchmark every backend vs naive vs floor"),
     "gpu-smoke": ("rl_engine.gpu_smoke", "campaign on cuda == the same case on the CPU, and forward timing"),
 }
 

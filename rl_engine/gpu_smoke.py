@@ -16,9 +16,11 @@
    (``logits.float().amax(-1)``: one read of the logits).
 
 ``--cpu-only`` does all of it with ``device: cpu`` (gloo ranks instead of GPUs): what the
-test suite runs (``tests/test_gpu_smoke.py``). Writes ``<output-dir>/smoke.json`` and prints a
-summary. Exit codes: 0 every fingerprint equal; 1 a difference or a failed topology (named on
-stderr); 2 the smoke cannot start (no CUDA without ``--cpu-only``, a bad config).
+test suite runs (``tests/test_gpu_smoke.py``). Writes ``<output-dir>/smoke.json`` (checked against
+``schemas/smoke.schema.json`` first, strict JSON; a document that does not match is not written)
+and prints a summary. Exit codes: 0 every fingerprint equal; 1 a difference, a failed topology
+(named on stderr) or a document that does not match its schema; 2 the smoke cannot start (no
+CUDA without ``--cpu-only``, a bad config).
 
 Usage on a GPU machine (CUDA build of torch installed, then ``pip install -e .``)::
 
@@ -116,7 +118,7 @@ def cpu_replays(case: Case) -> dict[str, dict[str, str]]:
 
 def time_forwards(case: Case, device: torch.device, tokens: int, repeats: int) -> list[dict[str, Any]]:
     """Forward time of every backend available on ``device`` (and a one-read floor)."""
-    from rl_engine.benchmark.paths import make_inputs
+    from rl_engine.benchmark.inputs import make_inputs
 
     inputs = make_inputs(tokens, case.padded_vocab, case.dtype, case.seed)
     logits = inputs.logits.to(device)
@@ -205,6 +207,7 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     print(f"[3/3] forward timing on {device} at {args.tokens} tokens")
     timing = time_forwards(case, torch.device(device), args.tokens, args.repeats)
     result = {
+        "schema_version": "1",
         "device": device,
         "torch": torch.__version__,
         "cuda_device": torch.cuda.get_device_name(0) if device == "cuda" else None,
@@ -219,7 +222,7 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         "passed": not problems,
         "failures": problems,
     }
-    jsonio.write_json(out_dir / "smoke.json", result)
+    schemas.write_validated(out_dir / "smoke.json", result, "smoke")  # checked, strict JSON, or nothing
     return result, problems
 
 
@@ -247,6 +250,9 @@ def main(argv: list[str]) -> int:
     except (SmokeError, WorkflowConfigError, PlanError, OSError) as exc:
         print(f"gpu-smoke: {exc}", file=sys.stderr)
         return EXIT_CANNOT_START
+    except (schemas.ArtifactSchemaError, jsonio.StrictJSONError) as exc:
+        print(f"gpu-smoke FAILED: smoke.json not written: {exc}", file=sys.stderr)
+        return EXIT_DIFFERS
     for row in result["timing"]["rows"]:
         if "median_s" in row:
             print(f"  {row['path']:<34} {row['median_s']:.4f} s  ({row['time_vs_floor']:.2f}x floor)")

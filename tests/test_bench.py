@@ -1,5 +1,6 @@
-"""``python -m rl_engine bench`` at tiny sizes: document shape, ratios from the same run's rows,
-memory probe that sees real allocations, TP mode under torchrun, refusal of bad flags.
+"""``python -m rl_engine bench`` (:mod:`rl_engine.benchmark`) at tiny sizes: document shape, ratios
+from the same run's rows, memory probe that sees real allocations, TP mode under torchrun with
+every path, one input maker for both modes, refusal of bad flags.
 
 No timing thresholds: times on a shared machine say nothing about correctness. What is
 checked is that every reported ratio is the quotient of the rows it names, and that the
@@ -9,14 +10,17 @@ memory numbers come from allocations that are known to happen.
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from rl_engine import jsonio, schemas
-from rl_engine import bench
+from rl_engine.benchmark import cli, paths, report
 from rl_engine.benchmark.config import PATHS, PHASES, BenchConfig, BenchError
+from rl_engine.benchmark.inputs import make_inputs
 from rl_engine.benchmark.report import FUSED_TARGETS, TARGETS
 
 SMALL = ["--vocab", "512", "--tiles", "4", "--repeats", "2", "--warmup", "1", "--threads", "2"]
@@ -24,7 +28,7 @@ SMALL = ["--vocab", "512", "--tiles", "4", "--repeats", "2", "--warmup", "1", "-
 
 def _run(tmp_path: Path, name: str, *flags: str) -> dict[str, Any]:
     out = tmp_path / f"{name}.json"
-    assert bench.main([*flags, "--output", str(out)]) == 0
+    assert cli.main([*flags, "--output", str(out)]) == 0
     doc = jsonio.load(out)
     assert schemas.errors(doc, "bench") == []
     return doc
@@ -74,7 +78,7 @@ def test_ratios_are_the_quotients_of_this_runs_rows(timing_doc: dict[str, Any]) 
     naive = next(r for r in other if (r["path"], r["phase"], r["tokens"]) == ("naive", "forward", 24))
     naive["median_s"] *= 1.5
     assert _ratios_from_rows(other) != doc["ratios"]
-    assert bench.compute_ratios(other) != doc["ratios"]
+    assert report.compute_ratios(other) != doc["ratios"]
 
 
 def _fused_ratios_from_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -107,7 +111,6 @@ def test_every_available_backend_has_rows_and_its_ratios(timing_doc: dict[str, A
 def test_an_unavailable_fused_kernel_is_left_out_by_default_and_refused_by_name(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from rl_engine.benchmark import paths
     from rl_engine.logprob import fused_cpu
 
     monkeypatch.setattr(fused_cpu, "kernel_unavailable", lambda: "the compiled module is not built")
@@ -150,16 +153,96 @@ def test_memory_probe_sees_the_naive_paths_fp32_copies(tmp_path: Path) -> None:
     assert doc["memory_method"] and "fresh subprocess" in doc["memory_method"]
 
 
-def test_tp_mode_under_torchrun_reports_every_rank(tmp_path: Path) -> None:
-    doc = _run(tmp_path, "tp", "--tp", "2", "--tokens", "8", *SMALL)
+def _tp_ratios_from_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Independent recomputation: per TP degree, the slowest rank's median of every path, then
+    every backend over naive and floor (and fused over the eager candidate)."""
+    slowest: dict[tuple[int, str, str, int], float] = {}
+    for r in rows:
+        key = (r["tp"], r["path"], r["phase"], r["tokens"])
+        slowest[key] = max(slowest.get(key, 0.0), r["median_s"])
+    out: dict[str, Any] = {}
+    for (tp, path, phase, tokens), median in slowest.items():
+        if path not in ("candidate", "fused"):
+            continue
+        others = ("naive", "floor") if path == "candidate" else ("naive", "floor", "candidate")
+        entry: dict[str, float | None] = {}
+        for other in others:
+            entry[f"time_vs_{other}"] = median / slowest[(tp, other, phase, tokens)]
+            entry[f"peak_mem_vs_{other}"] = None
+        tables = out.setdefault(str(tp), {"ratios": {}, "path_ratios": {}})
+        table = tables["ratios"] if path == "candidate" else tables["path_ratios"].setdefault(path, {})
+        table.setdefault(str(tokens), {})[phase] = entry
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_doc(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run(tmp_path_factory.mktemp("bench-tp"), "tp", "--tp", "2", "--tokens", "8", *SMALL)
+
+
+def test_tp_mode_under_torchrun_reports_every_rank(tp_doc: dict[str, Any]) -> None:
+    doc = tp_doc
     assert doc["mode"] == "tp" and doc["config"]["tp"] == [2]
-    keys = sorted((r["tp"], r["rank"], r["phase"]) for r in doc["rows"])
-    assert keys == sorted((2, rank, ph) for rank in (0, 1) for ph in PHASES)
+    keys = sorted((r["tp"], r["rank"], r["path"], r["phase"]) for r in doc["rows"])
+    assert keys == sorted((2, rank, p, ph) for rank in (0, 1) for p in PATHS for ph in PHASES)
     for r in doc["rows"]:
         assert r["local_vocab"] == 256 and r["threads_per_rank"] == 1
         assert len(r["comm_s"]) == r["repeats"] == 2
         assert 0 <= r["comm_median_s"] <= r["median_s"]
         assert r["comm_share"] == r["comm_median_s"] / r["median_s"]
+        assert all(math.isfinite(t) and t > 0 for t in r["times_s"])
+    # the floor reads its shard without a collective; every other path all-gathers or all-reduces
+    assert all((r["comm_median_s"] == 0) == (r["path"] == "floor") for r in doc["rows"])
+
+
+def test_tp_mode_times_the_fused_and_eager_backends_against_this_runs_baselines(
+    tp_doc: dict[str, Any],
+) -> None:
+    doc = tp_doc
+    assert doc["backends"] == {"candidate": "pytorch-vocab-parallel-logp-ws2",
+                               "fused": "cpu-vocab-parallel-logp-ws2"}
+    assert {"candidate", "fused"} <= {r["path"] for r in doc["rows"]}
+    assert doc["tp_ratios"] == _tp_ratios_from_rows(doc["rows"])
+    values = [v for t in doc["tp_ratios"].values() for v in _leaves(t) if v is not None]
+    assert values and all(math.isfinite(v) and v > 0 for v in values)
+    assert set(doc["tp_ratios"]["2"]["path_ratios"]["fused"]["8"]["forward"]) >= {
+        "time_vs_naive", "time_vs_floor", "time_vs_candidate"}
+    assert doc["ratios"] == {} and doc["targets"] == []  # issue 6/11 targets are TP=1's
+    # negative control: one rank slower in a copy changes the recomputation
+    other = copy.deepcopy(doc["rows"])
+    next(r for r in other if r["path"] == "naive" and r["rank"] == 1)["median_s"] *= 10
+    assert report.compute_tp_ratios(other) != doc["tp_ratios"]
+
+
+def _leaves(node: Any) -> list[Any]:
+    if isinstance(node, dict):
+        return [leaf for value in node.values() for leaf in _leaves(value)]
+    return [node]
+
+
+def test_a_tp_shard_holds_the_columns_of_the_logits_tp1_sees() -> None:
+    full = make_inputs(300, 512, "bf16", 7)  # more rows than one block: the cut is per block
+    for start, stop in ((0, 256), (256, 512), (128, 384)):
+        shard = make_inputs(300, 512, "bf16", 7, columns=(start, stop))
+        assert shard.logits.shape == (300, stop - start)
+        assert torch.equal(shard.logits.view(torch.int16), full.logits[:, start:stop].view(torch.int16))
+        assert torch.equal(shard.targets, full.targets) and bool(shard.active.all())
+    with pytest.raises(BenchError, match=r"columns=\(256, 600\) must satisfy"):
+        make_inputs(8, 512, "bf16", 7, columns=(256, 600))
+
+
+def test_the_tp_baseline_check_refuses_a_naive_path_that_computes_something_else(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rl_engine.benchmark import tp
+
+    config = BenchConfig(tokens=(8,), vocab=512, tiles=4, threads=1)
+    inputs = make_inputs(8, 512, "bf16", 0)
+    tp.check_naive(inputs, config, config.contract(8), None)  # the real naive path agrees
+    real = paths._naive_logp
+    monkeypatch.setattr(paths, "_naive_logp", lambda *a: real(*a) * 1.01)
+    with pytest.raises(BenchError, match="the naive path's logprob differs from the candidate's"):
+        tp.check_naive(inputs, config, config.contract(8), None)
 
 
 @pytest.mark.parametrize(
@@ -178,7 +261,7 @@ def test_bad_flags_are_refused_with_the_field_named(
 ) -> None:
     base = ["--vocab", "512", "--tiles", "4"]
     out = tmp_path / "never.json"
-    assert bench.main([*base, *flags, "--output", str(out)]) == 2
+    assert cli.main([*base, *flags, "--output", str(out)]) == 2
     assert needle in capsys.readouterr().err
     assert not out.exists()
 

@@ -3,7 +3,8 @@
 A real run on a small config (torchrun campaign with gloo ranks, CPU replays with both CPU
 backends, forward timing) must pass with identical fingerprints everywhere; a CPU replay
 that differs by one fingerprint makes it exit 1 naming the topology and field; without CUDA
-the GPU mode refuses to start (exit 2) instead of falling back to the CPU.
+the GPU mode refuses to start (exit 2) instead of falling back to the CPU; smoke.json matches
+``schemas/smoke.schema.json``, and a document that does not is never written.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from rl_engine import gpu_smoke, jsonio
+from rl_engine import gpu_smoke, jsonio, schemas
 
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = gpu_smoke.FIELDS
@@ -74,6 +75,37 @@ def test_a_differing_cpu_fingerprint_fails_naming_topology_and_field(
     assert code == 1
     err = capsys.readouterr().err
     assert "cpu tp2-cp1 candidate_grad_sha256" in err and "cpu-vocab-parallel-logp-ws2" in err
+
+
+@pytest.mark.slow
+def test_cpu_only_smoke_json_matches_its_schema(smoke_run) -> None:
+    _, out, result = smoke_run
+    assert schemas.errors(result, "smoke") == []
+    assert result["schema_version"] == "1" and result["cuda_device"] is None
+    # the file is what was validated: strict JSON, read back equal
+    assert jsonio.loads((out / "smoke.json").read_text(encoding="utf-8")) == result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("median", [-1.0, float("nan")])
+def test_a_smoke_document_that_does_not_match_its_schema_is_not_written(
+    smoke_run, median: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _, out, result = smoke_run
+    reports = {label: jsonio.load(out / "campaign-cpu" / f"{label}.json")
+               for label in ("tp1-cp1", "tp2-cp1", "tp1-cp2")}
+    rows = [dict(row) for row in result["timing"]["rows"]]
+    next(row for row in rows if row["path"] == "floor")["median_s"] = median
+    monkeypatch.setattr(gpu_smoke, "run_device_campaign", lambda case, topologies, run_dir, timeout_s: reports)
+    monkeypatch.setattr(gpu_smoke, "crosscheck_run", lambda run_dir, min_topologies: ({}, []))
+    monkeypatch.setattr(gpu_smoke, "cpu_replays", lambda case: result["cpu_fingerprints"])
+    monkeypatch.setattr(gpu_smoke, "time_forwards", lambda case, device, tokens, repeats: rows)
+    code = gpu_smoke.main(["--cpu-only", "--config", str(_small_config(tmp_path)), "--output-dir",
+                           str(tmp_path / "out"), "--tokens", "8", "--repeats", "1"])
+    assert code == 1
+    assert "smoke.json not written" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "smoke.json").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

@@ -1,5 +1,7 @@
-"""The benchmark behind ``python -m rl_engine bench`` (issue 6).
+"""The benchmark behind ``python -m rl_engine bench`` (issues 6 and 11).
 
-config: what to run; paths: the candidate, naive and floor paths and their inputs;
-memory: the peak-RSS probe; tp: the torchrun mode; report: ratios, targets, table, JSON.
+cli: the command; config: what to run; inputs: the seeded logits (whole or a TP shard);
+paths: the candidate, fused, naive and floor steps; timing: the round-robin loop; memory: the
+peak-RSS probe; single: the TP=1 mode; tp: the torchrun mode; report: ratios, targets, table,
+JSON.
 """

@@ -17,7 +17,8 @@ import torch
 
 from rl_engine import jsonio
 from rl_engine.benchmark.config import BenchConfig, BenchError
-from rl_engine.benchmark.paths import build_step, make_inputs
+from rl_engine.benchmark.inputs import make_inputs
+from rl_engine.benchmark.paths import build_step
 from rl_engine.logprob.contract import LOGITS_DTYPES
 
 MEMORY_METHOD = (

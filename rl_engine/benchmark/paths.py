@@ -1,12 +1,13 @@
-"""The benchmarked paths (candidate, naive, floor) and their seeded inputs.
+"""The benchmarked paths and their steps, on the whole vocabulary (TP=1) or a TP rank's shard.
 
 - ``candidate``: backend ``pytorch-vocab-parallel-logp-ws2`` as a user calls it (default
   chunk size, ``validate=True`` unless ``--no-validate``), gradient through ``selected_logp``;
 - ``fused``: backend ``cpu-vocab-parallel-logp-ws2`` (the compiled one-pass kernel, the same
   bytes as ``candidate``) called the same way;
-- ``naive``: ``torch.log_softmax(logits.float(), -1).gather(...)`` with autograd, masked by
-  the active rows;
-- ``floor``: one pass over the logits in row chunks, upcast and row max (the least any
+- ``naive``: at TP=1 ``torch.log_softmax(logits.float(), -1).gather(...)`` with autograd,
+  masked by the active rows; under TP what a user writes without this engine (Megatron-LM's
+  vocab-parallel cross-entropy, :class:`NaiveVocabParallelLogp`);
+- ``floor``: one pass over the (local) logits in row chunks, upcast and row max (the least any
   exact method must do); its backward adds one more read of the logits and one write of a
   gradient in the logits dtype. The floor runs its chunks through the same chunk runner
   as the candidate, so neither is handicapped by the other's threading.
@@ -17,15 +18,16 @@ logprobs); ``forward_backward`` builds the graph, runs backward and returns the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from rl_engine.benchmark.config import PATHS, BenchConfig, BenchError
+from rl_engine.benchmark.config import BACKEND_PATHS, PATHS, BenchConfig, BenchError
+from rl_engine.benchmark.inputs import Inputs
 from rl_engine.logprob.chunk_threads import for_each_chunk
-from rl_engine.logprob.contract import LOGITS_DTYPES
-from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
+from rl_engine.logprob.contract import LogprobContract
+
+Step = Callable[[], Any]
 
 
 def default_paths() -> tuple[str, ...]:
@@ -34,39 +36,49 @@ def default_paths() -> tuple[str, ...]:
 
     return tuple(p for p in PATHS if p != "fused" or kernel_unavailable() is None)
 
-LOGIT_SCALE = 2.0
-Step = Callable[[], Any]
-
-
-@dataclass
-class Inputs:
-    logits: torch.Tensor
-    targets: torch.Tensor
-    active: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.element_size() * t.numel() for t in (self.logits, self.targets, self.active))
-
-
-def make_inputs(tokens: int, vocab: int, dtype: str, seed: int, block_rows: int = 256) -> Inputs:
-    """Seeded logits ``[tokens, vocab]`` built block by block (no full-size FP32 transient).
-
-    Every row is active and its target a real vocabulary id.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.empty(tokens, vocab, dtype=LOGITS_DTYPES[dtype])
-    for start in range(0, tokens, block_rows):
-        stop = min(tokens, start + block_rows)
-        logits[start:stop] = torch.randn(stop - start, vocab, generator=gen).mul_(LOGIT_SCALE)
-    targets = torch.randint(0, vocab, (tokens,), generator=gen)
-    active = torch.ones(tokens, dtype=torch.bool)
-    return Inputs(logits, targets, active)
-
 
 def _naive_logp(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(logits.float(), dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
     return torch.where(active, logp, torch.zeros_like(logp))
+
+
+class NaiveVocabParallelLogp(torch.autograd.Function):
+    """The logprob a user writes for vocab-sharded logits without this engine (the shape of
+    Megatron-LM's vocab-parallel cross-entropy): an FP32 copy of the shard, all-reduce of the
+    row max, of the target logit and of the sum of exponentials, the softmax kept for backward
+    (``tokens x local vocab`` FP32), gradient ``(onehot - softmax) * grad`` in the logits dtype.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor,
+                vocab_start: int, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        x = logits.to(torch.float32, copy=True)
+        row_max = x.amax(dim=-1)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        x.sub_(row_max.unsqueeze(1))
+        local = targets - vocab_start
+        inside = (local >= 0) & (local < x.shape[1])
+        local = local.clamp(0, x.shape[1] - 1)
+        picked = torch.where(inside, x.gather(1, local.unsqueeze(1)).squeeze(1), 0.0)
+        dist.all_reduce(picked, group=group)
+        x.exp_()
+        sum_exp = x.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        x.div_(sum_exp.unsqueeze(1))
+        ctx.save_for_backward(x, local, inside, active)
+        ctx.logits_dtype = logits.dtype
+        return torch.where(active, picked - sum_exp.log(), 0.0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        softmax, local, inside, active = ctx.saved_tensors
+        g = torch.where(active, grad, 0.0)
+        out = softmax.mul_(-g.unsqueeze(1))
+        rows = inside.nonzero().squeeze(1)
+        out[rows, local[rows]] += g[rows]
+        return out.to(ctx.logits_dtype), None, None, None, None
 
 
 def floor_forward(logits: torch.Tensor, chunk_rows: int) -> torch.Tensor:
@@ -105,41 +117,53 @@ def floor_backward(logits: torch.Tensor, chunk_rows: int) -> torch.Tensor:
     return grad
 
 
-def build_step(path: str, phase: str, inputs: Inputs, config: BenchConfig) -> tuple[Step, Step]:
+def build_step(path: str, phase: str, inputs: Inputs, config: BenchConfig,
+               contract: LogprobContract | None = None, group: Any = None) -> tuple[Step, Step]:
     """``(step, reset)``: ``step()`` runs the path once and returns what it produced (kept
-    alive until the clock stops); ``reset()`` drops the gradient it left behind."""
-    contract = config.contract(inputs.logits.shape[0])
-    chunk_rows = config.resolved_chunk_rows()
+    alive until the clock stops); ``reset()`` drops the gradient it left behind.
+
+    ``inputs`` hold the whole vocabulary (TP=1) or, with a TP ``contract`` and its ``group``,
+    that rank's shard.
+    """
+    contract = contract or config.contract(inputs.logits.shape[0])
+    chunk_rows = config.resolved_chunk_rows(contract.local_vocab_size)
     logits, targets, active = inputs.logits, inputs.targets, inputs.active
     leaf = logits.detach().requires_grad_(phase == "forward_backward")
 
     def reset() -> None:
         leaf.grad = None
 
-    if path in ("candidate", "fused"):
-        if path == "fused":
-            from rl_engine.logprob.fused_cpu import FusedCpuLogprob
+    if path in BACKEND_PATHS:
+        from rl_engine.logprob.registry import BackendUnavailableError, dispatch
 
-            op: VocabParallelLogprob = FusedCpuLogprob()
-        else:
-            op = VocabParallelLogprob()
+        try:
+            op = dispatch(BACKEND_PATHS[path], contract, logits.device.type).op
+        except BackendUnavailableError as exc:
+            raise BenchError(f"path={path!r}: {exc}") from None
         if phase == "forward":
             def step() -> Any:
                 with torch.no_grad():
-                    return op(logits, targets, active, contract, validate=config.validate)
+                    return op(logits, targets, active, contract, group=group, validate=config.validate,
+                              chunk_rows=config.chunk_rows)
         else:
             def step() -> Any:
-                out = op(leaf, targets, active, contract, validate=config.validate)
+                out = op(leaf, targets, active, contract, group=group, validate=config.validate,
+                         chunk_rows=config.chunk_rows)
                 out.selected_logp.sum().backward()
                 return leaf.grad
     elif path == "naive":
+        def naive(x: torch.Tensor) -> torch.Tensor:
+            if contract.tp_world_size == 1:
+                return _naive_logp(x, targets, active)
+            return NaiveVocabParallelLogp.apply(x, targets, active, contract.vocab_start, group)
+
         if phase == "forward":
             def step() -> Any:
                 with torch.no_grad():
-                    return _naive_logp(logits, targets, active)
+                    return naive(logits)
         else:
             def step() -> Any:
-                _naive_logp(leaf, targets, active).sum().backward()
+                naive(leaf).sum().backward()
                 return leaf.grad
     elif path == "floor":
         if phase == "forward":

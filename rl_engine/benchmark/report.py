@@ -1,17 +1,21 @@
-"""Ratios, targets, provenance, the rich table and the checked JSON document."""
+"""The one report of both modes: rows, ratios, targets, provenance, the rich table and the
+checked JSON document (``schemas/bench.schema.json``)."""
 
 from __future__ import annotations
 
 import os
 import platform
+import statistics
 from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from rl_engine import schemas
-from rl_engine.benchmark.config import BenchConfig, BenchError
+from rl_engine.benchmark.config import BACKEND_PATHS, BenchConfig, BenchError
+from rl_engine.benchmark.memory import MEMORY_METHOD
 from rl_engine.evidence.environment import cpu_model
+from rl_engine.logprob.vocab_parallel import BACKEND_ID
 
 SCHEMA = "bench"
 # Issue 6 targets: (name, phase, ratio key, limit).
@@ -80,6 +84,29 @@ def compute_path_ratios(
     return out
 
 
+def group_rows(rows: list[dict[str, Any]], tp: int) -> list[dict[str, Any]]:
+    """One row per (path, phase, tokens) of TP degree ``tp``: the slowest rank's (a TP group
+    steps at the pace of its slowest rank)."""
+    slowest: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for r in rows:
+        if r.get("tp") != tp:
+            continue
+        key = (r["path"], r["phase"], r["tokens"])
+        if key not in slowest or r["median_s"] > slowest[key]["median_s"]:
+            slowest[key] = r
+    return [{k: v for k, v in r.items() if k != "tp"} for r in slowest.values()]
+
+
+def compute_tp_ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per TP degree: :func:`compute_ratios` and :func:`compute_path_ratios` of the slowest
+    ranks' rows (:func:`group_rows`), all measured in this run."""
+    out: dict[str, dict[str, Any]] = {}
+    for tp in sorted({r["tp"] for r in rows if "tp" in r}):
+        grouped = group_rows(rows, tp)
+        out[str(tp)] = {"ratios": compute_ratios(grouped), "path_ratios": compute_path_ratios(grouped)}
+    return out
+
+
 def _targets_of(path: str, ratios: dict[str, dict[str, dict[str, float | None]]],
                 table: tuple[tuple[str, str, str, float], ...]) -> list[dict[str, Any]]:
     out = []
@@ -132,6 +159,43 @@ def config_dict(config: BenchConfig) -> dict[str, Any]:
     return out
 
 
+def timing_row(path: str, phase: str, tokens: int, config: BenchConfig, times: list[float],
+               peak_mem_bytes: int | None) -> dict[str, Any]:
+    """A row of either mode (the TP mode adds its rank's fields)."""
+    return {
+        "path": path, "phase": phase, "tokens": tokens, "vocab": config.vocab,
+        "dtype": config.dtype, "median_s": statistics.median(times), "min_s": min(times),
+        "times_s": times, "peak_mem_bytes": peak_mem_bytes, "repeats": len(times),
+    }
+
+
+def document(config: BenchConfig, mode: str, rows: list[dict[str, Any]],
+             load_before: list[float]) -> dict[str, Any]:
+    """The benchmark document of a run: its rows and what is computed from them alone."""
+    doc: dict[str, Any] = {
+        "schema_version": "1",
+        "mode": mode,
+        "backend": BACKEND_ID,
+        "threads": config.threads,
+        "config": config_dict(config),
+        "machine": machine(),
+        "loadavg": {"before": load_before, "after": loadavg()},
+        "memory_method": None,
+        "rows": rows,
+        "ratios": {},
+        "backends": {p: BACKEND_PATHS[p] for p in config.paths if p in BACKEND_PATHS},
+        "targets": [],
+    }
+    if mode == "tp":
+        doc["tp_ratios"] = compute_tp_ratios(rows)
+    else:
+        doc["memory_method"] = MEMORY_METHOD if config.memory else None
+        doc["ratios"] = compute_ratios(rows)
+        doc["path_ratios"] = compute_path_ratios(rows)
+        doc["targets"] = evaluate_targets(doc["ratios"], doc["path_ratios"])
+    return doc
+
+
 def _fmt_ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}x"
 
@@ -140,30 +204,43 @@ def _fmt_mem(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**20:,.1f}"
 
 
+def _entry(ratios: dict[str, Any], path_ratios: dict[str, Any], path: str, tokens: int,
+           phase: str) -> dict[str, float | None]:
+    table = ratios if path == "candidate" else path_ratios.get(path, {})
+    return table.get(str(tokens), {}).get(phase, {})
+
+
 def render_table(doc: dict[str, Any]) -> Any:
     """A rich table of the run (built from the document, so it shows what was written)."""
     from rich.table import Table
 
-    if doc["mode"] == "tp":
-        table = Table(title=f"{doc['backend']} under torchrun (gloo), {doc['threads']} thread(s) in all")
-        for col in ("tokens", "tp", "rank", "phase", "median s", "comm s", "comm share"):
-            table.add_column(col, justify="right")
-        for r in doc["rows"]:
-            table.add_row(str(r["tokens"]), str(r["tp"]), str(r["rank"]), r["phase"],
-                          f"{r['median_s']:.4f}", f"{r['comm_median_s']:.4f}",
-                          f"{100 * r['comm_share']:.1f}%")
-        return table
     backends = ", ".join(f"{p} = {b}" for p, b in doc.get("backends", {}).items()) or doc["backend"]
+    if doc["mode"] == "tp":
+        table = Table(title=f"{backends} under torchrun (gloo), slowest rank; vs naive (vocab-parallel) "
+                            f"vs floor, {doc['config']['dtype']}, vocab {doc['config']['vocab']}, "
+                            f"{doc['threads']} thread(s) in all")
+        for col in ("tokens", "tp", "phase", "path", "median s", "comm share", "time / naive",
+                    "time / floor", "time / eager"):
+            table.add_column(col, justify="right")
+        for tp, tables in doc["tp_ratios"].items():
+            for r in group_rows(doc["rows"], int(tp)):
+                is_backend = r["path"] in doc["backends"]
+                entry = _entry(tables["ratios"], tables["path_ratios"], r["path"], r["tokens"], r["phase"])
+                table.add_row(
+                    str(r["tokens"]), tp, r["phase"], r["path"], f"{r['median_s']:.4f}",
+                    f"{100 * r['comm_share']:.1f}%",
+                    _fmt_ratio(entry.get("time_vs_naive")) if is_backend else "",
+                    _fmt_ratio(entry.get("time_vs_floor")) if is_backend else "",
+                    _fmt_ratio(entry.get("time_vs_candidate")) if r["path"] == "fused" else "",
+                )
+        return table
     table = Table(title=f"{backends}; vs naive vs floor, {doc['config']['dtype']}, "
                         f"vocab {doc['config']['vocab']}, threads={doc['threads']}")
     for col in ("tokens", "phase", "path", "median s", "peak MiB", "time / naive", "time / floor",
                 "mem / naive"):
         table.add_column(col, justify="right")
     for r in doc["rows"]:
-        if r["path"] == "candidate":
-            entry = doc["ratios"].get(str(r["tokens"]), {}).get(r["phase"], {})
-        else:
-            entry = doc.get("path_ratios", {}).get(r["path"], {}).get(str(r["tokens"]), {}).get(r["phase"], {})
+        entry = _entry(doc["ratios"], doc.get("path_ratios", {}), r["path"], r["tokens"], r["phase"])
         is_cand = r["path"] in doc.get("backends", {"candidate": None})
         table.add_row(
             str(r["tokens"]), r["phase"], r["path"], f"{r['median_s']:.4f}",

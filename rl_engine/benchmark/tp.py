@@ -1,57 +1,62 @@
-"""The TP mode: the candidate under ``torchrun`` on gloo, one run per TP degree.
+"""The TP mode (``--tp 2 4``): every path under ``torchrun`` on gloo, one run per TP degree.
 
-Each rank holds its vocabulary shard of seeded logits, times forward and
-forward+backward (median of the repeats after warm-up, ranks aligned by a barrier before
-every repeat) and the wall time spent inside ``torch.distributed.all_gather`` (waiting for
-slower peers included); the launcher collects one part file per rank.
+Each rank holds its vocabulary shard of the logits that TP=1 sees and times every path and
+phase like the TP=1 mode (:func:`rl_engine.benchmark.timing.time_round_robin`, the ranks
+aligned by a barrier before every call), recording the wall time spent inside the collectives
+(waiting for slower peers included); the launcher collects one part file per rank. Before
+timing, each rank checks that the hand-written ``naive`` path computes what the eager
+candidate computes, so its ratios compare like with like. No memory probe in this mode.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from rl_engine import jsonio
-from rl_engine.benchmark.config import BenchConfig, BenchError
-from rl_engine.benchmark.paths import make_inputs
-from rl_engine.benchmark.report import config_dict, loadavg, machine
-from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
+from rl_engine.benchmark.config import PATHS, PHASES, BenchConfig, BenchError
+from rl_engine.benchmark.inputs import Inputs, make_inputs
+from rl_engine.benchmark.paths import build_step
+from rl_engine.benchmark.report import document, loadavg, timing_row
+from rl_engine.benchmark.timing import time_round_robin
+from rl_engine.logprob.contract import LogprobContract
+
+# The naive path and the candidate compute the same function; their FP32 arithmetic differs.
+NAIVE_RTOL, NAIVE_ATOL = 1e-3, 1e-4
 
 
-@contextmanager
-def timed_collectives() -> Iterator[list[float]]:
-    """Accumulate the wall time spent inside ``torch.distributed.all_gather`` calls."""
-    import torch.distributed as dist
-
-    spent = [0.0]
-    original = dist.all_gather
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            spent[0] += time.perf_counter() - start
-
-    dist.all_gather = timed  # type: ignore[assignment]
-    try:
-        yield spent
-    finally:
-        dist.all_gather = original  # type: ignore[assignment]
+def check_naive(inputs: Inputs, config: BenchConfig, contract: LogprobContract, group: Any) -> None:
+    """Raise :class:`BenchError` unless the naive path's logprob and gradient match the eager
+    candidate's on these inputs (so the TP baseline is a correct one)."""
+    results = {}
+    for path in ("naive", "candidate"):
+        forward, _ = build_step(path, "forward", inputs, config, contract, group)
+        backward, _ = build_step(path, "forward_backward", inputs, config, contract, group)
+        out = forward()
+        logp = out if path == "naive" else out.selected_logp
+        results[path] = (logp.float(), backward().float())
+    for index, what in enumerate(("logprob", "gradient")):
+        got, want = results["naive"][index], results["candidate"][index]
+        if not torch.allclose(got, want, rtol=NAIVE_RTOL, atol=NAIVE_ATOL):
+            worst = (got - want).abs().max().item()
+            raise BenchError(
+                f"the naive path's {what} differs from the candidate's by up to {worst:g} on "
+                f"tp_rank {contract.tp_rank} (rtol={NAIVE_RTOL}, atol={NAIVE_ATOL}): the TP "
+                "baseline is wrong; fix NaiveVocabParallelLogp"
+            )
 
 
 def tp_worker(config: BenchConfig, output: str) -> int:
-    """One rank of a TP run (launched by torchrun): time the candidate on this rank's shard."""
+    """One rank of a TP run (launched by torchrun): time every path on this rank's shard."""
     import torch.distributed as dist
 
     from rl_engine.distributed.mesh import destroy, init_mesh
@@ -63,53 +68,26 @@ def tp_worker(config: BenchConfig, output: str) -> int:
     try:
         for tokens in config.tokens:
             contract = config.contract(tokens, tp=tp, tp_rank=rank)
-            full_seed = config.seed * 1000 + rank
-            local = make_inputs(tokens, contract.local_vocab_size, config.dtype, full_seed)
-            gen = torch.Generator().manual_seed(config.seed)
-            targets = torch.randint(0, config.vocab, (tokens,), generator=gen)
-            active = local.active
-            op = VocabParallelLogprob()
-            leaf = local.logits.detach().requires_grad_(True)
-
-            def forward() -> Any:
-                with torch.no_grad():
-                    return op(local.logits, targets, active, contract, group=mesh.tp_group,
-                              validate=config.validate)
-
-            def forward_backward() -> Any:
-                out = op(leaf, targets, active, contract, group=mesh.tp_group, validate=config.validate)
-                out.selected_logp.sum().backward()
-                grad = leaf.grad
-                leaf.grad = None
-                return grad
-
-            for phase, step in (("forward", forward), ("forward_backward", forward_backward)):
-                if phase not in config.phases:
-                    continue
-                for _ in range(config.warmup):
-                    step()
-                times: list[float] = []
-                comms: list[float] = []
-                for _ in range(config.repeats):
-                    dist.barrier(group=mesh.tp_group)
-                    with timed_collectives() as spent:
-                        start = time.perf_counter()
-                        kept = step()
-                        elapsed = time.perf_counter() - start
-                    del kept
-                    times.append(elapsed)
-                    comms.append(spent[0])
-                median = statistics.median(times)
-                comm = statistics.median(comms)
-                rows.append({
-                    "path": "candidate", "phase": phase, "tokens": tokens, "vocab": config.vocab,
-                    "dtype": config.dtype, "median_s": median, "min_s": min(times),
-                    "times_s": times, "peak_mem_bytes": None, "repeats": len(times),
+            inputs = make_inputs(tokens, config.vocab, config.dtype, config.seed,
+                                 columns=(contract.vocab_start, contract.vocab_end))
+            if "naive" in config.paths:
+                check_naive(inputs, config, contract, mesh.tp_group)
+            steps = {(p, ph): build_step(p, ph, inputs, config, contract, mesh.tp_group)
+                     for p in config.paths for ph in config.phases}
+            times, comms = time_round_robin(steps, config.warmup, config.repeats,
+                                            barrier=lambda: dist.barrier(group=mesh.tp_group))
+            del steps, inputs
+            gc.collect()
+            for (path, phase), samples in times.items():
+                row = timing_row(path, phase, tokens, config, samples, None)
+                median, comm = row["median_s"], statistics.median(comms[(path, phase)])
+                row.update({
                     "tp": tp, "rank": rank, "local_vocab": contract.local_vocab_size,
-                    "comm_median_s": comm, "comm_s": comms,
+                    "comm_median_s": comm, "comm_s": comms[(path, phase)],
                     "comm_share": comm / median if median > 0 else 0.0,
                     "threads_per_rank": config.threads,
                 })
+                rows.append(row)
     finally:
         destroy()
     jsonio.write_json(output, {"rank": rank, "tp": tp, "rows": rows})
@@ -140,17 +118,5 @@ def run_tp(config: BenchConfig, log: Callable[[str], None] = print, timeout_s: f
             for rank in range(degree):
                 part = jsonio.load(Path(tmp) / f"rank{rank}.json")
                 rows.extend(part["rows"])
-    rows.sort(key=lambda r: (r["tokens"], r["tp"], r["phase"], r["rank"]))
-    return {
-        "schema_version": "1",
-        "mode": "tp",
-        "backend": BACKEND_ID,
-        "threads": config.threads,
-        "config": config_dict(config),
-        "machine": machine(),
-        "loadavg": {"before": load_before, "after": loadavg()},
-        "memory_method": None,
-        "rows": rows,
-        "ratios": {},
-        "targets": [],
-    }
+    rows.sort(key=lambda r: (r["tokens"], r["tp"], PATHS.index(r["path"]), PHASES.index(r["phase"]), r["rank"]))
+    return document(config, "tp", rows, load_before)
