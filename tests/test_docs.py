@@ -87,3 +87,25 @@ def test_the_readme_test_command_is_the_one_ci_runs() -> None:
     pytest_line = next(line for line in ci if line.startswith("python -m pytest"))
     command = f"{install.removeprefix('python -m ')} && {pytest_line}"
     assert command in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_every_rule_walks_to_its_code_in_one_step() -> None:
+    """docs/workflow.md's stage table names, for every rule of the workflow, the module whose
+    ``main`` the rule's ``python -m rl_engine <verb>`` runs (cli.VERBS), and that file exists."""
+    from rl_engine import cli
+
+    table = (ROOT / "docs" / "workflow.md").read_text(encoding="utf-8")
+    rules = {}
+    for smk in sorted((ROOT / "workflow" / "rules").glob("*.smk")):
+        for name, body in re.findall(r"^rule (\w+):\n((?:[ \t]+.*\n|\n)*)", smk.read_text(encoding="utf-8"), re.M):
+            verb = re.search(r"python -m rl_engine ([\w-]+)", body)
+            assert verb is not None, f"rule {name} ({smk.name}) does not call a verb"
+            rules[name] = verb.group(1)
+    assert {"environment", "regression", "case", "plan", "topology", "validation", "crosscheck", "summary",
+            "archive", "verify_archive"} <= set(rules)
+    for rule, verb in rules.items():
+        row = re.search(rf"^\| `{rule}`[^\n]*\| `(rl_engine/[\w/]+\.py)`[^|\n]*\|$", table, re.M)
+        assert row is not None, f"rule {rule}: no row naming its code in docs/workflow.md"
+        module = cli.VERBS[verb][0]
+        assert row.group(1) == module.replace(".", "/") + ".py", (rule, verb, module, row.group(1))
+        assert (ROOT / row.group(1)).is_file()
