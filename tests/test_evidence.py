@@ -427,7 +427,7 @@ def test_summary_has_the_reproduction_section_and_every_skip_reason(good_run: Pa
     for entry in plan["topologies"]:
         assert f"    {entry['command']}\n" in text
     plan_line = next(line for line in text.splitlines() if line.startswith("    python -m rl_engine plan "))
-    assert plan_line == f"    python -m rl_engine plan --case results/{good_run.name}/case.json --output results/{good_run.name}/plan.json"
+    assert plan_line == f"    python -m rl_engine plan --case {good_run}/case.json --output {good_run}/plan.json"
     # reproduce.yaml over config.yaml is this run's case: the same case hash as the evidence
     block = text.split("`reproduce.yaml` (over the repository's `config.yaml`", 1)[1].split("\n\n", 2)[1]
     reproduce = yaml.safe_load("\n".join(line[4:] for line in block.splitlines()))

@@ -56,6 +56,11 @@ def _plan(run: Path) -> Path:
     return plan
 
 
+def _runner_of(run: Path) -> str:
+    """What torchrun's and every rank's command line holds: the runner module and the plan."""
+    return f"-m rl_engine.campaign.run {run / 'plan.json'}"
+
+
 def _start(run: Path, plan: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "RL_ENGINE_FAULT": "hang:1x2:1", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
@@ -75,13 +80,13 @@ def test_signalled_launch_kills_torchrun_and_its_ranks_and_leaves_no_outputs(tmp
             procs[sig] = _start(run, _plan(run))
         deadline = time.monotonic() + STARTUP_LIMIT_S
         for sig, run in runs.items():
-            report = str(run / "tp1-cp2.json")
-            # torchrun and its two ranks all carry the report path in their command lines
-            while len(_mentioning(report)) < 3:
+            runner = _runner_of(run)
+            # torchrun and its two ranks all carry the runner and the plan in their command lines
+            while len(_mentioning(runner)) < 3:
                 assert procs[sig].poll() is None, procs[sig].communicate()[0].decode()
                 assert time.monotonic() < deadline, f"{sig.name}: torchrun and 2 ranks never appeared"
                 time.sleep(0.2)
-            watched[sig] = sorted(set(_mentioning(report)) | {pid for pid, _ in descendants(procs[sig].pid)})
+            watched[sig] = sorted(set(_mentioning(runner)) | {pid for pid, _ in descendants(procs[sig].pid)})
             assert len(watched[sig]) >= 3, watched[sig]
         for sig, proc in procs.items():
             proc.send_signal(sig)
@@ -90,18 +95,18 @@ def test_signalled_launch_kills_torchrun_and_its_ranks_and_leaves_no_outputs(tmp
             run = runs[sig]
             assert proc.returncode == 128 + sig, (sig.name, proc.returncode, out)
             assert [pid for pid in watched[sig] if alive(pid)] == [], sig.name
-            assert _mentioning(str(run / "tp1-cp2.json")) == [], sig.name
+            assert _mentioning(_runner_of(run)) == [], sig.name
             assert sorted(p.name for p in run.iterdir()) == ["launch.log", "plan.json"], sig.name
             assert f"received {sig.name}" in out and "outputs removed" in out, out
         # negative control on the same evidence: the plan still names the output that is now absent
         for run in runs.values():
-            assert jsonio.load(run / "plan.json")["topologies"][0]["output"] == str(run / "tp1-cp2.json")
+            assert jsonio.load(run / "plan.json")["topologies"][0]["output"] == "tp1-cp2.json"
     finally:
         for sig, proc in procs.items():  # never leave a hung rank behind, whatever failed above
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-            for pid in _mentioning(str(runs[sig] / "tp1-cp2.json")):
+            for pid in _mentioning(_runner_of(runs[sig])):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

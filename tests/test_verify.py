@@ -400,7 +400,7 @@ def test_tolerance_looser_than_the_defaults_fails_unless_accepted(good: Good, sa
                                                                   capsys: pytest.CaptureFixture[str], factor: float) -> None:
     """Plan and reports consistently state atol = factor x the bf16 default, with the summary rendered again."""
     atol = default_tolerance("bf16")[0] * factor
-    changes = {name: _loosen(atol) for name in ("plan.json", "tp1-cp1.json", "tp2-cp2.json")}
+    changes = {name: _loosen(atol) for name in ("case.json", "plan.json", "tp1-cp1.json", "tp2-cp2.json")}
     entries = resummarised(good, edited(good, changes, resum=False), tmp_path / "forge")
     path = write_archive(tmp_path / "in" / good.archive.name, entries)
     code, text, result = run_verify(path, sandbox, capsys)

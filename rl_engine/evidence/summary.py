@@ -38,6 +38,7 @@ from rich.table import Table
 
 from rl_engine import jsonio
 from rl_engine.evidence.casename import RunNameError, pytest_args_of
+from rl_engine.campaign.plan import RUNNER_MODULE as RUNNER
 from rl_engine.evidence.rundir import (
     ARCHIVE_ONLY,
     CASE,
@@ -207,7 +208,17 @@ def reproduce_config(ev: Evidence) -> str:
     return yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=1000)
 
 
-def reproduction(ev: Evidence, run_dir: Path) -> str:
+def _beside_plan(ev: Evidence, name: str) -> str:
+    """``name`` in the run directory as the plan's recorded commands name it (they hold the plan's
+    path as the plan verb was given it), or ``RUN/name`` when no command says."""
+    for planned in ev.planned:
+        words = shlex.split(planned.command or "")
+        if RUNNER in words[:-1]:
+            return str(Path(words[words.index(RUNNER) + 1]).with_name(name))
+    return f"RUN/{name}"
+
+
+def reproduction(ev: Evidence) -> str:
     """The Reproduction section: the commit, how to rerun the case, and the run's exact commands."""
     git = ev.environment.get("git", {})
     commit = git.get("commit")
@@ -221,8 +232,7 @@ def reproduction(ev: Evidence, run_dir: Path) -> str:
         where = (f"No git state was recorded ({git.get('reason')}): the tested code is not named by a commit; run "
                  "the commands below in a copy of the tested source tree.")
         checkout = []
-    run = f"results/{run_dir.name}"
-    plan_cmd = ["python", "-m", "rl_engine", "plan", "--case", f"{run}/{CASE}", "--output", f"{run}/{PLAN}"]
+    plan_cmd = ["python", "-m", "rl_engine", "plan", "--case", _beside_plan(ev, CASE), "--output", _beside_plan(ev, PLAN)]
     lines = [
         "## Reproduction",
         "",
@@ -395,7 +405,7 @@ def render(ev: Evidence, run_dir: Path) -> tuple[str, dict[str, Section]]:
         "## Hardware and runtime",
         "",
         secs["hardware"].markdown(),
-        reproduction(ev, run_dir),
+        reproduction(ev),
         "## Boundary",
         "",
         f"This run covers deterministic TP/CP-aware selected-token logprob with {case.get('dtype')} candidate "
