@@ -211,6 +211,13 @@ def test_guide_plan_command_runs_as_a_script(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("torchrun --standalone") == 6
     assert schemas.errors(jsonio.load(tmp_path / "plan.json"), "plan") == []
+    # then the guide's next step: a printed torchrun line, run as printed, from the repository root
+    line = next(text for text in proc.stdout.splitlines() if text.startswith("torchrun ") and text.endswith("--tp 1 --cp 1"))
+    ran = subprocess.run(line, shell=True, cwd=GUIDE_SCRIPT.parents[2], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    report = jsonio.load(tmp_path / "tp1-cp1.json")
+    assert report["passed"] is True and report["launch_command"] == line
 
 
 # ----- layouts ----------------------------------------------------------------------------
@@ -416,7 +423,7 @@ def test_torchrun_tp2_cp2_writes_a_passing_schema_valid_report(tmp_path: Path) -
     stale.write_bytes(b"stale")
     (tmp_path / "tp2-cp2.json").write_text("{}")
     assert _launch(plan_path, 2, 2, 240, tmp_path / "tp2-cp2.log") == 0, (tmp_path / "tp2-cp2.log").read_text()
-    report = jsonio.load(entry["output"])
+    report = jsonio.load(tmp_path / entry["output"])  # the report lies beside the plan
     assert schemas.errors(report, "report") == []
     assert report["passed"] is True and report["failures"] == []
     assert report["requested_backend"] == report["actual_backend"] == BACKEND_ID

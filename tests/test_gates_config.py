@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -470,3 +471,13 @@ def test_snakemake_dry_run_of_a_good_config_plans_every_job(dry_runs: tuple[Path
     counts = jobs_run(text)
     assert counts.get("topology") == 3 and counts.get("archive") == 1, counts
     assert list((repo / "results").iterdir()) == []  # a dry run writes nothing
+
+
+def test_snakemake_lint_is_clean(tmp_path: Path) -> None:
+    """Issue 13's done-when: ``snakemake --lint`` finds nothing in the workflow (rules, the case rule's
+    params, the Snakefile's parse-time code)."""
+    repo = copy_repo(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "snakemake", "--lint"], cwd=repo, env=env_for(repo),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Congratulations, your workflow is in a good condition!" in done.stdout + done.stderr

@@ -54,7 +54,6 @@ from rl_engine.evidence.rundir import (
     planned_reports,
 )
 
-DTYPE_LABELS = {"bf16": "BF16", "fp16": "FP16", "fp32": "FP32"}
 LOG_DIR = "logs"
 
 
@@ -279,7 +278,7 @@ def sections(ev: Evidence, run_dir: Path) -> dict[str, Section]:
     matrix = Section("Validation matrix", ("Evidence", "Result"), (
         ("Hardware", hardware_text(env)),
         ("Runtime", runtime),
-        ("Candidate", f"{DTYPE_LABELS.get(case.get('dtype'), case.get('dtype'))} {case.get('backend')} with FP32 accumulation"),
+        ("Candidate", f"{str(case.get('dtype')).upper()} {case.get('backend')} with FP32 accumulation"),
         ("Arithmetic", _arithmetic_text(ev.reports)),
         ("Reference", "Independent full-vocabulary FP32 PyTorch oracle"),
         ("Topology", f"TP={_list_degrees(tps)} x CP={_list_degrees(cps)}; {_list_degrees(ranks)} ranks"),
@@ -362,7 +361,7 @@ def render(ev: Evidence, run_dir: Path) -> tuple[str, dict[str, Section]]:
               f"the {n} topologies, and every artifact is valid against its schema."
               if passed else
               "FAILED: see validation.json and crosscheck.json for each failing file and field.")
-    case_line = (f"{DTYPE_LABELS.get(case.get('dtype'), case.get('dtype'))}, real/padded vocabulary "
+    case_line = (f"{str(case.get('dtype')).upper()}, real/padded vocabulary "
                  f"{case.get('real_vocab')}/{case.get('padded_vocab')}, {case.get('num_vocab_tiles')} vocabulary tiles, "
                  f"batch {case.get('batch')}, sequence {case.get('seq')}, prompt tokens {case.get('prompt_tokens')}, "
                  f"seed {case.get('seed')}, logit scale {case.get('logit_scale')}, CP layout {case.get('cp_layout')}, "
