@@ -68,8 +68,15 @@ def test_small_campaign_builds_an_archive_that_verifies(small_run) -> None:
         assert re.search(rf"^\|\s*{tp}\s*\|\s*{cp}\s*\|", summary, re.M), (topo, summary)
     with tarfile.open(archive) as tar:
         names = tar.getnames()
+        packed = {m.name[len(name) + 1:] for m in tar.getmembers() if m.isfile()}
     assert f"{name}/SHA256SUMS" in names
     assert any(n.endswith("/schemas/report.schema.json") for n in names)
+    # issue 13: the archive packs the rule's declared inputs, and they are every file the workflow
+    # wrote in the run (evidence, SUMMARY.md, every rule's log): nothing left out, nothing else
+    run_files = {p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()}
+    assert {p for p in packed if not p.startswith("schemas/")} - {"SHA256SUMS", "REVIEWING.md"} == run_files
+    assert {p[len("schemas/"):] for p in packed if p.startswith("schemas/")} == {
+        p.name for p in (repo / "schemas").glob("*.schema.json")}
     assert (repo / "results" / f"{name}.verify.json").is_file()
 
 
