@@ -126,7 +126,7 @@ class Workflow:
 
     def declared(self) -> list[Path]:
         """The archive rule's inputs in the run: every file the workflow wrote there (checked by
-        tests/test_workflow.py::test_small_campaign_builds_an_archive_that_verifies)."""
+        tests/test_workflow.py::test_default_campaign_builds_an_archive_that_verifies)."""
         return sorted(p for p in self.run.rglob("*") if p.is_file() and not p.name.startswith("."))
 
     def remove(self, *paths: Path) -> None:
@@ -323,8 +323,8 @@ def test_archive_job_killed_under_snakemake_leaves_no_archive_and_reruns(wf: Wor
     wf.remove(wf.results / held)
     done = snakemake(wf.repo)
     assert done.returncode == 0, text_of(done)[-4000:]
+    # the verify_archive job of that run verified the rebuilt archive (the run exited 0)
     assert {k: v for k, v in jobs_run(text_of(done)).items() if k != "all"} == {"archive": 1, "verify_archive": 1}
-    assert verify(wf.repo, wf.archive).returncode == 0
 
 
 # ---------------------------------------------------------------- corrupted evidence through the workflow
