@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from _evidence_run import build_run
-from rl_engine.evidence import archive
+from _evidence_run import build_run, pack
 
 Entry = tuple[tarfile.TarInfo, bytes | None]
 
@@ -35,10 +34,11 @@ class Good:
 
 
 def build_good_archive(base: Path, run_name: str) -> Good:
-    """Real tiny-vocabulary evidence through the real verbs, packed by the archive verb."""
+    """Real tiny-vocabulary evidence through the real verbs, packed by the archive verb from the
+    files the workflow's archive rule declares."""
     run = build_run(base / run_name, base / "focused-tests")
     out = base / "results" / f"{run.name}.tar.gz"
-    assert archive.main(["--run-dir", str(run), "--output", str(out)]) == 0
+    assert pack(run, out) == 0
     entries = []
     with tarfile.open(out) as tar:
         for member in tar.getmembers():

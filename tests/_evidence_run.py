@@ -3,7 +3,8 @@
 Not a test module (no ``test_`` prefix); ``tests/test_evidence.py`` and ``tests/test_verify.py``
 import it. Everything here runs the real verbs: ``case``, ``plan``, ``launch`` (torchrun with gloo
 ranks), ``env``, ``regression`` (a real pytest subprocess), ``validate``, ``crosscheck``,
-``summary`` and ``archive``.
+``summary`` and ``archive``. :func:`pack` archives a run from the file list the workflow's
+``archive`` rule declares (:func:`declared_files`), as the rule does.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rl_engine import cli
+from rl_engine import cli, schemas
 from rl_engine.campaign import plan
 from rl_engine.campaign.case import case_document
 
@@ -77,3 +78,26 @@ def build_run(run_dir: Path, tests_dir: Path) -> Path:
     assert cli.main(["crosscheck", "--run-dir", str(run_dir), "--output", str(run_dir / "crosscheck.json")]) == 0
     assert cli.main(["summary", "--run-dir", str(run_dir), "--output", str(run_dir / "SUMMARY.md")]) == 0
     return run_dir
+
+
+def declared_files(run_dir: Path, topologies: tuple[str, ...] = TOPOLOGIES) -> list[Path]:
+    """The run's files that workflow/rules/archive.smk declares as the archive's inputs: environment,
+    regression with its log and JUnit XML, case, plan, every report and tensor, the gate results,
+    SUMMARY.md and the logs (here the topologies' only: the other verbs ran in-process)."""
+    labels = [f"tp{t.split('x')[0]}-cp{t.split('x')[1]}" for t in topologies]
+    names = ["environment.json", "environment.txt", "regression.json", "pytest-focused.log", "pytest-junit.xml",
+             "case.json", "plan.json", *(f"{label}{suffix}" for label in labels
+                            for suffix in (".json", ".logp.f32", ".lse.f32", ".entropy.f32")),
+             "validation.json", "crosscheck.json", "SUMMARY.md"]
+    return [run_dir / name for name in names] + sorted((run_dir / "logs").glob("*.log"))
+
+
+def schema_files() -> list[Path]:
+    return sorted(schemas.repo_schema_dir().glob("*.schema.json"))
+
+
+def pack(run_dir: Path, output: Path, files: list[Path] | None = None) -> int:
+    """``python -m rl_engine archive`` of ``files`` (default: :func:`declared_files`), in-process."""
+    given = declared_files(run_dir) if files is None else files
+    return cli.main(["archive", "--run-dir", str(run_dir), "--output", str(output),
+                     "--schemas", *map(str, schema_files()), "--files", *map(str, given)])

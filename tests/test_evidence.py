@@ -23,7 +23,7 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from _evidence_run import PYTEST_ARGS, TOPOLOGIES, build_run, launch
+from _evidence_run import PYTEST_ARGS, TOPOLOGIES, build_run, declared_files, launch, pack, schema_files
 from rl_engine import cli, jsonio, schemas
 from rl_engine.evidence import archive, crosscheck, environment, gitstate, regression, summary, validation
 from rl_engine.evidence.rundir import Finding, load_json
@@ -463,7 +463,11 @@ def test_summary_refuses_missing_evidence(run: Path, capsys: pytest.CaptureFixtu
 
 
 def _archive(run: Path, out: Path) -> int:
-    return archive.main(["--run-dir", str(run), "--output", str(out)])
+    return pack(run, out)
+
+
+def _build(run: Path, out: Path) -> archive.Built:
+    return archive.build(run, out, declared_files(run), schema_files())
 
 
 def test_archive_is_byte_reproducible_and_well_formed(good_run: Path, tmp_path: Path) -> None:
@@ -487,8 +491,10 @@ def test_archive_is_byte_reproducible_and_well_formed(good_run: Path, tmp_path: 
         assert {m.mode for m in members if m.isfile()} == {0o644} and {m.mode for m in members if m.isdir()} == {0o755}
         assert all(m.isfile() or m.isdir() for m in members)
         files = {m.name[len(name) + 1:]: tar.extractfile(m).read() for m in members if m.isfile()}  # type: ignore[union-attr]
+    given = {p.relative_to(good_run).as_posix() for p in declared_files(good_run)}
     run_files = {p.relative_to(good_run).as_posix() for p in good_run.rglob("*") if p.is_file()}
-    assert run_files <= set(files)
+    assert given == run_files  # the declared list is every file the run's verbs wrote...
+    assert set(files) == given | {"REVIEWING.md", "SHA256SUMS"} | {f"schemas/{p.name}" for p in schema_files()}  # ...and all
     assert {f"schemas/{p.name}" for p in schemas.repo_schema_dir().glob("*.schema.json")} <= set(files)
     assert f"sha256sum -c {name}.tar.gz.sha256" in files["REVIEWING.md"].decode()
     reviewing = files["REVIEWING.md"].decode()
@@ -531,7 +537,7 @@ def test_archive_checks_with_sha256sum_alone(good_run: Path, tmp_path: Path) -> 
     if tool is None or tar_tool is None:
         pytest.skip("sha256sum or tar not installed")
     out = tmp_path / f"{good_run.name}.tar.gz"
-    built = archive.build(good_run, out, schemas.repo_schema_dir())
+    built = _build(good_run, out)
     subprocess.run([tool, "-c", out.name + ".sha256"], cwd=tmp_path, check=True, capture_output=True)
     subprocess.run([tar_tool, "-xzf", out.name], cwd=tmp_path, check=True)
     done = subprocess.run([tool, "-c", "SHA256SUMS"], cwd=tmp_path / good_run.name, capture_output=True, text=True)
@@ -572,26 +578,104 @@ def test_interrupted_archive_leaves_nothing_at_final_path(good_run: Path, tmp_pa
 
     monkeypatch.setattr(os, "fsync", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        archive.build(good_run, out, schemas.repo_schema_dir())
+        _build(good_run, out)
     assert list(tmp_path.iterdir()) == []  # no archive, no sidecar, no temporary file
     monkeypatch.setattr(os, "fsync", real_fsync)
-    assert archive.build(good_run, out, schemas.repo_schema_dir()).sha256 == jsonio.sha256_file(out)
+    assert _build(good_run, out).sha256 == jsonio.sha256_file(out)
 
 
 def test_archive_refuses_unsafe_run_dirs_and_names(run: Path, tmp_path: Path) -> None:
     with pytest.raises(archive.ArchiveError, match="must end in .tar.gz"):
-        archive.build(run, tmp_path / "x.tgz", schemas.repo_schema_dir())
+        _build(run, tmp_path / "x.tgz")
     with pytest.raises(archive.ArchiveError, match="archive name 'bad name'"):
-        archive.build(run, tmp_path / "bad name.tar.gz", schemas.repo_schema_dir())
+        _build(run, tmp_path / "bad name.tar.gz")
     with pytest.raises(archive.ArchiveError, match="inside the run directory"):
-        archive.build(run, run / "self.tar.gz", schemas.repo_schema_dir())
+        _build(run, run / "self.tar.gz")
     (run / "link.json").symlink_to(run / "plan.json")
     with pytest.raises(archive.ArchiveError, match="link.json is a symbolic link"):
-        archive.build(run, tmp_path / "ok.tar.gz", schemas.repo_schema_dir())
+        archive.build(run, tmp_path / "ok.tar.gz", [*declared_files(run), run / "link.json"], schema_files())
     (run / "link.json").unlink()
-    (run / ".plan.json.abc.tmp").write_text("{")  # a crashed writer's leftover: left out, said so
-    built = archive.build(run, tmp_path / "ok.tar.gz", schemas.repo_schema_dir())
+    (run / ".plan.json.abc.tmp").write_text("{")  # a crashed writer's leftover: not declared, not packed
+    built = _build(run, tmp_path / "ok.tar.gz")
     assert ".plan.json.abc.tmp" not in built.members and "plan.json" in built.members
+
+
+def test_archive_packs_exactly_the_given_files_and_verify_finds_all_it_needs(
+        run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 13: the archive packs its declared inputs, not the run directory. Files no rule declares
+    (a report of an unplanned topology left in the run, a note) are not packed, the summary does not
+    list them, and the archive built from the declared list verifies: it misses nothing verify needs."""
+    from rl_engine.evidence import verify
+
+    (run / "tp8-cp1.json").write_bytes((run / "tp2-cp2.json").read_bytes())
+    (run / "notes.txt").write_text("a reviewer's note, not evidence\n")
+    assert summary.summary_text(run) == (run / "SUMMARY.md").read_text()  # the artifact table ignores them
+    out = tmp_path / "res" / f"{run.name}.tar.gz"
+    built = _build(run, out)
+    given = {p.relative_to(run).as_posix() for p in declared_files(run)}
+    assert set(built.members) == given | {"REVIEWING.md", "SHA256SUMS"} | {f"schemas/{p.name}" for p in schema_files()}
+    monkeypatch.chdir(tmp_path)
+    checks = verify.verify(out, recompute_drift=True)
+    assert [c.name for c in checks if c.passed is False] == [], [c.to_dict() for c in checks if c.passed is False]
+    assert {"SUMMARY.md", "report acceptance", "cross-topology fingerprints", "recorded gates",
+            "candidate replayed"} <= {c.name for c in checks if c.passed is True}
+
+
+@pytest.mark.parametrize("case", ["missing", "outside", "directory", "clash", "tensor left out", "summary left out",
+                                  "log left out", "other schemas", "no schemas"])
+def test_archive_refuses_a_file_list_it_cannot_pack_naming_the_file_and_the_fix(
+        run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str) -> None:
+    files, schema_list = declared_files(run), schema_files()
+    expected = {
+        "missing": "tp2-cp2.lse.f32 is missing (or not a regular file); it is declared evidence of the run: make it "
+                   "again (snakemake --cores 8 rebuilds every declared file) or leave it out of --files",
+        "outside": "outside.json lies outside the run directory",
+        "directory": "logs is missing (or not a regular file)",
+        "clash": "SHA256SUMS clashes with the archive's own SHA256SUMS; rename it or leave it out of --files",
+        "tensor left out": "tp1-cp1.entropy.f32 is evidence that verify needs but is not among the files to pack "
+                           "(1 missing: tp1-cp1.entropy.f32); add it to --files",
+        "summary left out": "SUMMARY.md is evidence that verify needs but is not among the files to pack",
+        "other schemas": "the schemas given (report differ) are not the ones validation.json records it was "
+                         "checked with",
+        "no schemas": "the following arguments are required: --schemas",
+    }.get(case)
+    if case == "missing":
+        (run / "tp2-cp2.lse.f32").unlink()
+    elif case == "outside":
+        (tmp_path / "outside.json").write_text("{}")
+        files.append(tmp_path / "outside.json")
+    elif case == "directory":
+        files.append(run / "logs")
+    elif case == "clash":
+        (run / "SHA256SUMS").write_text("")
+        files.append(run / "SHA256SUMS")
+    elif case == "tensor left out":
+        files.remove(run / "tp1-cp1.entropy.f32")
+    elif case == "summary left out":
+        files.remove(run / "SUMMARY.md")
+    elif case == "log left out":  # packed when given, never required: verify needs no log
+        files = [f for f in files if f.parent.name != "logs"]
+    elif case == "other schemas":
+        other = tmp_path / "other" / "report.schema.json"
+        other.parent.mkdir()
+        other.write_text(schema_list[[p.name for p in schema_list].index("report.schema.json")].read_text() + "\n")
+        schema_list = [other if p.name == other.name else p for p in schema_list]
+    out = tmp_path / "res" / f"{run.name}.tar.gz"
+    argv = ["archive", "--run-dir", str(run), "--output", str(out), "--files", *map(str, files)]
+    if case != "no schemas":
+        argv += ["--schemas", *map(str, schema_list)]
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:  # argparse's usage error
+        code = exc.code
+    err = capsys.readouterr().err
+    if expected is None:
+        assert code == 0, err
+        with tarfile.open(out) as tar:
+            assert not [m for m in tar.getnames() if "/logs/" in m]
+        return
+    assert code in (1, 2) and expected in err, err
+    assert not out.exists() and not out.with_name(out.name + ".sha256").exists()
 
 
 def test_gzip_and_tar_helpers_are_deterministic() -> None:

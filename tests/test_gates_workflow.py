@@ -22,6 +22,7 @@ import re
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,6 +123,11 @@ class Workflow:
 
     def log(self, name: str) -> str:
         return (self.run / "logs" / f"{name}.log").read_text(errors="replace")
+
+    def declared(self) -> list[Path]:
+        """The archive rule's inputs in the run: every file the workflow wrote there (checked by
+        tests/test_workflow.py::test_default_campaign_builds_an_archive_that_verifies)."""
+        return sorted(p for p in self.run.rglob("*") if p.is_file() and not p.name.startswith("."))
 
     def remove(self, *paths: Path) -> None:
         for path in paths:
@@ -263,7 +269,9 @@ def test_archive_verb_killed_mid_write_leaves_nothing_at_the_final_path(wf: Work
     out.write_bytes(b"stale archive of an earlier run")
     out.with_name(out.name + ".sha256").write_text("stale\n")
     marker = tmp_path / "held"
-    cmd = [sys.executable, "-m", "rl_engine", "archive", "--run-dir", str(wf.run), "--output", str(out)]
+    cmd = [sys.executable, "-m", "rl_engine", "archive", "--run-dir", str(wf.run), "--output", str(out),
+           "--schemas", *map(str, sorted((wf.repo / "schemas").glob("*.schema.json"))),
+           "--files", *map(str, wf.declared())]
     proc = subprocess.Popen(cmd, cwd=wf.repo, env=hold_env(wf, hold_hook, marker, hold_archive(wf.name)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -315,35 +323,41 @@ def test_archive_job_killed_under_snakemake_leaves_no_archive_and_reruns(wf: Wor
     wf.remove(wf.results / held)
     done = snakemake(wf.repo)
     assert done.returncode == 0, text_of(done)[-4000:]
+    # the verify_archive job of that run verified the rebuilt archive (the run exited 0)
     assert {k: v for k, v in jobs_run(text_of(done)).items() if k != "all"} == {"archive": 1, "verify_archive": 1}
-    assert verify(wf.repo, wf.archive).returncode == 0
 
 
 # ---------------------------------------------------------------- corrupted evidence through the workflow
 
 
-def test_report_added_after_validation_is_refused_by_the_archive_rule(wf: Workflow) -> None:
-    """A report of a topology the plan does not list appears after the gates passed (left from an
-    earlier plan, or dropped in by hand). It is no rule's input, so Snakemake reruns only the
-    archive and its verification; the archive re-checks the run as it is now and refuses."""
+def test_a_report_edited_after_the_gates_reruns_them_and_an_undeclared_file_is_never_packed(wf: Workflow) -> None:
+    """Issue 13: the archive packs its declared inputs and Snakemake decides what is stale. A report
+    edited after the gates passed (same evidence, new bytes) is an input of validation and of the
+    archive: the gates, the summary, the archive and its verification run again, once each, and the
+    archive holds the new bytes. A report of a topology the plan does not list, dropped into the run
+    after the gates passed, is no rule's input: rebuilding the archive runs no gate and does not pack it."""
     ensure_complete(wf)
-    stale = wf.run / "tp4-cp1.json"
-    stale.write_bytes(wf.report("tp1-cp1").read_bytes())
-    wf.remove(*wf.finals)
+    report = wf.report("tp1-cp2")
+    edited = json.dumps(jsonio.load(report), indent=1, sort_keys=True).encode()
+    assert edited != report.read_bytes()
+    report.write_bytes(edited)
     done = snakemake(wf.repo)
     text = text_of(done)
-    assert done.returncode != 0
-    assert {k: v for k, v in jobs_run(text).items() if k != "all"} == {"archive": 1, "verify_archive": 1}
-    assert failed_rules(text) == ["archive"], text[-4000:]
-    log = (wf.results / "logs" / f"{wf.name}-archive.log").read_text()
-    assert "its files no longer pass the gates that recorded a pass" in log
-    assert "tp4-cp1.json: (file): topology tp4-cp1 is not in plan.json" in log
-    assert not any(p.exists() for p in wf.finals)
-    stale.unlink()
-    healed = snakemake(wf.repo)
-    assert healed.returncode == 0, text_of(healed)[-4000:]
-    assert {k: v for k, v in jobs_run(text_of(healed)).items() if k != "all"} == {"archive": 1, "verify_archive": 1}
-    assert verify(wf.repo, wf.archive).returncode == 0
+    assert done.returncode == 0, text[-4000:]
+    assert {k: v for k, v in jobs_run(text).items() if k != "all"} == DOWNSTREAM  # verify_archive passed too
+    with tarfile.open(wf.archive) as tar:
+        assert tar.extractfile(f"{wf.name}/tp1-cp2.json").read() == edited  # type: ignore[union-attr]
+    stale = wf.run / "tp4-cp1.json"
+    stale.write_bytes(wf.report("tp1-cp1").read_bytes())
+    try:
+        done = snakemake(wf.repo, "--forcerun", "archive")
+        text = text_of(done)
+        assert done.returncode == 0, text[-4000:]
+        assert {k: v for k, v in jobs_run(text).items() if k != "all"} == {"archive": 1, "verify_archive": 1}
+        with tarfile.open(wf.archive) as tar:  # and the verify_archive job verified it
+            assert f"{wf.name}/tp4-cp1.json" not in tar.getnames()
+    finally:
+        stale.unlink()
 
 
 def _edit(path: Path, change: Callable[[dict[str, Any]], None]) -> None:

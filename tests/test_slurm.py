@@ -7,10 +7,15 @@ The workflow runs in a temporary copy of the repository exactly as the README sa
 small config and a short first status check. With two ranks per node the 2x2 topology
 spans node1 and node2.
 
-1. the campaign builds an archive that verifies; the 2x2 report names node1 and node2, and
-   each job asked Slurm for what its topology needs (the sbatch lines);
-2. a rank on node2 is killed mid-run: the job fails, no report is left, the other
-   topology is untouched, and the next run redoes that topology alone;
+The campaign runs twice, and every workflow test reads those two runs: first with a rank on
+node2 of the 2x2 SIGKILLed mid-run (``RL_ENGINE_FAULT=kill:2x2:node2/0``), then the same command
+without the fault.
+
+1. a rank on node2 is killed mid-run: the job fails, no report is left, the other topology
+   completes, and the next run redoes that topology alone;
+2. the campaign then builds an archive that verifies (the ``verify_archive`` job); the 2x2
+   report names node1 and node2, and each job asked Slurm for what its topology needs (the
+   sbatch lines);
 3. a bad ``ranks_per_node`` is refused while the workflow is parsed: no job reaches Slurm;
 4. nothing is left behind: no job in the queue, no launch, torchrun or rank alive.
 
@@ -42,7 +47,6 @@ from _workflow_util import (
     env_for,
     jobs_run,
     run_name_of,
-    verify,
     write_config,
 )
 from rl_engine import cli, jsonio
@@ -60,7 +64,7 @@ def run_of(repo: Path) -> Path:
 PROFILE = "workflow/profiles/slurm"
 # a shorter first status check than the executor's 40 s (MinJobAge=900 of the test cluster
 # keeps finished jobs visible to squeue far longer than 3x this)
-FAST_POLL = ("--slurm-init-seconds-before-status-checks", "5")
+FAST_POLL = ("--slurm-init-seconds-before-status-checks", "2")
 RUN_LIMIT_S = 900.0  # a failure bound for slow machines, not a measured claim
 STARTUP_LIMIT_S = 300.0  # likewise
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -117,42 +121,67 @@ def slurm_jobs() -> list[str]:
 
 @pytest.fixture(scope="module")
 def campaign(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The campaign through the Slurm profile: a first run with a rank on node2 of the spanning 2x2
+    SIGKILLed, what it left, then the rerun without the fault that completes the campaign."""
     repo = copy_repo(tmp_path_factory.mktemp("slurm"))
     write_config(repo, CASE)
+    run = repo / run_of(repo)
     start = time.monotonic()
+    failed = slurm_snakemake(repo, extra_env={"RL_ENGINE_FAULT": "kill:2x2:node2/0"})
+    failed_text = failed.stdout + failed.stderr
+    assert failed.returncode != 0, failed_text[-6000:]
+    left = sorted(p.name for p in run.glob("tp2-cp2*"))
+    failed_log = (run / "logs" / "tp2-cp2.log").read_text()
+    single = (run / "tp1-cp1.json").stat().st_mtime_ns  # the other topology completed (keep-going)
     done = slurm_snakemake(repo)
     elapsed = time.monotonic() - start
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-8000:]
-    print(f"\nslurm campaign: {elapsed:.1f} s")
-    for line in sbatch_lines(text):
+    print(f"\nslurm campaign (faulted run, then the rerun): {elapsed:.1f} s")
+    for line in sbatch_lines(failed_text) + sbatch_lines(text):
         print(line)
-    return {"repo": repo, "text": text, "elapsed": elapsed}
+    return {"repo": repo, "run": run, "failed_text": failed_text, "failed_log": failed_log, "left": left,
+            "single_mtime": single, "text": text, "elapsed": elapsed}
+
+
+def test_a_rank_killed_on_node2_fails_the_job_and_the_rerun_redoes_that_topology_alone(
+        campaign: dict[str, Any]) -> None:
+    failed_text, log = campaign["failed_text"], campaign["failed_log"]
+    assert jobs_run(failed_text).get("topology") == 2, jobs_run(failed_text)
+    assert campaign["left"] == []  # no report and no partial tensor of the killed topology
+    assert "srun: error: node2: task 1: Exited with exit code 2" in log, log[-4000:]
+    assert "error: topology 2x2, node node2 (node rank 1 of 2): torchrun exited with" in log, log[-4000:]
+    assert "SIGKILL" in log and "no valid report was written; outputs removed" in log, log[-4000:]
+    counts = jobs_run(campaign["text"])  # the rerun: that topology alone, then what follows it
+    assert counts.get("topology") == 1 and "environment" not in counts and "regression" not in counts, counts
+    assert (campaign["run"] / "tp1-cp1.json").stat().st_mtime_ns == campaign["single_mtime"]
+    assert jsonio.load(campaign["run"] / "tp2-cp2.json")["topology"]["nnodes"] == 2
 
 
 def test_campaign_through_the_slurm_profile_spans_both_nodes_and_verifies(campaign: dict[str, Any]) -> None:
-    repo, text = campaign["repo"], campaign["text"]
+    repo, run, text = campaign["repo"], campaign["run"], campaign["text"]
     counts = jobs_run(text)
-    assert counts.get("topology") == 2 and counts.get("archive") == 1, counts
-    verified = verify(repo, archive_of(repo))
-    assert verified.returncode == 0, verified.stdout + verified.stderr
-    report = jsonio.load(repo / run_of(repo) / "tp2-cp2.json")
+    # the archive was built and the verify_archive job verified it (the run exited 0)
+    assert counts.get("archive") == 1 and counts.get("verify_archive") == 1, counts
+    assert archive_of(repo).name == f"{run.name}.tar.gz"
+    assert jsonio.load(repo / "results" / f"{run.name}.verify.json")["passed"] is True
+    report = jsonio.load(run / "tp2-cp2.json")
     ranks = report["topology"]["ranks"]
     print("tp2-cp2 ranks:", [(r["rank"], r["node"]) for r in ranks])
     assert report["topology"]["nnodes"] == 2
     assert sorted(r["node"] for r in ranks) == ["node1", "node1", "node2", "node2"]
-    single = jsonio.load(repo / run_of(repo) / "tp1-cp1.json")
+    single = jsonio.load(run / "tp1-cp1.json")
     assert single["topology"]["nnodes"] == 1 and single["topology"]["ranks"][0]["node"] in NODES
     # the spanning topology's bytes equal the single-node one's
     assert report["bitwise_fingerprints"] == single["bitwise_fingerprints"]
-    summary = (repo / run_of(repo) / "SUMMARY.md").read_text()
+    summary = (run / "SUMMARY.md").read_text()
     assert re.search(r"^\| 2 \| 2 \| 4 \| 2: node1, node2 \|", summary, re.M), summary
-    log = (repo / run_of(repo) / "logs" / "tp2-cp2.log").read_text()
+    log = (run / "logs" / "tp2-cp2.log").read_text()
     assert "4 ranks on 2 nodes (node1,node2) x 2, c10d rendezvous at 127.0.0.1:" in log, log[-3000:]
 
 
 def test_each_job_asked_slurm_for_what_its_topology_needs(campaign: dict[str, Any]) -> None:
-    lines = sbatch_lines(campaign["text"])
+    lines = sbatch_lines(campaign["failed_text"])  # the first run submitted every job
     spanning = [line for line in lines if "rule_topology_wildcards_2_2" in line]
     single = [line for line in lines if "rule_topology_wildcards_1_1" in line]
     assert len(spanning) == 1 and len(single) == 1, lines
@@ -161,34 +190,9 @@ def test_each_job_asked_slurm_for_what_its_topology_needs(campaign: dict[str, An
     for part in ("--nodes=1", "--ntasks=1", "--cpus-per-task=1"):
         assert part in single[0], (part, single[0])
     local = {"case", "plan", "validation", "crosscheck", "summary", "archive", "verify_archive"}
-    assert not [line for line in lines if any(f"rule_{rule} " in line or f"rule_{rule}'" in line for rule in local)]
+    every = lines + sbatch_lines(campaign["text"])
+    assert not [line for line in every if any(f"rule_{rule} " in line or f"rule_{rule}'" in line for rule in local)]
     assert any("rule_environment" in line for line in lines) and any("rule_regression" in line for line in lines)
-
-
-def test_a_rank_killed_on_node2_fails_the_job_and_the_rerun_redoes_that_topology_alone(
-        campaign: dict[str, Any]) -> None:
-    repo = campaign["repo"]
-    report = repo / run_of(repo) / "tp2-cp2.json"
-    untouched = (repo / run_of(repo) / "tp1-cp1.json").stat().st_mtime_ns
-    report.unlink()
-    failed = slurm_snakemake(repo, extra_env={"RL_ENGINE_FAULT": "kill:2x2:node2/0"})
-    text = failed.stdout + failed.stderr
-    assert failed.returncode != 0, text[-6000:]
-    assert jobs_run(text).get("topology") == 1, jobs_run(text)
-    assert not report.exists() and not list((repo / run_of(repo)).glob("tp2-cp2.*.f32"))  # no partial report
-    log = (repo / run_of(repo) / "logs" / "tp2-cp2.log").read_text()
-    assert "srun: error: node2: task 1: Exited with exit code 2" in log, log[-4000:]
-    assert "error: topology 2x2, node node2 (node rank 1 of 2): torchrun exited with" in log, log[-4000:]
-    assert "SIGKILL" in log and "no valid report was written; outputs removed" in log, log[-4000:]
-    rerun = slurm_snakemake(repo)
-    text = rerun.stdout + rerun.stderr
-    assert rerun.returncode == 0, text[-6000:]
-    counts = jobs_run(text)
-    assert counts.get("topology") == 1 and "environment" not in counts and "regression" not in counts, counts
-    assert (repo / run_of(repo) / "tp1-cp1.json").stat().st_mtime_ns == untouched
-    assert jsonio.load(report)["topology"]["nnodes"] == 2
-    verified = verify(repo, archive_of(repo))
-    assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
 def test_bad_ranks_per_node_is_refused_before_any_job_reaches_slurm(cluster: None, tmp_path: Path) -> None:

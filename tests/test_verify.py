@@ -21,6 +21,7 @@ from typing import Any, Callable
 import pytest
 
 from _archive_util import Entry, Good, Sandbox, build_good_archive, make_sandbox
+from _evidence_run import pack
 from rl_engine import jsonio, schemas
 from rl_engine.evidence import archive, safe_tar, summary, verify
 from rl_engine.evidence.casename import RunName, case_hash, evidence_resolved_case
@@ -633,7 +634,7 @@ def test_one_ulp_forgery_rebuilt_with_the_projects_verbs_is_caught_only_by_the_r
     assert cli.main(["crosscheck", "--run-dir", str(run), "--output", str(run / "crosscheck.json")]) == 0
     assert cli.main(["summary", "--run-dir", str(run), "--output", str(run / "SUMMARY.md")]) == 0
     forged = tmp_path / "out" / good.archive.name
-    assert archive.main(["--run-dir", str(run), "--output", str(forged)]) == 0
+    assert pack(run, forged) == 0
     capsys.readouterr()
 
     code, _, result = run_verify(forged, sandbox, capsys)

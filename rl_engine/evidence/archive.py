@@ -1,16 +1,27 @@
 """The reviewer's bundle: a byte-reproducible ``results/<name>.tar.gz`` and its ``.sha256``.
 
-``python -m rl_engine archive --run-dir RUN --output results/NAME.tar.gz [--schemas DIR]``
+``python -m rl_engine archive --run-dir RUN --output results/NAME.tar.gz --schemas SCHEMA...
+--files FILE...``
+
+The archive packs the files it is given, nothing else: the workflow's ``archive`` rule declares
+every one as an input (environment, regression with its log and JUnit XML, plan, every report
+and raw tensor, the two gate results, ``SUMMARY.md``, the rules' logs, the schemas), so
+Snakemake decides what is stale: a report edited after the gates ran is a changed input of the
+validation rule and of this one, and the gates, the summary and the archive run again; a file
+that appears in the run directory and no rule declares is not packed at all. The verb
 
 * refuses (exit 1, nothing written) a run whose ``validation.json`` or ``crosscheck.json`` is
-  missing or not ``passed``, or whose files no longer pass those gates when they are run again
-  on the run as it is now (a report or tensor edited, deleted or added after the gates ran:
-  Snakemake does not rerun a gate for a deleted intermediate file): no archive is ever built
-  from failing evidence;
-* packs, under one top folder ``NAME/``: every regular file of ``RUN`` (reports, raw ``*.f32``
-  tensors, logs, ``SUMMARY.md``, the JSON artifacts; hidden files such as a crashed writer's
-  ``.*.tmp`` are left out and listed on stderr; a symbolic link in ``RUN`` is an error), a copy
-  of the schemas under ``NAME/schemas/``, ``NAME/REVIEWING.md`` (how to check the bundle with
+  missing or not ``passed``: no archive is ever built from failing evidence. It reads the two
+  records and does not run the gates again (the workflow's ``verify_archive`` runs the
+  reviewer's verifier, every check, on the archive just built);
+* refuses, naming the file and the fix, a given file that is missing, not a regular file, a
+  symbolic link (or under one), outside ``RUN``, or named like what the archive adds
+  (``SHA256SUMS``, ``REVIEWING.md``, ``schemas/``); a file list that lacks evidence ``verify``
+  needs (:func:`rl_engine.evidence.rundir.evidence_files` and ``SUMMARY.md``: the files the
+  evidence names); and schema files that are not the set ``validation.json`` records it was
+  checked with (names and SHA-256: the only files hashed beyond ``SHA256SUMS``, a few KiB);
+* packs, under one top folder ``NAME/``: each given file at its path relative to ``RUN``, the
+  schemas under ``NAME/schemas/``, ``NAME/REVIEWING.md`` (how to check the bundle with
   ``sha256sum -c`` alone and with ``python -m rl_engine verify``) and ``NAME/SHA256SUMS`` in
   ``sha256sum -c`` format over every other file, paths relative to ``NAME/``;
 * is byte-reproducible: members sorted by name, ustar format, mtime 0, uid/gid 0, empty
@@ -28,19 +39,31 @@ from __future__ import annotations
 import argparse
 import gzip
 import io
+import os
 import re
 import sys
 import tarfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rl_engine import jsonio, schemas
-from rl_engine.evidence.crosscheck import crosscheck_run
-from rl_engine.evidence.rundir import CROSSCHECK, ENVIRONMENT, REVIEWING, SCHEMA_DIR, SUMS, VALIDATION, load_json
-from rl_engine.evidence.validation import validate_run
+from rl_engine import jsonio
+from rl_engine.evidence.rundir import (
+    ARCHIVE_ONLY,
+    CROSSCHECK,
+    ENVIRONMENT,
+    REVIEWING,
+    SCHEMA_DIR,
+    SUMMARY,
+    SUMS,
+    VALIDATION,
+    evidence_files,
+    load_json,
+)
 
 SUFFIX = ".tar.gz"
+SCHEMA_SUFFIX = ".schema.json"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 FIXED_MTIME = 0
 FILE_MODE = 0o644
@@ -81,14 +104,33 @@ def check_gates(run_dir: Path) -> None:
                                "no archive is built from failing evidence")
 
 
-def check_evidence(run_dir: Path, schema_dir: Path) -> None:
-    """Refuse unless the run, as it is now, still passes both gates (they may predate a change)."""
-    found = [*validate_run(run_dir, schema_dir).findings, *crosscheck_run(run_dir)[1]]
+def check_complete(run_dir: Path, packed: set[str]) -> None:
+    """Refuse a file list that lacks evidence ``verify`` needs: what the evidence names, and SUMMARY.md."""
+    names, found = evidence_files(run_dir)
     if found:
-        raise ArchiveError(f"refusing to archive {run_dir}: its files no longer pass the gates that recorded "
-                           f"a pass ({len(found)} problem(s), first: {found[0]}); rerun the validation and "
-                           "crosscheck gates (in the workflow: snakemake --cores 8 --forcerun validation); "
-                           "no archive is built from failing evidence")
+        raise ArchiveError(f"refusing to archive {run_dir}: {found[0]}")
+    missing = [name for name in [*names, SUMMARY] if name not in packed]
+    if missing:
+        raise ArchiveError(f"refusing to archive {run_dir}: {run_dir / missing[0]} is evidence that verify needs but "
+                           f"is not among the files to pack ({len(missing)} missing: {', '.join(missing)}); add it "
+                           "to --files (the workflow's archive rule declares every one as an input)")
+
+
+def check_schemas(run_dir: Path, shipped: list[tuple[str, bytes]]) -> None:
+    """Refuse schemas other than the ones ``validation.json`` records it used (verify would fail them).
+
+    The only hashing here beyond SHA256SUMS, of a few KiB: the schemas are the one input the
+    archive is handed besides the run, and a hand run may hand it another checkout's.
+    """
+    recorded, _ = load_json(run_dir / VALIDATION)  # check_gates read it: a passed record
+    used = recorded.get("schemas") if isinstance(recorded, dict) else None
+    given = {rel[len(SCHEMA_DIR) + 1: -len(SCHEMA_SUFFIX)]: jsonio.sha256_bytes(data) for rel, data in shipped}
+    if not isinstance(used, dict) or given == used:
+        return  # (validation.schema.json requires the record)
+    differ = sorted(n for n in set(given) | set(used) if given.get(n) != used.get(n))
+    raise ArchiveError(f"refusing to archive {run_dir}: the schemas given ({', '.join(differ)} differ) are not the "
+                       f"ones {VALIDATION} records it was checked with; pass the schema files the validation gate "
+                       "used (the workflow's archive and validation rules declare the same list)")
 
 
 def checkout_text(git: dict[str, Any]) -> str:
@@ -192,26 +234,51 @@ single-node ones included, so the numbers do not depend on the node placement ei
 {checkout_text(git or {"available": False, "reason": "environment.json has no git record"})}"""
 
 
-def _collect(run_dir: Path) -> tuple[list[tuple[str, bytes]], list[str]]:
-    files: list[tuple[str, bytes]] = []
-    hidden: list[str] = []
-    for path in sorted(run_dir.rglob("*")):
-        rel = path.relative_to(run_dir).as_posix()
-        if path.is_symlink():
-            raise ArchiveError(f"{run_dir}/{rel} is a symbolic link; the run directory must hold regular files only")
-        if any(part.startswith(".") for part in path.relative_to(run_dir).parts):
-            if path.is_file():
-                hidden.append(rel)
-            continue
-        if path.is_dir():
-            continue
+def given_files(run_dir: Path, files: Sequence[Path]) -> list[tuple[str, bytes]]:
+    """``(path relative to run_dir, bytes)`` of each given file, sorted; refuses what must not be packed."""
+    root = Path(os.path.abspath(run_dir))
+    packed: dict[str, bytes] = {}
+    for given in files:
+        path = Path(os.path.abspath(given))
+        try:
+            rel = path.relative_to(root)
+        except ValueError:
+            raise ArchiveError(f"{given} lies outside the run directory {run_dir}; the archive packs files of the run "
+                               f"only: move it into {run_dir} or leave it out of --files") from None
+        if not rel.parts:
+            raise ArchiveError(f"{given} is the run directory itself; name its files in --files")
+        for i in range(1, len(rel.parts) + 1):
+            if root.joinpath(*rel.parts[:i]).is_symlink():
+                raise ArchiveError(f"{root.joinpath(*rel.parts[:i])} is a symbolic link; the run directory must "
+                                   "hold regular files only: replace it by the file or leave it out of --files")
         if not path.is_file():
-            raise ArchiveError(f"{run_dir}/{rel} is not a regular file")
-        top = rel.split("/", 1)[0]
-        if top in (SUMS, REVIEWING, SCHEMA_DIR):
-            raise ArchiveError(f"{run_dir}/{rel} clashes with the archive's own {top}; rename or remove it")
-        files.append((rel, path.read_bytes()))
-    return files, hidden
+            raise ArchiveError(f"{given} is missing (or not a regular file); it is declared evidence of the run: "
+                               "make it again (snakemake --cores 8 rebuilds every declared file) or leave it out "
+                               "of --files")
+        if rel.parts[0] in ARCHIVE_ONLY:
+            raise ArchiveError(f"{given} clashes with the archive's own {rel.parts[0]}; rename it or leave it out "
+                               "of --files")
+        packed[rel.as_posix()] = path.read_bytes()
+    return sorted(packed.items())
+
+
+def given_schemas(schema_files: Sequence[Path]) -> list[tuple[str, bytes]]:
+    """``(schemas/<name>, bytes)`` of each given ``*.schema.json``, sorted."""
+    shipped: dict[str, bytes] = {}
+    for given in schema_files:
+        if not given.name.endswith(SCHEMA_SUFFIX):
+            raise ArchiveError(f"--schemas {given} is not a *{SCHEMA_SUFFIX} file; pass the schema files the run was "
+                               "validated with (schemas/*.schema.json)")
+        if given.is_symlink() or not given.is_file():
+            raise ArchiveError(f"--schemas {given} is missing (or not a regular file); pass the schema files the run "
+                               "was validated with (schemas/*.schema.json)")
+        rel = f"{SCHEMA_DIR}/{given.name}"
+        if rel in shipped:
+            raise ArchiveError(f"--schemas names {given.name} twice; the archive ships one schemas/ folder")
+        shipped[rel] = given.read_bytes()
+    if not shipped:
+        raise ArchiveError("no --schemas given; the archive must ship the schemas the run was validated with")
+    return sorted(shipped.items())
 
 
 def _info(name: str, size: int, is_dir: bool) -> tarfile.TarInfo:
@@ -251,8 +318,8 @@ def sums_text(files: list[tuple[str, bytes]]) -> str:
     return "".join(f"{jsonio.sha256_bytes(data)}  {rel}\n" for rel, data in sorted(files))
 
 
-def build(run_dir: Path, output: Path, schema_dir: Path) -> Built:
-    """Check the gates, then write ``output`` and ``output.sha256`` atomically."""
+def build(run_dir: Path, output: Path, files: Sequence[Path], schema_files: Sequence[Path]) -> Built:
+    """Check the recorded gates and the file list, then write ``output`` and ``output.sha256`` atomically."""
     name = archive_name(output)
     sidecar = output.with_name(output.name + ".sha256")
     for stale in (output, sidecar):
@@ -262,44 +329,42 @@ def build(run_dir: Path, output: Path, schema_dir: Path) -> Built:
     if output.resolve().is_relative_to(run_dir.resolve()):
         raise ArchiveError(f"--output {output} must not lie inside the run directory it packs")
     check_gates(run_dir)
-    check_evidence(run_dir, schema_dir)
-    files, hidden = _collect(run_dir)
-    for rel in hidden:
-        print(f"archive: leaving out hidden file {rel} (not evidence)", file=sys.stderr)
-    schema_files = sorted(schema_dir.glob("*.schema.json"))
-    if not schema_files:
-        raise ArchiveError(f"no *.schema.json in {schema_dir}; the archive must ship the schemas it was checked with")
-    schemas.load(schema_dir)  # refuse to ship schemas that do not load
-    files += [(f"{SCHEMA_DIR}/{p.name}", p.read_bytes()) for p in schema_files]
-    environment, _ = load_json(run_dir / ENVIRONMENT)  # schema-valid: check_evidence passed
+    packed = given_files(run_dir, files)
+    check_complete(run_dir, {rel for rel, _ in packed})
+    shipped = given_schemas(schema_files)
+    check_schemas(run_dir, shipped)
+    environment, _ = load_json(run_dir / ENVIRONMENT)  # in the list: check_complete passed
     git = environment.get("git") if isinstance(environment, dict) else None
-    files.append((REVIEWING, reviewing_text(name, git if isinstance(git, dict) else None).encode("utf-8")))
-    files.append((SUMS, sums_text(files).encode("utf-8")))
-    data = tar_gz_bytes(name, files)
+    members = [*packed, *shipped, (REVIEWING, reviewing_text(name, git if isinstance(git, dict) else None).encode("utf-8"))]
+    members.append((SUMS, sums_text(members).encode("utf-8")))
+    data = tar_gz_bytes(name, members)
     digest = jsonio.sha256_bytes(data)
     output.parent.mkdir(parents=True, exist_ok=True)
     jsonio.atomic_write_bytes(output, data)
     jsonio.atomic_write_text(sidecar, f"{digest}  {output.name}\n")
-    return Built(output, digest, tuple(sorted(rel for rel, _ in files)))
+    return Built(output, digest, tuple(sorted(rel for rel, _ in members)))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rl_engine archive", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-dir", required=True, type=Path, help="run directory to pack")
+    parser.add_argument("--run-dir", required=True, type=Path, help="the run directory: the top folder of the bundle")
     parser.add_argument("--output", required=True, type=Path, help="results/NAME.tar.gz")
-    parser.add_argument("--schemas", type=Path, default=None, help="schema directory to ship (default: the repository's)")
+    parser.add_argument("--schemas", required=True, nargs="+", type=Path, metavar="SCHEMA",
+                        help="the *.schema.json files the run was validated with (shipped under schemas/)")
+    parser.add_argument("--files", required=True, nargs="+", type=Path, metavar="FILE",
+                        help="the run's files to pack, each inside --run-dir (the workflow's archive rule passes "
+                             "its declared inputs); nothing else of the run directory is packed")
     args = parser.parse_args(argv)
-    schema_dir = args.schemas or schemas.repo_schema_dir()
     try:
-        built = build(args.run_dir, args.output, schema_dir)
-    except ArchiveError as exc:
-        print(f"archive: {exc}", file=sys.stderr)
-        return 1
-    except schemas.SchemaError as exc:
+        built = build(args.run_dir, args.output, args.files, args.schemas)
+    except (ArchiveError, OSError) as exc:
         print(f"archive: {exc}", file=sys.stderr)
         return 1
     print(f"archive: {built.path} ({len(built.members)} files)\nsha256: {built.sha256}")
     return 0
 
 
-__all__ = ["ArchiveError", "Built", "archive_name", "build", "main", "reviewing_text", "sums_text", "tar_gz_bytes"]
+__all__ = [
+    "ArchiveError", "Built", "archive_name", "build", "check_complete", "check_gates", "check_schemas", "given_files",
+    "given_schemas", "main", "reviewing_text", "sums_text", "tar_gz_bytes",
+]

@@ -1,8 +1,9 @@
 """What a run directory holds, and how its files are read for checking.
 
 A run directory (``results/<name>/``, or the top folder of an extracted archive) holds
-``environment.json``, ``regression.json``, ``plan.json`` and one ``tp<T>-cp<C>.json`` report
-per planned topology with its raw ``*.f32`` tensors; an extracted archive's top folder also
+``environment.json``, ``regression.json``, ``case.json``, ``plan.json`` and one ``tp<T>-cp<C>.json`` report
+per planned topology with its raw ``*.f32`` tensors (:func:`evidence_files` names every file
+of that evidence, as the evidence itself names them); an extracted archive's top folder also
 holds :data:`ARCHIVE_ONLY` (``SHA256SUMS``, ``REVIEWING.md``, ``schemas/``), which ``archive``
 adds. Every check in :mod:`rl_engine.evidence` reads it through this module, so the workflow's gates and the reviewer's verifier see the
 same files the same way.
@@ -17,7 +18,7 @@ import json
 import re
 import sys
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from rl_engine import jsonio, schemas
@@ -26,12 +27,14 @@ REPORT_NAME = re.compile(r"^tp([1-9][0-9]*)-cp([1-9][0-9]*)\.json$")
 WHOLE_FILE = "(file)"
 
 ENVIRONMENT = "environment.json"
+ENVIRONMENT_TEXT = "environment.txt"
 REGRESSION = "regression.json"
 CASE = "case.json"
 PLAN = "plan.json"
 VALIDATION = "validation.json"
 CROSSCHECK = "crosscheck.json"
 SUMMARY = "SUMMARY.md"
+LOG_DIR = "logs"  # the rules' logs: packed, never listed as evidence
 
 # what ``archive`` adds beside the run's own files (never in a run directory)
 SUMS = "SHA256SUMS"
@@ -180,6 +183,50 @@ def planned_reports(plan: Any, run_dir: Path) -> tuple[list[PlannedReport], list
         command = entry.get("command")
         planned.append(PlannedReport(label, tp, cp, run_dir / name, command if isinstance(command, str) else None))
     return planned, found
+
+
+def _inside(name: Any) -> bool:
+    """A plain relative POSIX path that stays inside the directory it is joined to."""
+    if not isinstance(name, str) or not name or "\\" in name:
+        return False
+    pure = PurePosixPath(name)
+    return not pure.is_absolute() and all(part not in ("", ".", "..") for part in pure.parts)
+
+
+def evidence_files(run_dir: Path) -> tuple[list[str], list[Finding]]:
+    """The run's evidence files (paths relative to ``run_dir``, sorted), named by the evidence itself.
+
+    ``environment.json`` and ``environment.txt``; ``regression.json`` and the pytest log and JUnit
+    XML it names; ``case.json``, ``plan.json``, every report the plan lists and every raw tensor file each report
+    records; ``validation.json`` and ``crosscheck.json``. Not ``SUMMARY.md``, the logs under
+    ``logs/`` or what an archive adds. This is what ``SUMMARY.md``'s artifact table lists and
+    what an archive must hold besides ``SUMMARY.md`` for ``verify`` to check every claim; a file
+    lying in the run directory that no evidence names (a leftover, a note) is not evidence.
+    Unreadable ``regression.json``, ``plan.json`` or reports are findings (their names still count);
+    a name that is not a plain relative path inside the run (absolute, ``..``, a backslash) is left
+    out, so nothing outside the run directory is ever read as its evidence (the gates fail it).
+    """
+    names = {ENVIRONMENT, ENVIRONMENT_TEXT, REGRESSION, CASE, PLAN, VALIDATION, CROSSCHECK}
+    found: list[Finding] = []
+    regression, regression_found = load_json(run_dir / REGRESSION)
+    found += regression_found
+    for key in ("log", "junit"):
+        name = regression.get(key) if isinstance(regression, dict) else None
+        if _inside(name):
+            names.add(name)
+    plan, plan_found = load_json(run_dir / PLAN)
+    found += plan_found
+    planned, planned_found = planned_reports(plan, run_dir) if plan is not None else ([], [])
+    found += planned_found
+    for item in planned:
+        names.add(item.file)
+        report, report_found = load_json(item.path)
+        found += report_found
+        ok, tensors = get(report, ("tensors",))
+        for entry in tensors.values() if ok and isinstance(tensors, dict) else ():
+            if isinstance(entry, dict) and _inside(entry.get("path")):
+                names.add(entry["path"])
+    return sorted(names), found
 
 
 def finish_gate(

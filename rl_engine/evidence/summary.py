@@ -12,8 +12,10 @@ typed in. The same tables are printed on the console with rich.
 
 The text is a function of the evidence files alone (:func:`summary_text`): ``verify`` renders it
 again from an extracted archive and compares bytes with the shipped ``SUMMARY.md``. The
-artifact table lists every file of the run directory except ``SUMMARY.md`` itself, ``logs/``,
-hidden files and what only an archive holds (``SHA256SUMS``, ``REVIEWING.md``, ``schemas/``).
+artifact table lists the evidence files the evidence names
+(:func:`rl_engine.evidence.rundir.evidence_files`: not ``SUMMARY.md`` itself, the logs, or any
+other file lying in the run directory), so it says the same of a run directory and of an archive
+that packs the workflow's declared files.
 
 Exit 0 when written, whatever the evidence says: evidence whose recorded gates failed gets a
 FAILED status. That happens only when the verb is run by hand on such evidence; in the
@@ -40,21 +42,19 @@ from rl_engine import jsonio
 from rl_engine.evidence.casename import RunNameError, pytest_args_of
 from rl_engine.campaign.plan import RUNNER_MODULE as RUNNER
 from rl_engine.evidence.rundir import (
-    ARCHIVE_ONLY,
     CASE,
     CROSSCHECK,
     ENVIRONMENT,
     PLAN,
     REGRESSION,
-    SUMMARY,
     VALIDATION,
     Finding,
     PlannedReport,
+    evidence_files,
     load_json,
     planned_reports,
 )
 
-LOG_DIR = "logs"
 
 
 class SummaryError(ValueError):
@@ -338,12 +338,10 @@ def sections(ev: Evidence, run_dir: Path) -> dict[str, Section]:
                           f"{'dirty' if git.get('dirty') else 'clean'})"),
     ))
     artifacts = []
-    for path in sorted(run_dir.rglob("*")):
-        rel = path.relative_to(run_dir)
-        if not path.is_file() or path.is_symlink() or rel.as_posix() == SUMMARY or rel.parts[0] == LOG_DIR \
-                or rel.parts[0] in ARCHIVE_ONLY or any(p.startswith(".") for p in rel.parts):
-            continue
-        artifacts.append((rel.as_posix(), str(path.stat().st_size), jsonio.sha256_file(path)))
+    for rel in evidence_files(run_dir)[0]:  # unreadable evidence already stopped load_evidence
+        path = run_dir / rel
+        if path.is_file() and not path.is_symlink():
+            artifacts.append((rel, str(path.stat().st_size), jsonio.sha256_file(path)))
     arts = Section("Artifacts", ("File", "Bytes", "SHA-256"), tuple(artifacts))
     skips = skipped_tests(run_dir, ev.regression)
     skipped = Section("Skipped tests", ("Test", "Reason"), skips if isinstance(skips, tuple) else ())

@@ -5,8 +5,10 @@ checks ``environment.json``, ``regression.json`` and ``plan.json`` against ``DIR
 the repository's ``schemas/``), then every report the plan lists (a missing report is a
 failure) against ``report.schema.json`` and :func:`rl_engine.evidence.acceptance.check_report`.
 A ``tp<T>-cp<C>.*`` report or tensor of a topology the plan does not list (left from an
-earlier plan) is a failure too: the archive packs every file of the run, so it would ship as
-evidence unchecked. The focused regression must have run tests and have none failed. It writes
+earlier plan) is a failure too: it would sit in the run directory looking like evidence that no
+gate checked (the archive packs only the workflow's declared files, so it would not ship, and
+``verify`` fails one found in an archive). The focused regression must have run tests and have
+none failed. It writes
 ``validation.json`` (validated against ``validation.schema.json`` of ``DIR`` first; a result
 that does not match is not written and the verb exits 1) and exits 1, naming the file or
 topology and the field on stderr, when anything fails; 2 when the schemas themselves cannot
@@ -91,8 +93,8 @@ def unplanned_findings(run_dir: Path, planned_labels: set[str]) -> list[Finding]
         label = f"tp{match.group(1)}-cp{match.group(2)}" if match else None
         if label is not None and label not in planned_labels:
             found.append(Finding(path.name, WHOLE_FILE, f"topology {label} is not in {PLAN} (left from an earlier "
-                                 "plan?): it would be packed as evidence without being checked; remove it or "
-                                 "plan that topology"))
+                                 "plan?): it looks like evidence but no gate checks it; remove it or plan that "
+                                 "topology"))
     return found
 
 

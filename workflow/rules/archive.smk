@@ -1,11 +1,28 @@
-# The archive's own logs live outside the run directory, which the archive packs whole.
+# The archive packs exactly its declared inputs (the run's evidence, the rules' logs, the
+# schemas), so Snakemake decides what is stale: an edited report or tensor reruns the gates, the
+# summary and the archive; a file no rule declares is never packed. The archive's own logs live
+# outside the run directory.
+
+STAGE_LOGS = [
+    f"{RUN}/logs/{stage}.log"
+    for stage in ("environment", "regression", "case", "plan", *[t.stem for t in TOPOLOGIES], "validation", "crosscheck",
+                  "summary")
+]
 
 
 rule archive:
     input:
-        summary=f"{RUN}/SUMMARY.md",
+        environment=[f"{RUN}/environment.json", f"{RUN}/environment.txt"],
+        regression=[f"{RUN}/regression.json", f"{RUN}/pytest-focused.log", f"{RUN}/pytest-junit.xml"],
+        case=f"{RUN}/case.json",
+        plan=f"{RUN}/plan.json",
+        reports=REPORTS,
+        tensors=TENSORS,
         validation=f"{RUN}/validation.json",
         crosscheck=f"{RUN}/crosscheck.json",
+        summary=f"{RUN}/SUMMARY.md",
+        logs=STAGE_LOGS,
+        schemas=SCHEMAS,
     output:
         archive=f"results/{RUN_NAME}.tar.gz",
         checksum=f"results/{RUN_NAME}.tar.gz.sha256",
@@ -13,12 +30,13 @@ rule archive:
         f"results/logs/{RUN_NAME}-archive.log",
     params:
         run=lambda wildcards, input: os.path.dirname(input.summary),
-        schemas="schemas",
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "python -m rl_engine archive --run-dir {params.run} --schemas {params.schemas} "
-        "--output {output.archive} > {log} 2>&1"
+        "python -m rl_engine archive --run-dir {params.run} --output {output.archive} "
+        "--schemas {input.schemas:q} --files {input.environment:q} {input.regression:q} {input.case:q} {input.plan:q} "
+        "{input.reports:q} {input.tensors:q} {input.validation:q} {input.crosscheck:q} {input.summary:q} "
+        "{input.logs:q} > {log} 2>&1"
 
 
 rule verify_archive:
