@@ -239,8 +239,8 @@ def test_time_limit_and_stop_signal_kill_every_nodes_tree(cluster: None, tmp_pat
     deadline = time.monotonic() + STARTUP_LIMIT_S
     ranks: list[str] = []
     while time.monotonic() < deadline:  # both nodes' ranks of the second run are up
-        ranks = _processes_mentioning(f"{runs['sigterm']}/tp2-cp2.json")
-        runners = [p for p in ranks if "distributed_logprob_comparison.py" in p and "torch.distributed.run" not in p]
+        ranks = _processes_mentioning(f"-m rl_engine.campaign.run {plans['sigterm']}")
+        runners = [p for p in ranks if "torch.distributed.run" not in p]  # the ranks, not their torchruns
         if len(runners) == 4:
             break
         assert procs["sigterm"].poll() is None, procs["sigterm"].communicate()[0]
@@ -305,9 +305,10 @@ def test_a_dead_node_fails_the_launch_and_leaves_nothing(cluster: None, tmp_path
         deadline = time.monotonic() + STARTUP_LIMIT_S
         parts: list[str] = []
         while time.monotonic() < deadline:
-            runners = [p for p in _processes_mentioning(f"{tmp_path}/tp2-cp2.json")
-                       if "distributed_logprob_comparison.py" in p and "torch.distributed.run" not in p]
-            parts = [p for p in _processes_mentioning(str(plan)) if "--rdzv-endpoint" in p and not p.split(": ", 1)[1].startswith("srun")]
+            runners = [p for p in _processes_mentioning(f"-m rl_engine.campaign.run {plan}")
+                       if "torch.distributed.run" not in p]  # the ranks, not their torchruns
+            parts = [p for p in _processes_mentioning(str(plan)) if "--rdzv-endpoint" in p
+                     and " launch " in p and not p.split(": ", 1)[1].startswith("srun")]  # each node's launch
             if len(runners) == 4 and len(parts) == 2:
                 break
             assert proc.poll() is None, proc.communicate()[0]
