@@ -15,10 +15,9 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from rl_engine.distributed.bounds import CP_LAYOUTS
-
 from rl_engine.campaign.tables import DEFAULT_PG_TIMEOUT_S as DEFAULT_TIMEOUT_S
 from rl_engine.campaign.tables import DEVICE_DIST_BACKENDS as DEVICES
+from rl_engine.distributed.bounds import CP_LAYOUTS
 
 
 class MeshError(RuntimeError):

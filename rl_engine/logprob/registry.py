@@ -18,7 +18,6 @@ from rl_engine.logprob.fused_cpu import FUSED_CPU_ID, FusedCpuLogprob, kernel_un
 from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
 
 
-
 class BackendUnavailableError(LogprobContractError):
     """An explicitly requested backend cannot serve the call; lists every reason."""
 
