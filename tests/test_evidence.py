@@ -762,3 +762,17 @@ def test_file_errors_end_in_a_message_without_a_traceback(argv: list[str], tmp_p
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     assert done.returncode in (1, 2), done.stderr
     assert "No such file or directory" in done.stderr and "Traceback" not in done.stderr and 'File "' not in done.stderr
+
+
+def test_plan_not_built_from_the_case_file_fails_validation(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """validation requires plan.json's case and topologies to be case.json's (the one-way flow)."""
+    code, _, _ = gate("validate", run, capsys)
+    assert code == 0  # negative control: the run as built
+    case = jsonio.load(run / "case.json")
+    case["case"]["seed"] += 1
+    case["topologies"] = case["topologies"][::-1]
+    jsonio.write_json(run / "case.json", case)
+    code, err, _ = gate("validate", run, capsys)
+    assert code == 1
+    assert "plan.json: case: differs from case.json's case in ['seed']: the plan was not built from this case file" in err
+    assert "plan.json: topologies: plans [(1, 1), (2, 2)], but case.json lists [(2, 2), (1, 1)]" in err

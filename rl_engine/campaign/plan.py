@@ -40,7 +40,6 @@ from rl_engine.campaign.tables import (
 )
 
 RUNNER_MODULE = "rl_engine.campaign.run"
-PLAN_NAME = "plan.json"
 TENSOR_NAMES: tuple[str, ...] = ("logp", "lse", "entropy")  # each report's raw <stem>.<name>.f32 files
 # A topology run's exit codes (the runner's ranks; launch restores them from the artifacts).
 EXIT_PASSED = 0  # the report was written and passed
@@ -143,7 +142,7 @@ def build_parser(prog: str = "python -m rl_engine plan") -> argparse.ArgumentPar
     )
     p.add_argument("--plan", action="store_true", help="accepted for the guide's command (planning is all this does)")
     p.add_argument("--case", help="the case file (case.json) to plan: the workflow's way; no case flags with it")
-    p.add_argument("--output", required=True, help=f"the plan to write ({PLAN_NAME}); reports land beside it")
+    p.add_argument("--output", required=True, help="the plan to write (plan.json); reports land beside it")
     p.add_argument("--topologies", help="<TP>x<CP>,... at least 2 (default: the case file's, else "
                    + ",".join(f"{t}x{c}" for t, c in DEFAULT_TOPOLOGIES) + ")")
     p.add_argument("--tp", type=int, help="with --cp: plan one topology")
@@ -215,7 +214,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m rl_engine plan") 
 
 
 __all__ = [
-    "PLAN_NAME",
     "RUNNER_MODULE",
     "build_plan",
     "launch_argv",

@@ -34,7 +34,6 @@ PLAN = "plan.json"
 VALIDATION = "validation.json"
 CROSSCHECK = "crosscheck.json"
 SUMMARY = "SUMMARY.md"
-LOG_DIR = "logs"  # the rules' logs: packed, never listed as evidence
 
 # what ``archive`` adds beside the run's own files (never in a run directory)
 SUMS = "SHA256SUMS"
