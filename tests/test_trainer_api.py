@@ -66,32 +66,6 @@ def test_the_documented_excerpt_is_the_examples_code() -> None:
     assert [line for line in lines if line not in script] == []
 
 
-def test_the_readme_api_runs_on_one_rank_and_quotes_the_example() -> None:
-    """The README's API block: its imports and its one-rank call run as written; every TP x CP
-    line (those not eliding arguments with ``...``) is a line of the script the test runs."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("## The API"):]
-    block = section[section.index("```python") + len("```python"):]
-    block = block[: block.index("```")]
-    one_rank, tp_cp = block.split("# TP x CP", 1)
-    torch.manual_seed(0)
-    inputs: dict[str, Any] = {
-        "logits": torch.randn(4, 151936).to(torch.bfloat16),
-        "targets": torch.tensor([0, 5, 151935, 7]),
-        "active": torch.tensor([True, True, False, True]),
-    }
-    exec(compile(one_rank, "README.md", "exec"), inputs)  # the README, run as written
-    out = inputs["out"]
-    expected = selected_logprob(inputs["logits"], inputs["targets"], inputs["active"],
-                                num_vocab_tiles=64, real_vocab_size=151936)
-    assert tensor_bytes(out.selected_logp) == tensor_bytes(expected.selected_logp)
-    assert out.selected_logp.dtype == torch.float32 and out.lse.shape == (4,)
-    script = {line.strip() for line in EXAMPLE.read_text(encoding="utf-8").splitlines()}
-    lines = [line.strip() for line in tp_cp.splitlines()[1:] if line.strip() and "..." not in line]
-    assert len(lines) >= 4
-    assert [line for line in lines if line not in script] == []
-
-
 def test_the_trainer_example_runs_under_torchrun_and_equals_one_rank() -> None:
     """TP=2 x CP=2 (zigzag) on 4 gloo processes: logp, LSE and every rank's gradient block
     are the bytes of the single-rank call on the same logits."""
