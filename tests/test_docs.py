@@ -109,3 +109,97 @@ def test_every_rule_walks_to_its_code_in_one_step() -> None:
         module = cli.VERBS[verb][0]
         assert row.group(1) == module.replace(".", "/") + ".py", (rule, verb, module, row.group(1))
         assert (ROOT / row.group(1)).is_file()
+
+
+# ----- drift (issue 22): cited tests exist, tables are well formed ------------------------------
+
+CITED_TEST = re.compile(r"\b(tests/[\w/]+\.py)::([\w:]+)")
+CELL_SEPARATOR = re.compile(r"(?<!\\)\|")
+DELIMITER_CELL = re.compile(r"^\s*:?-+:?\s*$")
+
+
+def cited_tests(page: Path) -> list[tuple[str, str]]:
+    """``(file, name)`` of every ``tests/<file>.py::<name>`` the page cites, code included."""
+    return CITED_TEST.findall(page.read_text(encoding="utf-8"))
+
+
+def missing_tests(citations: list[tuple[str, str]]) -> list[str]:
+    """The citations whose file lacks the test: ``name`` (or ``Class::name``) is a ``def``/``class``."""
+    missing = []
+    for file, name in citations:
+        path = ROOT / file
+        text = path.read_text(encoding="utf-8") if path.is_file() else ""
+        for part in name.split("::"):
+            if not re.search(rf"^\s*(?:async\s+)?(?:def|class)\s+{re.escape(part)}\b", text, re.M):
+                missing.append(f"{file}::{name}")
+                break
+    return missing
+
+
+def cells(row: str) -> list[str]:
+    """A table row's cells as GitHub counts them: split on every ``|`` not escaped as ``\\|``
+    (a ``|`` inside a code span splits too), less the outer pipes."""
+    row = row.strip()
+    row = row[1:] if row.startswith("|") else row
+    row = row[:-1] if row.endswith("|") and not row.endswith("\\|") else row
+    return CELL_SEPARATOR.split(row)
+
+
+def tables(text: str) -> list[list[str]]:
+    """Every table outside fenced code: runs of lines that start with ``|``."""
+    found: list[list[str]] = []
+    current: list[str] = []
+    for line in FENCE.sub("", text).splitlines() + [""]:
+        if line.lstrip().startswith("|"):
+            current.append(line)
+        elif current:
+            found.append(current)
+            current = []
+    return found
+
+
+def table_problems(rows: list[str]) -> list[str]:
+    """What is wrong with one table: a missing delimiter row, or a row whose cell count is not
+    the header's (the delimiter row included)."""
+    if len(rows) < 2 or not all(DELIMITER_CELL.match(c) for c in cells(rows[1])):
+        return [f"{rows[0].strip()!r}: no delimiter row (|---|...) under the header"]
+    width = len(cells(rows[0]))
+    return [f"row {i} has {len(cells(row))} cells, the header {width}: {row.strip()[:80]!r}"
+            for i, row in enumerate(rows[1:], start=2) if len(cells(row)) != width]
+
+
+def test_the_pages_cite_tests_to_check() -> None:
+    assert sum(len(cited_tests(page)) for page in PAGES) >= 3
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_cited_test_exists(page: Path) -> None:
+    assert missing_tests(cited_tests(page)) == [], page.relative_to(ROOT)
+
+
+def test_a_cited_test_that_is_gone_is_found() -> None:
+    """Negative controls: a name the file lacks, a prefix of a real name, a missing file."""
+    assert missing_tests([("tests/test_docs.py", "test_every_cited_test_exists")]) == []
+    assert missing_tests([("tests/test_docs.py", "test_no_such_test"),
+                          ("tests/test_docs.py", "test_every_cited_test"),
+                          ("tests/test_nowhere.py", "test_x")]) == [
+        "tests/test_docs.py::test_no_such_test", "tests/test_docs.py::test_every_cited_test",
+        "tests/test_nowhere.py::test_x"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_table_is_well_formed(page: Path) -> None:
+    found = tables(page.read_text(encoding="utf-8"))
+    problems = [p for rows in found for p in table_problems(rows)]
+    assert problems == [], f"{page.relative_to(ROOT)}: " + "; ".join(problems)
+
+
+def test_a_malformed_table_is_found() -> None:
+    """Negative controls: 3 header cells over 4 delimiter cells (the config table's old
+    defect), a short row, a pipe in a code span, no delimiter row; and an escaped pipe is fine."""
+    assert table_problems(["| a | b |", "|---|---|", "| `x\\|y` | 2 |"]) == []
+    assert table_problems(["| a | b | c |", "|---|---|---|---|", "| 1 | 2 | 3 |"])
+    assert table_problems(["| a | b |", "|---|---|", "| 1 |"])
+    assert table_problems(["| a | b |", "|---|---|", "| `x|y` | 2 |"])
+    assert table_problems(["| a | b |", "| 1 | 2 |"])
+    assert len(tables("x\n\n| a |\n|---|\n\n```\n| not | a table |\n```\n| b |\n|---|\n")) == 2
