@@ -49,9 +49,13 @@ def tolerance(dtype: str, atol: float, rtol: float) -> dict[str, Any]:
 #  the key, the value, and the fix)
 BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("unknown key", {"topology": ["1x1"]},
-     ("unknown config key(s) ['topology']", "remove or rename them", "allowed keys: ['backend',")),
+     ("unknown config key(s) ['topology']", "did you mean 'topologies' for 'topology'? remove or rename them",
+      "allowed keys: ['backend',")),
     ("unknown nested key", {"regression": {"tests": ["tests/test_logprob_contract.py"], "timeout": 5}},
-     ("unknown config key(s) ['timeout'] under 'regression'", "allowed keys: ['pytest_args', 'tests', 'timeout_s']")),
+     ("unknown config key(s) ['timeout'] under 'regression'", "did you mean 'timeout_s' for 'timeout'?",
+      "allowed keys: ['pytest_args', 'tests', 'timeout_s']")),
+    ("misspelt key", {"sead": 7}, ("unknown config key(s) ['sead']", "did you mean 'seed' for 'sead'? remove or rename")),
+    ("unknown key with no close one", {"zzzzzz": 7}, ("unknown config key(s) ['zzzzzz']; remove or rename them",)),
     ("wrong type", {"batch": "2"}, ("config key 'batch' has value '2'", "is not of type 'integer'", SCHEMA_FIX)),
     ("bool is not an integer", {"seq": True}, ("config key 'seq' has value True", "is not of type 'integer'")),
     ("unknown dtype", {"dtype": "bf8"},
@@ -377,8 +381,9 @@ def test_config_errors_say_when_the_value_came_from_the_command_line() -> None:
     with pytest.raises(WorkflowConfigError, match=r"config key 'topologies\[1\]' has value '3x1' \(given with "
                                                    r"--config topologies=\.\.\.; the config file has topologies: "):
         check_config(dict(base(), topologies=["1x1", "3x1"]), campaign_cli)
-    with pytest.raises(WorkflowConfigError, match=r"unknown config key\(s\) \['sed'\] \(given with --config\)"):
-        check_config(dict(base(), sed=7), wfconfig.Origin(cli={"sed": 7}))
+    with pytest.raises(WorkflowConfigError, match=r"unknown config key\(s\) \['sead'\] \(given with --config\); "
+                                                   r"did you mean 'seed' for 'sead'\? remove or rename"):
+        check_config(dict(base(), sead=7), wfconfig.Origin(cli={"sead": 7}))  # --config sead=7
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
@@ -396,7 +401,8 @@ def test_cuda_campaign_is_refused_on_a_machine_without_cuda() -> None:
 
 # One dry run per family of messages; the campaign families batch several problems at once.
 DRY_RUNS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
-    "unknown-key": ({"topology": ["1x1"]}, ("unknown config key(s) ['topology']", "remove or rename them")),
+    "unknown-key": ({"topology": ["1x1"]}, ("unknown config key(s) ['topology']",
+                                           "did you mean 'topologies' for 'topology'? remove or rename them")),
     "schema-value": ({"dtype": "bf8"}, ("config key 'dtype' has value 'bf8'", "is not one of ['bf16', 'fp16', 'fp32']",
                                         "fix the value in schema-value.yaml (see schemas/config.schema.json)")),
     "schema-nested": (tolerance("bf16", -0.1, 0.0), ("config key 'tolerances.bf16.atol' has value -0.1",)),

@@ -15,6 +15,7 @@ cannot run here before any job.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import re
 import sys
@@ -103,6 +104,14 @@ def _key(path: Any) -> str:
     return ".".join(parts) if parts else "<top level>"
 
 
+def closest_keys(unknown: Sequence[str], allowed: Sequence[str]) -> str:
+    """``did you mean 'seed' for 'sead'? `` for every unknown key with a close allowed one (difflib),
+    else the empty string."""
+    pairs = [(key, difflib.get_close_matches(key, allowed, n=1)) for key in unknown]
+    hints = [f"{match[0]!r} for {key!r}" for key, match in pairs if match]
+    return f"did you mean {', '.join(hints)}? " if hints else ""
+
+
 def _schema_message(error: Any, origin: Origin) -> str:
     key = _key(error.absolute_path)
     if error.validator == "additionalProperties":
@@ -112,8 +121,8 @@ def _schema_message(error: Any, origin: Origin) -> str:
         if not error.absolute_path and any(k in origin.cli for k in extra):
             where = " (given with --config)"
         return (
-            f"unknown config key(s) {extra}{where}; remove or rename them (allowed keys: "
-            f"{allowed})"
+            f"unknown config key(s) {extra}{where}; {closest_keys(extra, allowed)}remove or rename them "
+            f"(allowed keys: {allowed})"
         )
     if error.validator == "required":
         return f"config key {key!r}: {error.message}; add it (see the default config.yaml)"
