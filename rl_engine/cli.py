@@ -15,6 +15,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "compare": ("rl_engine.campaign.run", "run one planned topology's comparison (each rank, under torchrun)"),
     "launch": ("rl_engine.campaign.launch", "run one planned topology with a time limit"),
     "env": ("rl_engine.evidence.environment", "capture environment.json and environment.txt"),
+    "sources": ("rl_engine.evidence.sources", "write the engine's source digest file the workflow's jobs depend on"),
     "regression": ("rl_engine.evidence.regression", "run the focused pytest suite with counts"),
     "validate": ("rl_engine.evidence.validation", "validate artifacts and report acceptance"),
     "crosscheck": ("rl_engine.evidence.crosscheck", "cross-topology bitwise fingerprint check"),

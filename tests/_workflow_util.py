@@ -64,16 +64,28 @@ def env_for(repo: Path, extra: dict[str, str] | None = None, prepend: Path | Non
     return env
 
 
-def snakemake_cmd(*args: str, configfile: str = CONFIG) -> list[str]:
+# The default profile quiets Snakemake's per-job blocks (``quiet: [rules]``); the tests read them
+# (a failed rule's name and wildcards, a dry run's planned files), so they bring them back with
+# ``--quiet host`` unless a test looks at the default console itself (``default_console=True``).
+JOB_BLOCKS = ("--quiet", "host")
+
+
+def snakemake_cmd(*args: str, configfile: str = CONFIG, default_console: bool = False) -> list[str]:
     """``args`` (targets, flags) come first: ``--configfile`` and ``--config`` take several values."""
-    return [sys.executable, "-m", "snakemake", *args, "--cores", "8", "--configfile", configfile]
+    quiet = () if default_console else JOB_BLOCKS
+    return [sys.executable, "-m", "snakemake", *args, *quiet, "--cores", "8", "--configfile", configfile]
 
 
 def snakemake(repo: Path, *args: str, timeout: float = 900, env: dict[str, str] | None = None,
-              configfile: str = CONFIG) -> subprocess.CompletedProcess[str]:
-    """``snakemake *args --cores 8 --configfile <configfile>`` in ``repo``."""
-    return subprocess.run(snakemake_cmd(*args, configfile=configfile), cwd=repo, env=env or env_for(repo),
-                          capture_output=True, text=True, timeout=timeout)
+              configfile: str = CONFIG, default_console: bool = False) -> subprocess.CompletedProcess[str]:
+    """``snakemake *args --cores 8 --configfile <configfile>`` in ``repo``. With ``default_console``
+    stderr is merged into stdout (the console as a person sees it, in order; ``stderr`` is empty)."""
+    cmd = snakemake_cmd(*args, configfile=configfile, default_console=default_console)
+    if default_console:
+        done = subprocess.run(cmd, cwd=repo, env=env or env_for(repo), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        return subprocess.CompletedProcess(done.args, done.returncode, done.stdout, "")
+    return subprocess.run(cmd, cwd=repo, env=env or env_for(repo), capture_output=True, text=True, timeout=timeout)
 
 
 def verify(repo: Path, archive: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -103,3 +103,20 @@ def test_a_successful_partial_run_is_incomplete(tmp_path: Path) -> None:
     result = closing(run, STEMS, succeeded=True)
     assert result.verdict == "INCOMPLETE: validation gate not built by this run (missing validation.json)"
     assert "Log" not in rows(result)
+
+
+def test_a_failed_stage_shows_the_end_of_its_log(tmp_path: Path) -> None:
+    """Issue 22: the default profile quiets Snakemake's error block, so the table shows the failed
+    stage's last lines itself (rich markup in the log is shown as text, not interpreted)."""
+    run = lay_out(tmp_path / "results", upto="topology tp2-cp1")
+    log = run / "logs" / "tp2-cp1.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("".join(f"line {i}\n" for i in range(40)) + "[bold]rank 1 exited with code 2[/bold]\n")
+    result = closing(run, STEMS, succeeded=False)
+    tail = rows(result)["Log, last 15 lines"]
+    assert tail.splitlines()[0] == "line 26" and len(tail.splitlines()) == 15
+    out = io.StringIO()
+    print_closing(run, STEMS, succeeded=False, console=Console(file=out, width=200))
+    assert "[bold]rank 1 exited with code 2[/bold]" in out.getvalue() and "line 25" not in out.getvalue()
+    log.unlink()  # no log: no tail row, the log row says so
+    assert "Log, last 15 lines" not in rows(closing(run, STEMS, succeeded=False))

@@ -141,6 +141,10 @@ def test_good_archive_verifies_with_recompute(good: Good, sandbox: Sandbox, caps
         "tested": "note", "run name": "note",
     }
     assert "VERIFIED" in text and "2 topologies bitwise identical" in text
+    reg = jsonio.loads(good.data("regression.json").decode())
+    assert reg["passed"] > 0
+    assert problems(result, "focused regression") == (
+        f"tests ran, none failed: {reg['passed']} passed, {reg['skipped']} skipped")  # issue 22: the counts
     assert "byte-identical to the summary rendered again" in problems(result, "SUMMARY.md")
 
 

@@ -46,9 +46,9 @@ def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subproc
     repo = copy_repo(tmp_path_factory.mktemp("wf-default"))
     write_config(repo, {"regression": SHORT_REGRESSION})
     start = time.monotonic()
-    done = snakemake(repo)
+    done = snakemake(repo, default_console=True)  # the console a person sees (stderr merged, in order)
     elapsed = time.monotonic() - start
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    assert done.returncode == 0, done.stdout[-12000:]
     return repo, done, elapsed
 
 
@@ -97,6 +97,48 @@ def test_the_console_ends_with_the_verdict_and_the_archive(default_run) -> None:
                  f"python -m rl_engine verify results/{name}.tar.gz"):
         assert text in tail, (text, tail)
     assert "Finished job" not in tail and "steps (100%) done" not in tail  # nothing of the run after it
+
+
+CONSOLE_LIMIT_BYTES = 20_000  # issue 22: a default run printed 58 KB, 292 lines
+
+
+def test_the_default_console_fits_a_few_screens_and_the_closing_table_is_last(default_run) -> None:
+    """Issue 22: one default run's whole console (Snakemake's and the jobs' output, in order) is at
+    most 20 KB, no job prints its input list, the focused suite shows progress, and nothing follows
+    the closing table (its bottom border is the last line)."""
+    repo, done, _ = default_run
+    console = done.stdout
+    size = len(console.encode())
+    print(f"default console: {size} bytes, {console.count(chr(10))} lines")
+    assert size <= CONSOLE_LIMIT_BYTES, console
+    assert "rl_engine/logprob/" not in console  # the sources are one input, not ~70 names per job
+    assert re.search(r"^regression: \d+% of the focused suite, \d+ s$", console, re.M), console
+    assert re.search(r"^regression: \d+ passed, 0 failed", console, re.M), console
+    table = console[console.rindex("rl_engine evidence workflow: result"):]
+    lines = table.rstrip("\n").splitlines()
+    assert lines[-1].startswith("└") and lines[-1].endswith("┘"), lines[-3:]
+    assert "VERIFIED" in table and "Finished job" not in table and "steps (100%) done" not in table
+
+
+def test_an_edited_engine_source_reruns_what_depends_on_it(default_run) -> None:
+    """Issue 22: the sources are one input (results/logs/<name>-sources.sha256, from the sources
+    rule, whose digest param changes with any source), and an edit still reruns the regression, the
+    plan, every topology and what follows; the environment and the case do not depend on it.
+    Undoing the edit leaves nothing to do (the dry run changed nothing)."""
+    repo, _, _ = default_run
+    source = repo / "rl_engine" / "campaign" / "plan.py"
+    original = source.read_bytes()
+    try:
+        source.write_bytes(original + b"\n# an edit\n")
+        edited = snakemake(repo, "-n")
+    finally:
+        source.write_bytes(original)
+    counts = jobs_run(edited.stdout + edited.stderr)
+    assert counts.get("sources") == 1 and counts.get("regression") == 1 and counts.get("plan") == 1, counts
+    assert counts.get("topology") == len(TOPOLOGIES) and counts.get("archive") == 1, counts
+    assert "environment" not in counts and "case" not in counts, counts
+    back = snakemake(repo, "-n")
+    assert jobs_run(back.stdout + back.stderr) == {}, back.stdout[-3000:]
 
 
 def test_second_run_has_nothing_to_do(default_run) -> None:

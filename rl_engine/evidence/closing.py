@@ -22,12 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from rl_engine import jsonio
 from rl_engine.evidence.rundir import CROSSCHECK, ENVIRONMENT, PLAN, REGRESSION, SUMMARY, VALIDATION
 
 VERIFIED = "VERIFIED"
+# The default profile quiets Snakemake's per-job blocks (its error block and failed log included),
+# so a failed run's table shows the end of the failed stage's log itself.
+LOG_TAIL_LINES = 15
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ def stages(run: Path, stems: list[str]) -> list[Stage]:
     results, name = run.parent, run.name
     logs = run / "logs"
     out = [
+        Stage("sources", (results / "logs" / f"{name}-sources.sha256",), results / "logs" / f"{name}-sources.log"),
         Stage("environment", (run / ENVIRONMENT,), logs / "environment.log"),
         Stage("regression", (run / REGRESSION,), logs / "regression.log"),
         Stage("plan", (run / PLAN,), logs / "plan.log"),
@@ -85,6 +90,12 @@ def stages(run: Path, stems: list[str]) -> list[Stage]:
         Stage("verify_archive", (results / f"{name}.verify.json",), results / "logs" / f"{name}-verify.log"),
     ]
     return out
+
+
+def log_tail(log: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of ``log``, shown as text (rich markup escaped, undecodable bytes replaced)."""
+    text = log.read_bytes()[-64 * 1024:].decode("utf-8", errors="replace")
+    return escape("\n".join(text.splitlines()[-lines:])) or "(empty)"
 
 
 def _sha256_of(sidecar: Path) -> str:
@@ -126,6 +137,8 @@ def closing(run: str | Path, stems: list[str], succeeded: bool) -> Closing:
         else:
             verdict = f"FAILED at {first_missing.rule} (missing {missing})"
             rows.append(("Log", f"{first_missing.log}" + ("" if first_missing.log.is_file() else " (not written)")))
+            if first_missing.log.is_file():
+                rows.append((f"Log, last {LOG_TAIL_LINES} lines", log_tail(first_missing.log)))
     def done(stage: Stage) -> bool:  # built, and no stage before it is missing
         return first_missing is None or all_stages.index(first_missing) > all_stages.index(stage)
 

@@ -41,7 +41,6 @@ from rl_engine.campaign.case import parse_topologies as parse_topology_pairs
 from rl_engine.campaign.tables import DEVICE_DIST_BACKENDS
 from rl_engine.campaign.nodes import NodeLayout, fitting_ranks_per_node, layout_problem
 
-SOURCE_PACKAGES = ("rl_engine",)
 RUNTIME_MARGIN_MIN = 5  # a topology job's Slurm time limit beyond topology_timeout_s
 MEM_MB_PER_RANK = 2000  # a topology job's memory per node: this per rank on the node, plus the launchers'
 MEM_MB_LAUNCH = 1000
@@ -349,15 +348,6 @@ def config_case(config: dict[str, Any]) -> dict[str, Any]:
     """The case file's JSON of a checked config: what the case rule writes to case.json."""
     topologies = tuple((t.tp, t.cp) for t in parse_topologies(config["topologies"]))
     return case_document(Case(**case_values(config)), topologies)
-
-
-def engine_sources(repo: str | Path) -> list[str]:
-    """The package's Python sources, relative to ``repo``: edits to them rerun dependent rules."""
-    repo = Path(repo)
-    found: list[str] = []
-    for package in SOURCE_PACKAGES:
-        found += [str(p.relative_to(repo)) for p in sorted((repo / package).rglob("*.py"))]
-    return found
 
 
 def main(argv: list[str]) -> int:

@@ -25,6 +25,8 @@ failed job's outputs are deleted, so there the record of what failed is the rule
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import shlex
 import signal
 import subprocess
@@ -104,20 +106,34 @@ def parse_junit(path: Path) -> Counts:
     return Counts(passed=passed, failed=failures, skipped=skipped, errors=errors)
 
 
-def _copy_output(source: Any, handle: Any) -> None:
+PROGRESS = re.compile(r"\[\s*(\d+)%\]\s*$")  # the end of a ``pytest -q`` progress line
+
+
+def progress_line(line: str, elapsed_s: float) -> str | None:
+    """``regression: 48% of the focused suite, 12 s`` for a pytest ``-q`` progress line, else None."""
+    match = PROGRESS.search(line)
+    return f"regression: {match.group(1)}% of the focused suite, {elapsed_s:.0f} s\n" if match else None
+
+
+def _copy_output(source: Any, handle: Any, progress: Any = None) -> None:
+    start = time.monotonic()
     for line in source:
         handle.write(line)
         handle.flush()
         sys.stdout.write(line)
         sys.stdout.flush()
+        shown = progress_line(line, time.monotonic() - start) if progress is not None else None
+        if shown:
+            progress.write(shown)
+            progress.flush()
 
 
-def _run_pytest(argv: list[str], log: Path, timeout_s: float | None) -> int:
+def _run_pytest(argv: list[str], log: Path, timeout_s: float | None, progress: Any = None) -> int:
     """pytest's exit code; :class:`RegressionStopped` after stopping it on a signal or the time limit."""
     with open(log, "w", encoding="utf-8") as handle, _StopSignals() as stops:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
                                 start_new_session=True)
-        copier = threading.Thread(target=_copy_output, args=(proc.stdout, handle), daemon=True)
+        copier = threading.Thread(target=_copy_output, args=(proc.stdout, handle, progress), daemon=True)
         copier.start()
         try:
             stops.arm()
@@ -140,7 +156,7 @@ def _run_pytest(argv: list[str], log: Path, timeout_s: float | None) -> int:
 
 
 def run(output_dir: Path, tests: list[str], pytest_args: list[str],
-        timeout_s: float | None = None) -> tuple[dict[str, Any], int]:
+        timeout_s: float | None = None, progress: Any = None) -> tuple[dict[str, Any], int]:
     """Run pytest, write the log, the JUnit XML and regression.json; return it and the exit code.
 
     Raises :class:`RegressionStopped` when pytest was stopped (``timeout_s`` or a signal).
@@ -153,7 +169,7 @@ def run(output_dir: Path, tests: list[str], pytest_args: list[str],
     argv = [sys.executable, "-m", "pytest", "-q", "-rs", *tests, *pytest_args, f"--junitxml={junit}"]
     shown = ["python", *argv[1:]]
     start = time.monotonic()
-    code = _run_pytest(argv, log, timeout_s)
+    code = _run_pytest(argv, log, timeout_s, progress)
     duration = time.monotonic() - start
     try:
         counts = parse_junit(junit)
@@ -187,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pytest-arg", action="append", default=[], help="extra pytest argument (repeatable)")
     parser.add_argument("--timeout-s", type=float, default=None,
                         help="wall-clock limit: stop pytest and what it started, exit 124 (default: none)")
+    parser.add_argument("--progress-fd", type=int, default=None,
+                        help="also write one line per pytest progress line, and the counts, to this open file "
+                             "descriptor (the workflow passes the console's, as its log takes stdout)")
     args = parser.parse_args(argv)
     if args.timeout_s is not None and not args.timeout_s > 0:
         parser.error(f"--timeout-s={args.timeout_s} must be > 0 (config regression.timeout_s)")
@@ -195,7 +214,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"regression: test file(s) not found: {', '.join(missing)}; fix --tests (config regression.tests)", file=sys.stderr)
         return 2
     try:
-        result, code = run(args.output_dir, args.tests, args.pytest_arg, args.timeout_s)
+        progress = os.fdopen(args.progress_fd, "w", closefd=False) if args.progress_fd is not None else None
+    except OSError as exc:
+        parser.error(f"--progress-fd={args.progress_fd} is not an open file descriptor ({exc})")
+    if progress is not None:
+        print(f"regression: running the focused suite ({len(args.tests)} files); its log: "
+              f"{args.output_dir / LOG_NAME}", file=progress, flush=True)
+    try:
+        result, code = run(args.output_dir, args.tests, args.pytest_arg, args.timeout_s, progress)
     except schemas.ArtifactSchemaError as exc:
         print(f"regression: {exc}", file=sys.stderr)
         return 1
@@ -205,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     line = (f"regression: {result['passed']} passed, {result['failed']} failed, {result['skipped']} skipped, "
             f"{result['errors']} errors (total {result['total']}, pytest exit {result['exit_code']})")
     print(line, file=sys.stderr if code else sys.stdout)
+    if progress is not None:
+        print(line, file=progress, flush=True)
     if result["problem"]:
         print(f"regression: {result['problem']}", file=sys.stderr)
     elif code and result["total"] == 0:

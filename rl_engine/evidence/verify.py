@@ -18,7 +18,7 @@ Runs without a GPU or network and checks, each as a row of the printed table:
 4. **SHA256SUMS**: every line verifies and no file is missing from it or extra;
 5. **JSON schemas**: every JSON artifact against the schemas shipped inside the archive
    (``NAME/schemas/``), strict JSON (no NaN/Infinity literals);
-6. **focused regression**: tests ran and none failed;
+6. **focused regression**: tests ran and none failed (the row gives the passed and skipped counts);
 7. **report acceptance**: :func:`rl_engine.evidence.acceptance.check_report` on every planned
    report (the same function the workflow's gate used), including each raw tensor's SHA-256
    against its recorded hash and fingerprint;
@@ -77,7 +77,7 @@ from rl_engine.evidence.casename import NOGIT, RunName, RunNameError, case_hash,
 from rl_engine.evidence.crosscheck import crosscheck_run
 from rl_engine.evidence.rundir import ENVIRONMENT, PLAN, REGRESSION, SUMMARY, Finding, is_number, load_json, planned_reports
 from rl_engine.evidence.safe_tar import MIB, Extracted, Limits, UnsafeArchiveError, safe_extract
-from rl_engine.evidence.summary import SummaryError, summary_text
+from rl_engine.evidence.summary import SummaryError, regression_text, summary_text
 from rl_engine.evidence.validation import validate_run
 
 SCHEMA_VERSION = "1"
@@ -109,6 +109,13 @@ class Check:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "status": self.status(), "detail": self.detail, "problems": list(self.problems)}
+
+
+def regression_detail(root: Path) -> str:
+    """The regression row's detail when it passes: the counts, as SUMMARY.md gives them."""
+    reg, _ = load_json(root / REGRESSION)
+    counts = regression_text(reg) if isinstance(reg, dict) else "no readable counts"
+    return f"tests ran, none failed: {counts}"
 
 
 def _from_findings(name: str, found: list[Finding], ok_detail: str) -> Check:
@@ -555,7 +562,7 @@ def _checks_of_extracted(extracted: Extracted, recompute_drift: bool, accept_loo
     validation = validate_run(root, shipped, gates=True)
     checks.append(_from_findings("JSON schemas (shipped)", [*validation.load, *validation.schema],
                                  f"every artifact valid against {extracted.top}/{SCHEMA_DIR}/ and strict JSON"))
-    checks.append(_from_findings("focused regression", list(validation.regression), "tests ran, none failed"))
+    checks.append(_from_findings("focused regression", list(validation.regression), regression_detail(root)))
     n_reports = len(validation.result.get("reports", []))
     checks.append(_from_findings("report acceptance", list(validation.acceptance),
                                  f"{n_reports} reports accepted; raw tensors match their fingerprints"))

@@ -1,5 +1,6 @@
 # The time limit is the verb's own (--timeout-s): GNU timeout would move pytest out of the
-# terminal's process group, and Ctrl-C would not reach it.
+# terminal's process group, and Ctrl-C would not reach it. Its progress goes to the console
+# (fd 3, the job's stderr before the log takes it): the focused suite is the run's longest wait.
 
 
 rule regression:
@@ -23,4 +24,4 @@ rule regression:
         "../envs/rl_engine.yaml"
     shell:
         "python -m rl_engine regression --output-dir {params.run} --tests {input.tests} "
-        "{params.extra} --timeout-s {params.timeout} > {log} 2>&1"
+        "{params.extra} --timeout-s {params.timeout} --progress-fd 3 3>&2 > {log} 2>&1"
