@@ -171,7 +171,7 @@ def table_problems(rows: list[str]) -> list[str]:
 def test_the_pages_cite_tests_to_check() -> None:
     assert ("tests/test_distributed_grpo_loss.py",
             "test_actions_that_differ_on_a_tp_peer_raise_on_every_rank_before_numerics") in cited_tests(
-        ROOT / "docs" / "trainer.md")
+        ROOT / "docs" / "checks.md")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
