@@ -96,8 +96,13 @@ def schema_files() -> list[Path]:
     return sorted(schemas.repo_schema_dir().glob("*.schema.json"))
 
 
+def spec_file() -> Path:
+    """The arithmetic specification the archive packs (the workflow's archive rule passes it)."""
+    return Path(__file__).resolve().parents[1] / "docs" / "arithmetic.md"
+
+
 def pack(run_dir: Path, output: Path, files: list[Path] | None = None) -> int:
     """``python -m rl_engine archive`` of ``files`` (default: :func:`declared_files`), in-process."""
     given = declared_files(run_dir) if files is None else files
-    return cli.main(["archive", "--run-dir", str(run_dir), "--output", str(output),
+    return cli.main(["archive", "--run-dir", str(run_dir), "--output", str(output), "--spec", str(spec_file()),
                      "--schemas", *map(str, schema_files()), "--files", *map(str, given)])

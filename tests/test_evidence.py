@@ -23,7 +23,7 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from _evidence_run import PYTEST_ARGS, TOPOLOGIES, build_run, declared_files, launch, pack, schema_files
+from _evidence_run import PYTEST_ARGS, TOPOLOGIES, build_run, declared_files, launch, pack, schema_files, spec_file
 from rl_engine import cli, jsonio, schemas
 from rl_engine.evidence import archive, crosscheck, environment, gitstate, regression, summary, validation
 from rl_engine.evidence.rundir import Finding, load_json
@@ -467,7 +467,7 @@ def _archive(run: Path, out: Path) -> int:
 
 
 def _build(run: Path, out: Path) -> archive.Built:
-    return archive.build(run, out, declared_files(run), schema_files())
+    return archive.build(run, out, declared_files(run), schema_files(), spec_file())
 
 
 def test_archive_is_byte_reproducible_and_well_formed(good_run: Path, tmp_path: Path) -> None:
@@ -593,7 +593,7 @@ def test_archive_refuses_unsafe_run_dirs_and_names(run: Path, tmp_path: Path) ->
         _build(run, run / "self.tar.gz")
     (run / "link.json").symlink_to(run / "plan.json")
     with pytest.raises(archive.ArchiveError, match="link.json is a symbolic link"):
-        archive.build(run, tmp_path / "ok.tar.gz", [*declared_files(run), run / "link.json"], schema_files())
+        archive.build(run, tmp_path / "ok.tar.gz", [*declared_files(run), run / "link.json"], schema_files(), spec_file())
     (run / "link.json").unlink()
     (run / ".plan.json.abc.tmp").write_text("{")  # a crashed writer's leftover: not declared, not packed
     built = _build(run, tmp_path / "ok.tar.gz")
@@ -661,7 +661,8 @@ def test_archive_refuses_a_file_list_it_cannot_pack_naming_the_file_and_the_fix(
         other.write_text(schema_list[[p.name for p in schema_list].index("report.schema.json")].read_text() + "\n")
         schema_list = [other if p.name == other.name else p for p in schema_list]
     out = tmp_path / "res" / f"{run.name}.tar.gz"
-    argv = ["archive", "--run-dir", str(run), "--output", str(out), "--files", *map(str, files)]
+    argv = ["archive", "--run-dir", str(run), "--output", str(out), "--spec", str(spec_file()), "--files",
+            *map(str, files)]
     if case != "no schemas":
         argv += ["--schemas", *map(str, schema_list)]
     try:
@@ -776,3 +777,14 @@ def test_plan_not_built_from_the_case_file_fails_validation(run: Path, capsys: p
     assert code == 1
     assert "plan.json: case: differs from case.json's case in ['seed']: the plan was not built from this case file" in err
     assert "plan.json: topologies: plans [(1, 1), (2, 2)], but case.json lists [(2, 2), (1, 1)]" in err
+
+
+def test_summary_reproduction_installs_with_the_readmes_command(good_run: Path) -> None:
+    """Issue 22: SUMMARY.md's Reproduction said `pip install -e '.[test]'`, the README another command."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    for command in summary.INSTALL_COMMANDS.values():
+        assert command.split("  #")[0] in readme, command
+    text = (good_run / "SUMMARY.md").read_text(encoding="utf-8")
+    reproduction = text[text.index("## Reproduction"):]
+    assert f"    {summary.INSTALL_COMMANDS['cpu']}\n" in reproduction
+    assert summary.install_command("cuda") == summary.INSTALL_COMMANDS["cuda"] != summary.install_command("cpu")

@@ -270,7 +270,7 @@ def test_archive_verb_killed_mid_write_leaves_nothing_at_the_final_path(wf: Work
     out.with_name(out.name + ".sha256").write_text("stale\n")
     marker = tmp_path / "held"
     cmd = [sys.executable, "-m", "rl_engine", "archive", "--run-dir", str(wf.run), "--output", str(out),
-           "--schemas", *map(str, sorted((wf.repo / "schemas").glob("*.schema.json"))),
+           "--spec", str(wf.repo / "docs" / "arithmetic.md"), "--schemas", *map(str, sorted((wf.repo / "schemas").glob("*.schema.json"))),
            "--files", *map(str, wf.declared())]
     proc = subprocess.Popen(cmd, cwd=wf.repo, env=hold_env(wf, hold_hook, marker, hold_archive(wf.name)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -652,3 +652,46 @@ def test_one_ulp_forgery_rebuilt_with_the_projects_verbs_is_caught_only_by_the_r
     for label in ("tp1-cp1", "tp2-cp2"):
         assert f"{label}.json: logp: first differing token {forged_token}:" in text
         assert f"{label}.json: bitwise_fingerprints.candidate_logp_sha256" in text
+
+
+# ---------------------------------------------------------------- the packed specification (issue 22)
+
+
+def test_the_archive_packs_the_specification_the_reports_claim(good: Good) -> None:
+    from rl_engine.evidence.spec_doc import spec_record
+    from rl_engine.logprob.portable import SPEC_VERSION
+
+    spec = good.data("arithmetic.md")
+    assert spec == (Path(__file__).resolve().parents[1] / "docs" / "arithmetic.md").read_bytes()
+    assert f"`{SPEC_VERSION}`" in spec.decode().splitlines()[0]
+    reviewing = good.data("REVIEWING.md").decode()
+    assert spec_record(spec) in reviewing and "packed beside this file" in reviewing
+    summary_md = good.data("SUMMARY.md").decode()
+    assert "`arithmetic.md` in the archive" in summary_md and "docs/arithmetic.md)" not in summary_md
+
+
+SPEC_FORGERIES: dict[str, Callable[[bytes], bytes]] = {
+    "another version": lambda d: d.replace(b"`rl-engine-arith/1`", b"`rl-engine-arith/2`", 1),
+    "edited text": lambda d: d.replace(b"IEEE-754", b"IEEE-754 (roughly)", 1),
+}
+
+
+@pytest.mark.parametrize("forgery", sorted(SPEC_FORGERIES))
+def test_a_changed_packed_specification_fails(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str], forgery: str) -> None:
+    """SHA256SUMS recomputed (a forger's job): the row still fails, on the version or on the SHA-256
+    REVIEWING.md records."""
+    entries = edited(good, {"arithmetic.md": SPEC_FORGERIES[forgery]}, resum=True)
+    code, _, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
+    assert code == 1 and status(result)["arithmetic spec"] == "FAIL" and status(result)["SHA256SUMS"] == "PASS"
+    text = problems(result, "arithmetic spec")
+    assert "REVIEWING.md does not record its version and SHA-256" in text
+    assert ("its first line names version 'rl-engine-arith/2'" in text) is (forgery == "another version")
+
+
+def test_an_archive_without_the_specification_fails(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    entries = resummed(good, [(i, d) for i, d in good.entries if i.name != f"{good.name}/arithmetic.md"])
+    code, _, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
+    assert code == 1 and status(result)["arithmetic spec"] == "FAIL"
+    assert "arithmetic.md is not in the archive" in problems(result, "arithmetic spec")

@@ -80,7 +80,10 @@ def test_default_campaign_builds_an_archive_that_verifies(default_run) -> None:
     # issue 13: the archive packs the rule's declared inputs, and they are every file the workflow
     # wrote in the run (evidence, SUMMARY.md, every rule's log): nothing left out, nothing else
     run_files = {p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()}
-    assert {p for p in packed if not p.startswith("schemas/")} - {"SHA256SUMS", "REVIEWING.md"} == run_files
+    assert {p for p in packed if not p.startswith("schemas/")} - {"SHA256SUMS", "REVIEWING.md", "arithmetic.md"} == run_files
+    with tarfile.open(archive) as tar:  # issue 22: the specification the reports claim, packed as it is in the repo
+        spec = tar.extractfile(f"{name}/arithmetic.md").read()  # type: ignore[union-attr]
+    assert spec == (repo / "docs" / "arithmetic.md").read_bytes()
     assert {p[len("schemas/"):] for p in packed if p.startswith("schemas/")} == {
         p.name for p in (repo / "schemas").glob("*.schema.json")}
     assert jsonio.load(repo / "results" / f"{name}.verify.json")["passed"] is True

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_engine import jsonio
+from rl_engine.evidence.spec_doc import SPEC_DOC, SPEC_SOURCE, SpecDocError, check_spec_doc, spec_record
 from rl_engine.evidence.rundir import (
     ARCHIVE_ONLY,
     CROSSCHECK,
@@ -163,7 +164,7 @@ recorded in `environment.json`). In a clone of the rl_engine repository you were
 """
 
 
-def reviewing_text(name: str, git: dict[str, Any] | None = None) -> str:
+def reviewing_text(name: str, git: dict[str, Any] | None = None, spec: bytes | None = None) -> str:
     """REVIEWING.md of archive ``name``; ``git`` is environment.json's git record."""
     from rl_engine.logprob.portable import SPEC_VERSION
 
@@ -193,9 +194,10 @@ must record the same hash), and `verify --recompute` recomputes it.
 ## The arithmetic, and replaying it
 
 Every report records `arithmetic_spec` (`{SPEC_VERSION}`): the candidate's logp, LSE,
-entropy and gradient are IEEE-754 basic operations in the fixed order of rl_engine's
-`docs/arithmetic.md`, with its own exp and log, no library transcendental, no library
-reduction and no fused multiply-add. Any conforming CPU or GPU computes the same bytes
+entropy and gradient are IEEE-754 basic operations in the fixed order of the specification
+packed beside this file, {spec_record(spec) if spec is not None else "(no specification packed)"}
+(rl_engine's `docs/arithmetic.md`), with its own exp and log, no library transcendental, no
+library reduction and no fused multiply-add. Any conforming CPU or GPU computes the same bytes
 (given gradual underflow, the IEEE default), so your machine can replay the candidate.
 
 ## With the verifier (offline, no GPU)
@@ -318,7 +320,7 @@ def sums_text(files: list[tuple[str, bytes]]) -> str:
     return "".join(f"{jsonio.sha256_bytes(data)}  {rel}\n" for rel, data in sorted(files))
 
 
-def build(run_dir: Path, output: Path, files: Sequence[Path], schema_files: Sequence[Path]) -> Built:
+def build(run_dir: Path, output: Path, files: Sequence[Path], schema_files: Sequence[Path], spec_file: Path) -> Built:
     """Check the recorded gates and the file list, then write ``output`` and ``output.sha256`` atomically."""
     name = archive_name(output)
     sidecar = output.with_name(output.name + ".sha256")
@@ -335,7 +337,15 @@ def build(run_dir: Path, output: Path, files: Sequence[Path], schema_files: Sequ
     check_schemas(run_dir, shipped)
     environment, _ = load_json(run_dir / ENVIRONMENT)  # in the list: check_complete passed
     git = environment.get("git") if isinstance(environment, dict) else None
-    members = [*packed, *shipped, (REVIEWING, reviewing_text(name, git if isinstance(git, dict) else None).encode("utf-8"))]
+    from rl_engine.logprob.portable import SPEC_VERSION
+
+    spec = spec_file.read_bytes()
+    try:
+        check_spec_doc(spec, SPEC_VERSION, str(spec_file))
+    except SpecDocError as exc:
+        raise ArchiveError(str(exc)) from None
+    reviewing = reviewing_text(name, git if isinstance(git, dict) else None, spec)
+    members = [*packed, *shipped, (SPEC_DOC, spec), (REVIEWING, reviewing.encode("utf-8"))]
     members.append((SUMS, sums_text(members).encode("utf-8")))
     data = tar_gz_bytes(name, members)
     digest = jsonio.sha256_bytes(data)
@@ -354,9 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", required=True, nargs="+", type=Path, metavar="FILE",
                         help="the run's files to pack, each inside --run-dir (the workflow's archive rule passes "
                              "its declared inputs); nothing else of the run directory is packed")
+    parser.add_argument("--spec", required=True, type=Path, metavar="ARITHMETIC_MD",
+                        help=f"the arithmetic specification the reports claim ({SPEC_SOURCE}), packed as {SPEC_DOC}")
     args = parser.parse_args(argv)
     try:
-        built = build(args.run_dir, args.output, args.files, args.schemas)
+        built = build(args.run_dir, args.output, args.files, args.schemas, args.spec)
     except (ArchiveError, OSError) as exc:
         print(f"archive: {exc}", file=sys.stderr)
         return 1

@@ -41,6 +41,7 @@ from rich.table import Table
 from rl_engine import jsonio
 from rl_engine.evidence.casename import RunNameError, pytest_args_of
 from rl_engine.campaign.plan import RUNNER_MODULE as RUNNER
+from rl_engine.evidence.spec_doc import SPEC_DOC
 from rl_engine.evidence.rundir import (
     CASE,
     CROSSCHECK,
@@ -217,6 +218,18 @@ def _beside_plan(ev: Evidence, name: str) -> str:
     return f"RUN/{name}"
 
 
+# The README's install commands (tests/test_evidence.py checks they are the README's, byte for byte).
+INSTALL_COMMANDS = {
+    "cpu": "pip install -q -c constraints/cpu.txt -e '.[test]'",
+    "cuda": "pip install -e '.[test]'  # after installing your CUDA build of torch",
+}
+
+
+def install_command(device: Any) -> str:
+    """The README's install command for a run on ``device`` (the CPU one when it is not recorded)."""
+    return INSTALL_COMMANDS.get(device, INSTALL_COMMANDS["cpu"]) if isinstance(device, str) else INSTALL_COMMANDS["cpu"]
+
+
 def reproduction(ev: Evidence) -> str:
     """The Reproduction section: the commit, how to rerun the case, and the run's exact commands."""
     git = ev.environment.get("git", {})
@@ -241,7 +254,7 @@ def reproduction(ev: Evidence) -> str:
         f"repository root, with `{REPRODUCE_CONFIG}` below:",
         "",
         *(f"    {line}" for line in checkout),
-        "    pip install -e '.[test]'",
+        f"    {install_command(ev.plan.get('case', {}).get('device'))}",
         f"    snakemake --cores 8 --configfile {REPRODUCE_CONFIG}",
         "",
         f"`{REPRODUCE_CONFIG}` (over the repository's `config.yaml`; it gives this run's case hash):",
@@ -412,7 +425,7 @@ def render(ev: Evidence, run_dir: Path) -> tuple[str, dict[str, Section]]:
         "independent full-vocabulary FP32 oracle (FP64 statistics recorded for diagnosis). Candidate "
         "versus oracle drift is expected from the rounded logits and the fixed-order reduction: the "
         "requirement is tolerance, not oracle bitwise equality. The candidate's numbers follow "
-        f"{_arithmetic_text(ev.reports).split(':')[0]} (docs/arithmetic.md): basic IEEE-754 operations in a "
+        f"{_arithmetic_text(ev.reports).split(':')[0]} (`{SPEC_DOC}` in the archive): basic IEEE-754 operations in a "
         "fixed order, with its own exp and log, so `verify --recompute` replays them byte for byte on any "
         "machine with gradual underflow and no contracted multiply-adds. It does not claim end-to-end trainer or "
         "inference-engine replay, pipeline or data-parallel model execution, or a fused kernel.",
@@ -435,7 +448,7 @@ def _arithmetic_text(reports: list[dict[str, Any]]) -> str:
     """The reports' arithmetic specification (docs/arithmetic.md), or what disagrees."""
     specs = sorted({str(r.get("arithmetic_spec")) for r in reports})
     if len(specs) == 1:
-        return (f"{specs[0]}: IEEE-754 basic operations only (docs/arithmetic.md); the same bytes on "
+        return (f"{specs[0]}: IEEE-754 basic operations only (`{SPEC_DOC}` in the archive); the same bytes on "
                 "any conforming CPU or GPU")
     return "MIXED: " + ", ".join(specs)
 

@@ -34,7 +34,9 @@ Runs without a GPU or network and checks, each as a row of the printed table:
     config sets none). Looser tolerances fail unless ``--accept-looser-tolerance`` is given;
     then the row is a note that names them, not a pass. Tighter tolerances pass;
 12. **arithmetic spec**: every report was computed under this installation's
-    ``docs/arithmetic.md`` version (:data:`rl_engine.logprob.portable.SPEC_VERSION`);
+    ``docs/arithmetic.md`` version (:data:`rl_engine.logprob.portable.SPEC_VERSION`), and the
+    archive packs that specification as ``arithmetic.md`` (its first line names the version;
+    REVIEWING.md records its version and SHA-256, :mod:`rl_engine.evidence.spec_doc`);
 13. with ``--recompute``: **inputs regenerated** (``make_inputs(case)`` hashes to the report's
     ``inputs_sha256``), **oracle drift recomputed** from the raw tensors against the FP32
     and FP64 oracles, equal to the reported statistics within :data:`RECOMPUTE_TOL` and within
@@ -77,6 +79,7 @@ from rl_engine.evidence.casename import NOGIT, RunName, RunNameError, case_hash,
 from rl_engine.evidence.crosscheck import crosscheck_run
 from rl_engine.evidence.rundir import ENVIRONMENT, PLAN, REGRESSION, SUMMARY, Finding, is_number, load_json, planned_reports
 from rl_engine.evidence.safe_tar import MIB, Extracted, Limits, UnsafeArchiveError, safe_extract
+from rl_engine.evidence.spec_doc import SPEC_DOC, spec_problems
 from rl_engine.evidence.summary import SummaryError, regression_text, summary_text
 from rl_engine.evidence.validation import validate_run
 
@@ -443,9 +446,14 @@ def check_arithmetic_spec(root: Path) -> Check:
         if got != SPEC_VERSION:
             problems.append(f"{item.file}: arithmetic_spec: {got!r}, but this verifier implements "
                             f"{SPEC_VERSION!r}; verify with the rl_engine release of that version")
+    spec = root / SPEC_DOC
+    reviewing = root / "REVIEWING.md"
+    problems += spec_problems(spec.read_bytes() if spec.is_file() else None, SPEC_VERSION,
+                              reviewing.read_text(encoding="utf-8", errors="replace") if reviewing.is_file() else None)
     if problems:
         return Check("arithmetic spec", False, f"{len(problems)} problem(s)", problems)
-    return Check("arithmetic spec", True, f"{len(planned)} reports computed under {SPEC_VERSION} (docs/arithmetic.md)")
+    return Check("arithmetic spec", True, f"{len(planned)} reports computed under {SPEC_VERSION}; its text packed as "
+                 f"{SPEC_DOC}, the version and SHA-256 REVIEWING.md records")
 
 
 def _first_difference(name: str, archived: Any, replayed: Any) -> str:

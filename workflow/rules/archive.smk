@@ -23,6 +23,7 @@ rule archive:
         summary=f"{RUN}/SUMMARY.md",
         logs=STAGE_LOGS,
         schemas=SCHEMAS,
+        spec="docs/arithmetic.md",
     output:
         archive=f"results/{RUN_NAME}.tar.gz",
         checksum=f"results/{RUN_NAME}.tar.gz.sha256",
@@ -33,7 +34,7 @@ rule archive:
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "python -m rl_engine archive --run-dir {params.run} --output {output.archive} "
+        "python -m rl_engine archive --run-dir {params.run} --output {output.archive} --spec {input.spec:q} "
         "--schemas {input.schemas:q} --files {input.environment:q} {input.regression:q} {input.case:q} {input.plan:q} "
         "{input.reports:q} {input.tensors:q} {input.validation:q} {input.crosscheck:q} {input.summary:q} "
         "{input.logs:q} > {log} 2>&1"
