@@ -18,6 +18,7 @@ Snakemake calls no handler when there is nothing to be done and in a dry run.
 
 from __future__ import annotations
 
+import atexit
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,4 +165,14 @@ def print_closing(run: str | Path, stems: list[str], succeeded: bool, console: C
     return result
 
 
-__all__ = ["Closing", "Stage", "VERIFIED", "closing", "print_closing", "stages"]
+def print_closing_at_exit(run: str | Path, stems: list[str], succeeded: bool) -> None:
+    """:func:`print_closing` when the Snakemake process exits (what the Snakefile's handlers call).
+
+    Snakemake logs the complete log's path and the elapsed time after ``onsuccess:`` and
+    ``onerror:`` return (and on error its final error line); printing at interpreter exit keeps
+    the table the last thing on the console (issue 22). The files are read then, when every job
+    is over."""
+    atexit.register(print_closing, run, stems, succeeded)
+
+
+__all__ = ["Closing", "Stage", "VERIFIED", "closing", "print_closing", "print_closing_at_exit", "stages"]
