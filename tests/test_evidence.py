@@ -494,7 +494,8 @@ def test_archive_is_byte_reproducible_and_well_formed(good_run: Path, tmp_path: 
     given = {p.relative_to(good_run).as_posix() for p in declared_files(good_run)}
     run_files = {p.relative_to(good_run).as_posix() for p in good_run.rglob("*") if p.is_file()}
     assert given == run_files  # the declared list is every file the run's verbs wrote...
-    assert set(files) == given | {"REVIEWING.md", "SHA256SUMS"} | {f"schemas/{p.name}" for p in schema_files()}  # ...and all
+    assert set(files) == given | {"REVIEWING.md", "SHA256SUMS", "arithmetic.md"} | {
+        f"schemas/{p.name}" for p in schema_files()}  # ...and all
     assert {f"schemas/{p.name}" for p in schemas.repo_schema_dir().glob("*.schema.json")} <= set(files)
     assert f"sha256sum -c {name}.tar.gz.sha256" in files["REVIEWING.md"].decode()
     reviewing = files["REVIEWING.md"].decode()
@@ -613,7 +614,8 @@ def test_archive_packs_exactly_the_given_files_and_verify_finds_all_it_needs(
     out = tmp_path / "res" / f"{run.name}.tar.gz"
     built = _build(run, out)
     given = {p.relative_to(run).as_posix() for p in declared_files(run)}
-    assert set(built.members) == given | {"REVIEWING.md", "SHA256SUMS"} | {f"schemas/{p.name}" for p in schema_files()}
+    assert set(built.members) == given | {"REVIEWING.md", "SHA256SUMS", "arithmetic.md"} | {
+        f"schemas/{p.name}" for p in schema_files()}
     monkeypatch.chdir(tmp_path)
     checks = verify.verify(out, recompute_drift=True)
     assert [c.name for c in checks if c.passed is False] == [], [c.to_dict() for c in checks if c.passed is False]
@@ -788,3 +790,14 @@ def test_summary_reproduction_installs_with_the_readmes_command(good_run: Path) 
     reproduction = text[text.index("## Reproduction"):]
     assert f"    {summary.INSTALL_COMMANDS['cpu']}\n" in reproduction
     assert summary.install_command("cuda") == summary.INSTALL_COMMANDS["cuda"] != summary.install_command("cpu")
+
+
+def test_archive_refuses_a_specification_of_another_version(run: Path, tmp_path: Path) -> None:
+    """Issue 22: the packed spec must be the version the engine computes (its first line names it)."""
+    other = tmp_path / "arithmetic.md"
+    other.write_bytes(spec_file().read_bytes().replace(b"`rl-engine-arith/1`", b"`rl-engine-arith/2`", 1))
+    out = tmp_path / "res" / f"{run.name}.tar.gz"
+    with pytest.raises(archive.ArchiveError, match=r"names version 'rl-engine-arith/2', but this rl_engine computes "
+                                                   r"'rl-engine-arith/1'"):
+        archive.build(run, out, declared_files(run), schema_files(), other)
+    assert not out.exists()
