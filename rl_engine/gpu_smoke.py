@@ -51,6 +51,7 @@ from rl_engine.campaign.case import Case, PlanError
 from rl_engine.campaign.plan import build_plan
 from rl_engine.campaign.tables import DEVICE_DIST_BACKENDS
 from rl_engine.campaign.replay import replay_candidate
+from rl_engine.rundir import PLAN, Run, Topology
 
 FIELDS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256",
           "candidate_grad_sha256")
@@ -84,19 +85,19 @@ def run_device_campaign(case: Case, topologies: list[tuple[int, int]], run_dir: 
                         timeout_s: int) -> dict[str, Any]:
     """Plan and launch every topology; return each report (or the failure) by label."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    plan_path = run_dir / "plan.json"
+    plan_path = run_dir / PLAN
     plan = build_plan(case, tuple(topologies), str(plan_path))
     schemas.write_validated(plan_path, plan, "plan")
     results: dict[str, Any] = {}
     for tp, cp in topologies:
-        label = f"tp{tp}-cp{cp}"
-        log = run_dir / "logs" / f"{label}.log"
+        topology = Topology(tp, cp)
+        label, log = topology.stem, run_dir / topology.log
         done = subprocess.run(
             [sys.executable, "-m", "rl_engine", "launch", "--plan", str(plan_path), "--tp", str(tp),
              "--cp", str(cp), "--timeout-s", str(timeout_s), "--log", str(log)],
             capture_output=True, text=True, timeout=timeout_s + 60, check=False,
         )
-        report_path = run_dir / f"{label}.json"
+        report_path = run_dir / topology.report
         if done.returncode != 0 or not report_path.exists():
             tail = log.read_text(errors="replace")[-2000:] if log.exists() else done.stderr[-2000:]
             results[label] = {"exit_code": done.returncode, "error": tail}
@@ -193,7 +194,7 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         if report.get("passed") is not True:
             problems.append(f"{device} campaign {label}: passed={report.get('passed')}: {report.get('failures')}")
         device_prints[label] = {k: report["bitwise_fingerprints"][k] for k in FIELDS}
-    _cross, cross_found = crosscheck_run(out_dir / f"campaign-{device}", min_topologies=1)
+    _cross, cross_found = crosscheck_run(Run.load(out_dir / f"campaign-{device}"), min_topologies=1)
     problems += [f"{device} campaign crosscheck: {f}" for f in cross_found]
     cpu_replays_result = cpu_replays(case)
     cpu_backends = list(cpu_replays_result)

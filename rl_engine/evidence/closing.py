@@ -25,21 +25,9 @@ from rich.console import Console
 from rich.table import Table
 
 from rl_engine import jsonio
-from rl_engine.evidence.rundir import CROSSCHECK, ENVIRONMENT, PLAN, REGRESSION, SUMMARY, VALIDATION
+from rl_engine.rundir import Stage, Topology, stages
 
 VERIFIED = "VERIFIED"
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One stage of the workflow: its rule, its output files and its log."""
-
-    rule: str
-    outputs: tuple[Path, ...]
-    log: Path
-
-    def missing(self) -> list[Path]:
-        return [p for p in self.outputs if not p.is_file()]
 
 
 @dataclass(frozen=True)
@@ -64,29 +52,6 @@ class Closing:
         return table
 
 
-def stages(run: Path, stems: list[str]) -> list[Stage]:
-    """Every stage of the run ``run`` (``results/<name>``) in workflow order."""
-    results, name = run.parent, run.name
-    logs = run / "logs"
-    out = [
-        Stage("environment", (run / ENVIRONMENT,), logs / "environment.log"),
-        Stage("regression", (run / REGRESSION,), logs / "regression.log"),
-        Stage("plan", (run / PLAN,), logs / "plan.log"),
-    ]
-    out += [Stage(f"topology {stem}", tuple(run / f"{stem}{ext}" for ext in (".json", ".logp.f32", ".lse.f32",
-                                                                              ".entropy.f32")),
-                  logs / f"{stem}.log") for stem in stems]
-    out += [
-        Stage("validation gate", (run / VALIDATION,), logs / "validation.log"),
-        Stage("crosscheck gate", (run / CROSSCHECK,), logs / "crosscheck.log"),
-        Stage("summary", (run / SUMMARY,), logs / "summary.log"),
-        Stage("archive", (results / f"{name}.tar.gz", results / f"{name}.tar.gz.sha256"),
-              results / "logs" / f"{name}-archive.log"),
-        Stage("verify_archive", (results / f"{name}.verify.json",), results / "logs" / f"{name}-verify.log"),
-    ]
-    return out
-
-
 def _sha256_of(sidecar: Path) -> str:
     try:
         text = sidecar.read_text(encoding="utf-8").split()
@@ -95,11 +60,12 @@ def _sha256_of(sidecar: Path) -> str:
     return text[0] if text else "(empty .sha256 file)"
 
 
-def closing(run: str | Path, stems: list[str], succeeded: bool) -> Closing:
-    """The closing message of a run of ``run`` with topologies ``stems``; ``succeeded`` as Snakemake says."""
+def closing(run: str | Path, topologies: list[Topology], succeeded: bool) -> Closing:
+    """The closing message of a run of ``run`` with ``topologies``; ``succeeded`` as Snakemake says."""
     run = Path(run)
-    all_stages = stages(run, stems)
-    archive_stage, verify_stage = all_stages[-2], all_stages[-1]
+    all_stages = stages(run, topologies)
+    stage_of = {s.rule: s for s in all_stages}  # (the topology stages share a rule; not looked up here)
+    summary_stage, archive_stage, verify_stage = stage_of["summary"], stage_of["archive"], stage_of["verify_archive"]
     archive, sidecar = archive_stage.outputs
     verify_json = verify_stage.outputs[0]
     verify_cmd = f"python -m rl_engine verify {archive}"
@@ -122,9 +88,9 @@ def closing(run: str | Path, stems: list[str], succeeded: bool) -> Closing:
     else:
         missing = ", ".join(p.name for p in first_missing.missing())
         if succeeded:
-            verdict = f"INCOMPLETE: {first_missing.rule} not built by this run (missing {missing})"
+            verdict = f"INCOMPLETE: {first_missing.label} not built by this run (missing {missing})"
         else:
-            verdict = f"FAILED at {first_missing.rule} (missing {missing})"
+            verdict = f"FAILED at {first_missing.label} (missing {missing})"
             rows.append(("Log", f"{first_missing.log}" + ("" if first_missing.log.is_file() else " (not written)")))
     def done(stage: Stage) -> bool:  # built, and no stage before it is missing
         return first_missing is None or all_stages.index(first_missing) > all_stages.index(stage)
@@ -137,18 +103,18 @@ def closing(run: str | Path, stems: list[str], succeeded: bool) -> Closing:
                                 "this run's evidence, and is rebuilt once every gate passes"))
     else:
         rows.append(("Archive", "none: no archive is built until every stage before it passes"))
-    summary = run / SUMMARY
-    rows.append(("SUMMARY.md", str(summary) if done(all_stages[-3]) else "not written by this run"))
+    rows.append(("SUMMARY.md", str(summary_stage.outputs[0]) if done(summary_stage) else "not written by this run"))
     rows.append(("Verify (reviewer)", verify_cmd if archive.is_file() and built_here else
                  f"{verify_cmd}  (once the archive is built)"))
     return Closing(verdict, tuple(rows))
 
 
-def print_closing(run: str | Path, stems: list[str], succeeded: bool, console: Console | None = None) -> Closing:
+def print_closing(run: str | Path, topologies: list[Topology], succeeded: bool,
+                  console: Console | None = None) -> Closing:
     """Print :func:`closing` as a rich table (what the Snakefile's handlers call) and return it."""
-    result = closing(run, stems, succeeded)
+    result = closing(run, topologies, succeeded)
     (console or Console(width=160)).print(result.table())
     return result
 
 
-__all__ = ["Closing", "Stage", "VERIFIED", "closing", "print_closing", "stages"]
+__all__ = ["Closing", "VERIFIED", "closing", "print_closing"]

@@ -39,6 +39,7 @@ from rl_engine.campaign.case import (
 from rl_engine.campaign.case import parse_topologies as parse_topology_pairs
 from rl_engine.campaign.tables import DEVICE_DIST_BACKENDS
 from rl_engine.campaign.nodes import NodeLayout, fitting_ranks_per_node, layout_problem
+from rl_engine.rundir import Topology
 
 SOURCE_PACKAGES = ("rl_engine",)
 RUNTIME_MARGIN_MIN = 5  # a topology job's Slurm time limit beyond topology_timeout_s
@@ -82,20 +83,6 @@ class Origin:
         if self.from_cli(key):
             return f"fix the value given with --config {self.top(key)}=... (see schemas/config.schema.json)"
         return f"fix the value in {self.file_of.get(self.top(key), 'config.yaml')} (see schemas/config.schema.json)"
-
-
-@dataclass(frozen=True)
-class Topology:
-    tp: int
-    cp: int
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.cp
-
-    @property
-    def stem(self) -> str:
-        return f"tp{self.tp}-cp{self.cp}"
 
 
 def _key(path: Any) -> str:
