@@ -21,7 +21,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "summary": ("rl_engine.evidence.summary", "write SUMMARY.md from the evidence"),
     "archive": ("rl_engine.evidence.archive", "pack a byte-reproducible archive"),
     "verify": ("rl_engine.evidence.verify", "verify an archive offline"),
-    "check-config": ("rl_engine.evidence.config", "validate config.yaml against its schema"),
+    "check-config": ("rl_engine.workflow", "validate config.yaml against its schema"),
     "bench": ("rl_engine.benchmark.cli", "benchmark every backend vs naive vs floor"),
     "gpu-smoke": ("rl_engine.gpu_smoke", "campaign on cuda == the same case on the CPU, and forward timing"),
 }

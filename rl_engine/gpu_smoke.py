@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from rl_engine import jsonio, schemas
-from rl_engine.evidence.config import WorkflowConfigError, case_values, load_config, parse_topologies
+from rl_engine.workflow import WorkflowConfigError, case_values, load_config, parse_topologies
 from rl_engine.evidence.crosscheck import crosscheck_run
 from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.registry import BackendUnavailableError, default_registry, dispatch
@@ -51,7 +51,7 @@ from rl_engine.campaign.case import Case, PlanError
 from rl_engine.campaign.plan import build_plan
 from rl_engine.campaign.tables import DEVICE_DIST_BACKENDS
 from rl_engine.campaign.replay import replay_candidate
-from rl_engine.rundir import PLAN, Run, Topology
+from rl_engine.rundir import LOGS, PLAN, Run, Topology
 
 FIELDS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256",
           "candidate_grad_sha256")
@@ -84,7 +84,7 @@ def _fitting(config: dict[str, Any], max_ranks: int | None) -> tuple[list[tuple[
 def run_device_campaign(case: Case, topologies: list[tuple[int, int]], run_dir: Path,
                         timeout_s: int) -> dict[str, Any]:
     """Plan and launch every topology; return each report (or the failure) by label."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / LOGS).mkdir(parents=True, exist_ok=True)
     plan_path = run_dir / PLAN
     plan = build_plan(case, tuple(topologies), str(plan_path))
     schemas.write_validated(plan_path, plan, "plan")

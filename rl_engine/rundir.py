@@ -55,6 +55,19 @@ ARCHIVE_SUFFIX = ".tar.gz"
 TENSOR_NAMES: tuple[str, ...] = ("logp", "lse", "entropy")  # each report's raw <stem>.<name>.f32 files
 REPORT_NAME = re.compile(r"^tp([1-9][0-9]*)-cp([1-9][0-9]*)\.json$")
 TOPOLOGY_FILE = re.compile(r"^tp([1-9][0-9]*)-cp([1-9][0-9]*)\.")
+STEM = "tp{tp}-cp{cp}"  # a topology's label and the stem of its files (also the topology rule's wildcards)
+
+
+def _report(stem: str) -> str:
+    return f"{stem}.json"
+
+
+def _tensors(stem: str) -> dict[str, str]:
+    return {name: f"{stem}.{name}.f32" for name in TENSOR_NAMES}
+
+
+def _log(stem: str) -> str:
+    return f"{LOGS}/{stem}.log"
 
 
 @dataclass(frozen=True)
@@ -83,21 +96,21 @@ class Topology:
     @property
     def stem(self) -> str:
         """``tp<T>-cp<C>``: the topology's label and the stem of every file of it."""
-        return f"tp{self.tp}-cp{self.cp}"
+        return STEM.format(tp=self.tp, cp=self.cp)
 
     @property
     def report(self) -> str:
-        return f"{self.stem}.json"
+        return _report(self.stem)
 
     @property
     def tensors(self) -> dict[str, str]:
         """The raw tensor files by name (``logp``, ``lse``, ``entropy``)."""
-        return {name: f"{self.stem}.{name}.f32" for name in TENSOR_NAMES}
+        return _tensors(self.stem)
 
     @property
     def log(self) -> str:
         """The topology rule's log, relative to the run directory."""
-        return f"{LOGS}/{self.stem}.log"
+        return _log(self.stem)
 
     @property
     def outputs(self) -> tuple[str, ...]:
@@ -107,7 +120,15 @@ class Topology:
 def report_tensors(report: str | Path) -> dict[str, Path]:
     """The raw tensor files beside the report at ``report`` (a ``<stem>.json`` path), by name."""
     report = Path(report)
-    return {name: report.with_name(f"{report.stem}.{name}.f32") for name in TENSOR_NAMES}
+    return {name: report.with_name(file) for name, file in _tensors(report.stem).items()}
+
+
+def topology_rule_files(run: str | Path) -> tuple[dict[str, str], str]:
+    """The topology rule's outputs (``report`` and each tensor, by name) and log, with the
+    wildcards ``{tp}`` and ``{cp}`` in place of the degrees."""
+    stem = STEM.format(tp="{tp}", cp="{cp}")
+    outputs = {"report": _report(stem), **_tensors(stem)}
+    return {key: f"{Path(run) / name}" for key, name in outputs.items()}, f"{Path(run) / _log(stem)}"
 
 
 def inside(name: Any) -> bool:
@@ -436,6 +457,6 @@ class Run:
 __all__ = [
     "ARCHIVE_ONLY", "CASE", "CROSSCHECK", "ENVIRONMENT", "ENVIRONMENT_TEXT", "Finding", "JUNIT", "PLAN",
     "PYTEST_LOG", "PlannedReport", "REGRESSION", "REVIEWING", "Run", "SCHEMA_DIR", "SUMMARY", "SUMS", "Stage",
-    "TENSOR_NAMES", "Topology", "VALIDATION", "field_path", "get", "inside", "is_number", "load_json",
+    "STEM", "TENSOR_NAMES", "Topology", "topology_rule_files", "VALIDATION", "field_path", "get", "inside", "is_number", "load_json",
     "non_finite_numbers", "planned_reports", "report_tensors", "run_stages", "stages",
 ]

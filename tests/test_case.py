@@ -23,7 +23,7 @@ from rl_engine.campaign.case import Case, PlanError, case_document, load_case_fi
 from rl_engine.campaign.inputs import InputSpec, InputSpecError
 from rl_engine.campaign.plan import build_plan, load_plan
 from rl_engine.campaign.plan import main as plan_main
-from rl_engine.evidence import config as wfconfig
+from rl_engine import workflow as wfconfig
 
 REPO = Path(__file__).resolve().parents[1]
 DEFS = json.loads((REPO / "schemas" / "defs.schema.json").read_text())["$defs"]
@@ -54,7 +54,7 @@ def test_default_config_tolerances_and_timeout_are_the_tables() -> None:
 
 def test_the_harness_modules_import_without_torch() -> None:
     """Checking the config, the case and the plan loads no torch (the Snakefile imports them)."""
-    code = ("import sys, rl_engine.evidence.config, rl_engine.campaign.case, rl_engine.campaign.plan, "
+    code = ("import sys, rl_engine.workflow, rl_engine.campaign.case, rl_engine.campaign.plan, "
             "rl_engine.campaign.tables; assert 'torch' not in sys.modules, 'torch was imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

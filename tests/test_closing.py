@@ -1,6 +1,6 @@
 """The workflow's closing message (issue 14: the console ended with Snakemake's step counter).
 
-:func:`rl_engine.evidence.closing.closing` reads the files the stages left; these tests lay out
+:func:`rl_engine.workflow.closing` reads the files the stages left; these tests lay out
 run directories by hand for each outcome, from the one stage list (:func:`rl_engine.rundir.stages`,
 which the Snakefile's targets are built from too). ``tests/test_workflow.py`` checks the message of a
 real run, and ``tests/test_gates_workflow.py`` that of a run whose validation gate fails.
@@ -16,7 +16,7 @@ import pytest
 from rich.console import Console
 
 from rl_engine import jsonio
-from rl_engine.evidence.closing import VERIFIED, closing, print_closing
+from rl_engine.workflow import VERIFIED, closing, print_closing
 from rl_engine.rundir import Topology, stages
 
 NAME = "camp-abc1234-case-0123abcd"

@@ -409,7 +409,7 @@ def test_summary_has_the_reproduction_section_and_every_skip_reason(good_run: Pa
     """Issue 14: SUMMARY.md lacked the guide's Reproduction section and the reason of each skipped test."""
     from snakemake.utils import update_config
 
-    from rl_engine.evidence import config as wfconfig
+    from rl_engine import workflow as wfconfig
     from rl_engine.evidence.casename import case_hash, evidence_resolved_case
 
     text = (good_run / "SUMMARY.md").read_text()

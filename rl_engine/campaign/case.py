@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m rl_engine case --json DOCUMENT --output case.json``: the workflow's case rule.
 
     The Snakefile turns the resolved config (config files and ``--config`` overrides) into the
-    case file's JSON when it parses it (:func:`rl_engine.evidence.config.config_case`); this
+    case file's JSON when it parses it (:func:`rl_engine.workflow.config_case`); this
     checks that document once more (schema, every rule) and writes it. 0 written, 2 refused.
     """
     parser = argparse.ArgumentParser(

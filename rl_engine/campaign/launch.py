@@ -68,6 +68,7 @@ from rl_engine.campaign.nodes import (
     srun_argv,
 )
 from rl_engine.campaign.proctree import stop_tree
+from rl_engine.rundir import Topology
 
 EXIT_TIMEOUT = 124
 KILL_GRACE_S = 5.0
@@ -250,7 +251,7 @@ def _job_argv(plan_path: str, tp: int, cp: int, timeout_s: float, case: dict[str
         sys.executable, "-m", "rl_engine", "launch", "--plan", str(Path(plan_path).resolve()),
         "--tp", str(tp), "--cp", str(cp), "--timeout-s", repr(float(timeout_s)),
         "--ranks-per-node", str(layout.ranks_per_node),
-        "--rdzv-endpoint", endpoint, "--rdzv-id", f"rl-engine-{job.job_id}-tp{tp}-cp{cp}",
+        "--rdzv-endpoint", endpoint, "--rdzv-id", f"rl-engine-{job.job_id}-{Topology(tp, cp).stem}",
     ]
     gpus = layout.ranks_on_node if case["device"] == "cuda" else 0
     argv = srun_argv(layout, job, layout.ranks_on_node * case["threads_per_rank"], gpus, node_command)

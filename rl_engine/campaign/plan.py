@@ -30,6 +30,7 @@ from rl_engine.campaign.case import (
     load_case_file,
     parse_topologies,
 )
+from rl_engine.rundir import Topology, report_tensors
 from rl_engine.campaign.tables import (
     CP_LAYOUTS,
     DEFAULT_TOLERANCES,
@@ -40,16 +41,10 @@ from rl_engine.campaign.tables import (
 )
 
 RUNNER_MODULE = "rl_engine.campaign.run"
-TENSOR_NAMES: tuple[str, ...] = ("logp", "lse", "entropy")  # each report's raw <stem>.<name>.f32 files
 # A topology run's exit codes (the runner's ranks; launch restores them from the artifacts).
 EXIT_PASSED = 0  # the report was written and passed
 EXIT_FAILED = 1  # the report was written and failed acceptance (kept, with its failures)
 EXIT_NO_REPORT = 2  # no valid report; nothing is left at the output paths
-
-
-def report_name(tp: int, cp: int) -> str:
-    """A topology's report file, beside the plan; its tensors are ``<stem>.<name>.f32``."""
-    return f"tp{tp}-cp{cp}.json"
 
 
 def runner_args(plan_path: str | os.PathLike[str], tp: int, cp: int) -> list[str]:
@@ -79,7 +74,7 @@ def build_plan(case: Case, topologies: Sequence[tuple[int, int]], plan_path: str
         "case_id": case.case_id,
         "case": case.to_dict(),
         "topologies": [
-            {"tp": tp, "cp": cp, "world_size": tp * cp, "output": report_name(tp, cp),
+            {"tp": tp, "cp": cp, "world_size": tp * cp, "output": Topology(tp, cp).report,
              "command": launch_command(plan_path, tp, cp)}
             for tp, cp in topologies
         ],
@@ -112,16 +107,9 @@ def report_path(plan_path: str | os.PathLike[str], entry: dict[str, Any]) -> Pat
     return Path(plan_path).parent / entry["output"]
 
 
-def output_paths(output: str | os.PathLike[str]) -> tuple[Path, dict[str, Path]]:
-    """A topology's report and its raw tensor files, by name."""
-    report = Path(output)
-    return report, {name: report.with_name(f"{report.stem}.{name}.f32") for name in TENSOR_NAMES}
-
-
 def remove_outputs(output: str | os.PathLike[str]) -> None:
     """Remove a topology's report and raw tensors, so a failed run leaves nothing stale."""
-    report, tensors = output_paths(output)
-    for path in (report, *tensors.values()):
+    for path in (Path(output), *report_tensors(output).values()):
         path.unlink(missing_ok=True)
 
 
@@ -221,6 +209,5 @@ __all__ = [
     "load_plan",
     "main",
     "planned_entry",
-    "report_name",
     "report_path",
 ]

@@ -29,14 +29,10 @@ from typing import Any
 
 from rl_engine.campaign.tables import GATING_ORACLE, ORACLES
 from rl_engine.campaign.tables import TORCH_DTYPE_NAMES as DTYPE_TORCH_NAMES
-from rl_engine.rundir import Finding, PlannedReport, field_path, get, inside, is_number, non_finite_numbers
+from rl_engine.rundir import TENSOR_NAMES, Finding, PlannedReport, field_path, get, inside, is_number, non_finite_numbers
 from rl_engine.jsonio import sha256_file
 
-TENSOR_FINGERPRINTS: dict[str, str] = {
-    "logp": "candidate_logp_sha256",
-    "lse": "candidate_lse_sha256",
-    "entropy": "candidate_entropy_sha256",
-}
+TENSOR_FINGERPRINTS: dict[str, str] = {name: f"candidate_{name}_sha256" for name in TENSOR_NAMES}
 QUANTITIES = ("lse", "dlogp")
 FLOAT32_BYTES = 4
 

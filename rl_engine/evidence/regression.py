@@ -37,13 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from rl_engine import schemas
+from rl_engine.rundir import JUNIT, PYTEST_LOG, REGRESSION
 from rl_engine.campaign.launch import _Stopped, _StopSignals
 from rl_engine.campaign.proctree import stop_tree
 
 SCHEMA_VERSION = "1"
-LOG_NAME = "pytest-focused.log"
-JUNIT_NAME = "pytest-junit.xml"
-JSON_NAME = "regression.json"
 EXIT_TIMEOUT = 124
 KILL_GRACE_S = 5.0
 
@@ -146,9 +144,9 @@ def run(output_dir: Path, tests: list[str], pytest_args: list[str],
     Raises :class:`RegressionStopped` when pytest was stopped (``timeout_s`` or a signal).
     """
     output_dir.mkdir(parents=True, exist_ok=True)
-    junit = output_dir / JUNIT_NAME
-    log = output_dir / LOG_NAME
-    for stale in (junit, log, output_dir / JSON_NAME):
+    junit = output_dir / JUNIT
+    log = output_dir / PYTEST_LOG
+    for stale in (junit, log, output_dir / REGRESSION):
         stale.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "pytest", "-q", "-rs", *tests, *pytest_args, f"--junitxml={junit}"]
     shown = ["python", *argv[1:]]
@@ -171,11 +169,11 @@ def run(output_dir: Path, tests: list[str], pytest_args: list[str],
         "total": counts.total,
         "exit_code": code,
         "duration_s": round(duration, 3),
-        "log": LOG_NAME,
-        "junit": JUNIT_NAME if problem is None else None,
+        "log": PYTEST_LOG,
+        "junit": JUNIT if problem is None else None,
         "problem": problem,
     }
-    schemas.write_validated(output_dir / JSON_NAME, result, "regression")
+    schemas.write_validated(output_dir / REGRESSION, result, "regression")
     failed = problem is not None or code != 0 or counts.failed or counts.errors or counts.total == 0
     return result, 1 if failed else 0
 

@@ -454,7 +454,8 @@ def replay(run: Run) -> Check:
     import torch
 
     from rl_engine.tensorio import read_raw_f32, tensor_bytes
-    from rl_engine.campaign.replay import ARITH_BACKENDS, REFERENCE_BACKEND, REPLAYED, replay_candidate
+    from rl_engine.campaign.replay import ARITH_BACKENDS, REFERENCE_BACKEND, replay_candidate
+    from rl_engine.rundir import TENSOR_NAMES
 
     name = "candidate replayed"
     planned, msg = _planned(run)
@@ -476,7 +477,7 @@ def replay(run: Run) -> Check:
                 by = REFERENCE_BACKEND if case.get("backend") in ARITH_BACKENDS else None
                 cache[key] = replay_candidate(case, backend=by)
             again = cache[key]
-            for tensor in REPLAYED:
+            for tensor in TENSOR_NAMES:
                 try:
                     archived = read_raw_f32(item.path.parent / report["tensors"][tensor]["path"])
                 except (KeyError, TypeError, OSError, ValueError) as exc:
