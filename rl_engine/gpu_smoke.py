@@ -49,7 +49,7 @@ from rl_engine.logprob.tiles import chunk_rows_for_device
 from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.campaign.case import Case, PlanError
 from rl_engine.campaign.plan import build_plan
-from rl_engine.campaign.tables import DEVICE_DIST_BACKENDS
+from rl_engine.tables import DEVICE_DIST_BACKENDS, SCHEMA_VERSION
 from rl_engine.campaign.replay import replay_candidate
 from rl_engine.rundir import LOGS, PLAN, Run, Topology
 
@@ -208,7 +208,7 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     print(f"[3/3] forward timing on {device} at {args.tokens} tokens")
     timing = time_forwards(case, torch.device(device), args.tokens, args.repeats)
     result = {
-        "schema_version": "1",
+        "schema_version": SCHEMA_VERSION,
         "device": device,
         "torch": torch.__version__,
         "cuda_device": torch.cuda.get_device_name(0) if device == "cuda" else None,

@@ -46,8 +46,8 @@ from rl_engine.campaign.case import (
     check_topology,
     matrix_problem,
 )
-from rl_engine.campaign.case import parse_topologies as parse_topology_pairs
-from rl_engine.campaign.tables import DEVICE_DIST_BACKENDS
+from rl_engine.campaign import case as campaign_case
+from rl_engine.tables import DEVICE_DIST_BACKENDS
 from rl_engine.campaign.nodes import NodeLayout, fitting_ranks_per_node, layout_problem
 from rl_engine.rundir import Stage, Topology, run_stages, stages, topology_rule_files  # (the last two: for the workflow)
 
@@ -127,7 +127,7 @@ def _non_finite(value: Any) -> list[tuple[str, float]]:
 def parse_topologies(items: list[str]) -> list[Topology]:
     """The config's ``topologies`` (``"<tp>x<cp>"`` strings), parsed by the runner's parser."""
     try:
-        return [Topology(tp, cp) for tp, cp in parse_topology_pairs(items)]
+        return [Topology(tp, cp) for tp, cp in campaign_case.parse_topologies(items)]
     except PlanError as exc:
         raise WorkflowConfigError(f"config key 'topologies' has value {items!r}: {exc}") from None
 

@@ -1,6 +1,6 @@
 """One case, one plan: the constant tables, the torch-free case and its file, and the one-way flow.
 
-The tables (rl_engine/campaign/tables.py) are the only place each constant is written; the
+The tables (rl_engine/tables.py) are the only place each constant is written; the
 schemas repeat some as enums for standard validators, and these tests fail when the two
 disagree. The case file is what the workflow's resolved config becomes, and the plan is built
 from it alone.
@@ -18,7 +18,7 @@ import pytest
 
 from rl_engine import jsonio, schemas
 from rl_engine.campaign import case as casemod
-from rl_engine.campaign import tables
+from rl_engine import tables
 from rl_engine.campaign.case import Case, PlanError, case_document, load_case_file
 from rl_engine.campaign.inputs import InputSpec, InputSpecError
 from rl_engine.campaign.plan import build_plan, load_plan
@@ -55,7 +55,7 @@ def test_default_config_tolerances_and_timeout_are_the_tables() -> None:
 def test_the_harness_modules_import_without_torch() -> None:
     """Checking the config, the case and the plan loads no torch (the Snakefile imports them)."""
     code = ("import sys, rl_engine.workflow, rl_engine.campaign.case, rl_engine.campaign.plan, "
-            "rl_engine.campaign.tables; assert 'torch' not in sys.modules, 'torch was imported'")
+            "rl_engine.tables; assert 'torch' not in sys.modules, 'torch was imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 

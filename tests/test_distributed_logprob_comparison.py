@@ -32,7 +32,7 @@ from rl_engine.campaign import plan as planmod
 from rl_engine.campaign.case import Case, PlanError
 from rl_engine.campaign.plan import load_plan
 from rl_engine.campaign.plan import main as plan_main
-from rl_engine.campaign.tables import DEFAULT_TOPOLOGIES
+from rl_engine.tables import DEFAULT_TOPOLOGIES
 from rl_engine.campaign.run import (
     assemble,
     build_report,

@@ -25,7 +25,7 @@ from rl_engine.evidence.casename import RunName, RunNameError, case_hash, eviden
 from rl_engine.evidence import environment
 from rl_engine.workflow import WorkflowConfigError, check_config, load_config
 from rl_engine.campaign import case as campaign
-from rl_engine.campaign.tables import MIN_MATRIX_TOPOLOGIES
+from rl_engine.tables import MIN_MATRIX_TOPOLOGIES
 from rl_engine.campaign.plan import build_plan
 from rl_engine.campaign.plan import main as plan_main
 

@@ -3,7 +3,7 @@
 A :class:`Case` holds every input parameter of a run except the topology; it refuses to exist
 while any rule of :func:`case_problems` is broken. :func:`check_topology` holds every rule that
 makes a ``TP x CP`` run of a case impossible, :func:`check_matrix` the rule for a matrix of
-topologies. The constant sets and defaults are in :mod:`rl_engine.campaign.tables`. Everything
+topologies. The constant sets and defaults are in :mod:`rl_engine.tables`. Everything
 reads these: the workflow's config check (at parse time), the plan, every rank before any
 collective, the input recipe, acceptance, the summary and verify.
 
@@ -23,7 +23,7 @@ from dataclasses import fields as dataclass_fields
 from typing import Any, Mapping, Sequence
 
 from rl_engine import jsonio, schemas
-from rl_engine.campaign.tables import (
+from rl_engine.tables import (
     AUTO,
     BACKEND_DEVICES,
     CP_LAYOUTS,

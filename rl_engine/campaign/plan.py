@@ -31,7 +31,7 @@ from rl_engine.campaign.case import (
     parse_topologies,
 )
 from rl_engine.rundir import Topology, report_tensors
-from rl_engine.campaign.tables import (
+from rl_engine.tables import (
     CP_LAYOUTS,
     DEFAULT_TOLERANCES,
     DEFAULT_TOPOLOGIES,

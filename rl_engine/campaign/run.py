@@ -68,7 +68,7 @@ from rl_engine.campaign.plan import (
     remove_outputs,
     report_path,
 )
-from rl_engine.campaign.tables import SCHEMA_VERSION
+from rl_engine.tables import SCHEMA_VERSION
 from rl_engine.rundir import TENSOR_NAMES, Topology, report_tensors
 from rl_engine.campaign.faults import Fault, FaultError, fault_from_env
 from rl_engine.campaign.inputs import inputs_sha256, make_inputs

@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rl_engine.campaign.tables import GATING_ORACLE, ORACLES
-from rl_engine.campaign.tables import TORCH_DTYPE_NAMES as DTYPE_TORCH_NAMES
+from rl_engine.tables import GATING_ORACLE, ORACLES, TORCH_DTYPE_NAMES
 from rl_engine.rundir import TENSOR_NAMES, Finding, PlannedReport, field_path, get, inside, is_number, non_finite_numbers
 from rl_engine.jsonio import sha256_file
 
@@ -228,7 +227,7 @@ def check_report(
             found.append(Finding(where, "bitwise_fingerprints.shape", f"is {fps.get('shape')!r}; batch*seq is {tokens}"))
         if tokens is not None and "padded_vocab" in case and fps.get("grad_shape") != [tokens, case["padded_vocab"]]:
             found.append(Finding(where, "bitwise_fingerprints.grad_shape", f"is {fps.get('grad_shape')!r}; expected [{tokens}, {case['padded_vocab']}]"))
-        want_grad = DTYPE_TORCH_NAMES.get(case.get("dtype", ""))
+        want_grad = TORCH_DTYPE_NAMES.get(case.get("dtype", ""))
         if want_grad and fps.get("grad_dtype") != want_grad:
             found.append(Finding(where, "bitwise_fingerprints.grad_dtype", f"is {fps.get('grad_dtype')!r}; {case.get('dtype')} logits give {want_grad} gradients"))
 

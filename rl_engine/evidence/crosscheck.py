@@ -34,8 +34,8 @@ from typing import Any
 from rl_engine.evidence.acceptance import check_tensor_files
 from rl_engine.evidence.gate import finish_gate
 from rl_engine.rundir import PLAN, Finding, Run, field_path, get
+from rl_engine.tables import SCHEMA_VERSION
 
-SCHEMA_VERSION = "1"
 FINGERPRINT_FIELDS: tuple[tuple[str, ...], ...] = tuple(
     ("bitwise_fingerprints", key)
     for key in (

@@ -35,8 +35,8 @@ from typing import Any
 from rl_engine import jsonio, schemas
 from rl_engine.evidence.gitstate import GitStateError, read_git_state
 from rl_engine.rundir import ENVIRONMENT, ENVIRONMENT_TEXT
+from rl_engine.tables import SCHEMA_VERSION
 
-SCHEMA_VERSION = "1"
 PACKAGES = ("snakemake", "jsonschema", "rich", "numpy", "pyyaml", "torch", "rl_engine")
 TORCH_ONE_LINER = (
     "import torch; import torch.distributed as dist; print('torch:', torch.__version__); "

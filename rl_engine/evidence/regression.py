@@ -38,10 +38,10 @@ from typing import Any
 
 from rl_engine import schemas
 from rl_engine.rundir import JUNIT, PYTEST_LOG, REGRESSION
+from rl_engine.tables import SCHEMA_VERSION
 from rl_engine.campaign.launch import _Stopped, _StopSignals
 from rl_engine.campaign.proctree import stop_tree
 
-SCHEMA_VERSION = "1"
 EXIT_TIMEOUT = 124
 KILL_GRACE_S = 5.0
 

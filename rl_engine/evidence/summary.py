@@ -40,7 +40,7 @@ from rich.table import Table
 
 from rl_engine import jsonio
 from rl_engine.evidence.casename import RunNameError, pytest_args_of
-from rl_engine.campaign.plan import RUNNER_MODULE as RUNNER
+from rl_engine.campaign.plan import RUNNER_MODULE
 from rl_engine.rundir import (
     CASE,
     CROSSCHECK,
@@ -204,8 +204,8 @@ def _beside_plan(ev: Evidence, name: str) -> str:
     path as the plan verb was given it), or ``RUN/name`` when no command says."""
     for planned in ev.planned:
         words = shlex.split(planned.command or "")
-        if RUNNER in words[:-1]:
-            return str(Path(words[words.index(RUNNER) + 1]).with_name(name))
+        if RUNNER_MODULE in words[:-1]:
+            return str(Path(words[words.index(RUNNER_MODULE) + 1]).with_name(name))
     return f"RUN/{name}"
 
 

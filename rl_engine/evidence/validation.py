@@ -42,8 +42,8 @@ from rl_engine.rundir import (
     Run,
     Topology,
 )
+from rl_engine.tables import SCHEMA_VERSION
 
-SCHEMA_VERSION = "1"
 MAX_MESSAGE = 300
 FILES: tuple[tuple[str, str], ...] = ((ENVIRONMENT, "environment"), (REGRESSION, "regression"), (CASE, "case"),
                                       (PLAN, "plan"))

@@ -72,6 +72,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rl_engine import jsonio, schemas
+from rl_engine.tables import SCHEMA_VERSION
 from rl_engine.evidence.archive import SCHEMA_DIR, SUFFIX, SUMS
 from rl_engine.evidence.casename import NOGIT, RunName, RunNameError, case_hash, evidence_resolved_case
 from rl_engine.evidence.crosscheck import crosscheck_run
@@ -80,7 +81,6 @@ from rl_engine.evidence.safe_tar import MIB, Extracted, Limits, UnsafeArchiveErr
 from rl_engine.evidence.summary import SummaryError, summary_text
 from rl_engine.evidence.validation import validate_run
 
-SCHEMA_VERSION = "1"
 RECOMPUTE_TOL = 1e-5
 RECOMPUTED_STATS = ("max_abs", "mean_abs", "p95_abs", "p99_abs")
 SIDECAR_LINE = re.compile(r"^([0-9a-f]{64}) [ *](\S.*)$")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.campaign.tables import DTYPES, TORCH_DTYPE_NAMES
+from rl_engine.tables import DTYPES, TORCH_DTYPE_NAMES
 from rl_engine.distributed.bounds import (
     CP_LAYOUTS,
     BoundsError,
