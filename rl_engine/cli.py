@@ -12,7 +12,7 @@ import sys
 VERBS: dict[str, tuple[str, str]] = {
     "case": ("rl_engine.campaign.case", "write and check the case file (case.json) the plan is built from"),
     "plan": ("rl_engine.campaign.plan", "plan a TP x CP campaign from a case file: write plan.json, print the torchrun commands"),
-    "compare": ("rl_engine.campaign.run", "run one planned topology's comparison (each rank, under torchrun)"),
+    "run": ("rl_engine.campaign.run", "run one planned topology's comparison (each rank, under torchrun)"),
     "launch": ("rl_engine.campaign.launch", "run one planned topology with a time limit"),
     "env": ("rl_engine.evidence.environment", "capture environment.json and environment.txt"),
     "regression": ("rl_engine.evidence.regression", "run the focused pytest suite with counts"),

@@ -47,7 +47,7 @@ from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.registry import BackendUnavailableError, default_registry, dispatch
 from rl_engine.logprob.tiles import chunk_rows_for_device
 from rl_engine.logprob.vocab_parallel import BACKEND_ID
-from rl_engine.campaign.case import Case, PlanError
+from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.plan import build_plan
 from rl_engine.tables import DEVICE_DIST_BACKENDS, SCHEMA_VERSION
 from rl_engine.campaign.replay import replay_candidate
@@ -248,7 +248,7 @@ def main(argv: list[str]) -> int:
             return EXIT_CANNOT_START
     try:
         result, problems = smoke(args)
-    except (SmokeError, WorkflowConfigError, PlanError, OSError) as exc:
+    except (SmokeError, WorkflowConfigError, CaseError, OSError) as exc:
         print(f"gpu-smoke: {exc}", file=sys.stderr)
         return EXIT_CANNOT_START
     except (schemas.ArtifactSchemaError, jsonio.StrictJSONError) as exc:

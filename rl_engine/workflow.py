@@ -40,7 +40,7 @@ from rl_engine.evidence.gitstate import GitStateError, read_git_state
 from rl_engine.campaign.case import (
     TOPOLOGY_FIELDS,
     Case,
-    PlanError,
+    CaseError,
     case_document,
     case_problems,
     check_topology,
@@ -128,7 +128,7 @@ def parse_topologies(items: list[str]) -> list[Topology]:
     """The config's ``topologies`` (``"<tp>x<cp>"`` strings), parsed by the runner's parser."""
     try:
         return [Topology(tp, cp) for tp, cp in campaign_case.parse_topologies(items)]
-    except PlanError as exc:
+    except CaseError as exc:
         raise WorkflowConfigError(f"config key 'topologies' has value {items!r}: {exc}") from None
 
 
@@ -177,7 +177,7 @@ def _campaign_problems(config: dict[str, Any], origin: Origin) -> list[str]:
         for index, topo in enumerate(pairs):
             try:
                 check_topology(topo.tp, topo.cp, **{name: values[name] for name in TOPOLOGY_FIELDS})
-            except PlanError as exc:
+            except CaseError as exc:
                 problems.append(f"{origin.describe(f'topologies[{index}]', config['topologies'][index])}: {exc}")
     problem = matrix_problem(len(pairs))
     if problem is not None:
@@ -195,7 +195,7 @@ def _campaign_problems(config: dict[str, Any], origin: Origin) -> list[str]:
         # the case rule's own path: a schema-valid case file, or this names why not
         try:
             document = case_document(Case(**values), tuple((t.tp, t.cp) for t in pairs))
-        except PlanError as exc:
+        except CaseError as exc:
             return [f"the runner refuses this campaign at plan time: {exc}; fix the config key it names"]
         problems += [f"the case file of this config does not match schemas/case.schema.json: {p}"
                      for p in schemas.errors(document, "case")]

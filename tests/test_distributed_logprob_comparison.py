@@ -29,7 +29,7 @@ from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.tensorio import fingerprint
 from rl_engine.campaign import case as campaign
 from rl_engine.campaign import plan as planmod
-from rl_engine.campaign.case import Case, PlanError
+from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.plan import load_plan
 from rl_engine.campaign.plan import main as plan_main
 from rl_engine.tables import DEFAULT_TOPOLOGIES
@@ -514,8 +514,8 @@ def test_launch_refuses_unplanned_topology_and_bad_plan(tmp_path: Path, capsys: 
 
 
 def test_plan_errors_name_the_field() -> None:
-    with pytest.raises(PlanError, match="threads_per_rank=0 must be >= 1"):
+    with pytest.raises(CaseError, match="threads_per_rank=0 must be >= 1"):
         _case(threads_per_rank=0)
-    with pytest.raises(PlanError, match="device='tpu' is unknown"):
+    with pytest.raises(CaseError, match="device='tpu' is unknown"):
         _case(device="tpu")
     assert campaign.parse_topologies("1x1, 2X2") == ((1, 1), (2, 2))

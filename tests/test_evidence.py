@@ -751,7 +751,7 @@ def test_every_verb_help_says_what_it_does(capsys: pytest.CaptureFixture[str]) -
         assert len(description.split()) >= 8, (verb, description)
     assert len(set(helps.values())) == len(helps)  # no two verbs print the same help
     assert "Write plan.json for a case" in helps["plan"]
-    assert "Run one topology of a plan under torchrun" in helps["compare"]
+    assert "Run one topology of a plan under torchrun" in helps["run"]  # (the verb was `compare`, issue 19)
     assert "case.schema.json and every case rule" in helps["case"]
     assert "Run one planned topology" in helps["launch"]
 

@@ -40,7 +40,7 @@ from rl_engine.tables import (
 from rl_engine.distributed.bounds import BoundsError, check_cp_split, even_vocab_shards, tile_width
 
 
-class PlanError(ValueError):
+class CaseError(ValueError):
     """A case or topology that cannot run; the message names the field, the value and the fix."""
 
 
@@ -63,7 +63,7 @@ def _number_problem(name: str, value: Any, positive: bool) -> str | None:
 def _int(name: str, value: Any, minimum: int) -> None:
     problem = _int_problem(name, value, minimum)
     if problem is not None:
-        raise PlanError(problem)
+        raise CaseError(problem)
 
 
 def parse_topology(item: str) -> tuple[int, int]:
@@ -71,7 +71,7 @@ def parse_topology(item: str) -> tuple[int, int]:
     part = item.strip().lower()
     pieces = part.split("x")
     if len(pieces) != 2 or not all(p.isdigit() and p[0] != "0" for p in pieces):
-        raise PlanError(
+        raise CaseError(
             f"--topologies item {item!r} is not <TP>x<CP> with positive integers; "
             "write e.g. 1x1,2x2,8x1"
         )
@@ -87,7 +87,7 @@ def parse_topologies(items: str | Sequence[str]) -> tuple[tuple[int, int], ...]:
     for item in items.split(",") if isinstance(items, str) else items:
         pair = parse_topology(item)
         if pair in out:
-            raise PlanError(f"--topologies lists {pair[0]}x{pair[1]} twice; list each topology once")
+            raise CaseError(f"--topologies lists {pair[0]}x{pair[1]} twice; list each topology once")
         out.append(pair)
     return tuple(out)
 
@@ -107,7 +107,7 @@ def check_matrix(topologies: Sequence[tuple[int, int]]) -> None:
     """A campaign matrix (``--topologies``, the workflow's ``topologies``) lists at least two."""
     problem = matrix_problem(len(topologies))
     if problem is not None:
-        raise PlanError(f"--topologies: {problem}; to plan one topology alone use --tp T --cp C")
+        raise CaseError(f"--topologies: {problem}; to plan one topology alone use --tp T --cp C")
 
 
 def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -192,11 +192,11 @@ def check_topology(
     _int("tp", tp, 1)
     _int("cp", cp, 1)
     if tp > MAX_TP:
-        raise PlanError(f"tp={tp} exceeds the supported maximum {MAX_TP}; use tp <= {MAX_TP}")
+        raise CaseError(f"tp={tp} exceeds the supported maximum {MAX_TP}; use tp <= {MAX_TP}")
     if cp > MAX_CP:
-        raise PlanError(f"cp={cp} exceeds the supported maximum {MAX_CP}; use cp <= {MAX_CP}")
+        raise CaseError(f"cp={cp} exceeds the supported maximum {MAX_CP}; use cp <= {MAX_CP}")
     if tp * cp > num_vocab_tiles:
-        raise PlanError(
+        raise CaseError(
             f"tp*cp={tp * cp} ranks exceed num_vocab_tiles={num_vocab_tiles}; use at "
             f"most {num_vocab_tiles} ranks or more tiles"
         )
@@ -204,7 +204,7 @@ def check_topology(
         even_vocab_shards(padded_vocab, num_vocab_tiles, tp)
         check_cp_split(seq, cp, cp_layout)
     except BoundsError as exc:
-        raise PlanError(f"topology {tp}x{cp}: {exc}") from None
+        raise CaseError(f"topology {tp}x{cp}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -232,7 +232,7 @@ class Case:
     def __post_init__(self) -> None:
         problems = case_problems(self.to_dict())
         if problems:
-            raise PlanError("; ".join(message for _, message in problems))
+            raise CaseError("; ".join(message for _, message in problems))
         for name in FLOAT_FIELDS:  # 1 and 1.0 are the same case: the case file holds 1.0
             object.__setattr__(self, name, float(getattr(self, name)))
 
@@ -252,7 +252,7 @@ class Case:
         fields.setdefault("threads_per_rank", 1)
         missing = [f.name for f in dataclass_fields(cls) if f.name not in fields]
         if missing:
-            raise PlanError(f"case fields {missing} are missing; give each of them")
+            raise CaseError(f"case fields {missing} are missing; give each of them")
         return cls(**fields)
 
     def to_dict(self) -> dict[str, Any]:
@@ -298,19 +298,19 @@ def case_from_document(document: Any, what: str) -> tuple[Case, tuple[tuple[int,
         topologies = tuple((t["tp"], t["cp"]) for t in document["topologies"])
     except (TypeError, KeyError):
         case = None  # not even the shape of a case file: the schema says what is wrong
-    except PlanError as exc:
-        raise PlanError(f"{what}: {exc}") from None
+    except CaseError as exc:
+        raise CaseError(f"{what}: {exc}") from None
     try:
         if case is not None:
             for tp, cp in topologies:
                 case.check_topology(tp, cp)
             check_matrix(topologies)
         schemas.require_valid(document, "case", what=what)
-    except (schemas.ArtifactSchemaError, PlanError) as exc:
-        raise PlanError(f"{what}: {exc}") from None
+    except (schemas.ArtifactSchemaError, CaseError) as exc:
+        raise CaseError(f"{what}: {exc}") from None
     assert case is not None  # a schema-valid document has a case's shape
     if document["case_id"] != case.case_id:
-        raise PlanError(f"{what}: case_id={document['case_id']!r} is not the case's id {case.case_id!r}; "
+        raise CaseError(f"{what}: case_id={document['case_id']!r} is not the case's id {case.case_id!r}; "
                         "write the case file with `python -m rl_engine case`")
     return case, topologies
 
@@ -320,7 +320,7 @@ def load_case_file(path: str | os.PathLike[str]) -> tuple[Case, tuple[tuple[int,
     try:
         document = jsonio.load(path)
     except (jsonio.StrictJSONError, OSError) as exc:
-        raise PlanError(f"case file {path}: {exc}; write it with `python -m rl_engine case`") from None
+        raise CaseError(f"case file {path}: {exc}; write it with `python -m rl_engine case`") from None
     return case_from_document(document, f"case file {path}")
 
 
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         document = jsonio.loads(args.json)
         case, topologies = case_from_document(document, "--json")
         write_case_file(args.output, case, topologies)
-    except (jsonio.StrictJSONError, PlanError, schemas.ArtifactSchemaError) as exc:
+    except (jsonio.StrictJSONError, CaseError, schemas.ArtifactSchemaError) as exc:
         print(f"case: {exc}", file=sys.stderr)
         return 2
     print(f"case {case.case_id}: {len(topologies)} topologies -> {args.output}")
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
 
 __all__ = [
     "Case",
-    "PlanError",
+    "CaseError",
     "case_document",
     "case_from_document",
     "case_problems",

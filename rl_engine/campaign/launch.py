@@ -44,7 +44,7 @@ from types import FrameType
 from typing import Any, Mapping, TextIO
 
 from rl_engine import jsonio, schemas
-from rl_engine.campaign.case import PlanError
+from rl_engine.campaign.case import CaseError
 from rl_engine.campaign.plan import (
     EXIT_FAILED,
     EXIT_NO_REPORT,
@@ -108,7 +108,7 @@ def planned_topology(plan_path: str, tp: int, cp: int) -> tuple[dict[str, Any], 
     try:
         case, plan = load_plan(plan_path)
         return case.to_dict(), planned_entry(plan, tp, cp, plan_path)
-    except PlanError as exc:
+    except CaseError as exc:
         raise LaunchError(str(exc)) from None
 
 

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from rl_engine import jsonio, schemas
 from rl_engine.campaign.case import (
     Case,
-    PlanError,
+    CaseError,
     check_matrix,
     load_case_file,
     parse_topologies,
@@ -41,6 +41,12 @@ from rl_engine.tables import (
 )
 
 RUNNER_MODULE = "rl_engine.campaign.run"
+
+
+class PlanError(CaseError):
+    """A plan that cannot be built or read (no topology, conflicting flags, a bad plan file, a
+    topology it does not hold); a :class:`CaseError`, so one ``except CaseError`` refuses both."""
+
 # A topology run's exit codes (the runner's ranks; launch restores them from the artifacts).
 EXIT_PASSED = 0  # the report was written and passed
 EXIT_FAILED = 1  # the report was written and failed acceptance (kept, with its failures)
@@ -89,7 +95,7 @@ def load_plan(plan_path: str | os.PathLike[str]) -> tuple[Case, dict[str, Any]]:
         return Case(**plan["case"]), plan
     except (jsonio.StrictJSONError, schemas.ArtifactSchemaError, OSError) as exc:
         raise PlanError(f"plan {plan_path}: {exc}; write it with `python -m rl_engine plan`") from None
-    except PlanError as exc:
+    except CaseError as exc:
         raise PlanError(f"plan {plan_path}: {exc}") from None
 
 
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m rl_engine plan") 
         case, topologies = case_from_args(args)
         plan = build_plan(case, topologies, args.output)
         schemas.write_validated(args.output, plan, "plan")
-    except (PlanError, schemas.ArtifactSchemaError) as exc:
+    except (CaseError, schemas.ArtifactSchemaError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"# plan {plan['case_id']}: {len(plan['topologies'])} topologies -> {args.output}")
@@ -202,6 +208,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m rl_engine plan") 
 
 
 __all__ = [
+    "PlanError",
     "RUNNER_MODULE",
     "build_plan",
     "launch_argv",

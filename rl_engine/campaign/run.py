@@ -58,7 +58,7 @@ from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import fp32_oracle
 from rl_engine.logprob.registry import dispatch
 from rl_engine.tensorio import DTYPE_NAMES, fingerprint, write_raw
-from rl_engine.campaign.case import Case, PlanError
+from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.plan import (
     EXIT_FAILED,
     EXIT_NO_REPORT,
@@ -82,7 +82,7 @@ MERGE_ORDER = (
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m rl_engine compare",
+        prog="python -m rl_engine run",
         description="Run one topology of a plan under torchrun (its command: torchrun ... -m rl_engine.campaign.run "
                     "PLAN --tp T --cp C): every rank computes its part, rank 0 writes the report beside the plan. "
                     "Exit 0 passed, 1 failed acceptance (report kept), 2 no valid report.",
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_NO_REPORT
     try:
         return run_topology(args.plan, args.tp, args.cp)
-    except (PlanError, FaultError, MeshError, LogprobContractError, ComparisonError) as exc:
+    except (CaseError, FaultError, MeshError, LogprobContractError, ComparisonError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_NO_REPORT
     except Exception:  # noqa: BLE001 - any other failure: no valid report, say why
