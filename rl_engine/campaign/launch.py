@@ -49,12 +49,12 @@ from rl_engine.campaign.plan import (
     EXIT_FAILED,
     EXIT_NO_REPORT,
     EXIT_PASSED,
-    launch_argv,
+    interpreter_argv,
     load_plan,
     planned_entry,
+    planned_runner_args,
     remove_outputs,
     report_path,
-    runner_args,
 )
 from rl_engine.campaign.nodes import (
     NodeLayout,
@@ -271,7 +271,7 @@ def _node_rank(environ: Mapping[str, str]) -> int:
     return int(raw)
 
 
-def _node_part(plan_path: str, case: dict[str, Any], tp: int, cp: int, timeout_s: float,
+def _node_part(entry: dict[str, Any], case: dict[str, Any], tp: int, cp: int, timeout_s: float,
                log: TextIO | None, layout: NodeLayout, endpoint: str, rdzv_id: str) -> int:
     """This node's ``torchrun`` of a multi-node topology: 0, 2 (its ranks failed), 124 or 128+N.
 
@@ -279,7 +279,7 @@ def _node_part(plan_path: str, case: dict[str, Any], tp: int, cp: int, timeout_s
     answers for its own tree.
     """
     node_rank = _node_rank(os.environ)
-    argv = node_torchrun_argv(runner_args(plan_path, tp, cp), layout, endpoint, rdzv_id, node_rank)
+    argv = node_torchrun_argv(planned_runner_args(entry["argv"]), layout, endpoint, rdzv_id, node_rank)
     where = f"topology {tp}x{cp}, node {node_name()} (node rank {node_rank} of {layout.nodes})"
     with _StopSignals(STOP_SIGNALS + (NODE_STOP_SIGNAL,)) as stops:
         if stops.received:
@@ -333,13 +333,13 @@ def launch(plan_path: str, tp: int, cp: int, timeout_s: float, log: TextIO | Non
         if layout.nodes == 1:
             raise LaunchError(f"--rdzv-endpoint is for topologies that span nodes; {tp}x{cp} at "
                               f"--ranks-per-node={layout.ranks_per_node} runs on one node")
-        return _node_part(plan_path, case, tp, cp, timeout_s, log, layout, *rendezvous)
+        return _node_part(entry, case, tp, cp, timeout_s, log, layout, *rendezvous)
     output = report_path(plan_path, entry)
     with _StopSignals() as stops:
         remove_outputs(output)
         if stops.received:
             return _stopped(tp, cp, output, stops.received[0])
-        argv, forward = launch_argv(plan_path, tp, cp), None
+        argv, forward = interpreter_argv(entry["argv"]), None  # the plan's argv, by this interpreter
         if layout.nodes > 1:
             argv, forward = _job_argv(plan_path, tp, cp, timeout_s, case, layout, log), NODE_STOP_SIGNAL
         env = {**os.environ, "OMP_NUM_THREADS": str(case["threads_per_rank"])}

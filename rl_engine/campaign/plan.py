@@ -4,13 +4,14 @@
 builds it from a case file; the guide's command (the same verb, or
 ``python rl_engine/testing/distributed_logprob_comparison.py --plan``) builds it from one flag
 per case field instead. Either way the plan holds the case and, per topology, its report's file
-name (beside the plan) and the command that writes it::
+name (beside the plan), the ``argv`` that writes it and, as ``command``, ``shlex.join(argv)``::
 
     torchrun --standalone --nproc-per-node=<T*C> -m rl_engine.campaign.run DIR/plan.json --tp T --cp C
 
-A topology runs from the plan plus its ``--tp``/``--cp`` (:mod:`rl_engine.campaign.run`), so
-nothing of the case is written twice; the report repeats the command as its
-``launch_command``. Nothing here imports torch.
+``launch`` runs that argv (:func:`interpreter_argv`: ``torchrun`` as this interpreter's
+``-m torch.distributed.run``, which is what the ``torchrun`` script runs). A topology runs from
+the plan plus its ``--tp``/``--cp`` (:mod:`rl_engine.campaign.run`), so nothing of the case is
+written twice; the report repeats the command as its ``launch_command``. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -57,16 +58,32 @@ def runner_args(plan_path: str | os.PathLike[str], tp: int, cp: int) -> list[str
     return ["-m", RUNNER_MODULE, str(plan_path), "--tp", str(tp), "--cp", str(cp)]
 
 
-def launch_command(plan_path: str | os.PathLike[str], tp: int, cp: int) -> str:
-    """The shell-ready ``torchrun`` command that writes this topology's report."""
-    return shlex.join(["torchrun", "--standalone", f"--nproc-per-node={tp * cp}", *runner_args(plan_path, tp, cp)])
+TORCHRUN = "torchrun"
 
 
 def launch_argv(plan_path: str | os.PathLike[str], tp: int, cp: int) -> list[str]:
-    """The same launch through this interpreter's ``torch.distributed.run`` (what ``torchrun``
-    runs), so the interpreter and torch that run the ranks are the ones that launch them."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * cp}",
-            *runner_args(plan_path, tp, cp)]
+    """The argv that writes this topology's report (the plan records it as ``argv``)."""
+    return [TORCHRUN, "--standalone", f"--nproc-per-node={tp * cp}", *runner_args(plan_path, tp, cp)]
+
+
+def launch_command(plan_path: str | os.PathLike[str], tp: int, cp: int) -> str:
+    """The shell-ready command of :func:`launch_argv`: ``shlex.join`` of it (the plan's ``command``)."""
+    return shlex.join(launch_argv(plan_path, tp, cp))
+
+
+def interpreter_argv(argv: Sequence[str]) -> list[str]:
+    """A planned argv as this interpreter runs it: ``torchrun`` becomes ``sys.executable -m
+    torch.distributed.run`` (what the ``torchrun`` script runs), so the interpreter and torch that
+    run the ranks are the ones that launch them; every other word is the plan's."""
+    if not argv or argv[0] != TORCHRUN:
+        raise PlanError(f"the planned argv {list(argv)!r} does not start with {TORCHRUN!r}; plan again with "
+                        "`python -m rl_engine plan`")
+    return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+
+
+def planned_runner_args(argv: Sequence[str]) -> list[str]:
+    """What follows torchrun's own flags in a planned argv (``-m rl_engine.campaign.run PLAN --tp T --cp C``)."""
+    return list(argv[list(argv).index("-m"):])
 
 
 def build_plan(case: Case, topologies: Sequence[tuple[int, int]], plan_path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -81,7 +98,7 @@ def build_plan(case: Case, topologies: Sequence[tuple[int, int]], plan_path: str
         "case": case.to_dict(),
         "topologies": [
             {"tp": tp, "cp": cp, "world_size": tp * cp, "output": Topology(tp, cp).report,
-             "command": launch_command(plan_path, tp, cp)}
+             "argv": launch_argv(plan_path, tp, cp), "command": launch_command(plan_path, tp, cp)}
             for tp, cp in topologies
         ],
     }
@@ -213,6 +230,8 @@ __all__ = [
     "build_plan",
     "launch_argv",
     "launch_command",
+    "interpreter_argv",
+    "planned_runner_args",
     "load_plan",
     "main",
     "planned_entry",

@@ -22,6 +22,7 @@ schemas shipped inside it, and ``gates=True`` to also check the recorded
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +137,19 @@ def plan_case_findings(plan: Any, case_file: Any) -> list[Finding]:
     return found
 
 
+def plan_command_findings(plan: Any) -> list[Finding]:
+    """Each planned ``command`` is ``shlex.join`` of the ``argv`` launch runs (plans from before
+    ``argv`` was recorded have none to compare)."""
+    entries = plan.get("topologies") if isinstance(plan, dict) else None
+    found = []
+    for index, entry in enumerate(entries if isinstance(entries, list) else []):
+        argv = entry.get("argv") if isinstance(entry, dict) else None
+        if isinstance(argv, list) and all(isinstance(word, str) for word in argv) and entry.get("command") != shlex.join(argv):
+            found.append(Finding(PLAN, f"topologies[{index}].command", f"{entry.get('command')!r} is not "
+                                 f"shlex.join(argv) {shlex.join(argv)!r}: the printed command is not the one launch runs"))
+    return found
+
+
 def validate_run(run: Run, schema_dir: Path, *, gates: bool = False) -> Validation:
     """Validate a loaded run directory against ``schema_dir`` and the acceptance.
 
@@ -170,7 +184,7 @@ def validate_run(run: Run, schema_dir: Path, *, gates: bool = False) -> Validati
         schema += file_schema
         everything = file_load + file_schema + file_other
         files.append({"file": name, "schema": schema_name, "valid": not everything, "errors": [str(f) for f in everything]})
-    acceptance = plan_case_findings(run.plan, run.case)
+    acceptance = plan_case_findings(run.plan, run.case) + plan_command_findings(run.plan)
     reports, report_found = _validate_reports(run, schema_dir)
     load += report_found[0]
     schema += report_found[1]
