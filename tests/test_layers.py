@@ -2,7 +2,7 @@
 
 The layers, lowest first (docs: /work/shared/DESIGN.md's layout):
 
-0. the foundations: ``tables`` (the constant tables), ``jsonio``, ``schemas``, ``tensorio``,
+0. the foundations: ``tables`` (the constant tables), ``validators``, ``jsonio``, ``schemas``, ``tensorio``,
    ``spec_numpy``, ``rundir`` (the run directory's names);
 1. the engine: ``logprob/`` and ``distributed/``;
 2. ``grpo/`` (the loss, built on the engine);
@@ -24,7 +24,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rl_engine"
 LAYERS: dict[str, int] = {
-    "tables": 0, "jsonio": 0, "schemas": 0, "tensorio": 0, "spec_numpy": 0, "rundir": 0, "__init__": 0,
+    "tables": 0, "validators": 0, "jsonio": 0, "schemas": 0, "tensorio": 0, "spec_numpy": 0, "rundir": 0, "__init__": 0,
     "logprob": 1, "distributed": 1,
     "grpo": 2,
     "campaign": 3,

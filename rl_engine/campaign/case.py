@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from dataclasses import fields as dataclass_fields
 from typing import Any, Mapping, Sequence
 
+from rl_engine.validators import choice_problem, int_problem, require
 from rl_engine import jsonio, schemas
 from rl_engine.tables import (
     AUTO,
@@ -44,14 +45,6 @@ class CaseError(ValueError):
     """A case or topology that cannot run; the message names the field, the value and the fix."""
 
 
-def _int_problem(name: str, value: Any, minimum: int) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        return f"{name}={value!r} must be an integer"
-    if value < minimum:
-        return f"{name}={value} must be >= {minimum}"
-    return None
-
-
 def _number_problem(name: str, value: Any, positive: bool) -> str | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return f"{name}={value!r} must be a finite number"
@@ -61,9 +54,7 @@ def _number_problem(name: str, value: Any, positive: bool) -> str | None:
 
 
 def _int(name: str, value: Any, minimum: int) -> None:
-    problem = _int_problem(name, value, minimum)
-    if problem is not None:
-        raise CaseError(problem)
+    require(int_problem(name, value, minimum), CaseError)
 
 
 def parse_topology(item: str) -> tuple[int, int]:
@@ -131,13 +122,13 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
     if has("device"):
         device = values["device"]
         if device not in DEVICE_DIST_BACKENDS:
-            add("device", f"device={device!r} is unknown; use one of {list(DEVICE_DIST_BACKENDS)}")
+            add("device", choice_problem("device", device, list(DEVICE_DIST_BACKENDS), "is unknown"))
         elif has("dist_backend") and values["dist_backend"] != DEVICE_DIST_BACKENDS[device]:
             add("dist_backend",
                 f"dist_backend={values['dist_backend']!r} does not serve device={device!r}; use "
                 f"{DEVICE_DIST_BACKENDS[device]!r} (gloo on cpu, nccl on cuda; nothing falls back)")
-    if has("dtype") and values["dtype"] not in DTYPES:
-        add("dtype", f"dtype={values['dtype']!r} is unknown; use one of {list(DTYPES)}")
+    if has("dtype"):
+        add("dtype", choice_problem("dtype", values["dtype"], DTYPES, "is unknown"))
     if has("backend"):
         backend = values["backend"]
         if backend == AUTO:
@@ -155,15 +146,15 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
                           ("batch", 1), ("seq", 1), ("prompt_tokens", 0), ("seed", 0),
                           ("threads_per_rank", 1)):
         if name in values:
-            add(name, _int_problem(name, values[name], minimum))
+            add(name, int_problem(name, values[name], minimum))
     if has("threads_per_rank") and values["threads_per_rank"] > MAX_THREADS_PER_RANK:
         add("threads_per_rank",
             f"threads_per_rank={values['threads_per_rank']} must be <= {MAX_THREADS_PER_RANK}")
     for name, positive in (("logit_scale", True), ("atol", False), ("rtol", False), ("timeout_s", True)):
         if name in values:
             add(name, _number_problem(name, values[name], positive))
-    if has("cp_layout") and values["cp_layout"] not in CP_LAYOUTS:
-        add("cp_layout", f"cp_layout={values['cp_layout']!r} is unknown; use one of {list(CP_LAYOUTS)}")
+    if has("cp_layout"):
+        add("cp_layout", choice_problem("cp_layout", values["cp_layout"], CP_LAYOUTS, "is unknown"))
     if has("real_vocab", "padded_vocab") and values["real_vocab"] > values["padded_vocab"]:
         add("real_vocab",
             f"real_vocab={values['real_vocab']} exceeds padded_vocab={values['padded_vocab']}; the "
