@@ -138,6 +138,15 @@ def _start(repo: Path, target: str, marker: Path, sleep_s: float, log: Path) -> 
                                 start_new_session=True)
 
 
+def _kill_group(proc: subprocess.Popen[bytes], archive: int) -> None:
+    """Cleanup: snakemake's group, and the archive process should it have outlived it."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    if archive and _alive(archive):
+        os.kill(archive, signal.SIGKILL)
+
+
 def _archive_pid(proc: subprocess.Popen[bytes], marker: Path, log: Path) -> int:
     deadline = time.monotonic() + 120
     while not marker.exists():
@@ -168,11 +177,7 @@ def test_a_sigkill_of_the_archive_job_leaves_no_archive_process_and_no_archive(
         time.sleep(max(0.0, killed + ARCHIVE_SLEEP_S + 2 - time.monotonic()))  # past the archive's write
         left = _alive(archive)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        if archive and _alive(archive):
-            os.kill(archive, signal.SIGKILL)
+        _kill_group(proc, archive)
     text = log.read_text()
     assert not left, "the archive process outlived its killed job"
     assert not (repo / target).exists() and not (repo / f"{target}.sha256").exists()
@@ -187,6 +192,7 @@ def test_a_killed_snakemake_leaves_a_lock_that_unlock_clears_and_the_rerun_compl
     repo, target = archive_stage
     marker, log = tmp_path / "started", tmp_path / "snakemake.log"
     proc = _start(repo, target, marker, 60, log)
+    archive = 0
     try:
         archive = _archive_pid(proc, marker, log)
         os.killpg(proc.pid, signal.SIGKILL)  # snakemake and its jobs: they share its process group
@@ -196,9 +202,7 @@ def test_a_killed_snakemake_leaves_a_lock_that_unlock_clears_and_the_rerun_compl
             time.sleep(0.1)
         assert not _alive(archive)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_group(proc, archive)
     env = env_for(repo, {"FAKE_ARCHIVE_MARKER": str(marker), "FAKE_ARCHIVE_SLEEP": "0"})
     refused = snakemake(repo, target, env=env, timeout=300)
     assert refused.returncode != 0 and "Directory cannot be locked" in refused.stdout + refused.stderr
