@@ -125,14 +125,25 @@ def _check_metadata(metadata: Mapping[str, Any], logits_dtype: str, where: str) 
     return meta
 
 
+def _dtype_rule(name: str) -> str:
+    if name == LOGITS:
+        return "it must be BF16, F16 or F32 (bf16, fp16, fp32): the logits as the LM head gave them"
+    if name in _EXPECTED_ST:
+        want = _EXPECTED_ST[name]
+        hint = (" (targets are token ids: a float targets tensor is refused, NaN or not)"
+                if name == TARGETS else "")
+        return (f"it must be {want}{hint}: convert it before writing (e.g. .to(torch."
+                f"{str(ST_DTYPES[want]).replace('torch.', '')}))")
+    return f"a capture holds only {list(TENSORS)}"
+
+
 def _entry(name: str, raw: Any, where: str) -> TensorEntry:
     if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
         raise CaptureError(f"{where}: tensor {name}: header record {raw!r} is not a safetensors "
                            "record (dtype, shape, data_offsets); rewrite the file with safetensors")
     dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
     if dtype not in ST_DTYPES:
-        raise CaptureError(f"{where}: tensor {name}: dtype {dtype!r} is not allowed in a capture "
-                           f"(allowed: {sorted(ST_DTYPES)}); see docs/capture.md for each tensor's")
+        raise CaptureError(f"{where}: tensor {name} has dtype {dtype}; {_dtype_rule(name)}")
     if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
             or not isinstance(offsets, list) or len(offsets) != 2
             or not all(isinstance(o, int) and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
@@ -158,9 +169,7 @@ def _check_layout(entries: dict[str, TensorEntry], where: str) -> None:
         raise CaptureError(f"{where}: unknown tensor(s) {unknown}; a capture holds only {list(TENSORS)}")
     logits = entries[LOGITS]
     if logits.dtype not in LOGITS_ST:
-        raise CaptureError(f"{where}: tensor logits has dtype {logits.dtype}; it must be one of "
-                           f"{sorted(LOGITS_ST)} (bf16, fp16, fp32): store the engine's logits as "
-                           "they came out of the LM head")
+        raise CaptureError(f"{where}: tensor logits has dtype {logits.dtype}; {_dtype_rule(LOGITS)}")
     if len(logits.shape) != 2 or logits.shape[0] < 1 or logits.shape[1] < 2:
         raise CaptureError(f"{where}: tensor logits has shape {list(logits.shape)}; it must be "
                            "[tokens, vocab] with tokens >= 1 and vocab >= 2: flatten [batch, seq, "
@@ -170,11 +179,7 @@ def _check_layout(entries: dict[str, TensorEntry], where: str) -> None:
         if entry is None:
             continue
         if entry.dtype != want:
-            hint = (" (targets are token ids: a float targets tensor is refused, NaN or not)"
-                    if name == TARGETS else "")
-            raise CaptureError(f"{where}: tensor {name} has dtype {entry.dtype}; it must be {want}"
-                               f"{hint}: convert it before writing (e.g. .to(torch."
-                               f"{str(ST_DTYPES[want]).replace('torch.', '')}))")
+            raise CaptureError(f"{where}: tensor {name} has dtype {entry.dtype}; {_dtype_rule(name)}")
         if entry.shape != (logits.shape[0],):
             raise CaptureError(f"{where}: tensor {name} has shape {list(entry.shape)}; it must be "
                                f"[{logits.shape[0]}] (one per row of logits)")
@@ -239,8 +244,7 @@ class Capture:
                 raise CaptureError(f"{where}: tensor {name} is a {type(tensor).__name__}; give a torch.Tensor")
             codes = [c for c, d in ST_DTYPES.items() if d == tensor.dtype]
             if not codes:
-                raise CaptureError(f"{where}: tensor {name} has dtype {tensor.dtype}, which a capture "
-                                   "cannot hold; see docs/capture.md for each tensor's dtype")
+                raise CaptureError(f"{where}: tensor {name} has dtype {tensor.dtype}; {_dtype_rule(name)}")
             entries[name] = TensorEntry(name, codes[0], tuple(tensor.shape), 0, 0)
         _check_layout(entries, where)
         meta = _check_metadata(self.metadata, LOGITS_ST[entries[LOGITS].dtype], where)
