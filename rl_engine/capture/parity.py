@@ -337,7 +337,12 @@ def run(rollout: Path, trainer: Path, output_dir: Path, options: ParityOptions) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rl_engine parity", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m rl_engine parity",
+        description="Compare two captures of the same tokens (a rollout engine's and a trainer's): "
+        "targets and mask, logits, our logprob on each side's logits, each engine's reported "
+        "logprob against ours, and the importance ratio. Writes parity.json and parity.png; exit "
+        "0 bitwise equal, 1 different, 2 refused (nothing written).")
     parser.add_argument("rollout", type=Path, help="the rollout engine's capture (safetensors)")
     parser.add_argument("trainer", type=Path, help="the trainer's capture of the same tokens")
     parser.add_argument("--output-dir", type=Path, required=True)
