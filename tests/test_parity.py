@@ -195,3 +195,45 @@ def test_bad_inputs_are_refused_with_nothing_written(damage: str, caps: dict[str
     code, _ = _parity(caps["rollout"], trainer, out, *extra)
     assert code == 2 and not out.exists()
     assert expect in capsys.readouterr().err
+
+
+def test_the_fused_backend_gives_the_same_logprob_bytes_and_is_recorded(caps: dict[str, Path], tmp_path: Path) -> None:
+    _, eager = _parity(caps["rollout"], caps["trainer"], tmp_path / "eager")
+    _, fused = _parity(caps["rollout"], caps["trainer"], tmp_path / "fused", "--backend", "cpu-vocab-parallel-logp-ws2")
+    assert eager is not None and fused is not None
+    for side in ("rollout_logp", "trainer_logp"):
+        assert _f32(eager["our_logprob"][side]) == _f32(fused["our_logprob"][side])
+    assert fused["backend"] == "cpu-vocab-parallel-logp-ws2"
+    assert fused["our_logprob"]["provenance"]["trainer"]["actual_backend"] == "cpu-vocab-parallel-logp-ws2"
+    assert eager["our_logprob"]["provenance"]["trainer"]["actual_backend"] == "pytorch-vocab-parallel-logp-ws2"
+
+
+def test_the_worked_example_of_docs_capture_md_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The page's python block as written, then its parity command: exit 1, the differences come
+    from the logits alone, and the first token of each sequence is equal on both sides."""
+    import re
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "capture.md").read_text(encoding="utf-8")
+    example = page.split("### Worked example", 1)[1]
+    block = re.search(r"```python\n(.*?)```", example, re.S)
+    assert block is not None
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block.group(1), "docs/capture.md", "exec"), {})
+    command = re.search(r"\n    (python -m rl_engine parity .*)\n", example)
+    assert command is not None
+    argv = command.group(1).split()[3:]
+    assert cli.main(argv) == 1
+    report = jsonio.load(tmp_path / "parity" / "parity.json")
+    lp, lg = report["our_logprob"], report["logits"]
+    assert lp["from_logits_only"] and lp["control"]["bitwise_equal"] and not lg["bitwise_equal"]
+    starts = [0, 6, 17]  # each sequence's first row (lengths 7, 12, 9)
+    assert [lg["per_token"]["columns_differing"][i] for i in starts] == [0, 0, 0]
+    assert all(lp["per_token"]["bitwise_equal"][i] for i in starts)
+    table = capsys.readouterr().out
+    lines = re.findall(r"\n    (│ [1-5] .*│)", example)
+    assert len(lines) == 6
+    for line in lines:  # the page's table rows that no kernel choice changes, exactly
+        if line.startswith(("│ 1", "│ 4")):
+            assert line in table, line
+    assert "from the logits only; control ok" in table and "from the logits only; control ok" in lines[2]
