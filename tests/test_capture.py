@@ -8,7 +8,7 @@ leaves nothing at the path.
 
 from __future__ import annotations
 
-import os
+import json
 import struct
 from pathlib import Path
 
@@ -139,6 +139,20 @@ def test_a_header_that_lies_about_a_size_is_refused(tmp_path: Path) -> None:
     header = data[8:8 + length].replace(b'"shape":[6]', b'"shape":[7]', 1)
     path.write_bytes(data[:8] + header + data[8 + length:])
     with pytest.raises(CaptureError, match=r"hold \d+ bytes, but shape \[7\]"):
+        read_capture(path)
+
+
+def test_overlapping_tensors_are_refused(tmp_path: Path) -> None:
+    path = _written(tmp_path)
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    header["active"]["data_offsets"] = [0, header["active"]["data_offsets"][1] - header["active"]["data_offsets"][0]]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= length
+    text = text.ljust(length)
+    path.write_bytes(data[:8] + text + data[8 + length:])
+    with pytest.raises(CaptureError, match=r"without gaps or overlaps"):
         read_capture(path)
 
 

@@ -172,7 +172,7 @@ def test_different_targets_are_refused_naming_the_first_token(caps: dict[str, Pa
     assert f"tensor targets differs at token {first}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("damage", ["truncated", "float-targets", "tiles"])
+@pytest.mark.parametrize("damage", ["truncated", "float-targets", "tiles", "backend", "bounds"])
 def test_bad_inputs_are_refused_with_nothing_written(damage: str, caps: dict[str, Path], tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     from safetensors.torch import save_file
@@ -189,8 +189,12 @@ def test_bad_inputs_are_refused_with_nothing_written(damage: str, caps: dict[str
         targets[0] = float("nan")
         save_file({"logits": cap.logits, "targets": targets, "active": cap.active}, str(trainer), metadata=dict(cap.metadata))
         expect = "tensor targets has dtype F32; it must be I64"
-    else:
+    elif damage == "tiles":
         extra, expect = ["--num-vocab-tiles", "3"], "num_vocab_tiles"
+    elif damage == "backend":
+        extra, expect = ["--backend", "auto-magic"], "backend='auto-magic' is not registered"
+    else:
+        extra, expect = ["--ratio-bounds", "1.2", "0.8"], "--ratio-bounds=1.2 0.8 must be"
     out = tmp_path / "out"
     code, _ = _parity(caps["rollout"], trainer, out, *extra)
     assert code == 2 and not out.exists()

@@ -213,7 +213,13 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     entries = {name: _entry(name, rec, where) for name, rec in raw.items()}
     _check_layout(entries, where)
     data_start = 8 + length
-    end = max(e.end for e in entries.values())
+    end = 0
+    for entry in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if entry.begin != end:
+            raise CaptureError(f"{where}: tensor {entry.name} starts at data byte {entry.begin}, "
+                               f"but the tensor before it ends at {end}: tensors must follow each "
+                               "other without gaps or overlaps; the file is damaged, capture it again")
+        end = entry.end
     if data_start + end != size:
         state = "truncated" if data_start + end > size else "longer than its header says"
         raise CaptureError(f"{where}: the header's tensors end at byte {data_start + end} but the "
