@@ -22,13 +22,12 @@ nothing at the path.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, BinaryIO, Mapping
 
 import torch
 
@@ -187,19 +186,22 @@ def _check_layout(entries: dict[str, TensorEntry], where: str) -> None:
 
 def read_header(path: str | os.PathLike[str]) -> Header:
     """Parse and check a capture's safetensors header without reading the tensors."""
-    where = str(path)
-    size = os.path.getsize(path)
     with open(path, "rb") as handle:
-        head = handle.read(8)
-        if len(head) < 8:
-            raise CaptureError(f"{where}: {size} bytes is too short for a safetensors file (the "
-                               "8-byte header length is missing): the file is truncated, copy it again")
-        (length,) = struct.unpack("<Q", head)
-        if length > MAX_HEADER_BYTES or 8 + length > size:
-            raise CaptureError(f"{where}: the header claims {length} bytes but the file has "
-                               f"{size - 8} after the length field: the file is truncated or not "
-                               "a safetensors file; copy or capture it again")
-        text = handle.read(length)
+        return parse_header(handle, os.path.getsize(path), str(path))
+
+
+def parse_header(handle: BinaryIO, size: int, where: str) -> Header:
+    """:func:`read_header` of an open binary file (or buffer) of ``size`` bytes."""
+    head = handle.read(8)
+    if len(head) < 8:
+        raise CaptureError(f"{where}: {size} bytes is too short for a safetensors file (the "
+                           "8-byte header length is missing): the file is truncated, copy it again")
+    (length,) = struct.unpack("<Q", head)
+    if length > MAX_HEADER_BYTES or 8 + length > size:
+        raise CaptureError(f"{where}: the header claims {length} bytes but the file has "
+                           f"{size - 8} after the length field: the file is truncated or not "
+                           "a safetensors file; copy or capture it again")
+    text = handle.read(length)
     try:
         raw = json.loads(text.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -323,32 +325,20 @@ def build_metadata(*, engine: str, engine_version: str, model: str, dtype: str, 
 def write_capture(path: str | os.PathLike[str], capture: Capture) -> str:
     """Write ``capture`` to ``path`` atomically; returns the file's SHA-256.
 
-    The capture was checked when it was built; the file is written to a temporary name
-    beside ``path``, read back through :func:`read_capture`'s checks, and only then renamed.
+    The capture was checked when it was built; its bytes are built in memory (the file's size
+    once more), their header checked as :func:`read_header` checks a file, then written to a
+    temporary name beside ``path`` and renamed.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     tensors = {LOGITS: capture.logits, TARGETS: capture.targets, ACTIVE: capture.active}
     if capture.reported_logp is not None:
         tensors[REPORTED] = capture.reported_logp
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp,
-                  metadata=dict(capture.metadata))
-        read_header(tmp)
-        os.chmod(tmp, 0o644)
-        digest = jsonio.sha256_file(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return digest
+    data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+                metadata=dict(capture.metadata))
+    parse_header(io.BytesIO(data), len(data), str(path))
+    jsonio.atomic_write_bytes(path, data)
+    return jsonio.sha256_bytes(data)
 
 
 def _open(path: str | os.PathLike[str]) -> Any:
