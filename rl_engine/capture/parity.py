@@ -47,7 +47,7 @@ PARITY_PNG = "parity.png"
 SCHEMA = "parity"
 SIDES = ("rollout", "trainer")
 DEFAULT_RATIO_BOUNDS = (0.8, 1.2)  # PPO-style clip of the ratio; TIS users pass their own
-ROW_BLOCK = 256  # rows of logits compared at a time (bounds the float64 temporaries)
+ROW_BLOCK = 32  # rows of logits compared at a time (bounds the float64 temporaries)
 RATIO_METHOD = ("binary32 E(logp_trainer - logp_rollout): the portable exp of docs/arithmetic.md "
                 "on the binary32 difference (a report statistic, not the candidate's path)")
 MEAN_METHOD = "math.fsum of float64 values over active tokens, divided by their count"
@@ -123,8 +123,17 @@ def our_logprob(capture: Capture, options: ParityOptions, order: torch.Tensor | 
     return out, chosen.provenance()
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float32).contiguous().view(torch.int32)
+_INT_VIEWS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: the binary32 upcasts' bit patterns differ (for one dtype: the raw bits,
+    which is the same test since the upcast is injective, and much cheaper)."""
+    if a.dtype == b.dtype:
+        view = _INT_VIEWS[a.dtype]
+        return a.contiguous().view(view) != b.contiguous().view(view)
+    return (a.to(torch.float32).contiguous().view(torch.int32)
+            != b.to(torch.float32).contiguous().view(torch.int32))
 
 
 def _logits_section(rollout: Capture, trainer: Capture) -> dict[str, Any]:
@@ -133,13 +142,13 @@ def _logits_section(rollout: Capture, trainer: Capture) -> dict[str, Any]:
     per_cols, per_abs, per_rel = [], [], []
     for lo in range(0, n, ROW_BLOCK):
         a, b = rollout.logits[lo:lo + ROW_BLOCK], trainer.logits[lo:lo + ROW_BLOCK]
-        differ = _bits(a) != _bits(b)
+        differ = _differ(a, b)
         act = rollout.active[lo:lo + ROW_BLOCK]
         differing_cols |= (differ & act.unsqueeze(1)).any(dim=0)
         a64, b64 = a.to(torch.float64), b.to(torch.float64)
-        diff = (a64 - b64).abs()
-        scale = torch.maximum(a64.abs(), b64.abs())
-        rel = torch.where(scale > 0, diff / torch.where(scale > 0, scale, 1.0), 0.0)
+        diff = a64.sub(b64).abs_()
+        scale = torch.maximum(a64.abs_(), b64.abs_(), out=a64)
+        rel = diff.div(scale.clamp_(min=torch.finfo(torch.float64).tiny))  # 0 / tiny = 0 where both are 0
         per_cols += differ.sum(dim=1).tolist()
         per_abs += diff.max(dim=1).values.tolist()
         per_rel += rel.max(dim=1).values.tolist()
