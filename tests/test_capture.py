@@ -14,15 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
-pytest.importorskip("safetensors")
-from safetensors.torch import save_file  # noqa: E402
-
-from _tiny_lm import VOCAB, padded, sequences, tiny_model, variant  # noqa: E402
-from rl_engine import jsonio  # noqa: E402
-from rl_engine.capture import Capture, CaptureError, build_metadata, read_capture, read_header, read_rows, write_capture  # noqa: E402
-from rl_engine.capture.hf import capture_causal_lm, concat_captures  # noqa: E402
-from rl_engine.tensorio import tensor_bytes  # noqa: E402
+from _tiny_lm import VOCAB, padded, sequences, tiny_model, variant
+from rl_engine import jsonio
+from rl_engine.capture import Capture, CaptureError, build_metadata, read_capture, read_header, read_rows, write_capture
+from rl_engine.capture.hf import capture_causal_lm, concat_captures
+from rl_engine.tensorio import tensor_bytes
 
 
 def _meta(dtype: str = "bf16") -> dict[str, str]:

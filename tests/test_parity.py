@@ -17,14 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("safetensors")
-pytest.importorskip("matplotlib")
-
-from _tiny_lm import padded, sequences, tiny_model, variant  # noqa: E402
-from rl_engine import cli, jsonio, schemas  # noqa: E402
-from rl_engine.capture import Capture, read_capture, write_capture  # noqa: E402
-from rl_engine.capture.hf import capture_causal_lm, concat_captures  # noqa: E402
-from rl_engine.capture.parity import ParityOptions, our_logprob  # noqa: E402
+from _tiny_lm import padded, sequences, tiny_model, variant
+from rl_engine import cli, jsonio, schemas
+from rl_engine.capture import Capture, read_capture, write_capture
+from rl_engine.capture.hf import capture_causal_lm, concat_captures
+from rl_engine.capture.parity import ParityOptions, our_logprob
 
 
 def _f32(values: list[float]) -> bytes:
