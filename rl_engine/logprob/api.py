@@ -102,7 +102,9 @@ def _rank_index(contract: LogprobContract, cp_rank: int, device: torch.device) -
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
-class _GatherTokens(torch.autograd.Function):
+class _GatherCPTokens(torch.autograd.Function):
+    """One tensor's rows from every CP rank, placed in global token order; backward returns each rank its rows."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, local: torch.Tensor, contract: LogprobContract, group: Any
@@ -174,7 +176,7 @@ def gather_tokens(local: torch.Tensor, contract: LogprobContract, group: Any = N
         agree(record, group, device, role="CP", hints=GATHER_HINTS)
     elif verdict is not None:
         raise LogprobContractError(verdict)
-    return _GatherTokens.apply(local, contract, group)
+    return _GatherCPTokens.apply(local, contract, group)
 
 
 __all__ = ["gather_tokens", "selected_logprob"]
