@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from rl_engine import jsonio, schemas
-from rl_engine.campaign.tables import EAGER_BACKEND, SCHEMA_VERSION
+from rl_engine.tables import EAGER_BACKEND, SCHEMA_VERSION
 from rl_engine.capture.format import Capture, CaptureError, read_capture
 from rl_engine.logprob import portable
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
