@@ -13,7 +13,7 @@ LENGTHS = (7, 12, 9, 5)  # a mixed batch: sequences of different lengths
 
 
 def tiny_model() -> torch.nn.Module:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be fetched (the model is built from a config)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(

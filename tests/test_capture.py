@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from _tiny_lm import VOCAB, padded, sequences, tiny_model, variant
+from _tiny_lm import LENGTHS, VOCAB, padded, sequences, tiny_model, variant
 from rl_engine import jsonio
 from rl_engine.capture import Capture, CaptureError, build_metadata, read_capture, read_header, read_rows, write_capture
 from rl_engine.capture.hf import capture_causal_lm, concat_captures
@@ -214,3 +214,28 @@ def test_concat_refuses_captures_of_two_engines(model: torch.nn.Module) -> None:
     b = capture_causal_lm(variant(model, torch.bfloat16, "eager"), *padded(seqs, left=False))
     with pytest.raises(CaptureError, match=r"capture 1 has metadata dtype='bf16'"):
         concat_captures([a, b])
+
+
+def test_the_tiny_model_needs_no_network(tmp_path: Path) -> None:
+    """Built from a config and captured with every network route refused and offline mode off
+    (HF_HUB_OFFLINE=0; the other tests set 1): a download attempt would fail the run (the proxies point at a
+    closed port)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    script = ("import sys, torch; sys.path.insert(0, 'tests'); from _tiny_lm import *\n"
+              "from rl_engine.capture.hf import capture_causal_lm\n"
+              "cap = capture_causal_lm(tiny_model(), *padded(sequences(), left=False))\n"
+              "print(cap.num_tokens, cap.vocab)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
+    env["HF_HUB_OFFLINE"] = "0"  # _tiny_lm sets it only when unset
+    env.update({"HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
+                "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "NO_PROXY": "",
+                "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(root)})
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(sum(n - 1 for n in LENGTHS)), str(VOCAB)]
+    assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").rglob("*.safetensors"))
