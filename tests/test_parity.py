@@ -126,6 +126,7 @@ def test_an_engine_reporting_naive_bf16_log_softmax_shows_up_in_section_4(caps: 
     rollout, trainer = read_capture(caps["rollout"]), read_capture(caps["trainer"])
     naive = torch.log_softmax(rollout.logits, dim=-1)  # bf16 in, bf16 out: the stand-in engine's kernel
     reported = naive.gather(1, rollout.targets.clamp(min=0).unsqueeze(1)).squeeze(1).float()
+    reported[~rollout.active] = float("nan")  # what an engine may leave on tokens it did not score
     ours_trainer, _ = our_logprob(trainer, ParityOptions())
     r_path, t_path = tmp_path / "r.safetensors", tmp_path / "t.safetensors"
     write_capture(r_path, Capture(rollout.logits, rollout.targets, rollout.active, reported, rollout.metadata))
@@ -138,6 +139,9 @@ def test_an_engine_reporting_naive_bf16_log_softmax_shows_up_in_section_4(caps: 
     assert engine["rollout"]["max_abs_diff"] > 1e-3  # bf16 rounding of the log-softmax
     assert engine["trainer"]["bitwise_equal"] and engine["trainer"]["tokens_differing"] == 0
     assert report["importance_ratio"]["engines"] is not None
+    inactive = [i for i, on in enumerate(report["targets_and_mask"]["per_token"]["active"]) if not on]
+    assert inactive and all(engine["rollout"]["per_token"]["diff"][i] is None for i in inactive)
+    assert all(engine["rollout"]["per_token"]["reported_logp"][i] is None for i in inactive)
 
 
 def test_ratio_statistics_are_the_exp_of_the_per_token_differences(caps: dict[str, Path], tmp_path: Path) -> None:

@@ -222,7 +222,10 @@ def compute(rollout: Capture, trainer: Capture, options: ParityOptions) -> dict[
             engines[side] = None
         else:
             stats = _diff_stats(ours[side], cap.reported_logp, active)
-            stats["per_token"]["reported_logp"] = cap.reported_logp.tolist()
+            # an engine's report on an inactive token is not part of the format (it may be NaN)
+            for key, values in (("diff", stats["per_token"]["diff"]),
+                                ("reported_logp", cap.reported_logp.tolist())):
+                stats["per_token"][key] = [v if on else None for v, on in zip(values, act)]
             engines[side] = stats
     both = rollout.reported_logp is not None and trainer.reported_logp is not None
     return {
