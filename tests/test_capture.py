@@ -191,14 +191,35 @@ def test_response_mask_sets_active(model: torch.nn.Module) -> None:
 
 
 def test_left_and_right_padding_capture_the_same_tokens_in_fp32(model: torch.nn.Module) -> None:
-    """Position ids follow the mask: left padding gives the right-padded logits (to fp32 rounding)."""
+    """Rows do not depend on the padding side or the batch (to fp32 rounding of other shapes)."""
     seqs = sequences()
     eager = variant(model, torch.float32, "eager")
     right = capture_causal_lm(eager, *padded(seqs, left=False))
     left = concat_captures([capture_causal_lm(eager, *padded(seqs[:2], left=True)),
                             capture_causal_lm(eager, *padded(seqs[2:], left=True))])
     assert tensor_bytes(left.targets) == tensor_bytes(right.targets)
-    assert float((left.logits - right.logits).abs().max()) < 1e-3  # a wrong position would be O(1)
+    assert float((left.logits - right.logits).abs().max()) < 1e-3
+
+
+def test_position_ids_follow_the_mask_on_a_model_with_absolute_positions() -> None:
+    """Llama's rotary positions hide a constant shift; GPT-2's learned absolute positions do not.
+    With the helper's positions, left padding gives right padding's logits; with the default
+    positions (counting the padding) they are far off (the negative control)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                                      initializer_range=0.2)).eval()
+    gpt2.set_attn_implementation("eager")
+    seqs = sequences()[2:]  # lengths 9 and 5: the second is padded on the left by 4
+    right = capture_causal_lm(gpt2, *padded(seqs, left=False))
+    ids, mask = padded(seqs, left=True)
+    left = capture_causal_lm(gpt2, ids, mask)
+    assert float((left.logits - right.logits).abs().max()) < 1e-3
+    with torch.no_grad():
+        default = gpt2(input_ids=ids, attention_mask=mask).logits
+    rows = mask[1].nonzero().flatten()[:-1]
+    assert float((default[1, rows] - right.logits[len(seqs[0]) - 1:]).abs().max()) > 0.1
 
 
 def test_a_sequence_with_a_hole_is_refused(model: torch.nn.Module) -> None:
