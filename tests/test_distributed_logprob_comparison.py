@@ -548,6 +548,12 @@ def test_launch_runs_the_argv_the_plan_records(tmp_path: Path, monkeypatch: pyte
     assert started == [[sys.executable, "-m", "torch.distributed.run", *plan["topologies"][0]["argv"][1:]]]
     with pytest.raises(planmod.PlanError, match="does not start with 'torchrun'"):
         planmod.interpreter_argv(["python", "-m", "rl_engine.campaign.run"])
+    copied = tmp_path / "elsewhere" / "plan.json"  # its argv runs the original plan: refused, nothing started
+    copied.parent.mkdir()
+    copied.write_bytes(output.read_bytes())
+    started.clear()
+    assert launch.main(["--plan", str(copied), "--tp", "1", "--cp", "2", "--timeout-s", "30"]) == 2
+    assert started == []
 
 
 def test_validation_fails_a_plan_whose_command_is_not_its_argv() -> None:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from _evidence_run import PYTEST_ARGS, TOPOLOGIES, build_run, declared_files, launch, pack, schema_files
+from _evidence_run import PYTEST_ARGS, TOPOLOGIES, declared_files, launch, pack, schema_files
 from rl_engine import cli, jsonio, schemas
 from rl_engine.evidence import archive, crosscheck, environment, gitstate, regression, summary, validation
 from rl_engine.rundir import Finding, Run, load_json
@@ -32,9 +32,8 @@ BAD = "tp2-cp2"  # the topology the corruptions target (the reference is tp1-cp1
 
 
 @pytest.fixture(scope="module")
-def good_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("evidence")
-    return build_run(base / "rl-engine-test-run", base / "focused-tests")
+def good_run(tiny_run: Path) -> Path:
+    return tiny_run  # conftest: the session's one tiny run (tests that change evidence copy it: `run`)
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +42,9 @@ def perturbed_run(good_run: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     base = tmp_path_factory.mktemp("perturbed")
     run = base / "run"
     (run / "logs").mkdir(parents=True)
-    # plan.json names its reports by file name, beside it: the good run's case and plan serve here
-    for name in ("case.json", "plan.json"):
-        shutil.copy(good_run / name, run / name)
+    # the good run's case, planned here (a plan runs the plan its argv names: itself)
+    shutil.copy(good_run / "case.json", run / "case.json")
+    assert cli.main(["plan", "--case", str(run / "case.json"), "--output", str(run / "plan.json")]) == 0
     assert launch(run, "1x1") == 0
     assert launch(run, "2x2", fault="perturb:2x2") == 1  # report written, acceptance failed
     for name in ("environment.json", "environment.txt", "regression.json", "pytest-focused.log", "pytest-junit.xml"):

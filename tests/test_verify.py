@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import pytest
 
-from _archive_util import Entry, Good, Sandbox, build_good_archive, make_sandbox
+from _archive_util import Entry, Good, Sandbox, make_sandbox
 from _evidence_run import pack
 from rl_engine import jsonio, schemas
 from rl_engine.evidence import archive, safe_tar, summary, verify
@@ -29,8 +29,8 @@ from rl_engine.logprob.comparison import default_tolerance
 from rl_engine.rundir import Run
 
 @pytest.fixture(scope="module")
-def good(tmp_path_factory: pytest.TempPathFactory) -> Good:
-    return build_good_archive(tmp_path_factory.mktemp("verify"), "rl-engine-verify-run")
+def good(tiny_archive: Good) -> Good:
+    return tiny_archive  # conftest: the session's one tiny run, archived
 
 
 @pytest.fixture()

@@ -49,6 +49,7 @@ from rl_engine.campaign.plan import (
     EXIT_FAILED,
     EXIT_NO_REPORT,
     EXIT_PASSED,
+    check_argv_plan,
     interpreter_argv,
     load_plan,
     planned_entry,
@@ -112,7 +113,9 @@ def planned_topology(plan_path: str, tp: int, cp: int) -> tuple[dict[str, Any], 
     """The plan's case and its entry for ``tp x cp``; the plan must match its schema and rules."""
     try:
         case, plan = load_plan(plan_path)
-        return case.to_dict(), planned_entry(plan, tp, cp, plan_path)
+        entry = planned_entry(plan, tp, cp, plan_path)
+        check_argv_plan(entry["argv"], plan_path)
+        return case.to_dict(), entry
     except CaseError as exc:
         raise LaunchError(str(exc)) from None
 

@@ -81,9 +81,21 @@ def interpreter_argv(argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
 
 
+def check_argv_plan(argv: Sequence[str], plan_path: str | os.PathLike[str]) -> None:
+    """The planned argv runs the plan at ``plan_path`` (a plan copied elsewhere would run the original)."""
+    runner = planned_runner_args(argv)
+    named = runner[2] if len(runner) > 2 and runner[1] == RUNNER_MODULE else None
+    if named is None or Path(named).resolve() != Path(plan_path).resolve():
+        raise PlanError(f"the plan {plan_path} records an argv that runs the plan {named!r}, not itself (a plan "
+                        f"moved or copied from elsewhere?); write the plan here with `python -m rl_engine plan`")
+
+
 def planned_runner_args(argv: Sequence[str]) -> list[str]:
     """What follows torchrun's own flags in a planned argv (``-m rl_engine.campaign.run PLAN --tp T --cp C``)."""
-    return list(argv[list(argv).index("-m"):])
+    words = list(argv)
+    if "-m" not in words:
+        raise PlanError(f"the planned argv {words!r} runs no module; plan again with `python -m rl_engine plan`")
+    return words[words.index("-m"):]
 
 
 def build_plan(case: Case, topologies: Sequence[tuple[int, int]], plan_path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -231,6 +243,7 @@ __all__ = [
     "launch_argv",
     "launch_command",
     "interpreter_argv",
+    "check_argv_plan",
     "planned_runner_args",
     "load_plan",
     "main",
