@@ -13,7 +13,8 @@ from __future__ import annotations
 import hashlib
 import re
 
-SPEC_DOC = "arithmetic.md"  # the packed copy, at the top of the archive beside REVIEWING.md
+from rl_engine.rundir import SPEC_DOC  # the packed copy, at the top of the archive beside REVIEWING.md
+
 SPEC_SOURCE = "docs/arithmetic.md"  # where the workflow reads it, relative to the repository
 _HEADING = re.compile(r"# [^\n`]*`(rl-engine-arith/[0-9]+)`[ \t]*(?:\n|$)")
 

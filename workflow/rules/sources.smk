@@ -8,7 +8,7 @@ rule sources:
     output:
         SOURCES,
     log:
-        f"results/logs/{RUN_NAME}-sources.log",
+        stage_log("sources"),
     params:
         digest=SOURCE_DIGEST,
         repo=REPO,
