@@ -12,6 +12,7 @@ import gzip
 import io
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -800,3 +801,22 @@ def test_archive_refuses_a_specification_of_another_version(run: Path, tmp_path:
                                                    r"'rl-engine-arith/1'"):
         archive.build(run, out, declared_files(run), schema_files(), other)
     assert not out.exists()
+
+
+def test_the_regression_shows_progress_on_its_progress_fd(tmp_path: Path) -> None:
+    """Issue 22: the focused suite was 34 s of silence; with --progress-fd the verb writes a start
+    line, one line per pytest progress line and the counts there (the log keeps all of pytest's output)."""
+    assert regression.progress_line("....... [ 48%]\n", 12.4) == "regression: 48% of the focused suite, 12 s\n"
+    assert regression.progress_line("1 passed in 0.1s\n", 1.0) is None  # negative control
+    read, write = os.pipe()
+    try:
+        code = regression.main(["--output-dir", str(tmp_path / "run"), "--tests", "tests/test_logprob_contract.py",
+                                "--pytest-arg=-x", "--progress-fd", str(write)])
+    finally:
+        os.close(write)
+    with os.fdopen(read) as stream:
+        shown = stream.read().splitlines()
+    assert code == 0
+    assert shown[0].startswith("regression: running the focused suite (1 files)")
+    assert shown[-2].endswith("% of the focused suite, " + shown[-2].split(", ")[-1]) and "100%" in shown[-2]
+    assert re.match(r"regression: \d+ passed, 0 failed", shown[-1]), shown

@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--progress-fd={args.progress_fd} is not an open file descriptor ({exc})")
     if progress is not None:
         print(f"regression: running the focused suite ({len(args.tests)} files); its log: "
-              f"{args.output_dir / LOG_NAME}", file=progress, flush=True)
+              f"{args.output_dir / PYTEST_LOG}", file=progress, flush=True)
     try:
         result, code = run(args.output_dir, args.tests, args.pytest_arg, args.timeout_s, progress)
     except schemas.ArtifactSchemaError as exc:
