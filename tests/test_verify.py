@@ -134,7 +134,7 @@ def test_good_archive_verifies_with_recompute(good: Good, sandbox: Sandbox, caps
     assert code == 0, text
     assert status(result) == {
         "outer checksum": "PASS", "safe extraction": "PASS", "top folder": "PASS", "SHA256SUMS": "PASS",
-        "JSON schemas (shipped)": "PASS", "focused regression": "PASS", "report acceptance": "PASS",
+        "archive members": "PASS", "REVIEWING.md": "PASS", "JSON schemas (shipped)": "PASS", "focused regression": "PASS", "report acceptance": "PASS",
         "cross-topology fingerprints": "PASS", "recorded gates": "PASS", "SUMMARY.md": "PASS", "tolerances": "PASS",
         "arithmetic spec": "PASS", "inputs regenerated": "PASS", "oracle drift recomputed": "PASS",
         "candidate replayed": "PASS", "schemas vs this rl_engine": "note",
@@ -756,14 +756,15 @@ def test_max_replay_logits_must_be_positive(tmp_path: Path, capsys: pytest.Captu
 HOSTILE_BRANCH = "\x1b]0;owned\x07\x1b[2J\x1b]8;;https://evil.example/\x1b\\click\x1b]8;;\x1b\\[/][bold red]main\x9b31m"
 
 
+@pytest.mark.parametrize("branch", [HOSTILE_BRANCH, "feature[/]x"], ids=["escape-sequences", "malformed-markup"])
 def test_control_sequences_and_markup_from_the_archive_never_reach_the_terminal(
-    good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str], branch: str,
 ) -> None:
     """ESC/OSC/CSI sequences, an OSC-8 hyperlink and a malformed markup tag ``[/]`` in environment.json's
     git.branch and hostname, everything downstream rebuilt: the schema refuses the fields, the terminal
     gets no control character, the markup is printed literally, and --json is written."""
     def hostile(env: dict[str, Any]) -> None:
-        env["git"]["branch"] = HOSTILE_BRANCH
+        env["git"]["branch"] = branch
         env["hostname"] = HOSTILE_BRANCH
 
     entries = resummarised(good, edited(good, {"environment.json": edit_json(hostile)}, resum=False),
@@ -772,16 +773,26 @@ def test_control_sequences_and_markup_from_the_archive_never_reach_the_terminal(
     code, text, result = run_verify(path, sandbox, capsys)
     assert code == 1
     assert not [ch for ch in text if ord(ch) < 32 and ch not in "\n" or 127 <= ord(ch) < 160], repr(text[:400])
-    assert "\\x1b]0;owned\\x07" in text and "[/][bold red]main" in text  # shown escaped and literal
+    assert "\\x1b]0;owned\\x07" in text and "Traceback" not in text  # shown escaped; markup never parsed
     found = problems(result, "JSON schemas (shipped)")
-    assert "environment.json: git.branch: schema environment:" in found and "hostname" in found
-    assert HOSTILE_BRANCH in json.dumps(result, ensure_ascii=False)  # --json keeps the exact value, JSON-escaped
+    assert "environment.json: hostname: schema environment:" in found
+    assert ("environment.json: git.branch: schema environment:" in found) is (branch == HOSTILE_BRANCH)
+    assert branch in problems(result, "tested")  # --json keeps the exact value (JSON escapes it)
 
 
 def test_terminal_text_unit() -> None:
     assert verify.terminal_text("a\x1b[2Jb\x07c\td\u202ee\n") == "a\\x1b[2Jb\\x07c\\td\\u202ee\n"
     assert verify.terminal_text("x" * 5000, limit=100) == "x" * 100 + "... (5000 characters)"
     assert verify.terminal_text("plain [b]text[/]") == "plain [b]text[/]"
+    from rich.console import Console
+
+    out = io.StringIO()
+    checks = [verify.Check("tested", None, "branch feature[/]x [bold red]y\x1b[2J"),
+              verify.Check("SUMMARY.md", False, "1 problem(s)", ["a [/] b\x07"])]
+    Console(file=out, width=300).print(verify._table(Path("[bold]a.tar.gz"), checks))
+    shown = out.getvalue()
+    assert "branch feature[/]x [bold red]y\\x1b[2J" in shown and "a [/] b\\x07" in shown and "[bold]a.tar.gz" in shown
+    assert "\x1b" not in shown and "\x07" not in shown
 
 
 # tar headers crafted by hand: a GNU long name or PAX header that declares a size, data after it
