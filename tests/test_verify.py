@@ -106,15 +106,17 @@ def resummed(good: Good, entries: list[Entry]) -> list[Entry]:
 
 
 def resummarised(good: Good, entries: list[Entry], work: Path) -> list[Entry]:
-    """A forger's full job: SUMMARY.md rendered again from the entries' own evidence, SUMS recomputed."""
+    """A forger's full job: SUMMARY.md and REVIEWING.md rendered again from the entries' own evidence,
+    SUMS recomputed."""
     for info, data in entries:
         if data is not None:
             path = work / info.name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
-    text = summary.summary_text(work / good.name).encode()
-    name = f"{good.name}/SUMMARY.md"
-    return resummed(good, [file_entry(i.name, text) if i.name == name else (i, d) for i, d in entries])
+    git = jsonio.loads((work / good.name / "environment.json").read_text())["git"]
+    again = {f"{good.name}/SUMMARY.md": summary.summary_text(work / good.name).encode(),
+             f"{good.name}/REVIEWING.md": archive.reviewing_text(good.name, git).encode()}
+    return resummed(good, [file_entry(i.name, again[i.name]) if i.name in again else (i, d) for i, d in entries])
 
 
 def edit_json(change: Callable[[dict[str, Any]], None]) -> Callable[[bytes], bytes]:
@@ -146,13 +148,20 @@ def test_good_archive_verifies_with_recompute(good: Good, sandbox: Sandbox, caps
 
 
 def renamed(good: Good, name: str, entries: list[Entry] | None = None) -> list[Entry]:
-    """The archive's entries under another top folder (SHA256SUMS paths are relative: still valid)."""
+    """The archive's entries under another top folder, REVIEWING.md written for that name as the archive
+    verb writes it (it names the archive) and SHA256SUMS recomputed (its paths are relative)."""
+    git = jsonio.loads(good.data("environment.json").decode())["git"]
     out: list[Entry] = []
     for info, data in entries if entries is not None else list(good.entries):
-        copy = tarfile.TarInfo(name + info.name[len(good.name):])
-        copy.type, copy.size, copy.mode = info.type, info.size, info.mode
+        rel = info.name[len(good.name):]
+        if rel == f"/{archive.REVIEWING}":
+            data = archive.reviewing_text(name, git).encode()
+        copy = tarfile.TarInfo(name + rel)
+        copy.type, copy.size, copy.mode = info.type, len(data) if data is not None else info.size, info.mode
         out.append((copy, data))
-    return out
+    files = [(i.name[len(name) + 1:], d) for i, d in out if d is not None and not i.name.endswith(f"/{archive.SUMS}")]
+    sums = archive.sums_text(files).encode()
+    return [file_entry(i.name, sums) if i.name == f"{name}/{archive.SUMS}" else (i, d) for i, d in out]
 
 
 def evidence_name(good: Good, campaign: str = "c", **changes: Any) -> RunName:
@@ -938,3 +947,17 @@ def test_hostile_json_is_an_ordinary_finding_and_every_other_check_runs(
         assert row in rows, f"{row} did not run: {rows}"
     assert "tp1-cp1.json" in problems(result, "candidate replayed")
     assert "tp2-cp2.json" not in problems(result, "candidate replayed")  # the intact topology was replayed
+
+
+def test_members_rule_knows_every_log_the_workflow_writes() -> None:
+    """Each ``{RUN}/logs/<x>.log`` a rule of workflow/rules/ writes is a member the verifier accepts."""
+    import re
+
+    from rl_engine.evidence import members
+
+    rules = Path(__file__).resolve().parent.parent / "workflow" / "rules"
+    written = {m.group(1) for p in rules.glob("*.smk") for m in re.finditer(r"\{RUN\}/logs/([A-Za-z0-9{}_-]+)\.log",
+                                                                          p.read_text())}
+    stages = written - {"{stage}", "tp{{tp}}-cp{{cp}}"}
+    assert "tp{{tp}}-cp{{cp}}" in written and stages  # the pattern still finds the rules' logs
+    assert stages == set(members.STAGE_LOGS), sorted(stages ^ set(members.STAGE_LOGS))

@@ -1,6 +1,6 @@
 """The reviewer's verifier: one offline command that says whether an evidence archive holds.
 
-``python -m rl_engine verify ARCHIVE [--recompute] [--no-outer-checksum]
+``python -m rl_engine verify ARCHIVE [--recompute [--max-replay-logits N]] [--no-outer-checksum]
 [--accept-looser-tolerance] [--json OUT] [--max-member-mib N] [--max-total-mib N] [--max-members N]``
 
 Runs without a GPU or network and checks, each as a row of the printed table:
@@ -15,13 +15,16 @@ Runs without a GPU or network and checks, each as a row of the printed table:
    a truncated or corrupt gzip are refused with the reason; nothing is written anywhere else
    and the temporary directory is removed on exit;
 3. **top folder**: every member lies under ``NAME/``, the archive's own name;
-4. **SHA256SUMS**: every line verifies and no file is missing from it or extra;
+4. **SHA256SUMS**: every line verifies and no file is missing from it or extra; **archive members**:
+   every member is one a rule of the workflow or ``archive`` produces (:mod:`rl_engine.evidence.members`),
+   and **REVIEWING.md** is byte-identical to what ``archive`` writes for this name and git record;
 5. **JSON schemas**: every JSON artifact against the schemas shipped inside the archive
    (``NAME/schemas/``), strict JSON (no NaN/Infinity literals);
 6. **focused regression**: tests ran and none failed;
 7. **report acceptance**: :func:`rl_engine.evidence.acceptance.check_report` on every planned
    report (the same function the workflow's gate used), including each raw tensor's SHA-256
-   against its recorded hash and fingerprint;
+   against its recorded hash and fingerprint and its values against what the arithmetic
+   guarantees (logp ``+0`` on inactive tokens, ``<= 0`` on active ones; LSE finite on active ones);
 8. **cross-topology fingerprints**: :func:`rl_engine.evidence.crosscheck.crosscheck_run` (the
    same function as the workflow's ``crosscheck``);
 9. **recorded gates**: the archived ``validation.json`` and ``crosscheck.json`` passed;
@@ -41,7 +44,15 @@ Runs without a GPU or network and checks, each as a row of the printed table:
     the case's tolerance element by element, and **candidate replayed**: the candidate
     recomputed at TP=1 in this process (:func:`rl_engine.campaign.replay.replay_candidate`)
     must equal, byte for byte, every topology's logp, LSE and entropy files and all four
-    fingerprints, the gradient's included; the first differing token is named.
+    fingerprints, the gradient's included; the first differing token is named. The recompute opens
+    only raw tensor files that passed report acceptance, and refuses, before any input is
+    generated, a replay of more than ``--max-replay-logits`` logits (tokens x padded vocabulary
+    summed over the distinct cases; default :data:`MAX_REPLAY_LOGITS`), naming the size.
+
+Each check runs on its own: one that stops on damaged content is a failed row naming the reason,
+and every other check still runs. Every string printed comes from
+:func:`rl_engine.evidence.terminal.terminal_text` (control characters escaped, length capped)
+and is printed as plain text, never as markup; ``--json`` is written before the table is printed.
 
 Two more rows say what was tested: **tested** (a note: the commit, its branch, whether the
 working tree was dirty, i.e. had changes no commit holds, and the case: its id, device, dist
