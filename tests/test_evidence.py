@@ -811,13 +811,15 @@ def test_tensor_value_checks_unit() -> None:
     ("text", "field", "message"),
     [
         ("[" * 100_000 + "NaN" + "]" * 100_000, "(file)", "JSON nested too deeply to be an rl_engine artifact"),
+        ("[NaN, " + "[" * 100_000 + "]" * 100_000 + "]", "(file)", "JSON nested too deeply to be an rl_engine artifact"),
+        ("[NaN, " + "[" * 200 + "]" * 200 + "]", "[0]", "non-finite literal NaN"),
         ('{"a": ' + "9" * 100_000 + "}", "(file)", "an integer of 100000 digits is not an rl_engine value"),
         ('{"a": -' + "1" * 101 + "}", "(file)", "an integer of 101 digits"),
         ('{"a": 1e999999}', "(file)", "the number 1e999999 is not finite as a binary64 value"),
         ('{"a": [1, -1e400]}', "(file)", "the number -1e400 is not finite"),
         ('{"a": [1, NaN]}', "a[1]", "non-finite literal NaN"),
     ],
-    ids=["deep NaN", "100k digits", "101 digits", "overflowing exponent", "negative overflow", "located NaN"],
+    ids=["deep NaN", "NaN then deep", "NaN then 200 deep", "100k digits", "101 digits", "overflowing exponent", "negative overflow", "located NaN"],
 )
 def test_load_json_hostile_numbers_and_depth(tmp_path: Path, text: str, field: str, message: str) -> None:
     path = tmp_path / "x.json"

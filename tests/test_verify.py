@@ -928,7 +928,7 @@ def test_hostile_json_is_an_ordinary_finding_and_every_other_check_runs(
 ) -> None:
     def damage(data: bytes) -> bytes:
         text = data.decode()
-        value = {"deeply nested NaN": "[" * 100_000 + "NaN" + "]" * 100_000,
+        value = {"deeply nested NaN": "[NaN, " + "[" * 100_000 + "]" * 100_000 + "]",
                  "100k-digit integer": "9" * 100_000, "huge exponent": "1e999999"}[hostile]
         return text.replace('"passed": true', f'"passed": {value}', 1).encode()
 
