@@ -819,7 +819,8 @@ def test_tensor_value_checks_unit() -> None:
         ('{"a": [1, -1e400]}', "(file)", "the number -1e400 is not finite"),
         ('{"a": [1, NaN]}', "a[1]", "non-finite literal NaN"),
     ],
-    ids=["deep NaN", "NaN then deep", "NaN then 200 deep", "100k digits", "101 digits", "overflowing exponent", "negative overflow", "located NaN"],
+    ids=["deep NaN", "NaN then deep", "NaN then 200 deep", "100k digits", "101 digits", "overflowing exponent",
+         "negative overflow", "located NaN"],
 )
 def test_load_json_hostile_numbers_and_depth(tmp_path: Path, text: str, field: str, message: str) -> None:
     path = tmp_path / "x.json"
