@@ -45,9 +45,9 @@ MAX_QUOTED_NAME = 200
 HEADER_KINDS: dict[bytes, str] = {
     tarfile.GNUTYPE_LONGNAME: "GNU long name",
     tarfile.GNUTYPE_LONGLINK: "GNU long link name",
-    tarfile.XHDTYPE: "PAX header",
-    tarfile.XGLTYPE: "PAX global header",
-    tarfile.SOLARIS_XHDTYPE: "Solaris extended header",
+    tarfile.XHDTYPE: "PAX extended",
+    tarfile.XGLTYPE: "PAX global",
+    tarfile.SOLARIS_XHDTYPE: "Solaris extended",
 }
 
 
