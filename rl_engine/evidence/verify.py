@@ -76,7 +76,7 @@ import re
 import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -84,19 +84,19 @@ from rich.table import Table
 from rich.text import Text
 
 from rl_engine import jsonio, schemas
+from rl_engine.tables import SCHEMA_VERSION
 from rl_engine.evidence.acceptance import check_tensor_files
 from rl_engine.evidence.archive import SCHEMA_DIR, SUFFIX, SUMS, reviewing_text
 from rl_engine.evidence.casename import NOGIT, RunName, RunNameError, case_hash, evidence_resolved_case
 from rl_engine.evidence.crosscheck import crosscheck_run
 from rl_engine.evidence.members import unexpected_members
-from rl_engine.evidence.rundir import (ENVIRONMENT, PLAN, REGRESSION, REVIEWING, SUMMARY, Finding, PlannedReport,
-                                      is_number, load_json, planned_reports)
+from rl_engine.rundir import (ENVIRONMENT, PLAN, REGRESSION, REVIEWING, SUMMARY, VALIDATION, Finding, PlannedReport, Run,
+                              inside, is_number)
 from rl_engine.evidence.safe_tar import MIB, Extracted, Limits, UnsafeArchiveError, safe_extract
 from rl_engine.evidence.summary import SummaryError, summary_text
 from rl_engine.evidence.terminal import terminal_text
 from rl_engine.evidence.validation import validate_run
 
-SCHEMA_VERSION = "1"
 RECOMPUTE_TOL = 1e-5
 RECOMPUTED_STATS = ("max_abs", "mean_abs", "p95_abs", "p99_abs")
 SIDECAR_LINE = re.compile(r"^([0-9a-f]{64}) [ *](\S.*)$")
@@ -170,8 +170,7 @@ def check_sums(root: Path, files: tuple[str, ...], top: str) -> Check:
             problems.append(f"line {number} is not '<sha256>  <path>': {line[:80]!r}")
             continue
         digest, rel = match.groups()
-        pure = PurePosixPath(rel)
-        if pure.is_absolute() or ".." in pure.parts:
+        if not inside(rel):
             problems.append(f"line {number} names an unsafe path {rel!r}")
             continue
         if rel in listed:
@@ -198,13 +197,13 @@ def _quote(line: str | None) -> str:
     return repr(line) if len(line) <= MAX_QUOTED else repr(line[:MAX_QUOTED]) + "..."
 
 
-def check_summary(root: Path) -> Check:
+def check_summary(run: Run) -> Check:
     """The shipped SUMMARY.md against the summary the extracted evidence renders, byte for byte."""
-    shipped = root / SUMMARY
+    shipped = run.root / SUMMARY
     if shipped.is_symlink() or not shipped.is_file():
         return Check("SUMMARY.md", False, f"{SUMMARY} is missing: the archive has no summary for a reviewer to read")
     try:
-        expected = summary_text(root)
+        expected = summary_text(run)
     except SummaryError as exc:
         return Check("SUMMARY.md", False, f"cannot render the summary again from the evidence: {exc}")
     except Exception as exc:  # damaged evidence: a failed row, not a traceback
@@ -228,12 +227,12 @@ def _line_difference(name: str, actual: bytes, expected: str, source: str) -> tu
                             f"{source} {_quote(want[first] if first < len(want) else None)}")
 
 
-def check_reviewing(root: Path, top: str) -> Check:
+def check_reviewing(run: Run, top: str) -> Check:
     """The shipped REVIEWING.md against the one ``archive`` writes for this name and git record, byte for byte."""
-    shipped = root / REVIEWING
+    shipped = run.root / REVIEWING
     if shipped.is_symlink() or not shipped.is_file():
         return Check(REVIEWING, False, f"{REVIEWING} is missing: the archive has no instructions for a reviewer")
-    environment, _ = load_json(root / ENVIRONMENT)  # an unreadable one fails other rows; archive does the same
+    environment = run.environment  # an unreadable one fails other rows; archive does the same
     git = environment.get("git") if isinstance(environment, dict) else None
     expected = reviewing_text(top, git if isinstance(git, dict) else None)
     actual = shipped.read_bytes()
@@ -244,27 +243,27 @@ def check_reviewing(root: Path, top: str) -> Check:
                  "instructions a reviewer follows were changed; do not run them", [problem])
 
 
-def check_members(root: Path, files: tuple[str, ...], top: str) -> Check:
+def check_members(run: Run, files: tuple[str, ...], top: str) -> Check:
     """Every member is produced by a rule of the workflow or by ``archive`` (:mod:`rl_engine.evidence.members`)."""
-    extra = unexpected_members(root, [f[len(top) + 1:] for f in files])
+    extra = unexpected_members(run, [f[len(top) + 1:] for f in files])
     if extra:
         return Check("archive members", False, f"{len(extra)} member(s) no rule produces", extra)
     return Check("archive members", True, f"all {len(files)} members are evidence, logs, schemas or what archive adds")
 
 
-def _tested(root: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """environment.json's git record, plan.json and regression.json (empty objects when unreadable)."""
-    loaded = []
-    for name in (ENVIRONMENT, PLAN, REGRESSION):
-        obj, _ = load_json(root / name)  # unreadable files already fail other rows
-        loaded.append(obj if isinstance(obj, dict) else {})
-    git = loaded[0].get("git")
-    return (git if isinstance(git, dict) else {}), loaded[1], loaded[2]
 
 
-def tested_note(root: Path) -> Check:
+def _tested(run: Run) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """environment.json's git record, plan.json and regression.json (empty objects when unreadable:
+    unreadable files already fail other rows)."""
+    env, plan, regression = (doc if isinstance(doc, dict) else {} for doc in (run.environment, run.plan, run.regression))
+    git = env.get("git")
+    return (git if isinstance(git, dict) else {}), plan, regression
+
+
+def tested_note(run: Run) -> Check:
     """What was tested: commit, branch, dirty or clean, and the case (a note, never a failure)."""
-    git, plan, _ = _tested(root)
+    git, plan, _ = _tested(run)
     case = plan.get("case") if isinstance(plan.get("case"), dict) else {}
     topologies = ", ".join(f"{e.get('tp')}x{e.get('cp')}" for e in plan.get("topologies") or [] if isinstance(e, dict))
     if git.get("available") is True:
@@ -278,7 +277,7 @@ def tested_note(root: Path) -> Check:
     return Check("tested", None, detail)
 
 
-def check_run_name(root: Path, top: str) -> Check:
+def check_run_name(run: Run, top: str) -> Check:
     """The archive's name ``<campaign>-<commit>[-dirty]-case-<hash>`` names its evidence."""
     if "-case-" not in top:
         return Check("run name", None, f"{top!r} carries no case hash (an archive from before per-case run names); "
@@ -287,7 +286,7 @@ def check_run_name(root: Path, top: str) -> Check:
         name = RunName.parse(top)
     except RunNameError as exc:
         return Check("run name", False, str(exc), [str(exc)])
-    git, plan, regression = _tested(root)
+    git, plan, regression = _tested(run)
     problems = []
     if git.get("available") is True:
         short, dirty = git.get("short_commit"), git.get("dirty") is True
@@ -312,19 +311,18 @@ def check_run_name(root: Path, top: str) -> Check:
                  f"and case {name.case} match {ENVIRONMENT}, {PLAN} and {REGRESSION}")
 
 
-def _planned(root: Path) -> tuple[list[Any], list[str]]:
+def _planned(run: Run) -> tuple[tuple[PlannedReport, ...], list[str]]:
     """The plan's reports, or the messages of a failed row when there are none to check."""
-    plan, found = load_json(root / PLAN)
-    planned, plan_found = planned_reports(plan, root) if plan is not None else ([], [])
-    if found or plan_found or not planned:
-        return [], [str(f) for f in found + plan_found] or ["no planned reports"]
-    return planned, []
+    found = run.found(PLAN) + list(run.plan_findings)
+    if found or not run.planned:
+        return (), [str(f) for f in found] or ["no planned reports"]
+    return run.planned, []
 
 
-def _report_case(item: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+def _report_case(run: Run, item: PlannedReport) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """A planned report and its case, or ``None`` for what cannot be read."""
-    report, found = load_json(item.path)
-    if found or not isinstance(report, dict) or not isinstance(report.get("case"), dict):
+    report = run.report(item)
+    if run.found(item.file) or not isinstance(report, dict) or not isinstance(report.get("case"), dict):
         return None, None
     return report, report["case"]
 
@@ -334,16 +332,14 @@ def _case_key(case: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(sorted((k, v) for k, v in case.items() if k not in ("tp", "cp") and not isinstance(v, (dict, list))))
 
 
-def check_tolerances(root: Path, accept_looser: bool) -> Check:
+def check_tolerances(run: Run, accept_looser: bool) -> Check:
     """Every case's atol/rtol against the project's default tolerance for its dtype."""
     from rl_engine.logprob.comparison import ComparisonError, default_tolerance  # imports torch: only here
 
-    plan, found = load_json(root / PLAN)
-    planned, plan_found = planned_reports(plan, root) if plan is not None else ([], [])
-    problems = [str(f) for f in found + plan_found]
+    plan = run.plan
+    problems = [str(f) for f in run.found(PLAN) + list(run.plan_findings)]
     cases: list[tuple[str, Any]] = [(PLAN, plan.get("case") if isinstance(plan, dict) else None)]
-    for item in planned:
-        report, _ = load_json(item.path)  # unreadable reports already fail other rows
+    for item, report in run.reports():  # unreadable reports already fail other rows
         if report is not None:
             cases.append((item.file, report.get("case") if isinstance(report, dict) else None))
     looser: list[str] = []
@@ -412,13 +408,13 @@ def _accepted_tensor(item: PlannedReport, report: dict[str, Any], tensor: str) -
                   "inside the run whose SHA-256 is the recorded one and the fingerprint)")
 
 
-def replay_bound(planned: list[PlannedReport], max_logits: int) -> list[str]:
+def replay_bound(run: Run, planned: tuple[PlannedReport, ...], max_logits: int) -> list[str]:
     """Why the replay is refused before any input is generated: its logits (tokens x padded vocabulary,
     summed over the distinct cases) over ``max_logits``, or a case whose sizes are not positive integers."""
     sizes: dict[tuple[Any, ...], tuple[int, int]] = {}
     problems = []
     for item in planned:
-        _, case = _report_case(item)
+        _, case = _report_case(run, item)
         if case is None:
             continue  # the rows name an unreadable case themselves
         dims = [case.get(k) for k in ("batch", "seq", "padded_vocab")]
@@ -437,7 +433,7 @@ def replay_bound(planned: list[PlannedReport], max_logits: int) -> list[str]:
     return problems
 
 
-def recompute(root: Path, max_logits: int = MAX_REPLAY_LOGITS) -> tuple[Check, Check]:
+def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS) -> tuple[Check, Check]:
     """Regenerate inputs from each report's case and recompute drift from the raw tensors."""
     import torch
 
@@ -445,8 +441,8 @@ def recompute(root: Path, max_logits: int = MAX_REPLAY_LOGITS) -> tuple[Check, C
     from rl_engine.tensorio import read_raw_f32
     from rl_engine.campaign.inputs import inputs_sha256, make_inputs
 
-    planned, msg = _planned(root)
-    msg = msg or replay_bound(planned, max_logits)
+    planned, msg = _planned(run)
+    msg = msg or replay_bound(run, planned, max_logits)
     if msg:
         return Check("inputs regenerated", False, msg[0], msg), Check("oracle drift recomputed", False, msg[0], msg)
     input_problems: list[str] = []
@@ -456,7 +452,7 @@ def recompute(root: Path, max_logits: int = MAX_REPLAY_LOGITS) -> tuple[Check, C
     threads = torch.get_num_threads()
     try:
         for item in planned:
-            report, case = _report_case(item)
+            report, case = _report_case(run, item)
             if report is None or case is None:
                 input_problems.append(f"{item.file}: case: unreadable report or case")
                 continue
@@ -515,16 +511,16 @@ def recompute(root: Path, max_logits: int = MAX_REPLAY_LOGITS) -> tuple[Check, C
     return inputs, drift_check
 
 
-def check_arithmetic_spec(root: Path) -> Check:
+def check_arithmetic_spec(run: Run) -> Check:
     """Every planned report names this installation's arithmetic specification."""
     from rl_engine.logprob.portable import SPEC_VERSION
 
-    planned, msg = _planned(root)
+    planned, msg = _planned(run)
     if msg:
         return Check("arithmetic spec", False, msg[0], msg)
     problems = []
     for item in planned:
-        report, _ = load_json(item.path)
+        report = run.report(item)
         got = report.get("arithmetic_spec") if isinstance(report, dict) else None
         if got != SPEC_VERSION:
             problems.append(f"{item.file}: arithmetic_spec: {got!r}, but this verifier implements "
@@ -548,16 +544,17 @@ def _first_difference(name: str, archived: Any, replayed: Any) -> str:
             f"(0x{int(b[index]) & 0xFFFFFFFF:08x})")
 
 
-def replay(root: Path, max_logits: int = MAX_REPLAY_LOGITS) -> Check:
+def replay(run: Run, max_logits: int = MAX_REPLAY_LOGITS) -> Check:
     """Recompute the candidate at TP=1 and require byte equality with every topology."""
     import torch
 
     from rl_engine.tensorio import read_raw_f32, tensor_bytes
-    from rl_engine.campaign.replay import ARITH_BACKENDS, REFERENCE_BACKEND, REPLAYED, replay_candidate
+    from rl_engine.campaign.replay import ARITH_BACKENDS, REFERENCE_BACKEND, replay_candidate
+    from rl_engine.rundir import TENSOR_NAMES
 
     name = "candidate replayed"
-    planned, msg = _planned(root)
-    msg = msg or replay_bound(planned, max_logits)
+    planned, msg = _planned(run)
+    msg = msg or replay_bound(run, planned, max_logits)
     if msg:
         return Check(name, False, msg[0], msg)
     problems: list[str] = []
@@ -565,7 +562,7 @@ def replay(root: Path, max_logits: int = MAX_REPLAY_LOGITS) -> Check:
     compared = 0
     try:
         for item in planned:
-            report, case = _report_case(item)
+            report, case = _report_case(run, item)
             if report is None or case is None:
                 problems.append(f"{item.file}: case: unreadable report or case")
                 continue
@@ -576,7 +573,7 @@ def replay(root: Path, max_logits: int = MAX_REPLAY_LOGITS) -> Check:
                 by = REFERENCE_BACKEND if case.get("backend") in ARITH_BACKENDS else None
                 cache[key] = replay_candidate(case, backend=by)
             again = cache[key]
-            for tensor in REPLAYED:
+            for tensor in TENSOR_NAMES:
                 path, refused = _accepted_tensor(item, report, tensor)
                 if path is None:
                     problems.append(str(refused))
@@ -657,35 +654,36 @@ def _checks_of_extracted(extracted: Extracted, recompute_drift: bool, accept_loo
     Each check runs on its own: one that stops on damaged content is a failed row, the others still run.
     """
     root, top = extracted.root, extracted.top
+    run = Run.load(root)  # load_json turns every unreadable document into findings, never an exception
     shipped = root / SCHEMA_DIR
     gated = ("JSON schemas (shipped)", "focused regression", "report acceptance", "recorded gates")
-    checks = [*_guarded(("tested",), lambda: tested_note(root)),
-              *_guarded(("run name",), lambda: check_run_name(root, top)),
+    checks = [*_guarded(("tested",), lambda: tested_note(run)),
+              *_guarded(("run name",), lambda: check_run_name(run, top)),
               *_guarded(("SHA256SUMS",), lambda: check_sums(root, extracted.files, top)),
-              *_guarded(("archive members",), lambda: check_members(root, extracted.files, top)),
-              *_guarded(("REVIEWING.md",), lambda: check_reviewing(root, top))]
-    validated = _guarded(gated, lambda: _validation_rows(root, shipped, top))
+              *_guarded(("archive members",), lambda: check_members(run, extracted.files, top)),
+              *_guarded(("REVIEWING.md",), lambda: check_reviewing(run, top))]
+    validated = _guarded(gated, lambda: _validation_rows(run, shipped, top))
     checks += [c for c in validated if c.name != "recorded gates"]
-    checks += _guarded(("cross-topology fingerprints",), lambda: _cross_row(root))
+    checks += _guarded(("cross-topology fingerprints",), lambda: _cross_row(run))
     checks += [c for c in validated if c.name == "recorded gates"]
-    checks += _guarded(("SUMMARY.md",), lambda: check_summary(root))
-    checks += _guarded(("tolerances",), lambda: check_tolerances(root, accept_looser))
-    checks += _guarded(("arithmetic spec",), lambda: check_arithmetic_spec(root))
+    checks += _guarded(("SUMMARY.md",), lambda: check_summary(run))
+    checks += _guarded(("tolerances",), lambda: check_tolerances(run, accept_looser))
+    checks += _guarded(("arithmetic spec",), lambda: check_arithmetic_spec(run))
     if recompute_drift:
         checks += _guarded(("inputs regenerated", "oracle drift recomputed"),
-                           lambda: recompute(root, max_replay_logits))
-        checks += _guarded(("candidate replayed",), lambda: replay(root, max_replay_logits))
+                           lambda: recompute(run, max_replay_logits))
+        checks += _guarded(("candidate replayed",), lambda: replay(run, max_replay_logits))
     if shipped.is_dir():
         checks += _guarded(("schemas vs this rl_engine",), lambda: schema_note(shipped))
     return checks
 
 
-def _validation_rows(root: Path, shipped: Path, top: str) -> list[Check]:
+def _validation_rows(run: Run, shipped: Path, top: str) -> list[Check]:
     """The rows :func:`rl_engine.evidence.validation.validate_run` decides: schemas, regression, acceptance, gates."""
-    validation = validate_run(root, shipped, gates=True)
+    validation = validate_run(run, shipped, gates=True)
     n_reports = len(validation.result.get("reports", []))
     gates = list(validation.gates)
-    recorded, _ = load_json(root / "validation.json")
+    recorded = run.doc(VALIDATION)
     if isinstance(recorded, dict) and recorded.get("schemas") != validation.result.get("schemas"):
         gates.append(Finding("validation.json", "schemas", "the recorded validation used schemas other than "
                              f"the ones shipped in {top}/{SCHEMA_DIR}/"))
@@ -698,8 +696,8 @@ def _validation_rows(root: Path, shipped: Path, top: str) -> list[Check]:
                            "with the shipped schemas")]
 
 
-def _cross_row(root: Path) -> Check:
-    cross, cross_found = crosscheck_run(root)
+def _cross_row(run: Run) -> Check:
+    cross, cross_found = crosscheck_run(run)
     return _from_findings("cross-topology fingerprints", cross_found,
                           f"{len(cross['topologies'])} topologies bitwise identical ({len(cross['fields'])} fields)")
 

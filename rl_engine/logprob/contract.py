@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from rl_engine.campaign.tables import DTYPES, TORCH_DTYPE_NAMES
+from rl_engine.validators import choice_problem, int_problem, require
+from rl_engine.tables import DTYPES, TORCH_DTYPE_NAMES
 from rl_engine.distributed.bounds import (
     CP_LAYOUTS,
     BoundsError,
@@ -41,17 +42,11 @@ class LogprobContractError(ValueError):
 
 
 def _require_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise LogprobContractError(
-            f"{name}={value!r} must be an integer (got {type(value).__name__})"
-        )
-    if value < minimum:
-        raise LogprobContractError(f"{name}={value} must be >= {minimum}")
+    require(int_problem(name, value, minimum), LogprobContractError)
 
 
 def _require_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise LogprobContractError(f"{name}={value!r} is not supported; use one of {list(choices)}")
+    require(choice_problem(name, value, choices), LogprobContractError)
 
 
 def _shard_bounds(value: Any) -> tuple[tuple[int, int], ...]:
@@ -310,7 +305,11 @@ class LogprobContract:
     def check_inputs(
         self, logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor
     ) -> None:
-        """Shape, dtype and device checks that need no reduction over the data."""
+        """Shape, dtype, device and memory checks that need no reduction over the data.
+
+        Memory (:func:`rl_engine.logprob.storage.require_readable`): strided layout, real
+        storage, every element inside it; what compiled code and collectives read.
+        """
         for name, value in (("logits", logits), ("targets", targets), ("active", active)):
             if not isinstance(value, torch.Tensor):
                 raise LogprobContractError(
@@ -344,6 +343,10 @@ class LogprobContract:
                     f"{name}.device={tensor.device} differs from logits.device={logits.device}; "
                     "move every input to the same device"
                 )
+        from rl_engine.logprob.storage import require_readable  # it imports this module
+
+        for name, tensor in (("logits", logits), ("targets", targets), ("active", active)):
+            require_readable(name, tensor)
 
     def check_targets(self, targets: torch.Tensor, active: torch.Tensor) -> None:
         """Active targets must be real vocabulary ids (one host sync)."""

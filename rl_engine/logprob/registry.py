@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from rl_engine.campaign.tables import AUTO, BACKEND_DEVICES, DTYPES
+from rl_engine.tables import AUTO, BACKEND_DEVICES, DTYPES
 from rl_engine.logprob.contract import DETERMINISM_SCOPES, LogprobContract, LogprobContractError
 from rl_engine.logprob.fused_cpu import FUSED_CPU_ID, FusedCpuLogprob, kernel_unavailable
 from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
@@ -95,7 +95,7 @@ class Dispatch:
 
 def _arith_capabilities(backend_id: str) -> BackendCapabilities:
     """What both backends of docs/arithmetic.md serve; they differ only in their devices
-    (:data:`rl_engine.campaign.tables.BACKEND_DEVICES`)."""
+    (:data:`rl_engine.tables.BACKEND_DEVICES`)."""
     return BackendCapabilities(
         dtypes=frozenset(DTYPES),
         max_tp_world_size=1 << 16,
