@@ -15,6 +15,10 @@ call it, so the gate and the replay cannot disagree. A report is accepted only w
 * the fingerprints describe the case's shapes, and each raw tensor file's SHA-256 equals both
   the ``tensors`` entry and the matching ``bitwise_fingerprints`` value
   (:func:`check_tensor_files`, also used by the cross-topology check);
+* the raw tensors hold what the arithmetic guarantees (:func:`check_tensor_values`, cheap: one
+  pass over ``batch * seq`` values): ``logp`` is exactly ``+0`` on every inactive (prompt) token
+  and ``<= 0`` (never NaN) on every active one, and ``lse`` is finite on every active token. So
+  logp, LSE and entropy files swapped, fingerprints swapped to match, are refused without a replay;
 * when the plan is given: the report's case, case id and launch command are the plan's.
 
 Every finding names the report and the field.
@@ -26,6 +30,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from rl_engine.tables import GATING_ORACLE, ORACLES, TORCH_DTYPE_NAMES
 from rl_engine.rundir import TENSOR_NAMES, Finding, PlannedReport, field_path, get, inside, is_number, non_finite_numbers
@@ -61,16 +67,64 @@ class TensorCheck:
         }
 
 
+def _first(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def check_tensor_values(name: str, data: bytes, case: Any, where: str) -> list[Finding]:
+    """What ``docs/arithmetic.md`` guarantees of a raw tensor's values, whatever the logits.
+
+    ``logp = x_target - LSE`` with ``LSE = B + L(S)``, ``S >= 1`` (the row's maximum contributes
+    ``E(0) = 1``), ``L(S) >= 0`` and ``x_target <= B``, so ``logp <= 0`` on an active token (never
+    NaN: the candidate refuses an active row with a non-finite real logit), and ``logp = +0`` on an
+    inactive one; ``LSE`` of an active row is finite. Nothing is claimed of the entropy: rounding can
+    make a near-one-hot row's entropy a little negative, and extreme logits can overflow it.
+    """
+    if name not in ("logp", "lse") or not isinstance(case, dict):
+        return []
+    seq, prompt = case.get("seq"), case.get("prompt_tokens")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (seq, prompt)) or seq < 1:
+        return []  # the schema and the shape checks name a bad case
+    values = np.frombuffer(data, dtype="<f4")
+    active = (np.arange(values.size) % seq) >= prompt
+    field = f"tensors.{name}"
+    found = []
+    if name == "logp":
+        bits = np.frombuffer(data, dtype="<u4")
+        inactive_bad = ~active & (bits != 0)
+        if inactive_bad.any():
+            i = _first(inactive_bad)
+            found.append(Finding(where, field, f"token {i} is inactive (a prompt token) but holds {float(values[i])!r} "
+                                 f"(0x{int(bits[i]):08x}); logp is exactly +0 on inactive tokens "
+                                 f"({int(inactive_bad.sum())} such tokens): not a logp file"))
+        with np.errstate(invalid="ignore"):
+            active_bad = active & ~(values <= 0)
+        if active_bad.any():
+            i = _first(active_bad)
+            found.append(Finding(where, field, f"token {i} holds {float(values[i])!r}, which is positive: a logprob "
+                                 f"is never above 0 (nor NaN) on an active token ({int(active_bad.sum())} such "
+                                 "tokens): not a logp file"))
+    else:
+        active_bad = active & ~np.isfinite(values)
+        if active_bad.any():
+            i = _first(active_bad)
+            found.append(Finding(where, field, f"token {i} is active but holds {float(values[i])!r}; the LSE of an "
+                                 f"active token is finite ({int(active_bad.sum())} such tokens): not an LSE file"))
+    return found
+
+
 def check_tensor_files(report: Any, where: str, report_dir: Path) -> tuple[list[TensorCheck], list[Finding]]:
     """Each raw tensor file's SHA-256 against its ``tensors`` entry and its fingerprint.
 
     The file must be a regular file inside ``report_dir`` (no absolute path, no ``..``, no
-    link), hold exactly ``4 * prod(shape)`` bytes, and hash to both recorded values.
+    link), hold exactly ``4 * prod(shape)`` bytes, hash to both recorded values, and hold values
+    the arithmetic allows (:func:`check_tensor_values`, when it has the shape the case implies).
     """
     checks: list[TensorCheck] = []
     found: list[Finding] = []
     _, fingerprints = get(report, ("bitwise_fingerprints",))
     _, fp_shape = get(report, ("bitwise_fingerprints", "shape"))
+    _, case = get(report, ("case",))
     for name, fp_key in TENSOR_FINGERPRINTS.items():
         base = ("tensors", name)
         ok, entry = get(report, base)
@@ -100,6 +154,8 @@ def check_tensor_files(report: Any, where: str, report_dir: Path) -> tuple[list[
                 expected = FLOAT32_BYTES * math.prod(shape)
                 if size != expected:
                     found.append(Finding(where, field_path(base + ("path",)), f"{rel} holds {size} bytes; shape {shape} float32 needs {expected}"))
+                elif shape == fp_shape:
+                    found += check_tensor_values(name, file.read_bytes(), case, where)
             if file_sha != recorded:
                 found.append(Finding(where, field_path(base + ("sha256",)), f"{recorded} but sha256 of {rel} is {file_sha}"))
             if file_sha != fingerprint:
@@ -154,6 +210,75 @@ def _check_drift(found: list[Finding], where: str, report: Any, case: dict[str, 
                 found.append(Finding(where, field_path(base + ("max_abs",)), f"{max_abs!r} exceeds atol {atol!r} (rtol 0)"))
 
 
+def _check_topology(found: list[Finding], where: str, report: dict[str, Any], case: dict[str, Any],
+                    requested: Any) -> None:
+    """The per-rank provenance: degrees, world size, every rank's backend without fallback, the nodes."""
+    ok, topo = get(report, ("topology",))
+    if not ok or not isinstance(topo, dict):
+        found.append(Finding(where, "topology", "missing: per-rank provenance is required"))
+    else:
+        tp, cp = case.get("tp"), case.get("cp")
+        for key, want in (("tp", tp), ("cp", cp)):
+            if topo.get(key) != want:
+                found.append(Finding(where, f"topology.{key}", f"is {topo.get(key)!r} but case.{key} is {want!r}"))
+        ranks = topo.get("ranks")
+        if isinstance(tp, int) and isinstance(cp, int):
+            if topo.get("world_size") != tp * cp:
+                found.append(Finding(where, "topology.world_size", f"is {topo.get('world_size')!r}; TP={tp} x CP={cp} needs {tp * cp}"))
+            if not isinstance(ranks, list) or len(ranks) != tp * cp:
+                count = len(ranks) if isinstance(ranks, list) else ranks
+                found.append(Finding(where, "topology.ranks", f"lists {count!r} ranks; TP={tp} x CP={cp} needs {tp * cp}"))
+        for index, rank in enumerate(ranks if isinstance(ranks, list) else []):
+            base = ("topology", "ranks", index)
+            if not isinstance(rank, dict):
+                found.append(Finding(where, field_path(base), "must be an object"))
+                continue
+            if rank.get("actual_backend") != requested:
+                found.append(Finding(where, field_path(base + ("actual_backend",)), f"rank {rank.get('rank')!r} materialised {rank.get('actual_backend')!r}, requested {requested!r}"))
+            if rank.get("fallback") is not False:
+                found.append(Finding(where, field_path(base + ("fallback",)), f"rank {rank.get('rank')!r} recorded fallback={rank.get('fallback')!r}"))
+        nodes = {rank.get("node") for rank in ranks if isinstance(rank, dict)} if isinstance(ranks, list) else set()
+        if ranks and topo.get("nnodes") != len(nodes):
+            found.append(Finding(where, "topology.nnodes", f"is {topo.get('nnodes')!r} but the ranks ran on {len(nodes)} distinct node(s) {sorted(map(str, nodes))}"))
+
+
+def _check_fingerprints(found: list[Finding], where: str, report: dict[str, Any], case: dict[str, Any]) -> None:
+    """The fingerprints describe the case's shapes and dtypes."""
+    ok, fps = get(report, ("bitwise_fingerprints",))
+    if not ok or not isinstance(fps, dict):
+        found.append(Finding(where, "bitwise_fingerprints", "missing: fingerprints of the aggregate tensors are required"))
+    elif case:
+        tokens = case.get("batch", 0) * case.get("seq", 0) if all(isinstance(case.get(k), int) for k in ("batch", "seq")) else None
+        if fps.get("dtype") != "float32":
+            found.append(Finding(where, "bitwise_fingerprints.dtype", f"is {fps.get('dtype')!r}; aggregates are float32"))
+        if tokens is not None and fps.get("shape") != [tokens]:
+            found.append(Finding(where, "bitwise_fingerprints.shape", f"is {fps.get('shape')!r}; batch*seq is {tokens}"))
+        if tokens is not None and "padded_vocab" in case and fps.get("grad_shape") != [tokens, case["padded_vocab"]]:
+            found.append(Finding(where, "bitwise_fingerprints.grad_shape", f"is {fps.get('grad_shape')!r}; expected [{tokens}, {case['padded_vocab']}]"))
+        want_grad = TORCH_DTYPE_NAMES.get(case.get("dtype", ""))
+        if want_grad and fps.get("grad_dtype") != want_grad:
+            found.append(Finding(where, "bitwise_fingerprints.grad_dtype", f"is {fps.get('grad_dtype')!r}; {case.get('dtype')} logits give {want_grad} gradients"))
+
+
+def _check_against_plan(found: list[Finding], where: str, report: dict[str, Any], case: dict[str, Any],
+                        planned: PlannedReport | None, plan: Any) -> None:
+    """The report's topology, command, case and case id are the plan's."""
+    if planned is not None:
+        for key, want in (("tp", planned.tp), ("cp", planned.cp)):
+            if case.get(key) != want:
+                found.append(Finding(where, f"case.{key}", f"is {case.get(key)!r} but the plan lists this file as {key}={want}"))
+        if planned.command is not None and report.get("launch_command") != planned.command:
+            found.append(Finding(where, "launch_command", "differs from the plan's command for this topology"))
+    if isinstance(plan, dict):
+        plan_case = plan.get("case")
+        if isinstance(plan_case, dict):
+            for key in sorted(set(plan_case) | (set(case) - {"tp", "cp"})):
+                if case.get(key) != plan_case.get(key):
+                    found.append(Finding(where, f"case.{key}", f"is {case.get(key)!r} but the plan's case has {plan_case.get(key)!r}"))
+        if "case_id" in plan and report.get("case_id") != plan.get("case_id"):
+            found.append(Finding(where, "case_id", f"is {report.get('case_id')!r} but the plan's is {plan.get('case_id')!r}"))
+
+
 def check_report(
     report: Any,
     where: str,
@@ -188,64 +313,9 @@ def check_report(
     _expect(found, where, report, ("fallback",), False, "a silent fallback is never acceptable")
     _expect(found, where, report, ("tp_outputs_bitwise_replicated",), True, "TP peers must produce identical bytes")
 
-    ok, topo = get(report, ("topology",))
-    if not ok or not isinstance(topo, dict):
-        found.append(Finding(where, "topology", "missing: per-rank provenance is required"))
-    else:
-        tp, cp = case.get("tp"), case.get("cp")
-        for key, want in (("tp", tp), ("cp", cp)):
-            if topo.get(key) != want:
-                found.append(Finding(where, f"topology.{key}", f"is {topo.get(key)!r} but case.{key} is {want!r}"))
-        ranks = topo.get("ranks")
-        if isinstance(tp, int) and isinstance(cp, int):
-            if topo.get("world_size") != tp * cp:
-                found.append(Finding(where, "topology.world_size", f"is {topo.get('world_size')!r}; TP={tp} x CP={cp} needs {tp * cp}"))
-            if not isinstance(ranks, list) or len(ranks) != tp * cp:
-                count = len(ranks) if isinstance(ranks, list) else ranks
-                found.append(Finding(where, "topology.ranks", f"lists {count!r} ranks; TP={tp} x CP={cp} needs {tp * cp}"))
-        for index, rank in enumerate(ranks if isinstance(ranks, list) else []):
-            base = ("topology", "ranks", index)
-            if not isinstance(rank, dict):
-                found.append(Finding(where, field_path(base), "must be an object"))
-                continue
-            if rank.get("actual_backend") != requested:
-                found.append(Finding(where, field_path(base + ("actual_backend",)), f"rank {rank.get('rank')!r} materialised {rank.get('actual_backend')!r}, requested {requested!r}"))
-            if rank.get("fallback") is not False:
-                found.append(Finding(where, field_path(base + ("fallback",)), f"rank {rank.get('rank')!r} recorded fallback={rank.get('fallback')!r}"))
-        nodes = {rank.get("node") for rank in ranks if isinstance(rank, dict)} if isinstance(ranks, list) else set()
-        if ranks and topo.get("nnodes") != len(nodes):
-            found.append(Finding(where, "topology.nnodes", f"is {topo.get('nnodes')!r} but the ranks ran on {len(nodes)} distinct node(s) {sorted(map(str, nodes))}"))
-
-    ok, fps = get(report, ("bitwise_fingerprints",))
-    if not ok or not isinstance(fps, dict):
-        found.append(Finding(where, "bitwise_fingerprints", "missing: fingerprints of the aggregate tensors are required"))
-    elif case:
-        tokens = case.get("batch", 0) * case.get("seq", 0) if all(isinstance(case.get(k), int) for k in ("batch", "seq")) else None
-        if fps.get("dtype") != "float32":
-            found.append(Finding(where, "bitwise_fingerprints.dtype", f"is {fps.get('dtype')!r}; aggregates are float32"))
-        if tokens is not None and fps.get("shape") != [tokens]:
-            found.append(Finding(where, "bitwise_fingerprints.shape", f"is {fps.get('shape')!r}; batch*seq is {tokens}"))
-        if tokens is not None and "padded_vocab" in case and fps.get("grad_shape") != [tokens, case["padded_vocab"]]:
-            found.append(Finding(where, "bitwise_fingerprints.grad_shape", f"is {fps.get('grad_shape')!r}; expected [{tokens}, {case['padded_vocab']}]"))
-        want_grad = TORCH_DTYPE_NAMES.get(case.get("dtype", ""))
-        if want_grad and fps.get("grad_dtype") != want_grad:
-            found.append(Finding(where, "bitwise_fingerprints.grad_dtype", f"is {fps.get('grad_dtype')!r}; {case.get('dtype')} logits give {want_grad} gradients"))
-
+    _check_topology(found, where, report, case, requested)
+    _check_fingerprints(found, where, report, case)
     _check_drift(found, where, report, case)
     found += check_tensor_files(report, where, report_dir)[1]
-
-    if planned is not None:
-        for key, want in (("tp", planned.tp), ("cp", planned.cp)):
-            if case.get(key) != want:
-                found.append(Finding(where, f"case.{key}", f"is {case.get(key)!r} but the plan lists this file as {key}={want}"))
-        if planned.command is not None and report.get("launch_command") != planned.command:
-            found.append(Finding(where, "launch_command", "differs from the plan's command for this topology"))
-    if isinstance(plan, dict):
-        plan_case = plan.get("case")
-        if isinstance(plan_case, dict):
-            for key in sorted(set(plan_case) | (set(case) - {"tp", "cp"})):
-                if case.get(key) != plan_case.get(key):
-                    found.append(Finding(where, f"case.{key}", f"is {case.get(key)!r} but the plan's case has {plan_case.get(key)!r}"))
-        if "case_id" in plan and report.get("case_id") != plan.get("case_id"):
-            found.append(Finding(where, "case_id", f"is {report.get('case_id')!r} but the plan's is {plan.get('case_id')!r}"))
+    _check_against_plan(found, where, report, case, planned, plan)
     return found
