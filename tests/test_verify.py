@@ -116,7 +116,7 @@ def resummarised(good: Good, entries: list[Entry], work: Path) -> list[Entry]:
             path.write_bytes(data)
     git = jsonio.loads((work / good.name / "environment.json").read_text())["git"]
     again = {f"{good.name}/SUMMARY.md": summary.summary_text(Run.load(work / good.name)).encode(),
-             f"{good.name}/REVIEWING.md": archive.reviewing_text(good.name, git).encode()}
+             f"{good.name}/REVIEWING.md": archive.reviewing_text(good.name, git, good.data("arithmetic.md")).encode()}
     return resummed(good, [file_entry(i.name, again[i.name]) if i.name in again else (i, d) for i, d in entries])
 
 
@@ -160,7 +160,7 @@ def renamed(good: Good, name: str, entries: list[Entry] | None = None) -> list[E
     for info, data in entries if entries is not None else list(good.entries):
         rel = info.name[len(good.name):]
         if rel == f"/{archive.REVIEWING}":
-            data = archive.reviewing_text(name, git).encode()
+            data = archive.reviewing_text(name, git, good.data("arithmetic.md")).encode()
         copy = tarfile.TarInfo(name + rel)
         copy.type, copy.size, copy.mode = info.type, len(data) if data is not None else info.size, info.mode
         out.append((copy, data))
