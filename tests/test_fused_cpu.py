@@ -347,12 +347,12 @@ def fresh_kernel_cache() -> Any:
     fused_cpu._cached.cache_clear()
 
 
-def test_registered_with_its_capabilities_and_chosen_only_by_name() -> None:
+def test_registered_with_its_capabilities_and_chosen_by_auto_on_cpu() -> None:
     contract = _contract("fp16", 997, 1001, 7, 5)
     chosen = dispatch(FUSED_CPU_ID, contract, "cpu")
     assert isinstance(chosen.op, FusedCpuLogprob) and chosen.fallback is False
     assert chosen.provenance()["actual_backend"] == FUSED_CPU_ID
-    assert dispatch("auto", contract, "cpu").actual_backend == "pytorch-vocab-parallel-logp-ws2"
+    assert dispatch("auto", contract, "cpu").actual_backend == FUSED_CPU_ID  # the fastest on cpu
     with pytest.raises(BackendUnavailableError, match=r"device cuda not in \['cpu'\]"):
         dispatch(FUSED_CPU_ID, contract, "cuda")
 

@@ -151,6 +151,7 @@ def compute_rank(
         "actual_backend": selected.actual_backend,
         "fallback": selected.fallback,
         "rejections": [list(pair) for pair in selected.rejections],
+        "backend_mode": selected.mode,
         "contract_fingerprint": contract.cross_rank_fingerprint(),
         "tile_width": contract.tile_width,
         "tensors": tensors,
@@ -319,7 +320,10 @@ def build_report(
                 "rank 0 gathers outputs for reassembly"
             ),
         },
-        "dispatch": {"rejections": [{"backend": b, "reason": why} for b, why in rank0["rejections"]]},
+        "dispatch": {
+            "rejections": [{"backend": b, "reason": why} for b, why in rank0["rejections"]],
+            "modes": sorted({str(r["backend_mode"]) for r in results if r["backend_mode"] is not None}),
+        },
         "timings": {**timings, "total_s": timings["total_s"] + timings["oracle_s"]},
         "drift": drift,
         "fault_injection": None if fault is None else fault.text,

@@ -38,8 +38,9 @@ BACKEND_DEVICES: dict[str, tuple[str, ...]] = {
     TRITON_BACKEND: ("cuda",),
 }
 # Devices a backend serves only in a mode its user selects explicitly (the Triton backend's
-# interpreter runs its kernels on CPU tensors: RL_ENGINE_TRITON_MODE=interpreter).
+# interpreter runs its kernels on CPU tensors when TRITON_MODE_ENV is "interpreter").
 INTERPRETER_DEVICES: dict[str, tuple[str, ...]] = {TRITON_BACKEND: ("cpu",)}
+TRITON_MODE_ENV = "RL_ENGINE_TRITON_MODE"
 
 # Campaign bounds and defaults.
 MAX_TP = 8

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.campaign.tables import TRITON_BACKEND
+from rl_engine.campaign.tables import TRITON_BACKEND, TRITON_MODE_ENV
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.vocab_parallel import (
     BackwardTerms,
@@ -48,7 +48,7 @@ from rl_engine.logprob.vocab_parallel import (
 
 TRITON_ID = TRITON_BACKEND
 MODES: tuple[str, ...] = ("compiled", "interpreter")
-MODE_ENV = "RL_ENGINE_TRITON_MODE"
+MODE_ENV = TRITON_MODE_ENV
 MODE_DEVICES: dict[str, str] = {"compiled": "cuda", "interpreter": "cpu"}
 # Oldest Triton the kernels are tested with (tests/test_triton_versions.py); newest: the
 # installed one (3.9.0 when written).
