@@ -159,12 +159,46 @@ def _raw(logits: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.view(torch.int16)
 
 
-def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+def _launch(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], meta: dict[str, Any]) -> None:
     try:
         kernel[grid](*args, **meta, enable_fp_fusion=False)
     except Exception as exc:  # noqa: BLE001 - compile or launch failure: raise with the reason
         raise TritonKernelError(f"{TRITON_ID}: kernel {getattr(kernel, '__name__', kernel)} "
                                 f"failed: {type(exc).__name__}: {exc}") from exc
+
+
+Launch = tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any]]
+
+
+def forward_launch(
+    x: torch.Tensor, contract: LogprobContract, m: torch.Tensor, s: torch.Tensor,
+    t: torch.Tensor | None, bad: torch.Tensor | None, with_entropy: bool, validate: bool,
+    logits_dtype: torch.dtype,
+) -> Launch:
+    """Grid, arguments and constants of one forward launch (also what the PTX check compiles)."""
+    width = contract.tile_width
+    tiles = contract.local_vocab_size // width
+    args = (x, _slot_table(width, str(x.device)), m, s, t if t is not None else m,
+            bad if bad is not None else m, x.stride(0), real_local_columns(contract))
+    meta = {"TILES": tiles, "WIDTH": width, "LEVELS": levels(width),
+            "DTYPE": _DTYPE_CODES[logits_dtype], "WITH_ENTROPY": with_entropy,
+            "VALIDATE": validate}
+    return (x.shape[0] * tiles,), args, meta
+
+
+def backward_launch(
+    x: torch.Tensor, lse: torch.Tensor, terms: BackwardTerms, out: torch.Tensor,
+    logits_dtype: torch.dtype,
+) -> Launch:
+    """Grid, arguments and constants of one backward launch (also what the PTX check compiles)."""
+    rows, local_vocab = x.shape
+    block = min(BACKWARD_BLOCK, 1 << levels(local_vocab))
+    blocks = -(-local_vocab // block)
+    args = (x, lse.detach().float().contiguous(), terms.coef.float().contiguous(),
+            terms.target_col.to(torch.int64).contiguous(), terms.target_add.float().contiguous(),
+            out, x.stride(0), local_vocab, terms.real_local)
+    meta = {"BLOCKS": blocks, "BLOCK": block, "DTYPE": _DTYPE_CODES[logits_dtype]}
+    return (rows * blocks,), args, meta
 
 
 def triton_partials(
@@ -175,22 +209,16 @@ def triton_partials(
     k = load_kernels(mode)
     x = _raw(logits)
     rows = x.shape[0]
-    width = contract.tile_width
-    tiles = contract.local_vocab_size // width
+    tiles = contract.local_vocab_size // contract.tile_width
     dev = logits.device
     m = torch.empty(rows, tiles, dtype=torch.float32, device=dev)
     s = torch.empty_like(m)
     t = torch.empty_like(m) if with_entropy else None
     bad = torch.zeros(rows, tiles, dtype=torch.int8, device=dev) if validate else None
-    real_local = real_local_columns(contract)
     if rows and tiles:
-        _launch(
-            k.forward_partials_kernel, (rows * tiles,),
-            x, _slot_table(width, str(dev)), m, s, t if t is not None else m,
-            bad if bad is not None else m, x.stride(0), tiles, real_local,
-            WIDTH=width, LEVELS=levels(width), DTYPE=_DTYPE_CODES[logits.dtype],
-            WITH_ENTROPY=with_entropy, VALIDATE=validate,
-        )
+        grid, args, meta = forward_launch(x, contract, m, s, t, bad, with_entropy, validate,
+                                          logits.dtype)
+        _launch(k.forward_partials_kernel, grid, args, meta)
     finite = None
     if bad is not None:
         finite = bad.amax(dim=1) == 0 if tiles else torch.ones(rows, dtype=torch.bool, device=dev)
@@ -206,16 +234,9 @@ def triton_backward(
     rows, local_vocab = x.shape
     grad = torch.empty((rows, local_vocab), dtype=logits.dtype, device=logits.device)
     if rows and local_vocab:
-        block = min(BACKWARD_BLOCK, 1 << levels(local_vocab))
-        blocks = -(-local_vocab // block)
         out = grad if grad.dtype == torch.float32 else grad.view(torch.int16)
-        _launch(
-            k.backward_kernel, (rows * blocks,),
-            x, lse.detach().float().contiguous(), terms.coef.float().contiguous(),
-            terms.target_col.to(torch.int64).contiguous(), terms.target_add.float().contiguous(),
-            out, x.stride(0), local_vocab, terms.real_local, blocks,
-            BLOCK=block, DTYPE=_DTYPE_CODES[logits.dtype],
-        )
+        grid, args, meta = backward_launch(x, lse, terms, out, logits.dtype)
+        _launch(k.backward_kernel, grid, args, meta)
     return grad
 
 

@@ -133,15 +133,16 @@ def fold_add(v, LEVELS: tl.constexpr):
 @kernel
 def forward_partials_kernel(
     x_ptr, slot_ptr, m_ptr, s_ptr, t_ptr, bad_ptr,
-    row_stride, tiles, real_local,
-    WIDTH: tl.constexpr, LEVELS: tl.constexpr, DTYPE: tl.constexpr,
+    row_stride, real_local,
+    TILES: tl.constexpr, WIDTH: tl.constexpr, LEVELS: tl.constexpr, DTYPE: tl.constexpr,
     WITH_ENTROPY: tl.constexpr, VALIDATE: tl.constexpr,
 ):
-    """Section 6 steps 1-4 for the tile ``pid % tiles`` of row ``pid // tiles``."""
+    """Section 6 steps 1-4 for the tile ``pid % TILES`` of row ``pid // TILES`` (a constant
+    divisor: integer multiply and shift, no division sequence)."""
     SLOTS: tl.constexpr = 1 << LEVELS
     pid = tl.program_id(0)
-    row = (pid // tiles).to(tl.int64)
-    tile = pid % tiles
+    row = (pid // TILES).to(tl.int64)
+    tile = pid % TILES
     local = tl.load(slot_ptr + tl.arange(0, SLOTS))  # the column in the tile, -1: no column
     held = local >= 0
     col = tile * WIDTH + local
@@ -160,7 +161,7 @@ def forward_partials_kernel(
     y = x - sh  # 3.
     e = spec_exp(y)
     s = fold_add(tl.where(held, e, neg_zero), LEVELS)
-    out = row * tiles + tile + tl.arange(0, 1)
+    out = row * TILES + tile + tl.arange(0, 1)
     tl.store(m_ptr + out, m)
     tl.store(s_ptr + out, s)
     if WITH_ENTROPY:  # 4. y' = 0 on padding columns
@@ -201,13 +202,13 @@ def round_f16_bits(u):
 @kernel
 def backward_kernel(
     x_ptr, lse_ptr, coef_ptr, col_ptr, add_ptr, g_ptr,
-    row_stride, local_vocab, real_local, blocks,
-    BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+    row_stride, local_vocab, real_local,
+    BLOCKS: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
 ):
-    """Section 7 (and 8) for columns ``[b * BLOCK, (b + 1) * BLOCK)`` of row ``pid // blocks``."""
+    """Section 7 (and 8) for columns ``[b * BLOCK, (b + 1) * BLOCK)`` of row ``pid // BLOCKS``."""
     pid = tl.program_id(0)
-    row = (pid // blocks).to(tl.int64)
-    cols = (pid % blocks) * BLOCK + tl.arange(0, BLOCK)
+    row = (pid // BLOCKS).to(tl.int64)
+    cols = (pid % BLOCKS) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < local_vocab
     real = cols < real_local
     lse = tl.load(lse_ptr + row)
