@@ -11,7 +11,8 @@ classifies ``div_rn``'s FMA steps as division steps.
 
 A target that does not compile on this machine fails the test with the reason (never a skip).
 The quick set compiles one forward and one backward variant per target; the slow set every
-variant the backend launches.
+variant the backend launches for the default case's shape (fresh Triton cache, 2 loaded cores:
+about 3 s a compile).
 """
 
 from __future__ import annotations
@@ -42,11 +43,14 @@ def _compile(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], bac
 
 
 def _variants(quick: bool) -> list[triton_aot.Variant]:
+    """Quick: a padded 143-wide bf16 forward and a binary16 backward; slow: every variant of
+    the default case's shape (tile 2374, vocabulary 151936). The two shapes differ only in
+    constants (unrolled lengths), not in which instructions a variant uses."""
     variants = triton_aot.launch_variants()
-    if not quick:
-        return variants
-    wanted = ("forward-bf16-w143-entropy1-validate1", "backward-fp16-v1001")
-    return [v for v in variants if v.name in wanted]
+    if quick:
+        wanted = ("forward-bf16-w143-entropy1-validate1", "backward-fp16-v1001")
+        return [v for v in variants if v.name in wanted]
+    return [v for v in variants if "w2374" in v.name or "v151936" in v.name]
 
 
 def _check(variant: triton_aot.Variant, backend: str, arch: Any) -> None:
@@ -78,7 +82,7 @@ def test_representative_kernels_compile_to_ieee_basic_operations(backend: str, a
 @pytest.mark.parametrize("backend,arch", TARGETS, ids=lambda t: str(t))
 def test_every_launched_variant_compiles_to_ieee_basic_operations(backend: str, arch: Any) -> None:
     variants = _variants(quick=False)
-    assert len(variants) == 18  # 2 tile widths x 3 dtypes x (2 forward flag sets + backward)
+    assert len(variants) == 9  # 3 dtypes x (2 forward flag sets + backward)
     for variant in variants:
         _check(variant, backend, arch)
 
