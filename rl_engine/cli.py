@@ -12,7 +12,7 @@ import sys
 VERBS: dict[str, tuple[str, str]] = {
     "case": ("rl_engine.campaign.case", "write and check the case file (case.json) the plan is built from"),
     "plan": ("rl_engine.campaign.plan", "plan a TP x CP campaign from a case file: write plan.json, print the torchrun commands"),
-    "compare": ("rl_engine.campaign.run", "run one planned topology's comparison (each rank, under torchrun)"),
+    "run": ("rl_engine.campaign.run", "run one planned topology's comparison (each rank, under torchrun)"),
     "launch": ("rl_engine.campaign.launch", "run one planned topology with a time limit"),
     "env": ("rl_engine.evidence.environment", "capture environment.json and environment.txt"),
     "regression": ("rl_engine.evidence.regression", "run the focused pytest suite with counts"),
@@ -21,7 +21,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "summary": ("rl_engine.evidence.summary", "write SUMMARY.md from the evidence"),
     "archive": ("rl_engine.evidence.archive", "pack a byte-reproducible archive"),
     "verify": ("rl_engine.evidence.verify", "verify an archive offline"),
-    "check-config": ("rl_engine.evidence.config", "validate config.yaml against its schema"),
+    "check-config": ("rl_engine.workflow", "validate config.yaml against its schema"),
     "bench": ("rl_engine.benchmark.cli", "benchmark every backend vs naive vs floor"),
     "gpu-smoke": ("rl_engine.gpu_smoke", "campaign on cuda == the same case on the CPU, and forward timing"),
 }

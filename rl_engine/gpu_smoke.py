@@ -46,16 +46,17 @@ from typing import Any
 import torch
 
 from rl_engine import jsonio, schemas
-from rl_engine.evidence.config import WorkflowConfigError, case_values, load_config, parse_topologies
+from rl_engine.workflow import WorkflowConfigError, case_values, load_config, parse_topologies
 from rl_engine.evidence.crosscheck import crosscheck_run
 from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.registry import BackendUnavailableError, default_registry, dispatch
 from rl_engine.logprob.tiles import chunk_rows_for_device
 from rl_engine.logprob.vocab_parallel import BACKEND_ID
-from rl_engine.campaign.case import Case, PlanError
+from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.plan import build_plan
-from rl_engine.campaign.tables import DEVICE_DIST_BACKENDS, EAGER_BACKEND, TRITON_BACKEND
+from rl_engine.tables import DEVICE_DIST_BACKENDS, EAGER_BACKEND, SCHEMA_VERSION, TRITON_BACKEND
 from rl_engine.campaign.replay import replay_candidate
+from rl_engine.rundir import LOGS, PLAN, Run, Topology
 
 FIELDS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256",
           "candidate_grad_sha256")
@@ -108,20 +109,20 @@ def _fitting(config: dict[str, Any], max_ranks: int | None) -> tuple[list[tuple[
 def run_device_campaign(case: Case, topologies: list[tuple[int, int]], run_dir: Path,
                         timeout_s: int) -> dict[str, Any]:
     """Plan and launch every topology; return each report (or the failure) by label."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    plan_path = run_dir / "plan.json"
+    (run_dir / LOGS).mkdir(parents=True, exist_ok=True)
+    plan_path = run_dir / PLAN
     plan = build_plan(case, tuple(topologies), str(plan_path))
     schemas.write_validated(plan_path, plan, "plan")
     results: dict[str, Any] = {}
     for tp, cp in topologies:
-        label = f"tp{tp}-cp{cp}"
-        log = run_dir / "logs" / f"{label}.log"
+        topology = Topology(tp, cp)
+        label, log = topology.stem, run_dir / topology.log
         done = subprocess.run(
             [sys.executable, "-m", "rl_engine", "launch", "--plan", str(plan_path), "--tp", str(tp),
              "--cp", str(cp), "--timeout-s", str(timeout_s), "--log", str(log)],
             capture_output=True, text=True, timeout=timeout_s + 60, check=False,
         )
-        report_path = run_dir / f"{label}.json"
+        report_path = run_dir / topology.report
         if done.returncode != 0 or not report_path.exists():
             tail = log.read_text(errors="replace")[-2000:] if log.exists() else done.stderr[-2000:]
             results[label] = {"exit_code": done.returncode, "error": tail}
@@ -274,7 +275,7 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
                                 f"{report.get('failures')}")
             prints_of[label] = {k: report["bitwise_fingerprints"][k] for k in FIELDS}
         device_prints[backend] = prints_of
-        _cross, cross_found = crosscheck_run(run_dir, min_topologies=1)
+        _cross, cross_found = crosscheck_run(Run.load(run_dir), min_topologies=1)
         problems += [f"{device} {backend} campaign crosscheck: {f}" for f in cross_found]
     cpu_replays_result = cpu_replays(case)
     cpu_backends = list(cpu_replays_result)
@@ -289,7 +290,7 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     print(f"[3/3] forward and forward+backward timing on {device} at {args.tokens} tokens")
     timing = time_paths(case, torch.device(device), args.tokens, args.repeats)
     result = {
-        "schema_version": "1",
+        "schema_version": SCHEMA_VERSION,
         "device": device,
         "torch": torch.__version__,
         "cuda_device": torch.cuda.get_device_name(0) if device == "cuda" else None,
@@ -332,7 +333,7 @@ def main(argv: list[str]) -> int:
             return EXIT_CANNOT_START
     try:
         result, problems = smoke(args)
-    except (SmokeError, WorkflowConfigError, PlanError, OSError) as exc:
+    except (SmokeError, WorkflowConfigError, CaseError, OSError) as exc:
         print(f"gpu-smoke: {exc}", file=sys.stderr)
         return EXIT_CANNOT_START
     except (schemas.ArtifactSchemaError, jsonio.StrictJSONError) as exc:

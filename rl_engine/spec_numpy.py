@@ -78,7 +78,6 @@ NEG_INF = F32(-np.inf)
 POS_INF = F32(np.inf)
 TWO_P23 = _hx("0x1p+23")
 
-CANON_NAN_BITS = U32(0x7FC00000)
 CANON_NAN = np.array([0x7FC00000], dtype=U32).view(F32)[0]
 
 _DTYPES = ("bfloat16", "float16", "float32")

@@ -1,7 +1,7 @@
 """Helpers for the verifier's tests: one real archive read into memory, and a sandbox that
 catches any file written outside the verifier's temporary directory.
 
-Not a test module (no ``test_`` prefix); shared by tests/test_verify.py and
+Not a test module (no ``test_`` prefix); shared by tests/conftest.py, tests/test_verify.py and
 tests/test_gates_archives.py.
 """
 
@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from _evidence_run import build_run, pack
 
 Entry = tuple[tarfile.TarInfo, bytes | None]
 
@@ -33,18 +32,14 @@ class Good:
         return found[0]
 
 
-def build_good_archive(base: Path, run_name: str) -> Good:
-    """Real tiny-vocabulary evidence through the real verbs, packed by the archive verb from the
-    files the workflow's archive rule declares."""
-    run = build_run(base / run_name, base / "focused-tests")
-    out = base / "results" / f"{run.name}.tar.gz"
-    assert pack(run, out) == 0
+def read_archive(out: Path, name: str) -> Good:
+    """A real archive (``conftest.tiny_archive``: the tiny run through the real verbs) read into memory."""
     entries = []
     with tarfile.open(out) as tar:
         for member in tar.getmembers():
             data = tar.extractfile(member).read() if member.isfile() else None  # type: ignore[union-attr]
             entries.append((member, data))
-    return Good(out, run.name, tuple(entries))
+    return Good(out, name, tuple(entries))
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ def write_config(repo: Path, overrides: dict[str, Any], name: str = CONFIG) -> P
 
 def run_name_of(repo: Path, configfile: str = CONFIG, **overrides: Any) -> str:
     """The run name the workflow gives ``repo``'s ``configfile`` with ``--config`` ``overrides``."""
-    from rl_engine.evidence.config import run_name
+    from rl_engine.workflow import run_name
 
     config = yaml.safe_load((repo / "config.yaml").read_text())
     config.update(yaml.safe_load((repo / configfile).read_text()))

@@ -1,6 +1,6 @@
 """One case, one plan: the constant tables, the torch-free case and its file, and the one-way flow.
 
-The tables (rl_engine/campaign/tables.py) are the only place each constant is written; the
+The tables (rl_engine/tables.py) are the only place each constant is written; the
 schemas repeat some as enums for standard validators, and these tests fail when the two
 disagree. The case file is what the workflow's resolved config becomes, and the plan is built
 from it alone.
@@ -18,12 +18,12 @@ import pytest
 
 from rl_engine import jsonio, schemas
 from rl_engine.campaign import case as casemod
-from rl_engine.campaign import tables
-from rl_engine.campaign.case import Case, PlanError, case_document, load_case_file
+from rl_engine import tables
+from rl_engine.campaign.case import Case, CaseError, case_document, load_case_file
 from rl_engine.campaign.inputs import InputSpec, InputSpecError
 from rl_engine.campaign.plan import build_plan, load_plan
 from rl_engine.campaign.plan import main as plan_main
-from rl_engine.evidence import config as wfconfig
+from rl_engine import workflow as wfconfig
 
 REPO = Path(__file__).resolve().parents[1]
 DEFS = json.loads((REPO / "schemas" / "defs.schema.json").read_text())["$defs"]
@@ -54,15 +54,15 @@ def test_default_config_tolerances_and_timeout_are_the_tables() -> None:
 
 def test_the_harness_modules_import_without_torch() -> None:
     """Checking the config, the case and the plan loads no torch (the Snakefile imports them)."""
-    code = ("import sys, rl_engine.evidence.config, rl_engine.campaign.case, rl_engine.campaign.plan, "
-            "rl_engine.campaign.tables; assert 'torch' not in sys.modules, 'torch was imported'")
+    code = ("import sys, rl_engine.workflow, rl_engine.campaign.case, rl_engine.campaign.plan, "
+            "rl_engine.tables; assert 'torch' not in sys.modules, 'torch was imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 
 
 def test_one_rule_for_prompt_tokens_everywhere() -> None:
     """inputs.py once allowed prompt_tokens == seq while the campaign refused it: now one rule."""
-    with pytest.raises(PlanError, match="prompt_tokens=16 must be < seq=16") as from_case:
+    with pytest.raises(CaseError, match="prompt_tokens=16 must be < seq=16") as from_case:
         Case.create(**{**SMALL, "prompt_tokens": 16})
     with pytest.raises(InputSpecError) as from_inputs:
         InputSpec(batch=2, seq=16, prompt_tokens=16, real_vocab=1000, padded_vocab=1024, seed=123)
@@ -77,7 +77,7 @@ def test_case_defaults_come_from_the_tables() -> None:
     assert (case.dist_backend, case.atol, case.rtol) == ("gloo", *tables.DEFAULT_TOLERANCES["bf16"])
     assert case.timeout_s == tables.DEFAULT_PG_TIMEOUT_S and case.cp_layout == "contiguous"
     assert Case.create(**{**SMALL, "logit_scale": 1}).logit_scale.hex() == (1.0).hex()  # 1 is 1.0
-    with pytest.raises(PlanError, match=r"case fields \['seed'\] are missing"):
+    with pytest.raises(CaseError, match=r"case fields \['seed'\] are missing"):
         Case.create(**{k: v for k, v in SMALL.items() if k != "seed"})
 
 

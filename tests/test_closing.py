@@ -1,7 +1,8 @@
 """The workflow's closing message (issue 14: the console ended with Snakemake's step counter).
 
-:func:`rl_engine.evidence.closing.closing` reads the files the stages left; these tests lay out
-run directories by hand for each outcome. ``tests/test_workflow.py`` checks the message of a
+:func:`rl_engine.workflow.closing` reads the files the stages left; these tests lay out
+run directories by hand for each outcome, from the one stage list (:func:`rl_engine.rundir.stages`,
+which the Snakefile's targets are built from too). ``tests/test_workflow.py`` checks the message of a
 real run, and ``tests/test_gates_workflow.py`` that of a run whose validation gate fails.
 """
 
@@ -15,10 +16,11 @@ import pytest
 from rich.console import Console
 
 from rl_engine import jsonio
-from rl_engine.evidence.closing import VERIFIED, closing, print_closing, stages
+from rl_engine.workflow import VERIFIED, closing, print_closing
+from rl_engine.rundir import Topology, stages
 
 NAME = "camp-abc1234-case-0123abcd"
-STEMS = ["tp1-cp1", "tp2-cp1"]
+STEMS = [Topology(1, 1), Topology(2, 1)]
 DIGEST = "ab" * 32
 
 
@@ -26,7 +28,7 @@ def lay_out(results: Path, upto: str | None = None, verify_passed: bool = True) 
     """Every stage's outputs up to (not including) the stage named ``upto``; all of them when None."""
     run = results / NAME
     for stage in stages(run, STEMS):
-        if stage.rule == upto:
+        if stage.label == upto:
             break
         for path in stage.outputs:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -72,7 +74,8 @@ def test_failed_gate_is_named_with_its_log_and_an_older_archive_is_not_this_runs
 
 
 @pytest.mark.parametrize(("upto", "verdict"), [
-    ("regression", "FAILED at regression (missing regression.json)"),
+    ("regression", "FAILED at regression (missing regression.json, pytest-focused.log, pytest-junit.xml)"),
+    ("case", "FAILED at case (missing case.json)"),
     ("topology tp2-cp1", "FAILED at topology tp2-cp1 (missing tp2-cp1.json, tp2-cp1.logp.f32, tp2-cp1.lse.f32, "
                          "tp2-cp1.entropy.f32)"),
     ("crosscheck gate", "FAILED at crosscheck gate (missing crosscheck.json)"),
@@ -103,3 +106,46 @@ def test_a_successful_partial_run_is_incomplete(tmp_path: Path) -> None:
     result = closing(run, STEMS, succeeded=True)
     assert result.verdict == "INCOMPLETE: validation gate not built by this run (missing validation.json)"
     assert "Log" not in rows(result)
+
+
+def test_every_stage_that_fails_is_named_with_its_own_log(tmp_path: Path) -> None:
+    """Each stage in turn fails (its outputs are gone, as Snakemake leaves a failed job, and every
+    later stage's too): the closing table names that stage and that stage's log, with no other stage
+    named. The labels and logs come from the one stage list; the expected logs are spelled out here."""
+    results = tmp_path / "results"
+    run = results / NAME
+    expected_logs = {
+        "environment": run / "logs" / "environment.log", "regression": run / "logs" / "regression.log",
+        "case": run / "logs" / "case.log", "plan": run / "logs" / "plan.log",
+        "topology tp1-cp1": run / "logs" / "tp1-cp1.log", "topology tp2-cp1": run / "logs" / "tp2-cp1.log",
+        "validation gate": run / "logs" / "validation.log", "crosscheck gate": run / "logs" / "crosscheck.log",
+        "summary": run / "logs" / "summary.log", "archive": results / "logs" / f"{NAME}-archive.log",
+        "verify_archive": results / "logs" / f"{NAME}-verify.log",
+    }
+    all_stages = stages(run, STEMS)
+    assert [s.label for s in all_stages] == list(expected_logs)  # workflow order, the case stage included
+    for stage in all_stages[:-1]:  # verify_archive fails by its record, below
+        lay_out(results)
+        for later in all_stages[all_stages.index(stage):]:
+            for path in later.outputs:
+                path.unlink()
+        stage.log.parent.mkdir(parents=True, exist_ok=True)
+        stage.log.write_text("the error\n")
+        result = closing(run, STEMS, succeeded=False)
+        assert result.verdict.startswith(f"FAILED at {stage.label} (missing "), (stage.label, result.verdict)
+        assert rows(result)["Log"] == str(expected_logs[stage.label]), (stage.label, rows(result))
+        stage.log.unlink()
+    lay_out(results, verify_passed=False)
+    result = closing(run, STEMS, succeeded=False)
+    assert result.verdict.startswith("FAILED at verify_archive: ")
+    assert rows(result)["Log"] == str(expected_logs["verify_archive"])
+
+
+def test_a_failed_case_rule_is_named_at_case_not_plan(tmp_path: Path) -> None:
+    """Issue 19: the closing table said "FAILED at plan" with logs/plan.log when the case rule failed."""
+    run = lay_out(tmp_path / "results", upto="case")
+    (run / "logs").mkdir(parents=True, exist_ok=True)
+    (run / "logs" / "case.log").write_text("CaseError: ...\n")
+    result = closing(run, STEMS, succeeded=False)
+    assert result.verdict == "FAILED at case (missing case.json)"
+    assert rows(result)["Log"] == str(run / "logs" / "case.log")

@@ -29,10 +29,10 @@ from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.tensorio import fingerprint
 from rl_engine.campaign import case as campaign
 from rl_engine.campaign import plan as planmod
-from rl_engine.campaign.case import Case, PlanError
+from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.plan import load_plan
 from rl_engine.campaign.plan import main as plan_main
-from rl_engine.campaign.tables import DEFAULT_TOPOLOGIES
+from rl_engine.tables import DEFAULT_TOPOLOGIES
 from rl_engine.campaign.run import (
     assemble,
     build_report,
@@ -128,9 +128,11 @@ def test_plan_default_matrix_order_and_commands(tmp_path: Path, capsys: pytest.C
         assert entry["command"] == (f"torchrun --standalone --nproc-per-node={n} -m rl_engine.campaign.run "
                                     f"{output} --tp {tp} --cp {cp}")
         assert entry["command"] in printed
-        argv = planmod.launch_argv(output, tp, cp)
+        # the plan records the argv launch runs, and prints shlex.join of it (issue 19)
+        assert entry["command"] == shlex.join(entry["argv"]) and shlex.split(entry["command"]) == entry["argv"]
+        argv = planmod.interpreter_argv(entry["argv"])
         assert argv[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
-        assert shlex.split(entry["command"])[3:] == argv[5:]
+        assert argv[3:] == entry["argv"][1:]  # only torchrun itself is replaced, by this interpreter's module
 
 
 def test_plan_topologies_and_single_topology(tmp_path: Path) -> None:
@@ -514,8 +516,53 @@ def test_launch_refuses_unplanned_topology_and_bad_plan(tmp_path: Path, capsys: 
 
 
 def test_plan_errors_name_the_field() -> None:
-    with pytest.raises(PlanError, match="threads_per_rank=0 must be >= 1"):
+    with pytest.raises(CaseError, match="threads_per_rank=0 must be >= 1"):
         _case(threads_per_rank=0)
-    with pytest.raises(PlanError, match="device='tpu' is unknown"):
+    with pytest.raises(CaseError, match="device='tpu' is unknown"):
         _case(device="tpu")
     assert campaign.parse_topologies("1x1, 2X2") == ((1, 1), (2, 2))
+
+
+def test_launch_runs_the_argv_the_plan_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 19: launch ran an argv built beside the plan's command; now it runs the plan's argv
+    (torchrun as this interpreter's module). A plan whose argv is edited launches the edited argv."""
+    from rl_engine.campaign import launch
+
+    rc, output = _plan(tmp_path, "--topologies", "1x1,1x2")
+    assert rc == 0
+    plan = jsonio.load(output)
+    plan["topologies"][0]["argv"][-1] = "1 "  # a visible edit that stays schema-valid
+    jsonio.write_json(output, plan)
+    started: list[list[str]] = []
+
+    class Started(Exception):
+        pass
+
+    def fake_popen(argv: list[str], **kwargs: Any) -> None:
+        started.append(argv)
+        raise Started
+
+    monkeypatch.setattr(launch.subprocess, "Popen", fake_popen)
+    with pytest.raises(Started):
+        launch.main(["--plan", str(output), "--tp", "1", "--cp", "1", "--timeout-s", "30"])
+    assert started == [[sys.executable, "-m", "torch.distributed.run", *plan["topologies"][0]["argv"][1:]]]
+    with pytest.raises(planmod.PlanError, match="does not start with 'torchrun'"):
+        planmod.interpreter_argv(["python", "-m", "rl_engine.campaign.run"])
+    copied = tmp_path / "elsewhere" / "plan.json"  # its argv runs the original plan: refused, nothing started
+    copied.parent.mkdir()
+    copied.write_bytes(output.read_bytes())
+    started.clear()
+    assert launch.main(["--plan", str(copied), "--tp", "1", "--cp", "2", "--timeout-s", "30"]) == 2
+    assert started == []
+
+
+def test_validation_fails_a_plan_whose_command_is_not_its_argv() -> None:
+    from rl_engine.evidence.validation import plan_command_findings
+
+    entry = {"argv": ["torchrun", "--standalone", "--nproc-per-node=1", "-m", "rl_engine.campaign.run", "p.json",
+                      "--tp", "1", "--cp", "1"]}
+    good = {"topologies": [{**entry, "command": shlex.join(entry["argv"])}]}
+    assert plan_command_findings(good) == []  # negative control
+    bad = {"topologies": [{**entry, "command": shlex.join(entry["argv"]) + " --seed 8"}]}
+    assert [str(f).split(":")[:2] for f in plan_command_findings(bad)] == [["plan.json", " topologies[0].command"]]
+    assert plan_command_findings({"topologies": [{"command": "torchrun x"}]}) == []  # a plan from before argv

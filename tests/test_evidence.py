@@ -23,18 +23,17 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from _evidence_run import PYTEST_ARGS, TOPOLOGIES, build_run, declared_files, launch, pack, schema_files
+from _evidence_run import PYTEST_ARGS, TOPOLOGIES, declared_files, launch, pack, schema_files
 from rl_engine import cli, jsonio, schemas
 from rl_engine.evidence import archive, crosscheck, environment, gitstate, regression, summary, validation
-from rl_engine.evidence.rundir import Finding, load_json
+from rl_engine.rundir import Finding, Run, load_json
 
 BAD = "tp2-cp2"  # the topology the corruptions target (the reference is tp1-cp1)
 
 
 @pytest.fixture(scope="module")
-def good_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("evidence")
-    return build_run(base / "rl-engine-test-run", base / "focused-tests")
+def good_run(tiny_run: Path) -> Path:
+    return tiny_run  # conftest: the session's one tiny run (tests that change evidence copy it: `run`)
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +42,9 @@ def perturbed_run(good_run: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     base = tmp_path_factory.mktemp("perturbed")
     run = base / "run"
     (run / "logs").mkdir(parents=True)
-    # plan.json names its reports by file name, beside it: the good run's case and plan serve here
-    for name in ("case.json", "plan.json"):
-        shutil.copy(good_run / name, run / name)
+    # the good run's case, planned here (a plan runs the plan its argv names: itself)
+    shutil.copy(good_run / "case.json", run / "case.json")
+    assert cli.main(["plan", "--case", str(run / "case.json"), "--output", str(run / "plan.json")]) == 0
     assert launch(run, "1x1") == 0
     assert launch(run, "2x2", fault="perturb:2x2") == 1  # report written, acceptance failed
     for name in ("environment.json", "environment.txt", "regression.json", "pytest-focused.log", "pytest-junit.xml"):
@@ -392,7 +391,7 @@ def test_summary_numbers_come_from_the_evidence(good_run: Path, run: Path) -> No
     # the boundary says the gradient hash has no file behind it, and that is true of the run
     assert "`candidate_grad_sha256` is compared across topologies, and `verify --recompute` recomputes it" in text
     assert not [p.name for p in good_run.rglob("*") if "grad" in p.name]
-    assert summary.summary_text(good_run) == text  # the verb writes exactly what verify renders again
+    assert summary.summary_text(Run.load(good_run)) == text  # the verb writes exactly what verify renders again
     # negative control: change the evidence, the summary follows
     edit_report(run, BAD, lambda r: r["drift"]["fp32_oracle"]["lse"].update(max_abs=0.0123))
     reg = jsonio.load(run / "regression.json")
@@ -409,7 +408,7 @@ def test_summary_has_the_reproduction_section_and_every_skip_reason(good_run: Pa
     """Issue 14: SUMMARY.md lacked the guide's Reproduction section and the reason of each skipped test."""
     from snakemake.utils import update_config
 
-    from rl_engine.evidence import config as wfconfig
+    from rl_engine import workflow as wfconfig
     from rl_engine.evidence.casename import case_hash, evidence_resolved_case
 
     text = (good_run / "SUMMARY.md").read_text()
@@ -438,9 +437,9 @@ def test_summary_has_the_reproduction_section_and_every_skip_reason(good_run: Pa
     (run / "pytest-junit.xml").write_text(
         (run / "pytest-junit.xml").read_text().replace('skipped="1"', 'skipped="0"').split("<testcase", 1)[0]
         + "</testsuite></testsuites>")
-    assert "No test was skipped." in summary.summary_text(run)
+    assert "No test was skipped." in summary.summary_text(Run.load(run))
     (run / "pytest-junit.xml").write_text("<not xml")
-    assert "pytest-junit.xml cannot be read (ParseError), so the skip reasons are unknown" in summary.summary_text(run)
+    assert "pytest-junit.xml cannot be read (ParseError), so the skip reasons are unknown" in summary.summary_text(Run.load(run))
 
 
 def test_summary_of_failing_run_says_failed(perturbed_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -609,7 +608,7 @@ def test_archive_packs_exactly_the_given_files_and_verify_finds_all_it_needs(
 
     (run / "tp8-cp1.json").write_bytes((run / "tp2-cp2.json").read_bytes())
     (run / "notes.txt").write_text("a reviewer's note, not evidence\n")
-    assert summary.summary_text(run) == (run / "SUMMARY.md").read_text()  # the artifact table ignores them
+    assert summary.summary_text(Run.load(run)) == (run / "SUMMARY.md").read_text()  # the artifact table ignores them
     out = tmp_path / "res" / f"{run.name}.tar.gz"
     built = _build(run, out)
     given = {p.relative_to(run).as_posix() for p in declared_files(run)}
@@ -751,7 +750,7 @@ def test_every_verb_help_says_what_it_does(capsys: pytest.CaptureFixture[str]) -
         assert len(description.split()) >= 8, (verb, description)
     assert len(set(helps.values())) == len(helps)  # no two verbs print the same help
     assert "Write plan.json for a case" in helps["plan"]
-    assert "Run one topology of a plan under torchrun" in helps["compare"]
+    assert "Run one topology of a plan under torchrun" in helps["run"]  # (the verb was `compare`, issue 19)
     assert "case.schema.json and every case rule" in helps["case"]
     assert "Run one planned topology" in helps["launch"]
 

@@ -20,6 +20,7 @@ import pytest
 
 from rl_engine import cli
 from rl_engine.campaign.replay import replay_candidate
+from rl_engine.rundir import Run
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +126,7 @@ def test_verify_replays_a_fused_run_with_the_eager_reference_without_the_kernel(
     monkeypatch.setattr(registry, "kernel_unavailable", lambda: "the compiled module is not built")
     with pytest.raises(registry.BackendUnavailableError):
         registry.dispatch(FUSED, replay_case_contract(), "cpu")
-    check = verify.replay(runs["fused-zigzag"][0])
+    check = verify.replay(Run.load(runs["fused-zigzag"][0]))
     assert check.passed is True, check.problems
     assert "equals the logp, LSE and entropy bytes and the four fingerprints of all 2" in check.detail
 

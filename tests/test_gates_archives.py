@@ -30,14 +30,14 @@ from typing import Any
 
 import pytest
 
-from _archive_util import Entry, Good, build_good_archive, make_sandbox
+from _archive_util import Entry, Good, make_sandbox
 from _archive_util import Sandbox as Box
 from rl_engine import jsonio, schemas
 from rl_engine.evidence import archive, verify
 
 @pytest.fixture(scope="module")
-def good(tmp_path_factory: pytest.TempPathFactory) -> Good:
-    return build_good_archive(tmp_path_factory.mktemp("gates-archives"), "rl-engine-gates-run")
+def good(tiny_archive: Good) -> Good:
+    return tiny_archive  # conftest: the session's one tiny run, archived
 
 
 @pytest.fixture()

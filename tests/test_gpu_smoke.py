@@ -80,7 +80,7 @@ def test_a_differing_cpu_fingerprint_fails_naming_topology_and_field(
     forged = {b: dict(p) for b, p in result["cpu_fingerprints"].items()}
     forged["cpu-vocab-parallel-logp-ws2"]["candidate_grad_sha256"] = "0" * 64
     monkeypatch.setattr(gpu_smoke, "run_device_campaign", lambda case, topologies, run_dir, timeout_s: reports)
-    monkeypatch.setattr(gpu_smoke, "crosscheck_run", lambda run_dir, min_topologies: ({}, []))
+    monkeypatch.setattr(gpu_smoke, "crosscheck_run", lambda run, min_topologies: ({}, []))
     monkeypatch.setattr(gpu_smoke, "cpu_replays", lambda case: forged)
     code = gpu_smoke.main(["--cpu-only", "--config", str(_small_config(tmp_path)), "--output-dir",
                            str(tmp_path / "out"), "--tokens", "8", "--repeats", "1"])
@@ -111,7 +111,7 @@ def test_a_smoke_document_that_does_not_match_its_schema_is_not_written(
     rows = [dict(row) for row in result["timing"]["rows"]]
     next(row for row in rows if row["path"] == "floor")["median_s"] = median
     monkeypatch.setattr(gpu_smoke, "run_device_campaign", lambda case, topologies, run_dir, timeout_s: reports)
-    monkeypatch.setattr(gpu_smoke, "crosscheck_run", lambda run_dir, min_topologies: ({}, []))
+    monkeypatch.setattr(gpu_smoke, "crosscheck_run", lambda run, min_topologies: ({}, []))
     monkeypatch.setattr(gpu_smoke, "cpu_replays", lambda case: result["cpu_fingerprints"])
     monkeypatch.setattr(gpu_smoke, "time_paths", lambda case, device, tokens, repeats: rows)
     code = gpu_smoke.main(["--cpu-only", "--config", str(_small_config(tmp_path)), "--output-dir",

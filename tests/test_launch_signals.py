@@ -22,6 +22,7 @@ from pathlib import Path
 from rl_engine import cli, jsonio
 from rl_engine.campaign import launch as launch_module
 from rl_engine.logprob.vocab_parallel import BACKEND_ID
+from rl_engine.campaign import proctree
 from rl_engine.campaign.proctree import alive, descendants, stop_tree
 
 REPO = Path(__file__).resolve().parent.parent
@@ -170,15 +171,34 @@ def test_stop_tree_kills_a_rank_in_its_own_session_that_ignores_sigterm() -> Non
 def test_a_signal_before_the_runner_starts_is_not_lost() -> None:
     """Recorded while disarmed, raised by arm(); handlers restored afterwards."""
     before = signal.getsignal(signal.SIGHUP)
-    with launch_module._StopSignals() as stops:
+    with proctree.StopSignals() as stops:
         os.kill(os.getpid(), signal.SIGHUP)  # delivered to this (main) thread: recorded only
         assert stops.received == [signal.SIGHUP]
         try:
             stops.arm()
-        except launch_module._Stopped as stop:
+        except proctree.Stopped as stop:
             assert stop.signum == signal.SIGHUP
         else:
             raise AssertionError("arm() must raise for a signal received before it")
         os.kill(os.getpid(), signal.SIGTERM)  # disarmed again by the raise: recorded, not raised
         assert stops.received == [signal.SIGHUP, signal.SIGTERM]
     assert signal.getsignal(signal.SIGHUP) is before
+
+
+def test_supervise_reports_exit_time_limit_and_signal_and_stops_the_tree_only_then() -> None:
+    """proctree.supervise, the one wait of launch (single and multi node) and the regression."""
+    stopped: list[str] = []
+
+    def child(code: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+    with proctree.StopSignals() as stops:
+        proc = child("raise SystemExit(3)")
+        assert proctree.supervise(proc, 30, stops, lambda: stopped.append("exit")) == proctree.Outcome(code=3)
+        assert stopped == []  # negative control: a child that ends by itself is not stopped
+        proc = child("import time; time.sleep(60)")
+        assert proctree.supervise(proc, 0.2, stops, lambda: (stopped.append("limit"), proc.kill())).timed_out
+        proc = child("import os, signal, time; os.kill(os.getppid(), signal.SIGTERM); time.sleep(60)")
+        ended = proctree.supervise(proc, 30, stops, lambda: (stopped.append("signal"), proc.kill()))
+        assert ended == proctree.Outcome(signum=signal.SIGTERM)
+    assert stopped == ["limit", "signal"]

@@ -29,7 +29,7 @@ from rl_engine.logprob.registry import (
     backend_ids,
     dispatch,
 )
-from rl_engine.campaign.tables import BACKEND_DEVICES, FUSED_CPU_BACKEND, TRITON_BACKEND
+from rl_engine.tables import BACKEND_DEVICES, FUSED_CPU_BACKEND, TRITON_BACKEND
 from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
 
 NO_CUDA = not torch.cuda.is_available()
@@ -473,5 +473,5 @@ def test_init_mesh_rejects_bad_device_and_timeout(
 
 
 def test_mesh_backends_are_gloo_on_cpu_and_nccl_on_cuda() -> None:
-    assert mesh.DEVICES == {"cpu": "gloo", "cuda": "nccl"}
+    assert mesh.DEVICE_DIST_BACKENDS == {"cpu": "gloo", "cuda": "nccl"}
     assert mesh.check_device("cpu") == "gloo"

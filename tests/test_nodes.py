@@ -20,7 +20,7 @@ import yaml
 from _workflow_util import REPO, SMALL_VOCAB
 from rl_engine import cli, jsonio
 from rl_engine.evidence import summary
-from rl_engine.evidence.config import (
+from rl_engine.workflow import (
     RUNTIME_MARGIN_MIN,
     WorkflowConfigError,
     check_config,

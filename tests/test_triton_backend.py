@@ -31,7 +31,7 @@ pytest.importorskip("triton")  # the test extra installs it: CI never skips (tes
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from rl_engine.campaign.tables import AUTO, FUSED_CPU_BACKEND, TRITON_BACKEND  # noqa: E402
+from rl_engine.tables import AUTO, FUSED_CPU_BACKEND, TRITON_BACKEND  # noqa: E402
 from rl_engine.logprob import portable, triton_backend  # noqa: E402
 from rl_engine.logprob.contract import LogprobContractError  # noqa: E402
 from rl_engine.logprob.registry import BackendUnavailableError, dispatch  # noqa: E402

@@ -20,16 +20,17 @@ from typing import Any, Callable
 
 import pytest
 
-from _archive_util import Entry, Good, Sandbox, build_good_archive, make_sandbox
+from _archive_util import Entry, Good, Sandbox, make_sandbox
 from _evidence_run import pack
 from rl_engine import jsonio, schemas
 from rl_engine.evidence import archive, safe_tar, summary, verify
 from rl_engine.evidence.casename import RunName, case_hash, evidence_resolved_case
 from rl_engine.logprob.comparison import default_tolerance
+from rl_engine.rundir import Run
 
 @pytest.fixture(scope="module")
-def good(tmp_path_factory: pytest.TempPathFactory) -> Good:
-    return build_good_archive(tmp_path_factory.mktemp("verify"), "rl-engine-verify-run")
+def good(tiny_archive: Good) -> Good:
+    return tiny_archive  # conftest: the session's one tiny run, archived
 
 
 @pytest.fixture()
@@ -112,7 +113,7 @@ def resummarised(good: Good, entries: list[Entry], work: Path) -> list[Entry]:
             path = work / info.name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
-    text = summary.summary_text(work / good.name).encode()
+    text = summary.summary_text(Run.load(work / good.name)).encode()
     name = f"{good.name}/SUMMARY.md"
     return resummed(good, [file_entry(i.name, text) if i.name == name else (i, d) for i, d in entries])
 

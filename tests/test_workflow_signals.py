@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from rl_engine.evidence import resources
-from rl_engine.evidence.config import WorkflowConfigError
+from rl_engine import workflow
+from rl_engine.workflow import WorkflowConfigError
 from rl_engine.evidence.regression import KILL_GRACE_S
 
 from _workflow_util import REPO, SMALL_VOCAB, copy_repo, env_for, run_name_of, snakemake_cmd, write_config
@@ -227,18 +227,18 @@ def test_the_machine_provides_its_gpu_count_unless_given() -> None:
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     wf = FakeWorkflow({})
-    assert resources.register_gpus(wf, "cuda") == count and wf.global_resources == {"gpus": count}
+    assert workflow.register_gpus(wf, "cuda") == count and wf.global_resources == {"gpus": count}
     wf = FakeWorkflow({"gpus": 8})
-    assert resources.register_gpus(wf, "cuda") is None and wf.global_resources == {"gpus": 8}
+    assert workflow.register_gpus(wf, "cuda") is None and wf.global_resources == {"gpus": 8}
     wf = FakeWorkflow({})
-    assert resources.register_gpus(wf, "cpu") is None and wf.global_resources == {}
-    assert [resources.topology_gpus(d, 4, 2) for d in ("cuda", "cpu")] == [8, 0]
+    assert workflow.register_gpus(wf, "cpu") is None and wf.global_resources == {}
+    assert [workflow.topology_gpus(d, 4, 2) for d in ("cuda", "cpu")] == [8, 0]
     config = {"device": "cuda", "topologies": ["1x1", "4x2"]}
-    assert resources.provide_gpus(FakeWorkflow({"gpus": 8}), config) == 8
+    assert workflow.provide_gpus(FakeWorkflow({"gpus": 8}), config) == 8
     with pytest.raises(WorkflowConfigError, match=r"'topologies\[1\]' has value '4x2': needs 8 GPUs \(one per rank\) "
                                                   r"but 4 are provided \(--resources gpus"):
-        resources.provide_gpus(FakeWorkflow({"gpus": 4}), config)
-    assert resources.provide_gpus(FakeWorkflow({}), dict(config, device="cpu")) is None
+        workflow.provide_gpus(FakeWorkflow({"gpus": 4}), config)
+    assert workflow.provide_gpus(FakeWorkflow({}), dict(config, device="cpu")) is None
 
 
 def test_a_topology_with_more_ranks_than_gpus_is_refused_at_parse_time(fake_cuda: tuple[Path, Path]) -> None:

@@ -1,6 +1,6 @@
 """The benchmark's seeded inputs: the one input maker of both modes and of gpu-smoke's timing.
 
-Not the campaign's recipe (:func:`rl_engine.testing.inputs.make_inputs`): that one is portable
+Not the campaign's recipe (:func:`rl_engine.campaign.inputs.make_inputs`): that one is portable
 (splitmix64 in NumPy, the same bytes on every machine, which the evidence needs) but builds the
 whole FP32 matrix at once (5 GB at 8192 x 151936, twice the BF16 input) and takes about 1.8 s
 per 256 rows of 151936 on the 2-vCPU VM against 0.36 s here, in every memory-probe subprocess

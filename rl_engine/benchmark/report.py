@@ -16,6 +16,7 @@ from rl_engine.benchmark.config import BACKEND_PATHS, BenchConfig, BenchError
 from rl_engine.benchmark.memory import MEMORY_METHOD
 from rl_engine.evidence.environment import cpu_model
 from rl_engine.logprob.vocab_parallel import BACKEND_ID
+from rl_engine.tables import SCHEMA_VERSION
 
 SCHEMA = "bench"
 # Issue 6 targets: (name, phase, ratio key, limit).
@@ -173,7 +174,7 @@ def document(config: BenchConfig, mode: str, rows: list[dict[str, Any]],
              load_before: list[float]) -> dict[str, Any]:
     """The benchmark document of a run: its rows and what is computed from them alone."""
     doc: dict[str, Any] = {
-        "schema_version": "1",
+        "schema_version": SCHEMA_VERSION,
         "mode": mode,
         "backend": BACKEND_ID,
         "threads": config.threads,

@@ -3,7 +3,7 @@
 A :class:`Case` holds every input parameter of a run except the topology; it refuses to exist
 while any rule of :func:`case_problems` is broken. :func:`check_topology` holds every rule that
 makes a ``TP x CP`` run of a case impossible, :func:`check_matrix` the rule for a matrix of
-topologies. The constant sets and defaults are in :mod:`rl_engine.campaign.tables`. Everything
+topologies. The constant sets and defaults are in :mod:`rl_engine.tables`. Everything
 reads these: the workflow's config check (at parse time), the plan, every rank before any
 collective, the input recipe, acceptance, the summary and verify.
 
@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass
 from dataclasses import fields as dataclass_fields
 from typing import Any, Mapping, Sequence
 
+from rl_engine.validators import choice_problem, int_problem, require
 from rl_engine import jsonio, schemas
-from rl_engine.campaign.tables import (
+from rl_engine.tables import (
     AUTO,
     BACKEND_DEVICES,
     CP_LAYOUTS,
@@ -42,7 +43,7 @@ from rl_engine.campaign.tables import (
 from rl_engine.distributed.bounds import BoundsError, check_cp_split, even_vocab_shards, tile_width
 
 
-class PlanError(ValueError):
+class CaseError(ValueError):
     """A case or topology that cannot run; the message names the field, the value and the fix."""
 
 
@@ -55,14 +56,6 @@ def case_devices(backend: str) -> tuple[str, ...]:
     return BACKEND_DEVICES[backend]
 
 
-def _int_problem(name: str, value: Any, minimum: int) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        return f"{name}={value!r} must be an integer"
-    if value < minimum:
-        return f"{name}={value} must be >= {minimum}"
-    return None
-
-
 def _number_problem(name: str, value: Any, positive: bool) -> str | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return f"{name}={value!r} must be a finite number"
@@ -72,9 +65,7 @@ def _number_problem(name: str, value: Any, positive: bool) -> str | None:
 
 
 def _int(name: str, value: Any, minimum: int) -> None:
-    problem = _int_problem(name, value, minimum)
-    if problem is not None:
-        raise PlanError(problem)
+    require(int_problem(name, value, minimum), CaseError)
 
 
 def parse_topology(item: str) -> tuple[int, int]:
@@ -82,7 +73,7 @@ def parse_topology(item: str) -> tuple[int, int]:
     part = item.strip().lower()
     pieces = part.split("x")
     if len(pieces) != 2 or not all(p.isdigit() and p[0] != "0" for p in pieces):
-        raise PlanError(
+        raise CaseError(
             f"--topologies item {item!r} is not <TP>x<CP> with positive integers; "
             "write e.g. 1x1,2x2,8x1"
         )
@@ -98,7 +89,7 @@ def parse_topologies(items: str | Sequence[str]) -> tuple[tuple[int, int], ...]:
     for item in items.split(",") if isinstance(items, str) else items:
         pair = parse_topology(item)
         if pair in out:
-            raise PlanError(f"--topologies lists {pair[0]}x{pair[1]} twice; list each topology once")
+            raise CaseError(f"--topologies lists {pair[0]}x{pair[1]} twice; list each topology once")
         out.append(pair)
     return tuple(out)
 
@@ -118,7 +109,7 @@ def check_matrix(topologies: Sequence[tuple[int, int]]) -> None:
     """A campaign matrix (``--topologies``, the workflow's ``topologies``) lists at least two."""
     problem = matrix_problem(len(topologies))
     if problem is not None:
-        raise PlanError(f"--topologies: {problem}; to plan one topology alone use --tp T --cp C")
+        raise CaseError(f"--topologies: {problem}; to plan one topology alone use --tp T --cp C")
 
 
 def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -142,13 +133,13 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
     if has("device"):
         device = values["device"]
         if device not in DEVICE_DIST_BACKENDS:
-            add("device", f"device={device!r} is unknown; use one of {list(DEVICE_DIST_BACKENDS)}")
+            add("device", choice_problem("device", device, list(DEVICE_DIST_BACKENDS), "is unknown"))
         elif has("dist_backend") and values["dist_backend"] != DEVICE_DIST_BACKENDS[device]:
             add("dist_backend",
                 f"dist_backend={values['dist_backend']!r} does not serve device={device!r}; use "
                 f"{DEVICE_DIST_BACKENDS[device]!r} (gloo on cpu, nccl on cuda; nothing falls back)")
-    if has("dtype") and values["dtype"] not in DTYPES:
-        add("dtype", f"dtype={values['dtype']!r} is unknown; use one of {list(DTYPES)}")
+    if has("dtype"):
+        add("dtype", choice_problem("dtype", values["dtype"], DTYPES, "is unknown"))
     if has("backend"):
         backend = values["backend"]
         if backend == AUTO:
@@ -166,15 +157,15 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
                           ("batch", 1), ("seq", 1), ("prompt_tokens", 0), ("seed", 0),
                           ("threads_per_rank", 1)):
         if name in values:
-            add(name, _int_problem(name, values[name], minimum))
+            add(name, int_problem(name, values[name], minimum))
     if has("threads_per_rank") and values["threads_per_rank"] > MAX_THREADS_PER_RANK:
         add("threads_per_rank",
             f"threads_per_rank={values['threads_per_rank']} must be <= {MAX_THREADS_PER_RANK}")
     for name, positive in (("logit_scale", True), ("atol", False), ("rtol", False), ("timeout_s", True)):
         if name in values:
             add(name, _number_problem(name, values[name], positive))
-    if has("cp_layout") and values["cp_layout"] not in CP_LAYOUTS:
-        add("cp_layout", f"cp_layout={values['cp_layout']!r} is unknown; use one of {list(CP_LAYOUTS)}")
+    if has("cp_layout"):
+        add("cp_layout", choice_problem("cp_layout", values["cp_layout"], CP_LAYOUTS, "is unknown"))
     if has("real_vocab", "padded_vocab") and values["real_vocab"] > values["padded_vocab"]:
         add("real_vocab",
             f"real_vocab={values['real_vocab']} exceeds padded_vocab={values['padded_vocab']}; the "
@@ -203,11 +194,11 @@ def check_topology(
     _int("tp", tp, 1)
     _int("cp", cp, 1)
     if tp > MAX_TP:
-        raise PlanError(f"tp={tp} exceeds the supported maximum {MAX_TP}; use tp <= {MAX_TP}")
+        raise CaseError(f"tp={tp} exceeds the supported maximum {MAX_TP}; use tp <= {MAX_TP}")
     if cp > MAX_CP:
-        raise PlanError(f"cp={cp} exceeds the supported maximum {MAX_CP}; use cp <= {MAX_CP}")
+        raise CaseError(f"cp={cp} exceeds the supported maximum {MAX_CP}; use cp <= {MAX_CP}")
     if tp * cp > num_vocab_tiles:
-        raise PlanError(
+        raise CaseError(
             f"tp*cp={tp * cp} ranks exceed num_vocab_tiles={num_vocab_tiles}; use at "
             f"most {num_vocab_tiles} ranks or more tiles"
         )
@@ -215,7 +206,7 @@ def check_topology(
         even_vocab_shards(padded_vocab, num_vocab_tiles, tp)
         check_cp_split(seq, cp, cp_layout)
     except BoundsError as exc:
-        raise PlanError(f"topology {tp}x{cp}: {exc}") from None
+        raise CaseError(f"topology {tp}x{cp}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -243,7 +234,7 @@ class Case:
     def __post_init__(self) -> None:
         problems = case_problems(self.to_dict())
         if problems:
-            raise PlanError("; ".join(message for _, message in problems))
+            raise CaseError("; ".join(message for _, message in problems))
         for name in FLOAT_FIELDS:  # 1 and 1.0 are the same case: the case file holds 1.0
             object.__setattr__(self, name, float(getattr(self, name)))
 
@@ -263,7 +254,7 @@ class Case:
         fields.setdefault("threads_per_rank", 1)
         missing = [f.name for f in dataclass_fields(cls) if f.name not in fields]
         if missing:
-            raise PlanError(f"case fields {missing} are missing; give each of them")
+            raise CaseError(f"case fields {missing} are missing; give each of them")
         return cls(**fields)
 
     def to_dict(self) -> dict[str, Any]:
@@ -309,19 +300,19 @@ def case_from_document(document: Any, what: str) -> tuple[Case, tuple[tuple[int,
         topologies = tuple((t["tp"], t["cp"]) for t in document["topologies"])
     except (TypeError, KeyError):
         case = None  # not even the shape of a case file: the schema says what is wrong
-    except PlanError as exc:
-        raise PlanError(f"{what}: {exc}") from None
+    except CaseError as exc:
+        raise CaseError(f"{what}: {exc}") from None
     try:
         if case is not None:
             for tp, cp in topologies:
                 case.check_topology(tp, cp)
             check_matrix(topologies)
         schemas.require_valid(document, "case", what=what)
-    except (schemas.ArtifactSchemaError, PlanError) as exc:
-        raise PlanError(f"{what}: {exc}") from None
+    except (schemas.ArtifactSchemaError, CaseError) as exc:
+        raise CaseError(f"{what}: {exc}") from None
     assert case is not None  # a schema-valid document has a case's shape
     if document["case_id"] != case.case_id:
-        raise PlanError(f"{what}: case_id={document['case_id']!r} is not the case's id {case.case_id!r}; "
+        raise CaseError(f"{what}: case_id={document['case_id']!r} is not the case's id {case.case_id!r}; "
                         "write the case file with `python -m rl_engine case`")
     return case, topologies
 
@@ -331,7 +322,7 @@ def load_case_file(path: str | os.PathLike[str]) -> tuple[Case, tuple[tuple[int,
     try:
         document = jsonio.load(path)
     except (jsonio.StrictJSONError, OSError) as exc:
-        raise PlanError(f"case file {path}: {exc}; write it with `python -m rl_engine case`") from None
+        raise CaseError(f"case file {path}: {exc}; write it with `python -m rl_engine case`") from None
     return case_from_document(document, f"case file {path}")
 
 
@@ -339,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m rl_engine case --json DOCUMENT --output case.json``: the workflow's case rule.
 
     The Snakefile turns the resolved config (config files and ``--config`` overrides) into the
-    case file's JSON when it parses it (:func:`rl_engine.evidence.config.config_case`); this
+    case file's JSON when it parses it (:func:`rl_engine.workflow.config_case`); this
     checks that document once more (schema, every rule) and writes it. 0 written, 2 refused.
     """
     parser = argparse.ArgumentParser(
@@ -352,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         document = jsonio.loads(args.json)
         case, topologies = case_from_document(document, "--json")
         write_case_file(args.output, case, topologies)
-    except (jsonio.StrictJSONError, PlanError, schemas.ArtifactSchemaError) as exc:
+    except (jsonio.StrictJSONError, CaseError, schemas.ArtifactSchemaError) as exc:
         print(f"case: {exc}", file=sys.stderr)
         return 2
     print(f"case {case.case_id}: {len(topologies)} topologies -> {args.output}")
@@ -361,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
 
 __all__ = [
     "Case",
-    "PlanError",
+    "CaseError",
     "case_document",
     "case_from_document",
     "case_problems",

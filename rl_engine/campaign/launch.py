@@ -44,17 +44,18 @@ from types import FrameType
 from typing import Any, Mapping, TextIO
 
 from rl_engine import jsonio, schemas
-from rl_engine.campaign.case import PlanError
+from rl_engine.campaign.case import CaseError
 from rl_engine.campaign.plan import (
     EXIT_FAILED,
     EXIT_NO_REPORT,
     EXIT_PASSED,
-    launch_argv,
+    check_argv_plan,
+    interpreter_argv,
     load_plan,
     planned_entry,
+    planned_runner_args,
     remove_outputs,
     report_path,
-    runner_args,
 )
 from rl_engine.campaign.nodes import (
     NodeLayout,
@@ -67,11 +68,17 @@ from rl_engine.campaign.nodes import (
     node_torchrun_argv,
     srun_argv,
 )
-from rl_engine.campaign.proctree import stop_tree
+from rl_engine.campaign.proctree import (
+    EXIT_TIMEOUT,
+    KILL_GRACE_S,
+    STOP_SIGNALS,
+    StopSignals,
+    SupervisionError,
+    stop_tree,
+    supervise,
+)
+from rl_engine.rundir import Topology
 
-EXIT_TIMEOUT = 124
-KILL_GRACE_S = 5.0
-STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 # srun turns SIGTERM, SIGHUP and SIGINT into an immediate SIGKILL of the whole step, which no
 # node's launch can catch, but forwards SIGUSR1 to every task. So a multi-node launch stops its
 # srun with SIGUSR1 first, each node's launch (which also stops on SIGUSR1) kills its own tree
@@ -106,60 +113,11 @@ def planned_topology(plan_path: str, tp: int, cp: int) -> tuple[dict[str, Any], 
     """The plan's case and its entry for ``tp x cp``; the plan must match its schema and rules."""
     try:
         case, plan = load_plan(plan_path)
-        return case.to_dict(), planned_entry(plan, tp, cp, plan_path)
-    except PlanError as exc:
+        entry = planned_entry(plan, tp, cp, plan_path)
+        check_argv_plan(entry["argv"], plan_path)
+        return case.to_dict(), entry
+    except CaseError as exc:
         raise LaunchError(str(exc)) from None
-
-
-class _Stopped(BaseException):
-    """Raised in the main thread by a stop signal once :class:`_StopSignals` is armed."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-class _StopSignals:
-    """Handlers for :data:`STOP_SIGNALS` while a launch runs; the previous ones come back after.
-
-    Before :meth:`arm` (and after :meth:`disarm`) a signal is only recorded; while armed, the
-    first one raises :class:`_Stopped` and disarms, so the cleanup it starts is never cut
-    short by a second signal. ``received`` keeps every signal seen.
-    """
-
-    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
-        self.signals = signals
-        self.received: list[int] = []
-        self._armed = False
-        self._previous: dict[signal.Signals, Any] = {}
-
-    def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        self.received.append(signum)
-        if self._armed:
-            self._armed = False
-            raise _Stopped(signum)
-
-    def __enter__(self) -> "_StopSignals":
-        if threading.current_thread() is not threading.main_thread():
-            raise LaunchError("launch must run in the main thread: it handles SIGTERM, SIGHUP and SIGINT")
-        for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self._armed = False
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-
-    def arm(self) -> None:
-        """From now on, raise when a signal comes; raise at once for one that came before."""
-        self._armed = True  # first, so a signal between the two lines raises in the handler
-        if self.received:
-            self._armed = False
-            raise _Stopped(self.received[0])
-
-    def disarm(self) -> None:
-        self._armed = False
 
 
 def report_verdict(output: str) -> bool | None:
@@ -198,29 +156,21 @@ def _stop_runner(proc: subprocess.Popen[bytes], forward: signal.Signals | None) 
 
 
 def _outcome(proc: subprocess.Popen[bytes], tp: int, cp: int, output: str, timeout_s: float,
-             stops: _StopSignals, forward: signal.Signals | None = None) -> int:
+             stops: StopSignals, forward: signal.Signals | None = None) -> int:
     """The exit code of a started runner; every path that does not return 0 or 1 cleans up."""
     try:
-        stops.arm()
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            stops.disarm()
-            _stop_runner(proc, forward)
-            remove_outputs(output)
-            print(f"error: topology {tp}x{cp} exceeded --timeout-s={timeout_s:g}; the runner and "
-                  "its ranks were killed and its outputs removed", file=sys.stderr)
-            return EXIT_TIMEOUT
-        verdict = report_verdict(output)
-        stops.disarm()
-    except _Stopped as stop:
-        _stop_runner(proc, forward)
-        return _stopped(tp, cp, output, stop.signum)
+        ended = supervise(proc, timeout_s, stops, lambda: _stop_runner(proc, forward))
     except BaseException:
-        stops.disarm()
-        _stop_runner(proc, forward)
         remove_outputs(output)
         raise
+    if ended.signum is not None:
+        return _stopped(tp, cp, output, ended.signum)
+    if ended.timed_out:
+        remove_outputs(output)
+        print(f"error: topology {tp}x{cp} exceeded --timeout-s={timeout_s:g}; the runner and "
+              "its ranks were killed and its outputs removed", file=sys.stderr)
+        return EXIT_TIMEOUT
+    rc, verdict = ended.code, report_verdict(output)
     if rc == 0 and verdict is True:
         return EXIT_PASSED
     if verdict is False:
@@ -250,7 +200,7 @@ def _job_argv(plan_path: str, tp: int, cp: int, timeout_s: float, case: dict[str
         sys.executable, "-m", "rl_engine", "launch", "--plan", str(Path(plan_path).resolve()),
         "--tp", str(tp), "--cp", str(cp), "--timeout-s", repr(float(timeout_s)),
         "--ranks-per-node", str(layout.ranks_per_node),
-        "--rdzv-endpoint", endpoint, "--rdzv-id", f"rl-engine-{job.job_id}-tp{tp}-cp{cp}",
+        "--rdzv-endpoint", endpoint, "--rdzv-id", f"rl-engine-{job.job_id}-{Topology(tp, cp).stem}",
     ]
     gpus = layout.ranks_on_node if case["device"] == "cuda" else 0
     argv = srun_argv(layout, job, layout.ranks_on_node * case["threads_per_rank"], gpus, node_command)
@@ -270,7 +220,7 @@ def _node_rank(environ: Mapping[str, str]) -> int:
     return int(raw)
 
 
-def _node_part(plan_path: str, case: dict[str, Any], tp: int, cp: int, timeout_s: float,
+def _node_part(entry: dict[str, Any], case: dict[str, Any], tp: int, cp: int, timeout_s: float,
                log: TextIO | None, layout: NodeLayout, endpoint: str, rdzv_id: str) -> int:
     """This node's ``torchrun`` of a multi-node topology: 0, 2 (its ranks failed), 124 or 128+N.
 
@@ -278,36 +228,26 @@ def _node_part(plan_path: str, case: dict[str, Any], tp: int, cp: int, timeout_s
     answers for its own tree.
     """
     node_rank = _node_rank(os.environ)
-    argv = node_torchrun_argv(runner_args(plan_path, tp, cp), layout, endpoint, rdzv_id, node_rank)
+    argv = node_torchrun_argv(planned_runner_args(entry["argv"]), layout, endpoint, rdzv_id, node_rank)
     where = f"topology {tp}x{cp}, node {node_name()} (node rank {node_rank} of {layout.nodes})"
-    with _StopSignals(STOP_SIGNALS + (NODE_STOP_SIGNAL,)) as stops:
+    with StopSignals(STOP_SIGNALS + (NODE_STOP_SIGNAL,)) as stops:
         if stops.received:
             return 128 + stops.received[0]
         env = {**os.environ, "OMP_NUM_THREADS": str(case["threads_per_rank"])}
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
                                 start_new_session=True)
-        try:
-            stops.arm()
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                stops.disarm()
-                stop_tree(proc, KILL_GRACE_S)
-                print(f"error: {where} exceeded --timeout-s={timeout_s:g}; its torchrun and ranks were killed",
-                      file=sys.stderr)
-                return EXIT_TIMEOUT
-            stops.disarm()
-        except _Stopped as stop:
-            stop_tree(proc, KILL_GRACE_S)
-            print(f"error: {where}: received {signal.Signals(stop.signum).name}; its torchrun and ranks "
+        ended = supervise(proc, timeout_s, stops, lambda: stop_tree(proc, KILL_GRACE_S))
+        if ended.timed_out:
+            print(f"error: {where} exceeded --timeout-s={timeout_s:g}; its torchrun and ranks were killed",
+                  file=sys.stderr)
+            return EXIT_TIMEOUT
+        if ended.signum is not None:
+            print(f"error: {where}: received {signal.Signals(ended.signum).name}; its torchrun and ranks "
                   "were killed", file=sys.stderr)
-            return 128 + stop.signum
-        except BaseException:
-            stops.disarm()
-            stop_tree(proc, KILL_GRACE_S)
-            raise
+            return 128 + ended.signum
         if stops.received:
             return 128 + stops.received[0]
+    rc = ended.code
     if rc == 0:
         return EXIT_PASSED
     print(f"error: {where}: torchrun exited with {rc}", file=sys.stderr)
@@ -332,13 +272,13 @@ def launch(plan_path: str, tp: int, cp: int, timeout_s: float, log: TextIO | Non
         if layout.nodes == 1:
             raise LaunchError(f"--rdzv-endpoint is for topologies that span nodes; {tp}x{cp} at "
                               f"--ranks-per-node={layout.ranks_per_node} runs on one node")
-        return _node_part(plan_path, case, tp, cp, timeout_s, log, layout, *rendezvous)
+        return _node_part(entry, case, tp, cp, timeout_s, log, layout, *rendezvous)
     output = report_path(plan_path, entry)
-    with _StopSignals() as stops:
+    with StopSignals() as stops:
         remove_outputs(output)
         if stops.received:
             return _stopped(tp, cp, output, stops.received[0])
-        argv, forward = launch_argv(plan_path, tp, cp), None
+        argv, forward = interpreter_argv(entry["argv"]), None  # the plan's argv, by this interpreter
         if layout.nodes > 1:
             argv, forward = _job_argv(plan_path, tp, cp, timeout_s, case, layout, log), NODE_STOP_SIGNAL
         env = {**os.environ, "OMP_NUM_THREADS": str(case["threads_per_rank"])}
@@ -367,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.log, "w", encoding="utf-8") as log:
                 return launch(args.plan, args.tp, args.cp, args.timeout_s, log, args.ranks_per_node, rendezvous)
         return launch(args.plan, args.tp, args.cp, args.timeout_s, None, args.ranks_per_node, rendezvous)
-    except (LaunchError, SlurmError, OSError, jsonio.StrictJSONError) as exc:
+    except (LaunchError, SlurmError, SupervisionError, OSError, jsonio.StrictJSONError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_NO_REPORT
 

@@ -4,13 +4,14 @@
 builds it from a case file; the guide's command (the same verb, or
 ``python rl_engine/testing/distributed_logprob_comparison.py --plan``) builds it from one flag
 per case field instead. Either way the plan holds the case and, per topology, its report's file
-name (beside the plan) and the command that writes it::
+name (beside the plan), the ``argv`` that writes it and, as ``command``, ``shlex.join(argv)``::
 
     torchrun --standalone --nproc-per-node=<T*C> -m rl_engine.campaign.run DIR/plan.json --tp T --cp C
 
-A topology runs from the plan plus its ``--tp``/``--cp`` (:mod:`rl_engine.campaign.run`), so
-nothing of the case is written twice; the report repeats the command as its
-``launch_command``. Nothing here imports torch.
+``launch`` runs that argv (:func:`interpreter_argv`: ``torchrun`` as this interpreter's
+``-m torch.distributed.run``, which is what the ``torchrun`` script runs). A topology runs from
+the plan plus its ``--tp``/``--cp`` (:mod:`rl_engine.campaign.run`), so nothing of the case is
+written twice; the report repeats the command as its ``launch_command``. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from typing import Any, Sequence
 from rl_engine import jsonio, schemas
 from rl_engine.campaign.case import (
     Case,
-    PlanError,
+    CaseError,
     check_matrix,
     load_case_file,
     parse_topologies,
 )
-from rl_engine.campaign.tables import (
+from rl_engine.rundir import Topology, report_tensors
+from rl_engine.tables import (
     CP_LAYOUTS,
     DEFAULT_TOLERANCES,
     DEFAULT_TOPOLOGIES,
@@ -40,32 +42,60 @@ from rl_engine.campaign.tables import (
 )
 
 RUNNER_MODULE = "rl_engine.campaign.run"
-TENSOR_NAMES: tuple[str, ...] = ("logp", "lse", "entropy")  # each report's raw <stem>.<name>.f32 files
+
+
+class PlanError(CaseError):
+    """A plan that cannot be built or read (no topology, conflicting flags, a bad plan file, a
+    topology it does not hold); a :class:`CaseError`, so one ``except CaseError`` refuses both."""
+
 # A topology run's exit codes (the runner's ranks; launch restores them from the artifacts).
 EXIT_PASSED = 0  # the report was written and passed
 EXIT_FAILED = 1  # the report was written and failed acceptance (kept, with its failures)
 EXIT_NO_REPORT = 2  # no valid report; nothing is left at the output paths
 
 
-def report_name(tp: int, cp: int) -> str:
-    """A topology's report file, beside the plan; its tensors are ``<stem>.<name>.f32``."""
-    return f"tp{tp}-cp{cp}.json"
-
-
 def runner_args(plan_path: str | os.PathLike[str], tp: int, cp: int) -> list[str]:
     return ["-m", RUNNER_MODULE, str(plan_path), "--tp", str(tp), "--cp", str(cp)]
 
 
-def launch_command(plan_path: str | os.PathLike[str], tp: int, cp: int) -> str:
-    """The shell-ready ``torchrun`` command that writes this topology's report."""
-    return shlex.join(["torchrun", "--standalone", f"--nproc-per-node={tp * cp}", *runner_args(plan_path, tp, cp)])
+TORCHRUN = "torchrun"
 
 
 def launch_argv(plan_path: str | os.PathLike[str], tp: int, cp: int) -> list[str]:
-    """The same launch through this interpreter's ``torch.distributed.run`` (what ``torchrun``
-    runs), so the interpreter and torch that run the ranks are the ones that launch them."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * cp}",
-            *runner_args(plan_path, tp, cp)]
+    """The argv that writes this topology's report (the plan records it as ``argv``)."""
+    return [TORCHRUN, "--standalone", f"--nproc-per-node={tp * cp}", *runner_args(plan_path, tp, cp)]
+
+
+def launch_command(plan_path: str | os.PathLike[str], tp: int, cp: int) -> str:
+    """The shell-ready command of :func:`launch_argv`: ``shlex.join`` of it (the plan's ``command``)."""
+    return shlex.join(launch_argv(plan_path, tp, cp))
+
+
+def interpreter_argv(argv: Sequence[str]) -> list[str]:
+    """A planned argv as this interpreter runs it: ``torchrun`` becomes ``sys.executable -m
+    torch.distributed.run`` (what the ``torchrun`` script runs), so the interpreter and torch that
+    run the ranks are the ones that launch them; every other word is the plan's."""
+    if not argv or argv[0] != TORCHRUN:
+        raise PlanError(f"the planned argv {list(argv)!r} does not start with {TORCHRUN!r}; plan again with "
+                        "`python -m rl_engine plan`")
+    return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+
+
+def check_argv_plan(argv: Sequence[str], plan_path: str | os.PathLike[str]) -> None:
+    """The planned argv runs the plan at ``plan_path`` (a plan copied elsewhere would run the original)."""
+    runner = planned_runner_args(argv)
+    named = runner[2] if len(runner) > 2 and runner[1] == RUNNER_MODULE else None
+    if named is None or Path(named).resolve() != Path(plan_path).resolve():
+        raise PlanError(f"the plan {plan_path} records an argv that runs the plan {named!r}, not itself (a plan "
+                        f"moved or copied from elsewhere?); write the plan here with `python -m rl_engine plan`")
+
+
+def planned_runner_args(argv: Sequence[str]) -> list[str]:
+    """What follows torchrun's own flags in a planned argv (``-m rl_engine.campaign.run PLAN --tp T --cp C``)."""
+    words = list(argv)
+    if "-m" not in words:
+        raise PlanError(f"the planned argv {words!r} runs no module; plan again with `python -m rl_engine plan`")
+    return words[words.index("-m"):]
 
 
 def build_plan(case: Case, topologies: Sequence[tuple[int, int]], plan_path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -79,8 +109,8 @@ def build_plan(case: Case, topologies: Sequence[tuple[int, int]], plan_path: str
         "case_id": case.case_id,
         "case": case.to_dict(),
         "topologies": [
-            {"tp": tp, "cp": cp, "world_size": tp * cp, "output": report_name(tp, cp),
-             "command": launch_command(plan_path, tp, cp)}
+            {"tp": tp, "cp": cp, "world_size": tp * cp, "output": Topology(tp, cp).report,
+             "argv": launch_argv(plan_path, tp, cp), "command": launch_command(plan_path, tp, cp)}
             for tp, cp in topologies
         ],
     }
@@ -94,7 +124,7 @@ def load_plan(plan_path: str | os.PathLike[str]) -> tuple[Case, dict[str, Any]]:
         return Case(**plan["case"]), plan
     except (jsonio.StrictJSONError, schemas.ArtifactSchemaError, OSError) as exc:
         raise PlanError(f"plan {plan_path}: {exc}; write it with `python -m rl_engine plan`") from None
-    except PlanError as exc:
+    except CaseError as exc:
         raise PlanError(f"plan {plan_path}: {exc}") from None
 
 
@@ -112,16 +142,9 @@ def report_path(plan_path: str | os.PathLike[str], entry: dict[str, Any]) -> Pat
     return Path(plan_path).parent / entry["output"]
 
 
-def output_paths(output: str | os.PathLike[str]) -> tuple[Path, dict[str, Path]]:
-    """A topology's report and its raw tensor files, by name."""
-    report = Path(output)
-    return report, {name: report.with_name(f"{report.stem}.{name}.f32") for name in TENSOR_NAMES}
-
-
 def remove_outputs(output: str | os.PathLike[str]) -> None:
     """Remove a topology's report and raw tensors, so a failed run leaves nothing stale."""
-    report, tensors = output_paths(output)
-    for path in (report, *tensors.values()):
+    for path in (Path(output), *report_tensors(output).values()):
         path.unlink(missing_ok=True)
 
 
@@ -204,7 +227,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m rl_engine plan") 
         case, topologies = case_from_args(args)
         plan = build_plan(case, topologies, args.output)
         schemas.write_validated(args.output, plan, "plan")
-    except (PlanError, schemas.ArtifactSchemaError) as exc:
+    except (CaseError, schemas.ArtifactSchemaError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"# plan {plan['case_id']}: {len(plan['topologies'])} topologies -> {args.output}")
@@ -214,13 +237,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m rl_engine plan") 
 
 
 __all__ = [
+    "PlanError",
     "RUNNER_MODULE",
     "build_plan",
     "launch_argv",
     "launch_command",
+    "interpreter_argv",
+    "check_argv_plan",
+    "planned_runner_args",
     "load_plan",
     "main",
     "planned_entry",
-    "report_name",
     "report_path",
 ]

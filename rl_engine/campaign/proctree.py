@@ -6,6 +6,10 @@ running (and rank 0 could still write a report). :func:`stop_tree` therefore not
 descendant (pid and start time, so a reused pid is never signalled) before it signals, asks
 the group to stop, gives it a grace period, then SIGKILLs the group and every noted or newly
 found descendant, and waits until none of them can run again.
+
+:func:`supervise` is the one wait of a supervised child (``launch``, single and multi node, and
+the focused regression): it waits under :class:`StopSignals` with a time limit and, on the limit
+or a stop signal, stops the child's tree before it says which.
 """
 
 from __future__ import annotations
@@ -13,9 +17,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Callable
 
 PROC = "/proc"
+EXIT_TIMEOUT = 124  # a supervised child that ran past its time limit (what GNU timeout exits with)
+KILL_GRACE_S = 5.0  # how long a stopped tree's group has after SIGTERM, before SIGKILL
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 SETTLE_S = 10.0  # how long stop_tree waits for SIGKILLed processes to be gone
 _POLL_S = 0.02
 
@@ -104,3 +115,95 @@ def stop_tree(proc: subprocess.Popen[bytes], grace_s: float) -> None:
 
 
 __all__ = ["alive", "descendants", "stop_tree"]
+
+
+# ----- supervision ------------------------------------------------------------------------------
+class SupervisionError(RuntimeError):
+    """A supervisor that cannot handle the stop signals (it is not in the main thread)."""
+
+
+class Stopped(BaseException):
+    """Raised in the main thread by a stop signal once :class:`StopSignals` is armed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class StopSignals:
+    """Handlers for :data:`STOP_SIGNALS` while a launch runs; the previous ones come back after.
+
+    Before :meth:`arm` (and after :meth:`disarm`) a signal is only recorded; while armed, the
+    first one raises :class:`Stopped` and disarms, so the cleanup it starts is never cut
+    short by a second signal. ``received`` keeps every signal seen.
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
+        self.signals = signals
+        self.received: list[int] = []
+        self._armed = False
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.received.append(signum)
+        if self._armed:
+            self._armed = False
+            raise Stopped(signum)
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is not threading.main_thread():
+            raise SupervisionError("a supervisor must run in the main thread: it handles SIGTERM, SIGHUP and SIGINT")
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._armed = False
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+    def arm(self) -> None:
+        """From now on, raise when a signal comes; raise at once for one that came before."""
+        self._armed = True  # first, so a signal between the two lines raises in the handler
+        if self.received:
+            self._armed = False
+            raise Stopped(self.received[0])
+
+    def disarm(self) -> None:
+        self._armed = False
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a supervised child ended: its exit code, or the time limit, or the stop signal received."""
+
+    code: int | None = None
+    timed_out: bool = False
+    signum: int | None = None
+
+
+def supervise(proc: subprocess.Popen[Any], timeout_s: float | None, stops: StopSignals,
+              stop: Callable[[], None]) -> Outcome:
+    """Wait for ``proc`` (armed against ``stops`` while waiting) at most ``timeout_s``.
+
+    On the time limit or a stop signal, ``stop()`` (which stops the child's tree) runs before this
+    returns; on any other exception it runs and the exception goes on. A signal that comes after
+    the wait is only recorded in ``stops.received``, for the caller to settle.
+    """
+    try:
+        stops.arm()
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stops.disarm()
+            stop()
+            return Outcome(timed_out=True)
+        stops.disarm()
+        return Outcome(code=code)
+    except Stopped as stopped:
+        stop()
+        return Outcome(signum=stopped.signum)
+    except BaseException:
+        stops.disarm()
+        stop()
+        raise

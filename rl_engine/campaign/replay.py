@@ -18,15 +18,15 @@ from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.registry import dispatch
 from rl_engine.tensorio import fingerprint
 from rl_engine.campaign.inputs import make_inputs
+from rl_engine.rundir import TENSOR_NAMES
 
-REPLAYED = ("logp", "lse", "entropy")
 
 
 @dataclass(frozen=True)
 class Replay:
     """The candidate's outputs for a whole case: float32 ``[tokens]`` tensors and the gradient."""
 
-    tensors: dict[str, torch.Tensor]  # logp, lse, entropy
+    tensors: dict[str, torch.Tensor]  # by rundir.TENSOR_NAMES: logp, lse, entropy
     grad: torch.Tensor  # [tokens, padded_vocab] in the logits dtype
 
     def fingerprints(self) -> dict[str, str]:
@@ -37,8 +37,11 @@ class Replay:
 
 
 # Backends that compute docs/arithmetic.md (rl-engine-arith/1): any of them replays a case
-# run with any other, byte for byte (tests/test_fused_cpu.py, tests/test_fused_campaign.py).
-ARITH_BACKENDS = ("pytorch-vocab-parallel-logp-ws2", "cpu-vocab-parallel-logp-ws2")
+# run with any other, byte for byte (tests/test_fused_cpu.py, tests/test_fused_campaign.py,
+# tests/test_triton_backend.py, tests/test_triton_campaign.py): a Triton-backend campaign run on
+# GPUs is replayed on a reviewer's CPU by the eager reference.
+ARITH_BACKENDS = ("pytorch-vocab-parallel-logp-ws2", "cpu-vocab-parallel-logp-ws2",
+                  "triton-vocab-parallel-logp-ws2")
 REFERENCE_BACKEND = "pytorch-vocab-parallel-logp-ws2"
 
 
@@ -65,8 +68,9 @@ def replay_candidate(case: Mapping[str, Any], backend: str | None = None) -> Rep
     out = op(x, targets, active, contract, compute_entropy=True)
     out.selected_logp.backward(torch.ones_like(out.selected_logp))
     assert x.grad is not None and out.entropy is not None
-    tensors = {"logp": out.selected_logp.detach(), "lse": out.lse.detach(), "entropy": out.entropy.detach()}
+    computed = {"logp": out.selected_logp, "lse": out.lse, "entropy": out.entropy}
+    tensors = {name: computed[name].detach() for name in TENSOR_NAMES}
     return Replay(tensors, x.grad.detach())
 
 
-__all__ = ["REPLAYED", "Replay", "replay_candidate"]
+__all__ = ["Replay", "replay_candidate"]

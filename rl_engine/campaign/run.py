@@ -58,19 +58,18 @@ from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import fp32_oracle
 from rl_engine.logprob.registry import dispatch
 from rl_engine.tensorio import DTYPE_NAMES, fingerprint, write_raw
-from rl_engine.campaign.case import Case, PlanError
+from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.plan import (
     EXIT_FAILED,
     EXIT_NO_REPORT,
     EXIT_PASSED,
-    TENSOR_NAMES,
     load_plan,
-    output_paths,
     planned_entry,
     remove_outputs,
     report_path,
 )
-from rl_engine.campaign.tables import SCHEMA_VERSION
+from rl_engine.tables import SCHEMA_VERSION
+from rl_engine.rundir import TENSOR_NAMES, Topology, report_tensors
 from rl_engine.campaign.faults import Fault, FaultError, fault_from_env
 from rl_engine.campaign.inputs import inputs_sha256, make_inputs
 from rl_engine.campaign.nodes import node_name
@@ -83,7 +82,7 @@ MERGE_ORDER = (
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m rl_engine compare",
+        prog="python -m rl_engine run",
         description="Run one topology of a plan under torchrun (its command: torchrun ... -m rl_engine.campaign.run "
                     "PLAN --tp T --cp C): every rank computes its part, rank 0 writes the report beside the plan. "
                     "Exit 0 passed, 1 failed acceptance (report kept), 2 no valid report.",
@@ -257,7 +256,7 @@ def build_report(
     failures += drift_failures(drift)
     timings = {**timings, "oracle_s": time.perf_counter() - start}
     n = case.batch * case.seq
-    _, tensor_files = output_paths(output)
+    tensor_files = report_tensors(output)
     fingerprints = {name: fingerprint(tensors[name]) for name in TENSOR_NAMES}
     rank0 = results[0]
     report = {
@@ -337,7 +336,7 @@ def write_report(output: Path, report: dict[str, Any], tensors: dict[str, torch.
         schemas.require_valid(report, "report", what=output)
     except schemas.ArtifactSchemaError as exc:
         raise ComparisonError(str(exc)) from None
-    _, tensor_files = output_paths(output)
+    tensor_files = report_tensors(output)
     try:
         for name, path in tensor_files.items():
             digest = write_raw(path, tensors[name])
@@ -382,7 +381,7 @@ def run_topology(plan_path: str, tp: int, cp: int) -> int:
         report, tensors = build_report(case, tp, cp, output, entry["command"], gathered, fault, timings)
         write_report(output, report, tensors)
         verdict = "passed" if report["passed"] else "FAILED: " + "; ".join(report["failures"])
-        print(f"tp{tp}-cp{cp}: {verdict} -> {output}")
+        print(f"{Topology(tp, cp).stem}: {verdict} -> {output}")
         return EXIT_PASSED if report["passed"] else EXIT_FAILED
     finally:
         destroy()
@@ -395,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_NO_REPORT
     try:
         return run_topology(args.plan, args.tp, args.cp)
-    except (PlanError, FaultError, MeshError, LogprobContractError, ComparisonError) as exc:
+    except (CaseError, FaultError, MeshError, LogprobContractError, ComparisonError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_NO_REPORT
     except Exception:  # noqa: BLE001 - any other failure: no valid report, say why

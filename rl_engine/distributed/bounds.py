@@ -6,7 +6,7 @@ same bounds from the same integers.
 
 from __future__ import annotations
 
-from rl_engine.campaign.tables import CP_LAYOUTS
+from rl_engine.tables import CP_LAYOUTS
 
 
 class BoundsError(ValueError):

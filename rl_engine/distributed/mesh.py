@@ -15,8 +15,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from rl_engine.campaign.tables import DEFAULT_PG_TIMEOUT_S as DEFAULT_TIMEOUT_S
-from rl_engine.campaign.tables import DEVICE_DIST_BACKENDS as DEVICES
+from rl_engine.tables import DEFAULT_PG_TIMEOUT_S, DEVICE_DIST_BACKENDS
 from rl_engine.distributed.bounds import CP_LAYOUTS
 
 
@@ -162,8 +161,8 @@ def group_geometry(group: Any) -> tuple[int, int]:
 
 def check_device(device: str) -> str:
     """The distributed backend for ``device``; CUDA must really be there (no fallback)."""
-    if device not in DEVICES:
-        raise MeshError(f"device={device!r} is unknown; use one of {list(DEVICES)}")
+    if device not in DEVICE_DIST_BACKENDS:
+        raise MeshError(f"device={device!r} is unknown; use one of {list(DEVICE_DIST_BACKENDS)}")
     if device == "cuda":
         if not torch.cuda.is_available():
             raise MeshError(
@@ -174,7 +173,7 @@ def check_device(device: str) -> str:
             raise MeshError("device='cuda' needs NCCL, which this torch build lacks")
     elif not dist.is_gloo_available():
         raise MeshError("device='cpu' needs gloo, which this torch build lacks")
-    return DEVICES[device]
+    return DEVICE_DIST_BACKENDS[device]
 
 
 def init_mesh(
@@ -182,7 +181,7 @@ def init_mesh(
     cp: int = 1,
     dp: int = 1,
     device: str = "cpu",
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float = DEFAULT_PG_TIMEOUT_S,
     environ: Mapping[str, str] | None = None,
 ) -> Mesh:
     """Validate the launch against the degrees, then initialise the process group and mesh.
@@ -224,7 +223,7 @@ def destroy() -> None:
 
 __all__ = [
     "CP_LAYOUTS",
-    "DEVICES",
+    "DEVICE_DIST_BACKENDS",
     "LaunchEnv",
     "Mesh",
     "MeshError",

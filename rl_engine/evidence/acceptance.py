@@ -24,19 +24,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
-from rl_engine.campaign.tables import GATING_ORACLE, ORACLES
-from rl_engine.campaign.tables import TORCH_DTYPE_NAMES as DTYPE_TORCH_NAMES
-from rl_engine.evidence.rundir import Finding, PlannedReport, field_path, get, is_number, non_finite_numbers
+from rl_engine.tables import GATING_ORACLE, ORACLES, TORCH_DTYPE_NAMES
+from rl_engine.rundir import TENSOR_NAMES, Finding, PlannedReport, field_path, get, inside, is_number, non_finite_numbers
 from rl_engine.jsonio import sha256_file
 
-TENSOR_FINGERPRINTS: dict[str, str] = {
-    "logp": "candidate_logp_sha256",
-    "lse": "candidate_lse_sha256",
-    "entropy": "candidate_entropy_sha256",
-}
+TENSOR_FINGERPRINTS: dict[str, str] = {name: f"candidate_{name}_sha256" for name in TENSOR_NAMES}
 QUANTITIES = ("lse", "dlogp")
 FLOAT32_BYTES = 4
 
@@ -66,11 +61,6 @@ class TensorCheck:
         }
 
 
-def _safe_relative(path: str) -> bool:
-    pure = PurePosixPath(path)
-    return bool(path) and not pure.is_absolute() and "\\" not in path and all(p not in ("..", "") for p in pure.parts)
-
-
 def check_tensor_files(report: Any, where: str, report_dir: Path) -> tuple[list[TensorCheck], list[Finding]]:
     """Each raw tensor file's SHA-256 against its ``tensors`` entry and its fingerprint.
 
@@ -89,7 +79,7 @@ def check_tensor_files(report: Any, where: str, report_dir: Path) -> tuple[list[
             found.append(Finding(where, field_path(base), "missing: the report must record this raw tensor file"))
             continue
         rel, recorded, dtype, shape = entry.get("path"), entry.get("sha256"), entry.get("dtype"), entry.get("shape")
-        if not isinstance(rel, str) or not _safe_relative(rel):
+        if not isinstance(rel, str) or not inside(rel):
             found.append(Finding(where, field_path(base + ("path",)), f"{rel!r} is not a relative path inside the run directory"))
             checks.append(TensorCheck(name, str(rel), recorded, fingerprint, None))
             continue
@@ -237,7 +227,7 @@ def check_report(
             found.append(Finding(where, "bitwise_fingerprints.shape", f"is {fps.get('shape')!r}; batch*seq is {tokens}"))
         if tokens is not None and "padded_vocab" in case and fps.get("grad_shape") != [tokens, case["padded_vocab"]]:
             found.append(Finding(where, "bitwise_fingerprints.grad_shape", f"is {fps.get('grad_shape')!r}; expected [{tokens}, {case['padded_vocab']}]"))
-        want_grad = DTYPE_TORCH_NAMES.get(case.get("dtype", ""))
+        want_grad = TORCH_DTYPE_NAMES.get(case.get("dtype", ""))
         if want_grad and fps.get("grad_dtype") != want_grad:
             found.append(Finding(where, "bitwise_fingerprints.grad_dtype", f"is {fps.get('grad_dtype')!r}; {case.get('dtype')} logits give {want_grad} gradients"))
 

@@ -17,7 +17,7 @@ that appears in the run directory and no rule declares is not packed at all. The
 * refuses, naming the file and the fix, a given file that is missing, not a regular file, a
   symbolic link (or under one), outside ``RUN``, or named like what the archive adds
   (``SHA256SUMS``, ``REVIEWING.md``, ``schemas/``); a file list that lacks evidence ``verify``
-  needs (:func:`rl_engine.evidence.rundir.evidence_files` and ``SUMMARY.md``: the files the
+  needs (:func:`rl_engine.rundir.Run.evidence_files` and ``SUMMARY.md``: the files the
   evidence names); and schema files that are not the set ``validation.json`` records it was
   checked with (names and SHA-256: the only files hashed beyond ``SHA256SUMS``, a few KiB);
 * packs, under one top folder ``NAME/``: each given file at its path relative to ``RUN``, the
@@ -49,20 +49,19 @@ from pathlib import Path
 from typing import Any
 
 from rl_engine import jsonio
-from rl_engine.evidence.rundir import (
+from rl_engine.rundir import (
     ARCHIVE_ONLY,
+    ARCHIVE_SUFFIX,
     CROSSCHECK,
-    ENVIRONMENT,
     REVIEWING,
     SCHEMA_DIR,
     SUMMARY,
     SUMS,
     VALIDATION,
-    evidence_files,
-    load_json,
+    Run,
 )
 
-SUFFIX = ".tar.gz"
+SUFFIX = ARCHIVE_SUFFIX
 SCHEMA_SUFFIX = ".schema.json"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 FIXED_MTIME = 0
@@ -92,10 +91,11 @@ def archive_name(output: Path) -> str:
     return name
 
 
-def check_gates(run_dir: Path) -> None:
+def check_gates(run: Run) -> None:
     """Refuse unless both gates recorded ``passed: true``."""
+    run_dir = run.root
     for name in (VALIDATION, CROSSCHECK):
-        obj, found = load_json(run_dir / name)
+        obj, found = run.doc(name), run.found(name)
         if found:
             raise ArchiveError(f"refusing to archive {run_dir}: {found[0]}; run the {name[:-5]} gate first")
         if not isinstance(obj, dict) or obj.get("passed") is not True:
@@ -104,9 +104,10 @@ def check_gates(run_dir: Path) -> None:
                                "no archive is built from failing evidence")
 
 
-def check_complete(run_dir: Path, packed: set[str]) -> None:
+def check_complete(run: Run, packed: set[str]) -> None:
     """Refuse a file list that lacks evidence ``verify`` needs: what the evidence names, and SUMMARY.md."""
-    names, found = evidence_files(run_dir)
+    run_dir = run.root
+    names, found = run.evidence_files()
     if found:
         raise ArchiveError(f"refusing to archive {run_dir}: {found[0]}")
     missing = [name for name in [*names, SUMMARY] if name not in packed]
@@ -116,13 +117,14 @@ def check_complete(run_dir: Path, packed: set[str]) -> None:
                            "to --files (the workflow's archive rule declares every one as an input)")
 
 
-def check_schemas(run_dir: Path, shipped: list[tuple[str, bytes]]) -> None:
+def check_schemas(run: Run, shipped: list[tuple[str, bytes]]) -> None:
     """Refuse schemas other than the ones ``validation.json`` records it used (verify would fail them).
 
     The only hashing here beyond SHA256SUMS, of a few KiB: the schemas are the one input the
     archive is handed besides the run, and a hand run may hand it another checkout's.
     """
-    recorded, _ = load_json(run_dir / VALIDATION)  # check_gates read it: a passed record
+    run_dir = run.root
+    recorded = run.doc(VALIDATION)  # check_gates read it: a passed record
     used = recorded.get("schemas") if isinstance(recorded, dict) else None
     given = {rel[len(SCHEMA_DIR) + 1: -len(SCHEMA_SUFFIX)]: jsonio.sha256_bytes(data) for rel, data in shipped}
     if not isinstance(used, dict) or given == used:
@@ -328,12 +330,13 @@ def build(run_dir: Path, output: Path, files: Sequence[Path], schema_files: Sequ
         raise ArchiveError(f"--run-dir {run_dir} is not a directory")
     if output.resolve().is_relative_to(run_dir.resolve()):
         raise ArchiveError(f"--output {output} must not lie inside the run directory it packs")
-    check_gates(run_dir)
+    run = Run.load(run_dir)
+    check_gates(run)
     packed = given_files(run_dir, files)
-    check_complete(run_dir, {rel for rel, _ in packed})
+    check_complete(run, {rel for rel, _ in packed})
     shipped = given_schemas(schema_files)
-    check_schemas(run_dir, shipped)
-    environment, _ = load_json(run_dir / ENVIRONMENT)  # in the list: check_complete passed
+    check_schemas(run, shipped)
+    environment = run.environment  # in the list: check_complete passed
     git = environment.get("git") if isinstance(environment, dict) else None
     members = [*packed, *shipped, (REVIEWING, reviewing_text(name, git if isinstance(git, dict) else None).encode("utf-8"))]
     members.append((SUMS, sums_text(members).encode("utf-8")))

@@ -28,13 +28,12 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from rl_engine.campaign.case import FLOAT_FIELDS as CASE_FLOAT_FIELDS
+# Case fields that are floats: an integer in the config (logit_scale: 1) and the float in
+# plan.json (1.0) are the same case.
+from rl_engine.campaign.case import FLOAT_FIELDS
 
 CASE_HASH_CHARS = 8
 NOGIT = "nogit"
-# Case fields that are floats: an integer in the config (logit_scale: 1) and the float in
-# plan.json (1.0) are the same case.
-FLOAT_FIELDS: frozenset[str] = frozenset(CASE_FLOAT_FIELDS)
 NAME = re.compile(
     r"^(?P<campaign>.+)-(?P<commit>[0-9a-f]{7,40}|nogit)(?P<dirty>-dirty)?-case-(?P<case>[0-9a-f]{%d})$"
     % CASE_HASH_CHARS

@@ -32,17 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from rl_engine.evidence.acceptance import check_tensor_files
-from rl_engine.evidence.rundir import (
-    PLAN,
-    Finding,
-    field_path,
-    finish_gate,
-    get,
-    load_json,
-    planned_reports,
-)
+from rl_engine.evidence.gate import finish_gate
+from rl_engine.rundir import PLAN, Finding, Run, field_path, get
+from rl_engine.tables import SCHEMA_VERSION
 
-SCHEMA_VERSION = "1"
 FINGERPRINT_FIELDS: tuple[tuple[str, ...], ...] = tuple(
     ("bitwise_fingerprints", key)
     for key in (
@@ -56,7 +49,6 @@ FINGERPRINT_FIELDS: tuple[tuple[str, ...], ...] = tuple(
         "grad_shape",
     )
 ) + (("inputs_sha256", "logits"), ("inputs_sha256", "targets"), ("inputs_sha256", "mask"), ("case_id",))
-MISSING = "<missing>"
 
 
 def compare_topologies(reports: Sequence[tuple[str, Any]]) -> list[Finding]:
@@ -80,36 +72,29 @@ def compare_topologies(reports: Sequence[tuple[str, Any]]) -> list[Finding]:
     return found
 
 
-def crosscheck_run(run_dir: Path, min_topologies: int = 2) -> tuple[dict[str, Any], list[Finding]]:
-    """Compare every planned report of ``run_dir``; return crosscheck.json's content and findings."""
-    found: list[Finding] = []
-    plan, plan_found = load_json(run_dir / PLAN)
-    found += plan_found
-    planned, planned_found = planned_reports(plan, run_dir) if plan is not None else ([], [])
-    found += planned_found
-    if plan is not None and len(planned) < min_topologies:
-        found.append(Finding(PLAN, "topologies", f"{len(planned)} planned topologies; the cross-topology check needs at least {min_topologies}"))
-    loaded: list[tuple[str, Any]] = []
+def crosscheck_run(run: Run, min_topologies: int = 2) -> tuple[dict[str, Any], list[Finding]]:
+    """Compare every planned report of ``run``; return crosscheck.json's content and findings."""
+    found: list[Finding] = run.found(PLAN) + list(run.plan_findings)
+    if run.plan is not None and len(run.planned) < min_topologies:
+        found.append(Finding(PLAN, "topologies", f"{len(run.planned)} planned topologies; the cross-topology check needs at least {min_topologies}"))
     rows: list[dict[str, Any]] = []
-    for item in planned:
-        report, report_found = load_json(item.path)
-        found += report_found
+    for item, report in run.reports():
+        found += run.found(item.file)
         row: dict[str, Any] = {"topology": item.label, "tp": item.tp, "cp": item.cp, "file": item.file,
                                "bitwise_fingerprints": None, "inputs_sha256": None, "tensors": []}
         if report is not None:
-            loaded.append((item.label, report))
             for key in ("bitwise_fingerprints", "inputs_sha256"):
                 value = report.get(key) if isinstance(report, dict) else None
                 row[key] = value if isinstance(value, dict) else None
-            checks, tensor_found = check_tensor_files(report, item.file, run_dir)
+            checks, tensor_found = check_tensor_files(report, item.file, run.root)
             found += tensor_found
             row["tensors"] = [c.to_dict() for c in checks]
         rows.append(row)
-    found += compare_topologies(loaded)
+    found += compare_topologies(_loaded(run))
     result = {
         "schema_version": SCHEMA_VERSION,
         "passed": not found,
-        "reference": planned[0].label if planned else None,
+        "reference": run.planned[0].label if run.planned else None,
         "fields": [field_path(parts) for parts in FINGERPRINT_FIELDS],
         "topologies": rows,
         "failures": [str(f) for f in found],
@@ -117,57 +102,52 @@ def crosscheck_run(run_dir: Path, min_topologies: int = 2) -> tuple[dict[str, An
     return result, found
 
 
-def _reports(run_dir: Path) -> tuple[list[tuple[str, Any]], str | None]:
-    """The loaded planned reports of a run (label, report), and its planned backend."""
-    plan, _ = load_json(run_dir / PLAN)
-    if plan is None:
-        return [], None
-    planned, _ = planned_reports(plan, run_dir)
-    loaded = []
-    for item in planned:
-        report, _ = load_json(item.path)
-        if report is not None:
-            loaded.append((item.label, report))
-    case = plan.get("case") if isinstance(plan, dict) else None
-    backend = case.get("backend") if isinstance(case, dict) else None
-    return loaded, backend if isinstance(backend, str) else None
+def _loaded(run: Run) -> list[tuple[str, Any]]:
+    """The readable planned reports of a run, (label, report) in plan order."""
+    return [(item.label, report) for item, report in run.reports() if report is not None]
+
+
+def _backend(run: Run) -> str | None:
+    """The backend a run's plan names (None when it names none)."""
+    backend = run.plan_case().get("backend")
+    return backend if isinstance(backend, str) else None
 
 
 def crosscheck_runs(
-    run_dir: Path, against: Sequence[Path], min_topologies: int = 2
+    run: Run, against: Sequence[Run], min_topologies: int = 2
 ) -> tuple[dict[str, Any], list[Finding]]:
-    """:func:`crosscheck_run` of ``run_dir``, then every run in ``against`` checked on its own and
-    each of its planned reports compared with ``run_dir``'s reference topology.
+    """:func:`crosscheck_run` of ``run``, then every run in ``against`` checked on its own and
+    each of its planned reports compared with ``run``'s reference topology.
 
     Findings of another run name it (``<run dir>:<topology>``). The result is
     ``crosscheck.json``'s content with ``against``: one entry per other run (its directory,
     its planned backend, how many reports were compared, and whether it passed).
     """
-    result, found = crosscheck_run(run_dir, min_topologies)
-    mine, my_backend = _reports(run_dir)
+    result, found = crosscheck_run(run, min_topologies)
+    mine = _loaded(run)
     entries = []
     for other in against:
-        other_result, other_found = crosscheck_run(other, min_topologies)
-        prefixed = [Finding(f"{other}:{f.where}", f.field, f.message) for f in other_found]
-        theirs, their_backend = _reports(other)
+        _, other_found = crosscheck_run(other, min_topologies)
+        prefixed = [Finding(f"{other.root}:{f.where}", f.field, f.message) for f in other_found]
+        theirs = _loaded(other)
         compared: list[Finding] = []
         if not mine:
-            compared.append(Finding(str(run_dir), "reference", "no report to compare another run with"))
+            compared.append(Finding(str(run.root), "reference", "no report to compare another run with"))
         elif not theirs:
-            compared.append(Finding(str(other), "reports", "no planned report to compare"))
+            compared.append(Finding(str(other.root), "reports", "no planned report to compare"))
         else:
             ref_label, ref = mine[0]
-            pairs = [(f"{run_dir}:{ref_label}", ref)] + [(f"{other}:{label}", r) for label, r in theirs]
+            pairs = [(f"{run.root}:{ref_label}", ref)] + [(f"{other.root}:{label}", r) for label, r in theirs]
             compared = compare_topologies(pairs)
         entries.append({
-            "run_dir": str(other),
-            "backend": their_backend,
+            "run_dir": str(other.root),
+            "backend": _backend(other),
             "reports_compared": len(theirs),
             "passed": not prefixed and not compared,
         })
         found = found + prefixed + compared
     result = {**result, "passed": not found, "failures": [str(f) for f in found],
-              "backend": my_backend, "against": entries}
+              "backend": _backend(run), "against": entries}
     return result, found
 
 
@@ -190,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"crosscheck: --against {other} is not a directory", file=sys.stderr)
             return 2
     if args.against:
-        result, found = crosscheck_runs(args.run_dir, args.against, args.min_topologies)
+        result, found = crosscheck_runs(Run.load(args.run_dir), [Run.load(o) for o in args.against],
+                                        args.min_topologies)
     else:
-        result, found = crosscheck_run(args.run_dir, args.min_topologies)
+        result, found = crosscheck_run(Run.load(args.run_dir), args.min_topologies)
     first = result["topologies"][0] if result["topologies"] else {}
     fps = first.get("bitwise_fingerprints") or {}
     return finish_gate(

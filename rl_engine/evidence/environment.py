@@ -34,8 +34,9 @@ from typing import Any
 
 from rl_engine import jsonio, schemas
 from rl_engine.evidence.gitstate import GitStateError, read_git_state
+from rl_engine.rundir import ENVIRONMENT, ENVIRONMENT_TEXT
+from rl_engine.tables import SCHEMA_VERSION
 
-SCHEMA_VERSION = "1"
 PACKAGES = ("snakemake", "jsonschema", "rich", "numpy", "pyyaml", "torch", "rl_engine")
 TORCH_ONE_LINER = (
     "import torch; import torch.distributed as dist; print('torch:', torch.__version__); "
@@ -181,11 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     env, text = capture(args.repo.resolve(), args.timeout_s)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     try:
-        schemas.write_validated(args.output_dir / "environment.json", env, "environment")
+        schemas.write_validated(args.output_dir / ENVIRONMENT, env, "environment")
     except schemas.ArtifactSchemaError as exc:
         print(f"env: {exc}", file=sys.stderr)
         return 1
-    jsonio.atomic_write_text(args.output_dir / "environment.txt", text)
+    jsonio.atomic_write_text(args.output_dir / ENVIRONMENT_TEXT, text)
     git = env["git"]
     print(f"environment: commit {git['commit']} ({'dirty' if git['dirty'] else 'clean'}), "
           f"python {env['python']['version']}, torch {env['torch']['version']}, "

@@ -37,15 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from rl_engine import schemas
-from rl_engine.campaign.launch import _Stopped, _StopSignals
-from rl_engine.campaign.proctree import stop_tree
+from rl_engine.rundir import JUNIT, PYTEST_LOG, REGRESSION
+from rl_engine.tables import SCHEMA_VERSION
+from rl_engine.campaign.proctree import EXIT_TIMEOUT, KILL_GRACE_S, StopSignals, stop_tree, supervise
 
-SCHEMA_VERSION = "1"
-LOG_NAME = "pytest-focused.log"
-JUNIT_NAME = "pytest-junit.xml"
-JSON_NAME = "regression.json"
-EXIT_TIMEOUT = 124
-KILL_GRACE_S = 5.0
 
 
 class RegressionStopped(RuntimeError):
@@ -114,29 +109,22 @@ def _copy_output(source: Any, handle: Any) -> None:
 
 def _run_pytest(argv: list[str], log: Path, timeout_s: float | None) -> int:
     """pytest's exit code; :class:`RegressionStopped` after stopping it on a signal or the time limit."""
-    with open(log, "w", encoding="utf-8") as handle, _StopSignals() as stops:
+    with open(log, "w", encoding="utf-8") as handle, StopSignals() as stops:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
                                 start_new_session=True)
         copier = threading.Thread(target=_copy_output, args=(proc.stdout, handle), daemon=True)
         copier.start()
-        try:
-            stops.arm()
-            code = proc.wait(timeout=timeout_s)
-            stops.disarm()
-        except subprocess.TimeoutExpired:
-            stops.disarm()
-            stop_tree(proc, KILL_GRACE_S)  # type: ignore[arg-type]
-            copier.join()
-            raise RegressionStopped(EXIT_TIMEOUT, f"pytest exceeded --timeout-s={timeout_s:g}; it and every process "
-                                                  "it started were killed; regression.json not written") from None
-        except _Stopped as stopped:
-            stop_tree(proc, KILL_GRACE_S)  # type: ignore[arg-type]
-            copier.join()
-            name = signal.Signals(stopped.signum).name
-            raise RegressionStopped(128 + stopped.signum, f"received {name}; pytest and every process it started "
-                                                          "were stopped; regression.json not written") from None
+        ended = supervise(proc, timeout_s, stops, lambda: stop_tree(proc, KILL_GRACE_S))
         copier.join()
-        return code
+    if ended.timed_out:
+        raise RegressionStopped(EXIT_TIMEOUT, f"pytest exceeded --timeout-s={timeout_s:g}; it and every process "
+                                              "it started were killed; regression.json not written")
+    if ended.signum is not None:
+        name = signal.Signals(ended.signum).name
+        raise RegressionStopped(128 + ended.signum, f"received {name}; pytest and every process it started "
+                                                    "were stopped; regression.json not written")
+    assert ended.code is not None
+    return ended.code
 
 
 def run(output_dir: Path, tests: list[str], pytest_args: list[str],
@@ -146,9 +134,9 @@ def run(output_dir: Path, tests: list[str], pytest_args: list[str],
     Raises :class:`RegressionStopped` when pytest was stopped (``timeout_s`` or a signal).
     """
     output_dir.mkdir(parents=True, exist_ok=True)
-    junit = output_dir / JUNIT_NAME
-    log = output_dir / LOG_NAME
-    for stale in (junit, log, output_dir / JSON_NAME):
+    junit = output_dir / JUNIT
+    log = output_dir / PYTEST_LOG
+    for stale in (junit, log, output_dir / REGRESSION):
         stale.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "pytest", "-q", "-rs", *tests, *pytest_args, f"--junitxml={junit}"]
     shown = ["python", *argv[1:]]
@@ -171,11 +159,11 @@ def run(output_dir: Path, tests: list[str], pytest_args: list[str],
         "total": counts.total,
         "exit_code": code,
         "duration_s": round(duration, 3),
-        "log": LOG_NAME,
-        "junit": JUNIT_NAME if problem is None else None,
+        "log": PYTEST_LOG,
+        "junit": JUNIT if problem is None else None,
         "problem": problem,
     }
-    schemas.write_validated(output_dir / JSON_NAME, result, "regression")
+    schemas.write_validated(output_dir / REGRESSION, result, "regression")
     failed = problem is not None or code != 0 or counts.failed or counts.errors or counts.total == 0
     return result, 1 if failed else 0
 

@@ -30,7 +30,7 @@ import os
 import tarfile
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import IO
 
 MIB = 1 << 20
@@ -229,12 +229,3 @@ def safe_extract(archive: Path, dest: Path, limits: Limits = Limits()) -> Extrac
     if top is None:
         raise UnsafeArchiveError("the archive holds no members")
     return Extracted(dest / top, top, tuple(files), tuple(dirs), total)
-
-
-def safe_name(name: str) -> bool:
-    """True when ``name`` would pass :func:`check_member_name` (used when building archives)."""
-    try:
-        check_member_name(name)
-    except UnsafeArchiveError:
-        return False
-    return PurePosixPath(name).as_posix() == name

@@ -40,8 +40,8 @@ from rich.table import Table
 
 from rl_engine import jsonio
 from rl_engine.evidence.casename import RunNameError, pytest_args_of
-from rl_engine.campaign.plan import RUNNER_MODULE as RUNNER
-from rl_engine.evidence.rundir import (
+from rl_engine.campaign.plan import RUNNER_MODULE
+from rl_engine.rundir import (
     CASE,
     CROSSCHECK,
     ENVIRONMENT,
@@ -50,11 +50,8 @@ from rl_engine.evidence.rundir import (
     VALIDATION,
     Finding,
     PlannedReport,
-    evidence_files,
-    load_json,
-    planned_reports,
+    Run,
 )
-
 
 
 class SummaryError(ValueError):
@@ -103,19 +100,14 @@ def _need(obj: Any, found: list[Finding], what: str) -> dict[str, Any]:
     return obj
 
 
-def load_evidence(run_dir: Path) -> Evidence:
-    loaded = {}
-    for name in (ENVIRONMENT, REGRESSION, PLAN, VALIDATION, CROSSCHECK):
-        obj, found = load_json(run_dir / name)
-        loaded[name] = _need(obj, found, name)
-    planned, found = planned_reports(loaded[PLAN], run_dir)
-    if found:
-        raise SummaryError(f"cannot summarise: {found[0]}")
-    reports = []
-    for item in planned:
-        obj, found = load_json(item.path)
-        reports.append(_need(obj, found, item.file))
-    return Evidence(loaded[ENVIRONMENT], loaded[REGRESSION], loaded[PLAN], tuple(planned), tuple(reports),
+def load_evidence(run: Run) -> Evidence:
+    """The documents a summary reads, each a JSON object (:class:`SummaryError` naming the first that is not)."""
+    loaded = {name: _need(run.doc(name), run.found(name), name)
+              for name in (ENVIRONMENT, REGRESSION, PLAN, VALIDATION, CROSSCHECK)}
+    if run.plan_findings:
+        raise SummaryError(f"cannot summarise: {run.plan_findings[0]}")
+    reports = [_need(report, run.found(item.file), item.file) for item, report in run.reports()]
+    return Evidence(loaded[ENVIRONMENT], loaded[REGRESSION], loaded[PLAN], run.planned, tuple(reports),
                     loaded[VALIDATION], loaded[CROSSCHECK])
 
 
@@ -212,8 +204,8 @@ def _beside_plan(ev: Evidence, name: str) -> str:
     path as the plan verb was given it), or ``RUN/name`` when no command says."""
     for planned in ev.planned:
         words = shlex.split(planned.command or "")
-        if RUNNER in words[:-1]:
-            return str(Path(words[words.index(RUNNER) + 1]).with_name(name))
+        if RUNNER_MODULE in words[:-1]:
+            return str(Path(words[words.index(RUNNER_MODULE) + 1]).with_name(name))
     return f"RUN/{name}"
 
 
@@ -259,7 +251,7 @@ def reproduction(ev: Evidence) -> str:
     return "\n".join(lines)
 
 
-def sections(ev: Evidence, run_dir: Path) -> dict[str, Section]:
+def sections(ev: Evidence, run: Run) -> dict[str, Section]:
     case = ev.plan.get("case", {})
     env = ev.environment
     n = len(ev.reports)
@@ -338,19 +330,19 @@ def sections(ev: Evidence, run_dir: Path) -> dict[str, Section]:
                           f"{'dirty' if git.get('dirty') else 'clean'})"),
     ))
     artifacts = []
-    for rel in evidence_files(run_dir)[0]:  # unreadable evidence already stopped load_evidence
-        path = run_dir / rel
+    for rel in run.evidence_files()[0]:  # unreadable evidence already stopped load_evidence
+        path = run.root / rel
         if path.is_file() and not path.is_symlink():
             artifacts.append((rel, str(path.stat().st_size), jsonio.sha256_file(path)))
     arts = Section("Artifacts", ("File", "Bytes", "SHA-256"), tuple(artifacts))
-    skips = skipped_tests(run_dir, ev.regression)
+    skips = skipped_tests(run.root, ev.regression)
     skipped = Section("Skipped tests", ("Test", "Reason"), skips if isinstance(skips, tuple) else ())
     return {"matrix": matrix, "topology": topo, "acceptance": accept, "fingerprints": fingerprints,
             "hardware": hardware, "artifacts": arts, "skipped": skipped}
 
 
-def render(ev: Evidence, run_dir: Path) -> tuple[str, dict[str, Section]]:
-    secs = sections(ev, run_dir)
+def render(ev: Evidence, run: Run) -> tuple[str, dict[str, Section]]:
+    secs = sections(ev, run)
     case = ev.plan.get("case", {})
     git = ev.environment.get("git", {})
     passed = status_passed(ev)
@@ -393,7 +385,7 @@ def render(ev: Evidence, run_dir: Path) -> tuple[str, dict[str, Section]]:
         f"{regression_text(ev.regression)} (pytest exit {ev.regression.get('exit_code')}; `{ev.regression.get('log')}`, "
         f"`{ev.regression.get('junit')}`).",
         "",
-        skipped_text(run_dir, ev.regression, secs["skipped"]),
+        skipped_text(run.root, ev.regression, secs["skipped"]),
         "## Fingerprints",
         "",
         secs["fingerprints"].title,
@@ -449,12 +441,12 @@ def skipped_text(run_dir: Path, reg: dict[str, Any], section: Section) -> str:
     return f"Every skipped test and its reason, from `{reg.get('junit')}`:\n\n" + section.markdown()
 
 
-def summary_text(run_dir: Path) -> str:
-    """SUMMARY.md's text for the evidence in ``run_dir`` (:class:`SummaryError` when unreadable).
+def summary_text(run: Run) -> str:
+    """SUMMARY.md's text for the evidence of ``run`` (:class:`SummaryError` when unreadable).
 
     The summary verb writes exactly this; ``verify`` compares it with an archive's SUMMARY.md.
     """
-    return render(load_evidence(run_dir), run_dir)[0]
+    return render(load_evidence(run), run)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -462,12 +454,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True, type=Path, help="run directory to summarise")
     parser.add_argument("--output", required=True, type=Path, help="where to write SUMMARY.md")
     args = parser.parse_args(argv)
+    run = Run.load(args.run_dir)
     try:
-        ev = load_evidence(args.run_dir)
+        ev = load_evidence(run)
     except SummaryError as exc:
         print(f"summary: {exc}", file=sys.stderr)
         return 1
-    text, secs = render(ev, args.run_dir)
+    text, secs = render(ev, run)
     jsonio.atomic_write_text(args.output, text)
     console = Console(width=160)
     console.print(f"[bold]{'PASSED' if status_passed(ev) else 'FAILED'}[/bold]: {ev.plan.get('case_id')}")

@@ -22,7 +22,7 @@ schemas shipped inside it, and ``gates=True`` to also check the recorded
 from __future__ import annotations
 
 import argparse
-import re
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,26 +30,25 @@ from typing import Any
 
 from rl_engine import jsonio, schemas
 from rl_engine.evidence.acceptance import check_report
-from rl_engine.evidence.rundir import (
-    finish_gate,
+from rl_engine.evidence.gate import finish_gate
+from rl_engine.rundir import (
+    CASE,
     CROSSCHECK,
     ENVIRONMENT,
-    CASE,
     PLAN,
     REGRESSION,
     VALIDATION,
     WHOLE_FILE,
     Finding,
-    load_json,
-    planned_reports,
+    Run,
+    Topology,
 )
+from rl_engine.tables import SCHEMA_VERSION
 
-SCHEMA_VERSION = "1"
 MAX_MESSAGE = 300
 FILES: tuple[tuple[str, str], ...] = ((ENVIRONMENT, "environment"), (REGRESSION, "regression"), (CASE, "case"),
                                       (PLAN, "plan"))
 GATES: tuple[tuple[str, str], ...] = ((VALIDATION, "validation"), (CROSSCHECK, "crosscheck"))
-TOPOLOGY_FILE = re.compile(r"^tp([1-9][0-9]*)-cp([1-9][0-9]*)\.")
 
 
 def schema_findings(instance: Any, name: str, where: str, schema_dir: Path) -> list[Finding]:
@@ -89,8 +88,8 @@ def unplanned_findings(run_dir: Path, planned_labels: set[str]) -> list[Finding]
     """Reports and tensors in ``run_dir`` of topologies the plan does not list."""
     found = []
     for path in sorted(run_dir.iterdir()):
-        match = TOPOLOGY_FILE.match(path.name)
-        label = f"tp{match.group(1)}-cp{match.group(2)}" if match else None
+        topology = Topology.of_file(path.name)
+        label = topology.stem if topology is not None else None
         if label is not None and label not in planned_labels:
             found.append(Finding(path.name, WHOLE_FILE, f"topology {label} is not in {PLAN} (left from an earlier "
                                  "plan?): it looks like evidence but no gate checks it; remove it or plan that "
@@ -138,8 +137,21 @@ def plan_case_findings(plan: Any, case_file: Any) -> list[Finding]:
     return found
 
 
-def validate_run(run_dir: Path, schema_dir: Path, *, gates: bool = False) -> Validation:
-    """Validate a run directory against ``schema_dir`` and the acceptance.
+def plan_command_findings(plan: Any) -> list[Finding]:
+    """Each planned ``command`` is ``shlex.join`` of the ``argv`` launch runs (plans from before
+    ``argv`` was recorded have none to compare)."""
+    entries = plan.get("topologies") if isinstance(plan, dict) else None
+    found = []
+    for index, entry in enumerate(entries if isinstance(entries, list) else []):
+        argv = entry.get("argv") if isinstance(entry, dict) else None
+        if isinstance(argv, list) and all(isinstance(word, str) for word in argv) and entry.get("command") != shlex.join(argv):
+            found.append(Finding(PLAN, f"topologies[{index}].command", f"{entry.get('command')!r} is not "
+                                 f"shlex.join(argv) {shlex.join(argv)!r}: the printed command is not the one launch runs"))
+    return found
+
+
+def validate_run(run: Run, schema_dir: Path, *, gates: bool = False) -> Validation:
+    """Validate a loaded run directory against ``schema_dir`` and the acceptance.
 
     ``load`` holds missing or unreadable files (including non-finite literals, by field),
     ``schema`` schema errors, ``regression`` a failed or empty focused regression,
@@ -147,25 +159,21 @@ def validate_run(run_dir: Path, schema_dir: Path, *, gates: bool = False) -> Val
     topology, and with ``gates=True`` ``gates`` holds
     a recorded validation.json or crosscheck.json that did not pass.
     """
-    load: list[Finding] = []
-    schema: list[Finding] = []
-    regression: list[Finding] = []
-    acceptance: list[Finding] = []
-    gate: list[Finding] = []
     try:
         schemas.load(schema_dir)
     except (schemas.SchemaError, OSError, ValueError) as exc:
         finding = Finding(str(schema_dir), "(schemas)", f"cannot load the schemas: {exc}")
         return Validation({"schema_version": SCHEMA_VERSION, "passed": False, "schemas": {}, "files": [],
                            "reports": [], "failures": [str(finding)]}, load=(finding,))
+    load: list[Finding] = []
+    schema: list[Finding] = []
+    regression: list[Finding] = []
+    gate: list[Finding] = []
     files: list[dict[str, Any]] = []
-    loaded: dict[str, Any] = {}
     for name, schema_name in FILES + (GATES if gates else ()):
-        obj, file_load = load_json(run_dir / name)
+        obj, file_load = run.doc(name), run.found(name)
         file_schema = schema_findings(obj, schema_name, name, schema_dir) if obj is not None else []
         file_other: list[Finding] = []
-        if obj is not None:
-            loaded[name] = obj
         if name == REGRESSION:
             file_other = regression_findings(obj)
             regression += file_other
@@ -176,33 +184,11 @@ def validate_run(run_dir: Path, schema_dir: Path, *, gates: bool = False) -> Val
         schema += file_schema
         everything = file_load + file_schema + file_other
         files.append({"file": name, "schema": schema_name, "valid": not everything, "errors": [str(f) for f in everything]})
-    plan = loaded.get(PLAN)
-    acceptance += plan_case_findings(plan, loaded.get(CASE))
-    reports: list[dict[str, Any]] = []
-    if plan is not None:
-        planned, plan_found = planned_reports(plan, run_dir)
-        load += plan_found
-        for item in planned:
-            report, report_load = load_json(item.path)
-            report_schema: list[Finding] = []
-            report_accept: list[Finding] = []
-            if report is not None:
-                report_schema = schema_findings(report, "report", item.file, schema_dir)
-                report_accept = check_report(report, item.file, run_dir, planned=item, plan=plan)
-            load += report_load
-            schema += report_schema
-            acceptance += report_accept
-            reports.append({
-                "topology": item.label,
-                "tp": item.tp,
-                "cp": item.cp,
-                "file": item.file,
-                "schema_valid": report is not None and not report_schema,
-                "accepted": report is not None and not report_accept,
-                "failures": [str(f) for f in report_load + report_schema + report_accept],
-            })
-        if planned:
-            acceptance += unplanned_findings(run_dir, {item.label for item in planned})
+    acceptance = plan_case_findings(run.plan, run.case) + plan_command_findings(run.plan)
+    reports, report_found = _validate_reports(run, schema_dir)
+    load += report_found[0]
+    schema += report_found[1]
+    acceptance += report_found[2]
     everything = [*load, *schema, *regression, *acceptance, *gate]
     result = {
         "schema_version": SCHEMA_VERSION,
@@ -213,6 +199,39 @@ def validate_run(run_dir: Path, schema_dir: Path, *, gates: bool = False) -> Val
         "failures": [str(f) for f in everything],
     }
     return Validation(result, tuple(load), tuple(schema), tuple(regression), tuple(acceptance), tuple(gate))
+
+
+def _validate_reports(run: Run, schema_dir: Path) -> tuple[list[dict[str, Any]], tuple[list[Finding], ...]]:
+    """validation.json's ``reports`` rows, and the (load, schema, acceptance) findings of the planned reports."""
+    load: list[Finding] = []
+    schema: list[Finding] = []
+    acceptance: list[Finding] = []
+    rows: list[dict[str, Any]] = []
+    if run.plan is None:
+        return rows, (load, schema, acceptance)
+    load += run.plan_findings
+    for item, report in run.reports():
+        report_load = run.found(item.file)
+        report_schema: list[Finding] = []
+        report_accept: list[Finding] = []
+        if report is not None:
+            report_schema = schema_findings(report, "report", item.file, schema_dir)
+            report_accept = check_report(report, item.file, run.root, planned=item, plan=run.plan)
+        load += report_load
+        schema += report_schema
+        acceptance += report_accept
+        rows.append({
+            "topology": item.label,
+            "tp": item.tp,
+            "cp": item.cp,
+            "file": item.file,
+            "schema_valid": report is not None and not report_schema,
+            "accepted": report is not None and not report_accept,
+            "failures": [str(f) for f in report_load + report_schema + report_accept],
+        })
+    if run.planned:
+        acceptance += unplanned_findings(run.root, {item.label for item in run.planned})
+    return rows, (load, schema, acceptance)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if not schema_dir.is_dir():
         print(f"validate: --schemas {schema_dir} is not a directory", file=sys.stderr)
         return 2
-    validation = validate_run(args.run_dir, schema_dir)
+    validation = validate_run(Run.load(args.run_dir), schema_dir)
     result, found = validation.result, validation.findings
     return finish_gate(
         "validation", args.output, result, "validation", found,

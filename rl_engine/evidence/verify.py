@@ -65,22 +65,22 @@ import re
 import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from rl_engine import jsonio, schemas
+from rl_engine.tables import SCHEMA_VERSION
 from rl_engine.evidence.archive import SCHEMA_DIR, SUFFIX, SUMS
 from rl_engine.evidence.casename import NOGIT, RunName, RunNameError, case_hash, evidence_resolved_case
 from rl_engine.evidence.crosscheck import crosscheck_run
-from rl_engine.evidence.rundir import ENVIRONMENT, PLAN, REGRESSION, SUMMARY, Finding, is_number, load_json, planned_reports
+from rl_engine.rundir import ENVIRONMENT, PLAN, REGRESSION, SUMMARY, VALIDATION, Finding, PlannedReport, Run, inside, is_number
 from rl_engine.evidence.safe_tar import MIB, Extracted, Limits, UnsafeArchiveError, safe_extract
 from rl_engine.evidence.summary import SummaryError, summary_text
 from rl_engine.evidence.validation import validate_run
 
-SCHEMA_VERSION = "1"
 RECOMPUTE_TOL = 1e-5
 RECOMPUTED_STATS = ("max_abs", "mean_abs", "p95_abs", "p99_abs")
 SIDECAR_LINE = re.compile(r"^([0-9a-f]{64}) [ *](\S.*)$")
@@ -152,8 +152,7 @@ def check_sums(root: Path, files: tuple[str, ...], top: str) -> Check:
             problems.append(f"line {number} is not '<sha256>  <path>': {line[:80]!r}")
             continue
         digest, rel = match.groups()
-        pure = PurePosixPath(rel)
-        if pure.is_absolute() or ".." in pure.parts:
+        if not inside(rel):
             problems.append(f"line {number} names an unsafe path {rel!r}")
             continue
         if rel in listed:
@@ -180,13 +179,13 @@ def _quote(line: str | None) -> str:
     return repr(line) if len(line) <= MAX_QUOTED else repr(line[:MAX_QUOTED]) + "..."
 
 
-def check_summary(root: Path) -> Check:
+def check_summary(run: Run) -> Check:
     """The shipped SUMMARY.md against the summary the extracted evidence renders, byte for byte."""
-    shipped = root / SUMMARY
+    shipped = run.root / SUMMARY
     if shipped.is_symlink() or not shipped.is_file():
         return Check("SUMMARY.md", False, f"{SUMMARY} is missing: the archive has no summary for a reviewer to read")
     try:
-        expected = summary_text(root)
+        expected = summary_text(run)
     except SummaryError as exc:
         return Check("SUMMARY.md", False, f"cannot render the summary again from the evidence: {exc}")
     except Exception as exc:  # damaged evidence: a failed row, not a traceback
@@ -205,19 +204,17 @@ def check_summary(root: Path) -> Check:
                  "what a reviewer reads does not match the evidence", [problem])
 
 
-def _tested(root: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """environment.json's git record, plan.json and regression.json (empty objects when unreadable)."""
-    loaded = []
-    for name in (ENVIRONMENT, PLAN, REGRESSION):
-        obj, _ = load_json(root / name)  # unreadable files already fail other rows
-        loaded.append(obj if isinstance(obj, dict) else {})
-    git = loaded[0].get("git")
-    return (git if isinstance(git, dict) else {}), loaded[1], loaded[2]
+def _tested(run: Run) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """environment.json's git record, plan.json and regression.json (empty objects when unreadable:
+    unreadable files already fail other rows)."""
+    env, plan, regression = (doc if isinstance(doc, dict) else {} for doc in (run.environment, run.plan, run.regression))
+    git = env.get("git")
+    return (git if isinstance(git, dict) else {}), plan, regression
 
 
-def tested_note(root: Path) -> Check:
+def tested_note(run: Run) -> Check:
     """What was tested: commit, branch, dirty or clean, and the case (a note, never a failure)."""
-    git, plan, _ = _tested(root)
+    git, plan, _ = _tested(run)
     case = plan.get("case") if isinstance(plan.get("case"), dict) else {}
     topologies = ", ".join(f"{e.get('tp')}x{e.get('cp')}" for e in plan.get("topologies") or [] if isinstance(e, dict))
     if git.get("available") is True:
@@ -231,7 +228,7 @@ def tested_note(root: Path) -> Check:
     return Check("tested", None, detail)
 
 
-def check_run_name(root: Path, top: str) -> Check:
+def check_run_name(run: Run, top: str) -> Check:
     """The archive's name ``<campaign>-<commit>[-dirty]-case-<hash>`` names its evidence."""
     if "-case-" not in top:
         return Check("run name", None, f"{top!r} carries no case hash (an archive from before per-case run names); "
@@ -240,7 +237,7 @@ def check_run_name(root: Path, top: str) -> Check:
         name = RunName.parse(top)
     except RunNameError as exc:
         return Check("run name", False, str(exc), [str(exc)])
-    git, plan, regression = _tested(root)
+    git, plan, regression = _tested(run)
     problems = []
     if git.get("available") is True:
         short, dirty = git.get("short_commit"), git.get("dirty") is True
@@ -265,19 +262,18 @@ def check_run_name(root: Path, top: str) -> Check:
                  f"and case {name.case} match {ENVIRONMENT}, {PLAN} and {REGRESSION}")
 
 
-def _planned(root: Path) -> tuple[list[Any], list[str]]:
+def _planned(run: Run) -> tuple[tuple[PlannedReport, ...], list[str]]:
     """The plan's reports, or the messages of a failed row when there are none to check."""
-    plan, found = load_json(root / PLAN)
-    planned, plan_found = planned_reports(plan, root) if plan is not None else ([], [])
-    if found or plan_found or not planned:
-        return [], [str(f) for f in found + plan_found] or ["no planned reports"]
-    return planned, []
+    found = run.found(PLAN) + list(run.plan_findings)
+    if found or not run.planned:
+        return (), [str(f) for f in found] or ["no planned reports"]
+    return run.planned, []
 
 
-def _report_case(item: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+def _report_case(run: Run, item: PlannedReport) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """A planned report and its case, or ``None`` for what cannot be read."""
-    report, found = load_json(item.path)
-    if found or not isinstance(report, dict) or not isinstance(report.get("case"), dict):
+    report = run.report(item)
+    if run.found(item.file) or not isinstance(report, dict) or not isinstance(report.get("case"), dict):
         return None, None
     return report, report["case"]
 
@@ -287,16 +283,14 @@ def _case_key(case: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(sorted((k, v) for k, v in case.items() if k not in ("tp", "cp") and not isinstance(v, (dict, list))))
 
 
-def check_tolerances(root: Path, accept_looser: bool) -> Check:
+def check_tolerances(run: Run, accept_looser: bool) -> Check:
     """Every case's atol/rtol against the project's default tolerance for its dtype."""
     from rl_engine.logprob.comparison import ComparisonError, default_tolerance  # imports torch: only here
 
-    plan, found = load_json(root / PLAN)
-    planned, plan_found = planned_reports(plan, root) if plan is not None else ([], [])
-    problems = [str(f) for f in found + plan_found]
+    plan = run.plan
+    problems = [str(f) for f in run.found(PLAN) + list(run.plan_findings)]
     cases: list[tuple[str, Any]] = [(PLAN, plan.get("case") if isinstance(plan, dict) else None)]
-    for item in planned:
-        report, _ = load_json(item.path)  # unreadable reports already fail other rows
+    for item, report in run.reports():  # unreadable reports already fail other rows
         if report is not None:
             cases.append((item.file, report.get("case") if isinstance(report, dict) else None))
     looser: list[str] = []
@@ -350,7 +344,7 @@ def _compare_stats(where: str, reported: Any, recomputed: dict[str, Any], path: 
     return problems
 
 
-def recompute(root: Path) -> tuple[Check, Check]:
+def recompute(run: Run) -> tuple[Check, Check]:
     """Regenerate inputs from each report's case and recompute drift from the raw tensors."""
     import torch
 
@@ -358,7 +352,7 @@ def recompute(root: Path) -> tuple[Check, Check]:
     from rl_engine.tensorio import read_raw_f32
     from rl_engine.campaign.inputs import inputs_sha256, make_inputs
 
-    planned, msg = _planned(root)
+    planned, msg = _planned(run)
     if msg:
         return Check("inputs regenerated", False, msg[0], msg), Check("oracle drift recomputed", False, msg[0], msg)
     input_problems: list[str] = []
@@ -368,7 +362,7 @@ def recompute(root: Path) -> tuple[Check, Check]:
     threads = torch.get_num_threads()
     try:
         for item in planned:
-            report, case = _report_case(item)
+            report, case = _report_case(run, item)
             if report is None or case is None:
                 input_problems.append(f"{item.file}: case: unreadable report or case")
                 continue
@@ -422,16 +416,16 @@ def recompute(root: Path) -> tuple[Check, Check]:
     return inputs, drift_check
 
 
-def check_arithmetic_spec(root: Path) -> Check:
+def check_arithmetic_spec(run: Run) -> Check:
     """Every planned report names this installation's arithmetic specification."""
     from rl_engine.logprob.portable import SPEC_VERSION
 
-    planned, msg = _planned(root)
+    planned, msg = _planned(run)
     if msg:
         return Check("arithmetic spec", False, msg[0], msg)
     problems = []
     for item in planned:
-        report, _ = load_json(item.path)
+        report = run.report(item)
         got = report.get("arithmetic_spec") if isinstance(report, dict) else None
         if got != SPEC_VERSION:
             problems.append(f"{item.file}: arithmetic_spec: {got!r}, but this verifier implements "
@@ -455,15 +449,16 @@ def _first_difference(name: str, archived: Any, replayed: Any) -> str:
             f"(0x{int(b[index]) & 0xFFFFFFFF:08x})")
 
 
-def replay(root: Path) -> Check:
+def replay(run: Run) -> Check:
     """Recompute the candidate at TP=1 and require byte equality with every topology."""
     import torch
 
     from rl_engine.tensorio import read_raw_f32, tensor_bytes
-    from rl_engine.campaign.replay import ARITH_BACKENDS, REFERENCE_BACKEND, REPLAYED, replay_candidate
+    from rl_engine.campaign.replay import ARITH_BACKENDS, REFERENCE_BACKEND, replay_candidate
+    from rl_engine.rundir import TENSOR_NAMES
 
     name = "candidate replayed"
-    planned, msg = _planned(root)
+    planned, msg = _planned(run)
     if msg:
         return Check(name, False, msg[0], msg)
     problems: list[str] = []
@@ -471,7 +466,7 @@ def replay(root: Path) -> Check:
     compared = 0
     try:
         for item in planned:
-            report, case = _report_case(item)
+            report, case = _report_case(run, item)
             if report is None or case is None:
                 problems.append(f"{item.file}: case: unreadable report or case")
                 continue
@@ -482,7 +477,7 @@ def replay(root: Path) -> Check:
                 by = REFERENCE_BACKEND if case.get("backend") in ARITH_BACKENDS else None
                 cache[key] = replay_candidate(case, backend=by)
             again = cache[key]
-            for tensor in REPLAYED:
+            for tensor in TENSOR_NAMES:
                 try:
                     archived = read_raw_f32(item.path.parent / report["tensors"][tensor]["path"])
                 except (KeyError, TypeError, OSError, ValueError) as exc:
@@ -548,35 +543,36 @@ def _checks_of_extracted(extracted: Extracted, recompute_drift: bool, accept_loo
     """The tested commit and case, the run name, then checks 4-12 on an extracted archive (module docstring)."""
     checks: list[Check] = []
     root = extracted.root
-    checks.append(tested_note(root))
-    checks.append(check_run_name(root, extracted.top))
+    run = Run.load(root)
+    checks.append(tested_note(run))
+    checks.append(check_run_name(run, extracted.top))
     checks.append(check_sums(root, extracted.files, extracted.top))
     shipped = root / SCHEMA_DIR
-    validation = validate_run(root, shipped, gates=True)
+    validation = validate_run(run, shipped, gates=True)
     checks.append(_from_findings("JSON schemas (shipped)", [*validation.load, *validation.schema],
                                  f"every artifact valid against {extracted.top}/{SCHEMA_DIR}/ and strict JSON"))
     checks.append(_from_findings("focused regression", list(validation.regression), "tests ran, none failed"))
     n_reports = len(validation.result.get("reports", []))
     checks.append(_from_findings("report acceptance", list(validation.acceptance),
                                  f"{n_reports} reports accepted; raw tensors match their fingerprints"))
-    cross, cross_found = crosscheck_run(root)
+    cross, cross_found = crosscheck_run(run)
     checks.append(_from_findings("cross-topology fingerprints", cross_found,
                                  f"{len(cross['topologies'])} topologies bitwise identical "
                                  f"({len(cross['fields'])} fields)"))
     gates = list(validation.gates)
-    recorded, _ = load_json(root / "validation.json")
+    recorded = run.doc(VALIDATION)
     shipped_hashes = validation.result.get("schemas")
     if isinstance(recorded, dict) and recorded.get("schemas") != shipped_hashes:
         gates.append(Finding("validation.json", "schemas", "the recorded validation used schemas other than "
                              f"the ones shipped in {extracted.top}/{SCHEMA_DIR}/"))
     checks.append(_from_findings("recorded gates", gates, "validation.json and crosscheck.json passed, "
                                  "with the shipped schemas"))
-    checks.append(check_summary(root))
-    checks.append(check_tolerances(root, accept_looser))
-    checks.append(check_arithmetic_spec(root))
+    checks.append(check_summary(run))
+    checks.append(check_tolerances(run, accept_looser))
+    checks.append(check_arithmetic_spec(run))
     if recompute_drift:
-        checks.extend(recompute(root))
-        checks.append(replay(root))
+        checks.extend(recompute(run))
+        checks.append(replay(run))
     if shipped.is_dir():
         checks.append(schema_note(shipped))
     return checks

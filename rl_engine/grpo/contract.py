@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from rl_engine.validators import choice_problem, int_problem, require
 from rl_engine.distributed.bounds import token_indices
 from rl_engine.distributed.mesh import ParallelDims
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
@@ -55,12 +56,7 @@ class GRPOContractError(ValueError):
 
 
 def _require_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise GRPOContractError(
-            f"{name}={value!r} must be an integer (got {type(value).__name__})"
-        )
-    if value < minimum:
-        raise GRPOContractError(f"{name}={value} must be >= {minimum}")
+    require(int_problem(name, value, minimum), GRPOContractError)
 
 
 def _require_real(name: str, value: Any) -> float:
@@ -75,8 +71,7 @@ def _require_real(name: str, value: Any) -> float:
 
 
 def _require_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise GRPOContractError(f"{name}={value!r} is not supported; use one of {list(choices)}")
+    require(choice_problem(name, value, choices), GRPOContractError)
 
 
 def even_sequence_split(num_sequences: int, dp: int) -> tuple[tuple[int, int], ...]:

@@ -262,7 +262,10 @@ def _assemble(
     return tokens, rewards
 
 
-class _GatherTokens(torch.autograd.Function):
+class _GatherGlobalBatch(torch.autograd.Function):
+    """The loss's per-token columns (logp with its autograd link, the other columns, the rewards) from
+    every rank of the group, in global order: what :func:`gather_global` returns as a GlobalBatch."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
@@ -311,7 +314,7 @@ def gather_global(
     ]
     if local_ref_logp is not None:
         rest.append(torch.where(local_active, local_ref_logp.detach(), zeros))
-    logp, rest_global, rewards = _GatherTokens.apply(
+    logp, rest_global, rewards = _GatherGlobalBatch.apply(
         local_logp, torch.stack(rest, dim=1), local_rewards.detach(), contract, group
     )
     return GlobalBatch(

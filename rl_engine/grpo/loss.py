@@ -35,7 +35,7 @@ from rl_engine.grpo.objective import (
     reduce_tokens,
     token_terms,
 )
-from rl_engine.campaign.tables import AUTO
+from rl_engine.tables import AUTO
 from rl_engine.logprob.contract import LogprobContractError
 from rl_engine.logprob.registry import dispatch
 from rl_engine.logprob.vocab_parallel import real_rows_finite

@@ -20,7 +20,7 @@ from rl_engine.distributed.bounds import token_indices
 from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
-from rl_engine.campaign.tables import AUTO
+from rl_engine.tables import AUTO
 from rl_engine.logprob.registry import dispatch
 from rl_engine.logprob.vocab_parallel import LogprobOutput
 
@@ -113,7 +113,9 @@ def _rank_index(contract: LogprobContract, cp_rank: int, device: torch.device) -
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
-class _GatherTokens(torch.autograd.Function):
+class _GatherCPTokens(torch.autograd.Function):
+    """One tensor's rows from every CP rank, placed in global token order; backward returns each rank its rows."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, local: torch.Tensor, contract: LogprobContract, group: Any
@@ -185,7 +187,7 @@ def gather_tokens(local: torch.Tensor, contract: LogprobContract, group: Any = N
         agree(record, group, device, role="CP", hints=GATHER_HINTS)
     elif verdict is not None:
         raise LogprobContractError(verdict)
-    return _GatherTokens.apply(local, contract, group)
+    return _GatherCPTokens.apply(local, contract, group)
 
 
 __all__ = ["gather_tokens", "selected_logprob"]

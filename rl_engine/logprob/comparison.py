@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.campaign.tables import DEFAULT_TOLERANCES, GATING_ORACLE
+from rl_engine.tables import DEFAULT_TOLERANCES, GATING_ORACLE
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract
 from rl_engine.logprob.oracle import fp32_oracle, fp64_oracle
 from rl_engine.logprob.registry import Dispatch, dispatch

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from rl_engine.campaign.tables import DTYPES, TORCH_DTYPE_NAMES
+from rl_engine.validators import choice_problem, int_problem, require
+from rl_engine.tables import DTYPES, TORCH_DTYPE_NAMES
 from rl_engine.distributed.bounds import (
     CP_LAYOUTS,
     BoundsError,
@@ -41,17 +42,11 @@ class LogprobContractError(ValueError):
 
 
 def _require_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise LogprobContractError(
-            f"{name}={value!r} must be an integer (got {type(value).__name__})"
-        )
-    if value < minimum:
-        raise LogprobContractError(f"{name}={value} must be >= {minimum}")
+    require(int_problem(name, value, minimum), LogprobContractError)
 
 
 def _require_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise LogprobContractError(f"{name}={value!r} is not supported; use one of {list(choices)}")
+    require(choice_problem(name, value, choices), LogprobContractError)
 
 
 def _shard_bounds(value: Any) -> tuple[tuple[int, int], ...]:

@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import torch
 
-from rl_engine.campaign.tables import FUSED_CPU_BACKEND
+from rl_engine.tables import FUSED_CPU_BACKEND
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.vocab_parallel import (
     BackwardTerms,

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.campaign.tables import TRITON_BACKEND, TRITON_MODE_ENV
+from rl_engine.tables import TRITON_BACKEND, TRITON_MODE_ENV
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.vocab_parallel import (
     BackwardTerms,

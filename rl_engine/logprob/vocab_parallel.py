@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rl_engine.campaign.tables import EAGER_BACKEND
+from rl_engine.tables import EAGER_BACKEND
 from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.chunk_threads import for_each_chunk
 from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, tensor_digest

@@ -3,31 +3,25 @@
 # summary and the archive; a file no rule declares is never packed. The archive's own logs live
 # outside the run directory.
 
-STAGE_LOGS = [
-    f"{RUN}/logs/{stage}.log"
-    for stage in ("environment", "regression", "case", "plan", *[t.stem for t in TOPOLOGIES], "validation", "crosscheck",
-                  "summary")
-]
-
 
 rule archive:
     input:
-        environment=[f"{RUN}/environment.json", f"{RUN}/environment.txt"],
-        regression=[f"{RUN}/regression.json", f"{RUN}/pytest-focused.log", f"{RUN}/pytest-junit.xml"],
-        case=f"{RUN}/case.json",
-        plan=f"{RUN}/plan.json",
+        environment=[str(p) for p in STAGE_OF["environment"].outputs],
+        regression=[str(p) for p in STAGE_OF["regression"].outputs],
+        case=stage_output("case"),
+        plan=stage_output("plan"),
         reports=REPORTS,
         tensors=TENSORS,
-        validation=f"{RUN}/validation.json",
-        crosscheck=f"{RUN}/crosscheck.json",
-        summary=f"{RUN}/SUMMARY.md",
+        validation=stage_output("validation"),
+        crosscheck=stage_output("crosscheck"),
+        summary=stage_output("summary"),
         logs=STAGE_LOGS,
         schemas=SCHEMAS,
     output:
-        archive=f"results/{RUN_NAME}.tar.gz",
-        checksum=f"results/{RUN_NAME}.tar.gz.sha256",
+        archive=stage_output("archive", 0),
+        checksum=stage_output("archive", 1),
     log:
-        f"results/logs/{RUN_NAME}-archive.log",
+        stage_log("archive"),
     params:
         run=lambda wildcards, input: os.path.dirname(input.summary),
     conda:
@@ -41,12 +35,12 @@ rule archive:
 
 rule verify_archive:
     input:
-        archive=f"results/{RUN_NAME}.tar.gz",
-        checksum=f"results/{RUN_NAME}.tar.gz.sha256",
+        archive=stage_output("archive", 0),
+        checksum=stage_output("archive", 1),
     output:
-        f"results/{RUN_NAME}.verify.json",
+        stage_output("verify_archive"),
     log:
-        f"results/logs/{RUN_NAME}-verify.log",
+        stage_log("verify_archive"),
     conda:
         "../envs/rl_engine.yaml"
     shell:

@@ -1,12 +1,12 @@
 rule crosscheck:
     input:
-        validation=f"{RUN}/validation.json",
+        validation=stage_output("validation"),
         reports=REPORTS,
         tensors=TENSORS,
     output:
-        f"{RUN}/crosscheck.json",
+        stage_output("crosscheck"),
     log:
-        f"{RUN}/logs/crosscheck.log",
+        stage_log("crosscheck"),
     params:
         run=lambda wildcards, output: os.path.dirname(output[0]),
     conda:

@@ -1,9 +1,9 @@
 rule environment:
     output:
-        json=f"{RUN}/environment.json",
-        txt=f"{RUN}/environment.txt",
+        json=stage_output("environment", 0),
+        txt=stage_output("environment", 1),
     log:
-        f"{RUN}/logs/environment.log",
+        stage_log("environment"),
     params:
         run=lambda wildcards, output: os.path.dirname(output.json),
         repo=REPO,

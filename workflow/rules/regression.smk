@@ -7,11 +7,11 @@ rule regression:
         tests=config["regression"]["tests"],
         sources=SOURCES,
     output:
-        json=f"{RUN}/regression.json",
-        log=f"{RUN}/pytest-focused.log",
-        junit=f"{RUN}/pytest-junit.xml",
+        json=stage_output("regression", 0),
+        log=stage_output("regression", 1),
+        junit=stage_output("regression", 2),
     log:
-        f"{RUN}/logs/regression.log",
+        stage_log("regression"),
     params:
         run=lambda wildcards, output: os.path.dirname(output.json),
         extra=" ".join(

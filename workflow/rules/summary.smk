@@ -1,11 +1,11 @@
 rule summary:
     input:
-        validation=f"{RUN}/validation.json",
-        crosscheck=f"{RUN}/crosscheck.json",
+        validation=stage_output("validation"),
+        crosscheck=stage_output("crosscheck"),
     output:
-        f"{RUN}/SUMMARY.md",
+        stage_output("summary"),
     log:
-        f"{RUN}/logs/summary.log",
+        stage_log("summary"),
     params:
         run=lambda wildcards, output: os.path.dirname(output[0]),
     conda:

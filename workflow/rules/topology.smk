@@ -7,20 +7,17 @@
 # runtime from topology_timeout_s); the local executor ignores them. With more than one
 # node, launch runs one torchrun per node under srun and needs that Slurm job.
 
-from rl_engine.evidence.resources import topology_gpus
+from rl_engine.workflow import topology_gpus, topology_resource_functions
 
 
 rule topology:
     input:
-        plan=f"{RUN}/plan.json",
+        plan=stage_output("plan"),
         sources=SOURCES,
     output:
-        report=f"{RUN}/tp{{tp}}-cp{{cp}}.json",
-        logp=f"{RUN}/tp{{tp}}-cp{{cp}}.logp.f32",
-        lse=f"{RUN}/tp{{tp}}-cp{{cp}}.lse.f32",
-        entropy=f"{RUN}/tp{{tp}}-cp{{cp}}.entropy.f32",
+        **TOPOLOGY_OUTPUTS,
     log:
-        f"{RUN}/logs/tp{{tp}}-cp{{cp}}.log",
+        TOPOLOGY_LOG,
     wildcard_constraints:
         tp=r"[1-9][0-9]*",
         cp=r"[1-9][0-9]*",

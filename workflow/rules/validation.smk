@@ -1,22 +1,19 @@
-REPORTS = [f"{RUN}/{t.stem}.json" for t in TOPOLOGIES]
-TENSORS = [f"{RUN}/{t.stem}.{name}.f32" for t in TOPOLOGIES for name in ("logp", "lse", "entropy")]
-# What the gate validates against; the archive ships the same files (and validation.json records their hashes).
-SCHEMAS = sorted(str(p.relative_to(REPO)) for p in Path(REPO, "schemas").glob("*.schema.json"))
+# What the gate validates: every artifact against the schemas (SCHEMAS, common.smk), every report against the acceptance.
 
 
 rule validation:
     input:
-        environment=f"{RUN}/environment.json",
-        regression=f"{RUN}/regression.json",
-        case=f"{RUN}/case.json",
-        plan=f"{RUN}/plan.json",
+        environment=stage_output("environment"),
+        regression=stage_output("regression"),
+        case=stage_output("case"),
+        plan=stage_output("plan"),
         reports=REPORTS,
         tensors=TENSORS,
         schemas=SCHEMAS,
     output:
-        f"{RUN}/validation.json",
+        stage_output("validation"),
     log:
-        f"{RUN}/logs/validation.log",
+        stage_log("validation"),
     params:
         run=lambda wildcards, output: os.path.dirname(output[0]),
         schemas=lambda wildcards, input: os.path.dirname(input.schemas[0]),

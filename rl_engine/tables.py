@@ -1,7 +1,7 @@
 """The campaign's constant tables: the one place each of these facts is written.
 
-No imports, no torch: the case rules (:mod:`rl_engine.campaign.case`), the kernel's contract,
-registry and mesh, the gates and the workflow's config check all read their sets and defaults
+No imports, no torch, at the bottom of the layers: the case rules (:mod:`rl_engine.campaign.case`), the
+kernel's contract, registry and mesh, the gates and the workflow's config check all read their sets and defaults
 from here. The schemas in ``schemas/`` repeat some of them as enums for standard validators;
 ``tests/test_case.py`` fails when a schema and this table disagree.
 """
@@ -50,4 +50,4 @@ MIN_MATRIX_TOPOLOGIES = 2  # the cross-topology check compares at least two
 DEFAULT_TOPOLOGIES: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2))
 DEFAULT_PG_TIMEOUT_S = 120.0  # process-group timeout: a lost rank fails the collective
 
-SCHEMA_VERSION = "1"  # of case.json, plan.json and the reports
+SCHEMA_VERSION = "1"  # of every artifact rl_engine writes (case, plan, reports, gates, environment, regression, verify, bench, smoke)

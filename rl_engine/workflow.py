@@ -1,15 +1,23 @@
-"""The workflow's configuration: schema and campaign checks at parse time, and run naming.
+"""The one module ``workflow/Snakefile`` imports: config check, run name, Slurm resources, closing table.
 
-``check_config`` is what ``workflow/Snakefile`` calls before any rule exists, so
+Config: ``check_config`` is what ``workflow/Snakefile`` calls before any rule exists, so
 ``snakemake -n`` already refuses a campaign that cannot run. After the schema it runs the
 case's rules (:mod:`rl_engine.campaign.case`: the case's parameters, each topology, the
 matrix) on the config's values, and finally builds the case file (:func:`config_case`, what the
 case rule writes and the plan is built from), so a config that passes here cannot fail at plan
-time. Nothing here imports torch or builds a command. Every error names the
+time. Nothing here imports torch at import time or builds a command. Every error names the
 config key, the value and the fix, and says when the value came from ``--config`` rather than
 the config file. :func:`check_workflow_config` adds what only this machine can answer (CUDA for
 ``device: cuda``); it is what the Snakefile calls, so ``snakemake -n`` refuses a campaign that
 cannot run here before any job.
+
+Resources: what a topology job asks a cluster for (:func:`topology_resources`) and the GPU
+accounting of a local run (:func:`provide_gpus`).
+
+Closing: the console's last table (:func:`print_closing`), from the files the stages left.
+
+The run directory's file names and stage list are :mod:`rl_engine.rundir`'s; ``workflow/rules/
+common.smk`` builds the workflow's shared state from :func:`rl_engine.rundir.stages`.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import yaml
+from rich.console import Console
+from rich.table import Table
 
 from rl_engine import jsonio, schemas
 from rl_engine.evidence.casename import NOGIT, RunName, case_hash, resolved_case
@@ -30,15 +40,16 @@ from rl_engine.evidence.gitstate import GitStateError, read_git_state
 from rl_engine.campaign.case import (
     TOPOLOGY_FIELDS,
     Case,
-    PlanError,
+    CaseError,
     case_document,
     case_problems,
     check_topology,
     matrix_problem,
 )
-from rl_engine.campaign.case import parse_topologies as parse_topology_pairs
-from rl_engine.campaign.tables import DEVICE_DIST_BACKENDS
+from rl_engine.campaign import case as campaign_case
+from rl_engine.tables import DEVICE_DIST_BACKENDS
 from rl_engine.campaign.nodes import NodeLayout, fitting_ranks_per_node, layout_problem
+from rl_engine.rundir import Stage, Topology, run_stages, stages, topology_rule_files  # (the last two: for the workflow)
 
 SOURCE_PACKAGES = ("rl_engine",)
 RUNTIME_MARGIN_MIN = 5  # a topology job's Slurm time limit beyond topology_timeout_s
@@ -84,20 +95,6 @@ class Origin:
         return f"fix the value in {self.file_of.get(self.top(key), 'config.yaml')} (see schemas/config.schema.json)"
 
 
-@dataclass(frozen=True)
-class Topology:
-    tp: int
-    cp: int
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.cp
-
-    @property
-    def stem(self) -> str:
-        return f"tp{self.tp}-cp{self.cp}"
-
-
 def _key(path: Any) -> str:
     parts = [str(p) for p in path]
     return ".".join(parts) if parts else "<top level>"
@@ -130,8 +127,8 @@ def _non_finite(value: Any) -> list[tuple[str, float]]:
 def parse_topologies(items: list[str]) -> list[Topology]:
     """The config's ``topologies`` (``"<tp>x<cp>"`` strings), parsed by the runner's parser."""
     try:
-        return [Topology(tp, cp) for tp, cp in parse_topology_pairs(items)]
-    except PlanError as exc:
+        return [Topology(tp, cp) for tp, cp in campaign_case.parse_topologies(items)]
+    except CaseError as exc:
         raise WorkflowConfigError(f"config key 'topologies' has value {items!r}: {exc}") from None
 
 
@@ -180,7 +177,7 @@ def _campaign_problems(config: dict[str, Any], origin: Origin) -> list[str]:
         for index, topo in enumerate(pairs):
             try:
                 check_topology(topo.tp, topo.cp, **{name: values[name] for name in TOPOLOGY_FIELDS})
-            except PlanError as exc:
+            except CaseError as exc:
                 problems.append(f"{origin.describe(f'topologies[{index}]', config['topologies'][index])}: {exc}")
     problem = matrix_problem(len(pairs))
     if problem is not None:
@@ -198,7 +195,7 @@ def _campaign_problems(config: dict[str, Any], origin: Origin) -> list[str]:
         # the case rule's own path: a schema-valid case file, or this names why not
         try:
             document = case_document(Case(**values), tuple((t.tp, t.cp) for t in pairs))
-        except PlanError as exc:
+        except CaseError as exc:
             return [f"the runner refuses this campaign at plan time: {exc}; fix the config key it names"]
         problems += [f"the case file of this config does not match schemas/case.schema.json: {p}"
                      for p in schemas.errors(document, "case")]
@@ -349,6 +346,190 @@ def engine_sources(repo: str | Path) -> list[str]:
     for package in SOURCE_PACKAGES:
         found += [str(p.relative_to(repo)) for p in sorted((repo / package).rglob("*.py"))]
     return found
+
+
+# ----- GPU accounting ----------------------------------------------------------------------
+# GPU accounting for the topology rule: one GPU per rank on ``device: cuda``, none on the CPU.
+#
+# Each topology job claims ``gpus = tp * cp`` (:func:`topology_gpus`) when the campaign runs on
+# CUDA. Snakemake only limits a resource that the run provides, so :func:`register_gpus` provides
+# ``gpus`` = the GPUs this machine shows (``torch.cuda.device_count()``, which honours
+# ``CUDA_VISIBLE_DEVICES``) unless ``--resources gpus=N`` (command line or profile) already set it.
+# With ``--cores 8`` on a node with 8 GPUs, TP=4 x CP=2 then never runs beside another topology,
+# and two 4-rank topologies run together. Snakemake scales a claim larger than what is provided
+# down to it and starts the job anyway, so a topology with more ranks than GPUs would start ranks
+# without a GPU: :func:`provide_gpus` refuses it when the workflow is parsed, naming the topology.
+
+GPUS = "gpus"
+
+
+def topology_gpus(device: str, tp: int, cp: int) -> int:
+    """GPUs one ``tp x cp`` topology job occupies: one per rank on cuda, none on cpu."""
+    return tp * cp if device == "cuda" else 0
+
+
+def machine_gpus() -> int:
+    """GPUs this process can use (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def register_gpus(workflow: Any, device: str) -> int | None:
+    """Provide ``gpus`` to Snakemake's scheduler for a cuda campaign run on this machine.
+
+    Returns the registered count, or None when nothing was registered: a cpu campaign (no job
+    claims a GPU) or a run whose ``--resources`` (command line or profile) already names
+    ``gpus``. Snakemake picks its executor after it parses the workflow, so this cannot tell a
+    cluster run from a local one: a cluster profile sets ``resources: [gpus=N]`` itself.
+    """
+    if device != "cuda" or GPUS in workflow.global_resources:
+        return None
+    count = machine_gpus()
+    workflow.register_resource(GPUS, count)
+    return count
+
+
+def provided_gpus(workflow: Any) -> int:
+    """The ``gpus`` Snakemake provides (a ``Resource`` holds it in ``.value``)."""
+    held = workflow.global_resources[GPUS]
+    value = held.value if hasattr(held, "value") else held
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WorkflowConfigError(f"--resources gpus={value!r} must be an integer number of GPUs")
+    return value
+
+
+def provide_gpus(workflow: Any, config: dict[str, Any]) -> int | None:
+    """:func:`register_gpus`, then refuse a cuda topology with more ranks than the GPUs provided.
+
+    Returns the GPUs provided on cuda (None on cpu). Raises :class:`WorkflowConfigError` naming
+    each topology that needs more.
+    """
+    registered = register_gpus(workflow, config["device"])
+    if config["device"] != "cuda":
+        return None
+    provided = provided_gpus(workflow)
+    source = ("torch.cuda.device_count() on this machine" if registered is not None
+              else "--resources gpus (command line or profile)")
+    problems = [
+        f"config key 'topologies[{index}]' has value {config['topologies'][index]!r}: needs "
+        f"{topology_gpus('cuda', topo.tp, topo.cp)} GPUs (one per rank) but {provided} are provided ({source}); "
+        "Snakemake would scale the claim down and start ranks without a GPU: drop the topology, run on a node "
+        "with that many GPUs, or set --resources gpus=N for a cluster"
+        for index, topo in enumerate(parse_topologies(config["topologies"]))
+        if topology_gpus("cuda", topo.tp, topo.cp) > provided
+    ]
+    if problems:
+        raise WorkflowConfigError("; ".join(problems))
+    return provided
+
+
+# ----- the closing table -------------------------------------------------------------------
+# The workflow's closing message: the verdict, the archive, its SHA-256, SUMMARY.md, how to verify.
+#
+# ``workflow/Snakefile`` calls :func:`print_closing` from its ``onsuccess:`` and ``onerror:``
+# handlers, so the console's last table says what the run established. Everything is read from
+# the files the stages left (Snakemake deletes the outputs of a failed job), in stage order:
+#
+# * ``VERIFIED``: the verifier's ``results/<name>.verify.json`` passed, is not older than the
+#   archive it checked, and names it;
+# * ``FAILED at <stage>``: the run ended in an error and ``<stage>`` is the first stage whose
+#   output is missing (the gate that failed, or the stage that failed before it), with its log;
+# * ``INCOMPLETE``: the run succeeded but was asked for less than everything (explicit targets),
+#   and names the first stage not built.
+#
+# An archive at the final path that this run did not rebuild (it is older than this run's
+# evidence, or a gate before it failed) is shown as such, never as this run's result.
+# Snakemake calls no handler when there is nothing to be done and in a dry run.
+
+VERIFIED = "VERIFIED"
+
+
+@dataclass(frozen=True)
+class Closing:
+    """The verdict and the rows of the closing table (label, value)."""
+
+    verdict: str
+    rows: tuple[tuple[str, str], ...]
+
+    def __post_init__(self) -> None:
+        if not self.verdict:
+            raise ValueError("Closing.verdict must be non-empty")
+
+    def table(self) -> Table:
+        colour = "bold green" if self.verdict == VERIFIED else "bold red"
+        table = Table(title="rl_engine evidence workflow: result", title_justify="left", show_header=False)
+        table.add_column("Item", style="bold")
+        table.add_column("Value", overflow="fold")
+        table.add_row("Verdict", f"[{colour}]{self.verdict}[/]")
+        for label, value in self.rows:
+            table.add_row(label, value)
+        return table
+
+
+def _sha256_of(sidecar: Path) -> str:
+    try:
+        text = sidecar.read_text(encoding="utf-8").split()
+    except OSError:
+        return "(no .sha256 file)"
+    return text[0] if text else "(empty .sha256 file)"
+
+
+def closing(run: str | Path, topologies: list[Topology], succeeded: bool) -> Closing:
+    """The closing message of a run of ``run`` with ``topologies``; ``succeeded`` as Snakemake says."""
+    run = Path(run)
+    all_stages = stages(run, topologies)
+    stage_of = {s.rule: s for s in all_stages}  # (the topology stages share a rule; not looked up here)
+    summary_stage, archive_stage, verify_stage = stage_of["summary"], stage_of["archive"], stage_of["verify_archive"]
+    archive, sidecar = archive_stage.outputs
+    verify_json = verify_stage.outputs[0]
+    verify_cmd = f"python -m rl_engine verify {archive}"
+    first_missing = next((s for s in all_stages if s.missing()), None)
+    verified = None
+    if first_missing is None:
+        try:
+            result = jsonio.load(verify_json)
+            verified = (isinstance(result, dict) and result.get("passed") is True
+                        and result.get("archive") == archive.name
+                        and verify_json.stat().st_mtime_ns >= archive.stat().st_mtime_ns)
+        except (OSError, ValueError):
+            verified = False
+    rows: list[tuple[str, str]] = [("Run directory", f"{run}/")]
+    if verified:
+        verdict = VERIFIED
+    elif first_missing is None:
+        verdict = f"FAILED at verify_archive: {verify_json} does not record a pass for {archive.name}"
+        rows.append(("Log", str(verify_stage.log)))
+    else:
+        missing = ", ".join(p.name for p in first_missing.missing())
+        if succeeded:
+            verdict = f"INCOMPLETE: {first_missing.label} not built by this run (missing {missing})"
+        else:
+            verdict = f"FAILED at {first_missing.label} (missing {missing})"
+            rows.append(("Log", f"{first_missing.log}" + ("" if first_missing.log.is_file() else " (not written)")))
+    def done(stage: Stage) -> bool:  # built, and no stage before it is missing
+        return first_missing is None or all_stages.index(first_missing) > all_stages.index(stage)
+
+    built_here = done(archive_stage)
+    if archive.is_file() and built_here:
+        rows += [("Archive", str(archive)), ("SHA-256", _sha256_of(sidecar))]
+    elif archive.is_file():
+        rows.append(("Archive", f"none from this run; {archive} is from an earlier run of this case, older than "
+                                "this run's evidence, and is rebuilt once every gate passes"))
+    else:
+        rows.append(("Archive", "none: no archive is built until every stage before it passes"))
+    rows.append(("SUMMARY.md", str(summary_stage.outputs[0]) if done(summary_stage) else "not written by this run"))
+    rows.append(("Verify (reviewer)", verify_cmd if archive.is_file() and built_here else
+                 f"{verify_cmd}  (once the archive is built)"))
+    return Closing(verdict, tuple(rows))
+
+
+def print_closing(run: str | Path, topologies: list[Topology], succeeded: bool,
+                  console: Console | None = None) -> Closing:
+    """Print :func:`closing` as a rich table (what the Snakefile's handlers call) and return it."""
+    result = closing(run, topologies, succeeded)
+    (console or Console(width=160)).print(result.table())
+    return result
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,97 @@
+"""No import runs up the layers (issue 19): each module of rl_engine imports only its own layer or lower.
+
+The layers, lowest first (docs: /work/shared/DESIGN.md's layout):
+
+0. the foundations: ``tables`` (the constant tables), ``validators``, ``jsonio``, ``schemas``, ``tensorio``,
+   ``spec_numpy``, ``rundir`` (the run directory's names);
+1. the engine: ``logprob/`` and ``distributed/``;
+2. ``grpo/`` (the loss, built on the engine);
+3. ``campaign/`` (case, plan, runner, launch);
+4. ``evidence/`` (the checks);
+5. the tools on top: ``workflow`` (what the Snakefile imports), ``benchmark/``, ``gpu_smoke``,
+   ``testing/``, ``cli`` and ``__main__``.
+
+Every ``import``/``from ... import`` in the source is read with :mod:`ast`, those inside
+functions too (a deferred import is still a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "rl_engine"
+LAYERS: dict[str, int] = {
+    "tables": 0, "validators": 0, "jsonio": 0, "schemas": 0, "tensorio": 0, "spec_numpy": 0, "rundir": 0, "__init__": 0,
+    "logprob": 1, "distributed": 1,
+    "grpo": 2,
+    "campaign": 3,
+    "evidence": 4,
+    "workflow": 5, "benchmark": 5, "gpu_smoke": 5, "testing": 5, "cli": 5, "__main__": 5,
+}
+
+
+def unit_of(module: str) -> str:
+    """``rl_engine.logprob.api`` -> ``logprob``; ``rl_engine.tables`` -> ``tables``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imported(source: str) -> list[tuple[int, str]]:
+    """Every rl_engine module (or package) the source imports, with its line."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if alias.name.startswith("rl_engine")]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("rl_engine"):
+            if node.module == "rl_engine":  # from rl_engine import jsonio, workflow
+                found += [(node.lineno, f"rl_engine.{alias.name}") for alias in node.names]
+            else:
+                found.append((node.lineno, node.module))
+    return found
+
+
+def upward_imports(unit: str, source: str) -> list[str]:
+    """The imports of ``source`` (a module of ``unit``) from a layer above ``unit``'s."""
+    return [f"line {line}: {module} (layer {LAYERS[unit_of(module)]}) from {unit} (layer {LAYERS[unit]})"
+            for line, module in imported(source) if LAYERS[unit_of(module)] > LAYERS[unit]]
+
+
+def modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_module_has_a_layer() -> None:
+    units = {path.relative_to(PACKAGE).parts[0].removesuffix(".py") for path in modules()}
+    assert units <= set(LAYERS), sorted(units - set(LAYERS))
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_import_runs_up_the_layers(path: Path) -> None:
+    unit = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+    assert upward_imports(unit, path.read_text(encoding="utf-8")) == []
+
+
+def test_the_engine_imports_nothing_of_the_campaign_the_evidence_or_the_workflow() -> None:
+    """The issue's own statement, spelled out for logprob/ and distributed/."""
+    banned = ("rl_engine.campaign", "rl_engine.evidence", "rl_engine.workflow")
+    for path in modules():
+        if path.relative_to(PACKAGE).parts[0] in ("logprob", "distributed"):
+            bad = [m for _, m in imported(path.read_text(encoding="utf-8")) if m.startswith(banned)]
+            assert bad == [], (path, bad)
+
+
+def test_an_upward_import_is_found_negative_control() -> None:
+    """The checker fails what the layers forbid: deferred, aliased and ``from rl_engine import`` forms."""
+    source = (
+        "from rl_engine.tables import DTYPES\n"
+        "def f():\n"
+        "    from rl_engine.campaign.tables import X as Y\n"
+        "import rl_engine.evidence.verify\n"
+        "from rl_engine import workflow\n"
+    )
+    found = upward_imports("logprob", source)
+    assert sorted(text.split(":")[0] for text in found) == ["line 3", "line 4", "line 5"], found
+    assert upward_imports("workflow", source) == []
