@@ -7,8 +7,15 @@ from typing import Any
 
 import torch
 
-from rl_engine.logprob.contract import LogprobContract
-from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
+import pytest
+
+from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.logprob.vocab_parallel import (
+    EAGER_ENGINE,
+    LocalEngine,
+    VocabParallelLogprob,
+    backward_terms,
+)
 from rl_engine.tensorio import tensor_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -74,3 +81,41 @@ def _partial_bytes(t: torch.Tensor) -> bytes:
     if t.dtype.is_floating_point:
         t = torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
     return tensor_bytes(t)
+
+
+def assert_every_shard_matches(engine: LocalEngine, dtype: str, real: int, padded: int, tiles: int,
+                               rows: int, tp: int, flags: tuple[tuple[bool, bool], ...],
+                               bounds: tuple[tuple[int, int], ...] | None = None) -> None:
+    """Every TP rank's tile partials (per ``(entropy, validate)`` of ``flags``) and local
+    gradient from ``engine`` are the eager chunk loop's bytes."""
+    x, targets, active = _inputs(dtype, real, padded, rows, seed=tp)
+    lse = torch.randn(rows) + 5.0
+    g_logp, g_lse = torch.randn(rows), torch.randn(rows)
+    g_lse[1::4] = 0.0
+    extra = {"vocab_shard_bounds": bounds} if bounds is not None else {}
+    for rank in range(tp):
+        c = _contract(dtype, real, padded, tiles, rows, tp_world_size=tp, tp_rank=rank, **extra)
+        local = x[:, c.vocab_start:c.vocab_end].contiguous()
+        for entropy, validate in flags:
+            eager = EAGER_ENGINE.local_partials(local, c, 3, entropy, validate)
+            ours = engine.local_partials(local, c, 3, entropy, validate)
+            for a, b in zip(eager, ours):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert _partial_bytes(a) == _partial_bytes(b), (rank, entropy, validate)
+        terms = backward_terms(local, targets, active, lse, g_logp, g_lse, c)
+        eager_grad = EAGER_ENGINE.local_backward(local, lse, terms, 4)
+        assert tensor_bytes(engine.local_backward(local, lse, terms, 4)) == tensor_bytes(eager_grad), rank
+
+
+def refusal_messages(ops: list[Any], bad_value: float) -> list[str]:
+    """What each op raises for an active row holding ``bad_value`` in a real column."""
+    x, targets, active = _inputs("bf16", 1000, 1024, 6, seed=2, specials=False)
+    x[4, 17] = bad_value
+    contract = _contract("bf16", 1000, 1024, 8, 6)
+    messages = []
+    for op in ops:
+        with pytest.raises(LogprobContractError) as info:
+            op(x, targets, active, contract)
+        messages.append(str(info.value))
+    return messages

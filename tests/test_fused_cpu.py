@@ -37,11 +37,19 @@ from rl_engine.logprob.registry import BackendUnavailableError, dispatch
 from rl_engine.logprob.vocab_parallel import (
     EAGER_ENGINE,
     VocabParallelLogprob,
-    backward_terms,
 )
 from rl_engine.tensorio import fingerprint, tensor_bytes
 
-from _byte_cases import DTYPES, OUTPUTS, _contract, _inputs, _partial_bytes, _run  # noqa: F401
+from _byte_cases import (  # noqa: F401
+    DTYPES,
+    OUTPUTS,
+    _contract,
+    _inputs,
+    _partial_bytes,
+    _run,
+    assert_every_shard_matches,
+    refusal_messages,
+)
 
 # (real, padded, tiles, rows): tile widths 128, 143 (odd, padding inside a tile), 1, 3,
 # 2374 (the default case), and row counts 1, 5, 7, 17
@@ -157,25 +165,8 @@ def test_exp_arguments_near_the_spec_boundaries_in_both_kernels(isa: str) -> Non
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_every_tp_shard_computes_the_eager_partials_and_gradient(dtype: str, tp: int) -> None:
     # real 900 of 1024 columns in 16 tiles: at TP=8 rank 7 holds padding only
-    real, padded, tiles, rows = 900, 1024, 16, 9
-    x, targets, active = _inputs(dtype, real, padded, rows, seed=tp)
-    lse = torch.randn(rows) + 5.0
-    g_logp, g_lse = torch.randn(rows), torch.randn(rows)
-    g_lse[1::4] = 0.0
-    for rank in range(tp):
-        c = _contract(dtype, real, padded, tiles, rows, tp_world_size=tp, tp_rank=rank)
-        local = x[:, c.vocab_start:c.vocab_end].contiguous()
-        for entropy, validate in itertools.product((True, False), (True, False)):
-            eager = EAGER_ENGINE.local_partials(local, c, 3, entropy, validate)
-            fused = FusedCpuEngine(threads=2).local_partials(local, c, 3, entropy, validate)
-            for a, b in zip(eager, fused):
-                assert (a is None) == (b is None)
-                if a is not None:
-                    assert _partial_bytes(a) == _partial_bytes(b), (rank, entropy, validate)
-        terms = backward_terms(local, targets, active, lse, g_logp, g_lse, c)
-        eager_grad = EAGER_ENGINE.local_backward(local, lse, terms, 4)
-        fused_grad = FusedCpuEngine(threads=2).local_backward(local, lse, terms, 4)
-        assert tensor_bytes(fused_grad) == tensor_bytes(eager_grad), rank
+    assert_every_shard_matches(FusedCpuEngine(threads=2), dtype, 900, 1024, 16, 9, tp,
+                               tuple(itertools.product((True, False), (True, False))))
 
 
 # ----- instruction-set variants ---------------------------------------------------------------
@@ -366,14 +357,7 @@ def test_cpu_only_tensors_and_bad_options_are_refused() -> None:
 
 
 def test_non_finite_active_row_raises_the_eager_message() -> None:
-    x, targets, active = _inputs("bf16", 1000, 1024, 6, seed=2, specials=False)
-    x[4, 17] = float("nan")
-    contract = _contract("bf16", 1000, 1024, 8, 6)
-    messages = []
-    for op in (VocabParallelLogprob(), FusedCpuLogprob()):
-        with pytest.raises(LogprobContractError) as info:
-            op(x, targets, active, contract)
-        messages.append(str(info.value))
+    messages = refusal_messages([VocabParallelLogprob(), FusedCpuLogprob()], float("nan"))
     assert messages[0] == messages[1] and "row 4" in messages[0]
 
 

@@ -2,8 +2,9 @@
 
 Quick: the script's commands (``DRY_RUN=1``) fetch every ``[project]`` dependency but torch,
 with the constraints file, plus setuptools for the offline build and this commit as a source
-archive. Slow: the script really runs for Python 3.12, and the folder it writes resolves every
-dependency for Python 3.12 with no index at all (what the offline ``pip install --no-index``
+archive. Opt-in (``RL_ENGINE_FETCH_TESTS=1``: it fetches about 50 MB, 4 minutes here): the script
+really runs for Python 3.12, and the folder it writes resolves every dependency for Python 3.12
+with no index at all (what the offline ``pip install --no-index``
 on the GPU machine needs; torch and Triton are the machine's own).
 """
 
@@ -39,6 +40,9 @@ def test_the_script_fetches_every_dependency_but_torch(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("RL_ENGINE_FETCH_TESTS") != "1",
+                    reason="fetches about 50 MB from the package index (4 min on 2 loaded cores); "
+                           "set RL_ENGINE_FETCH_TESTS=1 to run it")
 def test_the_fetched_folder_resolves_offline_for_python_3_12(tmp_path: Path) -> None:
     out = tmp_path / "wheels"
     subprocess.run(["bash", str(SCRIPT), str(out), "3.12"], cwd=REPO, check=True,

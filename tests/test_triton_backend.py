@@ -41,10 +41,17 @@ from rl_engine.logprob.triton_backend import (  # noqa: E402
     TritonLogprob,
     load_kernels,
 )
-from rl_engine.logprob.vocab_parallel import EAGER_ENGINE, VocabParallelLogprob, backward_terms  # noqa: E402
-from rl_engine.tensorio import tensor_bytes  # noqa: E402
+from rl_engine.logprob.vocab_parallel import EAGER_ENGINE, VocabParallelLogprob  # noqa: E402
 
-from _byte_cases import OUTPUTS, _contract, _inputs, _partial_bytes, _run  # noqa: E402
+from _byte_cases import (  # noqa: E402
+    OUTPUTS,
+    _contract,
+    _inputs,
+    _partial_bytes,
+    _run,
+    assert_every_shard_matches,
+    refusal_messages,
+)
 
 INTERP = "interpreter"
 # NumPy warns about the IEEE special values the kernels compute on purpose (inf - inf, NaN casts)
@@ -112,41 +119,16 @@ def test_every_tp_shard_computes_the_eager_partials_and_gradient(tp: int) -> Non
     # real 890 of 1024 columns in 16 tiles of 64: uneven shards (given as vocab_shard_bounds)
     # at TP=3, 5, 6, 7; the last rank holds padding only at TP=8. The dtype cycles with the
     # degree (every dtype at several degrees).
-    dtype = ("bf16", "fp16", "fp32")[tp % 3]
-    real, padded, tiles, rows = 890, 1024, 16, 5
+    tiles = 16
     counts = [tiles // tp + (r < tiles % tp) for r in range(tp)]
     edges = [64 * sum(counts[:r]) for r in range(tp + 1)]
-    bounds = tuple(zip(edges[:-1], edges[1:]))
-    x, targets, active = _inputs(dtype, real, padded, rows, seed=tp)
-    lse = torch.randn(rows) + 5.0
-    g_logp, g_lse = torch.randn(rows), torch.randn(rows)
-    g_lse[1::4] = 0.0
-    for rank in range(tp):
-        c = _contract(dtype, real, padded, tiles, rows, tp_world_size=tp, tp_rank=rank,
-                      vocab_shard_bounds=bounds)
-        local = x[:, c.vocab_start:c.vocab_end].contiguous()
-        for entropy, validate in ((True, True), (False, False)):
-            eager = EAGER_ENGINE.local_partials(local, c, 3, entropy, validate)
-            ours = TritonEngine(INTERP).local_partials(local, c, 3, entropy, validate)
-            for a, b in zip(eager, ours):
-                assert (a is None) == (b is None)
-                if a is not None:
-                    assert _partial_bytes(a) == _partial_bytes(b), (rank, entropy, validate)
-        terms = backward_terms(local, targets, active, lse, g_logp, g_lse, c)
-        eager_grad = EAGER_ENGINE.local_backward(local, lse, terms, 4)
-        assert tensor_bytes(TritonEngine(INTERP).local_backward(local, lse, terms, 4)) == \
-            tensor_bytes(eager_grad), rank
+    assert_every_shard_matches(TritonEngine(INTERP), ("bf16", "fp16", "fp32")[tp % 3], 890, 1024,
+                               tiles, 5, tp, ((True, True), (False, False)),
+                               tuple(zip(edges[:-1], edges[1:])))
 
 
 def test_validation_flags_a_non_finite_real_column_with_the_eager_message() -> None:
-    x, targets, active = _inputs("bf16", 1000, 1024, 6, seed=2, specials=False)
-    x[4, 17] = float("inf")
-    contract = _contract("bf16", 1000, 1024, 8, 6)
-    messages = []
-    for op in (VocabParallelLogprob(), _triton()):
-        with pytest.raises(LogprobContractError) as info:
-            op(x, targets, active, contract)
-        messages.append(str(info.value))
+    messages = refusal_messages([VocabParallelLogprob(), _triton()], float("inf"))
     assert messages[0] == messages[1] and "row 4" in messages[0]
 
 
