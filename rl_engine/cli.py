@@ -23,6 +23,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "verify": ("rl_engine.evidence.verify", "verify an archive offline"),
     "check-config": ("rl_engine.workflow", "validate config.yaml against its schema"),
     "bench": ("rl_engine.benchmark.cli", "benchmark every backend vs naive vs floor"),
+    "parity": ("rl_engine.capture.parity", "compare a rollout engine's and a trainer's captured logits and logprobs"),
     "gpu-smoke": ("rl_engine.gpu_smoke", "campaign on cuda == the same case on the CPU, and forward timing"),
 }
 

@@ -1,0 +1,394 @@
+"""The capture file: one engine's logits, targets and mask of a token batch, in safetensors.
+
+A capture is a safetensors file (``docs/capture.md``) holding
+
+* ``logits``: ``[tokens, vocab]``, bf16, fp16 or fp32, finite;
+* ``targets``: ``[tokens]``, int64; on active tokens within ``[0, vocab)``;
+* ``active``: ``[tokens]``, bool, at least one true;
+* ``reported_logp`` (optional): ``[tokens]``, fp32, finite on active tokens: what the engine
+  itself reported for each target;
+
+and, in the header's ``__metadata__`` (strings only, as safetensors requires), ``format``
+(:data:`FORMAT`), ``engine``, ``engine_version``, ``model``, ``dtype`` (the logits' dtype
+name), ``tp`` (the engine's TP degree, a positive decimal) and ``notes`` (free text).
+
+:func:`read_capture` checks the file before any tensor is used: the header is parsed and
+checked here (sizes, offsets, dtypes, shapes), so a truncated or padded file is refused with
+its byte counts instead of a library's message, then the values are checked. Every refusal
+is a :class:`CaptureError` naming the tensor (or metadata key), the value and the fix.
+:func:`write_capture` runs the same checks and writes atomically: a refused capture leaves
+nothing at the path.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Mapping
+
+import torch
+
+from rl_engine import jsonio
+
+FORMAT = "rl-engine-capture/1"
+LOGITS = "logits"
+TARGETS = "targets"
+ACTIVE = "active"
+REPORTED = "reported_logp"
+TENSORS = (LOGITS, TARGETS, ACTIVE, REPORTED)
+REQUIRED_TENSORS = (LOGITS, TARGETS, ACTIVE)
+METADATA_KEYS = ("format", "engine", "engine_version", "model", "dtype", "tp", "notes")
+
+# safetensors dtype codes <-> torch dtypes, and the logits dtype names of the project.
+ST_DTYPES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+    "I64": torch.int64, "BOOL": torch.bool,
+}
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "BOOL": 1}
+LOGITS_ST = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+DTYPE_NAMES = {v: k for k, v in {"bf16": torch.bfloat16, "fp16": torch.float16,
+                                 "fp32": torch.float32}.items()}
+_EXPECTED_ST = {TARGETS: "I64", ACTIVE: "BOOL", REPORTED: "F32"}
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own cap on the JSON header
+
+
+class CaptureError(ValueError):
+    """A capture (file or tensors) that does not follow the format; names the tensor and the fix."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor's record in a safetensors header."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """A checked safetensors header: entries by name, metadata, and where the data starts."""
+
+    entries: dict[str, TensorEntry]
+    metadata: dict[str, str]
+    data_start: int
+    file_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.entries[LOGITS].shape[0]
+
+    @property
+    def vocab(self) -> int:
+        return self.entries[LOGITS].shape[1]
+
+    @property
+    def logits_dtype(self) -> str:
+        return LOGITS_ST[self.entries[LOGITS].dtype]
+
+
+def _check_metadata(metadata: Mapping[str, Any], logits_dtype: str, where: str) -> dict[str, str]:
+    meta = dict(metadata)
+    missing = [k for k in METADATA_KEYS if k not in meta]
+    if missing:
+        raise CaptureError(f"{where}: metadata is missing {missing}; write the capture with "
+                           "rl_engine.capture.write_capture (it fills format and dtype) and give "
+                           "engine, engine_version, model, tp and notes")
+    unknown = sorted(set(meta) - set(METADATA_KEYS))
+    if unknown:
+        raise CaptureError(f"{where}: metadata has unknown keys {unknown}; the keys are "
+                           f"{list(METADATA_KEYS)} (put anything else in notes)")
+    for key, value in meta.items():
+        if not isinstance(value, str):
+            raise CaptureError(f"{where}: metadata {key}={value!r} must be a string")
+    if meta["format"] != FORMAT:
+        raise CaptureError(f"{where}: metadata format={meta['format']!r} is not {FORMAT!r}; "
+                           "this reader knows only that format")
+    for key in ("engine", "engine_version", "model"):
+        if not meta[key].strip():
+            raise CaptureError(f"{where}: metadata {key}={meta[key]!r} is empty; name it "
+                               "(write 'unknown' when you do not know)")
+    if not (meta["tp"].isdecimal() and meta["tp"].isascii() and int(meta["tp"]) >= 1
+            and meta["tp"] == str(int(meta["tp"]))):
+        raise CaptureError(f"{where}: metadata tp={meta['tp']!r} must be the engine's TP degree "
+                           "as a positive decimal such as '1'")
+    if meta["dtype"] != logits_dtype:
+        raise CaptureError(f"{where}: metadata dtype={meta['dtype']!r} disagrees with tensor "
+                           f"logits, which is {logits_dtype}; a capture records the logits' "
+                           "own dtype: fix the metadata or the tensor")
+    return meta
+
+
+def _dtype_rule(name: str) -> str:
+    if name == LOGITS:
+        return "it must be BF16, F16 or F32 (bf16, fp16, fp32): the logits as the LM head gave them"
+    if name in _EXPECTED_ST:
+        want = _EXPECTED_ST[name]
+        hint = (" (targets are token ids: a float targets tensor is refused, NaN or not)"
+                if name == TARGETS else "")
+        return (f"it must be {want}{hint}: convert it before writing (e.g. .to(torch."
+                f"{str(ST_DTYPES[want]).replace('torch.', '')}))")
+    return f"a capture holds only {list(TENSORS)}"
+
+
+def _entry(name: str, raw: Any, where: str) -> TensorEntry:
+    if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
+        raise CaptureError(f"{where}: tensor {name}: header record {raw!r} is not a safetensors "
+                           "record (dtype, shape, data_offsets); rewrite the file with safetensors")
+    dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
+    if dtype not in ST_DTYPES:
+        raise CaptureError(f"{where}: tensor {name} has dtype {dtype}; {_dtype_rule(name)}")
+    if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
+            or not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
+        raise CaptureError(f"{where}: tensor {name}: shape {shape!r} or data_offsets {offsets!r} "
+                           "is malformed; rewrite the file with safetensors")
+    count = 1
+    for d in shape:
+        count *= d
+    if offsets[1] - offsets[0] != count * _ITEMSIZE[dtype]:
+        raise CaptureError(f"{where}: tensor {name}: data_offsets {offsets} hold "
+                           f"{offsets[1] - offsets[0]} bytes, but shape {shape} of {dtype} needs "
+                           f"{count * _ITEMSIZE[dtype]}; the file is damaged: capture it again")
+    return TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def _check_layout(entries: dict[str, TensorEntry], where: str) -> None:
+    missing = [n for n in REQUIRED_TENSORS if n not in entries]
+    if missing:
+        raise CaptureError(f"{where}: tensor(s) {missing} missing; a capture holds {list(REQUIRED_TENSORS)} "
+                           f"and optionally {REPORTED!r}")
+    unknown = sorted(set(entries) - set(TENSORS))
+    if unknown:
+        raise CaptureError(f"{where}: unknown tensor(s) {unknown}; a capture holds only {list(TENSORS)}")
+    logits = entries[LOGITS]
+    if logits.dtype not in LOGITS_ST:
+        raise CaptureError(f"{where}: tensor logits has dtype {logits.dtype}; {_dtype_rule(LOGITS)}")
+    if len(logits.shape) != 2 or logits.shape[0] < 1 or logits.shape[1] < 2:
+        raise CaptureError(f"{where}: tensor logits has shape {list(logits.shape)}; it must be "
+                           "[tokens, vocab] with tokens >= 1 and vocab >= 2: flatten [batch, seq, "
+                           "vocab] to [batch * seq, vocab]")
+    for name, want in _EXPECTED_ST.items():
+        entry = entries.get(name)
+        if entry is None:
+            continue
+        if entry.dtype != want:
+            raise CaptureError(f"{where}: tensor {name} has dtype {entry.dtype}; {_dtype_rule(name)}")
+        if entry.shape != (logits.shape[0],):
+            raise CaptureError(f"{where}: tensor {name} has shape {list(entry.shape)}; it must be "
+                               f"[{logits.shape[0]}] (one per row of logits)")
+
+
+def read_header(path: str | os.PathLike[str]) -> Header:
+    """Parse and check a capture's safetensors header without reading the tensors."""
+    with open(path, "rb") as handle:
+        return parse_header(handle, os.path.getsize(path), str(path))
+
+
+def parse_header(handle: BinaryIO, size: int, where: str) -> Header:
+    """:func:`read_header` of an open binary file (or buffer) of ``size`` bytes."""
+    head = handle.read(8)
+    if len(head) < 8:
+        raise CaptureError(f"{where}: {size} bytes is too short for a safetensors file (the "
+                           "8-byte header length is missing): the file is truncated, copy it again")
+    (length,) = struct.unpack("<Q", head)
+    if length > MAX_HEADER_BYTES or 8 + length > size:
+        raise CaptureError(f"{where}: the header claims {length} bytes but the file has "
+                           f"{size - 8} after the length field: the file is truncated or not "
+                           "a safetensors file; copy or capture it again")
+    text = handle.read(length)
+    try:
+        raw = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CaptureError(f"{where}: the safetensors header is not JSON ({exc}): the file is "
+                           "damaged or not a capture") from None
+    if not isinstance(raw, dict):
+        raise CaptureError(f"{where}: the safetensors header is not an object: not a capture")
+    metadata = raw.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CaptureError(f"{where}: __metadata__={metadata!r} must be an object of strings")
+    entries = {name: _entry(name, rec, where) for name, rec in raw.items()}
+    _check_layout(entries, where)
+    data_start = 8 + length
+    end = 0
+    for entry in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if entry.begin != end:
+            raise CaptureError(f"{where}: tensor {entry.name} starts at data byte {entry.begin}, "
+                               f"but the tensor before it ends at {end}: tensors must follow each "
+                               "other without gaps or overlaps; the file is damaged, capture it again")
+        end = entry.end
+    if data_start + end != size:
+        state = "truncated" if data_start + end > size else "longer than its header says"
+        raise CaptureError(f"{where}: the header's tensors end at byte {data_start + end} but the "
+                           f"file has {size} bytes: the file is {state}; copy or capture it again")
+    meta = _check_metadata(metadata, LOGITS_ST[entries[LOGITS].dtype], where)
+    return Header(entries, meta, data_start, size)
+
+
+@dataclass(frozen=True)
+class Capture:
+    """The tensors and metadata of one capture, checked on construction."""
+
+    logits: torch.Tensor
+    targets: torch.Tensor
+    active: torch.Tensor
+    reported_logp: torch.Tensor | None = None
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    source: str = "<memory>"
+
+    def __post_init__(self) -> None:
+        where = self.source
+        tensors = {LOGITS: self.logits, TARGETS: self.targets, ACTIVE: self.active}
+        if self.reported_logp is not None:
+            tensors[REPORTED] = self.reported_logp
+        entries = {}
+        for name, tensor in tensors.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise CaptureError(f"{where}: tensor {name} is a {type(tensor).__name__}; give a torch.Tensor")
+            codes = [c for c, d in ST_DTYPES.items() if d == tensor.dtype]
+            if not codes:
+                raise CaptureError(f"{where}: tensor {name} has dtype {tensor.dtype}; {_dtype_rule(name)}")
+            entries[name] = TensorEntry(name, codes[0], tuple(tensor.shape), 0, 0)
+        _check_layout(entries, where)
+        meta = _check_metadata(self.metadata, LOGITS_ST[entries[LOGITS].dtype], where)
+        object.__setattr__(self, "metadata", meta)
+        check_values(self.logits, self.targets, self.active, self.reported_logp, where)
+        _require_active(self.active, where)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.logits.shape[0]
+
+    @property
+    def vocab(self) -> int:
+        return self.logits.shape[1]
+
+    @property
+    def logits_dtype(self) -> str:
+        return DTYPE_NAMES[self.logits.dtype]
+
+
+def _first(mask: torch.Tensor) -> int:
+    return int(mask.nonzero()[0, 0])
+
+
+def check_values(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor,
+                 reported: torch.Tensor | None, where: str, row_offset: int = 0) -> None:
+    """The value rules (finite logits, targets in range, a non-empty mask, finite reports).
+
+    ``logits`` may be a block of rows starting at global row ``row_offset`` (the checks then
+    name global rows); the non-empty-mask rule is the caller's when it checks blocks.
+    """
+    vocab = logits.shape[1]
+    bad_rows = ~torch.isfinite(logits).all(dim=1)
+    if bool(bad_rows.any()):
+        row = _first(bad_rows)
+        col = int((~torch.isfinite(logits[row])).nonzero()[0, 0])
+        raise CaptureError(f"{where}: tensor logits has a non-finite value ({float(logits[row, col])}) "
+                           f"at token {row + row_offset}, column {col} ({int(bad_rows.sum())} such "
+                           "row(s)); capture the raw LM-head logits, before any sampling processor "
+                           "masks columns with -inf")
+    out = active & ((targets < 0) | (targets >= vocab))
+    if bool(out.any()):
+        row = _first(out)
+        raise CaptureError(f"{where}: tensor targets holds {int(targets[row])} at active token "
+                           f"{row + row_offset}, outside [0, {vocab}) (the logits' vocab); "
+                           "targets must be token ids of the logits' vocabulary (shifted by one "
+                           "position: the token that follows)")
+    if reported is not None:
+        bad = active & ~torch.isfinite(reported)
+        if bool(bad.any()):
+            row = _first(bad)
+            raise CaptureError(f"{where}: tensor reported_logp is {float(reported[row])} at active "
+                               f"token {row + row_offset}; it must be finite there (leave "
+                               "reported_logp out when the engine reported nothing)")
+
+
+def _require_active(active: torch.Tensor, where: str) -> None:
+    if not bool(active.any()):
+        raise CaptureError(f"{where}: tensor active has no true value; a capture must mark at "
+                           "least one token to compare")
+
+
+def build_metadata(*, engine: str, engine_version: str, model: str, dtype: str, tp: int = 1,
+                   notes: str = "") -> dict[str, str]:
+    """The header metadata of a capture, with ``format`` filled in."""
+    return {"format": FORMAT, "engine": engine, "engine_version": engine_version,
+            "model": model, "dtype": dtype, "tp": str(tp), "notes": notes}
+
+
+def write_capture(path: str | os.PathLike[str], capture: Capture) -> str:
+    """Write ``capture`` to ``path`` atomically; returns the file's SHA-256.
+
+    The capture was checked when it was built; its bytes are built in memory (the file's size
+    once more), their header checked as :func:`read_header` checks a file, then written to a
+    temporary name beside ``path`` and renamed.
+    """
+    from safetensors.torch import save
+
+    tensors = {LOGITS: capture.logits, TARGETS: capture.targets, ACTIVE: capture.active}
+    if capture.reported_logp is not None:
+        tensors[REPORTED] = capture.reported_logp
+    data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+                metadata=dict(capture.metadata))
+    parse_header(io.BytesIO(data), len(data), str(path))
+    jsonio.atomic_write_bytes(path, data)
+    return jsonio.sha256_bytes(data)
+
+
+def _open(path: str | os.PathLike[str]) -> Any:
+    from safetensors import safe_open
+
+    return safe_open(str(path), framework="pt", device="cpu")
+
+
+def read_capture(path: str | os.PathLike[str]) -> Capture:
+    """Read and check a whole capture (header first, then every value)."""
+    header = read_header(path)
+    with _open(path) as handle:
+        tensors = {name: handle.get_tensor(name) for name in header.entries}
+    return Capture(tensors[LOGITS], tensors[TARGETS], tensors[ACTIVE], tensors.get(REPORTED),
+                   header.metadata, source=str(path))
+
+
+def read_rows(path: str | os.PathLike[str], header: Header, rows: list[int] | range,
+              columns: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Only the given token rows and vocabulary columns ``[start, end)`` of a checked capture.
+
+    safetensors maps the file and slices lazily, so a TP rank reads its own columns and a CP
+    rank its own tokens; the value rules are checked on what was read.
+    """
+    start, end = columns
+    if not (0 <= start < end <= header.vocab):
+        raise CaptureError(f"{path}: columns [{start}, {end}) are outside the capture's vocab "
+                           f"{header.vocab}; shard within [0, vocab)")
+    index = torch.tensor(list(rows), dtype=torch.int64)
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= header.num_tokens):
+        raise CaptureError(f"{path}: rows outside [0, {header.num_tokens}) requested")
+    out: dict[str, torch.Tensor] = {}
+    runs: list[tuple[int, int]] = []  # consecutive rows, read as one slice each
+    for row in index.tolist():
+        if runs and runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], row + 1)
+        else:
+            runs.append((row, row + 1))
+    with _open(path) as handle:
+        view = handle.get_slice(LOGITS)
+        blocks = [view[lo:hi, start:end] for lo, hi in runs]
+        out[LOGITS] = (torch.cat(blocks) if blocks else
+                       torch.empty(0, end - start, dtype=ST_DTYPES[header.entries[LOGITS].dtype]))
+        for name in (TARGETS, ACTIVE, REPORTED):
+            if name in header.entries:
+                out[name] = handle.get_tensor(name)[index]
+    return out
+
+
+__all__ = [
+    "Capture", "CaptureError", "FORMAT", "Header", "build_metadata", "check_values",
+    "read_capture", "read_header", "read_rows", "write_capture",
+]

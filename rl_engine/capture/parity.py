@@ -1,0 +1,376 @@
+"""``python -m rl_engine parity ROLLOUT TRAINER --output-dir DIR``: where two engines' logprobs part.
+
+Two captures of the same tokens (``docs/capture.md``), one from the rollout engine and one from
+the trainer, are compared in five sections, each per token and in aggregate:
+
+1. targets and mask: must be identical, else the verb refuses naming the first differing token;
+2. logits: bitwise equal or not, tokens and columns that differ, max abs and relative difference;
+3. our logprob (the candidate backend, recorded) on each side's logits, their difference, and a
+   control: the rollout's logits again in reversed row order give the same bytes;
+4. each engine's ``reported_logp`` against our recompute on that engine's logits;
+5. the importance ratio ``exp(logp_trainer - logp_rollout)``.
+
+Writes ``DIR/parity.json`` (``schemas/parity.schema.json``) and ``DIR/parity.png`` and prints
+a short table. Exit 0: our logprobs of the two sides are bitwise equal (and the control holds);
+1: the report shows a difference; 2: refused (bad capture, different tokens, bad option), with
+nothing written.
+
+How each figure is computed: logits are compared as their binary32 upcasts (exact from bf16 and
+fp16), bit patterns for equality and float64 for the differences. Differences of logprobs are
+binary32 subtractions. The ratio is the project's portable binary32 ``E`` (docs/arithmetic.md)
+of the binary32 difference: a report statistic, not the candidate's path, but the same bits on
+any machine. Means are ``math.fsum`` (exact, order free) of float64 values over active tokens,
+divided by their count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from rl_engine import jsonio, schemas
+from rl_engine.tables import EAGER_BACKEND, SCHEMA_VERSION
+from rl_engine.capture.format import Capture, CaptureError, read_capture
+from rl_engine.logprob import portable
+from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.tensorio import tensor_bytes
+
+PARITY_JSON = "parity.json"
+PARITY_PNG = "parity.png"
+SCHEMA = "parity"
+SIDES = ("rollout", "trainer")
+DEFAULT_RATIO_BOUNDS = (0.8, 1.2)  # PPO-style clip of the ratio; TIS users pass their own
+ROW_BLOCK = 32  # rows of logits compared at a time (bounds the float64 temporaries)
+RATIO_METHOD = ("binary32 E(logp_trainer - logp_rollout): the portable exp of docs/arithmetic.md "
+                "on the binary32 difference (a report statistic, not the candidate's path)")
+MEAN_METHOD = "math.fsum of float64 values over active tokens, divided by their count"
+
+
+class ParityError(ValueError):
+    """Two captures that cannot be compared, or a bad option; nothing is written."""
+
+
+@dataclass(frozen=True)
+class ParityOptions:
+    backend: str = EAGER_BACKEND
+    num_vocab_tiles: int = 1
+    ratio_bounds: tuple[float, float] = DEFAULT_RATIO_BOUNDS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_vocab_tiles, int) or self.num_vocab_tiles < 1:
+            raise ParityError(f"--num-vocab-tiles={self.num_vocab_tiles!r} must be a positive "
+                              "integer that divides the vocabulary")
+        low, high = self.ratio_bounds
+        if not (math.isfinite(low) and math.isfinite(high) and 0 < low < 1 < high):
+            raise ParityError(f"--ratio-bounds={low} {high} must be finite with 0 < LOW < 1 < HIGH "
+                              "(for example 0.8 1.2)")
+
+
+def _mean(values: list[float]) -> float | None:
+    return math.fsum(values) / len(values) if values else None
+
+
+def check_same_tokens(rollout: Capture, trainer: Capture) -> None:
+    """Section 1: identical targets and mask, else :class:`ParityError` naming the first token."""
+    if rollout.num_tokens != trainer.num_tokens:
+        raise ParityError(f"rollout has {rollout.num_tokens} tokens, trainer {trainer.num_tokens}; "
+                          "capture the same tokens on both sides (same sequences, same order)")
+    if rollout.vocab != trainer.vocab:
+        raise ParityError(f"rollout's logits have vocab {rollout.vocab}, trainer's {trainer.vocab}; "
+                          "capture the real vocabulary columns on both sides (drop TP padding)")
+    for name in ("active", "targets"):
+        a, b = getattr(rollout, name), getattr(trainer, name)
+        differ = a != b
+        if name == "targets":
+            differ &= rollout.active  # inactive targets are not compared (e.g. -100 vs 0)
+        if bool(differ.any()):
+            row = int(differ.nonzero()[0, 0])
+            raise ParityError(f"tensor {name} differs at token {row} (rollout {a[row].item()}, "
+                              f"trainer {b[row].item()}; {int(differ.sum())} token(s) differ); "
+                              "parity compares captures of the same tokens: join both sides' "
+                              "batches in the same sequence order")
+
+
+def our_logprob(capture: Capture, options: ParityOptions, order: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Our selected logprob of a capture (rows in ``order`` when given, returned in file order)."""
+    from rl_engine.logprob.registry import dispatch
+
+    logits, targets, active = capture.logits, capture.targets, capture.active
+    if order is not None:
+        logits, targets, active = logits[order], targets[order], active[order]
+    try:
+        contract = LogprobContract(
+            real_vocab_size=capture.vocab, padded_vocab_size=capture.vocab,
+            num_vocab_tiles=options.num_vocab_tiles, num_sequences=1,
+            seq_len=capture.num_tokens, logits_dtype=capture.logits_dtype,
+        )
+        chosen = dispatch(options.backend, contract, "cpu")
+    except LogprobContractError as exc:
+        raise ParityError(f"{capture.source}: {exc}") from None
+    out = chosen.op(logits.contiguous(), targets, active, contract).selected_logp
+    if order is not None:
+        restored = torch.empty_like(out)
+        restored[order] = out
+        out = restored
+    return out, chosen.provenance()
+
+
+_INT_VIEWS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: the binary32 upcasts' bit patterns differ (for one dtype: the raw bits,
+    which is the same test since the upcast is injective, and much cheaper)."""
+    if a.dtype == b.dtype:
+        view = _INT_VIEWS[a.dtype]
+        return a.contiguous().view(view) != b.contiguous().view(view)
+    return (a.to(torch.float32).contiguous().view(torch.int32)
+            != b.to(torch.float32).contiguous().view(torch.int32))
+
+
+def _logits_section(rollout: Capture, trainer: Capture) -> dict[str, Any]:
+    n, vocab = rollout.num_tokens, rollout.vocab
+    differing_cols = torch.zeros(vocab, dtype=torch.bool)
+    per_cols, per_abs, per_rel = [], [], []
+    for lo in range(0, n, ROW_BLOCK):
+        a, b = rollout.logits[lo:lo + ROW_BLOCK], trainer.logits[lo:lo + ROW_BLOCK]
+        differ = _differ(a, b)
+        act = rollout.active[lo:lo + ROW_BLOCK]
+        differing_cols |= (differ & act.unsqueeze(1)).any(dim=0)
+        a64, b64 = a.to(torch.float64), b.to(torch.float64)
+        diff = a64.sub(b64).abs_()
+        scale = torch.maximum(a64.abs_(), b64.abs_(), out=a64)
+        rel = diff.div(scale.clamp_(min=torch.finfo(torch.float64).tiny))  # 0 / tiny = 0 where both are 0
+        per_cols += differ.sum(dim=1).tolist()
+        per_abs += diff.max(dim=1).values.tolist()
+        per_rel += rel.max(dim=1).values.tolist()
+    active = rollout.active.tolist()
+    act_rows = [i for i in range(n) if active[i]]
+    same_dtype = rollout.logits.dtype == trainer.logits.dtype
+    return {
+        "same_dtype": same_dtype,
+        "bitwise_equal": same_dtype and all(per_cols[i] == 0 for i in act_rows),
+        "tokens_differing": sum(1 for i in act_rows if per_cols[i]),
+        "columns_differing": int(differing_cols.sum()),
+        "max_abs_diff": max(per_abs[i] for i in act_rows),
+        "max_rel_diff": max(per_rel[i] for i in act_rows),
+        "per_token": {"columns_differing": per_cols, "max_abs_diff": per_abs,
+                      "max_rel_diff": per_rel},
+    }
+
+
+def _diff_stats(a: torch.Tensor, b: torch.Tensor, active: torch.Tensor) -> dict[str, Any]:
+    """``b - a`` per token (binary32) and its aggregate over active tokens."""
+    diff = b - a
+    differ = (a.view(torch.int32) != b.view(torch.int32)) & active
+    act = [d for d, on in zip(diff.tolist(), active.tolist()) if on]
+    return {
+        "bitwise_equal": not bool(differ.any()),
+        "tokens_differing": int(differ.sum()),
+        "max_abs_diff": max(abs(d) for d in act),
+        "mean_abs_diff": _mean([abs(d) for d in act]),
+        "mean_diff": _mean(act),
+        "per_token": {"diff": diff.tolist(), "bitwise_equal": (~differ | ~active).tolist()},
+    }
+
+
+def _ratio(log_new: torch.Tensor, log_old: torch.Tensor, active: torch.Tensor,
+           bounds: tuple[float, float]) -> dict[str, Any]:
+    ratio = portable.exp((log_new - log_old).contiguous())
+    values = [r for r, on in zip(ratio.tolist(), active.tolist()) if on]
+    finite = [r for r in values if math.isfinite(r)]
+    low, high = bounds
+    outside = sum(1 for r in values if not (low <= r <= high))
+    return {
+        "mean": _mean(finite) if len(finite) == len(values) else None,
+        "min": min(values), "max": max(values) if len(finite) == len(values) else None,
+        "non_finite": len(values) - len(finite),
+        "outside_bounds": outside,
+        "share_outside_bounds": outside / len(values),
+        "per_token": [r if math.isfinite(r) else None for r in ratio.tolist()],
+    }
+
+
+def compute(rollout: Capture, trainer: Capture, options: ParityOptions) -> dict[str, Any]:
+    """Every section of the report (sections 1-5) from two checked captures."""
+    check_same_tokens(rollout, trainer)
+    active = rollout.active
+    ours: dict[str, torch.Tensor] = {}
+    provenance: dict[str, Any] = {}
+    for side, cap in zip(SIDES, (rollout, trainer)):
+        ours[side], provenance[side] = our_logprob(cap, options)
+    reversed_rows = torch.arange(rollout.num_tokens - 1, -1, -1)
+    again, _ = our_logprob(rollout, options, order=reversed_rows)
+    control_equal = tensor_bytes(again) == tensor_bytes(ours["rollout"])
+    logits = _logits_section(rollout, trainer)
+    logp = _diff_stats(ours["rollout"], ours["trainer"], active)
+    rows_equal = [c == 0 for c in logits["per_token"]["columns_differing"]]
+    logp_equal = logp["per_token"]["bitwise_equal"]
+    act = active.tolist()
+    unexplained = [i for i in range(len(act)) if act[i] and rows_equal[i] and not logp_equal[i]]
+    engines: dict[str, Any] = {}
+    for side, cap in zip(SIDES, (rollout, trainer)):
+        if cap.reported_logp is None:
+            engines[side] = None
+        else:
+            stats = _diff_stats(ours[side], cap.reported_logp, active)
+            # an engine's report on an inactive token is not part of the format (it may be NaN)
+            for key, values in (("diff", stats["per_token"]["diff"]),
+                                ("reported_logp", cap.reported_logp.tolist())):
+                stats["per_token"][key] = [v if on else None for v, on in zip(values, act)]
+            engines[side] = stats
+    both = rollout.reported_logp is not None and trainer.reported_logp is not None
+    return {
+        "targets_and_mask": {"identical": True, "tokens": rollout.num_tokens,
+                             "active_tokens": int(active.sum()),
+                             "per_token": {"active": act, "targets": rollout.targets.tolist()}},
+        "logits": logits,
+        "our_logprob": {
+            **logp,
+            "rollout_logp": ours["rollout"].tolist(), "trainer_logp": ours["trainer"].tolist(),
+            "from_logits_only": not unexplained,
+            "tokens_equal_logits_different_logp": unexplained,
+            "control": {"what": "the rollout's logits again, rows in reversed order, bytes "
+                                "compared with the first computation",
+                        "bitwise_equal": control_equal},
+            "provenance": provenance,
+        },
+        "engine_vs_ours": engines,
+        "importance_ratio": {
+            "method": RATIO_METHOD, "bounds": list(options.ratio_bounds),
+            "ours": _ratio(ours["trainer"], ours["rollout"], active, options.ratio_bounds),
+            "engines": (_ratio(trainer.reported_logp, rollout.reported_logp, active,  # type: ignore[arg-type]
+                               options.ratio_bounds) if both else None),
+        },
+    }
+
+
+def _side_record(path: Path, cap: Capture) -> dict[str, Any]:
+    return {"path": str(path), "sha256": jsonio.sha256_file(path), "metadata": dict(cap.metadata),
+            "has_reported_logp": cap.reported_logp is not None}
+
+
+def build_report(rollout_path: Path, trainer_path: Path, options: ParityOptions) -> dict[str, Any]:
+    caps = {}
+    for side, path in zip(SIDES, (rollout_path, trainer_path)):
+        try:
+            caps[side] = read_capture(path)
+        except (CaptureError, OSError) as exc:
+            raise ParityError(f"{side} capture: {exc}") from None
+    sections = compute(caps["rollout"], caps["trainer"], options)
+    equal = sections["our_logprob"]["bitwise_equal"] and sections["our_logprob"]["control"]["bitwise_equal"]
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "verdict": "bitwise_equal" if equal else "different",
+        "captures": {side: _side_record(p, caps[side])
+                     for side, p in zip(SIDES, (rollout_path, trainer_path))},
+        "backend": options.backend, "num_vocab_tiles": options.num_vocab_tiles,
+        "arithmetic_spec": portable.SPEC_VERSION, "mean_method": MEAN_METHOD,
+        **sections,
+    }
+
+
+def render_png(report: dict[str, Any]) -> bytes:
+    """The histogram of the per-token logprob differences (matplotlib's Agg canvas, no pyplot)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    act = report["targets_and_mask"]["per_token"]["active"]
+    panels = [("ours: trainer - rollout (section 3)", report["our_logprob"]["per_token"]["diff"])]
+    for side in SIDES:
+        stats = report["engine_vs_ours"][side]
+        if stats is not None:
+            panels.append((f"{side} engine reported - ours (section 4)", stats["per_token"]["diff"]))
+    fig = Figure(figsize=(6.4, 2.6 * len(panels)))
+    FigureCanvasAgg(fig)
+    for i, (title, diff) in enumerate(panels, start=1):
+        ax = fig.add_subplot(len(panels), 1, i)
+        values = [d for d, on in zip(diff, act) if on]
+        zero = all(d == 0 for d in values)
+        ax.hist(values, bins=1 if zero else 50, color="tab:blue")
+        ax.set_title(title + (" (all zero)" if zero else ""), fontsize=9)
+        ax.set_xlabel("logprob difference (nats)", fontsize=8)
+        ax.set_ylabel("active tokens", fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    return buf.getvalue()
+
+
+def print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"parity: {report['verdict']}")
+    table.add_column("section")
+    table.add_column("result")
+    lg, lp, rt = report["logits"], report["our_logprob"], report["importance_ratio"]["ours"]
+    table.add_row("1 targets and mask", f"identical ({report['targets_and_mask']['active_tokens']} active tokens)")
+    table.add_row("2 logits", "bitwise equal" if lg["bitwise_equal"] else
+                  f"{lg['tokens_differing']} tokens, {lg['columns_differing']} columns differ; "
+                  f"max abs {lg['max_abs_diff']:.3g}, max rel {lg['max_rel_diff']:.3g}")
+    table.add_row("3 our logprob", ("bitwise equal" if lp["bitwise_equal"] else
+                  f"{lp['tokens_differing']} tokens differ, max abs {lp['max_abs_diff']:.3g}")
+                  + ("; from the logits only" if lp["from_logits_only"] else
+                     "; NOT from the logits alone") + ("; control ok" if lp["control"]["bitwise_equal"]
+                                                        else "; CONTROL FAILED"))
+    for side in SIDES:
+        st = report["engine_vs_ours"][side]
+        table.add_row(f"4 {side} engine vs ours", "no reported_logp" if st is None else
+                      ("bitwise equal" if st["bitwise_equal"] else
+                       f"{st['tokens_differing']} tokens differ, max abs {st['max_abs_diff']:.3g}"))
+    mean = "n/a" if rt["mean"] is None else f"{rt['mean']:.6g}"
+    table.add_row("5 ratio (ours)", f"mean {mean}, min {rt['min']:.6g}, "
+                  f"outside {report['importance_ratio']['bounds']}: {rt['share_outside_bounds']:.2%}")
+    Console(stderr=False, width=120).print(table)
+
+
+def run(rollout: Path, trainer: Path, output_dir: Path, options: ParityOptions) -> dict[str, Any]:
+    """Build, validate and write the report; raises :class:`ParityError` with nothing written."""
+    report = build_report(rollout, trainer, options)
+    try:
+        schemas.require_valid(report, SCHEMA, what=str(output_dir / PARITY_JSON))
+        text = jsonio.dumps(report)
+    except (schemas.ArtifactSchemaError, jsonio.StrictJSONError) as exc:
+        raise ParityError(str(exc)) from None
+    png = render_png(report)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    jsonio.atomic_write_bytes(output_dir / PARITY_PNG, png)
+    jsonio.atomic_write_text(output_dir / PARITY_JSON, text)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m rl_engine parity",
+        description="Compare two captures of the same tokens (a rollout engine's and a trainer's): "
+        "targets and mask, logits, our logprob on each side's logits, each engine's reported "
+        "logprob against ours, and the importance ratio. Writes parity.json and parity.png; exit "
+        "0 bitwise equal, 1 different, 2 refused (nothing written).")
+    parser.add_argument("rollout", type=Path, help="the rollout engine's capture (safetensors)")
+    parser.add_argument("trainer", type=Path, help="the trainer's capture of the same tokens")
+    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--backend", default=EAGER_BACKEND, help="our logprob's backend (explicit id)")
+    parser.add_argument("--num-vocab-tiles", type=int, default=1)
+    parser.add_argument("--ratio-bounds", type=float, nargs=2, default=list(DEFAULT_RATIO_BOUNDS),
+                        metavar=("LOW", "HIGH"))
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        options = ParityOptions(args.backend, args.num_vocab_tiles, tuple(args.ratio_bounds))
+        report = run(args.rollout, args.trainer, args.output_dir, options)
+    except ParityError as exc:
+        print(f"parity: refused, nothing written: {exc}", file=sys.stderr)
+        return 2
+    print_table(report)
+    return 0 if report["verdict"] == "bitwise_equal" else 1
+
+
+__all__ = ["ParityError", "ParityOptions", "build_report", "check_same_tokens", "compute", "main", "run"]

@@ -1,0 +1,46 @@
+"""A tiny transformers causal LM built from a config (fixed seed, nothing downloaded) and the
+two captures of one token batch that the capture and parity tests compare."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+VOCAB = 4096
+LENGTHS = (7, 12, 9, 5)  # a mixed batch: sequences of different lengths
+
+
+def tiny_model() -> torch.nn.Module:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be fetched (the model is built from a config)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        initializer_range=0.2, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def sequences() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (n,), generator=gen) for n in LENGTHS]
+
+
+def padded(seqs: list[torch.Tensor], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.int64)
+    mask = torch.zeros(len(seqs), width, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        cols = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, cols], mask[i, cols] = s, 1
+    return ids, mask
+
+
+def variant(model: torch.nn.Module, dtype: torch.dtype, attn: str) -> torch.nn.Module:
+    other = copy.deepcopy(model).to(dtype)
+    other.set_attn_implementation(attn)
+    return other

@@ -1,0 +1,244 @@
+"""``python -m rl_engine parity``: two captures of one token batch from a tiny transformers model.
+
+The rollout side runs the batch in bf16 as one right-padded mixed batch with eager attention;
+the trainer side runs the same sequences split into two left-padded batches with SDPA (bf16, and
+fp32). The report must find the differing logits and show our logprob's difference coming from
+them alone; the same capture twice gives zero everywhere (as bytes); an engine reporting a naive
+bf16 log_softmax shows up in section 4; bad inputs are refused (exit 2) with nothing written.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from _tiny_lm import padded, sequences, tiny_model, variant
+from rl_engine import cli, jsonio, schemas
+from rl_engine.capture import Capture, read_capture, write_capture
+from rl_engine.capture.hf import capture_causal_lm, concat_captures
+from rl_engine.capture.parity import ParityOptions, our_logprob
+
+
+def _f32(values: list[float]) -> bytes:
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+@pytest.fixture(scope="module")
+def caps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("captures")
+    model, seqs = tiny_model(), sequences()
+    response = [torch.ones(len(s), dtype=torch.int64) for s in seqs]
+    for r in response:
+        r[:3] = 0  # the first tokens are the prompt: not scored
+    rollout_model = variant(model, torch.bfloat16, "eager")
+    ids, mask = padded(seqs, left=False)
+    resp, _ = padded(response, left=False)
+    rollout = capture_causal_lm(rollout_model, ids, mask, response_mask=resp, notes="rollout")
+
+    def trainer(dtype: torch.dtype) -> Capture:
+        m = variant(model, dtype, "sdpa")
+        parts = []
+        for group in (slice(0, 1), slice(1, 4)):
+            ids, mask = padded(seqs[group], left=True)
+            resp, _ = padded(response[group], left=True)
+            parts.append(capture_causal_lm(m, ids, mask, response_mask=resp, notes="trainer"))
+        return concat_captures(parts)
+
+    paths = {"rollout": root / "rollout.safetensors", "trainer": root / "trainer.safetensors",
+             "trainer32": root / "trainer32.safetensors"}
+    write_capture(paths["rollout"], rollout)
+    write_capture(paths["trainer"], trainer(torch.bfloat16))
+    write_capture(paths["trainer32"], trainer(torch.float32))
+    return paths
+
+
+def _parity(rollout: Path, trainer: Path, out: Path, *extra: str) -> tuple[int, dict[str, Any] | None]:
+    code = cli.main(["parity", str(rollout), str(trainer), "--output-dir", str(out), *extra])
+    report = jsonio.load(out / "parity.json") if (out / "parity.json").exists() else None
+    return code, report
+
+
+def test_bf16_eager_vs_sdpa_logits_differ_and_our_difference_comes_from_them(caps: dict[str, Path], tmp_path: Path) -> None:
+    code, report = _parity(caps["rollout"], caps["trainer"], tmp_path)
+    assert code == 1 and report is not None and report["verdict"] == "different"
+    assert schemas.errors(report, "parity") == []
+    lg, lp = report["logits"], report["our_logprob"]
+    assert not lg["bitwise_equal"] and lg["tokens_differing"] > 0 and lg["columns_differing"] > 0
+    assert lg["max_abs_diff"] > 0 and lg["max_rel_diff"] > 0
+    assert lp["tokens_differing"] > 0 and lp["from_logits_only"] and lp["control"]["bitwise_equal"]
+    # every token whose logp differs has differing logits
+    rows = lg["per_token"]["columns_differing"]
+    assert all(rows[i] > 0 for i, same in enumerate(lp["per_token"]["bitwise_equal"]) if not same)
+    assert report["captures"]["rollout"]["sha256"] == jsonio.sha256_file(caps["rollout"])
+    assert report["captures"]["trainer"]["metadata"]["notes"] == "attn_implementation=sdpa; trainer"
+    png = (tmp_path / "parity.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+    assert matplotlib.image.imread(str(tmp_path / "parity.png")).shape[0] > 100
+
+
+def test_logits_made_equal_on_some_tokens_make_our_logprob_equal_exactly_there(caps: dict[str, Path], tmp_path: Path) -> None:
+    """Attribution per token: splice the rollout's logits rows into the trainer's capture on every
+    other token; our logprob is then bitwise equal on exactly those tokens (and differs on others)."""
+    rollout, trainer = read_capture(caps["rollout"]), read_capture(caps["trainer"])
+    spliced = trainer.logits.clone()
+    spliced[::2] = rollout.logits[::2]
+    path = tmp_path / "spliced.safetensors"
+    write_capture(path, Capture(spliced, trainer.targets, trainer.active, None, trainer.metadata))
+    code, report = _parity(caps["rollout"], path, tmp_path / "out")
+    assert code == 1 and report is not None
+    lg, lp = report["logits"], report["our_logprob"]
+    active = report["targets_and_mask"]["per_token"]["active"]
+    diffs = lp["per_token"]["diff"]
+    for i, on in enumerate(active):
+        if on and i % 2 == 0:
+            assert lg["per_token"]["columns_differing"][i] == 0
+            assert _f32([diffs[i]]) == _f32([0.0])
+    assert lp["from_logits_only"] and 0 < lp["tokens_differing"] < report["targets_and_mask"]["active_tokens"]
+
+
+def test_bf16_vs_fp32_trainer(caps: dict[str, Path], tmp_path: Path) -> None:
+    code, report = _parity(caps["rollout"], caps["trainer32"], tmp_path)
+    assert code == 1 and report is not None
+    assert not report["logits"]["same_dtype"] and report["logits"]["tokens_differing"] == report["targets_and_mask"]["active_tokens"]
+    assert report["our_logprob"]["tokens_differing"] > 0
+
+
+def test_the_same_capture_twice_is_zero_everywhere_as_bytes(caps: dict[str, Path], tmp_path: Path) -> None:
+    code, report = _parity(caps["rollout"], caps["rollout"], tmp_path)
+    assert code == 0 and report is not None and report["verdict"] == "bitwise_equal"
+    n = report["targets_and_mask"]["tokens"]
+    lp = report["our_logprob"]
+    assert _f32(lp["rollout_logp"]) == _f32(lp["trainer_logp"])
+    assert _f32(lp["per_token"]["diff"]) == bytes(4 * n)
+    assert report["logits"]["per_token"]["columns_differing"] == [0] * n
+    assert struct.pack(f"<{n}d", *report["logits"]["per_token"]["max_abs_diff"]) == bytes(8 * n)
+    assert _f32(report["importance_ratio"]["ours"]["per_token"]) == _f32([1.0] * n)
+    assert report["importance_ratio"]["ours"]["outside_bounds"] == 0
+
+
+def test_an_engine_reporting_naive_bf16_log_softmax_shows_up_in_section_4(caps: dict[str, Path], tmp_path: Path) -> None:
+    rollout, trainer = read_capture(caps["rollout"]), read_capture(caps["trainer"])
+    naive = torch.log_softmax(rollout.logits, dim=-1)  # bf16 in, bf16 out: the stand-in engine's kernel
+    reported = naive.gather(1, rollout.targets.clamp(min=0).unsqueeze(1)).squeeze(1).float()
+    reported[~rollout.active] = float("nan")  # what an engine may leave on tokens it did not score
+    ours_trainer, _ = our_logprob(trainer, ParityOptions())
+    r_path, t_path = tmp_path / "r.safetensors", tmp_path / "t.safetensors"
+    write_capture(r_path, Capture(rollout.logits, rollout.targets, rollout.active, reported, rollout.metadata))
+    # negative control: a trainer that reports exactly our op's logprob
+    write_capture(t_path, Capture(trainer.logits, trainer.targets, trainer.active, ours_trainer, trainer.metadata))
+    code, report = _parity(r_path, t_path, tmp_path / "out")
+    assert code == 1 and report is not None
+    engine = report["engine_vs_ours"]
+    assert not engine["rollout"]["bitwise_equal"] and engine["rollout"]["tokens_differing"] > 0
+    assert engine["rollout"]["max_abs_diff"] > 1e-3  # bf16 rounding of the log-softmax
+    assert engine["trainer"]["bitwise_equal"] and engine["trainer"]["tokens_differing"] == 0
+    assert report["importance_ratio"]["engines"] is not None
+    inactive = [i for i, on in enumerate(report["targets_and_mask"]["per_token"]["active"]) if not on]
+    assert inactive and all(engine["rollout"]["per_token"]["diff"][i] is None for i in inactive)
+    assert all(engine["rollout"]["per_token"]["reported_logp"][i] is None for i in inactive)
+
+
+def test_ratio_statistics_are_the_exp_of_the_per_token_differences(caps: dict[str, Path], tmp_path: Path) -> None:
+    code, report = _parity(caps["rollout"], caps["trainer32"], tmp_path, "--ratio-bounds", "0.999", "1.001")
+    assert code == 1 and report is not None
+    ratio, diffs = report["importance_ratio"]["ours"], report["our_logprob"]["per_token"]["diff"]
+    active = report["targets_and_mask"]["per_token"]["active"]
+    on = [i for i, a in enumerate(active) if a]
+    for i in on:
+        assert abs(ratio["per_token"][i] - math.exp(diffs[i])) <= 4e-7 * math.exp(diffs[i])
+    values = [ratio["per_token"][i] for i in on]
+    assert ratio["min"] == min(values) and ratio["max"] == max(values)
+    assert ratio["mean"] == math.fsum(values) / len(values)
+    outside = sum(1 for v in values if not 0.999 <= v <= 1.001)
+    assert ratio["outside_bounds"] == outside > 0 and ratio["share_outside_bounds"] == outside / len(values)
+
+
+def test_different_targets_are_refused_naming_the_first_token(caps: dict[str, Path], tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    trainer = read_capture(caps["trainer"])
+    targets = trainer.targets.clone()
+    first = int(trainer.active.nonzero()[1, 0])
+    targets[first] = (targets[first] + 1) % trainer.vocab
+    path = tmp_path / "t.safetensors"
+    write_capture(path, Capture(trainer.logits, targets, trainer.active, None, trainer.metadata))
+    out = tmp_path / "out"
+    code, _ = _parity(caps["rollout"], path, out)
+    assert code == 2 and not out.exists()
+    assert f"tensor targets differs at token {first}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["truncated", "float-targets", "tiles", "backend", "bounds"])
+def test_bad_inputs_are_refused_with_nothing_written(damage: str, caps: dict[str, Path], tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import save_file
+
+    trainer, extra = caps["trainer"], []
+    if damage == "truncated":
+        trainer = tmp_path / "t.safetensors"
+        trainer.write_bytes(caps["trainer"].read_bytes()[:-100])
+        expect = "trainer capture: "
+    elif damage == "float-targets":
+        cap = read_capture(caps["trainer"])
+        trainer = tmp_path / "t.safetensors"
+        targets = cap.targets.float()
+        targets[0] = float("nan")
+        save_file({"logits": cap.logits, "targets": targets, "active": cap.active}, str(trainer), metadata=dict(cap.metadata))
+        expect = "tensor targets has dtype F32; it must be I64"
+    elif damage == "tiles":
+        extra, expect = ["--num-vocab-tiles", "3"], "num_vocab_tiles"
+    elif damage == "backend":
+        extra, expect = ["--backend", "auto-magic"], "backend='auto-magic' is not registered"
+    else:
+        extra, expect = ["--ratio-bounds", "1.2", "0.8"], "--ratio-bounds=1.2 0.8 must be"
+    out = tmp_path / "out"
+    code, _ = _parity(caps["rollout"], trainer, out, *extra)
+    assert code == 2 and not out.exists()
+    assert expect in capsys.readouterr().err
+
+
+def test_the_fused_backend_gives_the_same_logprob_bytes_and_is_recorded(caps: dict[str, Path], tmp_path: Path) -> None:
+    _, eager = _parity(caps["rollout"], caps["trainer"], tmp_path / "eager")
+    _, fused = _parity(caps["rollout"], caps["trainer"], tmp_path / "fused", "--backend", "cpu-vocab-parallel-logp-ws2")
+    assert eager is not None and fused is not None
+    for side in ("rollout_logp", "trainer_logp"):
+        assert _f32(eager["our_logprob"][side]) == _f32(fused["our_logprob"][side])
+    assert fused["backend"] == "cpu-vocab-parallel-logp-ws2"
+    assert fused["our_logprob"]["provenance"]["trainer"]["actual_backend"] == "cpu-vocab-parallel-logp-ws2"
+    assert eager["our_logprob"]["provenance"]["trainer"]["actual_backend"] == "pytorch-vocab-parallel-logp-ws2"
+
+
+def test_the_worked_example_of_docs_capture_md_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The page's python block as written, then its parity command: exit 1, the differences come
+    from the logits alone, and the first token of each sequence is equal on both sides."""
+    import re
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "capture.md").read_text(encoding="utf-8")
+    example = page.split("### Worked example", 1)[1]
+    block = re.search(r"```python\n(.*?)```", example, re.S)
+    assert block is not None
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block.group(1), "docs/capture.md", "exec"), {})
+    command = re.search(r"\n    (python -m rl_engine parity .*)\n", example)
+    assert command is not None
+    argv = command.group(1).split()[3:]
+    assert cli.main(argv) == 1
+    report = jsonio.load(tmp_path / "parity" / "parity.json")
+    lp, lg = report["our_logprob"], report["logits"]
+    assert lp["from_logits_only"] and lp["control"]["bitwise_equal"] and not lg["bitwise_equal"]
+    starts = [0, 6, 17]  # each sequence's first row (lengths 7, 12, 9)
+    assert [lg["per_token"]["columns_differing"][i] for i in starts] == [0, 0, 0]
+    assert all(lp["per_token"]["bitwise_equal"][i] for i in starts)
+    table = capsys.readouterr().out
+    lines = re.findall(r"\n    (│ [1-5] .*│)", example)
+    assert len(lines) == 6
+    for line in lines:  # the page's table rows that no kernel choice changes, exactly
+        if line.startswith(("│ 1", "│ 4")):
+            assert line in table, line
+    assert "from the logits only; control ok" in table and "from the logits only; control ok" in lines[2]
