@@ -127,3 +127,53 @@ def test_a_rank_refuses_a_capture_whose_bytes_changed_after_the_plan(capture_run
         assert "has sha256" in (run_dir / "logs" / "tp1-cp1.log").read_text(errors="replace")
     finally:
         path.write_bytes(original)
+
+
+def _capture_config(path: Path, **changes: object) -> dict:
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text())
+    config.update({"dtype": "bf16", "real_vocab": 64, "padded_vocab": 64, "num_vocab_tiles": 4,
+                   "batch": 2, "seq": 8, "prompt_tokens": 3, "topologies": ["1x1", "2x1"],
+                   "inputs": {"capture": str(path)}})
+    config.update(changes)
+    return config
+
+
+def test_the_workflow_config_names_a_capture_and_the_case_file_carries_it(tmp_path: Path) -> None:
+    from rl_engine.workflow import check_config, config_case
+
+    path = write_tiny_capture(tmp_path / "cap.safetensors")
+    config = check_config(_capture_config(path))
+    document = config_case(config)
+    assert document["case"]["capture"] == capture_record(path)
+    # negative control: the default config (no inputs key) keeps the recipe
+    import yaml
+    default = check_config(yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text()))
+    assert "capture" not in config_case(default)["case"]
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"dtype": "fp16"}, "config key 'inputs.capture' has value"),
+    ({"seq": 4}, "batch * seq = 2 * 4 = 8 must be the 16 tokens"),
+    ({"inputs": {"capture": "absent.safetensors"}}, "no such file"),
+    ({"inputs": {"capture": "x", "archive": "yes"}}, "inputs.archive"),
+])
+def test_the_workflow_config_refuses_a_capture_that_disagrees_or_is_absent(
+        tmp_path: Path, change: dict, named: str) -> None:
+    from rl_engine.workflow import WorkflowConfigError, check_config
+
+    path = write_tiny_capture(tmp_path / "cap.safetensors")
+    with pytest.raises(WorkflowConfigError) as info:
+        check_config(_capture_config(path, **change))
+    assert named in str(info.value)
+
+
+def test_summary_inputs_line_records_the_capture_hash_and_metadata(tmp_path: Path) -> None:
+    from rl_engine.evidence.summary import inputs_text
+
+    path = write_tiny_capture(tmp_path / "cap.safetensors")
+    case = capture_case(path).to_dict()
+    text = inputs_text(case)
+    assert case["capture"]["sha256"] in text and "engine `test`" in text and "model `seeded-randn`" in text
+    assert "input recipe" in inputs_text(Case.create(**CASE_FIELDS).to_dict())
