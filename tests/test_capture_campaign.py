@@ -85,7 +85,7 @@ def _launch(plan: Path, topology: str) -> int:
 def capture_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, dict]]:
     run_dir = tmp_path_factory.mktemp("capture-campaign")
     (run_dir / "logs").mkdir()
-    path = write_tiny_capture(run_dir / "capture.safetensors")
+    path = write_tiny_capture(tmp_path_factory.mktemp("captures") / "rollout.safetensors")  # outside the run
     write_case_file(run_dir / "case.json", capture_case(path),
                     tuple(tuple(int(x) for x in t.split("x")) for t in TOPOLOGIES))
     assert cli.main(["plan", "--case", str(run_dir / "case.json"), "--output", str(run_dir / "plan.json")]) == 0
@@ -113,20 +113,6 @@ def test_the_matrix_on_a_capture_gives_identical_fingerprints_and_records_the_ca
         for rank in reports[topology]["topology"]["ranks"]:
             lo, hi = rank["vocab_bounds"]
             assert hi - lo == 32  # each TP rank held its 32 of the 64 columns only
-
-
-@pytest.mark.slow
-def test_a_rank_refuses_a_capture_whose_bytes_changed_after_the_plan(capture_run, tmp_path: Path) -> None:
-    run_dir, path, _ = capture_run
-    original = path.read_bytes()
-    try:
-        write_tiny_capture(path, seed=6)  # the same shape, other logits: another hash
-        report = run_dir / "tp1-cp1.json"
-        assert _launch(run_dir / "plan.json", "1x1") == 2
-        assert not report.exists()  # refused before any collective: no report left
-        assert "has sha256" in (run_dir / "logs" / "tp1-cp1.log").read_text(errors="replace")
-    finally:
-        path.write_bytes(original)
 
 
 def _capture_config(path: Path, **changes: object) -> dict:
@@ -177,3 +163,54 @@ def test_summary_inputs_line_records_the_capture_hash_and_metadata(tmp_path: Pat
     text = inputs_text(case)
     assert case["capture"]["sha256"] in text and "engine `test`" in text and "model `seeded-randn`" in text
     assert "input recipe" in inputs_text(Case.create(**CASE_FIELDS).to_dict())
+
+
+@pytest.mark.slow
+def test_verify_recompute_replays_a_capture_campaign_from_capture_or_the_archived_copy(capture_run) -> None:
+    import shutil
+
+    from rl_engine.evidence.verify import recompute, replay
+    from rl_engine.rundir import CAPTURE, Run
+
+    run_dir, path, _ = capture_run
+    run = Run.load(run_dir)
+    sha = capture_record(path)["sha256"]
+    # --capture PATH: every topology's bytes and fingerprints replayed, drift recomputed
+    given = [*recompute(run, path), replay(run, path)]
+    assert all(c.passed for c in given), [(c.name, c.problems) for c in given]
+    # neither --capture nor an archived copy: refused, naming the file and its hash
+    neither = [*recompute(run), replay(run)]
+    assert all(c.passed is False for c in neither), [(c.name, c.passed, c.problems) for c in neither]
+    named = [neither[0], neither[2]]  # inputs regenerated, candidate replayed (drift: "no inputs")
+    assert all(sha in " ".join(c.problems) and str(path) in " ".join(c.problems) for c in named)
+    assert "drift not recomputed: no inputs" in " ".join(neither[1].problems)
+    assert "pass --capture PATH" in " ".join(neither[0].problems)
+    # a file with another hash: refused, naming the recorded hash
+    other = write_tiny_capture(run_dir.parent / "other.safetensors", seed=6)
+    wrong = [*recompute(run, other), replay(run, other)]
+    assert all(c.passed is False for c in wrong)
+    assert all(f"not that of the case's capture (sha256 {sha}" in " ".join(c.problems) for c in (wrong[0], wrong[2]))
+    # the archive's own copy (inputs.archive: true) is what a replay without --capture reads
+    shutil.copyfile(path, run_dir / CAPTURE)
+    try:
+        archived = [*recompute(run), replay(run)]
+        assert all(c.passed for c in archived), [(c.name, c.problems) for c in archived]
+    finally:
+        (run_dir / CAPTURE).unlink()
+
+
+@pytest.mark.slow
+def test_a_rank_refuses_a_capture_whose_bytes_changed_after_the_plan(capture_run, tmp_path: Path) -> None:
+    run_dir, path, _ = capture_run
+    original = path.read_bytes()
+    kept = {p: p.read_bytes() for p in run_dir.glob("tp1-cp1.*")}  # the refused run removes them
+    try:
+        write_tiny_capture(path, seed=6)  # the same shape, other logits: another hash
+        report = run_dir / "tp1-cp1.json"
+        assert _launch(run_dir / "plan.json", "1x1") == 2
+        assert not report.exists()  # refused before any collective: no report left
+        assert "has sha256" in (run_dir / "logs" / "tp1-cp1.log").read_text(errors="replace")
+    finally:
+        path.write_bytes(original)
+        for kept_path, data in kept.items():
+            kept_path.write_bytes(data)

@@ -23,7 +23,9 @@ from typing import Any, Mapping
 import torch
 
 from rl_engine import jsonio
+from rl_engine.campaign.inputs import make_inputs
 from rl_engine.capture.format import CaptureError, read_capture, read_header
+from rl_engine.rundir import CAPTURE
 
 
 def capture_record(path: str | os.PathLike[str], archive: bool = False) -> dict[str, Any]:
@@ -71,4 +73,29 @@ def full_capture(record: Mapping[str, Any],
     return capture.logits.to(torch.float32), capture.targets, capture.active
 
 
-__all__ = ["capture_record", "check_file", "full_capture"]
+def case_inputs(case: Mapping[str, Any], path: str | os.PathLike[str] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole case's ``(FP32 logits, targets, active)``: the recipe's (``make_inputs``), or its
+    capture's (at ``path``, default the recorded path), after the capture's hash."""
+    record = case.get("capture")
+    return make_inputs(case) if record is None else full_capture(record, path)
+
+
+def replay_source(record: Mapping[str, Any], root: str | os.PathLike[str],
+                  given: str | os.PathLike[str] | None) -> Path:
+    """The capture ``verify --recompute`` replays from: ``given`` (``--capture PATH``), else the
+    archive's own copy (``capture.safetensors``); each must hold the recorded bytes. Neither:
+    refuse, naming the file and its hash."""
+    if given is not None:
+        return check_file(record, given)
+    archived = Path(root) / CAPTURE
+    if archived.is_file():
+        return check_file(record, archived)
+    held = ("the case says the archive holds it (inputs.archive: true) but it has no "
+            f"{CAPTURE}: the archive is incomplete" if record.get("archive") is True
+            else "the archive does not hold it (inputs.archive was false)")
+    raise CaptureError(f"the case runs on the capture {record['path']} (sha256 {record['sha256']}, "
+                       f"{record['size']} bytes); {held}: pass --capture PATH to a copy of that file")
+
+
+__all__ = ["capture_record", "case_inputs", "check_file", "full_capture", "replay_source"]

@@ -73,7 +73,7 @@ from rl_engine.campaign.plan import (
 from rl_engine.tables import SCHEMA_VERSION
 from rl_engine.rundir import TENSOR_NAMES, Topology, report_tensors
 from rl_engine.campaign.faults import Fault, FaultError, fault_from_env
-from rl_engine.campaign.captured import check_file, full_capture
+from rl_engine.campaign.captured import case_inputs, check_file
 from rl_engine.capture.shard import rank_inputs
 from rl_engine.campaign.inputs import inputs_sha256, make_inputs
 from rl_engine.campaign.nodes import node_name
@@ -95,11 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, required=True, help="TP degree of a planned topology")
     p.add_argument("--cp", type=int, required=True, help="CP degree of a planned topology")
     return p
-
-
-def case_inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The whole case's ``(FP32 logits, targets, active)``: the recipe's, or the capture's."""
-    return make_inputs(case) if case.capture is None else full_capture(case.capture)
 
 
 # ----- one rank -----------------------------------------------------------------------------
@@ -260,7 +255,7 @@ def build_report(
     tp_failures = tp_replication_failures(results)
     failures += tp_failures
     tensors = assemble(results, case)
-    logits_fp32, targets, active = case_inputs(case)
+    logits_fp32, targets, active = case_inputs(case.to_dict())
     if fault is not None and fault.kind == "perturb" and fault.applies(tp, cp):
         perturb(tensors["logp"], logits_fp32, targets, active, case)
     drift = oracle_drift(tensors["logp"], tensors["lse"], logits_fp32, targets, active,

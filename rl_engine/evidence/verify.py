@@ -280,7 +280,8 @@ def _report_case(run: Run, item: PlannedReport) -> tuple[dict[str, Any] | None, 
 
 def _case_key(case: dict[str, Any]) -> tuple[Any, ...]:
     """What identifies a case across its topologies (everything but tp and cp)."""
-    return tuple(sorted((k, v) for k, v in case.items() if k not in ("tp", "cp") and not isinstance(v, (dict, list))))
+    return tuple(sorted((k, jsonio.dumps(v) if isinstance(v, (dict, list)) else v)  # a capture record too
+                        for k, v in case.items() if k not in ("tp", "cp")))
 
 
 def check_tolerances(run: Run, accept_looser: bool) -> Check:
@@ -344,13 +345,16 @@ def _compare_stats(where: str, reported: Any, recomputed: dict[str, Any], path: 
     return problems
 
 
-def recompute(run: Run) -> tuple[Check, Check]:
-    """Regenerate inputs from each report's case and recompute drift from the raw tensors."""
+def recompute(run: Run, capture: Path | None = None) -> tuple[Check, Check]:
+    """Regenerate inputs from each report's case (or read its capture: ``--capture`` or the
+    archive's copy, :func:`rl_engine.campaign.captured.replay_source`) and recompute drift from
+    the raw tensors."""
     import torch
 
     from rl_engine.logprob.comparison import oracle_drift
     from rl_engine.tensorio import read_raw_f32
-    from rl_engine.campaign.inputs import inputs_sha256, make_inputs
+    from rl_engine.campaign.captured import case_inputs, replay_source
+    from rl_engine.campaign.inputs import inputs_sha256
 
     planned, msg = _planned(run)
     if msg:
@@ -369,11 +373,14 @@ def recompute(run: Run) -> tuple[Check, Check]:
             key = _case_key(case)
             try:
                 if key not in cache:
-                    logits, targets, active = make_inputs(case)
+                    source = (None if case.get("capture") is None
+                              else replay_source(case["capture"], run.root, capture))
+                    logits, targets, active = case_inputs(case, source)
                     cache[key] = (logits, targets, active, inputs_sha256(logits, targets, active))
                 logits, targets, active, hashes = cache[key]
             except (ValueError, TypeError) as exc:
                 input_problems.append(f"{item.file}: case: cannot regenerate inputs ({exc})")
+                drift_problems.append(f"{item.file}: drift not recomputed: no inputs (see inputs regenerated)")
                 continue
             recorded = report.get("inputs_sha256") if isinstance(report.get("inputs_sha256"), dict) else {}
             for name, digest in hashes.items():
@@ -449,11 +456,12 @@ def _first_difference(name: str, archived: Any, replayed: Any) -> str:
             f"(0x{int(b[index]) & 0xFFFFFFFF:08x})")
 
 
-def replay(run: Run) -> Check:
+def replay(run: Run, capture: Path | None = None) -> Check:
     """Recompute the candidate at TP=1 and require byte equality with every topology."""
     import torch
 
     from rl_engine.tensorio import read_raw_f32, tensor_bytes
+    from rl_engine.campaign.captured import replay_source
     from rl_engine.campaign.replay import ARITH_BACKENDS, REFERENCE_BACKEND, replay_candidate
     from rl_engine.rundir import TENSOR_NAMES
 
@@ -475,7 +483,9 @@ def replay(run: Run) -> Check:
                 # a case of any backend of the arithmetic spec is replayed by the eager
                 # reference: no compiled kernel needed here, and the strictest comparison
                 by = REFERENCE_BACKEND if case.get("backend") in ARITH_BACKENDS else None
-                cache[key] = replay_candidate(case, backend=by)
+                source = (None if case.get("capture") is None
+                          else replay_source(case["capture"], run.root, capture))
+                cache[key] = replay_candidate(case, backend=by, capture=source)
             again = cache[key]
             for tensor in TENSOR_NAMES:
                 try:
@@ -515,7 +525,8 @@ def schema_note(shipped: Path) -> Check:
 
 
 def verify(archive: Path, *, recompute_drift: bool = False, skip_outer: bool = False,
-           limits: Limits = Limits(), accept_looser_tolerance: bool = False) -> list[Check]:
+           limits: Limits = Limits(), accept_looser_tolerance: bool = False,
+           capture: Path | None = None) -> list[Check]:
     """Every check of the module docstring, in order; later checks are skipped after a refusal."""
     checks = [check_outer(archive, skip_outer)]
     with tempfile.TemporaryDirectory(prefix="rl_engine-verify-") as tmp:
@@ -533,13 +544,14 @@ def verify(archive: Path, *, recompute_drift: bool = False, skip_outer: bool = F
         else:
             checks.append(Check("top folder", True, f"every member under {extracted.top}/"))
         try:
-            checks.extend(_checks_of_extracted(extracted, recompute_drift, accept_looser_tolerance))
+            checks.extend(_checks_of_extracted(extracted, recompute_drift, accept_looser_tolerance, capture))
         except Exception as exc:  # damaged content must end as a failed row a reviewer can read
             checks.append(Check("internal error", False, f"checking stopped: {type(exc).__name__}: {exc}"))
     return checks
 
 
-def _checks_of_extracted(extracted: Extracted, recompute_drift: bool, accept_looser: bool) -> list[Check]:
+def _checks_of_extracted(extracted: Extracted, recompute_drift: bool, accept_looser: bool,
+                         capture: Path | None = None) -> list[Check]:
     """The tested commit and case, the run name, then checks 4-12 on an extracted archive (module docstring)."""
     checks: list[Check] = []
     root = extracted.root
@@ -571,8 +583,8 @@ def _checks_of_extracted(extracted: Extracted, recompute_drift: bool, accept_loo
     checks.append(check_tolerances(run, accept_looser))
     checks.append(check_arithmetic_spec(run))
     if recompute_drift:
-        checks.extend(recompute(run))
-        checks.append(replay(run))
+        checks.extend(recompute(run, capture))
+        checks.append(replay(run, capture))
     if shipped.is_dir():
         checks.append(schema_note(shipped))
     return checks
@@ -599,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rl_engine verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("archive", type=Path, help="results/NAME.tar.gz (NAME.tar.gz.sha256 expected next to it)")
     parser.add_argument("--recompute", action="store_true", help="regenerate inputs and recompute oracle drift")
+    parser.add_argument("--capture", type=Path, default=None,
+                        help="with --recompute, for a campaign on a capture the archive does not hold: the "
+                             "captured file (it must have the case's recorded SHA-256)")
     parser.add_argument("--no-outer-checksum", action="store_true", help="accept a missing NAME.tar.gz.sha256 (row says so)")
     parser.add_argument(LOOSER_FLAG, dest="accept_looser_tolerance", action="store_true",
                         help="accept atol/rtol looser than the project's defaults for the dtype (bf16/fp16/fp32 "
@@ -609,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-total-mib", type=int, default=Limits().max_total_bytes // MIB)
     parser.add_argument("--max-members", type=int, default=Limits().max_members)
     args = parser.parse_args(argv)
+    if args.capture is not None and not args.recompute:
+        parser.error(f"--capture {args.capture} is read only by --recompute; add --recompute or drop --capture")
     if not args.archive.is_file():
         print(f"verify: {args.archive} is not a file", file=sys.stderr)
         return 2
@@ -617,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     checks = verify(args.archive, recompute_drift=args.recompute, skip_outer=args.no_outer_checksum, limits=limits,
-                    accept_looser_tolerance=args.accept_looser_tolerance)
+                    accept_looser_tolerance=args.accept_looser_tolerance, capture=args.capture)
     passed = all(c.passed is not False for c in checks) and any(c.name == "recorded gates" for c in checks)
     console = Console(width=160)
     console.print(_table(args.archive, checks))
