@@ -41,6 +41,17 @@ MAX_TP = 8
 MAX_CP = 4
 MAX_THREADS_PER_RANK = 64
 MIN_MATRIX_TOPOLOGIES = 2  # the cross-topology check compares at least two
+# Bounds of a case's sizes and input recipe (rl_engine/campaign/inputs.py), checked at parse time.
+MAX_SEED = 2**64 - 1  # the recipe hashes the seed as an unsigned 64-bit integer
+MAX_TOKENS = 2**20  # batch * seq of a campaign (each rank holds every token's logits in FP32)
+MAX_LOGIT_ELEMENTS = 2**32  # batch * seq * padded_vocab: 16 GiB of FP32 logits
+# Every recipe logit is |bell| * logit_scale with |bell| <= 3.47; a quarter of the dtype's
+# largest finite value keeps every logit (and its rounding to the dtype) finite.
+LOGIT_SCALE_BOUNDS: dict[str, float] = {
+    "bf16": float.fromhex("0x1.fep127") / 4,
+    "fp16": 65504.0 / 4,
+    "fp32": float.fromhex("0x1.fffffep127") / 4,
+}
 DEFAULT_TOPOLOGIES: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2))
 DEFAULT_PG_TIMEOUT_S = 120.0  # process-group timeout: a lost rank fails the collective
 

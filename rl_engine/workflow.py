@@ -193,9 +193,36 @@ def _config_key(field: str, config: dict[str, Any]) -> tuple[str, Any]:
     return key, config[key]
 
 
+REGRESSION_ROOT = "tests"  # the focused regression runs test files of the checkout's tests/ only
+
+
+def regression_problems(config: dict[str, Any], origin: Origin, root: Path | None = None) -> list[str]:
+    """``regression.tests``: each a file inside ``<root>/tests/`` (default root: the working
+    directory, where Snakemake resolves the rule's inputs), named without ``..`` or an absolute
+    path; a ``::`` test id after the file is allowed."""
+    base = Path.cwd() if root is None else Path(root)
+    tests_dir = (base / REGRESSION_ROOT).resolve()
+    problems = []
+    for index, item in enumerate(config["regression"]["tests"]):
+        key = f"regression.tests[{index}]"
+        path = item.split("::", 1)[0]
+        parts = Path(path).parts
+        if Path(path).is_absolute() or ".." in parts or not parts or parts[0] != REGRESSION_ROOT:
+            why = "must be a relative path inside tests/ without '..'"
+        elif not (base / path).resolve().is_relative_to(tests_dir):
+            why = "leads out of tests/ (through a symbolic link)"
+        elif not (base / path).is_file():
+            why = f"does not exist (looked in {base})"
+        else:
+            continue
+        problems.append(f"{origin.describe(key, item)}: the test file {why}; name a test file of tests/ "
+                        f"(e.g. tests/test_logprob_contract.py); {origin.fix(key)}")
+    return problems
+
+
 def _campaign_problems(config: dict[str, Any], origin: Origin) -> list[str]:
     """The runner's plan-time rules on a schema-valid config, as config-key messages."""
-    problems: list[str] = []
+    problems: list[str] = regression_problems(config, origin)
     dtype = config["dtype"]
     has_tolerance = dtype in config["tolerances"]
     if not has_tolerance:

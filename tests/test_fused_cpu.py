@@ -266,9 +266,12 @@ def test_an_instruction_set_the_cpu_lacks_is_refused() -> None:
     missing = [n for n in ("avx2", "avx512") if kernel.selected_isa(fused_cpu.ISA_NAMES[n]) < 0]
     if not missing:
         pytest.skip("this CPU has every variant")
+    with pytest.raises(LogprobContractError, match="is not supported by this CPU"):
+        FusedCpuLogprob(isa=missing[0])  # when built, never after a call's agreement step
     x, targets, active = _inputs("bf16", 1000, 1024, 3, seed=1, specials=False)
     with pytest.raises(fused_cpu.FusedKernelError, match="instruction set this CPU lacks"):
-        FusedCpuLogprob(isa=missing[0])(x, targets, active, _contract("bf16", 1000, 1024, 8, 3))
+        fused_cpu.fused_partials(x, _contract("bf16", 1000, 1024, 8, 3), False, False,
+                                 isa=missing[0])  # the kernel's own check, below it
 
 
 # ----- element functions -----------------------------------------------------------------------
@@ -423,7 +426,7 @@ def test_cpu_only_tensors_and_bad_options_are_refused() -> None:
     with pytest.raises(LogprobContractError, match="threads=0 must be >= 1"):
         FusedCpuLogprob(threads=0)(x, targets, active, contract)
     meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
-    with pytest.raises(LogprobContractError, match="logits.device=meta is not served"):
+    with pytest.raises(LogprobContractError, match="logits has no real storage"):
         FusedCpuLogprob()(meta, targets.to("meta"), active.to("meta"), contract)
 
 

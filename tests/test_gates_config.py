@@ -408,6 +408,12 @@ DRY_RUNS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "campaign-topology": ({"num_vocab_tiles": 4, "topologies": ["1x1", "3x1", "4x2"]},
                           ("config key 'topologies[1]' has value '3x1'", "would not be tile aligned",
                            "config key 'topologies[2]' has value '4x2': tp*cp=8 ranks exceed num_vocab_tiles=4")),
+    # issue 20 item 12: each passed the parse-time check and failed later, or never
+    "bounds": ({"seed": 2**70, "logit_scale": 1e39, "seq": 2**40,
+                "regression": {"tests": ["../../../../etc/passwd"]}},
+               ("config key 'seed' has value 1180591620717411303424", "config key 'logit_scale' has value 1e+39",
+                "config key 'seq' has value 1099511627776", "config key 'regression.tests[0]' has value "
+                "'../../../../etc/passwd'")),
     "single-topology": ({"topologies": ["1x1"]},
                         ("config key 'topologies' has value ['1x1']", "the cross-topology check compares at least 2")),
 }

@@ -32,8 +32,12 @@ from rl_engine.tables import (
     DEFAULT_TOLERANCES,
     DEVICE_DIST_BACKENDS,
     DTYPES,
+    LOGIT_SCALE_BOUNDS,
     MAX_CP,
+    MAX_LOGIT_ELEMENTS,
+    MAX_SEED,
     MAX_THREADS_PER_RANK,
+    MAX_TOKENS,
     MAX_TP,
     MIN_MATRIX_TOPOLOGIES,
     SCHEMA_VERSION,
@@ -147,12 +151,36 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
                           ("threads_per_rank", 1)):
         if name in values:
             add(name, int_problem(name, values[name], minimum))
+    if has("seed") and values["seed"] > MAX_SEED:
+        add("seed", f"seed={values['seed']} exceeds {MAX_SEED} (2**64 - 1): the input recipe hashes "
+                    "the seed as an unsigned 64-bit integer; use a seed in [0, 2**64 - 1]")
+    for name in ("batch", "seq"):
+        if has(name) and values[name] > MAX_TOKENS:
+            add(name, f"{name}={values[name]} exceeds {MAX_TOKENS} (2**20), the bound of batch*seq "
+                      f"tokens of a campaign; use a {name} of at most {MAX_TOKENS}")
+    if has("batch", "seq") and values["batch"] * values["seq"] > MAX_TOKENS:
+        add("batch", f"batch={values['batch']} x seq={values['seq']} = {values['batch'] * values['seq']} "
+                     f"tokens exceed the bound {MAX_TOKENS} (2**20); lower batch or seq")
+    if (has("batch", "seq", "padded_vocab")
+            and values["batch"] * values["seq"] * values["padded_vocab"] > MAX_LOGIT_ELEMENTS):
+        add("padded_vocab",
+            f"padded_vocab={values['padded_vocab']} x batch*seq={values['batch'] * values['seq']} tokens = "
+            f"{values['batch'] * values['seq'] * values['padded_vocab']} logits exceed the bound "
+            f"{MAX_LOGIT_ELEMENTS} (2**32, 16 GiB in FP32); lower the vocabulary, batch or seq")
     if has("threads_per_rank") and values["threads_per_rank"] > MAX_THREADS_PER_RANK:
         add("threads_per_rank",
             f"threads_per_rank={values['threads_per_rank']} must be <= {MAX_THREADS_PER_RANK}")
     for name, positive in (("logit_scale", True), ("atol", False), ("rtol", False), ("timeout_s", True)):
         if name in values:
             add(name, _number_problem(name, values[name], positive))
+    if has("logit_scale"):
+        dtype = values["dtype"] if has("dtype") else "fp32"  # the recipe's own logits are FP32
+        bound = LOGIT_SCALE_BOUNDS[dtype] if dtype in LOGIT_SCALE_BOUNDS else None
+        if bound is not None and values["logit_scale"] > bound:
+            add("logit_scale",
+                f"logit_scale={values['logit_scale']!r} exceeds {bound:.6g} for dtype {dtype}: logits reach "
+                f"3.47 x logit_scale and must stay finite in {dtype} (the bound is a quarter of its largest "
+                f"finite value); use logit_scale <= {bound:.6g}")
     if has("cp_layout"):
         add("cp_layout", choice_problem("cp_layout", values["cp_layout"], CP_LAYOUTS, "is unknown"))
     if has("real_vocab", "padded_vocab") and values["real_vocab"] > values["padded_vocab"]:

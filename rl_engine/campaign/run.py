@@ -229,6 +229,73 @@ def perturb(
     return token
 
 
+def _backend_failures(case: Case, results: list[dict[str, Any]]) -> list[str]:
+    """Every rank must materialise the case's backend without fallback, under one contract."""
+    failures = [
+        f"backend: rank {r['rank']} requested {r['requested_backend']!r} and materialised "
+        f"{r['actual_backend']!r} (fallback={r['fallback']}); expected {case.backend!r} without fallback"
+        for r in results
+        if r["actual_backend"] != case.backend or r["fallback"] or r["requested_backend"] != case.backend
+    ]
+    if len({r["contract_fingerprint"] for r in results}) != 1:
+        failures.append("contract: ranks disagree on the contract fingerprint")
+    return failures
+
+
+def _fingerprint_section(tensors: dict[str, torch.Tensor], fingerprints: dict[str, str], n: int) -> dict[str, Any]:
+    """``bitwise_fingerprints``: the aggregate tensors' hashes, dtypes and shapes."""
+    return {
+        "dtype": "float32",
+        "shape": [n],
+        **{f"candidate_{name}_sha256": fingerprints[name] for name in TENSOR_NAMES},
+        "candidate_grad_sha256": fingerprint(tensors["grad"]),
+        "grad_dtype": DTYPE_NAMES[tensors["grad"].dtype],
+        "grad_shape": list(tensors["grad"].shape),
+    }
+
+
+def _environment_section(case: Case, tp: int, cp: int) -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": case.device,
+        "dist_backend": case.dist_backend,
+        "world_size": tp * cp,
+        "threads_per_rank": case.threads_per_rank,
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+    }
+
+
+def _topology_section(case: Case, tp: int, cp: int, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """``topology``: the degrees, the layout, the nodes and every rank's provenance."""
+    return {
+        "tp": tp,
+        "cp": cp,
+        "world_size": tp * cp,
+        "cp_layout": case.cp_layout,
+        "nnodes": len({r["node"] for r in results}),
+        "ranks": [
+            {key: r[key] for key in ("rank", "tp_rank", "cp_rank", "node", "token_indices", "vocab_bounds",
+                                     "actual_backend", "fallback", "contract_fingerprint")}
+            for r in results
+        ],
+    }
+
+
+def _reduction_section(case: Case, rank0: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "num_vocab_tiles": case.num_vocab_tiles,
+        "tile_width": rank0["tile_width"],
+        "merge_order": MERGE_ORDER,
+        "transport": (
+            f"one {case.dist_backend} all_gather per call of every TP rank's tile partials "
+            "and owned target logits within the TP group (transport only, nothing summed); "
+            "rank 0 gathers outputs for reassembly"
+        ),
+    }
+
+
 def build_report(
     case: Case,
     tp: int,
@@ -239,21 +306,15 @@ def build_report(
     fault: Fault | None,
     timings: dict[str, float],
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Rank 0: the report's JSON and the tensors to write next to it."""
+    """Rank 0: the report's JSON and the tensors to write next to it.
+
+    The ranks' outputs are checked (backend, contract, TP replication), assembled in global token
+    order and compared with the oracles; the report records all of it with the fingerprints.
+    """
     results = sorted(results, key=lambda r: r["rank"])
     start = time.perf_counter()
-    failures: list[str] = []
-    for r in results:
-        if r["actual_backend"] != case.backend or r["fallback"] or r["requested_backend"] != case.backend:
-            failures.append(
-                f"backend: rank {r['rank']} requested {r['requested_backend']!r} and materialised "
-                f"{r['actual_backend']!r} (fallback={r['fallback']}); expected {case.backend!r} "
-                "without fallback"
-            )
-    if len({r["contract_fingerprint"] for r in results}) != 1:
-        failures.append("contract: ranks disagree on the contract fingerprint")
     tp_failures = tp_replication_failures(results)
-    failures += tp_failures
+    failures = _backend_failures(case, results) + tp_failures
     tensors = assemble(results, case)
     logits_fp32, targets, active = case_inputs(case.to_dict())
     if fault is not None and fault.kind == "perturb" and fault.applies(tp, cp):
@@ -278,54 +339,15 @@ def build_report(
         "arithmetic_spec": SPEC_VERSION,
         "fallback": any(r["fallback"] for r in results),
         "tp_outputs_bitwise_replicated": not tp_failures,
-        "bitwise_fingerprints": {
-            "dtype": "float32",
-            "shape": [n],
-            "candidate_logp_sha256": fingerprints["logp"],
-            "candidate_lse_sha256": fingerprints["lse"],
-            "candidate_entropy_sha256": fingerprints["entropy"],
-            "candidate_grad_sha256": fingerprint(tensors["grad"]),
-            "grad_dtype": DTYPE_NAMES[tensors["grad"].dtype],
-            "grad_shape": list(tensors["grad"].shape),
-        },
+        "bitwise_fingerprints": _fingerprint_section(tensors, fingerprints, n),
         "tensors": {
-            name: {"path": tensor_files[name].name, "sha256": fingerprints[name],
-                   "dtype": "float32", "shape": [n]}
+            name: {"path": tensor_files[name].name, "sha256": fingerprints[name], "dtype": "float32", "shape": [n]}
             for name in TENSOR_NAMES
         },
         "inputs_sha256": inputs_sha256(logits_fp32, targets, active),
-        "environment": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "device": case.device,
-            "dist_backend": case.dist_backend,
-            "world_size": tp * cp,
-            "threads_per_rank": case.threads_per_rank,
-            "hostname": socket.gethostname(),
-            "platform": platform.platform(),
-        },
-        "topology": {
-            "tp": tp,
-            "cp": cp,
-            "world_size": tp * cp,
-            "cp_layout": case.cp_layout,
-            "nnodes": len({r["node"] for r in results}),
-            "ranks": [
-                {key: r[key] for key in ("rank", "tp_rank", "cp_rank", "node", "token_indices", "vocab_bounds",
-                                         "actual_backend", "fallback", "contract_fingerprint")}
-                for r in results
-            ],
-        },
-        "reduction": {
-            "num_vocab_tiles": case.num_vocab_tiles,
-            "tile_width": rank0["tile_width"],
-            "merge_order": MERGE_ORDER,
-            "transport": (
-                f"one {case.dist_backend} all_gather per call of every TP rank's tile partials "
-                "and owned target logits within the TP group (transport only, nothing summed); "
-                "rank 0 gathers outputs for reassembly"
-            ),
-        },
+        "environment": _environment_section(case, tp, cp),
+        "topology": _topology_section(case, tp, cp, results),
+        "reduction": _reduction_section(case, rank0),
         "dispatch": {"rejections": [{"backend": b, "reason": why} for b, why in rank0["rejections"]]},
         "timings": {**timings, "total_s": timings["total_s"] + timings["oracle_s"]},
         "drift": drift,

@@ -154,6 +154,75 @@ def _check_drift(found: list[Finding], where: str, report: Any, case: dict[str, 
                 found.append(Finding(where, field_path(base + ("max_abs",)), f"{max_abs!r} exceeds atol {atol!r} (rtol 0)"))
 
 
+def _check_topology(found: list[Finding], where: str, report: dict[str, Any], case: dict[str, Any],
+                    requested: Any) -> None:
+    """The per-rank provenance: degrees, world size, every rank's backend without fallback, the nodes."""
+    ok, topo = get(report, ("topology",))
+    if not ok or not isinstance(topo, dict):
+        found.append(Finding(where, "topology", "missing: per-rank provenance is required"))
+    else:
+        tp, cp = case.get("tp"), case.get("cp")
+        for key, want in (("tp", tp), ("cp", cp)):
+            if topo.get(key) != want:
+                found.append(Finding(where, f"topology.{key}", f"is {topo.get(key)!r} but case.{key} is {want!r}"))
+        ranks = topo.get("ranks")
+        if isinstance(tp, int) and isinstance(cp, int):
+            if topo.get("world_size") != tp * cp:
+                found.append(Finding(where, "topology.world_size", f"is {topo.get('world_size')!r}; TP={tp} x CP={cp} needs {tp * cp}"))
+            if not isinstance(ranks, list) or len(ranks) != tp * cp:
+                count = len(ranks) if isinstance(ranks, list) else ranks
+                found.append(Finding(where, "topology.ranks", f"lists {count!r} ranks; TP={tp} x CP={cp} needs {tp * cp}"))
+        for index, rank in enumerate(ranks if isinstance(ranks, list) else []):
+            base = ("topology", "ranks", index)
+            if not isinstance(rank, dict):
+                found.append(Finding(where, field_path(base), "must be an object"))
+                continue
+            if rank.get("actual_backend") != requested:
+                found.append(Finding(where, field_path(base + ("actual_backend",)), f"rank {rank.get('rank')!r} materialised {rank.get('actual_backend')!r}, requested {requested!r}"))
+            if rank.get("fallback") is not False:
+                found.append(Finding(where, field_path(base + ("fallback",)), f"rank {rank.get('rank')!r} recorded fallback={rank.get('fallback')!r}"))
+        nodes = {rank.get("node") for rank in ranks if isinstance(rank, dict)} if isinstance(ranks, list) else set()
+        if ranks and topo.get("nnodes") != len(nodes):
+            found.append(Finding(where, "topology.nnodes", f"is {topo.get('nnodes')!r} but the ranks ran on {len(nodes)} distinct node(s) {sorted(map(str, nodes))}"))
+
+
+def _check_fingerprints(found: list[Finding], where: str, report: dict[str, Any], case: dict[str, Any]) -> None:
+    """The fingerprints describe the case's shapes and dtypes."""
+    ok, fps = get(report, ("bitwise_fingerprints",))
+    if not ok or not isinstance(fps, dict):
+        found.append(Finding(where, "bitwise_fingerprints", "missing: fingerprints of the aggregate tensors are required"))
+    elif case:
+        tokens = case.get("batch", 0) * case.get("seq", 0) if all(isinstance(case.get(k), int) for k in ("batch", "seq")) else None
+        if fps.get("dtype") != "float32":
+            found.append(Finding(where, "bitwise_fingerprints.dtype", f"is {fps.get('dtype')!r}; aggregates are float32"))
+        if tokens is not None and fps.get("shape") != [tokens]:
+            found.append(Finding(where, "bitwise_fingerprints.shape", f"is {fps.get('shape')!r}; batch*seq is {tokens}"))
+        if tokens is not None and "padded_vocab" in case and fps.get("grad_shape") != [tokens, case["padded_vocab"]]:
+            found.append(Finding(where, "bitwise_fingerprints.grad_shape", f"is {fps.get('grad_shape')!r}; expected [{tokens}, {case['padded_vocab']}]"))
+        want_grad = TORCH_DTYPE_NAMES.get(case.get("dtype", ""))
+        if want_grad and fps.get("grad_dtype") != want_grad:
+            found.append(Finding(where, "bitwise_fingerprints.grad_dtype", f"is {fps.get('grad_dtype')!r}; {case.get('dtype')} logits give {want_grad} gradients"))
+
+
+def _check_against_plan(found: list[Finding], where: str, report: dict[str, Any], case: dict[str, Any],
+                        planned: PlannedReport | None, plan: Any) -> None:
+    """The report's topology, command, case and case id are the plan's."""
+    if planned is not None:
+        for key, want in (("tp", planned.tp), ("cp", planned.cp)):
+            if case.get(key) != want:
+                found.append(Finding(where, f"case.{key}", f"is {case.get(key)!r} but the plan lists this file as {key}={want}"))
+        if planned.command is not None and report.get("launch_command") != planned.command:
+            found.append(Finding(where, "launch_command", "differs from the plan's command for this topology"))
+    if isinstance(plan, dict):
+        plan_case = plan.get("case")
+        if isinstance(plan_case, dict):
+            for key in sorted(set(plan_case) | (set(case) - {"tp", "cp"})):
+                if case.get(key) != plan_case.get(key):
+                    found.append(Finding(where, f"case.{key}", f"is {case.get(key)!r} but the plan's case has {plan_case.get(key)!r}"))
+        if "case_id" in plan and report.get("case_id") != plan.get("case_id"):
+            found.append(Finding(where, "case_id", f"is {report.get('case_id')!r} but the plan's is {plan.get('case_id')!r}"))
+
+
 def check_report(
     report: Any,
     where: str,
@@ -188,64 +257,9 @@ def check_report(
     _expect(found, where, report, ("fallback",), False, "a silent fallback is never acceptable")
     _expect(found, where, report, ("tp_outputs_bitwise_replicated",), True, "TP peers must produce identical bytes")
 
-    ok, topo = get(report, ("topology",))
-    if not ok or not isinstance(topo, dict):
-        found.append(Finding(where, "topology", "missing: per-rank provenance is required"))
-    else:
-        tp, cp = case.get("tp"), case.get("cp")
-        for key, want in (("tp", tp), ("cp", cp)):
-            if topo.get(key) != want:
-                found.append(Finding(where, f"topology.{key}", f"is {topo.get(key)!r} but case.{key} is {want!r}"))
-        ranks = topo.get("ranks")
-        if isinstance(tp, int) and isinstance(cp, int):
-            if topo.get("world_size") != tp * cp:
-                found.append(Finding(where, "topology.world_size", f"is {topo.get('world_size')!r}; TP={tp} x CP={cp} needs {tp * cp}"))
-            if not isinstance(ranks, list) or len(ranks) != tp * cp:
-                count = len(ranks) if isinstance(ranks, list) else ranks
-                found.append(Finding(where, "topology.ranks", f"lists {count!r} ranks; TP={tp} x CP={cp} needs {tp * cp}"))
-        for index, rank in enumerate(ranks if isinstance(ranks, list) else []):
-            base = ("topology", "ranks", index)
-            if not isinstance(rank, dict):
-                found.append(Finding(where, field_path(base), "must be an object"))
-                continue
-            if rank.get("actual_backend") != requested:
-                found.append(Finding(where, field_path(base + ("actual_backend",)), f"rank {rank.get('rank')!r} materialised {rank.get('actual_backend')!r}, requested {requested!r}"))
-            if rank.get("fallback") is not False:
-                found.append(Finding(where, field_path(base + ("fallback",)), f"rank {rank.get('rank')!r} recorded fallback={rank.get('fallback')!r}"))
-        nodes = {rank.get("node") for rank in ranks if isinstance(rank, dict)} if isinstance(ranks, list) else set()
-        if ranks and topo.get("nnodes") != len(nodes):
-            found.append(Finding(where, "topology.nnodes", f"is {topo.get('nnodes')!r} but the ranks ran on {len(nodes)} distinct node(s) {sorted(map(str, nodes))}"))
-
-    ok, fps = get(report, ("bitwise_fingerprints",))
-    if not ok or not isinstance(fps, dict):
-        found.append(Finding(where, "bitwise_fingerprints", "missing: fingerprints of the aggregate tensors are required"))
-    elif case:
-        tokens = case.get("batch", 0) * case.get("seq", 0) if all(isinstance(case.get(k), int) for k in ("batch", "seq")) else None
-        if fps.get("dtype") != "float32":
-            found.append(Finding(where, "bitwise_fingerprints.dtype", f"is {fps.get('dtype')!r}; aggregates are float32"))
-        if tokens is not None and fps.get("shape") != [tokens]:
-            found.append(Finding(where, "bitwise_fingerprints.shape", f"is {fps.get('shape')!r}; batch*seq is {tokens}"))
-        if tokens is not None and "padded_vocab" in case and fps.get("grad_shape") != [tokens, case["padded_vocab"]]:
-            found.append(Finding(where, "bitwise_fingerprints.grad_shape", f"is {fps.get('grad_shape')!r}; expected [{tokens}, {case['padded_vocab']}]"))
-        want_grad = TORCH_DTYPE_NAMES.get(case.get("dtype", ""))
-        if want_grad and fps.get("grad_dtype") != want_grad:
-            found.append(Finding(where, "bitwise_fingerprints.grad_dtype", f"is {fps.get('grad_dtype')!r}; {case.get('dtype')} logits give {want_grad} gradients"))
-
+    _check_topology(found, where, report, case, requested)
+    _check_fingerprints(found, where, report, case)
     _check_drift(found, where, report, case)
     found += check_tensor_files(report, where, report_dir)[1]
-
-    if planned is not None:
-        for key, want in (("tp", planned.tp), ("cp", planned.cp)):
-            if case.get(key) != want:
-                found.append(Finding(where, f"case.{key}", f"is {case.get(key)!r} but the plan lists this file as {key}={want}"))
-        if planned.command is not None and report.get("launch_command") != planned.command:
-            found.append(Finding(where, "launch_command", "differs from the plan's command for this topology"))
-    if isinstance(plan, dict):
-        plan_case = plan.get("case")
-        if isinstance(plan_case, dict):
-            for key in sorted(set(plan_case) | (set(case) - {"tp", "cp"})):
-                if case.get(key) != plan_case.get(key):
-                    found.append(Finding(where, f"case.{key}", f"is {case.get(key)!r} but the plan's case has {plan_case.get(key)!r}"))
-        if "case_id" in plan and report.get("case_id") != plan.get("case_id"):
-            found.append(Finding(where, "case_id", f"is {report.get('case_id')!r} but the plan's is {plan.get('case_id')!r}"))
+    _check_against_plan(found, where, report, case, planned, plan)
     return found

@@ -251,7 +251,8 @@ def reproduction(ev: Evidence) -> str:
     return "\n".join(lines)
 
 
-def sections(ev: Evidence, run: Run) -> dict[str, Section]:
+def _matrix_section(ev: Evidence) -> Section:
+    """The validation matrix: hardware, runtime, candidate, topologies and every gate's verdict."""
     case = ev.plan.get("case", {})
     env = ev.environment
     n = len(ev.reports)
@@ -267,7 +268,7 @@ def sections(ev: Evidence, run: Run) -> dict[str, Section]:
                        f"(TP={_list_degrees(tps)} x CP={_list_degrees(cps)})")
     else:
         determinism = f"MISMATCH: {len(ev.crosscheck.get('failures', []))} differences (see crosscheck.json)"
-    matrix = Section("Validation matrix", ("Evidence", "Result"), (
+    return Section("Validation matrix", ("Evidence", "Result"), (
         ("Hardware", hardware_text(env)),
         ("Runtime", runtime),
         ("Candidate", f"{str(case.get('dtype')).upper()} {case.get('backend')} with FP32 accumulation"),
@@ -283,6 +284,10 @@ def sections(ev: Evidence, run: Run) -> dict[str, Section]:
         ("Invalid JSON values", "None; strict JSON serialization" if ev.validation.get("passed") is True
          else "see validation.json"),
     ))
+
+
+def _result_sections(ev: Evidence) -> tuple[Section, Section]:
+    """Per topology: the FP32-oracle drift in short, and the acceptance table at full precision."""
     per_topology = []
     acceptance = []
     for item, report in zip(ev.planned, ev.reports):
@@ -300,6 +305,12 @@ def sections(ev: Evidence, run: Run) -> dict[str, Section]:
     accept = Section("Acceptance results (full precision)",
                      ("TP", "CP", "Ranks", "Result", "LSE max abs (FP32)", "Active dlogp max abs (FP32)",
                       "LSE max abs (FP64)", "Active dlogp max abs (FP64)"), tuple(acceptance))
+    return topo, accept
+
+
+def _fingerprint_section(ev: Evidence) -> Section:
+    """The reference topology's fingerprints and input hashes."""
+    n = len(ev.reports)
     ref = ev.reports[0] if ev.reports else {}
     fps = ref.get("bitwise_fingerprints", {}) if isinstance(ref, dict) else {}
     fp_rows = [(key, str(fps.get(key))) for key in ("candidate_logp_sha256", "candidate_lse_sha256",
@@ -307,11 +318,15 @@ def sections(ev: Evidence, run: Run) -> dict[str, Section]:
     fp_rows += [("dtype / shape", f"{fps.get('dtype')} {fps.get('shape')}"),
                 ("grad dtype / shape", f"{fps.get('grad_dtype')} {fps.get('grad_shape')}")]
     fp_rows += [(f"inputs_sha256.{k}", str(v)) for k, v in sorted((ref.get("inputs_sha256") or {}).items())]
-    fingerprints = Section(f"Cross-topology fingerprints (reference {ev.crosscheck.get('reference')}; "
+    return Section(f"Cross-topology fingerprints (reference {ev.crosscheck.get('reference')}; "
                            f"{'identical in all ' + str(n) + ' reports' if ev.crosscheck.get('passed') is True else 'NOT identical'})",
                            ("Field", "Value"), tuple(fp_rows))
+
+
+def _hardware_section(ev: Evidence) -> Section:
+    env, case = ev.environment, ev.plan.get("case", {})
     git = env.get("git", {})
-    hardware = Section("Hardware and runtime", ("Item", "Value"), (
+    return Section("Hardware and runtime", ("Item", "Value"), (
         ("GPU", ", ".join(_get(env, "torch", "gpus") or []) or "none"),
         ("Compute capability", ", ".join(_get(env, "torch", "compute_capability") or []) or "n/a"),
         ("CPU", f"{_get(env, 'cpu', 'model')} ({_get(env, 'cpu', 'count')} cores)"),
@@ -329,6 +344,10 @@ def sections(ev: Evidence, run: Run) -> dict[str, Section]:
         ("Tested commit", f"{git.get('commit')} (branch {git.get('branch')}, "
                           f"{'dirty' if git.get('dirty') else 'clean'})"),
     ))
+
+
+def _artifact_sections(ev: Evidence, run: Run) -> tuple[Section, Section]:
+    """The evidence files with their sizes and SHA-256, and the skipped tests with their reasons."""
     artifacts = []
     for rel in run.evidence_files()[0]:  # unreadable evidence already stopped load_evidence
         path = run.root / rel
@@ -337,8 +356,16 @@ def sections(ev: Evidence, run: Run) -> dict[str, Section]:
     arts = Section("Artifacts", ("File", "Bytes", "SHA-256"), tuple(artifacts))
     skips = skipped_tests(run.root, ev.regression)
     skipped = Section("Skipped tests", ("Test", "Reason"), skips if isinstance(skips, tuple) else ())
-    return {"matrix": matrix, "topology": topo, "acceptance": accept, "fingerprints": fingerprints,
-            "hardware": hardware, "artifacts": arts, "skipped": skipped}
+    return arts, skipped
+
+
+def sections(ev: Evidence, run: Run) -> dict[str, Section]:
+    """Every table of SUMMARY.md, by key."""
+    topo, accept = _result_sections(ev)
+    arts, skipped = _artifact_sections(ev, run)
+    return {"matrix": _matrix_section(ev), "topology": topo, "acceptance": accept,
+            "fingerprints": _fingerprint_section(ev), "hardware": _hardware_section(ev), "artifacts": arts,
+            "skipped": skipped}
 
 
 def inputs_text(case: dict[str, Any]) -> str:

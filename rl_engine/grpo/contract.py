@@ -164,6 +164,20 @@ class GRPOContract:
     )
 
     def __post_init__(self) -> None:
+        self._check_batch()
+        self._check_clip()
+        self._check_advantage()
+        self._check_kl()
+        self._check_reduction()
+        _require_choice("accumulation_dtype", self.accumulation_dtype, (ACCUMULATION_DTYPE,))
+        _require_choice("summation_order", self.summation_order, (SUMMATION_ORDER,))
+        start = self.dp_sequence_bounds[self.dp_rank][0]
+        seq_len = self.logprob.seq_len
+        indices = tuple(start * seq_len + i for i in self.logprob.token_indices)
+        object.__setattr__(self, "_global_token_indices", indices)
+
+    def _check_batch(self) -> None:
+        """The nested logprob contract, the batch's groups and this rank's DP share of it."""
         if not isinstance(self.logprob, LogprobContract):
             raise GRPOContractError(
                 f"logprob={self.logprob!r} must be a LogprobContract; build it for this "
@@ -194,6 +208,8 @@ class GRPOContract:
                 f"holds sequences [{start}, {end}) ({end - start}); build the nested logprob "
                 f"contract with num_sequences={end - start}"
             )
+
+    def _check_clip(self) -> None:
         low = _require_real("clip_eps_low", self.clip_eps_low)
         high = _require_real("clip_eps_high", self.clip_eps_high)
         if not 0.0 <= low < 1.0:
@@ -207,6 +223,8 @@ class GRPOContract:
             )
         object.__setattr__(self, "clip_eps_low", low)
         object.__setattr__(self, "clip_eps_high", high)
+
+    def _check_advantage(self) -> None:
         _require_choice("advantage_mode", self.advantage_mode, ADVANTAGE_MODES)
         if self.advantage_mode == "group_mean_std":
             eps = DEFAULT_ADV_EPS if self.adv_eps is None else _require_real("adv_eps", self.adv_eps)
@@ -222,11 +240,15 @@ class GRPOContract:
                 f"adv_eps={self.adv_eps} is set but advantage_mode='group_mean' uses no "
                 "epsilon; remove adv_eps or use advantage_mode='group_mean_std'"
             )
+
+    def _check_kl(self) -> None:
         _require_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         beta = _require_real("beta", self.beta)
         if beta < 0.0:
             raise GRPOContractError(f"beta={self.beta} must be >= 0 (0 disables the KL penalty)")
         object.__setattr__(self, "beta", beta)
+
+    def _check_reduction(self) -> None:
         _require_choice("reduction", self.reduction, REDUCTIONS)
         if self.reduction == "constant":
             if self.constant_normalizer is None:
@@ -245,11 +267,6 @@ class GRPOContract:
                 f"constant_normalizer={self.constant_normalizer} is set but reduction="
                 f"{self.reduction!r} does not use it; remove it or use reduction='constant'"
             )
-        _require_choice("accumulation_dtype", self.accumulation_dtype, (ACCUMULATION_DTYPE,))
-        _require_choice("summation_order", self.summation_order, (SUMMATION_ORDER,))
-        seq_len = self.logprob.seq_len
-        indices = tuple(start * seq_len + i for i in self.logprob.token_indices)
-        object.__setattr__(self, "_global_token_indices", indices)
 
     # ----- construction -----------------------------------------------------------------
     @classmethod

@@ -182,72 +182,21 @@ class GRPOLoss:
         if not isinstance(contract, GRPOContract):
             raise GRPOContractError(f"contract={contract!r} must be a GRPOContract")
         chosen = self._dispatch(contract, logits.device)
-        local_error = _check_local_inputs(
-            contract, logits, actions, old_logp, rewards, active, ref_logits
+        active_per_sequence = _agreed_active_counts(
+            contract, chosen, world_group, logits, actions, old_logp, rewards, active, ref_logits
         )
-        counts = None if local_error is not None else local_active_counts(contract, active)
-        digest = (
-            None if local_error is not None
-            else inputs_digest(actions, active, contract.logprob.ignore_index)
+        logp, ref_logp = _selected_logps(
+            chosen.op, contract, logits, ref_logits, actions, active, tp_group, chunk_rows
         )
-        active_per_sequence = preflight(
-            contract, chosen.actual_backend, world_group, logits.device, local_error, counts,
-            digest,
-        )
-        check_active_counts(active_per_sequence, contract)
-        # validate=False: the inputs were judged above, with the backend's own real-column
-        # check, and agreed on by the whole world group (actions and mask included). The op's
-        # validate=True would make only this TP group raise (after its exchange); the CP and
-        # DP peers would then wait in gather_global until the process-group timeout. The op's
-        # own agreement step (one small all-gather in the TP group) then always passes.
-        op = chosen.op
-        logp = op(
-            logits, actions, active, contract.logprob,
-            group=tp_group, validate=False, chunk_rows=chunk_rows,
-        ).selected_logp
-        ref_logp = None
-        if ref_logits is not None:
-            with torch.no_grad():
-                ref_logp = op(
-                    ref_logits.detach(), actions, active, contract.logprob,
-                    group=tp_group, validate=False, chunk_rows=chunk_rows,
-                ).selected_logp
         batch = gather_global(logp, old_logp, active, ref_logp, rewards, contract, world_group)
         advantages = group_advantages(batch.rewards, contract)
         terms = token_terms(
             batch.logp, batch.old_logp, batch.ref_logp, batch.active, advantages, contract
         )
         loss = reduce_tokens(terms.total, active_per_sequence, contract)
-        with torch.no_grad():
-            policy = terms.policy.detach()
-            kl_terms = terms.kl.detach() if terms.kl is not None else None
-            policy_loss = reduce_tokens(policy, active_per_sequence, contract)
-            kl = reduce_tokens(kl_terms, active_per_sequence, contract) if kl_terms is not None else None
-            clipped_per_sequence = terms.clipped.sum(dim=1)
-            total_active = int(active_per_sequence.sum())
-            clip_fraction = (
-                clipped_per_sequence.sum().to(torch.float32) / float(total_active)
-            )
-            stats = SequenceStats(
-                reward=batch.rewards,
-                advantage=advantages,
-                active_tokens=active_per_sequence,
-                clipped_tokens=clipped_per_sequence,
-                policy_loss_sum=ordered_sum(policy),
-                kl_sum=ordered_sum(kl_terms) if kl_terms is not None else None,
-            )
-        provenance = {
-            **chosen.provenance(),
-            "grpo_contract_fingerprint": contract.cross_rank_fingerprint(),
-            "logprob_contract_fingerprint": contract.logprob.cross_rank_fingerprint(),
-            "mesh": {
-                "dp": contract.dp_world_size,
-                "cp": contract.cp_world_size,
-                "tp": contract.tp_world_size,
-                "cp_layout": contract.logprob.cp_layout,
-            },
-            "summation_order": contract.summation_order,
-        }
+        policy_loss, kl, clip_fraction, stats = _diagnostics(
+            terms, batch.rewards, advantages, active_per_sequence, contract
+        )
         return GRPOOutput(
             loss=loss,
             policy_loss=policy_loss,
@@ -256,9 +205,96 @@ class GRPOLoss:
             clip_fraction=clip_fraction,
             ratio=terms.ratio,
             sequence_stats=stats,
-            active_tokens=total_active,
-            provenance=provenance,
+            active_tokens=int(active_per_sequence.sum()),
+            provenance=_provenance(chosen, contract),
         )
+
+
+def _agreed_active_counts(
+    contract: GRPOContract, chosen: Any, world_group: Any, logits: torch.Tensor, actions: torch.Tensor,
+    old_logp: torch.Tensor, rewards: torch.Tensor, active: torch.Tensor, ref_logits: torch.Tensor | None,
+) -> torch.Tensor:
+    """Judge this rank's inputs, agree on the verdict and the inputs' digest with the whole world
+    group (every rank raises together), and return the active tokens of each sequence."""
+    local_error = _check_local_inputs(
+        contract, logits, actions, old_logp, rewards, active, ref_logits
+    )
+    counts = None if local_error is not None else local_active_counts(contract, active)
+    digest = (
+        None if local_error is not None
+        else inputs_digest(actions, active, contract.logprob.ignore_index)
+    )
+    active_per_sequence = preflight(
+        contract, chosen.actual_backend, world_group, logits.device, local_error, counts,
+        digest,
+    )
+    check_active_counts(active_per_sequence, contract)
+    return active_per_sequence
+
+
+def _selected_logps(
+    op: Any, contract: GRPOContract, logits: torch.Tensor, ref_logits: torch.Tensor | None,
+    actions: torch.Tensor, active: torch.Tensor, tp_group: Any, chunk_rows: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The policy's selected logprobs (with their gradient) and the reference's (without)."""
+    # validate=False: the inputs were judged in _agreed_active_counts, with the backend's own
+    # real-column check, and agreed on by the whole world group (actions and mask included). The
+    # op's validate=True would make only this TP group raise (after its exchange); the CP and
+    # DP peers would then wait in gather_global until the process-group timeout. The op's
+    # own agreement step (one small all-gather in the TP group) then always passes.
+    logp = op(
+        logits, actions, active, contract.logprob,
+        group=tp_group, validate=False, chunk_rows=chunk_rows,
+    ).selected_logp
+    ref_logp = None
+    if ref_logits is not None:
+        with torch.no_grad():
+            ref_logp = op(
+                ref_logits.detach(), actions, active, contract.logprob,
+                group=tp_group, validate=False, chunk_rows=chunk_rows,
+            ).selected_logp
+    return logp, ref_logp
+
+
+def _diagnostics(
+    terms: Any, rewards: torch.Tensor, advantages: torch.Tensor, active_per_sequence: torch.Tensor,
+    contract: GRPOContract,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, SequenceStats]:
+    """Without gradient: the policy loss and KL alone, the clip fraction and the per-sequence stats."""
+    with torch.no_grad():
+        policy = terms.policy.detach()
+        kl_terms = terms.kl.detach() if terms.kl is not None else None
+        policy_loss = reduce_tokens(policy, active_per_sequence, contract)
+        kl = reduce_tokens(kl_terms, active_per_sequence, contract) if kl_terms is not None else None
+        clipped_per_sequence = terms.clipped.sum(dim=1)
+        total_active = int(active_per_sequence.sum())
+        clip_fraction = (
+            clipped_per_sequence.sum().to(torch.float32) / float(total_active)
+        )
+        stats = SequenceStats(
+            reward=rewards,
+            advantage=advantages,
+            active_tokens=active_per_sequence,
+            clipped_tokens=clipped_per_sequence,
+            policy_loss_sum=ordered_sum(policy),
+            kl_sum=ordered_sum(kl_terms) if kl_terms is not None else None,
+        )
+    return policy_loss, kl, clip_fraction, stats
+
+
+def _provenance(chosen: Any, contract: GRPOContract) -> dict[str, Any]:
+    return {
+        **chosen.provenance(),
+        "grpo_contract_fingerprint": contract.cross_rank_fingerprint(),
+        "logprob_contract_fingerprint": contract.logprob.cross_rank_fingerprint(),
+        "mesh": {
+            "dp": contract.dp_world_size,
+            "cp": contract.cp_world_size,
+            "tp": contract.tp_world_size,
+            "cp_layout": contract.logprob.cp_layout,
+        },
+        "summation_order": contract.summation_order,
+    }
 
 
 __all__ = ["DEFAULT_BACKEND", "GRPOLoss", "GRPOOutput", "SequenceStats"]

@@ -69,6 +69,15 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return "sha256:" + digest.hexdigest()
 
 
+def record_device(tensor: Any) -> torch.device:
+    """Where a rank's record travels: the device of its input, or the CPU when that is not a
+    device (a meta tensor, or not a tensor at all), so a rank refusing such an input still
+    takes part in the agreement."""
+    if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+        return tensor.device
+    return torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class CallRecord:
     """What one rank is about to do: the call, its verdict and its fields (name, value text)."""
@@ -229,5 +238,6 @@ __all__ = [
     "decode_record",
     "decode_slot",
     "encode_slot",
+    "record_device",
     "tensor_digest",
 ]

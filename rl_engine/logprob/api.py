@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 from rl_engine.distributed.bounds import token_indices
 from rl_engine.distributed.mesh import group_geometry
-from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree
+from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
+from rl_engine.logprob.storage import require_readable
 from rl_engine.logprob.vocab_parallel import LogprobOutput, VocabParallelLogprob
 
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in LOGITS_DTYPES.items()}
@@ -55,6 +56,7 @@ def selected_logprob(
             f"logits.dtype={logits.dtype} is not supported; use one of "
             f"{list(DTYPE_NAMES)} (accumulation is FP32 whatever the input)"
         )
+    require_readable("logits", logits)  # before the reshape, which cannot view sparse memory
     lead = tuple(logits.shape[:-1])
     if active is None:
         active = torch.ones(lead, dtype=torch.bool, device=logits.device)
@@ -145,6 +147,7 @@ def gather_tokens(local: torch.Tensor, contract: LogprobContract, group: Any = N
             raise LogprobContractError(
                 f"local={local!r} must be a tensor with one row per local token"
             )
+        require_readable("local", local)
         if local.shape[0] != contract.num_tokens:
             raise LogprobContractError(
                 f"local.shape={tuple(local.shape)} must start with num_tokens="
@@ -172,8 +175,7 @@ def gather_tokens(local: torch.Tensor, contract: LogprobContract, group: Any = N
             ("dtype", str(local.dtype).replace("torch.", "") if ok else UNKNOWN),
             ("row_shape", str(list(local.shape[1:])) if ok else UNKNOWN),
         ))
-        device = local.device if isinstance(local, torch.Tensor) else torch.device("cpu")
-        agree(record, group, device, role="CP", hints=GATHER_HINTS)
+        agree(record, group, record_device(local), role="CP", hints=GATHER_HINTS)
     elif verdict is not None:
         raise LogprobContractError(verdict)
     return _GatherCPTokens.apply(local, contract, group)

@@ -305,7 +305,11 @@ class LogprobContract:
     def check_inputs(
         self, logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor
     ) -> None:
-        """Shape, dtype and device checks that need no reduction over the data."""
+        """Shape, dtype, device and memory checks that need no reduction over the data.
+
+        Memory (:func:`rl_engine.logprob.storage.require_readable`): strided layout, real
+        storage, every element inside it; what compiled code and collectives read.
+        """
         for name, value in (("logits", logits), ("targets", targets), ("active", active)):
             if not isinstance(value, torch.Tensor):
                 raise LogprobContractError(
@@ -339,6 +343,10 @@ class LogprobContract:
                     f"{name}.device={tensor.device} differs from logits.device={logits.device}; "
                     "move every input to the same device"
                 )
+        from rl_engine.logprob.storage import require_readable  # it imports this module
+
+        for name, tensor in (("logits", logits), ("targets", targets), ("active", active)):
+            require_readable(name, tensor)
 
     def check_targets(self, targets: torch.Tensor, active: torch.Tensor) -> None:
         """Active targets must be real vocabulary ids (one host sync)."""

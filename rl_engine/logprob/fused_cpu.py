@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -32,6 +33,7 @@ import torch
 
 from rl_engine.tables import FUSED_CPU_BACKEND
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.logprob.storage import require_readable
 from rl_engine.logprob.vocab_parallel import (
     BackwardTerms,
     LocalEngine,
@@ -45,6 +47,7 @@ MODULE = "rl_engine.logprob._fused_cpu"
 ABI_VERSION = 1
 ISA_AUTO, ISA_BASELINE, ISA_AVX2, ISA_AVX512 = 0, 1, 2, 3
 ISA_NAMES = {"auto": ISA_AUTO, "baseline": ISA_BASELINE, "avx2": ISA_AVX2, "avx512": ISA_AVX512}
+MAX_THREADS = 256  # the size of the kernel's job table (run_split in _fused_cpu.c)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _STATUS = {
     1: "bad arguments, or an instruction set this CPU lacks (isa=)",
@@ -156,11 +159,39 @@ def _row_major(logits: torch.Tensor) -> torch.Tensor:
     return logits.contiguous()
 
 
+def _c_operand(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """What the kernel may read: inside its storage (checked), the neg bit resolved, unit stride.
+
+    The kernel reads raw memory, so a negative view (``torch._neg_view``) would be read
+    un-negated: ``resolve_neg`` copies it negated first (conj bits exist only on complex
+    tensors, which the dtype check refuses).
+    """
+    require_readable(name, tensor)
+    return _row_major(tensor.detach().resolve_neg())
+
+
+def check_threads(threads: object) -> None:
+    """``threads`` is ``None`` or an integer in ``[1, MAX_THREADS]``."""
+    if threads is None:
+        return
+    fix = (f"pass an integer in [1, {MAX_THREADS}], or None for torch.get_num_threads() "
+           "at each call (thread counts never change a byte)")
+    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral):
+        raise LogprobContractError(
+            f"threads={threads!r} must be an integer (got {type(threads).__name__}); {fix}"
+        )
+    if threads < 1:
+        raise LogprobContractError(f"threads={threads} must be >= 1; {fix}")
+    if threads > MAX_THREADS:
+        raise LogprobContractError(
+            f"threads={threads} exceeds the kernel's maximum of {MAX_THREADS} threads; {fix}"
+        )
+
+
 def _threads(threads: int | None) -> int:
-    n = torch.get_num_threads() if threads is None else threads
-    if n < 1:
-        raise LogprobContractError(f"threads={n} must be >= 1")
-    return n
+    """The kernel's thread count: ``threads``, or ``torch.get_num_threads()`` up to MAX_THREADS."""
+    check_threads(threads)
+    return min(torch.get_num_threads(), MAX_THREADS) if threads is None else int(threads)
 
 
 def fused_partials(
@@ -174,7 +205,7 @@ def fused_partials(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(m, s, t, finite)`` of the local shard: what the eager ``_local_partials`` returns."""
     kernel = load_kernel()
-    x = _row_major(logits.detach())
+    x = _c_operand("logits", logits)
     rows = x.shape[0]
     width = contract.tile_width
     real_local = real_local_columns(contract)
@@ -204,14 +235,14 @@ def fused_backward(
 ) -> torch.Tensor:
     """The local gradient (section 7-8), with the ``coef == 0`` overrides and zero padding."""
     kernel = load_kernel()
-    x = _row_major(logits.detach())
+    x = _c_operand("logits", logits)
     rows, local_vocab = x.shape
     grad = torch.empty((rows, local_vocab), dtype=x.dtype)
     if rows:
-        lse_c = lse.detach().float().contiguous()
-        coef = terms.coef.float().contiguous()
-        col = terms.target_col.to(torch.int64).contiguous()
-        add = terms.target_add.float().contiguous()
+        lse_c = _c_operand("lse", lse.float())
+        coef = _c_operand("coef", terms.coef.float())
+        col = _c_operand("target_col", terms.target_col.to(torch.int64))
+        add = _c_operand("target_add", terms.target_add.float())
         status = kernel.lib.rle_backward(
             x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), local_vocab,
             terms.real_local, lse_c.data_ptr(), coef.data_ptr(), col.data_ptr(),
@@ -227,6 +258,12 @@ class FusedCpuEngine(LocalEngine):
     def __init__(self, threads: int | None = None, isa: str = "auto") -> None:
         if isa not in ISA_NAMES:
             raise LogprobContractError(f"isa={isa!r} is not one of {sorted(ISA_NAMES)}")
+        if load_kernel().selected_isa(ISA_NAMES[isa]) < 0:
+            raise LogprobContractError(
+                f"isa={isa!r} is not supported by this CPU; use isa='auto' (the widest this "
+                "CPU has) or 'baseline' (every variant gives the same bytes)"
+            )
+        check_threads(threads)
         self.threads = threads
         self.isa = isa
 
@@ -243,9 +280,11 @@ class FusedCpuLogprob(VocabParallelLogprob):
     """The callable op of backend ``cpu-vocab-parallel-logp-ws2`` (CPU tensors only).
 
     Same call, same validation, same exchange and merge as ``pytorch-vocab-parallel-logp-ws2``;
-    ``threads`` (default ``torch.get_num_threads()`` at call time) and ``isa`` (``auto``,
-    ``baseline``, ``avx2``, ``avx512``: the same bytes, tests compare them) select how the kernel runs.
-    Building it loads the kernel, so a missing kernel raises here, not at the first call.
+    ``threads`` (an integer in ``[1, MAX_THREADS]``; default ``torch.get_num_threads()`` at call
+    time, at most ``MAX_THREADS``) and ``isa`` (``auto``, ``baseline``, ``avx2``, ``avx512``: the
+    same bytes, tests compare them) select how the kernel runs. Building it loads the kernel
+    and checks both options, so a missing kernel, a bad thread count or an instruction set
+    this CPU lacks raises here, never after the agreement step of a call.
     """
 
     backend_id = FUSED_CPU_ID
@@ -266,6 +305,8 @@ __all__ = [
     "FusedCpuLogprob",
     "FusedKernel",
     "FusedKernelError",
+    "MAX_THREADS",
+    "check_threads",
     "fused_backward",
     "fused_partials",
     "kernel_unavailable",

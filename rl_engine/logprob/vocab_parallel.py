@@ -28,7 +28,7 @@ import torch.distributed as dist
 from rl_engine.tables import EAGER_BACKEND
 from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.chunk_threads import for_each_chunk
-from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, tensor_digest
+from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device, tensor_digest
 from rl_engine.logprob.contract import RANK_LOCAL_FIELDS, LogprobContract, LogprobContractError
 from rl_engine.logprob.portable import (
     ArithmeticEnvironmentError,
@@ -36,6 +36,7 @@ from rl_engine.logprob.portable import (
     require_gradual_underflow,
     rounded,
 )
+from rl_engine.logprob.storage import require_readable
 from rl_engine.logprob.tiles import (
     NEG_INF,
     ChunkWorkspace,
@@ -504,6 +505,9 @@ class _VocabParallelLogprob(torch.autograd.Function):
         ctx: Any, grad_logp: torch.Tensor, grad_lse: torch.Tensor, _grad_entropy: Any
     ) -> tuple[Any, ...]:
         logits, targets, active, lse = ctx.saved_tensors
+        # the saved logits' storage may have been freed since the forward (FSDP); no
+        # collective follows, so raising here on one rank leaves no peer waiting
+        require_readable("saved logits", logits)
         create_graph = torch.is_grad_enabled()  # the engine enables it for create_graph=True
         with torch.no_grad():
             grad = vocab_parallel_backward(
@@ -553,6 +557,7 @@ class VocabParallelLogprob:
         chunk_rows: int | None = None,
     ) -> LogprobOutput:
         verdict: str | None = None
+        record: CallRecord | None = None
         try:
             if not isinstance(contract, LogprobContract):
                 raise LogprobContractError(
@@ -575,6 +580,11 @@ class VocabParallelLogprob:
                 raise LogprobContractError(str(exc)) from None
             if validate:
                 contract.check_targets(targets, active)
+            size, _ = group_geometry(group)
+            if size > 1:  # digests of the targets and the mask: inside the checks too
+                record = call_record(
+                    contract, self.backend_id, targets, active, compute_entropy, validate, None
+                )
         except LogprobContractError as exc:
             verdict = str(exc)
         except Exception as exc:  # noqa: BLE001 - a local failure must not leave peers waiting
@@ -583,15 +593,19 @@ class VocabParallelLogprob:
             verdict = f"{type(exc).__name__} in the local checks: {exc}"
         size, _ = group_geometry(group)
         if size > 1:
-            device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
-            record = call_record(
-                contract, self.backend_id, targets, active, compute_entropy, validate, verdict
-            )
-            agree(record, group, device, role="TP", hints=AGREEMENT_HINTS)
+            if verdict is not None or record is None:
+                record = call_record(
+                    contract, self.backend_id, targets, active, compute_entropy, validate, verdict
+                )
+            agree(record, group, record_device(logits), role="TP", hints=AGREEMENT_HINTS)
         elif verdict is not None:
             raise LogprobContractError(verdict)
         if chunk_rows is None:
             chunk_rows = self.default_chunk_rows(contract, logits.device)
+        # A negative view (torch._neg_view) must be read negated; torch 2.13's fp16 -> fp32
+        # copy_ ignores the neg bit and compiled kernels read raw memory, so resolve it here
+        # (a differentiable copy, only for such views).
+        logits, targets, active = (t.resolve_neg() for t in (logits, targets, active))
         logp, lse, entropy = _VocabParallelLogprob.apply(
             logits, targets, active, contract, group, int(chunk_rows), compute_entropy, validate,
             self.engine(),

@@ -1,7 +1,8 @@
 # The archive packs exactly its declared inputs (the run's evidence, the rules' logs, the
 # schemas), so Snakemake decides what is stale: an edited report or tensor reruns the gates, the
 # summary and the archive; a file no rule declares is never packed. The archive's own logs live
-# outside the run directory.
+# outside the run directory. Each rule `exec`s its verb: the process Snakemake starts is the verb
+# itself, so a SIGKILL of the job kills the archive writer, which no shell wrapper outlives.
 
 
 rule archive:
@@ -27,7 +28,7 @@ rule archive:
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "python -m rl_engine archive --run-dir {params.run} --output {output.archive} "
+        "exec python -m rl_engine archive --run-dir {params.run} --output {output.archive} "
         "--schemas {input.schemas:q} --files {input.environment:q} {input.regression:q} {input.case:q} {input.plan:q} "
         "{input.reports:q} {input.tensors:q} {input.validation:q} {input.crosscheck:q} {input.summary:q} "
         "{input.logs:q} > {log} 2>&1"
@@ -44,4 +45,4 @@ rule verify_archive:
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "python -m rl_engine verify {input.archive} --json {output} > {log} 2>&1"
+        "exec python -m rl_engine verify {input.archive} --json {output} > {log} 2>&1"

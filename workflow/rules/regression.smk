@@ -1,5 +1,6 @@
 # The time limit is the verb's own (--timeout-s): GNU timeout would move pytest out of the
-# terminal's process group, and Ctrl-C would not reach it.
+# terminal's process group, and Ctrl-C would not reach it. Every test path and pytest argument is
+# quoted (:q), so shell metacharacters in the config reach pytest as text and run nothing.
 
 
 rule regression:
@@ -14,13 +15,11 @@ rule regression:
         stage_log("regression"),
     params:
         run=lambda wildcards, output: os.path.dirname(output.json),
-        extra=" ".join(
-            f"--pytest-arg={arg}" for arg in config["regression"].get("pytest_args", [])
-        ),
+        extra=[f"--pytest-arg={arg}" for arg in config["regression"].get("pytest_args", [])],
         timeout=config["regression"].get("timeout_s", 1800),
     threads: 2
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "python -m rl_engine regression --output-dir {params.run} --tests {input.tests} "
-        "{params.extra} --timeout-s {params.timeout} > {log} 2>&1"
+        "python -m rl_engine regression --output-dir {params.run} --tests {input.tests:q} "
+        "{params.extra:q} --timeout-s {params.timeout} > {log} 2>&1"
