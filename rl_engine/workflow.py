@@ -153,6 +153,11 @@ def config_capture(config: dict[str, Any], origin: Origin = Origin()) -> dict[st
     if inputs is None:
         return None
     path = inputs["capture"]
+    if inputs.get("archive", False):
+        raise WorkflowConfigError(
+            f"{origin.describe('inputs.archive', inputs['archive'])}: the workflow's archive rule does not "
+            "copy the capture into the archive yet (docs/capture.md); set inputs.archive: false and give "
+            "the file to `verify --recompute --capture PATH`")
     try:
         stat = os.stat(path)
         state = (stat.st_size, stat.st_mtime_ns)

@@ -144,6 +144,7 @@ def test_the_workflow_config_names_a_capture_and_the_case_file_carries_it(tmp_pa
     ({"seq": 4}, "batch * seq = 2 * 4 = 8 must be the 16 tokens"),
     ({"inputs": {"capture": "absent.safetensors"}}, "no such file"),
     ({"inputs": {"capture": "x", "archive": "yes"}}, "inputs.archive"),
+    ({"inputs": {"capture": "x", "archive": True}}, "does not copy the capture into the archive yet"),
 ])
 def test_the_workflow_config_refuses_a_capture_that_disagrees_or_is_absent(
         tmp_path: Path, change: dict, named: str) -> None:
