@@ -2,18 +2,23 @@
 
 1. Runs the campaign of ``config.yaml`` (``--config``) with ``device: cuda``: a plan and one
    ``launch`` per topology that fits the machine's GPUs (TP x CP ranks, one GPU each; the
-   topologies that do not fit are listed as skipped), under the backend
-   ``pytorch-vocab-parallel-logp-ws2`` (the backend of the config when it runs on the device),
-   then the cross-topology check of that run.
+   topologies that do not fit are listed as skipped), once per campaign backend (``--backends``;
+   on cuda by default the Triton backend ``triton-vocab-parallel-logp-ws2`` and the eager
+   ``pytorch-vocab-parallel-logp-ws2``; on the CPU the config's backend), then the
+   cross-topology check of each run.
 2. Runs the same case on the CPU: a single-process replay (TP=1, CP=1) with every backend
    available on the CPU (``pytorch-vocab-parallel-logp-ws2`` and, where its kernel loads,
    ``cpu-vocab-parallel-logp-ws2``).
 3. Requires that every device report's four fingerprints (logp, LSE, entropy, gradient)
    equal every CPU replay's: the promise of ``docs/arithmetic.md`` (the same bytes on any
-   IEEE-754 device). Then times the forward (``no_grad``, median of ``--repeats`` after one
-   warm-up, device synchronised) of every backend available on the device at ``--tokens``
-   tokens (default 8192) of the case's vocabulary and dtype, beside a floor
-   (``logits.float().amax(-1)``: one read of the logits).
+   IEEE-754 device). Then times ``forward`` (``no_grad``) and ``forward_backward`` (median of
+   ``--repeats`` after one warm-up, device synchronised) of every backend available on the
+   device, of ``naive`` (``log_softmax(logits.float()).gather`` with autograd) and of the
+   ``floor`` (forward: ``logits.float().amax(-1)``, one read of the logits; forward+backward:
+   that and one more read of the logits with one write of a gradient in their dtype) at
+   ``--tokens`` tokens (default 8192) of the case's vocabulary and dtype, with each path's peak
+   device memory above the inputs (CUDA: ``torch.cuda.max_memory_allocated``; null on the
+   CPU) and its ratios to the floor and to naive from the same run.
 
 ``--cpu-only`` does all of it with ``device: cpu`` (gloo ranks instead of GPUs): what the
 test suite runs (``tests/test_gpu_smoke.py``). Writes ``<output-dir>/smoke.json`` (checked against
@@ -49,7 +54,7 @@ from rl_engine.logprob.tiles import chunk_rows_for_device
 from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.plan import build_plan
-from rl_engine.tables import DEVICE_DIST_BACKENDS, SCHEMA_VERSION
+from rl_engine.tables import DEVICE_DIST_BACKENDS, EAGER_BACKEND, SCHEMA_VERSION, TRITON_BACKEND
 from rl_engine.campaign.replay import replay_candidate
 from rl_engine.rundir import LOGS, PLAN, Run, Topology
 
@@ -62,14 +67,34 @@ class SmokeError(RuntimeError):
     """The smoke cannot start; the message says why and what to do."""
 
 
-def _device_case(config: dict[str, Any], device: str) -> Case:
+CUDA_CAMPAIGN_BACKENDS: tuple[str, ...] = (TRITON_BACKEND, EAGER_BACKEND)
+
+
+def _device_case(config: dict[str, Any], device: str, backend: str | None = None) -> Case:
     values = case_values(config)
     values["device"] = device
     values["dist_backend"] = DEVICE_DIST_BACKENDS[device]
+    if backend is not None:
+        values["backend"] = backend
     devices = default_registry()[values["backend"]].capabilities.devices
-    if device not in devices:
+    if backend is None and device not in devices:
         values["backend"] = BACKEND_ID  # e.g. the fused CPU backend in config.yaml: eager on cuda
     return Case.create(**values)
+
+
+def campaign_backends(config: dict[str, Any], device: str, requested: str | None) -> list[str]:
+    """The backends whose campaign the smoke runs: ``--backends`` (comma separated), else on
+    cuda the Triton and the eager backend, on the CPU the config's backend."""
+    if requested:
+        names = [b.strip() for b in requested.split(",") if b.strip()]
+        unknown = [b for b in names if b not in default_registry()]
+        if unknown or not names or len(set(names)) != len(names):
+            raise SmokeError(f"--backends={requested!r}: list registered backend ids once each, "
+                             f"comma separated, from {list(default_registry())}")
+        return names
+    if device == "cuda":
+        return list(CUDA_CAMPAIGN_BACKENDS)
+    return [_device_case(config, device).backend]
 
 
 def _fitting(config: dict[str, Any], max_ranks: int | None) -> tuple[list[tuple[int, int]], list[str]]:
@@ -117,8 +142,17 @@ def cpu_replays(case: Case) -> dict[str, dict[str, str]]:
     return out
 
 
-def time_forwards(case: Case, device: torch.device, tokens: int, repeats: int) -> list[dict[str, Any]]:
-    """Forward time of every backend available on ``device`` (and a one-read floor)."""
+PHASES: tuple[str, ...] = ("forward", "forward_backward")
+
+
+def _naive(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+    return torch.where(active, logp, torch.zeros_like(logp))
+
+
+def time_paths(case: Case, device: torch.device, tokens: int, repeats: int) -> list[dict[str, Any]]:
+    """Forward and forward+backward time and peak memory of every backend available on
+    ``device``, of naive and of the floor, with ratios from this run."""
     from rl_engine.benchmark.inputs import make_inputs
 
     inputs = make_inputs(tokens, case.padded_vocab, case.dtype, case.seed)
@@ -130,38 +164,77 @@ def time_forwards(case: Case, device: torch.device, tokens: int, repeats: int) -
         num_vocab_tiles=case.num_vocab_tiles, num_sequences=1, seq_len=tokens,
         logits_dtype=case.dtype,
     )
+    cuda = device.type == "cuda"
 
-    def timed(fn: Any) -> list[float]:
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def timed(step: Any, phase: str) -> tuple[list[float], int | None]:
         samples = []
+        peak = None
         for i in range(repeats + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            sync()
             start = time.perf_counter()
-            with torch.no_grad():
-                fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i:  # the first call warms up
+            if phase == "forward":
+                with torch.no_grad():
+                    step(logits)
+            else:
+                x = logits.detach().requires_grad_(True)
+                out = step(x)
+                if out is not None:
+                    out.sum().backward()
+            sync()
+            if i:  # the first call warms up (and compiles)
                 samples.append(time.perf_counter() - start)
-        return samples
+            if cuda:
+                used = torch.cuda.max_memory_allocated(device) - base
+                peak = used if peak is None else max(peak, used)
+        return samples, peak
 
-    rows = []
+    def backend_step(op: Any) -> Any:
+        return lambda x: op(x, targets, active, contract).selected_logp
+
+    def floor_step(x: torch.Tensor) -> None:
+        x.detach().float().amax(dim=-1)
+        return None
+
+    def floor_backward_step(x: torch.Tensor) -> None:  # one read, then a read and a write
+        x.detach().float().amax(dim=-1)
+        torch.neg(x.detach())
+        return None
+
+    paths: list[tuple[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     for backend_id in default_registry():
         try:
             op = dispatch(backend_id, contract, device.type).op
         except BackendUnavailableError as exc:
             rows.append({"path": backend_id, "skipped": str(exc)})
             continue
-        samples = timed(lambda: op(logits, targets, active, contract))
-        rows.append({"path": backend_id, "median_s": statistics.median(samples), "times_s": samples,
-                     "chunk_rows": chunk_rows_for_device(case.padded_vocab, device)})
-    samples = timed(lambda: logits.float().amax(dim=-1))
-    rows.append({"path": "floor", "median_s": statistics.median(samples), "times_s": samples})
-    floor = rows[-1]["median_s"]
-    for row in rows:
-        if "median_s" in row:
-            row["time_vs_floor"] = row["median_s"] / floor if floor > 0 else None
-    return rows
+        paths.append((backend_id, backend_step(op)))
+    paths.append(("naive", lambda x: _naive(x, targets, active)))
+    timed_rows: list[dict[str, Any]] = []
+    for phase in PHASES:
+        for path, step in paths + [("floor", floor_step if phase == "forward" else floor_backward_step)]:
+            samples, peak = timed(step, phase)
+            row: dict[str, Any] = {"path": path, "phase": phase, "median_s": statistics.median(samples),
+                                   "times_s": samples, "peak_bytes": peak}
+            if path in default_registry():
+                row["chunk_rows"] = chunk_rows_for_device(case.padded_vocab, device)
+            timed_rows.append(row)
+    for row in timed_rows:
+        same = {r["path"]: r for r in timed_rows if r["phase"] == row["phase"]}
+        floor, naive = same["floor"], same["naive"]
+        row["time_vs_floor"] = row["median_s"] / floor["median_s"] if floor["median_s"] > 0 else None
+        row["time_vs_naive"] = row["median_s"] / naive["median_s"] if naive["median_s"] > 0 else None
+        row["memory_vs_naive"] = (row["peak_bytes"] / naive["peak_bytes"]
+                                  if row["peak_bytes"] is not None and naive["peak_bytes"] else None)
+    return rows + timed_rows
 
 
 def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
@@ -174,7 +247,9 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         max_ranks = args.max_ranks or torch.cuda.device_count()
     else:
         max_ranks = args.max_ranks
-    case = _device_case(config, device)
+    backends = campaign_backends(config, device, args.backends)
+    cases = {backend: _device_case(config, device, backend) for backend in backends}
+    case = cases[backends[0]]
     topologies, skipped = _fitting(config, max_ranks)
     if not topologies:
         raise SmokeError(f"no topology of {config['topologies']} fits {max_ranks} rank(s); "
@@ -182,38 +257,45 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     problems: list[str] = []
-    print(f"[1/3] campaign on {device} with {case.backend}: "
-          f"{', '.join(f'{tp}x{cp}' for tp, cp in topologies)}"
-          + (f" (skipped, too few devices: {', '.join(skipped)})" if skipped else ""))
-    reports = run_device_campaign(case, topologies, out_dir / f"campaign-{device}", args.timeout_s)
-    device_prints: dict[str, dict[str, str]] = {}
-    for label, report in reports.items():
-        if "error" in report:
-            problems.append(f"{device} campaign {label}: exit code {report['exit_code']}: {report['error'][-500:]}")
-            continue
-        if report.get("passed") is not True:
-            problems.append(f"{device} campaign {label}: passed={report.get('passed')}: {report.get('failures')}")
-        device_prints[label] = {k: report["bitwise_fingerprints"][k] for k in FIELDS}
-    _cross, cross_found = crosscheck_run(Run.load(out_dir / f"campaign-{device}"), min_topologies=1)
-    problems += [f"{device} campaign crosscheck: {f}" for f in cross_found]
+    device_prints: dict[str, dict[str, dict[str, str]]] = {}
+    for backend, backend_case in cases.items():
+        print(f"[1/3] campaign on {device} with {backend}: "
+              f"{', '.join(f'{tp}x{cp}' for tp, cp in topologies)}"
+              + (f" (skipped, too few devices: {', '.join(skipped)})" if skipped else ""))
+        run_dir = out_dir / f"campaign-{device}-{backend}"
+        reports = run_device_campaign(backend_case, topologies, run_dir, args.timeout_s)
+        prints_of: dict[str, dict[str, str]] = {}
+        for label, report in reports.items():
+            if "error" in report:
+                problems.append(f"{device} {backend} campaign {label}: exit code {report['exit_code']}: "
+                                f"{report['error'][-500:]}")
+                continue
+            if report.get("passed") is not True:
+                problems.append(f"{device} {backend} campaign {label}: passed={report.get('passed')}: "
+                                f"{report.get('failures')}")
+            prints_of[label] = {k: report["bitwise_fingerprints"][k] for k in FIELDS}
+        device_prints[backend] = prints_of
+        _cross, cross_found = crosscheck_run(Run.load(run_dir), min_topologies=1)
+        problems += [f"{device} {backend} campaign crosscheck: {f}" for f in cross_found]
     cpu_replays_result = cpu_replays(case)
     cpu_backends = list(cpu_replays_result)
     print(f"[2/3] the same case on the CPU (TP=1, CP=1): {', '.join(cpu_backends)}")
-    for label, prints in device_prints.items():
-        for backend_id, cpu in cpu_replays_result.items():
-            for key in FIELDS:
-                if prints[key] != cpu[key]:
-                    problems.append(f"{device} {label} {key} {prints[key]} differs from the CPU replay "
-                                    f"with {backend_id}: {cpu[key]}")
-    print(f"[3/3] forward timing on {device} at {args.tokens} tokens")
-    timing = time_forwards(case, torch.device(device), args.tokens, args.repeats)
+    for backend, prints_of in device_prints.items():
+        for label, prints in prints_of.items():
+            for backend_id, cpu in cpu_replays_result.items():
+                for key in FIELDS:
+                    if prints[key] != cpu[key]:
+                        problems.append(f"{device} {backend} {label} {key} {prints[key]} differs from "
+                                        f"the CPU replay with {backend_id}: {cpu[key]}")
+    print(f"[3/3] forward and forward+backward timing on {device} at {args.tokens} tokens")
+    timing = time_paths(case, torch.device(device), args.tokens, args.repeats)
     result = {
         "schema_version": SCHEMA_VERSION,
         "device": device,
         "torch": torch.__version__,
         "cuda_device": torch.cuda.get_device_name(0) if device == "cuda" else None,
         "case": case.to_dict(),
-        "campaign_backend": case.backend,
+        "campaign_backends": backends,
         "topologies_run": [f"{tp}x{cp}" for tp, cp in topologies],
         "topologies_skipped": skipped,
         "device_fingerprints": device_prints,
@@ -237,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ranks", type=int, default=None,
                    help="largest TP*CP to run (default: the GPU count; no limit with --cpu-only)")
     p.add_argument("--timeout-s", type=int, default=900, help="time limit of one topology")
+    p.add_argument("--backends", default=None,
+                   help="campaign backends, comma separated (default: on cuda the Triton and the "
+                        "eager backend, on the CPU the config's)")
     return p
 
 
@@ -256,7 +341,11 @@ def main(argv: list[str]) -> int:
         return EXIT_DIFFERS
     for row in result["timing"]["rows"]:
         if "median_s" in row:
-            print(f"  {row['path']:<34} {row['median_s']:.4f} s  ({row['time_vs_floor']:.2f}x floor)")
+            memory = "" if row["peak_bytes"] is None else f", peak {row['peak_bytes'] / 2**20:.0f} MiB"
+            vs_floor = "n/a" if row["time_vs_floor"] is None else f"{row['time_vs_floor']:.2f}x"
+            vs_naive = "n/a" if row["time_vs_naive"] is None else f"{row['time_vs_naive']:.2f}x"
+            print(f"  {row['phase']:<16} {row['path']:<34} {row['median_s']:.4f} s  "
+                  f"({vs_floor} floor, {vs_naive} naive{memory})")
         else:
             print(f"  {row['path']:<34} skipped: {row['skipped']}")
     if problems:
@@ -264,7 +353,8 @@ def main(argv: list[str]) -> int:
         for problem in problems:
             print(f"  {problem}", file=sys.stderr)
         return EXIT_DIFFERS
-    print(f"gpu-smoke passed: {len(result['device_fingerprints'])} {result['device']} topologies and "
+    runs = sum(len(p) for p in result["device_fingerprints"].values())
+    print(f"gpu-smoke passed: {runs} {result['device']} topology runs and "
           f"{len(result['cpu_fingerprints'])} CPU backends give identical fingerprints -> "
           f"{Path(args.output_dir) / 'smoke.json'}")
     return EXIT_OK

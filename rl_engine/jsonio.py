@@ -1,7 +1,10 @@
 """Strict JSON, SHA-256 and atomic writes: the one place artifacts are written and read.
 
-Strict means ``allow_nan=False`` on write and a refusal of ``NaN``/``Infinity`` literals on
-read, so no artifact can carry a non-finite number in disguise.
+Strict means ``allow_nan=False`` on write and, on read, a refusal of ``NaN``/``Infinity``
+literals, of a number that overflows binary64 (``1e999`` reads as infinity otherwise) and of an
+integer longer than :data:`MAX_INT_DIGITS` digits (no artifact value needs more; Python refuses
+past 4300 digits with a bare ``ValueError``), so no artifact can carry a non-finite or absurd
+number in disguise.
 """
 
 from __future__ import annotations
@@ -48,12 +51,30 @@ def is_non_finite_float(value: Any) -> bool:
     return isinstance(value, float) and not math.isfinite(value)
 
 
+MAX_INT_DIGITS = 100
+
+
 def _reject_constant(name: str) -> Any:
     raise StrictJSONError(f"non-finite literal {name} is not strict JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise StrictJSONError(f"the number {shown} is not finite as a binary64 value (it overflows to infinity)")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise StrictJSONError(f"an integer of {digits} digits is not an rl_engine value (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
 def loads(text: str) -> Any:
-    return json.loads(text, parse_constant=_reject_constant)
+    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float, parse_int=_bounded_int)
 
 
 def load(path: str | os.PathLike[str]) -> Any:

@@ -32,6 +32,7 @@ from typing import Any
 from rl_engine import jsonio
 
 WHOLE_FILE = "(file)"
+TOO_DEEP = "JSON nested too deeply to be an rl_engine artifact"
 
 ENVIRONMENT = "environment.json"
 ENVIRONMENT_TEXT = "environment.txt"
@@ -254,16 +255,28 @@ def load_json(path: Path, where: str | None = None) -> tuple[Any, list[Finding]]
         return None, [Finding(label, WHOLE_FILE, f"not UTF-8 text ({exc.reason} at byte {exc.start})")]
     try:
         return jsonio.loads(text), []
-    except jsonio.StrictJSONError:
-        lenient = json.loads(text, parse_constant=_NonFinite)
-        return None, [
-            Finding(label, field, f"non-finite literal {literal} is not strict JSON (statistics must be finite)")
-            for field, literal in _non_finite_paths(lenient)
-        ]
+    except jsonio.StrictJSONError as exc:
+        return None, _strict_findings(label, text, exc)
     except json.JSONDecodeError as exc:
         return None, [Finding(label, f"line {exc.lineno} column {exc.colno}", f"invalid JSON: {exc.msg}")]
     except RecursionError:
-        return None, [Finding(label, WHOLE_FILE, "JSON nested too deeply to be an rl_engine artifact")]
+        return None, [Finding(label, WHOLE_FILE, TOO_DEEP)]
+
+
+def _strict_findings(label: str, text: str, exc: jsonio.StrictJSONError) -> list[Finding]:
+    """Each NaN/Infinity literal by its JSON path; otherwise (an overflowing number, an absurd integer,
+    or a document too deep to walk) the strict parser's own reason, for the whole file."""
+    try:
+        lenient = json.loads(text, parse_constant=_NonFinite)
+        located = _non_finite_paths(lenient)
+    except RecursionError:
+        return [Finding(label, WHOLE_FILE, TOO_DEEP)]
+    except ValueError:  # e.g. an integer past Python's digit limit: the strict reason says it
+        located = []
+    if not located:
+        return [Finding(label, WHOLE_FILE, str(exc))]
+    return [Finding(label, field, f"non-finite literal {literal} is not strict JSON (statistics must be finite)")
+            for field, literal in located]
 
 
 def get(obj: Any, parts: tuple[str | int, ...]) -> tuple[bool, Any]:

@@ -31,10 +31,16 @@ CP_LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
 AUTO = "auto"
 EAGER_BACKEND = "pytorch-vocab-parallel-logp-ws2"
 FUSED_CPU_BACKEND = "cpu-vocab-parallel-logp-ws2"
+TRITON_BACKEND = "triton-vocab-parallel-logp-ws2"
 BACKEND_DEVICES: dict[str, tuple[str, ...]] = {
     EAGER_BACKEND: ("cpu", "cuda"),
     FUSED_CPU_BACKEND: ("cpu",),
+    TRITON_BACKEND: ("cuda",),
 }
+# Devices a backend serves only in a mode its user selects explicitly (the Triton backend's
+# interpreter runs its kernels on CPU tensors when TRITON_MODE_ENV is "interpreter").
+INTERPRETER_DEVICES: dict[str, tuple[str, ...]] = {TRITON_BACKEND: ("cpu",)}
+TRITON_MODE_ENV = "RL_ENGINE_TRITON_MODE"
 
 # Campaign bounds and defaults.
 MAX_TP = 8

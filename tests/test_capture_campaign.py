@@ -177,7 +177,7 @@ def test_verify_recompute_replays_a_capture_campaign_from_capture_or_the_archive
     run = Run.load(run_dir)
     sha = capture_record(path)["sha256"]
     # --capture PATH: every topology's bytes and fingerprints replayed, drift recomputed
-    given = [*recompute(run, path), replay(run, path)]
+    given = [*recompute(run, capture=path), replay(run, capture=path)]
     assert all(c.passed for c in given), [(c.name, c.problems) for c in given]
     # neither --capture nor an archived copy: refused, naming the file and its hash
     neither = [*recompute(run), replay(run)]
@@ -188,7 +188,7 @@ def test_verify_recompute_replays_a_capture_campaign_from_capture_or_the_archive
     assert "pass --capture PATH" in " ".join(neither[0].problems)
     # a file with another hash: refused, naming the recorded hash
     other = write_tiny_capture(run_dir.parent / "other.safetensors", seed=6)
-    wrong = [*recompute(run, other), replay(run, other)]
+    wrong = [*recompute(run, capture=other), replay(run, capture=other)]
     assert all(c.passed is False for c in wrong)
     assert all(f"not that of the case's capture (sha256 {sha}" in " ".join(c.problems) for c in (wrong[0], wrong[2]))
     # the archive's own copy (inputs.archive: true) is what a replay without --capture reads

@@ -775,3 +775,57 @@ def test_plan_not_built_from_the_case_file_fails_validation(run: Path, capsys: p
     assert code == 1
     assert "plan.json: case: differs from case.json's case in ['seed']: the plan was not built from this case file" in err
     assert "plan.json: topologies: plans [(1, 1), (2, 2)], but case.json lists [(2, 2), (1, 1)]" in err
+
+
+# ---------------------------------------------------------------- issue 20: cheap value checks, hostile JSON
+
+
+def _f32(*values: float) -> bytes:
+    import struct
+
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+def test_tensor_value_checks_unit() -> None:
+    """What the arithmetic guarantees of the raw files (seq 4, 1 prompt token: tokens 0 and 4 inactive)."""
+    from rl_engine.evidence.acceptance import check_tensor_values
+
+    case = {"seq": 4, "prompt_tokens": 1}
+    good_logp = _f32(0.0, -1.5, 0.0, -float("inf"), 0.0, -0.25, -7.0, -1e-30)  # +0 allowed on active tokens too
+    assert check_tensor_values("logp", good_logp, case, "r.json") == []
+    assert check_tensor_values("lse", _f32(float("nan"), 7.0, -3.0, 1e30, float("inf"), 6.9, 7.1, 7.2), case,
+                               "r.json") == []  # inactive rows may hold anything
+    assert check_tensor_values("entropy", _f32(*[-1.0] * 8), case, "r.json") == []  # nothing claimed
+    minus_zero = _f32(-0.0, -1.5, -1.0, -1.0, 0.0, -1.0, -1.0, -1.0)
+    [found] = check_tensor_values("logp", minus_zero, case, "r.json")
+    assert str(found).startswith("r.json: tensors.logp: token 0 is inactive (a prompt token) but holds -0.0 (0x80000000)")
+    positive = _f32(0.0, 7.25, float("nan"), -1.0, 0.0, -1.0, -1.0, -1.0)
+    [found] = check_tensor_values("logp", positive, case, "r.json")
+    assert "token 1 holds 7.25, which is positive" in str(found) and "(2 such tokens)" in str(found)
+    [found] = check_tensor_values("lse", _f32(1.0, float("inf"), 2.0, 3.0, 1.0, 2.0, 2.0, float("nan")), case, "r.json")
+    assert "token 1 is active but holds inf; the LSE of an active token is finite (2 such tokens)" in str(found)
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "message"),
+    [
+        ("[" * 100_000 + "NaN" + "]" * 100_000, "(file)", "JSON nested too deeply to be an rl_engine artifact"),
+        ("[NaN, " + "[" * 100_000 + "]" * 100_000 + "]", "(file)", "JSON nested too deeply to be an rl_engine artifact"),
+        ("[NaN, " + "[" * 200 + "]" * 200 + "]", "[0]", "non-finite literal NaN"),
+        ('{"a": ' + "9" * 100_000 + "}", "(file)", "an integer of 100000 digits is not an rl_engine value"),
+        ('{"a": -' + "1" * 101 + "}", "(file)", "an integer of 101 digits"),
+        ('{"a": 1e999999}', "(file)", "the number 1e999999 is not finite as a binary64 value"),
+        ('{"a": [1, -1e400]}', "(file)", "the number -1e400 is not finite"),
+        ('{"a": [1, NaN]}', "a[1]", "non-finite literal NaN"),
+    ],
+    ids=["deep NaN", "NaN then deep", "NaN then 200 deep", "100k digits", "101 digits", "overflowing exponent",
+         "negative overflow", "located NaN"],
+)
+def test_load_json_hostile_numbers_and_depth(tmp_path: Path, text: str, field: str, message: str) -> None:
+    path = tmp_path / "x.json"
+    path.write_text(text)
+    value, found = load_json(path)
+    assert value is None and len(found) == 1, found
+    assert found[0].where == "x.json" and found[0].field == field and message in found[0].message, found
+    path.write_text('{"a": ' + "9" * 100 + ', "b": 1e308}')  # the largest accepted: control
+    assert load_json(path) == ({"a": int("9" * 100), "b": 1e308}, [])

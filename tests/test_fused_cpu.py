@@ -37,61 +37,19 @@ from rl_engine.logprob.registry import BackendUnavailableError, dispatch
 from rl_engine.logprob.vocab_parallel import (
     EAGER_ENGINE,
     VocabParallelLogprob,
-    backward_terms,
 )
 from rl_engine.tensorio import fingerprint, tensor_bytes
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-OUTPUTS = ("logp", "lse", "entropy", "grad")
-
-
-def _inputs(dtype: str, real: int, padded: int, rows: int, seed: int, scale: float = 3.0,
-            specials: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, padded, generator=g) * scale
-    x[:, real:] = 100.0  # padding never counts
-    targets = torch.randint(0, real, (rows,), generator=g)
-    active = torch.ones(rows, dtype=torch.bool)
-    active[::3] = False
-    if specials and rows >= 3:
-        x[1, : min(real, 5)] = float("-inf")  # real -inf columns (an inactive row: validation)
-        x[1, 5 % real] = 0.0
-        active[1] = False
-        x[2, : real // 2] = -0.0
-        x[2, real // 2 :: 7] = 6e-8 if dtype == "fp16" else 1e-30  # subnormal in fp16
-        x[0, :] = float("-inf")  # an inactive row of -inf only
-        if real > 3:
-            x[0, 2] = float("nan")
-            x[0, 3] = float("inf")
-        x[rows - 1, : real] *= 25.0  # large logits: E underflows to +0 for most columns
-        x[rows - 1] = x[rows - 1].clamp(-60000, 60000)
-    return x.to(DTYPES[dtype]), targets, active
-
-
-def _contract(dtype: str, real: int, padded: int, tiles: int, rows: int, **kw: Any) -> LogprobContract:
-    return LogprobContract(real_vocab_size=real, padded_vocab_size=padded, num_vocab_tiles=tiles,
-                           num_sequences=1, seq_len=rows, logits_dtype=dtype, **kw)
-
-
-def _run(op: VocabParallelLogprob, x: torch.Tensor, targets: torch.Tensor, active: torch.Tensor,
-         contract: LogprobContract, lse_grad: bool, entropy: bool = True) -> dict[str, bytes]:
-    xx = x.clone().requires_grad_(True)
-    out = op(xx, targets, active, contract, compute_entropy=entropy)
-    g = torch.Generator().manual_seed(99)
-    w_logp = torch.randn(x.shape[0], generator=g)
-    w_lse = torch.randn(x.shape[0], generator=g) if lse_grad else torch.zeros(x.shape[0])
-    if lse_grad:
-        w_lse[::4] = 0.0  # some rows with coef == 0 among the active ones
-        w_lse[active] = torch.where(w_lse[active] == 0.0, w_logp[active], w_lse[active])
-    # inactive rows get an LSE gradient too (coef != 0): their non-finite values reach E
-    (grad,) = torch.autograd.grad((out.selected_logp, out.lse), xx, (w_logp, w_lse))
-    found = {"logp": tensor_bytes(out.selected_logp), "lse": tensor_bytes(out.lse),
-             "grad": tensor_bytes(grad)}
-    if entropy:
-        assert out.entropy is not None
-        found["entropy"] = tensor_bytes(out.entropy)
-    return found
-
+from _byte_cases import (  # noqa: F401
+    DTYPES,
+    OUTPUTS,
+    _contract,
+    _inputs,
+    _partial_bytes,
+    _run,
+    assert_every_shard_matches,
+    refusal_messages,
+)
 
 # (real, padded, tiles, rows): tile widths 128, 143 (odd, padding inside a tile), 1, 3,
 # 2374 (the default case), and row counts 1, 5, 7, 17
@@ -203,41 +161,12 @@ def test_exp_arguments_near_the_spec_boundaries_in_both_kernels(isa: str) -> Non
 # ----- per TP shard: partials and local gradient --------------------------------------------
 
 
-def _partial_bytes(t: torch.Tensor) -> bytes:
-    """Bytes of a tile partial with every NaN written canonically.
-
-    A NaN partial's payload is not part of the specification (it depends on which NaN an
-    operation propagates, e.g. ``inf - inf`` against an input NaN): every output made from
-    the partials is written with the canonical NaN, and those outputs are compared raw.
-    """
-    if t.dtype.is_floating_point:
-        t = torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
-    return tensor_bytes(t)
-
-
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_every_tp_shard_computes_the_eager_partials_and_gradient(dtype: str, tp: int) -> None:
     # real 900 of 1024 columns in 16 tiles: at TP=8 rank 7 holds padding only
-    real, padded, tiles, rows = 900, 1024, 16, 9
-    x, targets, active = _inputs(dtype, real, padded, rows, seed=tp)
-    lse = torch.randn(rows) + 5.0
-    g_logp, g_lse = torch.randn(rows), torch.randn(rows)
-    g_lse[1::4] = 0.0
-    for rank in range(tp):
-        c = _contract(dtype, real, padded, tiles, rows, tp_world_size=tp, tp_rank=rank)
-        local = x[:, c.vocab_start:c.vocab_end].contiguous()
-        for entropy, validate in itertools.product((True, False), (True, False)):
-            eager = EAGER_ENGINE.local_partials(local, c, 3, entropy, validate)
-            fused = FusedCpuEngine(threads=2).local_partials(local, c, 3, entropy, validate)
-            for a, b in zip(eager, fused):
-                assert (a is None) == (b is None)
-                if a is not None:
-                    assert _partial_bytes(a) == _partial_bytes(b), (rank, entropy, validate)
-        terms = backward_terms(local, targets, active, lse, g_logp, g_lse, c)
-        eager_grad = EAGER_ENGINE.local_backward(local, lse, terms, 4)
-        fused_grad = FusedCpuEngine(threads=2).local_backward(local, lse, terms, 4)
-        assert tensor_bytes(fused_grad) == tensor_bytes(eager_grad), rank
+    assert_every_shard_matches(FusedCpuEngine(threads=2), dtype, 900, 1024, 16, 9, tp,
+                               tuple(itertools.product((True, False), (True, False))))
 
 
 # ----- instruction-set variants ---------------------------------------------------------------
@@ -350,12 +279,12 @@ def fresh_kernel_cache() -> Any:
     fused_cpu._cached.cache_clear()
 
 
-def test_registered_with_its_capabilities_and_chosen_only_by_name() -> None:
+def test_registered_with_its_capabilities_and_chosen_by_auto_on_cpu() -> None:
     contract = _contract("fp16", 997, 1001, 7, 5)
     chosen = dispatch(FUSED_CPU_ID, contract, "cpu")
     assert isinstance(chosen.op, FusedCpuLogprob) and chosen.fallback is False
     assert chosen.provenance()["actual_backend"] == FUSED_CPU_ID
-    assert dispatch("auto", contract, "cpu").actual_backend == "pytorch-vocab-parallel-logp-ws2"
+    assert dispatch("auto", contract, "cpu").actual_backend == FUSED_CPU_ID  # the fastest on cpu
     with pytest.raises(BackendUnavailableError, match=r"device cuda not in \['cpu'\]"):
         dispatch(FUSED_CPU_ID, contract, "cuda")
 
@@ -431,14 +360,7 @@ def test_cpu_only_tensors_and_bad_options_are_refused() -> None:
 
 
 def test_non_finite_active_row_raises_the_eager_message() -> None:
-    x, targets, active = _inputs("bf16", 1000, 1024, 6, seed=2, specials=False)
-    x[4, 17] = float("nan")
-    contract = _contract("bf16", 1000, 1024, 8, 6)
-    messages = []
-    for op in (VocabParallelLogprob(), FusedCpuLogprob()):
-        with pytest.raises(LogprobContractError) as info:
-            op(x, targets, active, contract)
-        messages.append(str(info.value))
+    messages = refusal_messages([VocabParallelLogprob(), FusedCpuLogprob()], float("nan"))
     assert messages[0] == messages[1] and "row 4" in messages[0]
 
 

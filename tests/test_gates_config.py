@@ -122,6 +122,19 @@ def test_good_configs_pass_unchanged() -> None:
     assert check_config(small) == base()
     fused = {**base(), "backend": "cpu-vocab-parallel-logp-ws2"}  # the workflow selects it by name
     assert check_config(fused)["backend"] == "cpu-vocab-parallel-logp-ws2"
+    triton = {**base(), "backend": "triton-vocab-parallel-logp-ws2", "device": "cuda"}
+    assert check_config(triton)["backend"] == "triton-vocab-parallel-logp-ws2"
+
+
+def test_check_config_refuses_the_triton_backend_on_cpu_unless_its_interpreter_is_chosen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    triton = {**base(), "backend": "triton-vocab-parallel-logp-ws2", "device": "cpu"}
+    monkeypatch.delenv("RL_ENGINE_TRITON_MODE", raising=False)
+    with pytest.raises(WorkflowConfigError, match="does not run on device='cpu'"):
+        check_config(dict(triton))
+    monkeypatch.setenv("RL_ENGINE_TRITON_MODE", "interpreter")  # the explicit, recorded choice
+    assert check_config(dict(triton))["backend"] == "triton-vocab-parallel-logp-ws2"
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [pytest.param(o, e, id=i) for i, o, e in BAD])

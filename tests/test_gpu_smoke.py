@@ -1,7 +1,8 @@
 """``python -m rl_engine gpu-smoke --cpu-only``: everything the GPU smoke does but CUDA.
 
-A real run on a small config (torchrun campaign with gloo ranks, CPU replays with both CPU
-backends, forward timing) must pass with identical fingerprints everywhere; a CPU replay
+A real run on a small config (torchrun campaigns with gloo ranks for two backends, CPU replays
+with both CPU backends, forward and forward+backward timing of every path with its ratios)
+must pass with identical fingerprints everywhere; a CPU replay
 that differs by one fingerprint makes it exit 1 naming the topology and field; without CUDA
 the GPU mode refuses to start (exit 2) instead of falling back to the CPU; smoke.json matches
 ``schemas/smoke.schema.json``, and a document that does not is never written.
@@ -25,7 +26,7 @@ FIELDS = gpu_smoke.FIELDS
 def _small_config(tmp: Path, **over: Any) -> Path:
     config = yaml.safe_load((REPO / "config.yaml").read_text())
     config.update(real_vocab=1000, padded_vocab=1024, num_vocab_tiles=8, batch=2, seq=8,
-                  prompt_tokens=3, topologies=["1x1", "2x1", "1x2"], **over)
+                  prompt_tokens=3, topologies=["1x1", "2x1"], **over)
     path = tmp / "small.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -37,7 +38,8 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict
     config = _small_config(tmp)
     out = tmp / "out"
     code = gpu_smoke.main(["--cpu-only", "--config", str(config), "--output-dir", str(out),
-                           "--tokens", "64", "--repeats", "2"])
+                           "--tokens", "64", "--repeats", "2",
+                           "--backends", "pytorch-vocab-parallel-logp-ws2,cpu-vocab-parallel-logp-ws2"])
     return code, out, jsonio.load(out / "smoke.json")
 
 
@@ -45,17 +47,27 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict
 def test_cpu_only_smoke_passes_with_identical_fingerprints(smoke_run) -> None:
     code, out, result = smoke_run
     assert code == 0 and result["passed"] is True and result["failures"] == []
-    assert result["device"] == "cpu" and result["topologies_run"] == ["1x1", "2x1", "1x2"]
+    assert result["device"] == "cpu" and result["topologies_run"] == ["1x1", "2x1"]
+    assert result["campaign_backends"] == ["pytorch-vocab-parallel-logp-ws2", "cpu-vocab-parallel-logp-ws2"]
     assert set(result["cpu_fingerprints"]) == {"pytorch-vocab-parallel-logp-ws2",
                                                "cpu-vocab-parallel-logp-ws2"}
     expected = result["cpu_fingerprints"]["pytorch-vocab-parallel-logp-ws2"]
     assert set(expected) == set(FIELDS)
     assert result["cpu_fingerprints"]["cpu-vocab-parallel-logp-ws2"] == expected
-    assert result["device_fingerprints"] and all(p == expected for p in result["device_fingerprints"].values())
-    timed = {row["path"]: row for row in result["timing"]["rows"]}
-    for path in ("pytorch-vocab-parallel-logp-ws2", "cpu-vocab-parallel-logp-ws2", "floor"):
-        assert timed[path]["median_s"] > 0 and len(timed[path]["times_s"]) == 2
-    assert (out / "campaign-cpu" / "plan.json").exists()
+    for backend in result["campaign_backends"]:
+        runs = result["device_fingerprints"][backend]
+        assert sorted(runs) == ["tp1-cp1", "tp2-cp1"] and all(p == expected for p in runs.values())
+        assert (out / f"campaign-cpu-{backend}" / "plan.json").exists()
+    rows = result["timing"]["rows"]
+    timed = {(row["path"], row["phase"]): row for row in rows if "median_s" in row}
+    for phase in ("forward", "forward_backward"):
+        for path in ("pytorch-vocab-parallel-logp-ws2", "cpu-vocab-parallel-logp-ws2", "naive", "floor"):
+            row = timed[(path, phase)]
+            assert row["median_s"] > 0 and len(row["times_s"]) == 2 and row["peak_bytes"] is None
+            assert row["time_vs_floor"] == row["median_s"] / timed[("floor", phase)]["median_s"]
+            assert row["time_vs_naive"] == row["median_s"] / timed[("naive", phase)]["median_s"]
+    skipped = {row["path"]: row["skipped"] for row in rows if "skipped" in row}
+    assert "device cpu not in ['cuda']" in skipped["triton-vocab-parallel-logp-ws2"]
 
 
 @pytest.mark.slow
@@ -63,8 +75,8 @@ def test_a_differing_cpu_fingerprint_fails_naming_topology_and_field(
     smoke_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _, out, result = smoke_run
-    reports = {label: jsonio.load(out / "campaign-cpu" / f"{label}.json")
-               for label in ("tp1-cp1", "tp2-cp1", "tp1-cp2")}
+    reports = {label: jsonio.load(out / "campaign-cpu-pytorch-vocab-parallel-logp-ws2" / f"{label}.json")
+               for label in ("tp1-cp1", "tp2-cp1")}
     forged = {b: dict(p) for b, p in result["cpu_fingerprints"].items()}
     forged["cpu-vocab-parallel-logp-ws2"]["candidate_grad_sha256"] = "0" * 64
     monkeypatch.setattr(gpu_smoke, "run_device_campaign", lambda case, topologies, run_dir, timeout_s: reports)
@@ -74,7 +86,8 @@ def test_a_differing_cpu_fingerprint_fails_naming_topology_and_field(
                            str(tmp_path / "out"), "--tokens", "8", "--repeats", "1"])
     assert code == 1
     err = capsys.readouterr().err
-    assert "cpu tp2-cp1 candidate_grad_sha256" in err and "cpu-vocab-parallel-logp-ws2" in err
+    assert "cpu pytorch-vocab-parallel-logp-ws2 tp2-cp1 candidate_grad_sha256" in err
+    assert "cpu-vocab-parallel-logp-ws2" in err
 
 
 @pytest.mark.slow
@@ -93,14 +106,14 @@ def test_a_smoke_document_that_does_not_match_its_schema_is_not_written(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     _, out, result = smoke_run
-    reports = {label: jsonio.load(out / "campaign-cpu" / f"{label}.json")
-               for label in ("tp1-cp1", "tp2-cp1", "tp1-cp2")}
+    reports = {label: jsonio.load(out / "campaign-cpu-pytorch-vocab-parallel-logp-ws2" / f"{label}.json")
+               for label in ("tp1-cp1", "tp2-cp1")}
     rows = [dict(row) for row in result["timing"]["rows"]]
     next(row for row in rows if row["path"] == "floor")["median_s"] = median
     monkeypatch.setattr(gpu_smoke, "run_device_campaign", lambda case, topologies, run_dir, timeout_s: reports)
     monkeypatch.setattr(gpu_smoke, "crosscheck_run", lambda run, min_topologies: ({}, []))
     monkeypatch.setattr(gpu_smoke, "cpu_replays", lambda case: result["cpu_fingerprints"])
-    monkeypatch.setattr(gpu_smoke, "time_forwards", lambda case, device, tokens, repeats: rows)
+    monkeypatch.setattr(gpu_smoke, "time_paths", lambda case, device, tokens, repeats: rows)
     code = gpu_smoke.main(["--cpu-only", "--config", str(_small_config(tmp_path)), "--output-dir",
                            str(tmp_path / "out"), "--tokens", "8", "--repeats", "1"])
     assert code == 1
@@ -121,3 +134,28 @@ def test_a_config_backend_that_cannot_run_on_the_device_runs_the_eager_one(tmp_p
     assert gpu_smoke._device_case(config, "cpu").backend == "cpu-vocab-parallel-logp-ws2"
     fit, skipped = gpu_smoke._fitting({"topologies": ["1x1", "2x1", "4x2"]}, 2)
     assert fit == [(1, 1), (2, 1)] and skipped == ["4x2"]
+
+
+def test_campaign_backends_default_to_triton_and_eager_on_cuda(tmp_path: Path) -> None:
+    config = yaml.safe_load(_small_config(tmp_path).read_text())
+    assert gpu_smoke.campaign_backends(config, "cuda", None) == [
+        "triton-vocab-parallel-logp-ws2", "pytorch-vocab-parallel-logp-ws2"]
+    assert gpu_smoke._device_case(config, "cuda", "triton-vocab-parallel-logp-ws2").backend == \
+        "triton-vocab-parallel-logp-ws2"
+    assert gpu_smoke.campaign_backends(config, "cpu", None) == [config["backend"]]
+    for bad in ("nope", "pytorch-vocab-parallel-logp-ws2,pytorch-vocab-parallel-logp-ws2", ","):
+        with pytest.raises(gpu_smoke.SmokeError, match="list registered backend ids once each"):
+            gpu_smoke.campaign_backends(config, "cpu", bad)
+
+
+def test_timing_rows_have_both_phases_ratios_and_skips_on_the_cpu() -> None:
+    case = gpu_smoke._device_case(
+        {**yaml.safe_load((REPO / "config.yaml").read_text()), "real_vocab": 1000,
+         "padded_vocab": 1024, "num_vocab_tiles": 8}, "cpu")
+    rows = gpu_smoke.time_paths(case, torch.device("cpu"), 16, 1)
+    timed = [r for r in rows if "median_s" in r]
+    assert {(r["path"], r["phase"]) for r in timed} >= {
+        ("naive", "forward"), ("floor", "forward_backward"),
+        ("cpu-vocab-parallel-logp-ws2", "forward_backward")}
+    floor = next(r for r in timed if r["path"] == "floor" and r["phase"] == "forward")
+    assert floor["time_vs_floor"] == 1.0 and floor["memory_vs_naive"] is None

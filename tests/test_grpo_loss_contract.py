@@ -17,6 +17,7 @@ import torch
 
 from rl_engine.grpo import GRPOContract, GRPOContractError, GRPOLoss
 from rl_engine.grpo.objective import ordered_sum
+from rl_engine.tensorio import tensor_bytes
 from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.registry import BackendUnavailableError, dispatch
 from rl_engine.tensorio import fingerprint, tensor_bytes
@@ -478,8 +479,12 @@ def test_provenance_and_fail_closed_backend(data: dict[str, torch.Tensor]) -> No
     contract = make_contract(beta=0.05)
     out, _ = run_loss(contract, data)
     prov = out.provenance
-    assert prov["requested_backend"] == prov["actual_backend"] == "pytorch-vocab-parallel-logp-ws2"
-    assert prov["fallback"] is False
+    assert prov["requested_backend"] == "auto"  # the default: the fastest on the device
+    assert prov["actual_backend"] == "cpu-vocab-parallel-logp-ws2"
+    assert prov["reason"].startswith("auto: the highest-priority backend") and prov["fallback"] is False
+    eager, _ = run_loss(contract, data, backend="pytorch-vocab-parallel-logp-ws2")
+    assert eager.provenance["actual_backend"] == eager.provenance["requested_backend"]
+    assert tensor_bytes(eager.loss.detach()) == tensor_bytes(out.loss.detach())  # same bytes
     assert prov["grpo_contract_fingerprint"] == contract.cross_rank_fingerprint()
     assert prov["logprob_contract_fingerprint"] == contract.logprob.cross_rank_fingerprint()
     assert json.dumps(prov, allow_nan=False)

@@ -29,7 +29,7 @@ from rl_engine.logprob.registry import (
     backend_ids,
     dispatch,
 )
-from rl_engine.tables import BACKEND_DEVICES, FUSED_CPU_BACKEND
+from rl_engine.tables import BACKEND_DEVICES, FUSED_CPU_BACKEND, TRITON_BACKEND
 from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
 
 NO_CUDA = not torch.cuda.is_available()
@@ -229,7 +229,9 @@ def test_fingerprint_sensitive_to_single_choice_fields(monkeypatch: pytest.Monke
 
 
 def test_backend_ids_lists_every_backend() -> None:
-    assert backend_ids() == [BACKEND_ID, FUSED_CPU_BACKEND] == list(BACKEND_DEVICES)
+    # highest priority first: auto's order (Triton, fused C, eager)
+    assert backend_ids() == [TRITON_BACKEND, FUSED_CPU_BACKEND, BACKEND_ID]
+    assert sorted(backend_ids()) == sorted(BACKEND_DEVICES)
     for backend in backend_ids():  # the devices the campaign's table gives, and no others
         assert registry.backend_devices(backend) == frozenset(BACKEND_DEVICES[backend])
 
@@ -243,6 +245,8 @@ def test_dispatch_by_explicit_id_with_provenance() -> None:
         "actual_backend": BACKEND_ID,
         "fallback": False,
         "rejections": [],
+        "reason": "requested explicitly",
+        "mode": None,
     }
     json.dumps(chosen.provenance(), allow_nan=False)
     logits = torch.randn(c.num_tokens, c.local_vocab_size)
@@ -283,13 +287,28 @@ def test_cuda_request_on_a_machine_without_cuda_never_falls_back_to_cpu() -> Non
     with pytest.raises(BackendUnavailableError) as info:
         dispatch(AUTO, c, "cuda")
     assert BACKEND_ID in str(info.value) and FUSED_CPU_BACKEND in str(info.value)
+    assert TRITON_BACKEND in str(info.value)
     assert "device cuda not in ['cpu']" in str(info.value)
 
 
-def test_auto_on_cpu_takes_the_eager_backend_without_fallback() -> None:
+def test_auto_on_cpu_takes_the_fused_backend_without_fallback() -> None:
     chosen = dispatch(AUTO, make(), "cpu")
-    assert chosen.requested_backend == AUTO and chosen.actual_backend == BACKEND_ID
-    assert chosen.fallback is False and chosen.rejections == ()
+    assert chosen.requested_backend == AUTO and chosen.actual_backend == FUSED_CPU_BACKEND
+    assert chosen.fallback is False
+    assert chosen.rejections == ((TRITON_BACKEND, "incapable: device cpu not in ['cuda']"),)
+    provenance = chosen.provenance()
+    assert provenance["reason"].startswith("auto: the highest-priority backend capable and "
+                                           "available on device cpu")
+    assert provenance["mode"] is None
+
+
+def test_auto_takes_the_eager_backend_where_the_fused_kernel_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(registry, "kernel_unavailable", lambda: "not built (test)")
+    chosen = dispatch(AUTO, make(), "cpu")
+    assert chosen.actual_backend == BACKEND_ID and chosen.fallback is True
+    assert (FUSED_CPU_BACKEND, "unavailable: not built (test)") in chosen.rejections
 
 
 CAPABLE = BackendCapabilities(

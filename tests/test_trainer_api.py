@@ -153,6 +153,29 @@ def test_selected_logprob_equals_the_op_with_an_explicit_contract() -> None:
     assert tensor_bytes(flat.selected_logp) == tensor_bytes(every.selected_logp)
 
 
+def test_selected_logprob_backend_auto_takes_the_fastest_and_records_why() -> None:
+    from rl_engine.logprob.registry import BackendUnavailableError
+
+    logits, targets, active = _inputs((2, 8))
+    runs = {}
+    for backend in ("auto", "pytorch-vocab-parallel-logp-ws2", "cpu-vocab-parallel-logp-ws2"):
+        x = logits.clone().requires_grad_(True)
+        out = selected_logprob(x, targets, active, num_vocab_tiles=16, real_vocab_size=1000,
+                               backend=backend)
+        out.selected_logp.sum().backward()
+        assert x.grad is not None and out.provenance is not None
+        runs[backend] = (out.provenance, tensor_bytes(out.selected_logp), tensor_bytes(x.grad))
+    auto = runs["auto"][0]
+    assert auto["requested_backend"] == "auto" and auto["fallback"] is False
+    assert auto["actual_backend"] == "cpu-vocab-parallel-logp-ws2"  # the fused C kernel on cpu
+    assert "highest-priority backend capable and available on device cpu" in auto["reason"]
+    assert runs["pytorch-vocab-parallel-logp-ws2"][0]["reason"] == "requested explicitly"
+    assert len({run[1:] for run in runs.values()}) == 1  # the same bytes whichever backend
+    with pytest.raises(BackendUnavailableError, match=r"device cpu not in \['cuda'\]"):
+        selected_logprob(logits, targets, active, num_vocab_tiles=16, real_vocab_size=1000,
+                         backend="triton-vocab-parallel-logp-ws2")
+
+
 @pytest.mark.parametrize(
     "change, needle",
     [

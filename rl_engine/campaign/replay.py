@@ -38,8 +38,11 @@ class Replay:
 
 
 # Backends that compute docs/arithmetic.md (rl-engine-arith/1): any of them replays a case
-# run with any other, byte for byte (tests/test_fused_cpu.py, tests/test_fused_campaign.py).
-ARITH_BACKENDS = ("pytorch-vocab-parallel-logp-ws2", "cpu-vocab-parallel-logp-ws2")
+# run with any other, byte for byte (tests/test_fused_cpu.py, tests/test_fused_campaign.py,
+# tests/test_triton_backend.py, tests/test_triton_campaign.py): a Triton-backend campaign run on
+# GPUs is replayed on a reviewer's CPU by the eager reference.
+ARITH_BACKENDS = ("pytorch-vocab-parallel-logp-ws2", "cpu-vocab-parallel-logp-ws2",
+                  "triton-vocab-parallel-logp-ws2")
 REFERENCE_BACKEND = "pytorch-vocab-parallel-logp-ws2"
 
 

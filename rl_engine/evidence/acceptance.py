@@ -15,6 +15,10 @@ call it, so the gate and the replay cannot disagree. A report is accepted only w
 * the fingerprints describe the case's shapes, and each raw tensor file's SHA-256 equals both
   the ``tensors`` entry and the matching ``bitwise_fingerprints`` value
   (:func:`check_tensor_files`, also used by the cross-topology check);
+* the raw tensors hold what the arithmetic guarantees (:func:`check_tensor_values`, cheap: one
+  pass over ``batch * seq`` values): ``logp`` is exactly ``+0`` on every inactive (prompt) token
+  and ``<= 0`` (never NaN) on every active one, and ``lse`` is finite on every active token. So
+  logp, LSE and entropy files swapped, fingerprints swapped to match, are refused without a replay;
 * when the plan is given: the report's case, case id and launch command are the plan's.
 
 Every finding names the report and the field.
@@ -26,6 +30,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from rl_engine.tables import GATING_ORACLE, ORACLES, TORCH_DTYPE_NAMES
 from rl_engine.rundir import TENSOR_NAMES, Finding, PlannedReport, field_path, get, inside, is_number, non_finite_numbers
@@ -61,16 +67,64 @@ class TensorCheck:
         }
 
 
+def _first(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def check_tensor_values(name: str, data: bytes, case: Any, where: str) -> list[Finding]:
+    """What ``docs/arithmetic.md`` guarantees of a raw tensor's values, whatever the logits.
+
+    ``logp = x_target - LSE`` with ``LSE = B + L(S)``, ``S >= 1`` (the row's maximum contributes
+    ``E(0) = 1``), ``L(S) >= 0`` and ``x_target <= B``, so ``logp <= 0`` on an active token (never
+    NaN: the candidate refuses an active row with a non-finite real logit), and ``logp = +0`` on an
+    inactive one; ``LSE`` of an active row is finite. Nothing is claimed of the entropy: rounding can
+    make a near-one-hot row's entropy a little negative, and extreme logits can overflow it.
+    """
+    if name not in ("logp", "lse") or not isinstance(case, dict):
+        return []
+    seq, prompt = case.get("seq"), case.get("prompt_tokens")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (seq, prompt)) or seq < 1:
+        return []  # the schema and the shape checks name a bad case
+    values = np.frombuffer(data, dtype="<f4")
+    active = (np.arange(values.size) % seq) >= prompt
+    field = f"tensors.{name}"
+    found = []
+    if name == "logp":
+        bits = np.frombuffer(data, dtype="<u4")
+        inactive_bad = ~active & (bits != 0)
+        if inactive_bad.any():
+            i = _first(inactive_bad)
+            found.append(Finding(where, field, f"token {i} is inactive (a prompt token) but holds {float(values[i])!r} "
+                                 f"(0x{int(bits[i]):08x}); logp is exactly +0 on inactive tokens "
+                                 f"({int(inactive_bad.sum())} such tokens): not a logp file"))
+        with np.errstate(invalid="ignore"):
+            active_bad = active & ~(values <= 0)
+        if active_bad.any():
+            i = _first(active_bad)
+            found.append(Finding(where, field, f"token {i} holds {float(values[i])!r}, which is positive: a logprob "
+                                 f"is never above 0 (nor NaN) on an active token ({int(active_bad.sum())} such "
+                                 "tokens): not a logp file"))
+    else:
+        active_bad = active & ~np.isfinite(values)
+        if active_bad.any():
+            i = _first(active_bad)
+            found.append(Finding(where, field, f"token {i} is active but holds {float(values[i])!r}; the LSE of an "
+                                 f"active token is finite ({int(active_bad.sum())} such tokens): not an LSE file"))
+    return found
+
+
 def check_tensor_files(report: Any, where: str, report_dir: Path) -> tuple[list[TensorCheck], list[Finding]]:
     """Each raw tensor file's SHA-256 against its ``tensors`` entry and its fingerprint.
 
     The file must be a regular file inside ``report_dir`` (no absolute path, no ``..``, no
-    link), hold exactly ``4 * prod(shape)`` bytes, and hash to both recorded values.
+    link), hold exactly ``4 * prod(shape)`` bytes, hash to both recorded values, and hold values
+    the arithmetic allows (:func:`check_tensor_values`, when it has the shape the case implies).
     """
     checks: list[TensorCheck] = []
     found: list[Finding] = []
     _, fingerprints = get(report, ("bitwise_fingerprints",))
     _, fp_shape = get(report, ("bitwise_fingerprints", "shape"))
+    _, case = get(report, ("case",))
     for name, fp_key in TENSOR_FINGERPRINTS.items():
         base = ("tensors", name)
         ok, entry = get(report, base)
@@ -100,6 +154,8 @@ def check_tensor_files(report: Any, where: str, report_dir: Path) -> tuple[list[
                 expected = FLOAT32_BYTES * math.prod(shape)
                 if size != expected:
                     found.append(Finding(where, field_path(base + ("path",)), f"{rel} holds {size} bytes; shape {shape} float32 needs {expected}"))
+                elif shape == fp_shape:
+                    found += check_tensor_values(name, file.read_bytes(), case, where)
             if file_sha != recorded:
                 found.append(Finding(where, field_path(base + ("sha256",)), f"{recorded} but sha256 of {rel} is {file_sha}"))
             if file_sha != fingerprint:

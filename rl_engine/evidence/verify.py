@@ -1,6 +1,6 @@
 """The reviewer's verifier: one offline command that says whether an evidence archive holds.
 
-``python -m rl_engine verify ARCHIVE [--recompute] [--no-outer-checksum]
+``python -m rl_engine verify ARCHIVE [--recompute [--max-replay-logits N]] [--no-outer-checksum]
 [--accept-looser-tolerance] [--json OUT] [--max-member-mib N] [--max-total-mib N] [--max-members N]``
 
 Runs without a GPU or network and checks, each as a row of the printed table:
@@ -15,13 +15,16 @@ Runs without a GPU or network and checks, each as a row of the printed table:
    a truncated or corrupt gzip are refused with the reason; nothing is written anywhere else
    and the temporary directory is removed on exit;
 3. **top folder**: every member lies under ``NAME/``, the archive's own name;
-4. **SHA256SUMS**: every line verifies and no file is missing from it or extra;
+4. **SHA256SUMS**: every line verifies and no file is missing from it or extra; **archive members**:
+   every member is one a rule of the workflow or ``archive`` produces (:mod:`rl_engine.evidence.members`),
+   and **REVIEWING.md** is byte-identical to what ``archive`` writes for this name and git record;
 5. **JSON schemas**: every JSON artifact against the schemas shipped inside the archive
    (``NAME/schemas/``), strict JSON (no NaN/Infinity literals);
 6. **focused regression**: tests ran and none failed;
 7. **report acceptance**: :func:`rl_engine.evidence.acceptance.check_report` on every planned
    report (the same function the workflow's gate used), including each raw tensor's SHA-256
-   against its recorded hash and fingerprint;
+   against its recorded hash and fingerprint and its values against what the arithmetic
+   guarantees (logp ``+0`` on inactive tokens, ``<= 0`` on active ones; LSE finite on active ones);
 8. **cross-topology fingerprints**: :func:`rl_engine.evidence.crosscheck.crosscheck_run` (the
    same function as the workflow's ``crosscheck``);
 9. **recorded gates**: the archived ``validation.json`` and ``crosscheck.json`` passed;
@@ -41,7 +44,15 @@ Runs without a GPU or network and checks, each as a row of the printed table:
     the case's tolerance element by element, and **candidate replayed**: the candidate
     recomputed at TP=1 in this process (:func:`rl_engine.campaign.replay.replay_candidate`)
     must equal, byte for byte, every topology's logp, LSE and entropy files and all four
-    fingerprints, the gradient's included; the first differing token is named.
+    fingerprints, the gradient's included; the first differing token is named. The recompute opens
+    only raw tensor files that passed report acceptance, and refuses, before any input is
+    generated, a replay of more than ``--max-replay-logits`` logits (tokens x padded vocabulary
+    summed over the distinct cases; default :data:`MAX_REPLAY_LOGITS`), naming the size.
+
+Each check runs on its own: one that stops on damaged content is a failed row naming the reason,
+and every other check still runs. Every string printed comes from
+:func:`rl_engine.evidence.terminal.terminal_text` (control characters escaped, length capped)
+and is printed as plain text, never as markup; ``--json`` is written before the table is printed.
 
 Two more rows say what was tested: **tested** (a note: the commit, its branch, whether the
 working tree was dirty, i.e. had changes no commit holds, and the case: its id, device, dist
@@ -70,15 +81,20 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from rl_engine import jsonio, schemas
 from rl_engine.tables import SCHEMA_VERSION
-from rl_engine.evidence.archive import SCHEMA_DIR, SUFFIX, SUMS
+from rl_engine.evidence.acceptance import check_tensor_files
+from rl_engine.evidence.archive import SCHEMA_DIR, SUFFIX, SUMS, reviewing_text
 from rl_engine.evidence.casename import NOGIT, RunName, RunNameError, case_hash, evidence_resolved_case
 from rl_engine.evidence.crosscheck import crosscheck_run
-from rl_engine.rundir import ENVIRONMENT, PLAN, REGRESSION, SUMMARY, VALIDATION, Finding, PlannedReport, Run, inside, is_number
+from rl_engine.evidence.members import unexpected_members
+from rl_engine.rundir import (ENVIRONMENT, PLAN, REGRESSION, REVIEWING, SUMMARY, VALIDATION, Finding, PlannedReport, Run,
+                              inside, is_number)
 from rl_engine.evidence.safe_tar import MIB, Extracted, Limits, UnsafeArchiveError, safe_extract
 from rl_engine.evidence.summary import SummaryError, summary_text
+from rl_engine.evidence.terminal import terminal_text
 from rl_engine.evidence.validation import validate_run
 
 RECOMPUTE_TOL = 1e-5
@@ -88,6 +104,8 @@ SUMS_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 MAX_DETAIL_LINES = 12
 MAX_QUOTED = 160
 LOOSER_FLAG = "--accept-looser-tolerance"
+REPLAY_FLAG = "--max-replay-logits"
+MAX_REPLAY_LOGITS = 1 << 26  # tokens x padded vocabulary, summed over the distinct cases replayed
 
 
 @dataclass(frozen=True)
@@ -193,15 +211,46 @@ def check_summary(run: Run) -> Check:
     actual = shipped.read_bytes()
     if actual == expected.encode("utf-8"):
         return Check("SUMMARY.md", True, "byte-identical to the summary rendered again from the evidence")
+    count, problem = _line_difference(SUMMARY, actual, expected, "the evidence renders")
+    return Check("SUMMARY.md", False, f"{SUMMARY} is not what the evidence renders ({count} line(s) differ): "
+                 "what a reviewer reads does not match the evidence", [problem])
+
+
+def _line_difference(name: str, actual: bytes, expected: str, source: str) -> tuple[int, str]:
+    """How many lines differ, and the first one quoted from both sides."""
     have = actual.decode("utf-8", errors="replace").split("\n")
     want = expected.split("\n")
     differing = [i for i in range(max(len(have), len(want)))
                  if (have[i] if i < len(have) else None) != (want[i] if i < len(want) else None)]
     first = differing[0]
-    problem = (f"line {first + 1}: {SUMMARY} has {_quote(have[first] if first < len(have) else None)} but the "
-               f"evidence renders {_quote(want[first] if first < len(want) else None)}")
-    return Check("SUMMARY.md", False, f"{SUMMARY} is not what the evidence renders ({len(differing)} line(s) differ): "
-                 "what a reviewer reads does not match the evidence", [problem])
+    return len(differing), (f"line {first + 1}: {name} has {_quote(have[first] if first < len(have) else None)} but "
+                            f"{source} {_quote(want[first] if first < len(want) else None)}")
+
+
+def check_reviewing(run: Run, top: str) -> Check:
+    """The shipped REVIEWING.md against the one ``archive`` writes for this name and git record, byte for byte."""
+    shipped = run.root / REVIEWING
+    if shipped.is_symlink() or not shipped.is_file():
+        return Check(REVIEWING, False, f"{REVIEWING} is missing: the archive has no instructions for a reviewer")
+    environment = run.environment  # an unreadable one fails other rows; archive does the same
+    git = environment.get("git") if isinstance(environment, dict) else None
+    expected = reviewing_text(top, git if isinstance(git, dict) else None)
+    actual = shipped.read_bytes()
+    if actual == expected.encode("utf-8"):
+        return Check(REVIEWING, True, "byte-identical to the one the archive verb writes for this run")
+    count, problem = _line_difference(REVIEWING, actual, expected, "the archive verb writes")
+    return Check(REVIEWING, False, f"{REVIEWING} is not what the archive verb writes ({count} line(s) differ): the "
+                 "instructions a reviewer follows were changed; do not run them", [problem])
+
+
+def check_members(run: Run, files: tuple[str, ...], top: str) -> Check:
+    """Every member is produced by a rule of the workflow or by ``archive`` (:mod:`rl_engine.evidence.members`)."""
+    extra = unexpected_members(run, [f[len(top) + 1:] for f in files])
+    if extra:
+        return Check("archive members", False, f"{len(extra)} member(s) no rule produces", extra)
+    return Check("archive members", True, f"all {len(files)} members are evidence, logs, schemas or what archive adds")
+
+
 
 
 def _tested(run: Run) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -345,7 +394,47 @@ def _compare_stats(where: str, reported: Any, recomputed: dict[str, Any], path: 
     return problems
 
 
-def recompute(run: Run, capture: Path | None = None) -> tuple[Check, Check]:
+def _accepted_tensor(item: PlannedReport, report: dict[str, Any], tensor: str) -> tuple[Path | None, str | None]:
+    """The raw tensor file of ``report``, only when it passed the plain checks (``report acceptance``).
+
+    :func:`rl_engine.evidence.acceptance.check_tensor_files` decides: a plain relative path inside
+    the run, a regular file (not a link, device or FIFO), hashing to the recorded SHA-256 and
+    fingerprint. Nothing else is ever opened, so ``--recompute`` reads no file the plain checks refused.
+    """
+    checks, _ = check_tensor_files(report, item.file, item.path.parent)
+    for entry in checks:
+        if entry.name == tensor and entry.ok:
+            return item.path.parent / entry.path, None
+    return None, (f"{item.file}: tensors.{tensor}: not read: it failed the report acceptance checks (a regular file "
+                  "inside the run whose SHA-256 is the recorded one and the fingerprint)")
+
+
+def replay_bound(run: Run, planned: tuple[PlannedReport, ...], max_logits: int) -> list[str]:
+    """Why the replay is refused before any input is generated: its logits (tokens x padded vocabulary,
+    summed over the distinct cases) over ``max_logits``, or a case whose sizes are not positive integers."""
+    sizes: dict[tuple[Any, ...], tuple[int, int]] = {}
+    problems = []
+    for item in planned:
+        _, case = _report_case(run, item)
+        if case is None:
+            continue  # the rows name an unreadable case themselves
+        dims = [case.get(k) for k in ("batch", "seq", "padded_vocab")]
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
+            problems.append(f"{item.file}: case: batch, seq and padded_vocab must be positive integers to bound the "
+                            f"replay, got {terminal_text(repr(dims), 200)}")
+            continue
+        sizes[_case_key(case)] = (dims[0] * dims[1], dims[2])
+    total = sum(tokens * vocab for tokens, vocab in sizes.values())
+    if total > max_logits:
+        parts = " + ".join(f"{tokens} tokens x {vocab} padded vocabulary" for tokens, vocab in sizes.values())
+        problems.append(f"the replay would generate {total} logits ({parts}), over the replay limit of {max_logits} "
+                        f"logits ({REPLAY_FLAG}, default {MAX_REPLAY_LOGITS}: about {4 * max_logits >> 20} MiB of "
+                        f"float32 logits); nothing was generated: raise the limit with {REPLAY_FLAG} N to replay "
+                        "a case this large knowingly")
+    return problems
+
+
+def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | None = None) -> tuple[Check, Check]:
     """Regenerate inputs from each report's case (or read its capture: ``--capture`` or the
     archive's copy, :func:`rl_engine.campaign.captured.replay_source`) and recompute drift from
     the raw tensors."""
@@ -357,6 +446,7 @@ def recompute(run: Run, capture: Path | None = None) -> tuple[Check, Check]:
     from rl_engine.campaign.inputs import inputs_sha256
 
     planned, msg = _planned(run)
+    msg = msg or replay_bound(run, planned, max_logits)
     if msg:
         return Check("inputs regenerated", False, msg[0], msg), Check("oracle drift recomputed", False, msg[0], msg)
     input_problems: list[str] = []
@@ -387,9 +477,14 @@ def recompute(run: Run, capture: Path | None = None) -> tuple[Check, Check]:
                 if recorded.get(name) != digest:
                     input_problems.append(f"{item.file}: inputs_sha256.{name}: recorded {recorded.get(name)!r}, "
                                           f"regenerated {digest}")
+            paths = {name: _accepted_tensor(item, report, name) for name in ("logp", "lse")}
+            refused = [why for _, why in paths.values() if why]
+            if refused:
+                drift_problems += refused
+                continue
             try:
-                logp = read_raw_f32(item.path.parent / report["tensors"]["logp"]["path"])
-                lse = read_raw_f32(item.path.parent / report["tensors"]["lse"]["path"])
+                logp = read_raw_f32(paths["logp"][0])
+                lse = read_raw_f32(paths["lse"][0])
             except (KeyError, TypeError, OSError, ValueError) as exc:
                 drift_problems.append(f"{item.file}: tensors: cannot read the raw logp/lse files ({exc})")
                 continue
@@ -456,7 +551,7 @@ def _first_difference(name: str, archived: Any, replayed: Any) -> str:
             f"(0x{int(b[index]) & 0xFFFFFFFF:08x})")
 
 
-def replay(run: Run, capture: Path | None = None) -> Check:
+def replay(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | None = None) -> Check:
     """Recompute the candidate at TP=1 and require byte equality with every topology."""
     import torch
 
@@ -467,6 +562,7 @@ def replay(run: Run, capture: Path | None = None) -> Check:
 
     name = "candidate replayed"
     planned, msg = _planned(run)
+    msg = msg or replay_bound(run, planned, max_logits)
     if msg:
         return Check(name, False, msg[0], msg)
     problems: list[str] = []
@@ -488,8 +584,12 @@ def replay(run: Run, capture: Path | None = None) -> Check:
                 cache[key] = replay_candidate(case, backend=by, capture=source)
             again = cache[key]
             for tensor in TENSOR_NAMES:
+                path, refused = _accepted_tensor(item, report, tensor)
+                if path is None:
+                    problems.append(str(refused))
+                    continue
                 try:
-                    archived = read_raw_f32(item.path.parent / report["tensors"][tensor]["path"])
+                    archived = read_raw_f32(path)
                 except (KeyError, TypeError, OSError, ValueError) as exc:
                     problems.append(f"{item.file}: tensors.{tensor}: cannot read the raw file ({exc})")
                     continue
@@ -526,7 +626,7 @@ def schema_note(shipped: Path) -> Check:
 
 def verify(archive: Path, *, recompute_drift: bool = False, skip_outer: bool = False,
            limits: Limits = Limits(), accept_looser_tolerance: bool = False,
-           capture: Path | None = None) -> list[Check]:
+           max_replay_logits: int = MAX_REPLAY_LOGITS, capture: Path | None = None) -> list[Check]:
     """Every check of the module docstring, in order; later checks are skipped after a refusal."""
     checks = [check_outer(archive, skip_outer)]
     with tempfile.TemporaryDirectory(prefix="rl_engine-verify-") as tmp:
@@ -543,55 +643,83 @@ def verify(archive: Path, *, recompute_drift: bool = False, skip_outer: bool = F
                                 f"(the archive's name without {SUFFIX})"))
         else:
             checks.append(Check("top folder", True, f"every member under {extracted.top}/"))
-        try:
-            checks.extend(_checks_of_extracted(extracted, recompute_drift, accept_looser_tolerance, capture))
-        except Exception as exc:  # damaged content must end as a failed row a reviewer can read
-            checks.append(Check("internal error", False, f"checking stopped: {type(exc).__name__}: {exc}"))
+        checks.extend(_checks_of_extracted(extracted, recompute_drift, accept_looser_tolerance, max_replay_logits,
+                                           capture))
     return checks
+
+
+def _guarded(names: tuple[str, ...], run: Any) -> list[Check]:
+    """``run()``'s rows; an exception fails the rows ``names`` alone, so every other check still runs."""
+    try:
+        out = run()
+    except Exception as exc:  # damaged content must end as a failed row a reviewer can read, not a traceback
+        detail = f"checking stopped: {type(exc).__name__}: {exc}"
+        return [Check(name, False, detail, [detail]) for name in names]
+    return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 def _checks_of_extracted(extracted: Extracted, recompute_drift: bool, accept_looser: bool,
-                         capture: Path | None = None) -> list[Check]:
-    """The tested commit and case, the run name, then checks 4-12 on an extracted archive (module docstring)."""
-    checks: list[Check] = []
-    root = extracted.root
-    run = Run.load(root)
-    checks.append(tested_note(run))
-    checks.append(check_run_name(run, extracted.top))
-    checks.append(check_sums(root, extracted.files, extracted.top))
+                         max_replay_logits: int = MAX_REPLAY_LOGITS, capture: Path | None = None) -> list[Check]:
+    """The tested commit and case, the run name, then checks 4-12 on an extracted archive (module docstring).
+
+    Each check runs on its own: one that stops on damaged content is a failed row, the others still run.
+    """
+    root, top = extracted.root, extracted.top
+    run = Run.load(root)  # load_json turns every unreadable document into findings, never an exception
     shipped = root / SCHEMA_DIR
-    validation = validate_run(run, shipped, gates=True)
-    checks.append(_from_findings("JSON schemas (shipped)", [*validation.load, *validation.schema],
-                                 f"every artifact valid against {extracted.top}/{SCHEMA_DIR}/ and strict JSON"))
-    checks.append(_from_findings("focused regression", list(validation.regression), "tests ran, none failed"))
-    n_reports = len(validation.result.get("reports", []))
-    checks.append(_from_findings("report acceptance", list(validation.acceptance),
-                                 f"{n_reports} reports accepted; raw tensors match their fingerprints"))
-    cross, cross_found = crosscheck_run(run)
-    checks.append(_from_findings("cross-topology fingerprints", cross_found,
-                                 f"{len(cross['topologies'])} topologies bitwise identical "
-                                 f"({len(cross['fields'])} fields)"))
-    gates = list(validation.gates)
-    recorded = run.doc(VALIDATION)
-    shipped_hashes = validation.result.get("schemas")
-    if isinstance(recorded, dict) and recorded.get("schemas") != shipped_hashes:
-        gates.append(Finding("validation.json", "schemas", "the recorded validation used schemas other than "
-                             f"the ones shipped in {extracted.top}/{SCHEMA_DIR}/"))
-    checks.append(_from_findings("recorded gates", gates, "validation.json and crosscheck.json passed, "
-                                 "with the shipped schemas"))
-    checks.append(check_summary(run))
-    checks.append(check_tolerances(run, accept_looser))
-    checks.append(check_arithmetic_spec(run))
+    gated = ("JSON schemas (shipped)", "focused regression", "report acceptance", "recorded gates")
+    checks = [*_guarded(("tested",), lambda: tested_note(run)),
+              *_guarded(("run name",), lambda: check_run_name(run, top)),
+              *_guarded(("SHA256SUMS",), lambda: check_sums(root, extracted.files, top)),
+              *_guarded(("archive members",), lambda: check_members(run, extracted.files, top)),
+              *_guarded(("REVIEWING.md",), lambda: check_reviewing(run, top))]
+    validated = _guarded(gated, lambda: _validation_rows(run, shipped, top))
+    checks += [c for c in validated if c.name != "recorded gates"]
+    checks += _guarded(("cross-topology fingerprints",), lambda: _cross_row(run))
+    checks += [c for c in validated if c.name == "recorded gates"]
+    checks += _guarded(("SUMMARY.md",), lambda: check_summary(run))
+    checks += _guarded(("tolerances",), lambda: check_tolerances(run, accept_looser))
+    checks += _guarded(("arithmetic spec",), lambda: check_arithmetic_spec(run))
     if recompute_drift:
-        checks.extend(recompute(run, capture))
-        checks.append(replay(run, capture))
+        checks += _guarded(("inputs regenerated", "oracle drift recomputed"),
+                           lambda: recompute(run, max_replay_logits, capture))
+        checks += _guarded(("candidate replayed",), lambda: replay(run, max_replay_logits, capture))
     if shipped.is_dir():
-        checks.append(schema_note(shipped))
+        checks += _guarded(("schemas vs this rl_engine",), lambda: schema_note(shipped))
     return checks
 
 
+def _validation_rows(run: Run, shipped: Path, top: str) -> list[Check]:
+    """The rows :func:`rl_engine.evidence.validation.validate_run` decides: schemas, regression, acceptance, gates."""
+    validation = validate_run(run, shipped, gates=True)
+    n_reports = len(validation.result.get("reports", []))
+    gates = list(validation.gates)
+    recorded = run.doc(VALIDATION)
+    if isinstance(recorded, dict) and recorded.get("schemas") != validation.result.get("schemas"):
+        gates.append(Finding("validation.json", "schemas", "the recorded validation used schemas other than "
+                             f"the ones shipped in {top}/{SCHEMA_DIR}/"))
+    return [_from_findings("JSON schemas (shipped)", [*validation.load, *validation.schema],
+                           f"every artifact valid against {top}/{SCHEMA_DIR}/ and strict JSON"),
+            _from_findings("focused regression", list(validation.regression), "tests ran, none failed"),
+            _from_findings("report acceptance", list(validation.acceptance),
+                           f"{n_reports} reports accepted; raw tensors match their fingerprints"),
+            _from_findings("recorded gates", gates, "validation.json and crosscheck.json passed, "
+                           "with the shipped schemas")]
+
+
+def _cross_row(run: Run) -> Check:
+    cross, cross_found = crosscheck_run(run)
+    return _from_findings("cross-topology fingerprints", cross_found,
+                          f"{len(cross['topologies'])} topologies bitwise identical ({len(cross['fields'])} fields)")
+
+
+def _cell(text: str) -> Text:
+    """Archive-derived text as a table cell: control characters escaped, never parsed as markup."""
+    return Text(terminal_text(text))
+
+
 def _table(archive: Path, checks: list[Check]) -> Table:
-    table = Table(title=f"verify {archive.name}", title_justify="left")
+    table = Table(title=_cell(f"verify {archive.name}"), title_justify="left")
     table.add_column("Check")
     table.add_column("Result")
     table.add_column("Detail", overflow="fold")
@@ -599,12 +727,19 @@ def _table(archive: Path, checks: list[Check]) -> Table:
     for check in checks:
         detail = check.detail
         if check.problems and check.passed is False:
-            shown = list(check.problems[:MAX_DETAIL_LINES])
+            shown = [terminal_text(p) for p in check.problems[:MAX_DETAIL_LINES]]
             more = len(check.problems) - len(shown)
             detail = "\n".join(shown + ([f"... and {more} more"] if more else []))
         status = check.status()
-        table.add_row(check.name, f"[{colours[status]}]{status}[/]", detail)
+        table.add_row(_cell(check.name), Text(status, style=colours[status]), _cell(detail))
     return table
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return number
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -619,6 +754,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="accept atol/rtol looser than the project's defaults for the dtype (bf16/fp16/fp32 "
                              "defaults of rl_engine.logprob.comparison); without it they fail, with it the "
                              "tolerances row is a note naming them")
+    parser.add_argument(REPLAY_FLAG, dest="max_replay_logits", type=_positive, default=MAX_REPLAY_LOGITS,
+                        metavar="N", help="with --recompute: the most logits (tokens x padded vocabulary, summed "
+                                          f"over the distinct cases) the replay generates (default {MAX_REPLAY_LOGITS}"
+                                          ", about 256 MiB of float32); a larger case is refused before any input "
+                                          "is generated")
     parser.add_argument("--json", type=Path, default=None, help="also write the result as JSON (verify.schema.json)")
     parser.add_argument("--max-member-mib", type=int, default=Limits().max_member_bytes // MIB)
     parser.add_argument("--max-total-mib", type=int, default=Limits().max_total_bytes // MIB)
@@ -627,19 +767,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.capture is not None and not args.recompute:
         parser.error(f"--capture {args.capture} is read only by --recompute; add --recompute or drop --capture")
     if not args.archive.is_file():
-        print(f"verify: {args.archive} is not a file", file=sys.stderr)
+        print(f"verify: {terminal_text(str(args.archive))} is not a file", file=sys.stderr)
         return 2
     try:
         limits = Limits(args.max_member_mib * MIB, args.max_total_mib * MIB, args.max_members)
     except ValueError as exc:
         parser.error(str(exc))
     checks = verify(args.archive, recompute_drift=args.recompute, skip_outer=args.no_outer_checksum, limits=limits,
-                    accept_looser_tolerance=args.accept_looser_tolerance, capture=args.capture)
+                    accept_looser_tolerance=args.accept_looser_tolerance, max_replay_logits=args.max_replay_logits,
+                    capture=args.capture)
     passed = all(c.passed is not False for c in checks) and any(c.name == "recorded gates" for c in checks)
-    console = Console(width=160)
-    console.print(_table(args.archive, checks))
     failures = [f"{c.name}: {p}" for c in checks if c.passed is False for p in (c.problems or [c.detail])]
-    if args.json is not None:
+    if args.json is not None:  # written before anything is printed: the record never depends on the terminal
         try:
             schemas.write_validated(args.json, {
                 "schema_version": SCHEMA_VERSION,
@@ -650,12 +789,17 @@ def main(argv: list[str] | None = None) -> int:
                 "failures": failures,
             }, "verify")
         except schemas.ArtifactSchemaError as exc:
-            print(f"verify: --json {args.json} not written: {exc}", file=sys.stderr)
+            print(f"verify: --json {terminal_text(str(args.json))} not written: {terminal_text(str(exc))}",
+                  file=sys.stderr)
             return 1
+    console = Console(width=160)
+    console.print(_table(args.archive, checks))
     if passed:
-        console.print(f"[bold green]VERIFIED[/]: every check holds for {args.archive.name}")
+        console.print(Text.assemble(("VERIFIED", "bold green"),
+                                    f": every check holds for {terminal_text(args.archive.name)}"))
         return 0
-    print(f"verify: {args.archive.name} FAILED {sum(c.passed is False for c in checks)} check(s):", file=sys.stderr)
+    print(f"verify: {terminal_text(args.archive.name)} FAILED {sum(c.passed is False for c in checks)} check(s):",
+          file=sys.stderr)
     for failure in failures[:50]:
-        print(f"  {failure}", file=sys.stderr)
+        print(f"  {terminal_text(failure)}", file=sys.stderr)
     return 1

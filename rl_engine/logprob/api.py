@@ -20,8 +20,10 @@ from rl_engine.distributed.bounds import token_indices
 from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
+from rl_engine.logprob.registry import dispatch
 from rl_engine.logprob.storage import require_readable
-from rl_engine.logprob.vocab_parallel import LogprobOutput, VocabParallelLogprob
+from rl_engine.logprob.vocab_parallel import LogprobOutput
+from rl_engine.tables import AUTO
 
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in LOGITS_DTYPES.items()}
 
@@ -36,6 +38,7 @@ def selected_logprob(
     compute_entropy: bool = False,
     validate: bool = True,
     chunk_rows: int | None = None,
+    backend: str = AUTO,
 ) -> LogprobOutput:
     """Selected-token logprob of full-vocabulary logits on one rank (TP=1, CP=1).
 
@@ -45,6 +48,12 @@ def selected_logprob(
     padding. ``num_vocab_tiles`` must divide the vocabulary; it is part of the numerical
     identity (another tile count gives other bytes), so pick it once for a run. The outputs
     (FP32, shape of ``targets``) are the bytes the TP x CP op gives for the same logits.
+
+    ``backend`` (default ``auto``) names the backend; ``auto`` takes the fastest registered
+    one available on the logits' device (Triton on cuda, the fused C kernel on cpu, the eager
+    one otherwise): every backend gives the same bytes (tested), and the choice and its reason
+    are in ``out.provenance``. An explicit id that cannot serve the call raises
+    ``BackendUnavailableError``; nothing falls back.
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3):
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
@@ -76,7 +85,8 @@ def selected_logprob(
         seq_len=seq_len,
         logits_dtype=DTYPE_NAMES[logits.dtype],
     )
-    out = VocabParallelLogprob()(
+    chosen = dispatch(backend, contract, logits.device.type)
+    out = chosen.op(
         logits.reshape(-1, vocab), targets.reshape(-1), active.reshape(-1), contract,
         compute_entropy=compute_entropy, validate=validate, chunk_rows=chunk_rows,
     )
@@ -84,6 +94,7 @@ def selected_logprob(
         out.selected_logp.reshape(lead),
         out.lse.reshape(lead),
         out.entropy.reshape(lead) if out.entropy is not None else None,
+        chosen.provenance(),
     )
 
 

@@ -3,6 +3,13 @@
 Each backend declares what it can do. Dispatch returns the op with provenance; an explicit
 request for an unavailable or incapable backend raises with every reason, and nothing ever
 falls back silently: ``fallback`` is true only when ``auto`` skipped an eligible candidate.
+
+``auto`` takes the fastest backend that serves the device, in priority order: the Triton
+kernels on cuda, the fused C kernel on cpu, the eager backend otherwise. Every one of them
+computes ``docs/arithmetic.md`` and gives the same bytes (``tests/test_fused_cpu.py``,
+``tests/test_triton_backend.py``), so the choice changes speed, never a result; it is recorded
+with its reason in the provenance. A backend is chosen by ``auto`` only on its
+``auto_devices`` (the Triton interpreter, a CPU mode its user selects, never is).
 """
 
 from __future__ import annotations
@@ -12,9 +19,16 @@ from typing import Any, Callable
 
 import torch
 
-from rl_engine.tables import AUTO, BACKEND_DEVICES, DTYPES
+from rl_engine.tables import AUTO, BACKEND_DEVICES, DTYPES, INTERPRETER_DEVICES
 from rl_engine.logprob.contract import DETERMINISM_SCOPES, LogprobContract, LogprobContractError
 from rl_engine.logprob.fused_cpu import FUSED_CPU_ID, FusedCpuLogprob, kernel_unavailable
+from rl_engine.logprob.triton_backend import (
+    TRITON_ID,
+    TritonLogprob,
+    env_mode,
+    triton_mode,
+    triton_unavailable,
+)
 from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
 
 
@@ -72,6 +86,8 @@ class BackendSpec:
     availability: Callable[[], str | None]  # None when available, else the reason
     build: Callable[[], Any]
     priority: int = 0
+    auto_devices: frozenset[str] | None = None  # where auto may pick it (None: its devices)
+    mode: Callable[[], str | None] = lambda: None  # how it runs (recorded in the provenance)
 
 
 @dataclass(frozen=True)
@@ -83,6 +99,8 @@ class Dispatch:
     actual_backend: str
     fallback: bool
     rejections: tuple[tuple[str, str], ...] = field(default=())
+    reason: str = "requested explicitly"
+    mode: str | None = None  # e.g. the Triton backend's "compiled" or "interpreter"
 
     def provenance(self) -> dict[str, Any]:
         return {
@@ -90,12 +108,27 @@ class Dispatch:
             "actual_backend": self.actual_backend,
             "fallback": self.fallback,
             "rejections": [{"backend": b, "reason": r} for b, r in self.rejections],
+            "reason": self.reason,
+            "mode": self.mode,
         }
 
 
+def backend_table_devices(backend_id: str) -> tuple[str, ...]:
+    """The devices ``backend_id`` serves in this process: its table entry, or, for the Triton
+    backend with ``RL_ENGINE_TRITON_MODE=interpreter``, its interpreter's (a bad value of the
+    variable keeps the table's; the backend's availability then names the error)."""
+    if backend_id in INTERPRETER_DEVICES:
+        try:
+            if env_mode() == "interpreter":
+                return INTERPRETER_DEVICES[backend_id]
+        except LogprobContractError:
+            pass
+    return BACKEND_DEVICES[backend_id]
+
+
 def _arith_capabilities(backend_id: str) -> BackendCapabilities:
-    """What both backends of docs/arithmetic.md serve; they differ only in their devices
-    (:data:`rl_engine.tables.BACKEND_DEVICES`)."""
+    """What every backend of docs/arithmetic.md serves; they differ only in their devices
+    (:func:`backend_table_devices`)."""
     return BackendCapabilities(
         dtypes=frozenset(DTYPES),
         max_tp_world_size=1 << 16,
@@ -103,7 +136,7 @@ def _arith_capabilities(backend_id: str) -> BackendCapabilities:
         mask_modes=frozenset({"explicit"}),
         exports_lse=True,
         determinism_scopes=frozenset(DETERMINISM_SCOPES),
-        devices=frozenset(BACKEND_DEVICES[backend_id]),
+        devices=frozenset(backend_table_devices(backend_id)),
     )
 
 
@@ -118,16 +151,33 @@ def default_registry() -> dict[str, BackendSpec]:
             priority=0,
         ),
         BackendSpec(
-            # the eager backend's bytes from a compiled one-pass kernel (CPU only); never
-            # chosen by auto (priority below the eager backend): a user asks for it by name
+            # the eager backend's bytes from a compiled one-pass C kernel (CPU only)
             backend_id=FUSED_CPU_ID,
             capabilities=_arith_capabilities(FUSED_CPU_ID),
             availability=kernel_unavailable,
             build=FusedCpuLogprob,
-            priority=-10,
+            priority=10,
+        ),
+        BackendSpec(
+            # the eager backend's bytes from Triton kernels (CUDA; its interpreter on CPU
+            # tensors when RL_ENGINE_TRITON_MODE=interpreter, never chosen by auto)
+            backend_id=TRITON_ID,
+            capabilities=_arith_capabilities(TRITON_ID),
+            availability=triton_unavailable,
+            build=TritonLogprob,
+            priority=20,
+            auto_devices=frozenset(BACKEND_DEVICES[TRITON_ID]),
+            mode=_safe_triton_mode,
         ),
     ]
     return {spec.backend_id: spec for spec in sorted(specs, key=lambda s: -s.priority)}
+
+
+def _safe_triton_mode() -> str | None:
+    try:
+        return triton_mode()
+    except LogprobContractError:
+        return None
 
 
 def backend_ids(registry: dict[str, BackendSpec] | None = None) -> list[str]:
@@ -157,6 +207,16 @@ def _rejection(spec: BackendSpec, contract: LogprobContract, device: str) -> str
     return None
 
 
+def _build(spec: BackendSpec) -> Any:
+    try:
+        return spec.build()
+    except Exception as exc:  # noqa: BLE001 - a backend that cannot be built fails closed
+        raise BackendUnavailableError(
+            f"backend={spec.backend_id!r} could not be built: {type(exc).__name__}: {exc}; "
+            "nothing falls back"
+        ) from exc
+
+
 def dispatch(
     requested: str,
     contract: LogprobContract,
@@ -177,14 +237,22 @@ def dispatch(
                 f"backend={requested!r} was requested explicitly and cannot serve this call "
                 f"({reason}); nothing falls back: request a capable backend"
             )
-        return Dispatch(registry[requested].build(), requested, requested, False)
+        spec = registry[requested]
+        return Dispatch(_build(spec), requested, requested, False, mode=spec.mode())
     rejections: list[tuple[str, str]] = []
     eligible_rejected = False
     for spec in registry.values():
         reason = _rejection(spec, contract, device)
+        if reason is None and spec.auto_devices is not None and device not in spec.auto_devices:
+            reason = f"not chosen by auto on device {device} (auto takes it on {sorted(spec.auto_devices)})"
         if reason is None:
+            why = (
+                f"auto: the highest-priority backend capable and available on device {device} "
+                f"(priority order {list(registry)}; every one gives the same bytes)"
+            )
             return Dispatch(
-                spec.build(), AUTO, spec.backend_id, eligible_rejected, tuple(rejections)
+                _build(spec), AUTO, spec.backend_id, eligible_rejected, tuple(rejections), why,
+                spec.mode(),
             )
         rejections.append((spec.backend_id, reason))
         eligible_rejected = eligible_rejected or reason.startswith("unavailable")

@@ -51,11 +51,17 @@ BACKEND_ID = EAGER_BACKEND
 
 @dataclass(frozen=True)
 class LogprobOutput:
-    """FP32 results for the local tokens: selected logprob (0 on inactive rows), LSE, entropy."""
+    """FP32 results for the local tokens: selected logprob (0 on inactive rows), LSE, entropy.
+
+    ``provenance`` is the backend choice when the call went through a dispatch
+    (:func:`rl_engine.logprob.api.selected_logprob`): requested and actual backend, the reason,
+    the mode, every rejection; ``None`` when an op was called directly.
+    """
 
     selected_logp: torch.Tensor
     lse: torch.Tensor
     entropy: torch.Tensor | None
+    provenance: dict[str, Any] | None = None
 
 
 def check_group(contract: LogprobContract, group: Any) -> None:

@@ -1,0 +1,38 @@
+"""What an evidence archive may hold, named by the evidence and the workflow's stage list.
+
+An archive holds the run's evidence (:meth:`rl_engine.rundir.Run.evidence_files`: the files the
+evidence itself names), ``SUMMARY.md``, the logs of the run directory's stages
+(:func:`rl_engine.rundir.run_stages`, the list the workflow's archive rule packs: one per stage
+and one per planned topology), the schemas ``validation.json`` records it was checked with
+(``schemas/<name>.schema.json``), and what ``archive`` adds: ``REVIEWING.md`` and
+``SHA256SUMS``. Any other member is content no check reads (junk padding ``logs/``, a note
+beside the evidence): :func:`unexpected_members` names each one, and ``verify`` fails them.
+"""
+
+from __future__ import annotations
+
+from rl_engine.rundir import REVIEWING, SCHEMA_DIR, SUMMARY, SUMS, VALIDATION, Run, Topology, run_stages, stages
+
+SCHEMA_SUFFIX = ".schema.json"
+
+
+def expected_members(run: Run) -> set[str]:
+    """Every file (relative to the run directory) some rule of the workflow or ``archive`` produces for ``run``."""
+    names, _ = run.evidence_files()  # unreadable evidence fails other rows; its names still count
+    topologies = [Topology(item.tp, item.cp) for item in run.planned]
+    logs = {stage.log.relative_to(run.root).as_posix() for stage in run_stages(stages(run.root, topologies))}
+    allowed = {*names, *logs, SUMMARY, REVIEWING, SUMS}
+    recorded = run.doc(VALIDATION)
+    used = recorded.get("schemas") if isinstance(recorded, dict) else None
+    if isinstance(used, dict):
+        allowed |= {f"{SCHEMA_DIR}/{name}{SCHEMA_SUFFIX}" for name in used if isinstance(name, str)}
+    return allowed
+
+
+def unexpected_members(run: Run, files: list[str]) -> list[str]:
+    """One message per member of ``files`` (relative to the run directory) that no rule produces."""
+    allowed = expected_members(run)
+    return [f"{rel}: no rule of the workflow produces this file: an archive holds only the run's evidence, "
+            f"{SUMMARY}, the stage logs, the schemas {VALIDATION} records, {REVIEWING} and {SUMS}; refused, since "
+            "no check reads it (rebuild the archive with the archive verb from the workflow's declared files)"
+            for rel in sorted(files) if rel not in allowed]

@@ -1,0 +1,305 @@
+"""Backend ``triton-vocab-parallel-logp-ws2``: its Triton kernels give the eager backend's bytes.
+
+The kernels run under Triton's interpreter (``mode="interpreter"``: the same kernel source,
+executed on CPU tensors through NumPy, one IEEE-754 operation at a time), selected explicitly;
+every comparison is of bytes, never ``allclose``:
+
+* logp, LSE, entropy and gradient equal ``VocabParallelLogprob``'s for bf16/fp16/fp32, padded
+  vocabularies, tile widths 1, 3, 128, 143 and 2374 (one full row of vocabulary 151936), 1 to
+  33 rows, with and without an LSE gradient, and the special values the specification defines
+  (``-inf`` columns, signed zeros, subnormals, an all ``-inf`` row, NaN and ``+inf``);
+* per TP shard (TP = 1 to 8, a padding-only rank at TP=8) the kernels' tile partials, validity
+  flags and local gradient equal the eager chunk loop's;
+* the kernels' element functions (``E``, the binary16 upcast and rounding) agree with the
+  eager reference on a million probe values and every binary16;
+* negative controls: a library ``tl.exp`` in place of ``E``, or a power-of-two fold in place
+  of the fold ``F``, change the bytes;
+* the backend fails closed (no Triton, no CUDA, a kernel that does not compile, a bad mode)
+  and ``auto`` never picks its interpreter.
+
+The ahead-of-time compilation to PTX and AMD ISA is checked in ``tests/test_triton_ptx.py``,
+a campaign under the interpreter in ``tests/test_triton_campaign.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")  # the test extra installs it: CI never skips (tests/test_triton_ptx.py)
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from rl_engine.tables import AUTO, FUSED_CPU_BACKEND, TRITON_BACKEND  # noqa: E402
+from rl_engine.logprob import portable, triton_backend  # noqa: E402
+from rl_engine.logprob.contract import LogprobContractError  # noqa: E402
+from rl_engine.logprob.registry import BackendUnavailableError, dispatch  # noqa: E402
+from rl_engine.logprob.triton_backend import (  # noqa: E402
+    TritonEngine,
+    TritonKernelError,
+    TritonLogprob,
+    load_kernels,
+)
+from rl_engine.logprob.vocab_parallel import EAGER_ENGINE, VocabParallelLogprob  # noqa: E402
+
+from _byte_cases import (  # noqa: E402
+    OUTPUTS,
+    _contract,
+    _inputs,
+    _partial_bytes,
+    _run,
+    assert_every_shard_matches,
+    refusal_messages,
+)
+
+INTERP = "interpreter"
+# NumPy warns about the IEEE special values the kernels compute on purpose (inf - inf, NaN casts)
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:(invalid value|overflow) encountered:RuntimeWarning"
+)
+
+# (real, padded, tiles, rows): tile widths 128, 143 (padding inside a tile), 1, 3 (33 rows),
+# 3 (one row); the width 2374 is the full row of test_one_full_row_of_vocabulary_151936
+SHAPES = [
+    (1000, 1024, 8, 7),
+    (997, 1001, 7, 5),
+    (13, 16, 16, 3),
+    (20, 24, 8, 33),
+    (20, 24, 8, 1),
+]
+
+
+def _triton() -> TritonLogprob:
+    return TritonLogprob(mode=INTERP)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_triton_gives_the_eager_bytes(dtype: str, shape: tuple[int, int, int, int]) -> None:
+    real, padded, tiles, rows = shape
+    x, targets, active = _inputs(dtype, real, padded, rows, seed=rows + tiles)
+    contract = _contract(dtype, real, padded, tiles, rows)
+    # with an LSE gradient (rows with coef == 0 among them) on every shape; without one on
+    # the first (inactive rows then take the coef == 0 override everywhere)
+    for lse_grad in (True, False) if shape == SHAPES[0] else (True,):
+        eager = _run(VocabParallelLogprob(), x, targets, active, contract, lse_grad)
+        ours = _run(_triton(), x, targets, active, contract, lse_grad)
+        for name in OUTPUTS:
+            assert ours[name] == eager[name], (name, lse_grad)
+
+
+def test_one_full_row_of_vocabulary_151936() -> None:
+    """One row of the default case's shape: 64 tiles of 2,374 columns (4,096 slots each)."""
+    x, targets, active = _inputs("bf16", 151936, 151936, 1, seed=3, specials=False)
+    x[0, 5000:5100] = float("-inf")
+    contract = _contract("bf16", 151936, 151936, 64, 1)
+    eager = _run(VocabParallelLogprob(), x, targets, active, contract, True)
+    assert _run(_triton(), x, targets, active, contract, True) == eager
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_subnormal_and_non_finite_inputs(dtype: str) -> None:
+    """Subnormal logits of the dtype, signed zeros, NaN, +-inf, an all -inf row (inactive rows:
+    the op refuses non-finite active rows), and a row of large logits."""
+    x, targets, active = _inputs(dtype, 997, 1001, 6, seed=9, specials=True)
+    tiny = {"bf16": 1e-39, "fp16": 3e-8, "fp32": 1e-42}[dtype]  # subnormal in each dtype
+    x[3, :200] = tiny
+    x[3, 200:400] = -tiny
+    x[4, 7] = float("nan")
+    x[4, 8] = float("-inf")
+    active[4] = False
+    contract = _contract(dtype, 997, 1001, 7, 6)
+    eager = _run(VocabParallelLogprob(), x, targets, active, contract, True)
+    assert _run(_triton(), x, targets, active, contract, True) == eager
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_every_tp_shard_computes_the_eager_partials_and_gradient(tp: int) -> None:
+    # real 890 of 1024 columns in 16 tiles of 64: uneven shards (given as vocab_shard_bounds)
+    # at TP=3, 5, 6, 7; the last rank holds padding only at TP=8. The dtype cycles with the
+    # degree (every dtype at several degrees).
+    tiles = 16
+    counts = [tiles // tp + (r < tiles % tp) for r in range(tp)]
+    edges = [64 * sum(counts[:r]) for r in range(tp + 1)]
+    assert_every_shard_matches(TritonEngine(INTERP), ("bf16", "fp16", "fp32")[tp % 3], 890, 1024,
+                               tiles, 5, tp, ((True, True), (False, False)),
+                               tuple(zip(edges[:-1], edges[1:])))
+
+
+def test_validation_flags_a_non_finite_real_column_with_the_eager_message() -> None:
+    messages = refusal_messages([VocabParallelLogprob(), _triton()], float("inf"))
+    assert messages[0] == messages[1] and "row 4" in messages[0]
+
+
+# ----- element functions ---------------------------------------------------------------------
+
+
+def _elementwise(fn_name: str, src: np.ndarray, out_dtype: torch.dtype) -> torch.Tensor:
+    """Run one of the kernels' element functions over ``src`` in one interpreted program."""
+    kernels = load_kernels(INTERP)
+    globals()["_element_fn"] = getattr(kernels, fn_name)
+    n = 1 << max(0, int(np.ceil(np.log2(src.size))))
+    padded = np.zeros(n, dtype=src.dtype)
+    padded[: src.size] = src
+    inp = torch.from_numpy(padded)
+    out = torch.empty(n, dtype=out_dtype)
+    InterpretedFunction(_apply_kernel)[(1,)](inp, out, BLOCK=n)
+    return out[: src.size]
+
+
+def _apply_kernel(src_ptr, out_ptr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, _element_fn(tl.load(src_ptr + offs)))  # noqa: F821
+
+
+def _upcast_f16(raw):  # type: ignore[no-untyped-def]
+    return load_kernels(INTERP).upcast(raw, 2)
+
+
+def test_kernel_exp_is_the_eager_exp_bit_for_bit() -> None:
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, size=1 << 18, dtype=np.uint64).astype(np.uint32)
+    y = np.concatenate([bits.view(np.float32), np.linspace(-100, 100, 100001, dtype=np.float32),
+                        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -87.0, 88.72, 89.0],
+                                 dtype=np.float32)])
+    ours = _elementwise("spec_exp", y, torch.float32).numpy()
+    ref = portable.exp(torch.from_numpy(y.copy())).numpy()
+    same = (ours.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(ours) & np.isnan(ref))
+    assert bool(same.all())
+
+
+def test_kernel_binary16_rounding_and_upcast_are_ieee() -> None:
+    halves = np.arange(0, 1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    finite = halves[np.isfinite(halves)]
+    mids = ((finite[:-1].astype(np.float64) + finite[1:].astype(np.float64)) / 2).astype(np.float32)
+    rng = np.random.default_rng(1)
+    x = np.concatenate([finite, mids, np.nextafter(mids, np.float32(np.inf)),
+                        rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                        np.array([np.inf, -np.inf, 1e-30, 7e4, 65520.0], dtype=np.float32)])
+    x = np.where(np.isnan(x), np.float32(np.nan), x).astype(np.float32)  # canonical NaN first
+    ours = _elementwise("round_f16_bits", x.view(np.int32), torch.int32).numpy() & 0xFFFF
+    ref = torch.from_numpy(x.copy()).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(ours.astype(np.uint16), ref)
+    h = np.arange(0, 1 << 16, dtype=np.uint32).astype(np.uint16).view(np.int16)
+    globals()["_element_fn"] = InterpretedFunction(_upcast_f16)
+    up = torch.empty(1 << 16, dtype=torch.float32)
+    InterpretedFunction(_apply_kernel)[(1,)](torch.from_numpy(h.copy()), up, BLOCK=1 << 16)
+    exact = h.view(np.float16).astype(np.float32)
+    finite16 = ~np.isnan(exact)
+    assert np.array_equal(up.numpy().view(np.uint32)[finite16], exact.view(np.uint32)[finite16])
+    assert bool(np.isnan(up.numpy()[~finite16]).all())
+
+
+# ----- negative controls -------------------------------------------------------------------------
+
+
+def _library_exp(y):  # type: ignore[no-untyped-def]
+    return tl.exp(y)
+
+
+def test_negative_control_a_library_exp_in_the_kernels_breaks_the_equality(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x, targets, active = _inputs("fp32", 997, 1001, 5, seed=4, specials=False)
+    contract = _contract("fp32", 997, 1001, 7, 5)
+    eager = _run(VocabParallelLogprob(), x, targets, active, contract, True)
+    assert _run(_triton(), x, targets, active, contract, True) == eager
+    monkeypatch.setattr(load_kernels(INTERP), "spec_exp", InterpretedFunction(_library_exp))
+    library = _run(_triton(), x, targets, active, contract, True)
+    assert library["grad"] != eager["grad"] and library["entropy"] != eager["entropy"]
+
+
+def test_negative_control_a_power_of_two_fold_breaks_the_equality(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Columns in slot order (a plain halving of 256 slots) group a 143-wide tile's sum
+    other than ``F`` does: the sums' bytes change."""
+    x, targets, active = _inputs("fp32", 1001, 1001, 5, seed=6, specials=False)
+    contract = _contract("fp32", 1001, 1001, 7, 5)
+    m, s, t, _ = EAGER_ENGINE.local_partials(x, contract, 3, True, False)
+    ours = TritonEngine(INTERP).local_partials(x, contract, 3, True, False)
+    assert [_partial_bytes(v) for v in ours[:3]] == [_partial_bytes(v) for v in (m, s, t)]
+    plain = torch.tensor(list(range(143)) + [-1] * (256 - 143), dtype=torch.int32)
+    monkeypatch.setattr(triton_backend, "_slot_table", lambda width, device: plain)
+    m2, s2, t2, _ = TritonEngine(INTERP).local_partials(x, contract, 3, True, False)
+    assert _partial_bytes(m2) == _partial_bytes(m)  # the max does not depend on grouping
+    assert _partial_bytes(s2) != _partial_bytes(s) and _partial_bytes(t2) != _partial_bytes(t)
+
+
+# ----- selection and failing closed ------------------------------------------------------------------
+
+
+def test_explicit_interpreter_mode_is_recorded_and_auto_never_picks_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    contract = _contract("bf16", 1000, 1024, 8, 5)
+    with pytest.raises(BackendUnavailableError, match=r"device cpu not in \['cuda'\]"):
+        dispatch(TRITON_BACKEND, contract, "cpu")  # compiled mode serves cuda only
+    monkeypatch.setenv(triton_backend.MODE_ENV, INTERP)
+    chosen = dispatch(TRITON_BACKEND, contract, "cpu")
+    assert isinstance(chosen.op, TritonLogprob) and chosen.op.mode == INTERP
+    assert chosen.provenance()["mode"] == INTERP and chosen.fallback is False
+    auto = dispatch(AUTO, contract, "cpu")
+    assert auto.actual_backend == FUSED_CPU_BACKEND and auto.fallback is False
+    assert dict(auto.rejections)[TRITON_BACKEND].startswith("not chosen by auto on device cpu")
+    monkeypatch.setenv(triton_backend.MODE_ENV, "fast")
+    with pytest.raises(BackendUnavailableError, match="RL_ENGINE_TRITON_MODE='fast' is not one of"):
+        dispatch(TRITON_BACKEND, contract, "cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CUDA-less machine's path")
+def test_without_cuda_the_compiled_backend_fails_closed() -> None:
+    contract = _contract("bf16", 1000, 1024, 8, 5)
+    with pytest.raises(BackendUnavailableError) as info:
+        dispatch(TRITON_BACKEND, contract, "cuda")
+    assert "compiled Triton kernels need CUDA" in str(info.value) and "nothing falls back" in str(info.value)
+    x, targets, active = _inputs("bf16", 1000, 1024, 5, seed=1, specials=False)
+    with pytest.raises(LogprobContractError, match=r"logits.device=cpu is not served by backend"):
+        TritonLogprob(mode="compiled")(x, targets, active, contract)
+
+
+def test_without_triton_dispatch_raises_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_triton(name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("No module named 'triton' (test)")
+        return real_import(name, *args, **kwargs)
+
+    triton_backend.load_kernels.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", no_triton)
+    monkeypatch.setenv(triton_backend.MODE_ENV, INTERP)
+    try:
+        with pytest.raises(BackendUnavailableError, match="Triton is not installed"):
+            dispatch(TRITON_BACKEND, _contract("bf16", 1000, 1024, 8, 5), "cpu")
+        with pytest.raises(TritonKernelError, match="Triton is not installed"):
+            TritonLogprob()
+    finally:
+        monkeypatch.setattr(builtins, "__import__", real_import)
+        triton_backend.load_kernels.cache_clear()
+
+
+def test_an_old_triton_and_a_kernel_that_does_not_run_raise_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import triton
+
+    triton_backend.load_kernels.cache_clear()
+    monkeypatch.setattr(triton, "__version__", "3.5.1")
+    try:
+        assert "older than the oldest tested, 3.6" in str(triton_backend.triton_unavailable(INTERP))
+    finally:
+        monkeypatch.undo()
+        triton_backend.load_kernels.cache_clear()
+    kernels = load_kernels(INTERP)
+
+    def broken(*args):  # type: ignore[no-untyped-def]
+        raise ValueError("no such op (test)")
+
+    monkeypatch.setattr(kernels, "spec_exp", InterpretedFunction(broken))
+    x, targets, active = _inputs("bf16", 1000, 1024, 2, seed=1, specials=False)
+    with pytest.raises(TritonKernelError, match="forward_partials_kernel failed.*no such op"):
+        _triton()(x, targets, active, _contract("bf16", 1000, 1024, 8, 2))

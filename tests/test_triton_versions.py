@@ -1,0 +1,51 @@
+"""The Triton versions the backend supports: the oldest (3.6.0) and the installed newest.
+
+``.ci/run`` installs Triton 3.6.0 (the oldest supported: clusters with torch 2.11 pin it) into
+the ignored folder ``.ci/triton-3.6`` (``pip install --no-deps --target``); this test runs the
+quick interpreter byte tests and the ahead-of-time PTX/AMD checks in a subprocess with that
+folder first on ``PYTHONPATH``, and requires that the subprocess imported 3.6.0 and passed
+them all. The installed Triton (3.9.0 when written) runs the same files in the suite itself.
+In CI (``CI=true``) a missing folder is a failure, never a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+OLDEST = "3.6.0"
+OLDEST_DIR = REPO / ".ci" / "triton-3.6"
+INSTALL = f"python -m pip install --no-deps --target .ci/triton-3.6 triton=={OLDEST}"
+
+
+def test_the_installed_triton_is_supported() -> None:
+    triton = pytest.importorskip("triton")
+    from rl_engine.logprob.triton_backend import MIN_TRITON, _version
+
+    assert _version(triton.__version__) >= MIN_TRITON == (3, 6)
+
+
+@pytest.mark.slow
+def test_the_oldest_supported_triton_passes_the_interpreter_and_ptx_checks() -> None:
+    if not (OLDEST_DIR / "triton" / "__init__.py").exists():
+        message = f"Triton {OLDEST} is not installed in {OLDEST_DIR}; run `{INSTALL}` (.ci/run does)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(OLDEST_DIR), str(REPO)])}
+    version = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"],
+                             env=env, capture_output=True, text=True, check=True, cwd=REPO)
+    assert version.stdout.strip() == OLDEST
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+         "-W", "ignore::RuntimeWarning", "tests/test_triton_backend.py", "tests/test_triton_ptx.py"],
+        env=env, capture_output=True, text=True, timeout=900, check=False, cwd=REPO,
+    )
+    tail = done.stdout[-3000:] + done.stderr[-2000:]
+    assert done.returncode == 0, tail
+    assert " passed" in tail and "skipped" not in tail and "failed" not in tail, tail
