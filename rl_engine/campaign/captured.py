@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import torch
 
 from rl_engine import jsonio
-from rl_engine.campaign.inputs import make_inputs
+from rl_engine.campaign import inputs  # inputs.make_inputs looked up at call time (a test spies on it)
 from rl_engine.capture.format import CaptureError, read_capture, read_header
 from rl_engine.rundir import CAPTURE
 
@@ -78,7 +78,7 @@ def case_inputs(case: Mapping[str, Any], path: str | os.PathLike[str] | None = N
     """The whole case's ``(FP32 logits, targets, active)``: the recipe's (``make_inputs``), or its
     capture's (at ``path``, default the recorded path), after the capture's hash."""
     record = case.get("capture")
-    return make_inputs(case) if record is None else full_capture(record, path)
+    return inputs.make_inputs(case) if record is None else full_capture(record, path)
 
 
 def replay_source(record: Mapping[str, Any], root: str | os.PathLike[str],
