@@ -45,6 +45,7 @@ VALIDATION = "validation.json"
 CROSSCHECK = "crosscheck.json"
 SUMMARY = "SUMMARY.md"
 LOGS = "logs"
+CAPTURE = "capture.safetensors"  # the case's captured file, when config inputs.archive is true
 
 # what ``archive`` adds beside the run's own files (never in a run directory)
 SUMS = "SHA256SUMS"

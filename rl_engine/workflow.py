@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import atexit
 import difflib
+import functools
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -143,8 +145,47 @@ def parse_topologies(items: list[str]) -> list[Topology]:
         raise WorkflowConfigError(f"config key 'topologies' has value {items!r}: {exc}") from None
 
 
-def case_values(config: dict[str, Any]) -> dict[str, Any]:
-    """The runner's :class:`Case` fields as the plan rule passes them (tolerances of the dtype)."""
+@functools.lru_cache(maxsize=8)
+def _capture_record(path: str, archive: bool, size: int, mtime_ns: int) -> tuple[str, str]:
+    """The case's capture record of a file, once per file state in a process (it hashes the file)."""
+    from rl_engine.campaign.captured import capture_record  # imports torch
+    from rl_engine.capture.format import CaptureError
+
+    try:
+        return "", jsonio.dumps(capture_record(path, archive))
+    except CaptureError as exc:
+        return str(exc), ""
+
+
+def config_capture(config: dict[str, Any], origin: Origin = Origin()) -> dict[str, Any] | None:
+    """The case's ``capture`` record of ``inputs: {capture: PATH[, archive: BOOL]}`` (a path relative
+    to the working directory), or None for the input recipe; refuses a file that is not a capture."""
+    inputs = config.get("inputs")
+    if inputs is None:
+        return None
+    path = inputs["capture"]
+    if inputs.get("archive", False):
+        raise WorkflowConfigError(
+            f"{origin.describe('inputs.archive', inputs['archive'])}: the workflow's archive rule does not "
+            "copy the capture into the archive yet (docs/capture.md); set inputs.archive: false and give "
+            "the file to `verify --recompute --capture PATH`")
+    try:
+        stat = os.stat(path)
+        state = (stat.st_size, stat.st_mtime_ns)
+    except OSError:
+        state = (-1, -1)
+    problem, record = _capture_record(str(path), bool(inputs.get("archive", False)), *state)
+    if problem:
+        raise WorkflowConfigError(f"{origin.describe('inputs.capture', path)}: {problem}; "
+                                  f"{origin.fix('inputs.capture')}")
+    value: dict[str, Any] = jsonio.loads(record)
+    return value
+
+
+def case_values(config: dict[str, Any], origin: Origin = Origin()) -> dict[str, Any]:
+    """The runner's :class:`Case` fields as the plan rule passes them (tolerances of the dtype;
+    ``capture`` only on a capture: :func:`config_capture`)."""
+    capture = config_capture(config, origin)
     tolerance = config["tolerances"].get(config["dtype"], {})
     names = ("device", "dtype", "backend", "real_vocab", "padded_vocab", "num_vocab_tiles",
              "batch", "seq", "prompt_tokens", "seed", "cp_layout", "logit_scale", "threads_per_rank")
@@ -154,6 +195,7 @@ def case_values(config: dict[str, Any]) -> dict[str, Any]:
         "atol": tolerance.get("atol"),
         "rtol": tolerance.get("rtol"),
         "timeout_s": config["pg_timeout_s"],
+        **({} if capture is None else {"capture": capture}),
     }
 
 
@@ -161,6 +203,8 @@ def _config_key(field: str, config: dict[str, Any]) -> tuple[str, Any]:
     """The config key that holds a Case field, and its value there."""
     if field in ("atol", "rtol"):
         return f"tolerances.{config['dtype']}.{field}", config["tolerances"][config["dtype"]][field]
+    if field == "capture":
+        return "inputs.capture", config["inputs"]["capture"]
     key = CONFIG_KEYS.get(field, field)
     return key, config[key]
 
@@ -202,7 +246,10 @@ def _campaign_problems(config: dict[str, Any], origin: Origin) -> list[str]:
             f"config key 'tolerances' has no entry for dtype {dtype!r}; add "
             f"tolerances.{dtype}: {{atol: ..., rtol: ...}}"
         )
-    values = case_values(config)
+    try:
+        values = case_values(config, origin)
+    except WorkflowConfigError as exc:
+        return [*problems, str(exc)]
     broken: set[str] = set()
     for field, message in case_problems(values):
         broken.add(field)

@@ -2,8 +2,8 @@
 columns (rl_engine.capture.shard) and the outputs are the same bytes at every topology.
 
 The capture comes from a tiny transformers model (bf16, eager attention); every topology runs
-on real gloo process groups (tests/_multiproc.py). The campaign's workflow does not use this
-reader yet (docs/capture.md).
+on real gloo process groups (tests/_multiproc.py). A campaign on a capture runs
+through the same reader (tests/test_capture_campaign.py).
 """
 
 from __future__ import annotations

@@ -207,6 +207,56 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
         add("prompt_tokens",
             f"prompt_tokens={values['prompt_tokens']} must be < seq={values['seq']}: with no active "
             "token there is no logprob to compare; lower prompt_tokens or raise seq")
+    if values.get("capture") is not None:
+        found += [("capture", m) for m in capture_problems(values["capture"], values)]
+    return found
+
+
+CAPTURE_KEYS: tuple[str, ...] = ("path", "sha256", "size", "tokens", "vocab", "dtype", "metadata", "archive")
+
+
+def capture_problems(record: Any, values: Mapping[str, Any]) -> list[str]:
+    """Why a case's ``capture`` record (:mod:`rl_engine.campaign.captured`) cannot be its inputs.
+
+    Torch-free and file-free (a reviewer's machine may lack the file): the record's shape, and
+    its shape, vocabulary and dtype against the case's ``batch * seq``, ``real_vocab`` =
+    ``padded_vocab`` and ``dtype``. The file itself (exists, a valid capture, this SHA-256) is
+    checked where it is read (:func:`rl_engine.campaign.captured.capture_record`, ``check_file``).
+    """
+    if not isinstance(record, Mapping) or sorted(record) != sorted(CAPTURE_KEYS):
+        return [f"capture={record!r} must be a record with exactly the keys {list(CAPTURE_KEYS)}; "
+                "build it with rl_engine.campaign.captured.capture_record (config: inputs: {capture: PATH})"]
+    found = []
+    if not isinstance(record["path"], str) or not record["path"]:
+        found.append(f"capture.path={record['path']!r} must be a non-empty path")
+    sha = record["sha256"]
+    if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+        found.append(f"capture.sha256={sha!r} must be 64 lowercase hex digits (the file's SHA-256)")
+    for key in ("size", "tokens", "vocab"):
+        found += [p for p in [int_problem(f"capture.{key}", record[key], 1)] if p is not None]
+    if record["dtype"] not in DTYPES:
+        found.append(choice_problem("capture.dtype", record["dtype"], DTYPES, "is unknown"))
+    if not isinstance(record["metadata"], Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in record["metadata"].items()):
+        found.append(f"capture.metadata={record['metadata']!r} must map strings to strings "
+                     "(the capture header's metadata)")
+    if not isinstance(record["archive"], bool):
+        found.append(f"capture.archive={record['archive']!r} must be true or false")
+    if found:
+        return found
+    source = f"the capture {record['path']} (sha256 {record['sha256'][:16]}...)"
+    if all(isinstance(values.get(k), int) for k in ("batch", "seq")) and \
+            values["batch"] * values["seq"] != record["tokens"]:
+        found.append(f"batch * seq = {values['batch']} * {values['seq']} = {values['batch'] * values['seq']} "
+                     f"must be the {record['tokens']} tokens of {source}; set batch and seq so that "
+                     f"batch * seq = {record['tokens']} (e.g. batch: 1, seq: {record['tokens']})")
+    for key in ("real_vocab", "padded_vocab"):
+        if isinstance(values.get(key), int) and values[key] != record["vocab"]:
+            found.append(f"{key}={values[key]} must be the vocab {record['vocab']} of {source} (every "
+                         f"captured column is real); set {key}: {record['vocab']}")
+    if "dtype" in values and values["dtype"] != record["dtype"]:
+        found.append(f"dtype={values['dtype']!r} must be the logits dtype {record['dtype']!r} of {source} "
+                     f"(the candidate sees the captured bits); set dtype: {record['dtype']}")
     return found
 
 
@@ -258,6 +308,9 @@ class Case:
     rtol: float
     threads_per_rank: int
     timeout_s: float
+    # None: the input recipe (rl_engine.campaign.inputs); else the captured file's record
+    # (rl_engine.campaign.captured.capture_record): path, sha256, size, shape, dtype, metadata
+    capture: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         problems = case_problems(self.to_dict())
@@ -280,13 +333,18 @@ class Case:
         fields.setdefault("cp_layout", "contiguous")
         fields.setdefault("logit_scale", 1.0)
         fields.setdefault("threads_per_rank", 1)
-        missing = [f.name for f in dataclass_fields(cls) if f.name not in fields]
+        missing = [f.name for f in dataclass_fields(cls) if f.name not in fields and f.name != "capture"]
         if missing:
             raise CaseError(f"case fields {missing} are missing; give each of them")
         return cls(**fields)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The case's fields; ``capture`` only when the case runs on a capture (so a recipe
+        case's plan, report and case hash are what they were before captures existed)."""
+        values = asdict(self)
+        if values["capture"] is None:
+            del values["capture"]
+        return values
 
     @property
     def case_id(self) -> str:
@@ -295,6 +353,7 @@ class Case:
             f"{self.dtype}-v{self.real_vocab}-p{self.padded_vocab}-t{self.num_vocab_tiles}"
             f"-b{self.batch}-s{self.seq}-pt{self.prompt_tokens}-seed{self.seed}"
             f"-{self.cp_layout}-scale{self.logit_scale:g}"
+            + ("" if self.capture is None else f"-capture{self.capture['sha256'][:16]}")
         )
 
     def check_topology(self, tp: int, cp: int) -> None:
@@ -383,6 +442,7 @@ __all__ = [
     "CaseError",
     "case_document",
     "case_from_document",
+    "capture_problems",
     "case_problems",
     "check_matrix",
     "check_topology",

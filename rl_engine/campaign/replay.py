@@ -9,6 +9,7 @@ files and with all four fingerprints, the gradient's included.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -17,7 +18,7 @@ import torch
 from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.registry import dispatch
 from rl_engine.tensorio import fingerprint
-from rl_engine.campaign.inputs import make_inputs
+from rl_engine.campaign.captured import case_inputs
 from rl_engine.rundir import TENSOR_NAMES
 
 
@@ -45,16 +46,18 @@ ARITH_BACKENDS = ("pytorch-vocab-parallel-logp-ws2", "cpu-vocab-parallel-logp-ws
 REFERENCE_BACKEND = "pytorch-vocab-parallel-logp-ws2"
 
 
-def replay_candidate(case: Mapping[str, Any], backend: str | None = None) -> Replay:
+def replay_candidate(case: Mapping[str, Any], backend: str | None = None,
+                     capture: str | os.PathLike[str] | None = None) -> Replay:
     """Regenerate the case's inputs and compute the candidate on all of them, TP=1, CP=1, CPU.
 
     ``backend`` (default: the case's) names the backend that recomputes; ``verify
     --recompute`` passes the eager reference for a case of any ``ARITH_BACKENDS`` backend, so a
     reviewer's machine needs no compiled kernel to check a fused-backend run.
     The gradient is that of the sum of the selected logprobs over all tokens (what every
-    topology's runner differentiates).
+    topology's runner differentiates). A case on a capture reads it from ``capture`` (default:
+    its recorded path) after checking its SHA-256.
     """
-    logits, targets, active = make_inputs(case)
+    logits, targets, active = case_inputs(case, capture)
     contract = LogprobContract(
         real_vocab_size=int(case["real_vocab"]),
         padded_vocab_size=int(case["padded_vocab"]),

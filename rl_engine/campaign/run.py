@@ -9,8 +9,9 @@
 (:mod:`rl_engine.campaign.plan`), the report is written beside it as ``tp<T>-cp<C>.json``. The
 case's rules and the topology's are checked again on every rank before any collective.
 
-What a run does, per rank: regenerate the inputs (:mod:`rl_engine.campaign.inputs`), take
-its rows (CP layout) and columns (TP shard), dispatch the explicitly requested backend,
+What a run does, per rank: regenerate the inputs (:mod:`rl_engine.campaign.inputs`) and take
+its rows (CP layout) and columns (TP shard), or, on a capture (:mod:`rl_engine.campaign.captured`),
+check the file's SHA-256 before any collective and read only its rows and columns; dispatch the explicitly requested backend,
 compute selected logprob, LSE and entropy and the gradient of the sum of active logprob
 w.r.t. its local logits. Rank 0 gathers every rank's results, checks that the TP peers of
 every CP group produced the same bytes, reassembles the tensors in global token and
@@ -59,6 +60,7 @@ from rl_engine.logprob.oracle import fp32_oracle
 from rl_engine.logprob.registry import dispatch
 from rl_engine.tensorio import DTYPE_NAMES, fingerprint, write_raw
 from rl_engine.campaign.case import Case, CaseError
+from rl_engine.capture.format import CaptureError
 from rl_engine.campaign.plan import (
     EXIT_FAILED,
     EXIT_NO_REPORT,
@@ -71,6 +73,8 @@ from rl_engine.campaign.plan import (
 from rl_engine.tables import SCHEMA_VERSION
 from rl_engine.rundir import TENSOR_NAMES, Topology, report_tensors
 from rl_engine.campaign.faults import Fault, FaultError, fault_from_env
+from rl_engine.campaign.captured import case_inputs, check_file
+from rl_engine.capture.shard import rank_inputs
 from rl_engine.campaign.inputs import inputs_sha256, make_inputs
 from rl_engine.campaign.nodes import node_name
 
@@ -116,13 +120,17 @@ def compute_rank(
     """This rank's local results (CPU tensors) and provenance, ready to gather on rank 0."""
     contract = rank_contract(case, tp, cp, tp_rank, cp_rank)
     selected = dispatch(case.backend, contract, device.type)
-    logits_fp32, targets, active = make_inputs(case)
-    rows = torch.tensor(contract.token_indices, dtype=torch.int64)
-    local = logits_fp32[rows, contract.vocab_start : contract.vocab_end]
+    if case.capture is None:
+        logits_fp32, targets, active = make_inputs(case)
+        rows = torch.tensor(contract.token_indices, dtype=torch.int64)
+        local = logits_fp32[rows, contract.vocab_start : contract.vocab_end]
+        targets, active = targets[rows], active[rows]
+    else:  # this rank's tokens and columns of the capture only (run_topology checked its hash)
+        local, targets, active = rank_inputs(case.capture["path"], contract)
     local = local.to(device=device, dtype=contract.torch_dtype).contiguous().requires_grad_(True)
     start = time.perf_counter()
     out = selected.op(
-        local, targets[rows].to(device), active[rows].to(device), contract,
+        local, targets.to(device), active.to(device), contract,
         group=group, compute_entropy=True,
     )
     if device.type == "cuda":
@@ -309,7 +317,7 @@ def build_report(
     tp_failures = tp_replication_failures(results)
     failures = _backend_failures(case, results) + tp_failures
     tensors = assemble(results, case)
-    logits_fp32, targets, active = make_inputs(case)
+    logits_fp32, targets, active = case_inputs(case.to_dict())
     if fault is not None and fault.kind == "perturb" and fault.applies(tp, cp):
         perturb(tensors["logp"], logits_fp32, targets, active, case)
     drift = oracle_drift(tensors["logp"], tensors["lse"], logits_fp32, targets, active,
@@ -381,6 +389,8 @@ def run_topology(plan_path: str, tp: int, cp: int) -> int:
     launch = LaunchEnv.from_environ()
     if launch.rank == 0:
         remove_outputs(output)
+    if case.capture is not None:  # the recorded bytes, on every rank, before any collective
+        check_file(case.capture)
     torch.set_num_threads(case.threads_per_rank)
     mesh = init_mesh(tp=tp, cp=cp, device=case.device, timeout_s=case.timeout_s)
     try:
@@ -416,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_NO_REPORT
     try:
         return run_topology(args.plan, args.tp, args.cp)
-    except (CaseError, FaultError, MeshError, LogprobContractError, ComparisonError) as exc:
+    except (CaseError, CaptureError, FaultError, MeshError, LogprobContractError, ComparisonError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_NO_REPORT
     except Exception:  # noqa: BLE001 - any other failure: no valid report, say why

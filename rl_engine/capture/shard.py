@@ -7,8 +7,8 @@ a rank never holds another rank's columns. The capture's rows are the contract's
 order (``sequence * seq_len + position``), so a capture of ``tokens`` rows runs as
 ``num_sequences * seq_len == tokens``.
 
-This is the building block of a campaign on captured logits; the campaign's case, reports,
-workflow and ``verify --recompute`` do not use it yet (docs/capture.md).
+A campaign on captured logits (``rl_engine.campaign.run``, docs/capture.md) reads each rank's
+inputs with it.
 """
 
 from __future__ import annotations

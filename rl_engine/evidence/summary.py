@@ -381,6 +381,22 @@ def sections(ev: Evidence, run: Run) -> dict[str, Section]:
             "skipped": skipped}
 
 
+def inputs_text(case: dict[str, Any]) -> str:
+    """Where the candidate's logits came from: the input recipe, or the capture's hash and metadata."""
+    capture = case.get("capture")
+    if not isinstance(capture, dict):
+        return ("Inputs: the input recipe (docs/arithmetic.md section 10), regenerable from the case's "
+                "integers.")
+    meta = capture.get("metadata") if isinstance(capture.get("metadata"), dict) else {}
+    described = ", ".join(f"{key} `{meta[key]}`" for key in sorted(meta))
+    held = ("the archive holds it (`inputs.archive: true`)" if capture.get("archive") is True
+            else "the archive does not hold it (`verify --recompute` needs `--capture PATH`)")
+    return (f"Inputs: the capture `{capture.get('path')}`, SHA-256 `{capture.get('sha256')}`, "
+            f"{capture.get('size')} bytes, {capture.get('tokens')} tokens x {capture.get('vocab')} "
+            f"{capture.get('dtype')} columns; its metadata: {described}; {held}. The capture's mask "
+            "is the active tokens (prompt tokens, seed and logit scale do not shape its inputs).")
+
+
 def render(ev: Evidence, run: Run) -> tuple[str, dict[str, Section]]:
     secs = sections(ev, run)
     case = ev.plan.get("case", {})
@@ -407,6 +423,8 @@ def render(ev: Evidence, run: Run) -> tuple[str, dict[str, Section]]:
         f"{'dirty working tree' if git.get('dirty') else 'clean working tree'})",
         "",
         f"Case: {case_line}",
+        "",
+        inputs_text(case),
         "",
         "## Validation matrix",
         "",

@@ -341,7 +341,8 @@ def _report_case(run: Run, item: PlannedReport) -> tuple[dict[str, Any] | None, 
 
 def _case_key(case: dict[str, Any]) -> tuple[Any, ...]:
     """What identifies a case across its topologies (everything but tp and cp)."""
-    return tuple(sorted((k, v) for k, v in case.items() if k not in ("tp", "cp") and not isinstance(v, (dict, list))))
+    return tuple(sorted((k, jsonio.dumps(v) if isinstance(v, (dict, list)) else v)  # a capture record too
+                        for k, v in case.items() if k not in ("tp", "cp")))
 
 
 def check_tolerances(run: Run, accept_looser: bool) -> Check:
@@ -445,13 +446,16 @@ def replay_bound(run: Run, planned: tuple[PlannedReport, ...], max_logits: int) 
     return problems
 
 
-def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS) -> tuple[Check, Check]:
-    """Regenerate inputs from each report's case and recompute drift from the raw tensors."""
+def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | None = None) -> tuple[Check, Check]:
+    """Regenerate inputs from each report's case (or read its capture: ``--capture`` or the
+    archive's copy, :func:`rl_engine.campaign.captured.replay_source`) and recompute drift from
+    the raw tensors."""
     import torch
 
     from rl_engine.logprob.comparison import oracle_drift
     from rl_engine.tensorio import read_raw_f32
-    from rl_engine.campaign.inputs import inputs_sha256, make_inputs
+    from rl_engine.campaign.captured import case_inputs, replay_source
+    from rl_engine.campaign.inputs import inputs_sha256
 
     planned, msg = _planned(run)
     msg = msg or replay_bound(run, planned, max_logits)
@@ -471,11 +475,14 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS) -> tuple[Check, Che
             key = _case_key(case)
             try:
                 if key not in cache:
-                    logits, targets, active = make_inputs(case)
+                    source = (None if case.get("capture") is None
+                              else replay_source(case["capture"], run.root, capture))
+                    logits, targets, active = case_inputs(case, source)
                     cache[key] = (logits, targets, active, inputs_sha256(logits, targets, active))
                 logits, targets, active, hashes = cache[key]
             except (ValueError, TypeError) as exc:
                 input_problems.append(f"{item.file}: case: cannot regenerate inputs ({exc})")
+                drift_problems.append(f"{item.file}: drift not recomputed: no inputs (see inputs regenerated)")
                 continue
             recorded = report.get("inputs_sha256") if isinstance(report.get("inputs_sha256"), dict) else {}
             for name, digest in hashes.items():
@@ -561,11 +568,12 @@ def _first_difference(name: str, archived: Any, replayed: Any) -> str:
             f"(0x{int(b[index]) & 0xFFFFFFFF:08x})")
 
 
-def replay(run: Run, max_logits: int = MAX_REPLAY_LOGITS) -> Check:
+def replay(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | None = None) -> Check:
     """Recompute the candidate at TP=1 and require byte equality with every topology."""
     import torch
 
     from rl_engine.tensorio import read_raw_f32, tensor_bytes
+    from rl_engine.campaign.captured import replay_source
     from rl_engine.campaign.replay import ARITH_BACKENDS, REFERENCE_BACKEND, replay_candidate
     from rl_engine.rundir import TENSOR_NAMES
 
@@ -588,7 +596,9 @@ def replay(run: Run, max_logits: int = MAX_REPLAY_LOGITS) -> Check:
                 # a case of any backend of the arithmetic spec is replayed by the eager
                 # reference: no compiled kernel needed here, and the strictest comparison
                 by = REFERENCE_BACKEND if case.get("backend") in ARITH_BACKENDS else None
-                cache[key] = replay_candidate(case, backend=by)
+                source = (None if case.get("capture") is None
+                          else replay_source(case["capture"], run.root, capture))
+                cache[key] = replay_candidate(case, backend=by, capture=source)
             again = cache[key]
             for tensor in TENSOR_NAMES:
                 path, refused = _accepted_tensor(item, report, tensor)
@@ -633,7 +643,7 @@ def schema_note(shipped: Path) -> Check:
 
 def verify(archive: Path, *, recompute_drift: bool = False, skip_outer: bool = False,
            limits: Limits = Limits(), accept_looser_tolerance: bool = False,
-           max_replay_logits: int = MAX_REPLAY_LOGITS) -> list[Check]:
+           max_replay_logits: int = MAX_REPLAY_LOGITS, capture: Path | None = None) -> list[Check]:
     """Every check of the module docstring, in order; later checks are skipped after a refusal."""
     checks = [check_outer(archive, skip_outer)]
     with tempfile.TemporaryDirectory(prefix="rl_engine-verify-") as tmp:
@@ -650,7 +660,8 @@ def verify(archive: Path, *, recompute_drift: bool = False, skip_outer: bool = F
                                 f"(the archive's name without {SUFFIX})"))
         else:
             checks.append(Check("top folder", True, f"every member under {extracted.top}/"))
-        checks.extend(_checks_of_extracted(extracted, recompute_drift, accept_looser_tolerance, max_replay_logits))
+        checks.extend(_checks_of_extracted(extracted, recompute_drift, accept_looser_tolerance, max_replay_logits,
+                                           capture))
     return checks
 
 
@@ -665,7 +676,7 @@ def _guarded(names: tuple[str, ...], run: Any) -> list[Check]:
 
 
 def _checks_of_extracted(extracted: Extracted, recompute_drift: bool, accept_looser: bool,
-                         max_replay_logits: int = MAX_REPLAY_LOGITS) -> list[Check]:
+                         max_replay_logits: int = MAX_REPLAY_LOGITS, capture: Path | None = None) -> list[Check]:
     """The tested commit and case, the run name, then checks 4-12 on an extracted archive (module docstring).
 
     Each check runs on its own: one that stops on damaged content is a failed row, the others still run.
@@ -688,8 +699,8 @@ def _checks_of_extracted(extracted: Extracted, recompute_drift: bool, accept_loo
     checks += _guarded(("arithmetic spec",), lambda: check_arithmetic_spec(run))
     if recompute_drift:
         checks += _guarded(("inputs regenerated", "oracle drift recomputed"),
-                           lambda: recompute(run, max_replay_logits))
-        checks += _guarded(("candidate replayed",), lambda: replay(run, max_replay_logits))
+                           lambda: recompute(run, max_replay_logits, capture))
+        checks += _guarded(("candidate replayed",), lambda: replay(run, max_replay_logits, capture))
     if shipped.is_dir():
         checks += _guarded(("schemas vs this rl_engine",), lambda: schema_note(shipped))
     return checks
@@ -752,6 +763,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rl_engine verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("archive", type=Path, help="results/NAME.tar.gz (NAME.tar.gz.sha256 expected next to it)")
     parser.add_argument("--recompute", action="store_true", help="regenerate inputs and recompute oracle drift")
+    parser.add_argument("--capture", type=Path, default=None,
+                        help="with --recompute, for a campaign on a capture the archive does not hold: the "
+                             "captured file (it must have the case's recorded SHA-256)")
     parser.add_argument("--no-outer-checksum", action="store_true", help="accept a missing NAME.tar.gz.sha256 (row says so)")
     parser.add_argument(LOOSER_FLAG, dest="accept_looser_tolerance", action="store_true",
                         help="accept atol/rtol looser than the project's defaults for the dtype (bf16/fp16/fp32 "
@@ -767,6 +781,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-total-mib", type=int, default=Limits().max_total_bytes // MIB)
     parser.add_argument("--max-members", type=int, default=Limits().max_members)
     args = parser.parse_args(argv)
+    if args.capture is not None and not args.recompute:
+        parser.error(f"--capture {args.capture} is read only by --recompute; add --recompute or drop --capture")
     if not args.archive.is_file():
         print(f"verify: {terminal_text(str(args.archive))} is not a file", file=sys.stderr)
         return 2
@@ -775,7 +791,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     checks = verify(args.archive, recompute_drift=args.recompute, skip_outer=args.no_outer_checksum, limits=limits,
-                    accept_looser_tolerance=args.accept_looser_tolerance, max_replay_logits=args.max_replay_logits)
+                    accept_looser_tolerance=args.accept_looser_tolerance, max_replay_logits=args.max_replay_logits,
+                    capture=args.capture)
     passed = all(c.passed is not False for c in checks) and any(c.name == "recorded gates" for c in checks)
     failures = [f"{c.name}: {p}" for c in checks if c.passed is False for p in (c.problems or [c.detail])]
     if args.json is not None:  # written before anything is printed: the record never depends on the terminal

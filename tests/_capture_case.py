@@ -1,0 +1,44 @@
+"""A tiny capture written by a test, and the campaign case that runs on it (not a test module).
+
+16 tokens (2 sequences of 8) x 64 columns of bf16 logits from a seeded generator, the first
+three positions of each sequence inactive with target -100 (as a trainer masks a prompt).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rl_engine.campaign.case import Case
+from rl_engine.campaign.captured import capture_record
+from rl_engine.capture import Capture, build_metadata, write_capture
+
+BATCH, SEQ, VOCAB, TILES = 2, 8, 64, 4
+CASE_FIELDS: dict[str, Any] = {
+    "device": "cpu", "dtype": "bf16", "backend": "pytorch-vocab-parallel-logp-ws2",
+    "real_vocab": VOCAB, "padded_vocab": VOCAB, "num_vocab_tiles": TILES, "batch": BATCH,
+    "seq": SEQ, "prompt_tokens": 3, "seed": 0,
+}
+
+
+def tiny_capture(seed: int = 5) -> Capture:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = BATCH * SEQ
+    logits = (torch.randn(tokens, VOCAB, generator=gen) * 3).to(torch.bfloat16)
+    targets = torch.randint(0, VOCAB, (tokens,), generator=gen)
+    active = (torch.arange(tokens) % SEQ) >= 3
+    targets[~active] = -100
+    meta = build_metadata(engine="test", engine_version="0", model="seeded-randn", dtype="bf16",
+                          notes=f"tests/_capture_case.py seed {seed}")
+    return Capture(logits, targets, active, None, meta)
+
+
+def write_tiny_capture(path: Path, seed: int = 5) -> Path:
+    write_capture(path, tiny_capture(seed))
+    return path
+
+
+def capture_case(path: Path, archive: bool = False, **changes: Any) -> Case:
+    return Case.create(**{**CASE_FIELDS, **changes}, capture=capture_record(path, archive))

@@ -1,0 +1,217 @@
+"""A campaign on a captured file (case ``capture``): the case's parse-time rules, and (slow) the
+TP x CP matrix on a tiny capture written here: the real ``plan`` and ``launch`` verbs (torchrun,
+gloo ranks that each read only their tokens and columns), identical fingerprints at 1x1, 2x1
+and 2x2, the capture's SHA-256 and metadata in every report, and a rank that refuses a file
+whose bytes are not the recorded ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _capture_case import CASE_FIELDS, capture_case, write_tiny_capture
+from rl_engine import cli, schemas
+from rl_engine.campaign.case import Case, CaseError, case_document, write_case_file
+from rl_engine.campaign.captured import capture_record, check_file
+from rl_engine.capture import CaptureError
+
+TOPOLOGIES = ("1x1", "2x1", "2x2")
+FIELDS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256",
+          "candidate_grad_sha256")
+
+
+def test_a_capture_case_records_the_file_and_its_id_names_the_hash(tmp_path: Path) -> None:
+    path = write_tiny_capture(tmp_path / "cap.safetensors")
+    case = capture_case(path)
+    record = case.to_dict()["capture"]
+    assert record["sha256"] == capture_record(path)["sha256"] and record["size"] == path.stat().st_size
+    assert record["metadata"]["engine"] == "test" and record["tokens"] == 16 and record["vocab"] == 64
+    assert case.case_id.endswith("-capture" + record["sha256"][:16])
+    assert schemas.errors(case_document(case, ((1, 1), (2, 1))), "case") == []
+    # negative control: a recipe case has no capture key, so its case file and hash are unchanged
+    recipe = Case.create(**CASE_FIELDS)
+    assert "capture" not in recipe.to_dict() and "capture" not in recipe.case_id
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"dtype": "fp32"}, "dtype='fp32' must be the logits dtype 'bf16'"),
+    ({"batch": 4}, "batch * seq = 4 * 8 = 32 must be the 16 tokens"),
+    ({"real_vocab": 60}, "real_vocab=60 must be the vocab 64"),
+    ({"padded_vocab": 128, "num_vocab_tiles": 4}, "padded_vocab=128 must be the vocab 64"),
+])
+def test_a_case_that_disagrees_with_its_capture_is_refused_naming_key_value_and_fix(
+        tmp_path: Path, change: dict, named: str) -> None:
+    path = write_tiny_capture(tmp_path / "cap.safetensors")
+    with pytest.raises(CaseError, match="set ") as info:
+        capture_case(path, **change)
+    assert named in str(info.value)
+
+
+def test_a_missing_or_malformed_capture_is_refused_at_parse_time(tmp_path: Path) -> None:
+    with pytest.raises(CaptureError, match="no such file"):
+        capture_record(tmp_path / "absent.safetensors")
+    path = write_tiny_capture(tmp_path / "cap.safetensors")
+    data = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-100])
+    with pytest.raises(CaptureError, match="truncated"):
+        capture_record(tmp_path / "cut.safetensors")
+
+
+def test_check_file_refuses_other_bytes_naming_the_recorded_hash(tmp_path: Path) -> None:
+    path = write_tiny_capture(tmp_path / "cap.safetensors")
+    record = capture_record(path)
+    assert check_file(record) == path.resolve()
+    other = write_tiny_capture(tmp_path / "other.safetensors", seed=6)  # same size, other values
+    with pytest.raises(CaptureError, match=f"not that of the case's capture \\(sha256 {record['sha256']}"):
+        check_file(record, other)
+
+
+def _launch(plan: Path, topology: str) -> int:
+    tp, cp = topology.split("x")
+    env = {k: v for k, v in os.environ.items() if k != "RL_ENGINE_FAULT"}
+    done = subprocess.run(
+        [sys.executable, "-m", "rl_engine", "launch", "--plan", str(plan), "--tp", tp, "--cp", cp,
+         "--timeout-s", "120", "--log", str(plan.parent / "logs" / f"tp{tp}-cp{cp}.log")],
+        env=env, capture_output=True, text=True, timeout=180, check=False)
+    return done.returncode
+
+
+@pytest.fixture(scope="module")
+def capture_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, dict]]:
+    run_dir = tmp_path_factory.mktemp("capture-campaign")
+    (run_dir / "logs").mkdir()
+    path = write_tiny_capture(tmp_path_factory.mktemp("captures") / "rollout.safetensors")  # outside the run
+    write_case_file(run_dir / "case.json", capture_case(path),
+                    tuple(tuple(int(x) for x in t.split("x")) for t in TOPOLOGIES))
+    assert cli.main(["plan", "--case", str(run_dir / "case.json"), "--output", str(run_dir / "plan.json")]) == 0
+    reports = {}
+    for topology in TOPOLOGIES:
+        code = _launch(run_dir / "plan.json", topology)
+        tp, cp = topology.split("x")
+        log = run_dir / "logs" / f"tp{tp}-cp{cp}.log"
+        assert code == 0, log.read_text(errors="replace")[-3000:]
+        reports[topology] = json.loads((run_dir / f"tp{tp}-cp{cp}.json").read_text())
+    return run_dir, path, reports
+
+
+@pytest.mark.slow
+def test_the_matrix_on_a_capture_gives_identical_fingerprints_and_records_the_capture(capture_run) -> None:
+    _, path, reports = capture_run
+    record = capture_record(path)
+    for topology, report in reports.items():
+        assert report["passed"], (topology, report["failures"])
+        assert report["case"]["capture"] == record
+        assert report["case_id"].endswith(record["sha256"][:16])
+    for field in FIELDS:
+        assert len({r["bitwise_fingerprints"][field] for r in reports.values()}) == 1, field
+    for topology in ("2x1", "2x2"):
+        for rank in reports[topology]["topology"]["ranks"]:
+            lo, hi = rank["vocab_bounds"]
+            assert hi - lo == 32  # each TP rank held its 32 of the 64 columns only
+
+
+def _capture_config(path: Path, **changes: object) -> dict:
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text())
+    config.update({"dtype": "bf16", "real_vocab": 64, "padded_vocab": 64, "num_vocab_tiles": 4,
+                   "batch": 2, "seq": 8, "prompt_tokens": 3, "topologies": ["1x1", "2x1"],
+                   "inputs": {"capture": str(path)}})
+    config.update(changes)
+    return config
+
+
+def test_the_workflow_config_names_a_capture_and_the_case_file_carries_it(tmp_path: Path) -> None:
+    from rl_engine.workflow import check_config, config_case
+
+    path = write_tiny_capture(tmp_path / "cap.safetensors")
+    config = check_config(_capture_config(path))
+    document = config_case(config)
+    assert document["case"]["capture"] == capture_record(path)
+    # negative control: the default config (no inputs key) keeps the recipe
+    import yaml
+    default = check_config(yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text()))
+    assert "capture" not in config_case(default)["case"]
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"dtype": "fp16"}, "config key 'inputs.capture' has value"),
+    ({"seq": 4}, "batch * seq = 2 * 4 = 8 must be the 16 tokens"),
+    ({"inputs": {"capture": "absent.safetensors"}}, "no such file"),
+    ({"inputs": {"capture": "x", "archive": "yes"}}, "inputs.archive"),
+    ({"inputs": {"capture": "x", "archive": True}}, "does not copy the capture into the archive yet"),
+])
+def test_the_workflow_config_refuses_a_capture_that_disagrees_or_is_absent(
+        tmp_path: Path, change: dict, named: str) -> None:
+    from rl_engine.workflow import WorkflowConfigError, check_config
+
+    path = write_tiny_capture(tmp_path / "cap.safetensors")
+    with pytest.raises(WorkflowConfigError) as info:
+        check_config(_capture_config(path, **change))
+    assert named in str(info.value)
+
+
+def test_summary_inputs_line_records_the_capture_hash_and_metadata(tmp_path: Path) -> None:
+    from rl_engine.evidence.summary import inputs_text
+
+    path = write_tiny_capture(tmp_path / "cap.safetensors")
+    case = capture_case(path).to_dict()
+    text = inputs_text(case)
+    assert case["capture"]["sha256"] in text and "engine `test`" in text and "model `seeded-randn`" in text
+    assert "input recipe" in inputs_text(Case.create(**CASE_FIELDS).to_dict())
+
+
+@pytest.mark.slow
+def test_verify_recompute_replays_a_capture_campaign_from_capture_or_the_archived_copy(capture_run) -> None:
+    import shutil
+
+    from rl_engine.evidence.verify import recompute, replay
+    from rl_engine.rundir import CAPTURE, Run
+
+    run_dir, path, _ = capture_run
+    run = Run.load(run_dir)
+    sha = capture_record(path)["sha256"]
+    # --capture PATH: every topology's bytes and fingerprints replayed, drift recomputed
+    given = [*recompute(run, capture=path), replay(run, capture=path)]
+    assert all(c.passed for c in given), [(c.name, c.problems) for c in given]
+    # neither --capture nor an archived copy: refused, naming the file and its hash
+    neither = [*recompute(run), replay(run)]
+    assert all(c.passed is False for c in neither), [(c.name, c.passed, c.problems) for c in neither]
+    named = [neither[0], neither[2]]  # inputs regenerated, candidate replayed (drift: "no inputs")
+    assert all(sha in " ".join(c.problems) and str(path) in " ".join(c.problems) for c in named)
+    assert "drift not recomputed: no inputs" in " ".join(neither[1].problems)
+    assert "pass --capture PATH" in " ".join(neither[0].problems)
+    # a file with another hash: refused, naming the recorded hash
+    other = write_tiny_capture(run_dir.parent / "other.safetensors", seed=6)
+    wrong = [*recompute(run, capture=other), replay(run, capture=other)]
+    assert all(c.passed is False for c in wrong)
+    assert all(f"not that of the case's capture (sha256 {sha}" in " ".join(c.problems) for c in (wrong[0], wrong[2]))
+    # the archive's own copy (inputs.archive: true) is what a replay without --capture reads
+    shutil.copyfile(path, run_dir / CAPTURE)
+    try:
+        archived = [*recompute(run), replay(run)]
+        assert all(c.passed for c in archived), [(c.name, c.problems) for c in archived]
+    finally:
+        (run_dir / CAPTURE).unlink()
+
+
+@pytest.mark.slow
+def test_a_rank_refuses_a_capture_whose_bytes_changed_after_the_plan(capture_run, tmp_path: Path) -> None:
+    run_dir, path, _ = capture_run
+    original = path.read_bytes()
+    kept = {p: p.read_bytes() for p in run_dir.glob("tp1-cp1.*")}  # the refused run removes them
+    try:
+        write_tiny_capture(path, seed=6)  # the same shape, other logits: another hash
+        report = run_dir / "tp1-cp1.json"
+        assert _launch(run_dir / "plan.json", "1x1") == 2
+        assert not report.exists()  # refused before any collective: no report left
+        assert "has sha256" in (run_dir / "logs" / "tp1-cp1.log").read_text(errors="replace")
+    finally:
+        path.write_bytes(original)
+        for kept_path, data in kept.items():
+            kept_path.write_bytes(data)
