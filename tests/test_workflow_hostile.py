@@ -78,7 +78,7 @@ from pathlib import Path
 
 p = argparse.ArgumentParser()
 p.add_argument("--run-dir"); p.add_argument("--output")
-p.add_argument("--schemas", nargs="*"); p.add_argument("--files", nargs="*")
+p.add_argument("--schemas", nargs="*"); p.add_argument("--files", nargs="*"); p.add_argument("--spec")
 a = p.parse_args()
 marker = Path(os.environ["FAKE_ARCHIVE_MARKER"])
 marker.with_suffix(".tmp").write_text(str(os.getpid()))
