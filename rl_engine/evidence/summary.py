@@ -13,7 +13,7 @@ typed in. The same tables are printed on the console with rich.
 The text is a function of the evidence files alone (:func:`summary_text`): ``verify`` renders it
 again from an extracted archive and compares bytes with the shipped ``SUMMARY.md``. The
 artifact table lists the evidence files the evidence names
-(:func:`rl_engine.evidence.rundir.evidence_files`: not ``SUMMARY.md`` itself, the logs, or any
+(:meth:`rl_engine.rundir.Run.evidence_files`: not ``SUMMARY.md`` itself, the logs, or any
 other file lying in the run directory), so it says the same of a run directory and of an archive
 that packs the workflow's declared files.
 
