@@ -30,3 +30,21 @@ def tiny_archive(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Go
     out = tmp_path_factory.mktemp("tiny-archive") / f"{tiny_run.name}.tar.gz"
     assert pack(tiny_run, out) == 0
     return read_archive(out, tiny_run.name)
+
+
+# The full suite runs on two workers, a module to a worker (README: ``-n 2 --dist loadfile``).
+# Workers take modules in collection order, so the long ones start first and the short ones fill
+# in behind them; otherwise the Slurm module (mostly waiting on the executor's status checks)
+# would start last and run alone at the end. Only the order between modules changes: a module's
+# own tests keep their order, and no test depends on another module having run.
+LONG_FIRST: tuple[str, ...] = (
+    "test_slurm.py", "test_gates_workflow.py", "test_workflow.py", "test_workflow_signals.py",
+    "test_fused_campaign.py", "test_evidence.py", "test_triton_ptx.py", "test_workflow_hostile.py",
+    "test_distributed_logprob_comparison.py", "test_triton_versions.py", "test_bench.py",
+)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
+                                  items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: keeps module order
