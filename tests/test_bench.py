@@ -62,7 +62,8 @@ def test_rows_cover_every_path_phase_and_size(timing_doc: dict[str, Any]) -> Non
     doc = timing_doc
     assert doc["mode"] == "tp1" and doc["threads"] == 2 and doc["config"]["threads"] == 2
     keys = sorted((r["path"], r["phase"], r["tokens"]) for r in doc["rows"])
-    assert keys == sorted((p, ph, n) for p in PATHS for ph in PHASES for n in (8, 24))
+    assert keys == sorted((p, ph, n) for p in paths.default_paths() for ph in PHASES for n in (8, 24))
+    assert "triton" in PATHS and "triton" not in paths.default_paths()  # asked for by name on the cpu
     for r in doc["rows"]:
         assert (r["vocab"], r["dtype"], r["repeats"]) == (512, "bf16", 2)
         assert len(r["times_s"]) == 2 and r["median_s"] == sum(r["times_s"]) / 2
@@ -184,7 +185,7 @@ def test_tp_mode_under_torchrun_reports_every_rank(tp_doc: dict[str, Any]) -> No
     doc = tp_doc
     assert doc["mode"] == "tp" and doc["config"]["tp"] == [2]
     keys = sorted((r["tp"], r["rank"], r["path"], r["phase"]) for r in doc["rows"])
-    assert keys == sorted((2, rank, p, ph) for rank in (0, 1) for p in PATHS for ph in PHASES)
+    assert keys == sorted((2, rank, p, ph) for rank in (0, 1) for p in paths.default_paths() for ph in PHASES)
     for r in doc["rows"]:
         assert r["local_vocab"] == 256 and r["threads_per_rank"] == 1
         assert len(r["comm_s"]) == r["repeats"] == 2
@@ -283,3 +284,70 @@ def test_a_size_that_does_not_fit_in_free_memory_is_refused_up_front(
     memory.check_memory_headroom(8192, BenchConfig(tokens=(8192,), paths=("candidate", "floor")))
     monkeypatch.setattr(memory, "mem_available", lambda: 20 * 2**30)
     memory.check_memory_headroom(8192, config)  # enough: no error
+
+
+# ----- the Triton path (issue 18): on the cpu only under Triton's interpreter, asked for by name -----
+TRITON_FLAGS = ["--tokens", "4", "--no-memory", "--repeats", "1", "--warmup", "0", "--vocab", "512",
+                "--tiles", "4", "--threads", "2"]
+
+
+def test_the_triton_path_runs_under_the_interpreter_and_is_recorded_as_such(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setenv("RL_ENGINE_TRITON_MODE", "interpreter")
+    assert "triton" not in paths.default_paths()  # even with the interpreter chosen: by name only
+    doc = _run(tmp_path, "triton", *TRITON_FLAGS, "--paths", "candidate", "triton", "naive", "floor")
+    assert doc["config"]["triton_mode"] == "interpreter" and doc["config"]["device"] == "cpu"
+    assert doc["backends"]["triton"] == "triton-vocab-parallel-logp-ws2"
+    assert {(r["path"], r["phase"]) for r in doc["rows"] if r["path"] == "triton"} == {
+        ("triton", phase) for phase in PHASES}
+    by = {(r["path"], r["phase"]): r for r in doc["rows"]}
+    for phase in PHASES:  # its ratios are the quotients of this run's rows
+        entry = doc["path_ratios"]["triton"]["4"][phase]
+        for other in ("naive", "floor", "candidate"):
+            assert entry[f"time_vs_{other}"] == by[("triton", phase)]["median_s"] / by[(other, phase)]["median_s"]
+    # negative control: the same document saying it ran compiled kernels on the cpu is refused
+    bad = copy.deepcopy(doc)
+    bad["config"]["device"] = "tpu"
+    assert schemas.errors(bad, "bench") != []
+
+
+def test_the_triton_path_on_the_cpu_without_the_interpreter_is_refused_naming_the_fix(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    monkeypatch.delenv("RL_ENGINE_TRITON_MODE", raising=False)
+    out = tmp_path / "never.json"
+    assert cli.main([*TRITON_FLAGS, "--paths", "triton", "floor", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert ("paths contains 'triton' on device='cpu' but the backend runs in compiled mode, which serves "
+            "cuda; set RL_ENGINE_TRITON_MODE=interpreter") in err, err
+    assert not out.exists()
+    monkeypatch.setenv("RL_ENGINE_TRITON_MODE", "interpreter")  # the TP mode runs the cpu backends only
+    with pytest.raises(BenchError, match=r"paths contains 'triton' with tp=\[2\]"):
+        BenchConfig(tokens=(4,), vocab=512, tiles=4, paths=("triton", "floor"), tp=(2,))
+
+
+def test_cuda_is_refused_where_there_is_none_and_its_unsupported_combinations_by_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(BenchError, match=r"device='cuda' but torch.cuda.is_available\(\) is False"):
+            BenchConfig(tokens=(4,), vocab=512, tiles=4, paths=("naive",), device="cuda", memory=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the checks that follow, in order
+    for fields, needle in (({"paths": ("fused", "naive")}, "runs on the cpu only"),
+                           ({"paths": ("naive",), "memory": True}, "pass --no-memory"),
+                           ({"paths": ("naive",), "tp": (2,)}, "the TP mode runs on the cpu")):
+        with pytest.raises(BenchError, match=needle):
+            BenchConfig(**{"tokens": (4,), "vocab": 512, "tiles": 4, "device": "cuda", "memory": False, **fields})
+    with pytest.raises(BenchError, match=r"device='tpu' is not one of \['cpu', 'cuda'\]"):
+        BenchConfig(tokens=(4,), vocab=512, tiles=4, paths=("naive",), device="tpu")
+
+
+def test_on_a_gpu_the_clock_waits_for_the_kernels_before_it_starts_and_stops() -> None:
+    from rl_engine.benchmark.timing import time_round_robin
+
+    events: list[str] = []
+    steps = {"a": (lambda: events.append("step"), lambda: None)}
+    times, _ = time_round_robin(steps, warmup=1, repeats=2, sync=lambda: events.append("sync"))
+    assert len(times["a"]) == 2
+    assert events == ["step", "sync", "step", "sync", "sync", "step", "sync"]  # warm-up unsynced

@@ -42,8 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--paths", nargs="+", default=None, choices=PATHS,
-                   help="default: every path this machine runs (fused where its kernel loads)")
+                   help="default: every path this machine runs on --device (cpu: fused where its kernel loads; "
+                   "cuda: triton where it compiles); triton on the cpu needs RL_ENGINE_TRITON_MODE=interpreter")
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the inputs live and the backends run (cuda: --no-memory, no fused, no --tp)")
     p.add_argument("--tp", type=int, nargs="+", default=[], help="TP degrees: run the torchrun mode")
     p.add_argument("--output", default=None, help="write the JSON document here")
     p.add_argument("--probe", nargs=3, metavar=("PATH", "PHASE", "TOKENS"), help=argparse.SUPPRESS)
@@ -57,7 +60,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         repeats=args.repeats, warmup=args.warmup,
         threads=args.threads if args.threads is not None else torch.get_num_threads(),
         chunk_rows=args.chunk_rows, validate=not args.no_validate, memory=not args.no_memory,
-        seed=args.seed, paths=tuple(args.paths) if args.paths else default_paths(), phases=tuple(args.phases), tp=tuple(args.tp),
+        seed=args.seed, paths=tuple(args.paths) if args.paths else default_paths(args.device), phases=tuple(args.phases),
+        tp=tuple(args.tp), device=args.device,
     )
 
 

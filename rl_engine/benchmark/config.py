@@ -7,12 +7,17 @@ from dataclasses import dataclass
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract
 from rl_engine.logprob.tiles import default_chunk_rows
 
-PATHS: tuple[str, ...] = ("candidate", "fused", "naive", "floor")
+PATHS: tuple[str, ...] = ("candidate", "fused", "triton", "naive", "floor")
 # The benchmarked backends: path name -> backend id ("candidate" is the eager reference).
 BACKEND_PATHS: dict[str, str] = {
     "candidate": "pytorch-vocab-parallel-logp-ws2",
     "fused": "cpu-vocab-parallel-logp-ws2",
+    "triton": "triton-vocab-parallel-logp-ws2",
 }
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+# The paths a configuration runs unless told otherwise: triton is asked for by name (on the cpu it
+# runs only under Triton's interpreter, whose timings are not a GPU's).
+CPU_PATHS: tuple[str, ...] = tuple(p for p in PATHS if p != "triton")
 PHASES: tuple[str, ...] = ("forward", "forward_backward")
 
 
@@ -35,9 +40,10 @@ class BenchConfig:
     validate: bool = True
     memory: bool = True
     seed: int = 0
-    paths: tuple[str, ...] = PATHS
+    paths: tuple[str, ...] = CPU_PATHS
     phases: tuple[str, ...] = PHASES
     tp: tuple[int, ...] = ()
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -66,6 +72,32 @@ class BenchConfig:
             bad = [v for v in values if v not in allowed]
             if bad or not values:
                 raise BenchError(f"{name}={list(values)} must be a non-empty subset of {list(allowed)}")
+        self._check_device_and_backends()
+        for degree in self.tp:
+            if degree < 1 or self.tiles % degree:
+                raise BenchError(
+                    f"tp degree {degree} must be >= 1 and divide tiles={self.tiles} (tile-aligned shards)"
+                )
+
+    def _check_device_and_backends(self) -> None:
+        """The device and every backend path can run here, as asked: refused before anything runs."""
+        import torch
+
+        if self.device not in DEVICES:
+            raise BenchError(f"device={self.device!r} is not one of {list(DEVICES)}")
+        if self.device == "cuda":
+            if not torch.cuda.is_available():
+                raise BenchError("device='cuda' but torch.cuda.is_available() is False here; run on a "
+                                 "machine with a CUDA GPU and a CUDA build of torch, or use --device cpu")
+            if "fused" in self.paths:
+                raise BenchError(f"paths contains 'fused' but backend {BACKEND_PATHS['fused']} runs on the "
+                                 "cpu only; leave 'fused' out of --paths with --device cuda")
+            if self.memory:
+                raise BenchError("memory=True measures peak RSS in subprocesses on the cpu; with --device "
+                                 "cuda pass --no-memory (gpu-smoke reports peak GPU memory)")
+            if self.tp:
+                raise BenchError(f"tp={list(self.tp)}: the TP mode runs on the cpu (gloo) only; drop --tp "
+                                 "with --device cuda")
         if "fused" in self.paths:
             from rl_engine.logprob.fused_cpu import kernel_unavailable
 
@@ -75,11 +107,33 @@ class BenchConfig:
                     f"paths contains 'fused' but backend {BACKEND_PATHS['fused']} is unavailable "
                     f"here: {reason}; build it or leave 'fused' out of --paths"
                 )
-        for degree in self.tp:
-            if degree < 1 or self.tiles % degree:
-                raise BenchError(
-                    f"tp degree {degree} must be >= 1 and divide tiles={self.tiles} (tile-aligned shards)"
-                )
+        if "triton" in self.paths:
+            self._check_triton()
+
+    def _check_triton(self) -> None:
+        from rl_engine.logprob.triton_backend import MODE_ENV, env_mode, mode_device, triton_unavailable
+
+        served = mode_device(env_mode())
+        if served != self.device:
+            fix = (f"set {MODE_ENV}=interpreter to run its kernels under Triton's interpreter (bytes, "
+                   "not GPU timings)" if self.device == "cpu" else f"unset {MODE_ENV} for compiled kernels")
+            raise BenchError(f"paths contains 'triton' on device={self.device!r} but the backend runs in "
+                             f"{env_mode()} mode, which serves {served}; {fix}")
+        reason = triton_unavailable()
+        if reason is not None:
+            raise BenchError(f"paths contains 'triton' but backend {BACKEND_PATHS['triton']} is unavailable "
+                             f"here: {reason}; leave 'triton' out of --paths")
+        if self.tp:
+            raise BenchError(f"paths contains 'triton' with tp={list(self.tp)}: the TP mode runs the cpu "
+                             "backends only; bench triton without --tp")
+
+    def triton_mode(self) -> str | None:
+        """The Triton backend's mode in this run (None when the run has no triton path)."""
+        if "triton" not in self.paths:
+            return None
+        from rl_engine.logprob.triton_backend import env_mode
+
+        return env_mode()
 
     def resolved_chunk_rows(self, local_vocab: int | None = None) -> int:
         if self.chunk_rows is not None:
@@ -104,7 +158,7 @@ class BenchConfig:
             "--tokens", *map(str, self.tokens), "--vocab", str(self.vocab), "--tiles",
             str(self.tiles), "--dtype", self.dtype, "--repeats", str(self.repeats),
             "--warmup", str(self.warmup), "--threads", str(self.threads), "--seed", str(self.seed),
-            "--paths", *self.paths, "--phases", *self.phases,
+            "--paths", *self.paths, "--phases", *self.phases, "--device", self.device,
         ]
         if self.chunk_rows is not None:
             out += ["--chunk-rows", str(self.chunk_rows)]

@@ -27,6 +27,12 @@ class Inputs:
     targets: torch.Tensor
     active: torch.Tensor
 
+    def to(self, device: str) -> "Inputs":
+        """The same inputs on ``device`` (drawn on the cpu, so every device times the same logits)."""
+        if device == "cpu":
+            return self
+        return Inputs(self.logits.to(device), self.targets.to(device), self.active.to(device))
+
     @property
     def nbytes(self) -> int:
         return sum(t.element_size() * t.numel() for t in (self.logits, self.targets, self.active))

@@ -4,6 +4,9 @@
   chunk size, ``validate=True`` unless ``--no-validate``), gradient through ``selected_logp``;
 - ``fused``: backend ``cpu-vocab-parallel-logp-ws2`` (the compiled one-pass kernel, the same
   bytes as ``candidate``) called the same way;
+- ``triton``: backend ``triton-vocab-parallel-logp-ws2`` (the Triton kernels: compiled on
+  cuda; on the cpu only under Triton's interpreter, ``RL_ENGINE_TRITON_MODE=interpreter``, whose
+  timings say nothing of a GPU) called the same way;
 - ``naive``: at TP=1 ``torch.log_softmax(logits.float(), -1).gather(...)`` with autograd,
   masked by the active rows; under TP what a user writes without this engine (Megatron-LM's
   vocab-parallel cross-entropy, :class:`NaiveVocabParallelLogp`);
@@ -30,11 +33,17 @@ from rl_engine.logprob.contract import LogprobContract
 Step = Callable[[], Any]
 
 
-def default_paths() -> tuple[str, ...]:
-    """Every path this machine can run: the fused backend only where its kernel loads."""
+def default_paths(device: str = "cpu") -> tuple[str, ...]:
+    """Every path this machine can run on ``device``: on the cpu the fused backend where its
+    kernel loads (never triton: its interpreter gives bytes, not timings, and is asked for by
+    name); on cuda the triton backend where it compiles (never fused: it is cpu-only)."""
+    if device == "cuda":
+        from rl_engine.logprob.triton_backend import triton_unavailable
+
+        return tuple(p for p in PATHS if p != "fused" and (p != "triton" or triton_unavailable() is None))
     from rl_engine.logprob.fused_cpu import kernel_unavailable
 
-    return tuple(p for p in PATHS if p != "fused" or kernel_unavailable() is None)
+    return tuple(p for p in PATHS if p != "triton" and (p != "fused" or kernel_unavailable() is None))
 
 
 def _naive_logp(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor) -> torch.Tensor:

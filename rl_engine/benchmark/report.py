@@ -72,7 +72,7 @@ def compute_path_ratios(
     index = {(r["path"], r["phase"], r["tokens"]): r for r in rows if r.get("tp", 1) == 1}
     out: dict[str, dict[str, dict[str, dict[str, float | None]]]] = {}
     for (path, phase, tokens), row in sorted(index.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
-        if path != "fused":
+        if path not in ("fused", "triton"):
             continue
         entry: dict[str, float | None] = {}
         for other in ("naive", "floor", "candidate"):
@@ -157,6 +157,7 @@ def config_dict(config: BenchConfig) -> dict[str, Any]:
     out["phases"] = list(config.phases)
     out["tp"] = list(config.tp)
     out["chunk_rows"] = config.resolved_chunk_rows()
+    out["triton_mode"] = config.triton_mode()
     return out
 
 
@@ -232,7 +233,7 @@ def render_table(doc: dict[str, Any]) -> Any:
                     f"{100 * r['comm_share']:.1f}%",
                     _fmt_ratio(entry.get("time_vs_naive")) if is_backend else "",
                     _fmt_ratio(entry.get("time_vs_floor")) if is_backend else "",
-                    _fmt_ratio(entry.get("time_vs_candidate")) if r["path"] == "fused" else "",
+                    _fmt_ratio(entry.get("time_vs_candidate")) if r["path"] in ("fused", "triton") else "",
                 )
         return table
     table = Table(title=f"{backends}; vs naive vs floor, {doc['config']['dtype']}, "

@@ -37,10 +37,11 @@ def run_tp1(config: BenchConfig, log: Callable[[str], None] = print) -> dict[str
                     peaks[(path, phase)] = run_memory_probe(path, phase, tokens, config)
                 else:
                     peaks[(path, phase)] = None
-        inputs = make_inputs(tokens, config.vocab, config.dtype, config.seed)
+        inputs = make_inputs(tokens, config.vocab, config.dtype, config.seed).to(config.device)
         log(f"timing  tokens={tokens}: {config.warmup} warm-up + {config.repeats} rounds")
         steps = {(p, ph): build_step(p, ph, inputs, config) for p in config.paths for ph in config.phases}
-        samples, _ = time_round_robin(steps, config.warmup, config.repeats)
+        sync = torch.cuda.synchronize if config.device == "cuda" else None
+        samples, _ = time_round_robin(steps, config.warmup, config.repeats, sync=sync)
         del steps, inputs
         gc.collect()
         for (path, phase), times in samples.items():

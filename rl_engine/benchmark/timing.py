@@ -47,9 +47,12 @@ def timed_collectives() -> Iterator[list[float]]:
 
 def time_round_robin(
     steps: dict[Hashable, tuple[Step, Step]], warmup: int, repeats: int,
-    barrier: Callable[[], None] | None = None,
+    barrier: Callable[[], None] | None = None, sync: Callable[[], None] | None = None,
 ) -> tuple[dict[Hashable, list[float]], dict[Hashable, list[float]]]:
-    """``(seconds, collective seconds)`` per key of ``steps`` (``(step, reset)`` pairs)."""
+    """``(seconds, collective seconds)`` per key of ``steps`` (``(step, reset)`` pairs).
+
+    ``sync`` (``torch.cuda.synchronize`` on a GPU) runs before the clock starts and before it
+    stops, so a sample covers the kernels the step launched, not only their launch."""
     keys = list(steps)
     for step, reset in steps.values():
         for _ in range(warmup):
@@ -66,8 +69,12 @@ def time_round_robin(
             if barrier is not None:
                 barrier()
             with timed_collectives() as spent:
+                if sync is not None:
+                    sync()
                 start = time.perf_counter()
                 kept = step()
+                if sync is not None:
+                    sync()
                 elapsed = time.perf_counter() - start
             del kept
             reset()
