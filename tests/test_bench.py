@@ -135,6 +135,7 @@ def test_targets_are_read_from_the_ratios(timing_doc: dict[str, Any]) -> None:
     assert memory and all(t["met"] is None for t in memory)  # --no-memory: not measured, not "met"
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_memory_probe_sees_the_naive_paths_fp32_copies(tmp_path: Path) -> None:
     tokens, vocab = 64, 16384
     doc = _run(tmp_path, "memory", "--tokens", str(tokens), "--vocab", str(vocab), "--tiles", "8",
@@ -181,6 +182,7 @@ def tp_doc(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _run(tmp_path_factory.mktemp("bench-tp"), "tp", "--tp", "2", "--tokens", "8", *SMALL)
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_tp_mode_under_torchrun_reports_every_rank(tp_doc: dict[str, Any]) -> None:
     doc = tp_doc
     assert doc["mode"] == "tp" and doc["config"]["tp"] == [2]
@@ -196,6 +198,7 @@ def test_tp_mode_under_torchrun_reports_every_rank(tp_doc: dict[str, Any]) -> No
     assert all((r["comm_median_s"] == 0) == (r["path"] == "floor") for r in doc["rows"])
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_tp_mode_times_the_fused_and_eager_backends_against_this_runs_baselines(
     tp_doc: dict[str, Any],
 ) -> None:

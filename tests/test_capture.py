@@ -237,6 +237,7 @@ def test_concat_refuses_captures_of_two_engines(model: torch.nn.Module) -> None:
         concat_captures([a, b])
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_the_tiny_model_needs_no_network(tmp_path: Path) -> None:
     """Built from a config and captured with every network route refused and offline mode off
     (HF_HUB_OFFLINE=0; the other tests set 1): a download attempt would fail the run (the proxies point at a

@@ -204,6 +204,7 @@ def test_cli_plan_verb_is_the_guides_plan_command(tmp_path: Path) -> None:
     assert jsonio.load(tmp_path / "p.json")["case_id"].startswith("bf16-v1000")
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_guide_plan_command_runs_as_a_script(tmp_path: Path) -> None:
     """The guide's command, script path and all, from another working directory."""
     proc = subprocess.run(
@@ -416,6 +417,7 @@ def _launch(plan: Path, tp: int, cp: int, timeout_s: float, log: Path) -> int:
                      "--timeout-s", str(timeout_s), "--log", str(log)])
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_torchrun_tp2_cp2_writes_a_passing_schema_valid_report(tmp_path: Path) -> None:
     rc, plan_path = _plan(tmp_path, "--tp", "2", "--cp", "2")
     assert rc == 0
@@ -463,6 +465,7 @@ def test_torchrun_perturbed_candidate_is_reported_as_failed(tmp_path: Path, monk
     assert (tmp_path / "tp1-cp2.logp.f32").is_file()  # the failing evidence is kept
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_torchrun_world_size_disagreeing_with_tp_cp_is_rejected(tmp_path: Path) -> None:
     output = tmp_path / "tp2-cp1.json"
     rc, plan = _plan(tmp_path, "--tp", "2", "--cp", "1")
@@ -490,6 +493,7 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_launch_time_limit_kills_the_group_and_leaves_no_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     rc, plan_path = _plan(tmp_path, "--tp", "1", "--cp", "2")

@@ -234,6 +234,7 @@ def test_good_evidence_passes_both_gates(good_run: Path) -> None:
     assert set(val["schemas"]) >= {"report", "plan", "environment", "regression", "validation", "crosscheck"}
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_really_perturbed_topology_fails_validation_and_crosscheck(perturbed_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     report = jsonio.load(perturbed_run / f"{BAD}.json")
     assert report["passed"] is False and report["fault_injection"] == "perturb:2x2"

@@ -454,6 +454,7 @@ def dry_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     return repo, done
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 @pytest.mark.parametrize("name", sorted(DRY_RUNS))
 def test_snakemake_dry_run_refuses_bad_config_before_any_job(dry_runs: tuple[Path, dict[str, Any]], name: str) -> None:
     repo, done = dry_runs
@@ -485,6 +486,7 @@ def test_snakemake_dry_run_refuses_cuda_on_a_machine_without_cuda(dry_runs: tupl
     assert list((repo / "results").iterdir()) == []
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_snakemake_dry_run_of_a_good_config_plans_every_job(dry_runs: tuple[Path, dict[str, Any]]) -> None:
     """Negative control in the same copy: the small config dry-runs and lists one job per topology."""
     repo, _ = dry_runs
@@ -498,6 +500,7 @@ def test_snakemake_dry_run_of_a_good_config_plans_every_job(dry_runs: tuple[Path
     assert list((repo / "results").iterdir()) == []  # a dry run writes nothing
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_snakemake_lint_is_clean(tmp_path: Path) -> None:
     """Issue 13's done-when: ``snakemake --lint`` finds nothing in the workflow (rules, the case rule's
     params, the Snakefile's parse-time code)."""

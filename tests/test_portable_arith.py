@@ -108,6 +108,7 @@ def isa_runs() -> dict[str, dict[str, Any]]:
     return {cap: _run_isa(cap) for cap in _capabilities()}
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_fingerprints_are_identical_under_every_cpu_capability(isa_runs: dict[str, dict[str, Any]]) -> None:
     seen = {cap: run["capability"] for cap, run in isa_runs.items()}
     assert seen["default"] == "DEFAULT" and seen["avx2"] == "AVX2", seen  # the kernels really differed
@@ -118,6 +119,7 @@ def test_fingerprints_are_identical_under_every_cpu_capability(isa_runs: dict[st
         assert len({json.dumps(p, sort_keys=True) for p in prints.values()}) == 1, prints
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_the_cross_isa_harness_sees_an_isa_dependent_step() -> None:
     """Negative control: with the old input recipe (``torch.randn``, whose AVX2 kernel gives
     other bytes than its scalar one) the same harness finds different fingerprints."""

@@ -66,6 +66,7 @@ def test_the_documented_excerpt_is_the_examples_code() -> None:
     assert [line for line in lines if line not in script] == []
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_the_trainer_example_runs_under_torchrun_and_equals_one_rank() -> None:
     """TP=2 x CP=2 (zigzag) on 4 gloo processes: logp, LSE and every rank's gradient block
     are the bytes of the single-rank call on the same logits."""
