@@ -2,7 +2,14 @@
 TP x CP matrix on a tiny capture written here: the real ``plan`` and ``launch`` verbs (torchrun,
 gloo ranks that each read only their tokens and columns), identical fingerprints at 1x1, 2x1
 and 2x2, the capture's SHA-256 and metadata in every report, and a rank that refuses a file
-whose bytes are not the recorded ones."""
+whose bytes are not the recorded ones.
+
+The same run (its case says ``archive: true``) is then completed by the real verbs (copy-capture,
+env, regression, parity, validate, crosscheck, summary, archive) into an archive that holds the
+capture and a parity report: ``verify --recompute`` passes on it without ``--capture``; without
+the capture member, or with other bytes in it, it is refused naming the file and the hash. The
+capture's path is not part of the run name; rank 0 hashes the capture once; the ``parity:``
+section of config.yaml is checked before any job."""
 
 from __future__ import annotations
 
@@ -86,7 +93,7 @@ def capture_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, d
     run_dir = tmp_path_factory.mktemp("capture-campaign")
     (run_dir / "logs").mkdir()
     path = write_tiny_capture(tmp_path_factory.mktemp("captures") / "rollout.safetensors")  # outside the run
-    write_case_file(run_dir / "case.json", capture_case(path),
+    write_case_file(run_dir / "case.json", capture_case(path, archive=True),  # inputs.archive: true
                     tuple(tuple(int(x) for x in t.split("x")) for t in TOPOLOGIES))
     assert cli.main(["plan", "--case", str(run_dir / "case.json"), "--output", str(run_dir / "plan.json")]) == 0
     reports = {}
@@ -102,7 +109,7 @@ def capture_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, d
 @pytest.mark.slow
 def test_the_matrix_on_a_capture_gives_identical_fingerprints_and_records_the_capture(capture_run) -> None:
     _, path, reports = capture_run
-    record = capture_record(path)
+    record = capture_record(path, archive=True)
     for topology, report in reports.items():
         assert report["passed"], (topology, report["failures"])
         assert report["case"]["capture"] == record
@@ -144,7 +151,6 @@ def test_the_workflow_config_names_a_capture_and_the_case_file_carries_it(tmp_pa
     ({"seq": 4}, "batch * seq = 2 * 4 = 8 must be the 16 tokens"),
     ({"inputs": {"capture": "absent.safetensors"}}, "no such file"),
     ({"inputs": {"capture": "x", "archive": "yes"}}, "inputs.archive"),
-    ({"inputs": {"capture": "x", "archive": True}}, "does not copy the capture into the archive yet"),
 ])
 def test_the_workflow_config_refuses_a_capture_that_disagrees_or_is_absent(
         tmp_path: Path, change: dict, named: str) -> None:
@@ -215,3 +221,126 @@ def test_a_rank_refuses_a_capture_whose_bytes_changed_after_the_plan(capture_run
         path.write_bytes(original)
         for kept_path, data in kept.items():
             kept_path.write_bytes(data)
+
+
+# ----- the capture's path is not the case's identity (issue 21) ---------------------------------
+def test_the_capture_path_is_recorded_but_the_same_bytes_elsewhere_are_the_same_run(tmp_path: Path) -> None:
+    import shutil
+
+    from rl_engine.workflow import check_config, config_case, config_case_hash
+
+    first = write_tiny_capture(tmp_path / "cap.safetensors")
+    (tmp_path / "moved").mkdir()
+    moved = Path(shutil.copy(first, tmp_path / "moved" / "renamed.safetensors"))
+    one, two = check_config(_capture_config(first)), check_config(_capture_config(moved))
+    assert config_case(one)["case"]["capture"]["path"] == str(first.resolve())  # recorded, for information
+    assert config_case(two)["case"]["capture"]["path"] == str(moved.resolve())
+    assert config_case_hash(one) == config_case_hash(two)
+    # negative controls: other bytes, or the archive holding the file, are another run
+    other = write_tiny_capture(tmp_path / "other.safetensors", seed=6)
+    assert config_case_hash(check_config(_capture_config(other))) != config_case_hash(one)
+    archived = check_config(_capture_config(first, inputs={"capture": str(first), "archive": True}))
+    assert config_case_hash(archived) != config_case_hash(one)
+
+
+def _parity_config(tmp_path: Path, **section: object) -> dict:
+    from _capture_case import write_trainer_side
+
+    rollout = write_tiny_capture(tmp_path / "rollout.safetensors")
+    trainer = write_trainer_side(tmp_path / "trainer.safetensors")
+    return _capture_config(rollout, parity={"rollout": str(rollout), "trainer": str(trainer), **section})
+
+
+def test_a_parity_section_is_a_stage_named_by_its_captures_hashes_and_absent_changes_nothing(tmp_path: Path) -> None:
+    import shutil
+
+    import yaml
+
+    from rl_engine.evidence.casename import case_hash, resolved_case
+    from rl_engine.workflow import case_values, check_config, config_case_hash, stage_flags
+
+    config = check_config(_parity_config(tmp_path))
+    assert stage_flags(config) == {"capture": False, "parity": True}
+    without = dict(config)
+    del without["parity"]
+    assert config_case_hash(config) != config_case_hash(without)
+    # the same captures at other paths: the same run
+    (tmp_path / "elsewhere").mkdir()
+    moved = {side: str(shutil.copy(config["parity"][side], tmp_path / "elsewhere" / f"{side}.st"))
+             for side in ("rollout", "trainer")}
+    assert config_case_hash(check_config({**config, "parity": moved})) == config_case_hash(config)
+    assert config_case_hash(check_config({**config, "parity": {**moved, "ratio_bounds": [0.5, 2]}})) \
+        != config_case_hash(config)
+    # no parity section: no stage, and the case hash is the one of the resolved case without a parity key
+    default = check_config(yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text()))
+    assert stage_flags(default) == {"capture": False, "parity": False}
+    regression = default["regression"]
+    assert config_case_hash(default) == case_hash(resolved_case(case_values(default), default["topologies"],
+                                                                regression["tests"], regression["pytest_args"]))
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"rollout": "absent.safetensors"}, "config key 'parity.rollout' has value 'absent.safetensors': no such file"),
+    ({"rolout": "x"}, "unknown config key(s) ['rolout'] under 'parity'; did you mean 'rollout' for 'rolout'?"),
+    ({"ratio_bounds": [1.2, 0.8]}, "--ratio-bounds=1.2 0.8 must be finite with 0 < LOW < 1 < HIGH"),
+    ({"num_vocab_tiles": 3}, "num_vocab_tiles: num_vocab_tiles=3 does not divide padded_vocab=64"),
+    ({"backend": "triton-vocab-parallel-logp-ws2"}, "must be a backend registered for the cpu"),
+    ({"trainer": "OTHER"}, "tensor targets differs at token"),
+])
+def test_a_bad_parity_section_is_refused_before_any_job_naming_key_value_and_fix(
+        tmp_path: Path, change: dict, named: str) -> None:
+    from rl_engine.workflow import WorkflowConfigError, check_config
+
+    config = _parity_config(tmp_path)
+    if change.get("trainer") == "OTHER":  # same shape, other targets
+        change = {"trainer": str(write_tiny_capture(tmp_path / "other.safetensors", seed=6))}
+    config["parity"].update(change)
+    with pytest.raises(WorkflowConfigError) as info:
+        check_config(config)
+    assert named in str(info.value), str(info.value)
+    assert "fix" in str(info.value) or "remove or rename" in str(info.value)
+
+
+# ----- rank 0 hashes the capture once ------------------------------------------------------------
+def _hashes_of_one_rank(rank: int, plan: str, tp: int, cp: int) -> tuple[int, list[str]]:
+    """One rank of ``tp x cp`` in this worker process, counting every time the capture is hashed."""
+    from rl_engine.campaign import captured, run
+
+    hashed: list[str] = []
+    real = captured._hash_stream
+
+    def counting(handle: object) -> str:
+        hashed.append(str(getattr(handle, "name", "?")))
+        return real(handle)
+
+    captured._hash_stream = counting
+    return run.run_topology(plan, tp, cp), hashed
+
+
+def test_each_rank_hashes_the_capture_once_and_a_rewritten_file_again(tmp_path: Path) -> None:
+    from _multiproc import run_workers
+
+    path = write_tiny_capture(tmp_path / "cap.safetensors")
+    write_case_file(tmp_path / "case.json", capture_case(path), ((1, 1), (2, 1)))
+    assert cli.main(["plan", "--case", str(tmp_path / "case.json"), "--output", str(tmp_path / "plan.json")]) == 0
+    results = run_workers(_hashes_of_one_rank, 2, str(tmp_path / "plan.json"), 2, 1, timeout_s=120)
+    assert [code for code, _ in results] == [0, 0]
+    assert [len(hashed) for _, hashed in results] == [1, 1], results  # rank 0: its check, its oracle's read: one hash
+    assert (tmp_path / "tp2-cp1.json").is_file()
+    # negative control: the memory is of the file's identity; a rewritten file is hashed again
+    from rl_engine.campaign import captured
+
+    calls: list[str] = []
+    real = captured._hash_stream
+    record = capture_record(path)
+    captured._HASHED.clear()
+    try:
+        captured._hash_stream = lambda handle: calls.append(handle.name) or real(handle)  # type: ignore[assignment]
+        check_file(record)
+        check_file(record)
+        assert len(calls) == 1
+        write_tiny_capture(path)  # the same bytes, a new file
+        check_file(record)
+        assert len(calls) == 2
+    finally:
+        captured._hash_stream = real  # type: ignore[assignment]
