@@ -347,7 +347,7 @@ def _add(tar: tarfile.TarFile, member: str, data: Source | None) -> None:
             tar.addfile(_info(member, os.fstat(source.fileno()).st_size, False), source)
 
 
-def tar_gz_bytes(name: str, files: list[tuple[str, bytes]]) -> bytes:
+def tar_gz_bytes(name: str, files: Sequence[tuple[str, Source]]) -> bytes:
     """The archive's bytes: ``files`` (paths relative to ``name/``) sorted, with their dirs."""
     buffer = io.BytesIO()
     write_tar_gz(buffer, name, files)
