@@ -275,3 +275,17 @@ def test_the_worked_example_of_docs_capture_md_runs(tmp_path: Path, monkeypatch:
         if line.startswith(("│ 1", "│ 4")):
             assert line in table, line
     assert "from the logits only; control ok" in table and "from the logits only; control ok" in lines[2]
+    # the page's end-to-end config, on these captures, passes the workflow's config check with both stages
+    import yaml
+
+    from rl_engine.workflow import check_config, stage_flags
+
+    whole = page.split("## Worked example: from a capture to a verified archive", 1)[1]
+    overrides = yaml.safe_load(re.search(r"```yaml\n(.*?)```", whole, re.S).group(1))  # type: ignore[union-attr]
+    for section, keys in (("inputs", ("capture",)), ("parity", ("rollout", "trainer"))):
+        for key in keys:
+            overrides[section][key] = str(tmp_path / overrides[section][key])
+    root = Path(__file__).resolve().parent.parent
+    config = {**yaml.safe_load((root / "config.yaml").read_text()), **overrides}
+    monkeypatch.chdir(root)  # where snakemake runs (the focused tests' paths)
+    assert stage_flags(check_config(config)) == {"capture": True, "parity": True}

@@ -480,6 +480,14 @@ def inputs_text(case: dict[str, Any]) -> str:
             "is the active tokens (prompt tokens, seed and logit scale do not shape its inputs).")
 
 
+def _case_line(case: dict[str, Any]) -> str:
+    return (f"{str(case.get('dtype')).upper()}, real/padded vocabulary "
+            f"{case.get('real_vocab')}/{case.get('padded_vocab')}, {case.get('num_vocab_tiles')} vocabulary tiles, "
+            f"batch {case.get('batch')}, sequence {case.get('seq')}, prompt tokens {case.get('prompt_tokens')}, "
+            f"seed {case.get('seed')}, logit scale {case.get('logit_scale')}, CP layout {case.get('cp_layout')}, "
+            f"explicit {case.get('backend')}, {case.get('device')}/{case.get('dist_backend')}.")
+
+
 def render(ev: Evidence, run: Run) -> tuple[str, dict[str, Section]]:
     secs = sections(ev, run)
     case = ev.plan.get("case", {})
@@ -490,11 +498,7 @@ def render(ev: Evidence, run: Run) -> tuple[str, dict[str, Section]]:
               f"the {n} topologies, and every artifact is valid against its schema."
               if passed else
               "FAILED: see validation.json and crosscheck.json for each failing file and field.")
-    case_line = (f"{str(case.get('dtype')).upper()}, real/padded vocabulary "
-                 f"{case.get('real_vocab')}/{case.get('padded_vocab')}, {case.get('num_vocab_tiles')} vocabulary tiles, "
-                 f"batch {case.get('batch')}, sequence {case.get('seq')}, prompt tokens {case.get('prompt_tokens')}, "
-                 f"seed {case.get('seed')}, logit scale {case.get('logit_scale')}, CP layout {case.get('cp_layout')}, "
-                 f"explicit {case.get('backend')}, {case.get('device')}/{case.get('dist_backend')}.")
+    case_line = _case_line(case)
     out = [
         f"# rl_engine validation summary: {ev.plan.get('case_id')}",
         "",

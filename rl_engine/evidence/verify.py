@@ -453,6 +453,20 @@ def replay_bound(run: Run, planned: tuple[PlannedReport, ...], max_logits: int) 
     return problems
 
 
+def _recompute_rows(input_problems: list[str], drift_problems: list[str], reports: int,
+                    deviation: float) -> tuple[Check, Check]:
+    """The ``inputs regenerated`` and ``oracle drift recomputed`` rows of :func:`recompute`."""
+    inputs = (Check("inputs regenerated", False, f"{len(input_problems)} problem(s)", input_problems) if input_problems
+              else Check("inputs regenerated", True, "the inputs (make_inputs(case), or the capture after its SHA-256) "
+                         f"match inputs_sha256 in {reports} reports"))
+    drift_check = (Check("oracle drift recomputed", False, f"{len(drift_problems)} problem(s)", drift_problems)
+                   if drift_problems else
+                   Check("oracle drift recomputed", True, f"FP32/FP64 oracle drift of {reports} reports equals "
+                         f"the reported statistics (largest difference {deviation:.3g}, allowed "
+                         f"{RECOMPUTE_TOL}) and is within tolerance"))
+    return inputs, drift_check
+
+
 def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | None = None) -> tuple[Check, Check]:
     """Regenerate inputs from each report's case (or read its capture: ``--capture`` or the
     archive's copy, :func:`rl_engine.campaign.captured.replay_source`) and recompute drift from
@@ -527,15 +541,7 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
         drift_problems.append(f"recompute stopped: {type(exc).__name__}: {exc}")
     finally:
         torch.set_num_threads(threads)
-    inputs = (Check("inputs regenerated", False, f"{len(input_problems)} problem(s)", input_problems) if input_problems
-              else Check("inputs regenerated", True, "the inputs (make_inputs(case), or the capture after its SHA-256) "
-                         f"match inputs_sha256 in {len(planned)} reports"))
-    drift_check = (Check("oracle drift recomputed", False, f"{len(drift_problems)} problem(s)", drift_problems)
-                   if drift_problems else
-                   Check("oracle drift recomputed", True, f"FP32/FP64 oracle drift of {len(planned)} reports equals "
-                         f"the reported statistics (largest difference {max(deviation):.3g}, allowed "
-                         f"{RECOMPUTE_TOL}) and is within tolerance"))
-    return inputs, drift_check
+    return _recompute_rows(input_problems, drift_problems, len(planned), max(deviation))
 
 
 def check_arithmetic_spec(run: Run) -> Check:
