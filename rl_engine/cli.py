@@ -11,6 +11,7 @@ import sys
 
 VERBS: dict[str, tuple[str, str]] = {
     "case": ("rl_engine.campaign.case", "write and check the case file (case.json) the plan is built from"),
+    "copy-capture": ("rl_engine.campaign.captured", "copy the case's captured file into the run directory (inputs.archive: true)"),
     "plan": ("rl_engine.campaign.plan", "plan a TP x CP campaign from a case file: write plan.json, print the torchrun commands"),
     "run": ("rl_engine.campaign.run", "run one planned topology's comparison (each rank, under torchrun)"),
     "launch": ("rl_engine.campaign.launch", "run one planned topology with a time limit"),

@@ -15,7 +15,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 
 class StrictJSONError(ValueError):
@@ -88,12 +88,18 @@ def load(path: str | os.PathLike[str]) -> Any:
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write to a temporary file in the same directory, fsync, then rename into place."""
+    atomic_write_stream(path, lambda handle: handle.write(data))
+
+
+def atomic_write_stream(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> None:
+    """:func:`atomic_write_bytes` of what ``write(handle)`` writes to the open temporary file (for
+    content too large to hold in memory): nothing is at ``path`` until it is complete."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; artifacts are meant to be shared

@@ -4,7 +4,9 @@ A run directory (``results/<name>/``, or the top folder of an extracted archive)
 ``environment.json`` (+ ``environment.txt``), ``regression.json`` with the pytest log and JUnit
 XML it names, ``case.json``, ``plan.json`` and one ``tp<T>-cp<C>.json`` report per planned
 topology with its raw ``tp<T>-cp<C>.<name>.f32`` tensors, ``validation.json``,
-``crosscheck.json``, ``SUMMARY.md`` and the stages' logs under ``logs/``; an extracted
+``crosscheck.json``, ``SUMMARY.md`` and the stages' logs under ``logs/``, and, when the config
+asks for them, ``capture.safetensors`` (the case's captured file, ``inputs.archive: true``) and
+``parity.json`` with ``parity.png`` (a ``parity:`` section); an extracted
 archive's top folder also holds :data:`ARCHIVE_ONLY` (``SHA256SUMS``, ``REVIEWING.md``,
 ``schemas/``), which ``archive`` adds. Beside the run directory lie the archive
 (``results/<name>.tar.gz`` and its ``.sha256``), the verifier's ``results/<name>.verify.json``
@@ -24,6 +26,7 @@ import: the campaign's plan and runner name their files from here too.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -45,7 +48,9 @@ VALIDATION = "validation.json"
 CROSSCHECK = "crosscheck.json"
 SUMMARY = "SUMMARY.md"
 LOGS = "logs"
-CAPTURE = "capture.safetensors"  # the case's captured file, when config inputs.archive is true
+CAPTURE = "capture.safetensors"  # the case's captured file, when config inputs.archive is true (capture stage)
+PARITY_JSON = "parity.json"  # the parity stage's report, when config.yaml has a parity: section
+PARITY_PNG = "parity.png"  # and its histogram
 
 # what ``archive`` adds beside the run's own files (never in a run directory)
 SUMS = "SHA256SUMS"
@@ -162,11 +167,16 @@ class Stage:
         return [p for p in self.outputs if not p.is_file()]
 
 
-def stages(run: str | Path, topologies: list[Topology] | tuple[Topology, ...]) -> list[Stage]:
+def stages(run: str | Path, topologies: list[Topology] | tuple[Topology, ...], *,
+           capture: bool = False, parity: bool = False) -> list[Stage]:
     """Every stage of the run ``run`` (``results/<name>``) in workflow order.
 
     The run directory's own stages log under ``<run>/logs/``; the archive and its verification
-    write beside the run directory and log under ``results/logs/``.
+    write beside the run directory and log under ``results/logs/``. Two stages exist only when
+    the config asks for them: ``capture`` (config ``inputs.archive: true``: the case's captured
+    file copied into the run as :data:`CAPTURE`, after the case) and ``parity`` (config
+    ``parity:``: :data:`PARITY_JSON` and :data:`PARITY_PNG`, before the validation gate, which
+    checks parity.json against its schema).
     """
     run = Path(run)
     results, name = run.parent, run.name
@@ -180,11 +190,13 @@ def stages(run: str | Path, topologies: list[Topology] | tuple[Topology, ...]) -
         own("environment", "environment", ENVIRONMENT, ENVIRONMENT_TEXT),
         own("regression", "regression", REGRESSION, PYTEST_LOG, JUNIT),
         own("case", "case", CASE),
+        *([own("capture", "capture copy", CAPTURE)] if capture else []),
         own("plan", "plan", PLAN),
     ]
     out += [Stage("topology", f"topology {t.stem}", tuple(run / o for o in t.outputs), run / t.log)
             for t in topologies]
     out += [
+        *([own("parity", "parity", PARITY_JSON, PARITY_PNG)] if parity else []),
         own("validation", "validation gate", VALIDATION),
         own("crosscheck", "crosscheck gate", CROSSCHECK),
         own("summary", "summary", SUMMARY),
@@ -369,6 +381,8 @@ def planned_reports(plan: Any, run_dir: Path) -> tuple[list[PlannedReport], list
 
 # the documents Run.load reads, in workflow order
 DOCUMENTS: tuple[str, ...] = (ENVIRONMENT, REGRESSION, CASE, PLAN, VALIDATION, CROSSCHECK)
+# the documents Run.load reads when they lie in the run (a stage the config may leave out)
+OPTIONAL_DOCUMENTS: tuple[str, ...] = (PARITY_JSON,)
 
 
 @dataclass(frozen=True)
@@ -393,7 +407,8 @@ class Run:
         root = Path(root)
         documents: dict[str, Any] = {}
         findings: dict[str, tuple[Finding, ...]] = {}
-        for name in DOCUMENTS:
+        present = [name for name in OPTIONAL_DOCUMENTS if os.path.lexists(root / name)]
+        for name in (*DOCUMENTS, *present):
             documents[name], found = load_json(root / name)
             findings[name] = tuple(found)
         planned: list[PlannedReport] = []
@@ -429,6 +444,26 @@ class Run:
     def plan(self) -> Any:
         return self.documents.get(PLAN)
 
+    @property
+    def has_parity(self) -> bool:
+        """The run holds a parity stage's report (config ``parity:``): parity.json lies in it."""
+        return PARITY_JSON in self.documents
+
+    @property
+    def parity(self) -> Any:
+        return self.documents.get(PARITY_JSON)
+
+    @property
+    def archives_capture(self) -> bool:
+        """The case runs on a capture that the archive holds (config ``inputs.archive: true``)."""
+        capture = self.plan_case().get("capture")
+        return isinstance(capture, dict) and capture.get("archive") is True
+
+    def stages(self) -> list[Stage]:
+        """:func:`stages` of this run: its planned topologies and the optional stages its evidence names."""
+        topologies = [item.topology for item in self.planned]
+        return stages(self.root, topologies, capture=self.archives_capture, parity=self.has_parity)
+
     def report(self, item: PlannedReport) -> Any:
         return self.documents.get(item.file)
 
@@ -446,7 +481,9 @@ class Run:
 
         ``environment.json`` and ``environment.txt``; ``regression.json`` and the pytest log and
         JUnit XML it names; ``case.json``, ``plan.json``, every report the plan lists and every raw
-        tensor file each report records; ``validation.json`` and ``crosscheck.json``. Not
+        tensor file each report records; ``validation.json`` and ``crosscheck.json``;
+        :data:`CAPTURE` when the plan's case says the archive holds its capture; ``parity.json``
+        and ``parity.png`` when the run holds a parity report. Not
         ``SUMMARY.md``, the logs under ``logs/`` or what an archive adds. This is what
         ``SUMMARY.md``'s artifact table lists and what an archive must hold besides ``SUMMARY.md``
         for ``verify`` to check every claim; a file lying in the run directory that no evidence
@@ -456,6 +493,10 @@ class Run:
         ever read as its evidence (the gates fail it).
         """
         names = {ENVIRONMENT, ENVIRONMENT_TEXT, REGRESSION, CASE, PLAN, VALIDATION, CROSSCHECK}
+        if self.archives_capture:
+            names.add(CAPTURE)
+        if self.has_parity:
+            names |= {PARITY_JSON, PARITY_PNG}
         found = self.found(REGRESSION) + self.found(PLAN) + list(self.plan_findings)
         regression = self.regression
         for key in ("log", "junit"):
@@ -473,7 +514,7 @@ class Run:
 
 
 __all__ = [
-    "ARCHIVE_ONLY", "SOURCES_SUFFIX", "SPEC_DOC", "CASE", "CROSSCHECK", "ENVIRONMENT", "ENVIRONMENT_TEXT", "Finding", "JUNIT", "PLAN",
+    "ARCHIVE_ONLY", "CAPTURE", "OPTIONAL_DOCUMENTS", "PARITY_JSON", "PARITY_PNG", "SOURCES_SUFFIX", "SPEC_DOC", "CASE", "CROSSCHECK", "ENVIRONMENT", "ENVIRONMENT_TEXT", "Finding", "JUNIT", "PLAN",
     "PYTEST_LOG", "PlannedReport", "REGRESSION", "REVIEWING", "Run", "SCHEMA_DIR", "SUMMARY", "SUMS", "Stage",
     "STEM", "TENSOR_NAMES", "Topology", "topology_rule_files", "VALIDATION", "field_path", "get", "inside", "is_number", "load_json",
     "non_finite_numbers", "planned_reports", "report_tensors", "run_stages", "stages",

@@ -40,7 +40,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from rl_engine import jsonio, schemas
-from rl_engine.evidence.casename import NOGIT, RunName, case_hash, resolved_case
+from rl_engine.evidence.casename import NOGIT, RunName, case_hash, parity_identity, resolved_case
 from rl_engine.evidence.gitstate import GitStateError, read_git_state
 from rl_engine.campaign.case import (
     TOPOLOGY_FIELDS,
@@ -159,27 +159,89 @@ def _capture_record(path: str, archive: bool, size: int, mtime_ns: int) -> tuple
 
 def config_capture(config: dict[str, Any], origin: Origin = Origin()) -> dict[str, Any] | None:
     """The case's ``capture`` record of ``inputs: {capture: PATH[, archive: BOOL]}`` (a path relative
-    to the working directory), or None for the input recipe; refuses a file that is not a capture."""
+    to the working directory), or None for the input recipe; refuses a file that is not a capture.
+    With ``archive: true`` the workflow's capture stage copies the file into the run directory and the
+    archive packs it (:data:`rl_engine.rundir.CAPTURE`)."""
     inputs = config.get("inputs")
     if inputs is None:
         return None
     path = inputs["capture"]
-    if inputs.get("archive", False):
-        raise WorkflowConfigError(
-            f"{origin.describe('inputs.archive', inputs['archive'])}: the workflow's archive rule does not "
-            "copy the capture into the archive yet (docs/capture.md); set inputs.archive: false and give "
-            "the file to `verify --recompute --capture PATH`")
-    try:
-        stat = os.stat(path)
-        state = (stat.st_size, stat.st_mtime_ns)
-    except OSError:
-        state = (-1, -1)
-    problem, record = _capture_record(str(path), bool(inputs.get("archive", False)), *state)
+    problem, record = _capture_record(str(path), bool(inputs.get("archive", False)), *_file_state(path))
     if problem:
         raise WorkflowConfigError(f"{origin.describe('inputs.capture', path)}: {problem}; "
                                   f"{origin.fix('inputs.capture')}")
     value: dict[str, Any] = jsonio.loads(record)
     return value
+
+
+def _file_state(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """``(size, mtime_ns)`` of a file (``(-1, -1)`` when it cannot be read): a cache key of what was read."""
+    try:
+        stat = os.stat(path)
+        return stat.st_size, stat.st_mtime_ns
+    except OSError:
+        return -1, -1
+
+
+# ----- the parity stage (config ``parity:``) ------------------------------------------------------
+PARITY_DEFAULTS: dict[str, Any] = {"ratio_bounds": [0.8, 1.2], "num_vocab_tiles": 1,
+                                   "backend": "pytorch-vocab-parallel-logp-ws2"}
+
+
+def parity_settings(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``parity:`` section with its defaults filled (what the parity rule passes the verb), or None."""
+    section = config.get("parity")
+    return None if section is None else {**PARITY_DEFAULTS, **section}
+
+
+@functools.lru_cache(maxsize=8)
+def _parity_check(rollout: str, trainer: str, bounds: tuple[float, float], tiles: int, backend: str,
+                  states: tuple[int, ...]) -> tuple[str, str, str]:
+    """``(problem, rollout sha256, trainer sha256)`` of a parity section, once per file state in a
+    process (it reads both captures' headers, targets and masks, and hashes both files)."""
+    from rl_engine.campaign.captured import file_sha256  # imports torch
+    from rl_engine.capture.parity import ParityError, ParityOptions, check_pair
+
+    try:
+        check_pair(Path(rollout), Path(trainer), ParityOptions(backend, tiles, bounds))
+        return "", file_sha256(rollout), file_sha256(trainer)
+    except (ParityError, OSError) as exc:
+        return str(exc), "", ""
+
+
+def config_parity(config: dict[str, Any], origin: Origin = Origin()) -> dict[str, Any] | None:
+    """The parity stage's part of the case hash (:func:`rl_engine.evidence.casename.parity_identity`:
+    both captures' SHA-256 and the verb's options), or None without a ``parity:`` section.
+
+    Refuses, naming the key, the value and the fix, what the parity verb would refuse without
+    reading logits: a missing file or one that is not a capture, two captures of different tokens,
+    targets or masks, a tile count that does not divide the vocabulary, bounds outside
+    ``0 < LOW < 1 < HIGH``, or a backend that does not run on the CPU.
+    """
+    settings = parity_settings(config)
+    if settings is None:
+        return None
+    missing = [side for side in ("rollout", "trainer") if not Path(settings[side]).is_file()]
+    if missing:
+        side = missing[0]
+        raise WorkflowConfigError(f"{origin.describe(f'parity.{side}', settings[side])}: no such file (looked in "
+                                  f"{Path.cwd()}); name the {side} engine's capture (docs/capture.md); "
+                                  f"{origin.fix(f'parity.{side}')}")
+    bounds = tuple(float(b) for b in settings["ratio_bounds"])
+    states = (*_file_state(settings["rollout"]), *_file_state(settings["trainer"]))
+    problem, rollout_sha, trainer_sha = _parity_check(str(settings["rollout"]), str(settings["trainer"]), bounds,
+                                                      settings["num_vocab_tiles"], settings["backend"], states)
+    if problem:
+        raise WorkflowConfigError(f"{origin.describe('parity', config['parity'])}: the parity stage would refuse "
+                                  f"these captures: {problem}; {origin.fix('parity')}")
+    return parity_identity(rollout_sha, trainer_sha, list(bounds), settings["num_vocab_tiles"], settings["backend"])
+
+
+def stage_flags(config: dict[str, Any]) -> dict[str, bool]:
+    """The optional stages a checked config asks for (:func:`rl_engine.rundir.stages`' keywords):
+    ``capture`` (``inputs.archive: true``) and ``parity`` (a ``parity:`` section)."""
+    inputs = config.get("inputs") or {}
+    return {"capture": inputs.get("archive", False) is True, "parity": config.get("parity") is not None}
 
 
 def case_values(config: dict[str, Any], origin: Origin = Origin()) -> dict[str, Any]:
@@ -340,6 +402,10 @@ def check_config(config: dict[str, Any], origin: Origin = Origin()) -> dict[str,
             f"{origin.describe(key, value)}: not a finite number; use a finite value" for key, value in bad_numbers
         ))
     problems = _campaign_problems(config, origin)
+    try:
+        config_parity(config, origin)
+    except WorkflowConfigError as exc:
+        problems.append(str(exc))
     if problems:
         raise WorkflowConfigError("; ".join(problems))
     return config
@@ -394,10 +460,11 @@ def load_config(path: str | Path) -> dict[str, Any]:
 
 
 def config_case_hash(config: dict[str, Any]) -> str:
-    """The case hash (:mod:`rl_engine.evidence.casename`) of a checked config."""
+    """The case hash (:mod:`rl_engine.evidence.casename`) of a checked config (a capture's path does not
+    count; a ``parity:`` section's captures and options do, by hash)."""
     regression = config["regression"]
     return case_hash(resolved_case(case_values(config), config["topologies"], regression["tests"],
-                                   regression.get("pytest_args", [])))
+                                   regression.get("pytest_args", []), config_parity(config)))
 
 
 def run_name(config: dict[str, Any], repo: str | Path) -> str:
@@ -560,10 +627,12 @@ def _sha256_of(sidecar: Path) -> str:
     return text[0] if text else "(empty .sha256 file)"
 
 
-def closing(run: str | Path, topologies: list[Topology], succeeded: bool) -> Closing:
-    """The closing message of a run of ``run`` with ``topologies``; ``succeeded`` as Snakemake says."""
+def closing(run: str | Path, topologies: list[Topology], succeeded: bool, *, capture: bool = False,
+            parity: bool = False) -> Closing:
+    """The closing message of a run of ``run`` with ``topologies``; ``succeeded`` as Snakemake says;
+    ``capture`` and ``parity``: the optional stages of the run (:func:`stage_flags`)."""
     run = Path(run)
-    all_stages = stages(run, topologies)
+    all_stages = stages(run, topologies, capture=capture, parity=parity)
     stage_of = {s.rule: s for s in all_stages}  # (the topology stages share a rule; not looked up here)
     summary_stage, archive_stage, verify_stage = stage_of["summary"], stage_of["archive"], stage_of["verify_archive"]
     archive, sidecar = archive_stage.outputs
@@ -612,21 +681,22 @@ def closing(run: str | Path, topologies: list[Topology], succeeded: bool) -> Clo
 
 
 def print_closing(run: str | Path, topologies: list[Topology], succeeded: bool,
-                  console: Console | None = None) -> Closing:
-    """Print :func:`closing` as a rich table (what the Snakefile's handlers call) and return it."""
-    result = closing(run, topologies, succeeded)
+                  console: Console | None = None, **flags: bool) -> Closing:
+    """Print :func:`closing` as a rich table (what the Snakefile's handlers call) and return it;
+    ``flags``: :func:`stage_flags`."""
+    result = closing(run, topologies, succeeded, **flags)
     (console or Console(width=160)).print(result.table())
     return result
 
 
-def print_closing_at_exit(run: str | Path, topologies: list[Topology], succeeded: bool) -> None:
+def print_closing_at_exit(run: str | Path, topologies: list[Topology], succeeded: bool, **flags: bool) -> None:
     """:func:`print_closing` when the Snakemake process exits (what the Snakefile's handlers call).
 
     Snakemake logs the complete log's path and the elapsed time after ``onsuccess:`` and
     ``onerror:`` return (and on error its final error line); printing at interpreter exit keeps
     the table the last thing on the console (issue 22). The files are read then, when every job
     is over."""
-    atexit.register(print_closing, run, topologies, succeeded)
+    atexit.register(functools.partial(print_closing, run, topologies, succeeded, **flags))
 
 
 def main(argv: list[str]) -> int:

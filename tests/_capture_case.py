@@ -40,5 +40,15 @@ def write_tiny_capture(path: Path, seed: int = 5) -> Path:
     return path
 
 
+def write_trainer_side(path: Path, seed: int = 5, scale: float = 1.001) -> Path:
+    """The same tokens, targets and mask as :func:`tiny_capture` (``seed``), the logits in fp32 and
+    scaled by ``scale``: a trainer's capture whose logits differ from the rollout's on every token."""
+    rollout = tiny_capture(seed)
+    meta = build_metadata(engine="test-trainer", engine_version="0", model="seeded-randn", dtype="fp32",
+                          notes=f"tests/_capture_case.py seed {seed} x {scale}")
+    write_capture(path, Capture(rollout.logits.float() * scale, rollout.targets, rollout.active, None, meta))
+    return path
+
+
 def capture_case(path: Path, archive: bool = False, **changes: Any) -> Case:
     return Case.create(**{**CASE_FIELDS, **changes}, capture=capture_record(path, archive))

@@ -54,6 +54,23 @@ def test_write_then_read_gives_the_same_bytes_and_metadata(tmp_path: Path) -> No
     assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]  # no temporary left
 
 
+def test_the_same_capture_written_twice_gives_the_same_bytes(tmp_path: Path) -> None:
+    """safetensors writes the header's metadata in hash-map order, a new one on each call: the
+    same capture got another SHA-256 (another case hash) each time it was written."""
+    from safetensors.torch import save
+
+    from rl_engine.capture.format import canonical_header
+
+    t = _tensors()
+    cap = Capture(t["logits"], t["targets"], t["active"], t["reported_logp"], _meta())
+    digests = {write_capture(tmp_path / f"c{i}.safetensors", cap) for i in range(8)}
+    assert len(digests) == 1
+    raw = {save(dict(t), metadata=_meta()) for _ in range(8)}  # the library's own bytes
+    assert len(raw) > 1  # negative control: they differ (7 metadata keys in a random order each time)
+    assert len({canonical_header(data) for data in raw}) == 1
+    assert read_header(tmp_path / "c0.safetensors").metadata == _meta()  # still a valid capture
+
+
 def test_read_rows_reads_only_the_asked_rows_and_columns(tmp_path: Path) -> None:
     t = _tensors()
     path = tmp_path / "c.safetensors"

@@ -2,7 +2,14 @@
 TP x CP matrix on a tiny capture written here: the real ``plan`` and ``launch`` verbs (torchrun,
 gloo ranks that each read only their tokens and columns), identical fingerprints at 1x1, 2x1
 and 2x2, the capture's SHA-256 and metadata in every report, and a rank that refuses a file
-whose bytes are not the recorded ones."""
+whose bytes are not the recorded ones.
+
+The same run (its case says ``archive: true``) is then completed by the real verbs (copy-capture,
+env, regression, parity, validate, crosscheck, summary, archive) into an archive that holds the
+capture and a parity report: ``verify --recompute`` passes on it without ``--capture``; without
+the capture member, or with other bytes in it, it is refused naming the file and the hash. The
+capture's path is not part of the run name; rank 0 hashes the capture once; the ``parity:``
+section of config.yaml is checked before any job."""
 
 from __future__ import annotations
 
@@ -86,7 +93,7 @@ def capture_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, d
     run_dir = tmp_path_factory.mktemp("capture-campaign")
     (run_dir / "logs").mkdir()
     path = write_tiny_capture(tmp_path_factory.mktemp("captures") / "rollout.safetensors")  # outside the run
-    write_case_file(run_dir / "case.json", capture_case(path),
+    write_case_file(run_dir / "case.json", capture_case(path, archive=True),  # inputs.archive: true
                     tuple(tuple(int(x) for x in t.split("x")) for t in TOPOLOGIES))
     assert cli.main(["plan", "--case", str(run_dir / "case.json"), "--output", str(run_dir / "plan.json")]) == 0
     reports = {}
@@ -102,7 +109,7 @@ def capture_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, d
 @pytest.mark.slow
 def test_the_matrix_on_a_capture_gives_identical_fingerprints_and_records_the_capture(capture_run) -> None:
     _, path, reports = capture_run
-    record = capture_record(path)
+    record = capture_record(path, archive=True)
     for topology, report in reports.items():
         assert report["passed"], (topology, report["failures"])
         assert report["case"]["capture"] == record
@@ -144,7 +151,6 @@ def test_the_workflow_config_names_a_capture_and_the_case_file_carries_it(tmp_pa
     ({"seq": 4}, "batch * seq = 2 * 4 = 8 must be the 16 tokens"),
     ({"inputs": {"capture": "absent.safetensors"}}, "no such file"),
     ({"inputs": {"capture": "x", "archive": "yes"}}, "inputs.archive"),
-    ({"inputs": {"capture": "x", "archive": True}}, "does not copy the capture into the archive yet"),
 ])
 def test_the_workflow_config_refuses_a_capture_that_disagrees_or_is_absent(
         tmp_path: Path, change: dict, named: str) -> None:
@@ -215,3 +221,310 @@ def test_a_rank_refuses_a_capture_whose_bytes_changed_after_the_plan(capture_run
         path.write_bytes(original)
         for kept_path, data in kept.items():
             kept_path.write_bytes(data)
+
+
+# ----- the capture's path is not the case's identity (issue 21) ---------------------------------
+def test_the_capture_path_is_recorded_but_the_same_bytes_elsewhere_are_the_same_run(tmp_path: Path) -> None:
+    import shutil
+
+    from rl_engine.workflow import check_config, config_case, config_case_hash
+
+    first = write_tiny_capture(tmp_path / "cap.safetensors")
+    (tmp_path / "moved").mkdir()
+    moved = Path(shutil.copy(first, tmp_path / "moved" / "renamed.safetensors"))
+    one, two = check_config(_capture_config(first)), check_config(_capture_config(moved))
+    assert config_case(one)["case"]["capture"]["path"] == str(first.resolve())  # recorded, for information
+    assert config_case(two)["case"]["capture"]["path"] == str(moved.resolve())
+    assert config_case_hash(one) == config_case_hash(two)
+    # negative controls: other bytes, or the archive holding the file, are another run
+    other = write_tiny_capture(tmp_path / "other.safetensors", seed=6)
+    assert config_case_hash(check_config(_capture_config(other))) != config_case_hash(one)
+    archived = check_config(_capture_config(first, inputs={"capture": str(first), "archive": True}))
+    assert config_case_hash(archived) != config_case_hash(one)
+
+
+def _parity_config(tmp_path: Path, **section: object) -> dict:
+    from _capture_case import write_trainer_side
+
+    rollout = write_tiny_capture(tmp_path / "rollout.safetensors")
+    trainer = write_trainer_side(tmp_path / "trainer.safetensors")
+    return _capture_config(rollout, parity={"rollout": str(rollout), "trainer": str(trainer), **section})
+
+
+def test_a_parity_section_is_a_stage_named_by_its_captures_hashes_and_absent_changes_nothing(tmp_path: Path) -> None:
+    import shutil
+
+    import yaml
+
+    from rl_engine.evidence.casename import case_hash, resolved_case
+    from rl_engine.workflow import case_values, check_config, config_case_hash, stage_flags
+
+    config = check_config(_parity_config(tmp_path))
+    assert stage_flags(config) == {"capture": False, "parity": True}
+    without = dict(config)
+    del without["parity"]
+    assert config_case_hash(config) != config_case_hash(without)
+    # the same captures at other paths: the same run
+    (tmp_path / "elsewhere").mkdir()
+    moved = {side: str(shutil.copy(config["parity"][side], tmp_path / "elsewhere" / f"{side}.st"))
+             for side in ("rollout", "trainer")}
+    assert config_case_hash(check_config({**config, "parity": moved})) == config_case_hash(config)
+    assert config_case_hash(check_config({**config, "parity": {**moved, "ratio_bounds": [0.5, 2]}})) \
+        != config_case_hash(config)
+    # no parity section: no stage, and the case hash is the one of the resolved case without a parity key
+    default = check_config(yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text()))
+    assert stage_flags(default) == {"capture": False, "parity": False}
+    regression = default["regression"]
+    assert config_case_hash(default) == case_hash(resolved_case(case_values(default), default["topologies"],
+                                                                regression["tests"], regression["pytest_args"]))
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"rollout": "absent.safetensors"}, "config key 'parity.rollout' has value 'absent.safetensors': no such file"),
+    ({"rolout": "x"}, "unknown config key(s) ['rolout'] under 'parity'; did you mean 'rollout' for 'rolout'?"),
+    ({"ratio_bounds": [1.2, 0.8]}, "--ratio-bounds=1.2 0.8 must be finite with 0 < LOW < 1 < HIGH"),
+    ({"num_vocab_tiles": 3}, "num_vocab_tiles: num_vocab_tiles=3 does not divide padded_vocab=64"),
+    ({"backend": "triton-vocab-parallel-logp-ws2"}, "must be a backend registered for the cpu"),
+    ({"trainer": "OTHER"}, "tensor targets differs at token"),
+])
+def test_a_bad_parity_section_is_refused_before_any_job_naming_key_value_and_fix(
+        tmp_path: Path, change: dict, named: str) -> None:
+    from rl_engine.workflow import WorkflowConfigError, check_config
+
+    config = _parity_config(tmp_path)
+    if change.get("trainer") == "OTHER":  # same shape, other targets
+        change = {"trainer": str(write_tiny_capture(tmp_path / "other.safetensors", seed=6))}
+    config["parity"].update(change)
+    with pytest.raises(WorkflowConfigError) as info:
+        check_config(config)
+    assert named in str(info.value), str(info.value)
+    assert "fix" in str(info.value) or "remove or rename" in str(info.value)
+
+
+# ----- rank 0 hashes the capture once ------------------------------------------------------------
+def _hashes_of_one_rank(rank: int, plan: str, tp: int, cp: int) -> tuple[int, list[str]]:
+    """One rank of ``tp x cp`` in this worker process, counting every time the capture is hashed."""
+    from rl_engine.campaign import captured, run
+
+    hashed: list[str] = []
+    real = captured._hash_stream
+
+    def counting(handle: object) -> str:
+        hashed.append(str(getattr(handle, "name", "?")))
+        return real(handle)
+
+    captured._hash_stream = counting
+    return run.run_topology(plan, tp, cp), hashed
+
+
+def test_each_rank_hashes_the_capture_once_and_a_rewritten_file_again(tmp_path: Path) -> None:
+    from _multiproc import run_workers
+
+    path = write_tiny_capture(tmp_path / "cap.safetensors")
+    write_case_file(tmp_path / "case.json", capture_case(path), ((1, 1), (2, 1)))
+    assert cli.main(["plan", "--case", str(tmp_path / "case.json"), "--output", str(tmp_path / "plan.json")]) == 0
+    results = run_workers(_hashes_of_one_rank, 2, str(tmp_path / "plan.json"), 2, 1, timeout_s=120)
+    assert [code for code, _ in results] == [0, 0]
+    assert [len(hashed) for _, hashed in results] == [1, 1], results  # rank 0: its check, its oracle's read: one hash
+    assert (tmp_path / "tp2-cp1.json").is_file()
+    # negative control: the memory is of the file's identity; a rewritten file is hashed again
+    from rl_engine.campaign import captured
+
+    calls: list[str] = []
+    real = captured._hash_stream
+    record = capture_record(path)
+    captured._HASHED.clear()
+    try:
+        captured._hash_stream = lambda handle: calls.append(handle.name) or real(handle)  # type: ignore[assignment]
+        check_file(record)
+        check_file(record)
+        assert len(calls) == 1
+        write_tiny_capture(path)  # the same bytes, a new file
+        check_file(record)
+        assert len(calls) == 2
+    finally:
+        captured._hash_stream = real  # type: ignore[assignment]
+
+
+# ----- an archive that holds the capture (inputs.archive: true) and a parity report -------------
+def _pack(run_dir: Path, output: Path) -> int:
+    """The archive verb on every file of the run directory (all of them made by the verbs here)."""
+    from _evidence_run import schema_files, spec_file
+
+    files = sorted(p for p in run_dir.rglob("*") if p.is_file())
+    return cli.main(["archive", "--run-dir", str(run_dir), "--output", str(output), "--spec", str(spec_file()),
+                     "--schemas", *map(str, schema_files()), "--files", *map(str, files)])
+
+
+@pytest.fixture(scope="module")
+def capture_archive(capture_run, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """:func:`capture_run` completed by the real verbs, with a parity stage, archived under its run name."""
+    import shutil
+
+    from _capture_case import write_trainer_side
+    from _evidence_run import PYTEST_ARGS, TINY_TESTS
+    from rl_engine.evidence.casename import RunName, case_hash, evidence_resolved_case
+    from rl_engine import jsonio
+    from rl_engine.rundir import CAPTURE
+
+    source, path, _ = capture_run
+    base = tmp_path_factory.mktemp("capture-archive")
+    run_dir = base / "run"
+    shutil.copytree(source, run_dir)
+    assert cli.main(["copy-capture", "--case", str(run_dir / "case.json"), "--output", str(run_dir / CAPTURE)]) == 0
+    assert cli.main(["env", "--output-dir", str(run_dir), "--repo", str(Path(__file__).resolve().parents[1])]) == 0
+    tiny = base / "focused" / "test_tiny_focused.py"
+    tiny.parent.mkdir()
+    tiny.write_text(TINY_TESTS, encoding="utf-8")
+    assert cli.main(["regression", "--output-dir", str(run_dir), "--tests", str(tiny), *PYTEST_ARGS]) == 0
+    trainer = write_trainer_side(base / "trainer.safetensors")
+    assert cli.main(["parity", str(path), str(trainer), "--output-dir", str(run_dir),
+                     "--difference-exit-code", "0"]) == 0  # a difference: exit 0 as the workflow asks
+    for verb, out in (("validate", "validation.json"), ("crosscheck", "crosscheck.json"), ("summary", "SUMMARY.md")):
+        assert cli.main([verb, "--run-dir", str(run_dir), "--output", str(run_dir / out)]) == 0, verb
+    git = jsonio.load(run_dir / "environment.json")["git"]
+    digest = case_hash(evidence_resolved_case(jsonio.load(run_dir / "plan.json"), jsonio.load(run_dir / "regression.json"),
+                                              jsonio.load(run_dir / "parity.json")))
+    name = RunName("capture", git.get("short_commit") or "nogit", git.get("dirty") is True, digest)
+    archive = base / "out" / f"{name}.tar.gz"
+    assert _pack(run_dir, archive) == 0
+    return {"archive": archive, "run": run_dir, "capture": path, "trainer": trainer}
+
+
+def _verify(archive: Path, tmp_path: Path, *flags: str) -> tuple[int, dict[str, dict]]:
+    from rl_engine import jsonio
+    from rl_engine.evidence import verify
+
+    out = tmp_path / "verify.json"
+    code = verify.main([str(archive), "--json", str(out), *flags])
+    return code, {c["name"]: c for c in jsonio.load(out)["checks"]}
+
+
+def _text(check: dict) -> str:
+    return "\n".join([check["detail"], *check["problems"]])
+
+
+def _rebuilt(capture_archive: dict[str, Path], tmp_path: Path, capture_bytes: bytes | None) -> Path:
+    """The archive with its capture member replaced by ``capture_bytes`` (removed when None), SHA256SUMS
+    recomputed and a matching .sha256: only the checks of the capture itself can catch it."""
+    import gzip
+    import io
+    import tarfile
+
+    from rl_engine import jsonio
+    from rl_engine.evidence import archive as archive_verb
+    from rl_engine.rundir import CAPTURE, SUMS
+
+    source = capture_archive["archive"]
+    top = source.name[: -len(".tar.gz")]
+    with tarfile.open(source) as tar:
+        members = [(m, tar.extractfile(m).read() if m.isfile() else None) for m in tar.getmembers()]  # type: ignore[union-attr]
+    files: dict[str, bytes | None] = {m.name: data for m, data in members}
+    if capture_bytes is None:
+        del files[f"{top}/{CAPTURE}"]
+    else:
+        files[f"{top}/{CAPTURE}"] = capture_bytes
+    sums = [(name[len(top) + 1:], data) for name, data in files.items() if data is not None and not name.endswith(SUMS)]
+    files[f"{top}/{SUMS}"] = archive_verb.sums_text(sums).encode()
+    buffer = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=buffer, mtime=0) as gz, tarfile.open(fileobj=gz, mode="w|") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.type = tarfile.REGTYPE if data is not None else tarfile.DIRTYPE
+            info.size, info.mode = (len(data), 0o644) if data is not None else (0, 0o755)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    out = tmp_path / "in" / source.name
+    out.parent.mkdir()
+    out.write_bytes(buffer.getvalue())
+    out.with_name(out.name + ".sha256").write_text(f"{jsonio.sha256_bytes(buffer.getvalue())}  {out.name}\n")
+    return out
+
+
+@pytest.mark.slow
+def test_an_archive_holding_the_capture_verifies_with_recompute_and_no_capture_flag(
+        capture_archive: dict[str, Path], tmp_path: Path) -> None:
+    import tarfile
+
+    from rl_engine import jsonio
+    from rl_engine.rundir import CAPTURE, PARITY_JSON, PARITY_PNG, SUMS
+
+    archive, path = capture_archive["archive"], capture_archive["capture"]
+    code, checks = _verify(archive, tmp_path, "--recompute")
+    assert code == 0, {n: c["problems"] for n, c in checks.items() if c["status"] == "FAIL"}
+    for name in ("run name", "SHA256SUMS", "archive members", "JSON schemas (shipped)", "report acceptance",
+                 "SUMMARY.md", "inputs regenerated", "oracle drift recomputed", "candidate replayed"):
+        assert checks[name]["status"] == "PASS", (name, checks[name])
+    assert PARITY_JSON in checks["run name"]["detail"]  # the parity report is part of the run name
+    top = archive.name[: -len(".tar.gz")]
+    with tarfile.open(archive) as tar:
+        held = tar.extractfile(f"{top}/{CAPTURE}").read()  # type: ignore[union-attr]
+        sums = tar.extractfile(f"{top}/{SUMS}").read().decode()  # type: ignore[union-attr]
+        names = tar.getnames()
+    assert held == path.read_bytes()
+    assert f"{capture_record(path)['sha256']}  {CAPTURE}\n" in sums
+    assert {f"{top}/{PARITY_JSON}", f"{top}/{PARITY_PNG}"} <= set(names)
+    # byte-reproducible: the same run packed again is the same archive
+    again = tmp_path / "again" / archive.name
+    assert _pack(capture_archive["run"], again) == 0
+    assert again.read_bytes() == archive.read_bytes()
+    # SUMMARY.md's parity section: its numbers are parity.json's
+    summary = (capture_archive["run"] / "SUMMARY.md").read_text()
+    parity = jsonio.load(capture_archive["run"] / PARITY_JSON)
+    assert parity["verdict"] == "different" and "## Parity: rollout versus trainer" in summary
+    logits = parity["logits"]
+    assert (f"{logits['tokens_differing']} active tokens and {logits['columns_differing']} columns differ; "
+            f"max abs {logits['max_abs_diff']!r}") in summary
+    assert f"mean {parity['importance_ratio']['ours']['mean']!r}" in summary
+    assert "the archive holds it (`inputs.archive: true`)" in summary
+
+
+@pytest.mark.slow
+def test_the_summary_reproduce_config_gives_the_run_name_of_the_archive(capture_archive: dict[str, Path]) -> None:
+    import yaml
+    from snakemake.utils import update_config
+
+    from rl_engine.workflow import config_case_hash
+
+    text = (capture_archive["run"] / "SUMMARY.md").read_text()
+    block = text.split("`reproduce.yaml` (over the repository's `config.yaml`", 1)[1].split("\n\n", 2)[1]
+    reproduce = yaml.safe_load("\n".join(line[4:] for line in block.splitlines()))
+    assert reproduce["inputs"] == {"capture": str(capture_archive["capture"].resolve()), "archive": True}
+    assert reproduce["parity"]["trainer"] == str(capture_archive["trainer"])
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())
+    update_config(config, reproduce)
+    assert capture_archive["archive"].name.endswith(f"-case-{config_case_hash(config)}.tar.gz")
+
+
+@pytest.mark.slow
+def test_an_archive_without_its_capture_member_is_refused_naming_the_file_and_hash(
+        capture_archive: dict[str, Path], tmp_path: Path) -> None:
+    from rl_engine.rundir import CAPTURE
+
+    sha = capture_record(capture_archive["capture"])["sha256"]
+    path = _rebuilt(capture_archive, tmp_path, None)
+    code, checks = _verify(path, tmp_path, "--recompute")
+    assert code == 1 and checks["SHA256SUMS"]["status"] == "PASS"  # consistent sums: the capture checks catch it
+    for name in ("report acceptance", "inputs regenerated", "candidate replayed"):
+        assert checks[name]["status"] == "FAIL" and sha in _text(checks[name]), (name, checks[name])
+    assert f"has no {CAPTURE}: the archive is incomplete" in _text(checks["inputs regenerated"])
+    assert "pass --capture PATH" in _text(checks["inputs regenerated"])
+    assert f"{CAPTURE}: (file): the case says the archive holds its capture" in _text(checks["report acceptance"])
+    # negative control: given the file with --capture, the replay passes again
+    code, checks = _verify(path, tmp_path, "--recompute", "--capture", str(capture_archive["capture"]))
+    assert checks["inputs regenerated"]["status"] == "PASS" and checks["candidate replayed"]["status"] == "PASS"
+
+
+@pytest.mark.slow
+def test_an_archived_capture_with_other_bytes_is_refused(capture_archive: dict[str, Path], tmp_path: Path) -> None:
+    from _capture_case import tiny_capture
+    from rl_engine.capture.format import write_capture
+
+    sha = capture_record(capture_archive["capture"])["sha256"]
+    other = tmp_path / "other.safetensors"
+    write_capture(other, tiny_capture(seed=6))  # the same shape and size, other logits
+    assert other.stat().st_size == capture_archive["capture"].stat().st_size
+    code, checks = _verify(_rebuilt(capture_archive, tmp_path, other.read_bytes()), tmp_path, "--recompute")
+    assert code == 1 and checks["SHA256SUMS"]["status"] == "PASS"
+    expected = f"not that of the case's capture (sha256 {sha}"
+    for name in ("report acceptance", "inputs regenerated", "candidate replayed"):
+        assert checks[name]["status"] == "FAIL" and expected in _text(checks[name]), (name, checks[name])

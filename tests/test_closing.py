@@ -24,10 +24,11 @@ STEMS = [Topology(1, 1), Topology(2, 1)]
 DIGEST = "ab" * 32
 
 
-def lay_out(results: Path, upto: str | None = None, verify_passed: bool = True) -> Path:
-    """Every stage's outputs up to (not including) the stage named ``upto``; all of them when None."""
+def lay_out(results: Path, upto: str | None = None, verify_passed: bool = True, **flags: bool) -> Path:
+    """Every stage's outputs up to (not including) the stage named ``upto``; all of them when None;
+    ``flags``: the optional stages (capture, parity)."""
     run = results / NAME
-    for stage in stages(run, STEMS):
+    for stage in stages(run, STEMS, **flags):
         if stage.label == upto:
             break
         for path in stage.outputs:
@@ -167,3 +168,27 @@ def test_a_failed_stage_shows_the_end_of_its_log(tmp_path: Path) -> None:
     assert "[bold]rank 1 exited with code 2[/bold]" in out.getvalue() and "line 25" not in out.getvalue()
     log.unlink()  # no log: no tail row, the log row says so
     assert "Log, last 15 lines" not in rows(closing(run, STEMS, succeeded=False))
+
+
+def test_the_optional_capture_and_parity_stages_are_named_when_they_fail(tmp_path: Path) -> None:
+    """A failed parity rule (refused captures: exit 2) or capture copy: the table names that stage and its
+    log, not the validation gate the run never reached. Their place: capture after case, parity after
+    the topologies, before the validation gate."""
+    flags = {"capture": True, "parity": True}
+    run = tmp_path / "results" / NAME
+    labels = [s.label for s in stages(run, STEMS, **flags)]
+    assert labels[labels.index("case") + 1] == "capture copy"
+    assert labels[labels.index("validation gate") - 1] == "parity"
+    assert labels[labels.index("parity") - 1] == "topology tp2-cp1"
+    assert [s.label for s in stages(run, STEMS)] == [x for x in labels if x not in ("capture copy", "parity")]
+    for failed, missing in (("parity", "parity.json, parity.png"), ("capture copy", "capture.safetensors")):
+        results = tmp_path / failed.replace(" ", "-") / "results"
+        run = lay_out(results, upto=failed, **flags)
+        result = closing(run, STEMS, succeeded=False, **flags)
+        assert result.verdict == f"FAILED at {failed} (missing {missing})", result.verdict
+        log = "parity.log" if failed == "parity" else "capture.log"
+        assert rows(result)["Log"] == f"{run / 'logs' / log} (not written)"
+        # negative control: told nothing of the optional stages, the table names a later stage
+        assert "FAILED at parity" not in closing(run, STEMS, succeeded=False).verdict
+    complete = lay_out(tmp_path / "all" / "results", **flags)
+    assert closing(complete, STEMS, succeeded=True, **flags).verdict == VERIFIED

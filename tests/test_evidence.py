@@ -693,6 +693,28 @@ def test_gzip_and_tar_helpers_are_deterministic() -> None:
     assert archive.sums_text(files) == f"{first}  a/x.bin\n{second}  b.txt\n"
 
 
+def test_a_file_member_is_streamed_from_disk_and_packs_the_same_bytes(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 21: a capture can be gigabytes: the archive reads a file member in chunks (never whole:
+    ``Path.read_bytes`` is refused here) and its bytes and SHA256SUMS line are those of the same data held
+    in memory, so streaming keeps the archive byte-reproducible."""
+    big = tmp_path / "capture.safetensors"
+    data = bytes(range(256)) * (3 * 4096 + 17)  # about 3 MiB: several chunks
+    big.write_bytes(data)
+    in_memory = [("b.txt", b"2"), ("capture.safetensors", data)]
+    expected_tar, expected_sums = archive.tar_gz_bytes("N", in_memory), archive.sums_text(in_memory)
+
+    def refuse(self: Path) -> bytes:
+        raise AssertionError(f"{self} was read whole into memory")
+
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    streamed = [("b.txt", b"2"), ("capture.safetensors", big)]
+    assert archive.tar_gz_bytes("N", streamed) == expected_tar
+    assert archive.sums_text(streamed) == expected_sums
+    given = archive.given_files(tmp_path, [big])
+    assert given == [("capture.safetensors", big)]  # a path, not the bytes
+
+
 def test_cli_maps_every_evidence_verb() -> None:
     for verb in ("env", "regression", "validate", "crosscheck", "summary", "archive", "verify"):
         assert verb in cli.VERBS

@@ -202,6 +202,39 @@ def test_bad_inputs_are_refused_with_nothing_written(damage: str, caps: dict[str
     assert expect in capsys.readouterr().err
 
 
+def test_the_workflow_exit_code_makes_a_difference_a_finding_but_a_refusal_still_fails(
+        caps: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The parity stage passes --difference-exit-code 0: a difference is a finding (exit 0, report
+    written); a refusal is exit 2 with nothing written, whatever the flag."""
+    code, report = _parity(caps["rollout"], caps["trainer"], tmp_path / "a", "--difference-exit-code", "0")
+    assert code == 0 and report is not None and report["verdict"] == "different"
+    assert "a difference is a finding" in capsys.readouterr().out
+    code, _ = _parity(caps["rollout"], caps["trainer"], tmp_path / "b")  # negative control: the default
+    assert code == 1
+    code, report = _parity(caps["rollout"], caps["trainer"], tmp_path / "c", "--difference-exit-code", "0",
+                           "--num-vocab-tiles", "3")
+    assert code == 2 and report is None and not (tmp_path / "c").exists()
+
+
+def test_check_pair_refuses_what_the_verb_refuses_without_reading_logits(caps: dict[str, Path], tmp_path: Path) -> None:
+    from rl_engine.capture.parity import ParityError, check_pair
+
+    check_pair(caps["rollout"], caps["trainer"], ParityOptions())  # negative control: a good pair passes
+    trainer = read_capture(caps["trainer"])
+    targets = trainer.targets.clone()
+    first = int(trainer.active.nonzero()[0, 0])
+    targets[first] = (targets[first] + 1) % trainer.vocab
+    other = tmp_path / "t.safetensors"
+    write_capture(other, Capture(trainer.logits, targets, trainer.active, None, trainer.metadata))
+    for args, named in (((caps["rollout"], other, ParityOptions()), f"tensor targets differs at token {first}"),
+                        ((caps["rollout"], caps["trainer"], ParityOptions(num_vocab_tiles=3)), "num_vocab_tiles"),
+                        ((caps["rollout"], caps["trainer"], ParityOptions(backend="auto")), "registered for the cpu"),
+                        ((caps["rollout"], tmp_path / "absent", ParityOptions()), "trainer capture: ")):
+        with pytest.raises(ParityError) as info:
+            check_pair(*args)
+        assert named in str(info.value), str(info.value)
+
+
 def test_the_fused_backend_gives_the_same_logprob_bytes_and_is_recorded(caps: dict[str, Path], tmp_path: Path) -> None:
     _, eager = _parity(caps["rollout"], caps["trainer"], tmp_path / "eager")
     _, fused = _parity(caps["rollout"], caps["trainer"], tmp_path / "fused", "--backend", "cpu-vocab-parallel-logp-ws2")
@@ -242,3 +275,17 @@ def test_the_worked_example_of_docs_capture_md_runs(tmp_path: Path, monkeypatch:
         if line.startswith(("│ 1", "│ 4")):
             assert line in table, line
     assert "from the logits only; control ok" in table and "from the logits only; control ok" in lines[2]
+    # the page's end-to-end config, on these captures, passes the workflow's config check with both stages
+    import yaml
+
+    from rl_engine.workflow import check_config, stage_flags
+
+    whole = page.split("## Worked example: from a capture to a verified archive", 1)[1]
+    overrides = yaml.safe_load(re.search(r"```yaml\n(.*?)```", whole, re.S).group(1))  # type: ignore[union-attr]
+    for section, keys in (("inputs", ("capture",)), ("parity", ("rollout", "trainer"))):
+        for key in keys:
+            overrides[section][key] = str(tmp_path / overrides[section][key])
+    root = Path(__file__).resolve().parent.parent
+    config = {**yaml.safe_load((root / "config.yaml").read_text()), **overrides}
+    monkeypatch.chdir(root)  # where snakemake runs (the focused tests' paths)
+    assert stage_flags(check_config(config)) == {"capture": True, "parity": True}

@@ -8,7 +8,10 @@ The case's own rules (:func:`rl_engine.campaign.case.capture_problems`) then req
 
 Where the file is read (every rank before any collective, rank 0 for the oracle, ``verify
 --recompute``), :func:`check_file` first requires it to be the recorded bytes (size, then
-SHA-256). Each rank then reads only its own tokens and vocabulary columns
+SHA-256). A process hashes a file once: :func:`check_file` remembers the digest of the file it
+hashed by its identity (device, inode, size, modification time in ns), so rank 0's check before
+the collectives, its oracle's read and ``verify``'s two replays hash it once each process; a
+rewritten file has a new modification time and is hashed again. Each rank then reads only its own tokens and vocabulary columns
 (:func:`rl_engine.capture.shard.rank_inputs`); rank 0 also reads the whole capture (values
 checked) for the FP32 oracle and the report's ``inputs_sha256``. The capture's ``active`` is
 the mask: ``prompt_tokens``, ``seed`` and ``logit_scale`` do not shape a captured case's inputs.
@@ -16,16 +19,47 @@ the mask: ``prompt_tokens``, ``seed`` and ``logit_scale`` do not shape a capture
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import os
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from rl_engine import jsonio
 from rl_engine.campaign import inputs  # inputs.make_inputs looked up at call time (a test spies on it)
 from rl_engine.capture.format import CaptureError, read_capture, read_header
 from rl_engine.rundir import CAPTURE
+
+COPY_CHUNK = 1 << 20  # bytes read at a time when hashing or copying a capture
+# (device, inode, size, mtime_ns) of a file this process hashed -> its SHA-256
+_HASHED: dict[tuple[int, int, int, int], str] = {}
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """The file's SHA-256, hashed at most once per process while its identity stays the same."""
+    with open(path, "rb") as handle:
+        before = _identity(os.fstat(handle.fileno()))
+        if before in _HASHED:
+            return _HASHED[before]
+        digest = _hash_stream(handle)
+        if _identity(os.fstat(handle.fileno())) == before:  # not rewritten while it was read
+            _HASHED[before] = digest
+    return digest
+
+
+def _hash_stream(handle: Any) -> str:
+    """SHA-256 of what is left to read of an open binary file, read in chunks (the one place a capture is hashed)."""
+    digest = hashlib.sha256()
+    while block := handle.read(COPY_CHUNK):
+        digest.update(block)
+    return digest.hexdigest()
 
 
 def capture_record(path: str | os.PathLike[str], archive: bool = False) -> dict[str, Any]:
@@ -37,7 +71,7 @@ def capture_record(path: str | os.PathLike[str], archive: bool = False) -> dict[
     header = read_header(where)
     return {
         "path": str(where.resolve()),
-        "sha256": jsonio.sha256_file(where),
+        "sha256": file_sha256(where),
         "size": header.file_size,
         "tokens": header.num_tokens,
         "vocab": header.vocab,
@@ -58,7 +92,7 @@ def check_file(record: Mapping[str, Any], path: str | os.PathLike[str] | None = 
     if size != record["size"]:
         raise CaptureError(f"capture {where} has {size} bytes, not those of {expected}; "
                            "give the file the case was made from")
-    digest = jsonio.sha256_file(where)
+    digest = file_sha256(where)
     if digest != record["sha256"]:
         raise CaptureError(f"capture {where} has sha256 {digest}, not that of {expected}; "
                            "give the file the case was made from")
@@ -98,4 +132,68 @@ def replay_source(record: Mapping[str, Any], root: str | os.PathLike[str],
                        f"{record['size']} bytes); {held}: pass --capture PATH to a copy of that file")
 
 
-__all__ = ["capture_record", "case_inputs", "check_file", "full_capture", "replay_source"]
+def copy_capture(record: Mapping[str, Any], output: str | os.PathLike[str],
+                 source: str | os.PathLike[str] | None = None) -> str:
+    """Copy the case's capture (``source``, default its recorded path) to ``output`` in one streamed
+    pass, hashing what is written; refuse (nothing left at ``output``) bytes other than the recorded ones.
+
+    The copy is a new file (not a link), so a later change to the source never changes the run's
+    copy; it is written under a temporary name beside ``output``, fsynced and renamed into place.
+    """
+    where = Path(source if source is not None else record["path"])
+    target = Path(output)
+    target.unlink(missing_ok=True)
+    expected = f"the case's capture (sha256 {record['sha256']}, {record['size']} bytes)"
+    if not where.is_file():
+        raise CaptureError(f"capture {where}: no such file; {expected} must be there to be archived "
+                           "(restore it, or set inputs.archive: false)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        digest, size = hashlib.sha256(), 0
+        with open(where, "rb") as src, os.fdopen(fd, "wb") as dst:
+            while block := src.read(COPY_CHUNK):
+                digest.update(block)
+                dst.write(block)
+                size += len(block)
+            dst.flush()
+            os.fsync(dst.fileno())
+        if (size, digest.hexdigest()) != (record["size"], record["sha256"]):
+            raise CaptureError(f"capture {where} has {size} bytes and sha256 {digest.hexdigest()}, not those of "
+                               f"{expected}: it changed since the case was made; nothing was copied: give the "
+                               "file the case was made from, or rerun the workflow to make a case of this file")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return digest.hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m rl_engine copy-capture --case case.json --output RUN/capture.safetensors``: the
+    workflow's capture rule (config ``inputs.archive: true``). 0 copied, 2 refused (nothing written)."""
+    from rl_engine.campaign.case import CaseError, load_case_file
+
+    parser = argparse.ArgumentParser(
+        prog="python -m rl_engine copy-capture",
+        description="Copy the case's captured file into the run directory (config inputs.archive: true), "
+                    "checking its SHA-256 against the case while it is copied. Exit 0 copied, 2 refused.")
+    parser.add_argument("--case", required=True, type=Path, help="the case file (case.json) of a capture case")
+    parser.add_argument("--output", required=True, type=Path, help=f"where the copy goes (RUN/{CAPTURE})")
+    args = parser.parse_args(argv)
+    try:
+        case, _ = load_case_file(args.case)
+        if case.capture is None or case.capture.get("archive") is not True:
+            raise CaseError(f"case file {args.case}: its case has no capture with archive: true; there is "
+                            "nothing to copy (config inputs: {capture: PATH, archive: true})")
+        digest = copy_capture(case.capture, args.output)
+    except (CaseError, CaptureError, OSError) as exc:
+        print(f"copy-capture: {exc}", file=sys.stderr)
+        return 2
+    print(f"copy-capture: {case.capture['path']} -> {args.output} (sha256 {digest})")
+    return 0
+
+
+__all__ = ["capture_record", "case_inputs", "check_file", "copy_capture", "file_sha256", "full_capture", "main",
+           "replay_source"]

@@ -322,20 +322,33 @@ def build_metadata(*, engine: str, engine_version: str, model: str, dtype: str, 
             "model": model, "dtype": dtype, "tp": str(tp), "notes": notes}
 
 
+def canonical_header(data: bytes) -> bytes:
+    """safetensors bytes with the header's keys sorted (metadata and tensors), compact, padded with
+    spaces to a multiple of 8 bytes; the tensor data is unchanged (its offsets are relative to the end
+    of the header). safetensors writes the metadata in hash-map order, which changes from one call to
+    the next: the same capture would get another SHA-256, so another case hash, each time it is written."""
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length].decode("utf-8"))
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data[8 + length:]
+
+
 def write_capture(path: str | os.PathLike[str], capture: Capture) -> str:
     """Write ``capture`` to ``path`` atomically; returns the file's SHA-256.
 
     The capture was checked when it was built; its bytes are built in memory (the file's size
-    once more), their header checked as :func:`read_header` checks a file, then written to a
-    temporary name beside ``path`` and renamed.
+    once more), their header made canonical (:func:`canonical_header`: the same capture always
+    gives the same bytes, so the same SHA-256) and checked as :func:`read_header` checks a file,
+    then written to a temporary name beside ``path`` and renamed.
     """
     from safetensors.torch import save
 
     tensors = {LOGITS: capture.logits, TARGETS: capture.targets, ACTIVE: capture.active}
     if capture.reported_logp is not None:
         tensors[REPORTED] = capture.reported_logp
-    data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-                metadata=dict(capture.metadata))
+    data = canonical_header(save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+                                 metadata=dict(capture.metadata)))
     parse_header(io.BytesIO(data), len(data), str(path))
     jsonio.atomic_write_bytes(path, data)
     return jsonio.sha256_bytes(data)
@@ -354,6 +367,13 @@ def read_capture(path: str | os.PathLike[str]) -> Capture:
         tensors = {name: handle.get_tensor(name) for name in header.entries}
     return Capture(tensors[LOGITS], tensors[TARGETS], tensors[ACTIVE], tensors.get(REPORTED),
                    header.metadata, source=str(path))
+
+
+def read_tokens(path: str | os.PathLike[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(targets, active)`` of a capture whose header is checked, without reading its logits."""
+    read_header(path)
+    with _open(path) as handle:
+        return handle.get_tensor(TARGETS), handle.get_tensor(ACTIVE)
 
 
 def read_rows(path: str | os.PathLike[str], header: Header, rows: list[int] | range,
@@ -389,6 +409,6 @@ def read_rows(path: str | os.PathLike[str], header: Header, rows: list[int] | ra
 
 
 __all__ = [
-    "Capture", "CaptureError", "FORMAT", "Header", "build_metadata", "check_values",
-    "read_capture", "read_header", "read_rows", "write_capture",
+    "Capture", "CaptureError", "FORMAT", "Header", "build_metadata", "canonical_header", "check_values",
+    "read_capture", "read_header", "read_rows", "read_tokens", "write_capture",
 ]

@@ -12,8 +12,11 @@ the trainer, are compared in five sections, each per token and in aggregate:
 
 Writes ``DIR/parity.json`` (``schemas/parity.schema.json``) and ``DIR/parity.png`` and prints
 a short table. Exit 0: our logprobs of the two sides are bitwise equal (and the control holds);
-1: the report shows a difference; 2: refused (bad capture, different tokens, bad option), with
-nothing written.
+1: the report shows a difference (``--difference-exit-code N`` makes it N: the workflow's parity
+stage passes 0, since a difference is a finding the report records, not a failed stage); 2:
+refused (bad capture, different tokens, bad option), with nothing written. :func:`check_pair`
+is what the workflow's config check runs on a ``parity:`` section before any job: every refusal
+that needs no logits.
 
 How each figure is computed: logits are compared as their binary32 upcasts (exact from bf16 and
 fp16), bit patterns for equality and float64 for the differences. Differences of logprobs are
@@ -36,14 +39,14 @@ from typing import Any, Sequence
 import torch
 
 from rl_engine import jsonio, schemas
-from rl_engine.tables import EAGER_BACKEND, SCHEMA_VERSION
-from rl_engine.capture.format import Capture, CaptureError, read_capture
+from rl_engine.distributed.bounds import BoundsError, tile_width
+from rl_engine.rundir import PARITY_JSON, PARITY_PNG
+from rl_engine.tables import AUTO, BACKEND_DEVICES, EAGER_BACKEND, SCHEMA_VERSION
+from rl_engine.capture.format import Capture, CaptureError, read_capture, read_header, read_tokens
 from rl_engine.logprob import portable
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.tensorio import tensor_bytes
 
-PARITY_JSON = "parity.json"
-PARITY_PNG = "parity.png"
 SCHEMA = "parity"
 SIDES = ("rollout", "trainer")
 DEFAULT_RATIO_BOUNDS = (0.8, 1.2)  # PPO-style clip of the ratio; TIS users pass their own
@@ -73,11 +76,43 @@ class ParityOptions:
                               "(for example 0.8 1.2)")
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """What section 1 compares of a capture: its shape, targets and mask (no logits)."""
+
+    num_tokens: int
+    vocab: int
+    targets: torch.Tensor
+    active: torch.Tensor
+
+
+def check_pair(rollout: Path, trainer: Path, options: ParityOptions) -> None:
+    """Every refusal of :func:`run` that needs no logits: each file a capture (header checked), the
+    same tokens, targets and mask (section 1), a tile count that divides the vocabulary, and a
+    backend registered for the CPU. Raises :class:`ParityError` naming the side and the fix."""
+    if options.backend == AUTO or "cpu" not in BACKEND_DEVICES.get(options.backend, ()):
+        raise ParityError(f"backend={options.backend!r} must be a backend registered for the cpu (our logprob "
+                          f"runs here): one of {sorted(b for b, d in BACKEND_DEVICES.items() if 'cpu' in d)}")
+    sides = []
+    for side, path in zip(SIDES, (rollout, trainer)):
+        try:
+            header = read_header(path)
+            targets, active = read_tokens(path)
+        except (CaptureError, OSError) as exc:
+            raise ParityError(f"{side} capture: {exc}") from None
+        sides.append(Tokens(header.num_tokens, header.vocab, targets, active))
+    check_same_tokens(*sides)
+    try:
+        tile_width(sides[0].vocab, options.num_vocab_tiles)
+    except BoundsError as exc:
+        raise ParityError(f"num_vocab_tiles: {exc}") from None
+
+
 def _mean(values: list[float]) -> float | None:
     return math.fsum(values) / len(values) if values else None
 
 
-def check_same_tokens(rollout: Capture, trainer: Capture) -> None:
+def check_same_tokens(rollout: Capture | Tokens, trainer: Capture | Tokens) -> None:
     """Section 1: identical targets and mask, else :class:`ParityError` naming the first token."""
     if rollout.num_tokens != trainer.num_tokens:
         raise ParityError(f"rollout has {rollout.num_tokens} tokens, trainer {trainer.num_tokens}; "
@@ -362,6 +397,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-vocab-tiles", type=int, default=1)
     parser.add_argument("--ratio-bounds", type=float, nargs=2, default=list(DEFAULT_RATIO_BOUNDS),
                         metavar=("LOW", "HIGH"))
+    parser.add_argument("--difference-exit-code", type=int, choices=(0, 1), default=1,
+                        help="the exit code when the report shows a difference (default 1; the workflow's "
+                             "parity stage passes 0: a difference is a finding, not a failed stage)")
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:
         options = ParityOptions(args.backend, args.num_vocab_tiles, tuple(args.ratio_bounds))
@@ -370,7 +408,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"parity: refused, nothing written: {exc}", file=sys.stderr)
         return 2
     print_table(report)
-    return 0 if report["verdict"] == "bitwise_equal" else 1
+    if report["verdict"] == "bitwise_equal":
+        return 0
+    if args.difference_exit_code == 0:
+        print(f"parity: the report shows a difference (verdict {report['verdict']!r}); exit 0 as asked "
+              "(--difference-exit-code 0): a difference is a finding, recorded in parity.json")
+    return int(args.difference_exit_code)
 
 
-__all__ = ["ParityError", "ParityOptions", "build_report", "check_same_tokens", "compute", "main", "run"]
+__all__ = ["ParityError", "ParityOptions", "Tokens", "build_report", "check_pair", "check_same_tokens", "compute",
+           "main", "run"]

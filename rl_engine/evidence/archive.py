@@ -29,7 +29,11 @@ that appears in the run directory and no rule declares is not packed at all. The
   mtime 0, fixed compression level;
 * is written atomically (temporary file in the output directory, fsync, rename), then
   ``NAME.tar.gz.sha256`` (``<hex>  NAME.tar.gz``) likewise. Stale outputs at both paths are
-  removed first, so an interrupted run leaves nothing at the final path.
+  removed first, so an interrupted run leaves nothing at the final path;
+* streams: each given file is read in chunks from disk (once for ``SHA256SUMS``, once into the
+  tar stream), never whole into memory, so a gigabyte capture (``capture.safetensors``, config
+  ``inputs.archive: true``) is packed like any other file; the archive's SHA-256 is computed
+  from the bytes as they are written.
 
 Exit 0 when written; 1 when refused; 2 on a bad argument.
 """
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import io
 import os
 import re
@@ -46,7 +51,7 @@ import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Union
 
 from rl_engine import jsonio
 from rl_engine.evidence.spec_doc import SPEC_DOC, SPEC_SOURCE, SpecDocError, check_spec_doc, spec_record
@@ -69,6 +74,9 @@ FIXED_MTIME = 0
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 GZIP_LEVEL = 9
+
+
+Source = Union[bytes, Path]  # a member's content: in memory (small files the verb writes) or a file read in chunks
 
 
 class ArchiveError(ValueError):
@@ -238,10 +246,10 @@ single-node ones included, so the numbers do not depend on the node placement ei
 {checkout_text(git or {"available": False, "reason": "environment.json has no git record"})}"""
 
 
-def given_files(run_dir: Path, files: Sequence[Path]) -> list[tuple[str, bytes]]:
-    """``(path relative to run_dir, bytes)`` of each given file, sorted; refuses what must not be packed."""
+def given_files(run_dir: Path, files: Sequence[Path]) -> list[tuple[str, Path]]:
+    """``(path relative to run_dir, path)`` of each given file, sorted; refuses what must not be packed."""
     root = Path(os.path.abspath(run_dir))
-    packed: dict[str, bytes] = {}
+    packed: dict[str, Path] = {}
     for given in files:
         path = Path(os.path.abspath(given))
         try:
@@ -262,7 +270,7 @@ def given_files(run_dir: Path, files: Sequence[Path]) -> list[tuple[str, bytes]]
         if rel.parts[0] in ARCHIVE_ONLY:
             raise ArchiveError(f"{given} clashes with the archive's own {rel.parts[0]}; rename it or leave it out "
                                "of --files")
-        packed[rel.as_posix()] = path.read_bytes()
+        packed[rel.as_posix()] = path
     return sorted(packed.items())
 
 
@@ -296,30 +304,63 @@ def _info(name: str, size: int, is_dir: bool) -> tarfile.TarInfo:
     return info
 
 
-def tar_gz_bytes(name: str, files: list[tuple[str, bytes]]) -> bytes:
-    """The archive's bytes: ``files`` (paths relative to ``name/``) sorted, with their dirs."""
-    entries: dict[str, bytes | None] = {name: None}
+class _HashingWriter:
+    """A binary file that hashes what is written through it (the archive's SHA-256, in one pass)."""
+
+    def __init__(self, inner: BinaryIO) -> None:
+        self.inner = inner
+        self.digest = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        return self.inner.write(data)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+
+def write_tar_gz(handle: Any, name: str, files: Sequence[tuple[str, Source]]) -> None:
+    """Write the archive of ``files`` (paths relative to ``name/``) to ``handle``: sorted, with their
+    dirs; a :data:`Source` that is a path is streamed from the file, never read whole."""
+    entries: dict[str, Source | None] = {name: None}
     for rel, data in files:
         parts = rel.split("/")
         for i in range(1, len(parts)):
             entries[f"{name}/{'/'.join(parts[:i])}"] = None
         entries[f"{name}/{rel}"] = data
-    buffer = io.BytesIO()
-    with gzip.GzipFile(filename="", mode="wb", fileobj=buffer, mtime=FIXED_MTIME, compresslevel=GZIP_LEVEL) as gz:
+    with gzip.GzipFile(filename="", mode="wb", fileobj=handle, mtime=FIXED_MTIME, compresslevel=GZIP_LEVEL) as gz:
         with tarfile.open(fileobj=gz, mode="w|", format=tarfile.USTAR_FORMAT) as tar:  # type: ignore[call-overload]
             for member in sorted(entries):
-                data = entries[member]
                 try:
-                    info = _info(member, 0 if data is None else len(data), data is None)
-                    tar.addfile(info, None if data is None else io.BytesIO(data))
+                    _add(tar, member, entries[member])
                 except ValueError as exc:
                     raise ArchiveError(f"cannot store {member!r} in a ustar archive: {exc}") from None
+
+
+def _add(tar: tarfile.TarFile, member: str, data: Source | None) -> None:
+    if data is None:
+        tar.addfile(_info(member, 0, True))
+    elif isinstance(data, bytes):
+        tar.addfile(_info(member, len(data), False), io.BytesIO(data))
+    else:
+        with open(data, "rb") as source:
+            tar.addfile(_info(member, os.fstat(source.fileno()).st_size, False), source)
+
+
+def tar_gz_bytes(name: str, files: Sequence[tuple[str, Source]]) -> bytes:
+    """The archive's bytes: ``files`` (paths relative to ``name/``) sorted, with their dirs."""
+    buffer = io.BytesIO()
+    write_tar_gz(buffer, name, files)
     return buffer.getvalue()
 
 
-def sums_text(files: list[tuple[str, bytes]]) -> str:
-    """``sha256sum -c`` lines (``<hex>  <path>``) over ``files``, sorted by path."""
-    return "".join(f"{jsonio.sha256_bytes(data)}  {rel}\n" for rel, data in sorted(files))
+def _sha256(data: Source) -> str:
+    return jsonio.sha256_bytes(data) if isinstance(data, bytes) else jsonio.sha256_file(data)
+
+
+def sums_text(files: Sequence[tuple[str, Source]]) -> str:
+    """``sha256sum -c`` lines (``<hex>  <path>``) over ``files``, sorted by path (files hashed in chunks)."""
+    return "".join(f"{_sha256(data)}  {rel}\n" for rel, data in sorted(files, key=lambda item: item[0]))
 
 
 def build(run_dir: Path, output: Path, files: Sequence[Path], schema_files: Sequence[Path], spec_file: Path) -> Built:
@@ -348,12 +389,17 @@ def build(run_dir: Path, output: Path, files: Sequence[Path], schema_files: Sequ
     except SpecDocError as exc:
         raise ArchiveError(str(exc)) from None
     reviewing = reviewing_text(name, git if isinstance(git, dict) else None, spec)
-    members = [*packed, *shipped, (SPEC_DOC, spec), (REVIEWING, reviewing.encode("utf-8"))]
+    members: list[tuple[str, Source]] = [*packed, *shipped, (SPEC_DOC, spec), (REVIEWING, reviewing.encode("utf-8"))]
     members.append((SUMS, sums_text(members).encode("utf-8")))
-    data = tar_gz_bytes(name, members)
-    digest = jsonio.sha256_bytes(data)
+    hashed: list[_HashingWriter] = []
+
+    def write(handle: BinaryIO) -> None:
+        hashed.append(_HashingWriter(handle))
+        write_tar_gz(hashed[0], name, members)
+
     output.parent.mkdir(parents=True, exist_ok=True)
-    jsonio.atomic_write_bytes(output, data)
+    jsonio.atomic_write_stream(output, write)
+    digest = hashed[0].digest.hexdigest()
     jsonio.atomic_write_text(sidecar, f"{digest}  {output.name}\n")
     return Built(output, digest, tuple(sorted(rel for rel, _ in members)))
 
@@ -380,6 +426,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = [
-    "ArchiveError", "Built", "archive_name", "build", "check_complete", "check_gates", "check_schemas", "given_files",
-    "given_schemas", "main", "reviewing_text", "sums_text", "tar_gz_bytes",
+    "ArchiveError", "Built", "Source", "archive_name", "build", "check_complete", "check_gates", "check_schemas",
+    "given_files", "given_schemas", "main", "reviewing_text", "sums_text", "tar_gz_bytes", "write_tar_gz",
 ]

@@ -9,7 +9,13 @@ determines their evidence, so two campaigns never share a directory or an archiv
   *resolved case* (:func:`resolved_case`): every field of the plan's ``case`` (device, dist
   backend, dtype, backend, vocabulary, tiles, shapes, seed, CP layout, logit scale, tolerances,
   threads per rank, process-group timeout), the topologies in plan order, and the focused
-  regression's test files and extra pytest arguments.
+  regression's test files and extra pytest arguments. On a capture, the case's ``capture``
+  record counts without its ``path``: the same bytes (SHA-256, size, shape, metadata, whether
+  the archive holds them) at another path are the same case, so moving the file keeps the run
+  name (the path stays in the evidence, for information and for the ranks to find the file).
+  With a ``parity:`` section, :func:`parity_identity` (both captures' SHA-256 and the verb's
+  options, no paths) counts too; without one nothing is added, so a run without parity keeps
+  the name it had before parity existed.
 
 Everything in the resolved case is recorded in the evidence (``plan.json``'s ``case`` and
 ``topologies``, ``regression.json``'s ``tests`` and ``command``), so the hash can be computed
@@ -88,24 +94,54 @@ def _topology_label(item: Any) -> str:
     return f"{tp}x{cp}"
 
 
+CAPTURE_INFO_KEYS = ("path",)  # of a case's capture record: recorded, not part of the case's identity
+
+
+def parity_identity(rollout_sha256: Any, trainer_sha256: Any, ratio_bounds: Any, num_vocab_tiles: Any,
+                    backend: Any) -> dict[str, Any]:
+    """What a parity stage compares and how (no paths): its part of the resolved case."""
+    bounds = [float(b) if isinstance(b, (int, float)) and not isinstance(b, bool) else b
+              for b in (ratio_bounds if isinstance(ratio_bounds, (list, tuple)) else [ratio_bounds])]
+    return {"rollout_sha256": rollout_sha256, "trainer_sha256": trainer_sha256, "ratio_bounds": bounds,
+            "num_vocab_tiles": num_vocab_tiles, "backend": backend}
+
+
+def report_parity_identity(report: Any) -> dict[str, Any] | None:
+    """:func:`parity_identity` of a parity.json (None when it is not an object: other rows fail it)."""
+    if not isinstance(report, Mapping):
+        return None
+    captures = report.get("captures") if isinstance(report.get("captures"), Mapping) else {}
+    sides = [captures.get(side) if isinstance(captures.get(side), Mapping) else {} for side in ("rollout", "trainer")]
+    ratio = report.get("importance_ratio") if isinstance(report.get("importance_ratio"), Mapping) else {}
+    return parity_identity(sides[0].get("sha256"), sides[1].get("sha256"), ratio.get("bounds"),
+                           report.get("num_vocab_tiles"), report.get("backend"))
+
+
 def resolved_case(case: Mapping[str, Any], topologies: Sequence[Any], tests: Sequence[str],
-                  pytest_args: Sequence[str]) -> dict[str, Any]:
+                  pytest_args: Sequence[str], parity: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The values that determine a run's evidence, in one canonical JSON-ready object.
 
-    ``case``: the plan's case (the runner's :class:`~rl_engine.campaign.case.Case` fields);
-    ``topologies``: ``"<tp>x<cp>"`` strings, ``(tp, cp)`` pairs or plan entries, in plan order.
+    ``case``: the plan's case (the runner's :class:`~rl_engine.campaign.case.Case` fields; a
+    capture record without :data:`CAPTURE_INFO_KEYS`); ``topologies``: ``"<tp>x<cp>"`` strings,
+    ``(tp, cp)`` pairs or plan entries, in plan order; ``parity``: :func:`parity_identity`, or
+    None for a run without a parity stage (then no key is added).
     """
     normalized: dict[str, Any] = {}
     for key in sorted(case):
         value = case[key]
         if key in FLOAT_FIELDS and isinstance(value, (int, float)) and not isinstance(value, bool):
             value = float(value)
+        if key == "capture" and isinstance(value, Mapping):
+            value = {k: v for k, v in value.items() if k not in CAPTURE_INFO_KEYS}
         normalized[key] = value
-    return {
+    resolved = {
         "case": normalized,
         "topologies": [_topology_label(t) for t in topologies],
         "regression": {"tests": list(tests), "pytest_args": list(pytest_args)},
     }
+    if parity is not None:
+        resolved["parity"] = dict(parity)
+    return resolved
 
 
 def case_hash(resolved: Mapping[str, Any]) -> str:
@@ -138,15 +174,20 @@ def pytest_args_of(regression: Mapping[str, Any]) -> list[str]:
     return argv[head:-1]
 
 
-def evidence_resolved_case(plan: Mapping[str, Any], regression: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`resolved_case` computed from ``plan.json`` and ``regression.json``."""
+def evidence_resolved_case(plan: Mapping[str, Any], regression: Mapping[str, Any],
+                           parity: Any = None) -> dict[str, Any]:
+    """:func:`resolved_case` computed from ``plan.json`` and ``regression.json`` (and ``parity.json``'s
+    JSON when the run holds one: pass it as ``parity``)."""
     case, entries = plan.get("case"), plan.get("topologies")
     if not isinstance(case, Mapping) or not isinstance(entries, list):
         raise RunNameError("plan.json: case and topologies must be an object and a list")
-    return resolved_case(case, entries, regression.get("tests") or [], pytest_args_of(regression))
+    identity = None if parity is None else report_parity_identity(parity)
+    if parity is not None and identity is None:
+        raise RunNameError("parity.json: must be an object (the parity stage's report)")
+    return resolved_case(case, entries, regression.get("tests") or [], pytest_args_of(regression), identity)
 
 
 __all__ = [
-    "CASE_HASH_CHARS", "NOGIT", "RunName", "RunNameError", "case_hash", "evidence_resolved_case",
-    "pytest_args_of", "resolved_case",
+    "CAPTURE_INFO_KEYS", "CASE_HASH_CHARS", "NOGIT", "RunName", "RunNameError", "case_hash", "evidence_resolved_case",
+    "parity_identity", "pytest_args_of", "report_parity_identity", "resolved_case",
 ]

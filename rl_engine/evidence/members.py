@@ -2,8 +2,9 @@
 
 An archive holds the run's evidence (:meth:`rl_engine.rundir.Run.evidence_files`: the files the
 evidence itself names), ``SUMMARY.md``, the logs of the run directory's stages
-(:func:`rl_engine.rundir.run_stages`, the list the workflow's archive rule packs: one per stage
-and one per planned topology), the schemas ``validation.json`` records it was checked with
+(:func:`rl_engine.rundir.run_stages` of :meth:`rl_engine.rundir.Run.stages`, the list the workflow's
+archive rule packs: one per stage, one per planned topology, and the capture and parity stages' when
+the evidence names them), the schemas ``validation.json`` records it was checked with
 (``schemas/<name>.schema.json``), and what ``archive`` adds: ``REVIEWING.md``, the spec
 ``arithmetic.md`` and ``SHA256SUMS``. Any other member is content no check reads (junk padding ``logs/``, a note
 beside the evidence): :func:`unexpected_members` names each one, and ``verify`` fails them.
@@ -11,7 +12,7 @@ beside the evidence): :func:`unexpected_members` names each one, and ``verify`` 
 
 from __future__ import annotations
 
-from rl_engine.rundir import REVIEWING, SCHEMA_DIR, SPEC_DOC, SUMMARY, SUMS, VALIDATION, Run, Topology, run_stages, stages
+from rl_engine.rundir import REVIEWING, SCHEMA_DIR, SPEC_DOC, SUMMARY, SUMS, VALIDATION, Run, run_stages
 
 SCHEMA_SUFFIX = ".schema.json"
 
@@ -19,8 +20,7 @@ SCHEMA_SUFFIX = ".schema.json"
 def expected_members(run: Run) -> set[str]:
     """Every file (relative to the run directory) some rule of the workflow or ``archive`` produces for ``run``."""
     names, _ = run.evidence_files()  # unreadable evidence fails other rows; its names still count
-    topologies = [Topology(item.tp, item.cp) for item in run.planned]
-    logs = {stage.log.relative_to(run.root).as_posix() for stage in run_stages(stages(run.root, topologies))}
+    logs = {stage.log.relative_to(run.root).as_posix() for stage in run_stages(run.stages())}
     allowed = {*names, *logs, SUMMARY, REVIEWING, SUMS, SPEC_DOC}
     recorded = run.doc(VALIDATION)
     used = recorded.get("schemas") if isinstance(recorded, dict) else None

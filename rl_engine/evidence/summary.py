@@ -7,8 +7,8 @@ status, tested commit, validation matrix, per-topology table (TP, CP, ranks, the
 ran on, LSE max abs, active dlogp max abs, result), acceptance results at full precision, the
 focused regression with the reason of every skipped test, fingerprints, hardware and runtime,
 reproduction (the commit, a config file that reproduces the case and the run's exact
-commands), boundary, and artifacts with their SHA-256. Every number comes from those files; nothing is
-typed in. The same tables are printed on the console with rich.
+commands), boundary, and artifacts with their SHA-256; with a parity stage, its five sections from
+``parity.json``. Every number comes from those files; nothing is typed in. The same tables are printed on the console with rich.
 
 The text is a function of the evidence files alone (:func:`summary_text`): ``verify`` renders it
 again from an extracted archive and compares bytes with the shipped ``SUMMARY.md``. The
@@ -46,6 +46,8 @@ from rl_engine.rundir import (
     CASE,
     CROSSCHECK,
     ENVIRONMENT,
+    PARITY_JSON,
+    PARITY_PNG,
     PLAN,
     REGRESSION,
     VALIDATION,
@@ -68,6 +70,7 @@ class Evidence:
     reports: tuple[dict[str, Any], ...]
     validation: dict[str, Any]
     crosscheck: dict[str, Any]
+    parity: dict[str, Any] | None = None  # parity.json, when the run has a parity stage
 
 
 @dataclass(frozen=True)
@@ -108,8 +111,9 @@ def load_evidence(run: Run) -> Evidence:
     if run.plan_findings:
         raise SummaryError(f"cannot summarise: {run.plan_findings[0]}")
     reports = [_need(report, run.found(item.file), item.file) for item, report in run.reports()]
+    parity = _need(run.parity, run.found(PARITY_JSON), PARITY_JSON) if run.has_parity else None
     return Evidence(loaded[ENVIRONMENT], loaded[REGRESSION], loaded[PLAN], run.planned, tuple(reports),
-                    loaded[VALIDATION], loaded[CROSSCHECK])
+                    loaded[VALIDATION], loaded[CROSSCHECK], parity)
 
 
 def _get(obj: Any, *keys: str) -> Any:
@@ -197,7 +201,19 @@ def reproduce_config(ev: Evidence) -> str:
     except RunNameError as exc:
         regression["pytest_args"] = f"unknown: {exc}"
     config["regression"] = regression
+    capture = case.get("capture")
+    if isinstance(capture, dict):  # the recorded path: put your copy's path there (it is not in the case hash)
+        config["inputs"] = {"capture": capture.get("path"), "archive": capture.get("archive")}
+    if ev.parity is not None:
+        config["parity"] = parity_config(ev.parity)
     return yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=1000)
+
+
+def parity_config(parity: dict[str, Any]) -> dict[str, Any]:
+    """The config's ``parity:`` section of a parity.json (the recorded paths, bounds, tiles and backend)."""
+    return {"rollout": _get(parity, "captures", "rollout", "path"), "trainer": _get(parity, "captures", "trainer", "path"),
+            "ratio_bounds": _get(parity, "importance_ratio", "bounds"), "num_vocab_tiles": parity.get("num_vocab_tiles"),
+            "backend": parity.get("backend")}
 
 
 def _beside_plan(ev: Evidence, name: str) -> str:
@@ -372,13 +388,80 @@ def _artifact_sections(ev: Evidence, run: Run) -> tuple[Section, Section]:
     return arts, skipped
 
 
+def _capture_text(parity: dict[str, Any], side: str) -> str:
+    record = _get(parity, "captures", side) or {}
+    meta = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
+    return (f"`{record.get('path')}` (SHA-256 `{record.get('sha256')}`; engine {meta.get('engine')} "
+            f"{meta.get('engine_version')}, model {meta.get('model')}, {meta.get('dtype')}, TP {meta.get('tp')}; "
+            f"{'with' if record.get('has_reported_logp') else 'without'} reported_logp)")
+
+
+def _differ_text(stats: Any) -> str:
+    """A difference section's verdict: bitwise equal, or the tokens that differ and by how much."""
+    if not isinstance(stats, dict):
+        return "no reported_logp in the capture"
+    if stats.get("bitwise_equal") is True:
+        return "bitwise equal on every active token"
+    return (f"{stats.get('tokens_differing')} active tokens differ; max abs {_exact(stats.get('max_abs_diff'))}, "
+            f"mean abs {_exact(stats.get('mean_abs_diff'))}, mean {_exact(stats.get('mean_diff'))}")
+
+
+def _ratio_text(stats: Any, bounds: Any) -> str:
+    if not isinstance(stats, dict):
+        return "not computed (a side has no reported_logp)"
+    return (f"mean {_exact(stats.get('mean'))}, min {_exact(stats.get('min'))}, max {_exact(stats.get('max'))}; "
+            f"{stats.get('outside_bounds')} outside {bounds} (share {_exact(stats.get('share_outside_bounds'))}), "
+            f"{stats.get('non_finite')} non-finite")
+
+
+def parity_section(parity: dict[str, Any]) -> Section:
+    """The parity stage's five sections in one table, every figure read from parity.json."""
+    tokens, logits, ours = (parity.get(k) or {} for k in ("targets_and_mask", "logits", "our_logprob"))
+    ratio = parity.get("importance_ratio") or {}
+    control = "holds" if _get(ours, "control", "bitwise_equal") is True else "FAILED"
+    logits_text = ("bitwise equal on every active token" if logits.get("bitwise_equal") is True else
+                   f"{logits.get('tokens_differing')} active tokens and {logits.get('columns_differing')} columns differ; "
+                   f"max abs {_exact(logits.get('max_abs_diff'))}, max rel {_exact(logits.get('max_rel_diff'))}"
+                   + ("" if logits.get("same_dtype") is True else " (the two sides' logits have different dtypes)"))
+    from_logits = ("every difference comes from the logits (no token with equal logits and a different logprob)"
+                   if ours.get("from_logits_only") is True else
+                   f"NOT from the logits alone: tokens {ours.get('tokens_equal_logits_different_logp')}")
+    rows = [("Verdict", str(parity.get("verdict"))),
+            ("Rollout capture", _capture_text(parity, "rollout")),
+            ("Trainer capture", _capture_text(parity, "trainer")),
+            ("1 Targets and mask", f"identical: {tokens.get('tokens')} tokens, {tokens.get('active_tokens')} active"),
+            ("2 Logits", logits_text),
+            ("3 Our logprob, trainer - rollout", f"{_differ_text(ours)}; {from_logits}; control (same logits, rows "
+                                                 f"reordered, bitwise equal): {control}"),
+            ("4 Rollout engine's reported - ours", _differ_text((parity.get("engine_vs_ours") or {}).get("rollout"))),
+            ("4 Trainer engine's reported - ours", _differ_text((parity.get("engine_vs_ours") or {}).get("trainer"))),
+            ("5 Importance ratio (ours)", _ratio_text(ratio.get("ours"), ratio.get("bounds"))),
+            ("5 Importance ratio (engines' reported)", _ratio_text(ratio.get("engines"), ratio.get("bounds")))]
+    return Section("Parity: rollout versus trainer", ("Section", "Result"), tuple(rows))
+
+
 def sections(ev: Evidence, run: Run) -> dict[str, Section]:
     """Every table of SUMMARY.md, by key."""
     topo, accept = _result_sections(ev)
     arts, skipped = _artifact_sections(ev, run)
-    return {"matrix": _matrix_section(ev), "topology": topo, "acceptance": accept,
-            "fingerprints": _fingerprint_section(ev), "hardware": _hardware_section(ev), "artifacts": arts,
-            "skipped": skipped}
+    out = {"matrix": _matrix_section(ev), "topology": topo, "acceptance": accept,
+           "fingerprints": _fingerprint_section(ev), "hardware": _hardware_section(ev), "artifacts": arts,
+           "skipped": skipped}
+    if ev.parity is not None:
+        out["parity"] = parity_section(ev.parity)
+    return out
+
+
+def parity_text(ev: Evidence, secs: dict[str, Section]) -> list[str]:
+    """SUMMARY.md's parity part (empty without a parity stage)."""
+    if ev.parity is None:
+        return []
+    return ["## Parity: rollout versus trainer", "",
+            f"`python -m rl_engine parity` on two captures of the same tokens ({PARITY_JSON}, backend "
+            f"{ev.parity.get('backend')}, {ev.parity.get('num_vocab_tiles')} vocabulary tiles, "
+            f"{ev.parity.get('arithmetic_spec')}); the histogram of the per-token differences is `{PARITY_PNG}`. "
+            "A difference is a finding of this report, not a failure of the run.", "",
+            secs["parity"].markdown()]
 
 
 def inputs_text(case: dict[str, Any]) -> str:
@@ -397,6 +480,14 @@ def inputs_text(case: dict[str, Any]) -> str:
             "is the active tokens (prompt tokens, seed and logit scale do not shape its inputs).")
 
 
+def _case_line(case: dict[str, Any]) -> str:
+    return (f"{str(case.get('dtype')).upper()}, real/padded vocabulary "
+            f"{case.get('real_vocab')}/{case.get('padded_vocab')}, {case.get('num_vocab_tiles')} vocabulary tiles, "
+            f"batch {case.get('batch')}, sequence {case.get('seq')}, prompt tokens {case.get('prompt_tokens')}, "
+            f"seed {case.get('seed')}, logit scale {case.get('logit_scale')}, CP layout {case.get('cp_layout')}, "
+            f"explicit {case.get('backend')}, {case.get('device')}/{case.get('dist_backend')}.")
+
+
 def render(ev: Evidence, run: Run) -> tuple[str, dict[str, Section]]:
     secs = sections(ev, run)
     case = ev.plan.get("case", {})
@@ -407,11 +498,7 @@ def render(ev: Evidence, run: Run) -> tuple[str, dict[str, Section]]:
               f"the {n} topologies, and every artifact is valid against its schema."
               if passed else
               "FAILED: see validation.json and crosscheck.json for each failing file and field.")
-    case_line = (f"{str(case.get('dtype')).upper()}, real/padded vocabulary "
-                 f"{case.get('real_vocab')}/{case.get('padded_vocab')}, {case.get('num_vocab_tiles')} vocabulary tiles, "
-                 f"batch {case.get('batch')}, sequence {case.get('seq')}, prompt tokens {case.get('prompt_tokens')}, "
-                 f"seed {case.get('seed')}, logit scale {case.get('logit_scale')}, CP layout {case.get('cp_layout')}, "
-                 f"explicit {case.get('backend')}, {case.get('device')}/{case.get('dist_backend')}.")
+    case_line = _case_line(case)
     out = [
         f"# rl_engine validation summary: {ev.plan.get('case_id')}",
         "",
@@ -449,6 +536,7 @@ def render(ev: Evidence, run: Run) -> tuple[str, dict[str, Section]]:
         secs["fingerprints"].title,
         "",
         secs["fingerprints"].markdown(),
+        *parity_text(ev, secs),
         "## Hardware and runtime",
         "",
         secs["hardware"].markdown(),
@@ -522,7 +610,8 @@ def main(argv: list[str] | None = None) -> int:
     jsonio.atomic_write_text(args.output, text)
     console = Console(width=160)
     console.print(f"[bold]{'PASSED' if status_passed(ev) else 'FAILED'}[/bold]: {ev.plan.get('case_id')}")
-    for key in ("matrix", "topology", "fingerprints", "hardware"):
-        console.print(secs[key].rich())
+    for key in ("matrix", "topology", "fingerprints", "parity", "hardware"):
+        if key in secs:
+            console.print(secs[key].rich())
     console.print(f"wrote {args.output}")
     return 0

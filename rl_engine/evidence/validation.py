@@ -8,7 +8,10 @@ A ``tp<T>-cp<C>.*`` report or tensor of a topology the plan does not list (left 
 earlier plan) is a failure too: it would sit in the run directory looking like evidence that no
 gate checked (the archive packs only the workflow's declared files, so it would not ship, and
 ``verify`` fails one found in an archive). The focused regression must have run tests and have
-none failed. It writes
+none failed. A run with a parity stage has ``parity.json`` checked against ``parity.schema.json``
+(its verdict is a finding, never a failure); a case whose capture the archive holds (config
+``inputs.archive: true``) needs ``capture.safetensors`` in the run with the case's recorded size
+and SHA-256. It writes
 ``validation.json`` (validated against ``validation.schema.json`` of ``DIR`` first; a result
 that does not match is not written and the verb exits 1) and exits 1, naming the file or
 topology and the field on stderr, when anything fails; 2 when the schemas themselves cannot
@@ -32,9 +35,11 @@ from rl_engine import jsonio, schemas
 from rl_engine.evidence.acceptance import check_report
 from rl_engine.evidence.gate import finish_gate
 from rl_engine.rundir import (
+    CAPTURE,
     CASE,
     CROSSCHECK,
     ENVIRONMENT,
+    PARITY_JSON,
     PLAN,
     REGRESSION,
     VALIDATION,
@@ -82,6 +87,26 @@ def regression_findings(regression: Any) -> list[Finding]:
     if all(isinstance(p, int) for p in parts) and sum(parts) != regression.get("total"):
         found.append(Finding(REGRESSION, "total", f"is {regression.get('total')!r} but passed+failed+skipped+errors is {sum(parts)}"))
     return found
+
+
+def capture_findings(run: Run) -> list[Finding]:
+    """A case whose archive holds its capture: ``capture.safetensors`` is in the run and has the
+    recorded size and SHA-256 (what ``verify --recompute`` replays from)."""
+    if not run.archives_capture:
+        return []
+    from rl_engine.campaign.captured import check_file  # the capture's check (imports torch)
+    from rl_engine.capture.format import CaptureError
+
+    record = run.plan_case()["capture"]
+    path = run.root / CAPTURE
+    if path.is_symlink():
+        return [Finding(CAPTURE, WHOLE_FILE, f"{CAPTURE} is a symbolic link; the archived capture must be a regular file")]
+    try:
+        check_file(record, path)
+    except (CaptureError, OSError, KeyError, TypeError) as exc:
+        return [Finding(CAPTURE, WHOLE_FILE, f"the case says the archive holds its capture (inputs.archive: true) "
+                        f"but {exc}")]
+    return []
 
 
 def unplanned_findings(run_dir: Path, planned_labels: set[str]) -> list[Finding]:
@@ -170,7 +195,8 @@ def validate_run(run: Run, schema_dir: Path, *, gates: bool = False) -> Validati
     regression: list[Finding] = []
     gate: list[Finding] = []
     files: list[dict[str, Any]] = []
-    for name, schema_name in FILES + (GATES if gates else ()):
+    optional = ((PARITY_JSON, "parity"),) if run.has_parity else ()
+    for name, schema_name in FILES + optional + (GATES if gates else ()):
         obj, file_load = run.doc(name), run.found(name)
         file_schema = schema_findings(obj, schema_name, name, schema_dir) if obj is not None else []
         file_other: list[Finding] = []
@@ -184,7 +210,7 @@ def validate_run(run: Run, schema_dir: Path, *, gates: bool = False) -> Validati
         schema += file_schema
         everything = file_load + file_schema + file_other
         files.append({"file": name, "schema": schema_name, "valid": not everything, "errors": [str(f) for f in everything]})
-    acceptance = plan_case_findings(run.plan, run.case) + plan_command_findings(run.plan)
+    acceptance = plan_case_findings(run.plan, run.case) + plan_command_findings(run.plan) + capture_findings(run)
     reports, report_found = _validate_reports(run, schema_dir)
     load += report_found[0]
     schema += report_found[1]

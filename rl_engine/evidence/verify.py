@@ -19,12 +19,15 @@ Runs without a GPU or network and checks, each as a row of the printed table:
    every member is one a rule of the workflow or ``archive`` produces (:mod:`rl_engine.evidence.members`),
    and **REVIEWING.md** is byte-identical to what ``archive`` writes for this name and git record;
 5. **JSON schemas**: every JSON artifact against the schemas shipped inside the archive
-   (``NAME/schemas/``), strict JSON (no NaN/Infinity literals);
+   (``NAME/schemas/``), strict JSON (no NaN/Infinity literals), ``parity.json`` too when the run
+   has a parity stage;
 6. **focused regression**: tests ran and none failed (the row gives the passed and skipped counts);
 7. **report acceptance**: :func:`rl_engine.evidence.acceptance.check_report` on every planned
    report (the same function the workflow's gate used), including each raw tensor's SHA-256
    against its recorded hash and fingerprint and its values against what the arithmetic
    guarantees (logp ``+0`` on inactive tokens, ``<= 0`` on active ones; LSE finite on active ones);
+   on a case whose archive holds its capture (``inputs.archive: true``), ``capture.safetensors``
+   with the case's recorded size and SHA-256;
 8. **cross-topology fingerprints**: :func:`rl_engine.evidence.crosscheck.crosscheck_run` (the
    same function as the workflow's ``crosscheck``);
 9. **recorded gates**: the archived ``validation.json`` and ``crosscheck.json`` passed;
@@ -40,7 +43,8 @@ Runs without a GPU or network and checks, each as a row of the printed table:
     ``docs/arithmetic.md`` version (:data:`rl_engine.logprob.portable.SPEC_VERSION`), and the
     archive packs that specification as ``arithmetic.md`` (its first line names the version;
     REVIEWING.md records its version and SHA-256, :mod:`rl_engine.evidence.spec_doc`);
-13. with ``--recompute``: **inputs regenerated** (``make_inputs(case)`` hashes to the report's
+13. with ``--recompute``: **inputs regenerated** (``make_inputs(case)``, or on a capture the
+    archive's ``capture.safetensors`` or ``--capture PATH`` after its SHA-256, hashes to the report's
     ``inputs_sha256``), **oracle drift recomputed** from the raw tensors against the FP32
     and FP64 oracles, equal to the reported statistics within :data:`RECOMPUTE_TOL` and within
     the case's tolerance element by element, and **candidate replayed**: the candidate
@@ -60,7 +64,8 @@ Two more rows say what was tested: **tested** (a note: the commit, its branch, w
 working tree was dirty, i.e. had changes no commit holds, and the case: its id, device, dist
 backend and topologies) and **run name** (the archive's name ``<campaign>-<commit>[-dirty]-case-<hash>``
 must name the evidence: the commit and dirty flag of ``environment.json`` and the case hash of
-``plan.json`` and ``regression.json``, :mod:`rl_engine.evidence.casename`; a name without a
+``plan.json`` and ``regression.json`` (and ``parity.json`` when the run has one),
+:mod:`rl_engine.evidence.casename`; a name without a
 case hash, from before per-case names, is a note).
 
 A note row says whether the shipped schemas are byte-identical to this installation's (a
@@ -92,8 +97,8 @@ from rl_engine.evidence.archive import SCHEMA_DIR, SUFFIX, SUMS, reviewing_text
 from rl_engine.evidence.casename import NOGIT, RunName, RunNameError, case_hash, evidence_resolved_case
 from rl_engine.evidence.crosscheck import crosscheck_run
 from rl_engine.evidence.members import unexpected_members
-from rl_engine.rundir import (ENVIRONMENT, PLAN, REGRESSION, REVIEWING, SUMMARY, VALIDATION, Finding, PlannedReport, Run,
-                              inside, is_number)
+from rl_engine.rundir import (ENVIRONMENT, PARITY_JSON, PLAN, REGRESSION, REVIEWING, SUMMARY, VALIDATION, Finding,
+                              PlannedReport, Run, inside, is_number)
 from rl_engine.evidence.safe_tar import MIB, Extracted, Limits, UnsafeArchiveError, safe_extract
 from rl_engine.evidence.spec_doc import SPEC_DOC, spec_problems
 from rl_engine.evidence.summary import SummaryError, regression_text, summary_text
@@ -310,17 +315,19 @@ def check_run_name(run: Run, top: str) -> Check:
     elif name.commit != NOGIT:
         problems.append(f"the name says commit {name.commit} but {ENVIRONMENT} records no git state")
     try:
-        digest = case_hash(evidence_resolved_case(plan, regression))
+        digest = case_hash(evidence_resolved_case(plan, regression, run.parity if run.has_parity else None))
     except RunNameError as exc:
         problems.append(f"the case hash cannot be computed from the evidence: {exc}")
     else:
         if digest != name.case:
-            problems.append(f"the name says case {name.case} but {PLAN} and {REGRESSION} hash to case {digest}: "
+            parity = f" and {PARITY_JSON}" if run.has_parity else ""
+            problems.append(f"the name says case {name.case} but {PLAN} and {REGRESSION}{parity} hash to case {digest}: "
                             "the archive is named for another campaign")
     if problems:
         return Check("run name", False, problems[0], problems)
+    parity = f", {PARITY_JSON}" if run.has_parity else ""
     return Check("run name", True, f"campaign {name.campaign}, commit {name.commit}{' (dirty)' if name.dirty else ''} "
-                 f"and case {name.case} match {ENVIRONMENT}, {PLAN} and {REGRESSION}")
+                 f"and case {name.case} match {ENVIRONMENT}, {PLAN}{parity} and {REGRESSION}")
 
 
 def _planned(run: Run) -> tuple[tuple[PlannedReport, ...], list[str]]:
@@ -446,6 +453,20 @@ def replay_bound(run: Run, planned: tuple[PlannedReport, ...], max_logits: int) 
     return problems
 
 
+def _recompute_rows(input_problems: list[str], drift_problems: list[str], reports: int,
+                    deviation: float) -> tuple[Check, Check]:
+    """The ``inputs regenerated`` and ``oracle drift recomputed`` rows of :func:`recompute`."""
+    inputs = (Check("inputs regenerated", False, f"{len(input_problems)} problem(s)", input_problems) if input_problems
+              else Check("inputs regenerated", True, "the inputs (make_inputs(case), or the capture after its SHA-256) "
+                         f"match inputs_sha256 in {reports} reports"))
+    drift_check = (Check("oracle drift recomputed", False, f"{len(drift_problems)} problem(s)", drift_problems)
+                   if drift_problems else
+                   Check("oracle drift recomputed", True, f"FP32/FP64 oracle drift of {reports} reports equals "
+                         f"the reported statistics (largest difference {deviation:.3g}, allowed "
+                         f"{RECOMPUTE_TOL}) and is within tolerance"))
+    return inputs, drift_check
+
+
 def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | None = None) -> tuple[Check, Check]:
     """Regenerate inputs from each report's case (or read its capture: ``--capture`` or the
     archive's copy, :func:`rl_engine.campaign.captured.replay_source`) and recompute drift from
@@ -520,14 +541,7 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
         drift_problems.append(f"recompute stopped: {type(exc).__name__}: {exc}")
     finally:
         torch.set_num_threads(threads)
-    inputs = (Check("inputs regenerated", False, f"{len(input_problems)} problem(s)", input_problems) if input_problems
-              else Check("inputs regenerated", True, f"make_inputs(case) matches inputs_sha256 in {len(planned)} reports"))
-    drift_check = (Check("oracle drift recomputed", False, f"{len(drift_problems)} problem(s)", drift_problems)
-                   if drift_problems else
-                   Check("oracle drift recomputed", True, f"FP32/FP64 oracle drift of {len(planned)} reports equals "
-                         f"the reported statistics (largest difference {max(deviation):.3g}, allowed "
-                         f"{RECOMPUTE_TOL}) and is within tolerance"))
-    return inputs, drift_check
+    return _recompute_rows(input_problems, drift_problems, len(planned), max(deviation))
 
 
 def check_arithmetic_spec(run: Run) -> Check:

@@ -1,5 +1,5 @@
 # The archive packs exactly its declared inputs (the run's evidence, the rules' logs, the
-# schemas), so Snakemake decides what is stale: an edited report or tensor reruns the gates, the
+# schemas; the archived capture and the parity report when the config asks for them), so Snakemake decides what is stale: an edited report or tensor reruns the gates, the
 # summary and the archive; a file no rule declares is never packed. The archive's own logs live
 # outside the run directory. Each rule `exec`s its verb: the process Snakemake starts is the verb
 # itself, so a SIGKILL of the job kills the archive writer, which no shell wrapper outlives.
@@ -16,6 +16,8 @@ rule archive:
         validation=stage_output("validation"),
         crosscheck=stage_output("crosscheck"),
         summary=stage_output("summary"),
+        capture=CAPTURE_COPY,
+        parity=PARITY_OUTPUTS,
         logs=STAGE_LOGS,
         schemas=SCHEMAS,
         spec="docs/arithmetic.md",
@@ -32,7 +34,7 @@ rule archive:
         "exec python -m rl_engine archive --run-dir {params.run} --output {output.archive} --spec {input.spec:q} "
         "--schemas {input.schemas:q} --files {input.environment:q} {input.regression:q} {input.case:q} {input.plan:q} "
         "{input.reports:q} {input.tensors:q} {input.validation:q} {input.crosscheck:q} {input.summary:q} "
-        "{input.logs:q} > {log} 2>&1"
+        "{input.capture:q} {input.parity:q} {input.logs:q} > {log} 2>&1"
 
 
 rule verify_archive:

@@ -4,10 +4,12 @@
 
 from rl_engine.workflow import (
     config_case,
+    parity_settings,
     parse_topologies,
     run_name,
     run_stages,
     source_digest,
+    stage_flags,
     stages,
     topology_rule_files,
 )
@@ -19,7 +21,10 @@ TOPOLOGIES = parse_topologies(config["topologies"])
 # The case file's JSON (case rule): the one thing of the config that the plan and the runs read.
 CASE_JSON = json.dumps(config_case(config), sort_keys=True, allow_nan=False, separators=(",", ":"))
 
-STAGES = stages(RUN, TOPOLOGIES)
+# The optional stages the config asks for: capture (inputs.archive: true) and parity (a parity: section).
+STAGE_FLAGS = stage_flags(config)
+PARITY = parity_settings(config)  # the parity: section with its defaults, or None
+STAGES = stages(RUN, TOPOLOGIES, **STAGE_FLAGS)
 STAGE_OF = {stage.rule: stage for stage in STAGES if stage.rule != "topology"}
 # The engine's sources as one input (rules/sources.smk): their digest now, and the file that records it.
 SOURCE_DIGEST = source_digest(REPO)
@@ -30,6 +35,10 @@ REPORTS = [str(stage.outputs[0]) for stage in TOPOLOGY_STAGES]
 TENSORS = [str(path) for stage in TOPOLOGY_STAGES for path in stage.outputs[1:]]
 # Every stage's output: rule all's targets, so a deleted or failed one is rebuilt on the next run.
 ALL_OUTPUTS = [str(path) for stage in STAGES for path in stage.outputs]
+# The optional stages' outputs (empty lists when the config leaves the stage out): what the gates,
+# the summary and the archive take as inputs besides the rest.
+CAPTURE_COPY = [str(p) for p in STAGE_OF["capture"].outputs] if "capture" in STAGE_OF else []
+PARITY_OUTPUTS = [str(p) for p in STAGE_OF["parity"].outputs] if "parity" in STAGE_OF else []
 # The logs of the run directory's stages: the archive packs them.
 STAGE_LOGS = [str(stage.log) for stage in run_stages(STAGES)]
 # What the gate validates against; the archive ships the same files (and validation.json records their hashes).

@@ -2,6 +2,8 @@ rule summary:
     input:
         validation=stage_output("validation"),
         crosscheck=stage_output("crosscheck"),
+        capture=CAPTURE_COPY,
+        parity=PARITY_OUTPUTS,
     output:
         stage_output("summary"),
     log:

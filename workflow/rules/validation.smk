@@ -1,4 +1,5 @@
-# What the gate validates: every artifact against the schemas (SCHEMAS, common.smk), every report against the acceptance.
+# What the gate validates: every artifact against the schemas (SCHEMAS, common.smk), every report against the
+# acceptance, and the optional stages' outputs (parity.json's schema; the archived capture's SHA-256).
 
 
 rule validation:
@@ -9,6 +10,8 @@ rule validation:
         plan=stage_output("plan"),
         reports=REPORTS,
         tensors=TENSORS,
+        capture=CAPTURE_COPY,
+        parity=PARITY_OUTPUTS,
         schemas=SCHEMAS,
     output:
         stage_output("validation"),
