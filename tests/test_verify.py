@@ -24,7 +24,7 @@ from _archive_util import Entry, Good, Sandbox, make_sandbox
 from _evidence_run import pack
 from rl_engine import jsonio, schemas
 from rl_engine.evidence import archive, safe_tar, summary, verify
-from rl_engine.evidence.casename import RunName, case_hash, evidence_resolved_case
+from rl_engine.campaign.casename import RunName, case_hash, evidence_resolved_case
 from rl_engine.logprob.comparison import default_tolerance
 from rl_engine.rundir import Run
 

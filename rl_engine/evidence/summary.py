@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rl_engine import jsonio
-from rl_engine.evidence.casename import RunNameError, pytest_args_of
+from rl_engine.campaign.casename import RunNameError, pytest_args_of
 from rl_engine.campaign.plan import RUNNER_MODULE
 from rl_engine.evidence.spec_doc import SPEC_DOC
 from rl_engine.rundir import (

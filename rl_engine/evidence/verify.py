@@ -65,7 +65,7 @@ working tree was dirty, i.e. had changes no commit holds, and the case: its id, 
 backend and topologies) and **run name** (the archive's name ``<campaign>-<commit>[-dirty]-case-<hash>``
 must name the evidence: the commit and dirty flag of ``environment.json`` and the case hash of
 ``plan.json`` and ``regression.json`` (and ``parity.json`` when the run has one),
-:mod:`rl_engine.evidence.casename`; a name without a
+:mod:`rl_engine.campaign.casename`; a name without a
 case hash, from before per-case names, is a note).
 
 A note row says whether the shipped schemas are byte-identical to this installation's (a
@@ -94,7 +94,7 @@ from rl_engine import jsonio, schemas
 from rl_engine.tables import SCHEMA_VERSION
 from rl_engine.evidence.acceptance import check_tensor_files
 from rl_engine.evidence.archive import SCHEMA_DIR, SUFFIX, SUMS, reviewing_text
-from rl_engine.evidence.casename import NOGIT, RunName, RunNameError, case_hash, evidence_resolved_case
+from rl_engine.campaign.casename import NOGIT, RunName, RunNameError, case_hash, evidence_resolved_case
 from rl_engine.evidence.crosscheck import crosscheck_run
 from rl_engine.evidence.members import unexpected_members
 from rl_engine.rundir import (ENVIRONMENT, PARITY_JSON, PLAN, REGRESSION, REVIEWING, SUMMARY, VALIDATION, Finding,
