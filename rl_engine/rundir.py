@@ -30,6 +30,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from collections.abc import Callable
 from typing import Any
 
 from rl_engine import jsonio
@@ -253,7 +254,8 @@ def _non_finite_paths(value: Any) -> list[tuple[str, str]]:
     return [(field_path(parts), leaf.literal) for parts, leaf in leaves]
 
 
-def load_json(path: Path, where: str | None = None) -> tuple[Any, list[Finding]]:
+def load_json(path: Path, where: str | None = None,
+              read: Callable[[Path], bytes] = Path.read_bytes) -> tuple[Any, list[Finding]]:
     """Read a strict-JSON artifact; on failure return ``None`` and findings naming the field.
 
     A ``NaN``/``Infinity`` literal is located and reported by its JSON path, so a reviewer
@@ -266,7 +268,7 @@ def load_json(path: Path, where: str | None = None) -> tuple[Any, list[Finding]]
     if not path.is_file():
         return None, [Finding(label, WHOLE_FILE, f"file is missing ({path.name} not found in the run directory)")]
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read(path).decode("utf-8")
     except UnicodeDecodeError as exc:
         return None, [Finding(label, WHOLE_FILE, f"not UTF-8 text ({exc.reason} at byte {exc.start})")]
     try:
@@ -379,6 +381,8 @@ def planned_reports(plan: Any, run_dir: Path) -> tuple[list[PlannedReport], list
     return planned, found
 
 
+# a file of the run up to this size is held in memory once read (Run.file_bytes); a larger one is streamed
+HELD_FILE_BYTES = 64 * 1024 * 1024
 # the documents Run.load reads, in workflow order
 DOCUMENTS: tuple[str, ...] = (ENVIRONMENT, REGRESSION, CASE, PLAN, VALIDATION, CROSSCHECK)
 # the documents Run.load reads when they lie in the run (a stage the config may leave out)
@@ -401,24 +405,34 @@ class Run:
     load_findings: dict[str, tuple[Finding, ...]] = field(default_factory=dict)
     planned: tuple[PlannedReport, ...] = ()
     plan_findings: tuple[Finding, ...] = ()
+    # the files read so far (the documents, by Run.load; the raw tensors, by their check), by path
+    read_files: dict[Path, bytes] = field(default_factory=dict, repr=False, compare=False)
+    # the SHA-256 of each file a check hashed, by path (a capture is hashed as a stream, never held)
+    digests: dict[Path, str] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def load(cls, root: str | Path) -> Run:
         root = Path(root)
         documents: dict[str, Any] = {}
         findings: dict[str, tuple[Finding, ...]] = {}
+        read_files: dict[Path, bytes] = {}
+
+        def read(path: Path) -> bytes:  # kept: the checks that hash a document hash these bytes
+            read_files[path] = path.read_bytes()
+            return read_files[path]
+
         present = [name for name in OPTIONAL_DOCUMENTS if os.path.lexists(root / name)]
         for name in (*DOCUMENTS, *present):
-            documents[name], found = load_json(root / name)
+            documents[name], found = load_json(root / name, read=read)
             findings[name] = tuple(found)
         planned: list[PlannedReport] = []
         plan_found: list[Finding] = []
         if documents[PLAN] is not None:
             planned, plan_found = planned_reports(documents[PLAN], root)
         for item in planned:
-            documents[item.file], found = load_json(item.path)
+            documents[item.file], found = load_json(item.path, read=read)
             findings[item.file] = tuple(found)
-        return cls(root, documents, findings, tuple(planned), tuple(plan_found))
+        return cls(root, documents, findings, tuple(planned), tuple(plan_found), read_files)
 
     def doc(self, name: str) -> Any:
         """The JSON of ``name`` (a document or a planned report's file), ``None`` when unreadable."""
@@ -427,6 +441,24 @@ class Run:
     def found(self, name: str) -> list[Finding]:
         """Why ``name`` could not be read (empty when it was)."""
         return list(self.load_findings.get(name, ()))
+
+    def file_bytes(self, path: Path) -> bytes:
+        """The bytes of a file of the run, read once: every later check, the recompute and the replay
+        get the bytes the first reader hashed or parsed, not a second read of the disk."""
+        if path not in self.read_files:
+            self.read_files[path] = path.read_bytes()
+        return self.read_files[path]
+
+    def sha256(self, path: Path) -> str:
+        """The SHA-256 of a file of the run, computed once: from :meth:`file_bytes` for a file of at most
+        :data:`HELD_FILE_BYTES` (the documents, the raw tensors), as a stream for a larger one (a capture),
+        whose bytes are never held."""
+        if path not in self.digests:
+            if path not in self.read_files and path.stat().st_size > HELD_FILE_BYTES:
+                self.digests[path] = jsonio.sha256_file(path)
+            else:
+                self.digests[path] = jsonio.sha256_bytes(self.file_bytes(path))
+        return self.digests[path]
 
     @property
     def environment(self) -> Any:

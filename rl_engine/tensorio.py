@@ -51,7 +51,11 @@ def write_raw(path: str | os.PathLike[str], tensor: torch.Tensor) -> str:
 
 def read_raw_f32(path: str | os.PathLike[str]) -> torch.Tensor:
     """Read a raw little-endian float32 file written by :func:`write_raw`."""
-    data = Path(path).read_bytes()
+    return f32_from_bytes(Path(path).read_bytes(), path)
+
+
+def f32_from_bytes(data: bytes, where: str | os.PathLike[str]) -> torch.Tensor:
+    """The float32 values of raw little-endian bytes (a file :func:`write_raw` wrote, already read)."""
     if len(data) % 4:
-        raise ValueError(f"{path}: {len(data)} bytes is not a whole number of float32 values")
+        raise ValueError(f"{where}: {len(data)} bytes is not a whole number of float32 values")
     return torch.frombuffer(bytearray(data), dtype=torch.float32).clone()

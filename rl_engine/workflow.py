@@ -40,8 +40,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from rl_engine import jsonio, schemas
-from rl_engine.evidence.casename import NOGIT, RunName, case_hash, parity_identity, resolved_case
-from rl_engine.evidence.gitstate import GitStateError, read_git_state
+from rl_engine.campaign.casename import NOGIT, RunName, case_hash, parity_identity, resolved_case
+from rl_engine.record.gitstate import GitStateError, read_git_state
 from rl_engine.campaign.case import (
     TOPOLOGY_FIELDS,
     Case,
@@ -54,7 +54,7 @@ from rl_engine.campaign.case import (
 from rl_engine.campaign import case as campaign_case
 from rl_engine.tables import DEVICE_DIST_BACKENDS
 from rl_engine.campaign.nodes import NodeLayout, fitting_ranks_per_node, layout_problem
-from rl_engine.evidence.sources import source_digest  # for the workflow: the sources rule's param
+from rl_engine.record.sources import source_digest  # for the workflow: the sources rule's param
 from rl_engine.rundir import Stage, Topology, run_stages, stages, topology_rule_files  # (the last two: for the workflow)
 
 RUNTIME_MARGIN_MIN = 5  # a topology job's Slurm time limit beyond topology_timeout_s
@@ -210,7 +210,7 @@ def _parity_check(rollout: str, trainer: str, bounds: tuple[float, float], tiles
 
 
 def config_parity(config: dict[str, Any], origin: Origin = Origin()) -> dict[str, Any] | None:
-    """The parity stage's part of the case hash (:func:`rl_engine.evidence.casename.parity_identity`:
+    """The parity stage's part of the case hash (:func:`rl_engine.campaign.casename.parity_identity`:
     both captures' SHA-256 and the verb's options), or None without a ``parity:`` section.
 
     Refuses, naming the key, the value and the fix, what the parity verb would refuse without
@@ -460,7 +460,7 @@ def load_config(path: str | Path) -> dict[str, Any]:
 
 
 def config_case_hash(config: dict[str, Any]) -> str:
-    """The case hash (:mod:`rl_engine.evidence.casename`) of a checked config (a capture's path does not
+    """The case hash (:mod:`rl_engine.campaign.casename`) of a checked config (a capture's path does not
     count; a ``parity:`` section's captures and options do, by hash)."""
     regression = config["regression"]
     return case_hash(resolved_case(case_values(config), config["topologies"], regression["tests"],
@@ -473,7 +473,7 @@ def run_name(config: dict[str, Any], repo: str | Path) -> str:
     The case hash (:func:`config_case_hash`) covers every value that determines the evidence, so
     a changed topology list, seed or device is a new run directory and a new archive, and never
     meets the files of another campaign. Dirty means what environment.json's ``git.dirty`` means
-    (:mod:`rl_engine.evidence.gitstate`: a changed tracked file or an untracked file that is not
+    (:mod:`rl_engine.record.gitstate`: a changed tracked file or an untracked file that is not
     ignored), so the two always agree. Stable across reruns of the same tree and case, so a
     rerun completes the same run directory.
     """

@@ -48,3 +48,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                                   items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: keeps module order
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist (3.6 and later) reorders the modules by their number of tests before it hands them
+    # out, which undoes LONG_FIRST: the Slurm and workflow modules have few tests and would start last.
+    config.option.loadscopereorder = False

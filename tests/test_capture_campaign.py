@@ -256,7 +256,7 @@ def test_a_parity_section_is_a_stage_named_by_its_captures_hashes_and_absent_cha
 
     import yaml
 
-    from rl_engine.evidence.casename import case_hash, resolved_case
+    from rl_engine.campaign.casename import case_hash, resolved_case
     from rl_engine.workflow import case_values, check_config, config_case_hash, stage_flags
 
     config = check_config(_parity_config(tmp_path))
@@ -363,7 +363,7 @@ def capture_archive(capture_run, tmp_path_factory: pytest.TempPathFactory) -> di
 
     from _capture_case import write_trainer_side
     from _evidence_run import PYTEST_ARGS, TINY_TESTS
-    from rl_engine.evidence.casename import RunName, case_hash, evidence_resolved_case
+    from rl_engine.campaign.casename import RunName, case_hash, evidence_resolved_case
     from rl_engine import jsonio
     from rl_engine.rundir import CAPTURE
 

@@ -26,7 +26,8 @@ import yaml
 
 from _evidence_run import PYTEST_ARGS, TOPOLOGIES, declared_files, launch, pack, schema_files, spec_file
 from rl_engine import cli, jsonio, schemas
-from rl_engine.evidence import archive, crosscheck, environment, gitstate, regression, summary, validation
+from rl_engine.evidence import archive, crosscheck, summary, validation
+from rl_engine.record import environment, gitstate, regression
 from rl_engine.rundir import Finding, Run, load_json
 
 BAD = "tp2-cp2"  # the topology the corruptions target (the reference is tp1-cp1)
@@ -411,7 +412,7 @@ def test_summary_has_the_reproduction_section_and_every_skip_reason(good_run: Pa
     from snakemake.utils import update_config
 
     from rl_engine import workflow as wfconfig
-    from rl_engine.evidence.casename import case_hash, evidence_resolved_case
+    from rl_engine.campaign.casename import case_hash, evidence_resolved_case
 
     text = (good_run / "SUMMARY.md").read_text()
     env, plan = jsonio.load(good_run / "environment.json"), jsonio.load(good_run / "plan.json")

@@ -24,7 +24,7 @@ from _archive_util import Entry, Good, Sandbox, make_sandbox
 from _evidence_run import pack
 from rl_engine import jsonio, schemas
 from rl_engine.evidence import archive, safe_tar, summary, verify
-from rl_engine.evidence.casename import RunName, case_hash, evidence_resolved_case
+from rl_engine.campaign.casename import RunName, case_hash, evidence_resolved_case
 from rl_engine.logprob.comparison import default_tolerance
 from rl_engine.rundir import Run
 
@@ -680,28 +680,28 @@ def test_recompute_opens_only_tensor_paths_that_passed_the_plain_checks(
     target: str,
 ) -> None:
     """A report's tensor path to /dev/zero, a FIFO or a reviewer's file: plain verify refuses it, and
-    --recompute must never open it (every path the recompute reads is recorded by a spy that refuses,
-    rather than reads, one outside the extracted run)."""
+    --recompute must never open it (every file verify opens goes through ``io.open``; a spy there refuses,
+    rather than opens, the hostile target and records it)."""
+    import io
     import os
-
-    from rl_engine import tensorio
 
     secret = sandbox.root / "secret.txt"
     secret.write_bytes(b"REVIEWER-SECRET-BYTES-" * 4)
     pipe = sandbox.root / "pipe"
     os.mkfifo(pipe)
     hostile = {"/dev/zero": "/dev/zero", "fifo": str(pipe), "relative out of the run": "../../../secret.txt"}[target]
-    real_read = tensorio.read_raw_f32
+    real_open = io.open
+    targets = {Path(p).resolve() for p in ("/dev/zero", pipe, secret)}
     opened_outside: list[str] = []
 
-    def spy(path: Any) -> Any:
-        resolved = Path(path).resolve()
-        if not resolved.is_relative_to(sandbox.tmp.resolve()) or resolved == pipe.resolve():
-            opened_outside.append(str(path))
-            raise OSError(f"the test refused to open {path}")
-        return real_read(path)
+    def spy(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(file, (str, Path)) and Path(file).resolve() in targets:
+            opened_outside.append(str(file))
+            raise OSError(f"the test refused to open {file}")
+        return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(tensorio, "read_raw_f32", spy)
+    monkeypatch.setattr(io, "open", spy)  # pathlib's read_bytes, read_text and open call io.open
+    monkeypatch.setattr("builtins.open", spy)
     changes = {"tp1-cp1.json": edit_json(_set_tensor_path("tp1-cp1", "logp", hostile))}
     path = write_archive(tmp_path / "in" / good.archive.name, edited(good, changes, resum=True))
     code, text, result = run_verify(path, sandbox, capsys, "--recompute")
@@ -994,3 +994,32 @@ def test_an_archive_without_the_specification_fails(good: Good, sandbox: Sandbox
     code, _, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
     assert code == 1 and status(result)["arithmetic spec"] == "FAIL"
     assert "arithmetic.md is not in the archive" in problems(result, "arithmetic spec")
+
+
+def test_verify_reads_each_evidence_file_once(good: Good, sandbox: Sandbox, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 19: one ``verify --recompute`` read plan.json 10 times, each report 6 and, counted here, each
+    raw tensor file 18. Now every reader takes the one :class:`rl_engine.rundir.Run` that ``Run.load``
+    built: each document and each raw tensor file of the run is read once (by ``Run.load`` or the first
+    check), and the SHA256SUMS check, the acceptance, the cross-topology check, the summary, the recompute
+    and the replay get those bytes. The extraction's writes are counted apart."""
+    import collections
+    import io
+
+    reads: collections.Counter[str] = collections.Counter()
+    real_open = io.open
+
+    def spy(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if isinstance(file, (str, Path)) and not set(mode) & set("wax+"):
+            reads[Path(file).name] += 1
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", spy)  # pathlib's read_text, read_bytes and open all call io.open
+    monkeypatch.setattr("builtins.open", spy)
+    code = verify.main([str(good.archive), "--recompute"])
+    monkeypatch.undo()
+    assert code == 0, capsys.readouterr().out
+    files = [name for name in (Path(info.name).name for info, data in good.entries if data is not None)
+             if name.endswith((".json", ".f32")) and not name.endswith(".schema.json")]
+    assert len(files) == 6 + 2 + 2 * 3, files  # six documents, two reports, three tensors (logp, LSE, entropy) each
+    assert {name: reads[name] for name in files} == dict.fromkeys(files, 1)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_engine.evidence.regression import KILL_GRACE_S
+from rl_engine.record.regression import KILL_GRACE_S
 
 from _workflow_util import SMALL_VOCAB, copy_repo, env_for, run_name_of, snakemake, snakemake_cmd, write_config
 

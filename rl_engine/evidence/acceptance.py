@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ import numpy as np
 
 from rl_engine.tables import GATING_ORACLE, ORACLES, TORCH_DTYPE_NAMES
 from rl_engine.rundir import TENSOR_NAMES, Finding, PlannedReport, field_path, get, inside, is_number, non_finite_numbers
-from rl_engine.jsonio import sha256_file
+from rl_engine.jsonio import sha256_bytes, sha256_file
 
 TENSOR_FINGERPRINTS: dict[str, str] = {name: f"candidate_{name}_sha256" for name in TENSOR_NAMES}
 QUANTITIES = ("lse", "dlogp")
@@ -113,7 +114,8 @@ def check_tensor_values(name: str, data: bytes, case: Any, where: str) -> list[F
     return found
 
 
-def check_tensor_files(report: Any, where: str, report_dir: Path) -> tuple[list[TensorCheck], list[Finding]]:
+def check_tensor_files(report: Any, where: str, report_dir: Path,
+                       read: Callable[[Path], bytes] = Path.read_bytes) -> tuple[list[TensorCheck], list[Finding]]:
     """Each raw tensor file's SHA-256 against its ``tensors`` entry and its fingerprint.
 
     The file must be a regular file inside ``report_dir`` (no absolute path, no ``..``, no
@@ -148,20 +150,36 @@ def check_tensor_files(report: Any, where: str, report_dir: Path) -> tuple[list[
         elif not file.exists():
             found.append(Finding(where, field_path(base + ("path",)), f"raw tensor file {rel} is missing"))
         else:
-            file_sha = sha256_file(file)
-            size = file.stat().st_size
-            if isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-                expected = FLOAT32_BYTES * math.prod(shape)
-                if size != expected:
-                    found.append(Finding(where, field_path(base + ("path",)), f"{rel} holds {size} bytes; shape {shape} float32 needs {expected}"))
-                elif shape == fp_shape:
-                    found += check_tensor_values(name, file.read_bytes(), case, where)
+            file_sha = _check_tensor_bytes(found, where, (name, rel, base), file, shape, fp_shape, case, read)
             if file_sha != recorded:
                 found.append(Finding(where, field_path(base + ("sha256",)), f"{recorded} but sha256 of {rel} is {file_sha}"))
             if file_sha != fingerprint:
                 found.append(Finding(where, f"bitwise_fingerprints.{fp_key}", f"{fingerprint} but sha256 of {rel} is {file_sha}"))
         checks.append(TensorCheck(name, rel, recorded, fingerprint, file_sha))
     return checks, found
+
+
+def _check_tensor_bytes(found: list[Finding], where: str, named: tuple[str, str, tuple[str, ...]], file: Path,
+                        shape: Any, fp_shape: Any, case: Any, read: Callable[[Path], bytes]) -> str:
+    """The SHA-256 of one raw tensor file, with a finding when its size is not its shape's. A file of
+    the right size is read once (``read``), then hashed and value-checked from those same bytes; any
+    other is only hashed, as a stream."""
+    name, rel, base = named
+    expected = None
+    if isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        expected = FLOAT32_BYTES * math.prod(shape)
+    if expected is None or file.stat().st_size != expected:
+        if expected is not None:
+            found.append(Finding(where, field_path(base + ("path",)),
+                                 f"{rel} holds {file.stat().st_size} bytes; shape {shape} float32 needs {expected}"))
+        return sha256_file(file)
+    data = read(file)
+    if len(data) != expected:  # it changed since the stat
+        found.append(Finding(where, field_path(base + ("path",)), f"{rel} holds {len(data)} bytes; shape {shape} "
+                             f"float32 needs {expected}"))
+    elif shape == fp_shape:
+        found += check_tensor_values(name, data, case, where)
+    return sha256_bytes(data)
 
 
 def _expect(found: list[Finding], where: str, report: Any, parts: tuple[str | int, ...], expected: Any, why: str) -> Any:
@@ -286,11 +304,13 @@ def check_report(
     *,
     planned: PlannedReport | None = None,
     plan: Any = None,
+    read: Callable[[Path], bytes] = Path.read_bytes,
 ) -> list[Finding]:
     """Every reason ``report`` is not acceptable evidence; empty when it is.
 
     ``where`` names the report in findings (e.g. ``tp2-cp1.json``); ``report_dir`` is where
-    its raw tensor files lie. ``planned``/``plan`` add the consistency checks against the plan.
+    its raw tensor files lie. ``planned``/``plan`` add the consistency checks against the plan;
+    ``read`` reads a raw tensor file (:meth:`rl_engine.rundir.Run.file_bytes`: once per run).
     """
     if not isinstance(report, dict):
         return [Finding(where, "(file)", f"a report must be a JSON object, got {type(report).__name__}")]
@@ -316,6 +336,6 @@ def check_report(
     _check_topology(found, where, report, case, requested)
     _check_fingerprints(found, where, report, case)
     _check_drift(found, where, report, case)
-    found += check_tensor_files(report, where, report_dir)[1]
+    found += check_tensor_files(report, where, report_dir, read)[1]
     _check_against_plan(found, where, report, case, planned, plan)
     return found

@@ -86,7 +86,7 @@ def crosscheck_run(run: Run, min_topologies: int = 2) -> tuple[dict[str, Any], l
             for key in ("bitwise_fingerprints", "inputs_sha256"):
                 value = report.get(key) if isinstance(report, dict) else None
                 row[key] = value if isinstance(value, dict) else None
-            checks, tensor_found = check_tensor_files(report, item.file, run.root)
+            checks, tensor_found = check_tensor_files(report, item.file, run.root, run.file_bytes)
             found += tensor_found
             row["tensors"] = [c.to_dict() for c in checks]
         rows.append(row)

@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rl_engine import jsonio
-from rl_engine.evidence.casename import RunNameError, pytest_args_of
+from rl_engine.campaign.casename import RunNameError, pytest_args_of
 from rl_engine.campaign.plan import RUNNER_MODULE
 from rl_engine.evidence.spec_doc import SPEC_DOC
 from rl_engine.rundir import (
@@ -381,7 +381,7 @@ def _artifact_sections(ev: Evidence, run: Run) -> tuple[Section, Section]:
     for rel in run.evidence_files()[0]:  # unreadable evidence already stopped load_evidence
         path = run.root / rel
         if path.is_file() and not path.is_symlink():
-            artifacts.append((rel, str(path.stat().st_size), jsonio.sha256_file(path)))
+            artifacts.append((rel, str(path.stat().st_size), run.sha256(path)))
     arts = Section("Artifacts", ("File", "Bytes", "SHA-256"), tuple(artifacts))
     skips = skipped_tests(run.root, ev.regression)
     skipped = Section("Skipped tests", ("Test", "Reason"), skips if isinstance(skips, tuple) else ())

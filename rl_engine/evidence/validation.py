@@ -242,7 +242,7 @@ def _validate_reports(run: Run, schema_dir: Path) -> tuple[list[dict[str, Any]],
         report_accept: list[Finding] = []
         if report is not None:
             report_schema = schema_findings(report, "report", item.file, schema_dir)
-            report_accept = check_report(report, item.file, run.root, planned=item, plan=run.plan)
+            report_accept = check_report(report, item.file, run.root, planned=item, plan=run.plan, read=run.file_bytes)
         load += report_load
         schema += report_schema
         acceptance += report_accept

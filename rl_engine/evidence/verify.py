@@ -65,7 +65,7 @@ working tree was dirty, i.e. had changes no commit holds, and the case: its id, 
 backend and topologies) and **run name** (the archive's name ``<campaign>-<commit>[-dirty]-case-<hash>``
 must name the evidence: the commit and dirty flag of ``environment.json`` and the case hash of
 ``plan.json`` and ``regression.json`` (and ``parity.json`` when the run has one),
-:mod:`rl_engine.evidence.casename`; a name without a
+:mod:`rl_engine.campaign.casename`; a name without a
 case hash, from before per-case names, is a note).
 
 A note row says whether the shipped schemas are byte-identical to this installation's (a
@@ -94,7 +94,7 @@ from rl_engine import jsonio, schemas
 from rl_engine.tables import SCHEMA_VERSION
 from rl_engine.evidence.acceptance import check_tensor_files
 from rl_engine.evidence.archive import SCHEMA_DIR, SUFFIX, SUMS, reviewing_text
-from rl_engine.evidence.casename import NOGIT, RunName, RunNameError, case_hash, evidence_resolved_case
+from rl_engine.campaign.casename import NOGIT, RunName, RunNameError, case_hash, evidence_resolved_case
 from rl_engine.evidence.crosscheck import crosscheck_run
 from rl_engine.evidence.members import unexpected_members
 from rl_engine.rundir import (ENVIRONMENT, PARITY_JSON, PLAN, REGRESSION, REVIEWING, SUMMARY, VALIDATION, Finding,
@@ -173,7 +173,8 @@ def check_outer(archive: Path, skip: bool) -> Check:
     return Check("outer checksum", True, f"{actual} matches {sidecar.name}")
 
 
-def check_sums(root: Path, files: tuple[str, ...], top: str) -> Check:
+def check_sums(run: Run, files: tuple[str, ...], top: str) -> Check:
+    root = run.root
     sums = root / SUMS
     if not sums.is_file():
         return Check("SHA256SUMS", False, f"{top}/{SUMS} is missing")
@@ -198,7 +199,7 @@ def check_sums(root: Path, files: tuple[str, ...], top: str) -> Check:
     for rel in sorted(present - set(listed)):
         problems.append(f"{rel} is in the archive but not listed in SHA256SUMS (extra member)")
     for rel in sorted(set(listed) & present):
-        actual = jsonio.sha256_file(root / rel)
+        actual = run.sha256(root / rel)
         if actual != listed[rel]:
             problems.append(f"{rel}: SHA256SUMS says {listed[rel]} but the file's SHA-256 is {actual} (changed member)")
     if problems:
@@ -413,14 +414,24 @@ def _compare_stats(where: str, reported: Any, recomputed: dict[str, Any], path: 
     return problems
 
 
-def _accepted_tensor(item: PlannedReport, report: dict[str, Any], tensor: str) -> tuple[Path | None, str | None]:
+def _raw_f32(run: Run, path: Path | None) -> torch.Tensor:
+    """The float32 values of an accepted raw tensor file, from the bytes its check read."""
+    from rl_engine.tensorio import f32_from_bytes  # imports torch: only on --recompute
+
+    if path is None:
+        raise TypeError("no accepted tensor file")
+    return f32_from_bytes(run.file_bytes(path), path)
+
+
+def _accepted_tensor(run: Run, item: PlannedReport, report: dict[str, Any], tensor: str) -> tuple[Path | None, str | None]:
     """The raw tensor file of ``report``, only when it passed the plain checks (``report acceptance``).
 
     :func:`rl_engine.evidence.acceptance.check_tensor_files` decides: a plain relative path inside
     the run, a regular file (not a link, device or FIFO), hashing to the recorded SHA-256 and
-    fingerprint. Nothing else is ever opened, so ``--recompute`` reads no file the plain checks refused.
+    fingerprint. Nothing else is ever opened, so ``--recompute`` reads no file the plain checks refused;
+    the file's bytes are the ones those checks read (:meth:`rl_engine.rundir.Run.file_bytes`).
     """
-    checks, _ = check_tensor_files(report, item.file, item.path.parent)
+    checks, _ = check_tensor_files(report, item.file, item.path.parent, run.file_bytes)
     for entry in checks:
         if entry.name == tensor and entry.ok:
             return item.path.parent / entry.path, None
@@ -474,7 +485,6 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
     import torch
 
     from rl_engine.logprob.comparison import oracle_drift
-    from rl_engine.tensorio import read_raw_f32
     from rl_engine.campaign.captured import case_inputs, replay_source
     from rl_engine.campaign.inputs import inputs_sha256
 
@@ -510,14 +520,14 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
                 if recorded.get(name) != digest:
                     input_problems.append(f"{item.file}: inputs_sha256.{name}: recorded {recorded.get(name)!r}, "
                                           f"regenerated {digest}")
-            paths = {name: _accepted_tensor(item, report, name) for name in ("logp", "lse")}
+            paths = {name: _accepted_tensor(run, item, report, name) for name in ("logp", "lse")}
             refused = [why for _, why in paths.values() if why]
             if refused:
                 drift_problems += refused
                 continue
             try:
-                logp = read_raw_f32(paths["logp"][0])
-                lse = read_raw_f32(paths["lse"][0])
+                logp = _raw_f32(run, paths["logp"][0])
+                lse = _raw_f32(run, paths["lse"][0])
             except (KeyError, TypeError, OSError, ValueError) as exc:
                 drift_problems.append(f"{item.file}: tensors: cannot read the raw logp/lse files ({exc})")
                 continue
@@ -586,7 +596,7 @@ def replay(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | None =
     """Recompute the candidate at TP=1 and require byte equality with every topology."""
     import torch
 
-    from rl_engine.tensorio import read_raw_f32, tensor_bytes
+    from rl_engine.tensorio import tensor_bytes
     from rl_engine.campaign.captured import replay_source
     from rl_engine.campaign.replay import ARITH_BACKENDS, REFERENCE_BACKEND, replay_candidate
     from rl_engine.rundir import TENSOR_NAMES
@@ -615,12 +625,12 @@ def replay(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | None =
                 cache[key] = replay_candidate(case, backend=by, capture=source)
             again = cache[key]
             for tensor in TENSOR_NAMES:
-                path, refused = _accepted_tensor(item, report, tensor)
+                path, refused = _accepted_tensor(run, item, report, tensor)
                 if path is None:
                     problems.append(str(refused))
                     continue
                 try:
-                    archived = read_raw_f32(path)
+                    archived = _raw_f32(run, path)
                 except (KeyError, TypeError, OSError, ValueError) as exc:
                     problems.append(f"{item.file}: tensors.{tensor}: cannot read the raw file ({exc})")
                     continue
@@ -701,7 +711,7 @@ def _checks_of_extracted(extracted: Extracted, recompute_drift: bool, accept_loo
     gated = ("JSON schemas (shipped)", "focused regression", "report acceptance", "recorded gates")
     checks = [*_guarded(("tested",), lambda: tested_note(run)),
               *_guarded(("run name",), lambda: check_run_name(run, top)),
-              *_guarded(("SHA256SUMS",), lambda: check_sums(root, extracted.files, top)),
+              *_guarded(("SHA256SUMS",), lambda: check_sums(run, extracted.files, top)),
               *_guarded(("archive members",), lambda: check_members(run, extracted.files, top)),
               *_guarded(("REVIEWING.md",), lambda: check_reviewing(run, top))]
     validated = _guarded(gated, lambda: _validation_rows(run, shipped, top))

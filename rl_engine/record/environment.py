@@ -3,7 +3,7 @@
 ``python -m rl_engine env --output-dir RUN [--repo DIR] [--timeout-s S]`` writes
 
 * ``RUN/environment.json`` (``schemas/environment.schema.json``, validated before it is
-  written): git commit, branch and dirty flag (:mod:`rl_engine.evidence.gitstate`: dirty when
+  written): git commit, branch and dirty flag (:mod:`rl_engine.record.gitstate`: dirty when
   a tracked file changed or an untracked file is not ignored; the number of untracked files is
   recorded too), Python, torch and its CUDA build, CUDA availability, GPU count and names,
   NCCL and gloo availability, CPU model and count, hostname, platform and the versions of
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_engine import jsonio, schemas
-from rl_engine.evidence.gitstate import GitStateError, read_git_state
+from rl_engine.record.gitstate import GitStateError, read_git_state
 from rl_engine.rundir import ENVIRONMENT, ENVIRONMENT_TEXT
 from rl_engine.tables import SCHEMA_VERSION
 
@@ -99,7 +99,7 @@ def cpu_model() -> str:
 
 
 def _git(repo: Path, timeout_s: float) -> dict[str, Any]:
-    """environment.json's ``git`` record from :func:`rl_engine.evidence.gitstate.read_git_state`."""
+    """environment.json's ``git`` record from :func:`rl_engine.record.gitstate.read_git_state`."""
     try:
         state = read_git_state(repo, timeout_s)
     except GitStateError as exc:
