@@ -27,9 +27,9 @@ SHORT_REGRESSION = {"tests": ["tests/test_logprob_contract.py"], "pytest_args": 
 SMALL_VOCAB = {"real_vocab": 1000, "padded_vocab": 1024, "num_vocab_tiles": 8}
 
 
-def copy_repo(dest: Path) -> Path:
-    """A copy of the working tree at ``dest/repo`` with an empty ``results/``."""
-    repo = dest / "repo"
+def copy_repo(dest: Path, name: str = "repo") -> Path:
+    """A copy of the working tree at ``dest/name`` with an empty ``results/``."""
+    repo = dest / name
     shutil.copytree(REPO, repo, ignore=IGNORE)
     (repo / "results").mkdir(exist_ok=True)
     return repo

@@ -759,6 +759,34 @@ def test_recompute_bounds_the_replay_before_generating_inputs(
     assert "over the replay limit" not in problems(result, "candidate replayed")
 
 
+@pytest.mark.parametrize("threads", [10**9, 0, True, "2"])
+def test_recompute_refuses_a_thread_count_out_of_the_cases_bound(
+    good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    threads: Any,
+) -> None:
+    """A forged case's threads_per_rank (a billion threads asked of torch.set_num_threads, zero, a bool, a
+    string) is refused before any input is generated or any thread count is set."""
+    import torch
+
+    from rl_engine.campaign import inputs
+
+    called: list[str] = []
+    monkeypatch.setattr(inputs, "make_inputs", lambda *a, **k: called.append("make_inputs"))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: called.append(f"set_num_threads({n})"))
+
+    def forged(obj: dict[str, Any]) -> None:
+        obj["case"]["threads_per_rank"] = threads
+
+    changes = {name: edit_json(forged) for name in ("plan.json", "tp1-cp1.json", "tp2-cp2.json")}
+    path = write_archive(tmp_path / "in" / good.archive.name, edited(good, changes, resum=True))
+    code, _, result = run_verify(path, sandbox, capsys, "--recompute")
+    assert code == 1 and called == []
+    for row in ("inputs regenerated", "oracle drift recomputed", "candidate replayed"):
+        assert status(result)[row] == "FAIL"
+        assert f"threads_per_rank must be an integer from 1 to 64 (the case's own bound) to set the replay's " \
+               f"threads, got {threads!r}" in problems(result, row)
+
+
 def test_max_replay_logits_must_be_positive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     archive_path = tmp_path / "a.tar.gz"
     archive_path.write_bytes(b"")

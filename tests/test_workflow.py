@@ -42,8 +42,12 @@ TOPOLOGIES = yaml.safe_load((REPO / "config.yaml").read_text())["topologies"]
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str], float]:
-    """The guide's campaign (config.yaml) with a short regression: every test of the module uses it."""
-    repo = copy_repo(tmp_path_factory.mktemp("wf-default"))
+    """The guide's campaign (config.yaml) with a short regression: every test of the module uses it.
+
+    The checkout's path holds a space, as a user's ``~/My Projects/`` does: every rule's command line
+    quotes its paths (tests/test_rules.py reads them; this run proves it, from the environment rule's
+    ``--repo`` to the archive)."""
+    repo = copy_repo(tmp_path_factory.mktemp("wf-default"), "my checkout")
     write_config(repo, {"regression": SHORT_REGRESSION})
     start = time.monotonic()
     done = snakemake(repo, default_console=True)  # the console a person sees (stderr merged, in order)

@@ -91,7 +91,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rl_engine import jsonio, schemas
-from rl_engine.tables import SCHEMA_VERSION
+from rl_engine.tables import MAX_THREADS_PER_RANK, SCHEMA_VERSION
 from rl_engine.evidence.acceptance import check_tensor_files
 from rl_engine.evidence.archive import SCHEMA_DIR, SUFFIX, SUMS, reviewing_text
 from rl_engine.campaign.casename import NOGIT, RunName, RunNameError, case_hash, evidence_resolved_case
@@ -441,7 +441,9 @@ def _accepted_tensor(run: Run, item: PlannedReport, report: dict[str, Any], tens
 
 def replay_bound(run: Run, planned: tuple[PlannedReport, ...], max_logits: int) -> list[str]:
     """Why the replay is refused before any input is generated: its logits (tokens x padded vocabulary,
-    summed over the distinct cases) over ``max_logits``, or a case whose sizes are not positive integers."""
+    summed over the distinct cases) over ``max_logits``, a case whose sizes are not positive integers, or
+    one whose ``threads_per_rank`` (the replay's CPU thread count) is not an integer from 1 to
+    :data:`rl_engine.tables.MAX_THREADS_PER_RANK`, the bound the case itself has."""
     sizes: dict[tuple[Any, ...], tuple[int, int]] = {}
     problems = []
     for item in planned:
@@ -452,6 +454,11 @@ def replay_bound(run: Run, planned: tuple[PlannedReport, ...], max_logits: int) 
         if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
             problems.append(f"{item.file}: case: batch, seq and padded_vocab must be positive integers to bound the "
                             f"replay, got {terminal_text(repr(dims), 200)}")
+            continue
+        threads = case.get("threads_per_rank", 1)
+        if not (isinstance(threads, int) and not isinstance(threads, bool) and 1 <= threads <= MAX_THREADS_PER_RANK):
+            problems.append(f"{item.file}: case: threads_per_rank must be an integer from 1 to {MAX_THREADS_PER_RANK} "
+                            f"(the case's own bound) to set the replay's threads, got {terminal_text(repr(threads), 200)}")
             continue
         sizes[_case_key(case)] = (dims[0] * dims[1], dims[2])
     total = sum(tokens * vocab for tokens, vocab in sizes.values())
@@ -536,7 +543,7 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
                 drift_problems.append(f"{item.file}: tensors: logp/lse hold {logp.numel()}/{lse.numel()} values, "
                                       f"the case has {n} tokens")
                 continue
-            torch.set_num_threads(int(case.get("threads_per_rank", 1)))
+            torch.set_num_threads(case.get("threads_per_rank", 1))  # bounded by replay_bound
             drift = oracle_drift(logp, lse, logits, targets, active, case["real_vocab"], case["dtype"],
                                  case["atol"], case["rtol"])
             for oracle, quantities in drift.items():

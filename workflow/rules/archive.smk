@@ -31,10 +31,10 @@ rule archive:
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "exec python -m rl_engine archive --run-dir {params.run} --output {output.archive} --spec {input.spec:q} "
+        "exec python -m rl_engine archive --run-dir {params.run:q} --output {output.archive:q} --spec {input.spec:q} "
         "--schemas {input.schemas:q} --files {input.environment:q} {input.regression:q} {input.case:q} {input.plan:q} "
         "{input.reports:q} {input.tensors:q} {input.validation:q} {input.crosscheck:q} {input.summary:q} "
-        "{input.capture:q} {input.parity:q} {input.logs:q} > {log} 2>&1"
+        "{input.capture:q} {input.parity:q} {input.logs:q} > {log:q} 2>&1"
 
 
 rule verify_archive:
@@ -48,4 +48,4 @@ rule verify_archive:
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "exec python -m rl_engine verify {input.archive} --json {output} > {log} 2>&1"
+        "exec python -m rl_engine verify {input.archive:q} --json {output:q} > {log:q} 2>&1"

@@ -20,4 +20,4 @@ rule capture:
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "exec python -m rl_engine copy-capture --case {input.case} --output {output} > {log} 2>&1"
+        "exec python -m rl_engine copy-capture --case {input.case:q} --output {output:q} > {log:q} 2>&1"

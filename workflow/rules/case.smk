@@ -12,4 +12,4 @@ rule case:
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "python -m rl_engine case --json {params.case:q} --output {output} > {log} 2>&1"
+        "exec python -m rl_engine case --json {params.case:q} --output {output:q} > {log:q} 2>&1"

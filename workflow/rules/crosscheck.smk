@@ -12,4 +12,4 @@ rule crosscheck:
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "python -m rl_engine crosscheck --run-dir {params.run} --output {output} > {log} 2>&1"
+        "exec python -m rl_engine crosscheck --run-dir {params.run:q} --output {output:q} > {log:q} 2>&1"

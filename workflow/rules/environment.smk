@@ -10,4 +10,4 @@ rule environment:
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "python -m rl_engine env --output-dir {params.run} --repo {params.repo} > {log} 2>&1"
+        "exec python -m rl_engine env --output-dir {params.run:q} --repo {params.repo:q} > {log:q} 2>&1"

@@ -25,5 +25,5 @@ rule parity:
         "../envs/rl_engine.yaml"
     shell:
         "exec python -m rl_engine parity {input.rollout:q} {input.trainer:q} --output-dir {params.run:q} "
-        "--backend {params.backend:q} --num-vocab-tiles {params.tiles} --ratio-bounds {params.bounds} "
-        "--difference-exit-code 0 > {log} 2>&1"
+        "--backend {params.backend:q} --num-vocab-tiles {params.tiles:q} --ratio-bounds {params.bounds:q} "
+        "--difference-exit-code 0 > {log:q} 2>&1"

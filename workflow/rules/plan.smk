@@ -12,4 +12,4 @@ rule plan:
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "python -m rl_engine plan --case {input.case} --output {output} > {log} 2>&1"
+        "exec python -m rl_engine plan --case {input.case:q} --output {output:q} > {log:q} 2>&1"

@@ -23,5 +23,5 @@ rule regression:
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "python -m rl_engine regression --output-dir {params.run} --tests {input.tests:q} "
-        "{params.extra:q} --timeout-s {params.timeout} --progress-fd 3 3>&2 > {log} 2>&1"
+        "exec python -m rl_engine regression --output-dir {params.run:q} --tests {input.tests:q} "
+        "{params.extra:q} --timeout-s {params.timeout:q} --progress-fd 3 3>&2 > {log:q} 2>&1"

@@ -15,4 +15,4 @@ rule sources:
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "python -m rl_engine sources --repo {params.repo} --digest {params.digest} --output {output} > {log} 2>&1"
+        "exec python -m rl_engine sources --repo {params.repo:q} --digest {params.digest:q} --output {output:q} > {log:q} 2>&1"

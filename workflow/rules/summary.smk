@@ -13,4 +13,4 @@ rule summary:
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "python -m rl_engine summary --run-dir {params.run} --output {output} > {log} 2>&1"
+        "exec python -m rl_engine summary --run-dir {params.run:q} --output {output:q} > {log:q} 2>&1"

@@ -31,8 +31,8 @@ rule topology:
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "rc=0; python -m rl_engine launch --plan {input.plan} --tp {wildcards.tp} "
-        "--cp {wildcards.cp} --timeout-s {params.timeout} --ranks-per-node {params.ranks_per_node} "
-        "> {log} 2>&1 || rc=$?; "
-        'if [ "$rc" -eq 1 ]; then echo "acceptance failed; report kept for the validation gate" >> {log}; '
+        "rc=0; python -m rl_engine launch --plan {input.plan:q} --tp {wildcards.tp:q} "
+        "--cp {wildcards.cp:q} --timeout-s {params.timeout:q} --ranks-per-node {params.ranks_per_node:q} "
+        "> {log:q} 2>&1 || rc=$?; "
+        'if [ "$rc" -eq 1 ]; then echo "acceptance failed; report kept for the validation gate" >> {log:q}; '
         'elif [ "$rc" -ne 0 ]; then exit "$rc"; fi'

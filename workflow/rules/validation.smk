@@ -23,5 +23,5 @@ rule validation:
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "python -m rl_engine validate --run-dir {params.run} --schemas {params.schemas} "
-        "--output {output} > {log} 2>&1"
+        "exec python -m rl_engine validate --run-dir {params.run:q} --schemas {params.schemas:q} "
+        "--output {output:q} > {log:q} 2>&1"
