@@ -445,6 +445,7 @@ def test_summary_has_the_reproduction_section_and_every_skip_reason(good_run: Pa
     assert "pytest-junit.xml cannot be read (ParseError), so the skip reasons are unknown" in summary.summary_text(Run.load(run))
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_summary_of_failing_run_says_failed(perturbed_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     gate("validate", perturbed_run, capsys)
     shutil.copy(perturbed_run / "validate-out.json", perturbed_run / "validation.json")

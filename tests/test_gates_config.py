@@ -477,6 +477,7 @@ def test_snakemake_dry_run_refuses_bad_config_before_any_job(dry_runs: tuple[Pat
     assert list((repo / "results").iterdir()) == []
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 def test_snakemake_dry_run_refuses_cuda_on_a_machine_without_cuda(dry_runs: tuple[Path, dict[str, Any]]) -> None:
     """Issue 14: ``snakemake -n --config device=cuda`` passed here; the jobs failed 35 s later."""
@@ -520,6 +521,7 @@ def test_snakemake_lint_is_clean(tmp_path: Path) -> None:
     assert "Congratulations, your workflow is in a good condition!" in done.stdout + done.stderr
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_a_capture_archive_and_parity_config_plans_both_stages_and_lints(dry_runs: tuple[Path, dict[str, Any]]) -> None:
     """Issue 21: inputs.archive: true adds the capture copy, a parity: section the parity stage (its
     command exits 0 on a difference, a finding), both feeding the gates, the summary and the archive;

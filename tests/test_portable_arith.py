@@ -130,6 +130,7 @@ def test_the_cross_isa_harness_sees_an_isa_dependent_step() -> None:
     assert scalar["default"] != vector["default"]
 
 
+@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_the_library_exp_is_not_the_spec(isa_runs: dict[str, dict[str, Any]]) -> None:
     """Negative control: ``torch.exp``/``torch.log`` in place of ``E``/``L`` change the bytes.
 
