@@ -18,9 +18,21 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-IGNORE = shutil.ignore_patterns(
+_IGNORED_NAMES = shutil.ignore_patterns(
     ".git", "results", ".snakemake", "__pycache__", "*.egg-info", ".pytest_cache", "build"
 )
+# .ci/run installs the oldest supported Triton into .ci/triton-3.6 (ignored by git, about 640 MB):
+# no workflow run reads it (tests/test_triton_versions.py uses the checkout's own copy), and copying
+# it cost every copy of the repository about 5 s and 640 MB of disk.
+_CI_INSTALLS = shutil.ignore_patterns("triton-*")
+
+
+def _ignore(directory: str, names: list[str]) -> set[str]:
+    """``shutil.copytree``'s ignore: the names above anywhere, and ``.ci``'s installed Tritons."""
+    ignored = set(_IGNORED_NAMES(directory, names))
+    if Path(directory).resolve() == (REPO / ".ci").resolve():
+        ignored |= set(_CI_INSTALLS(directory, names))
+    return ignored
 CONFIG = "test-config.yaml"
 # A fast focused regression for workflow tests (the default config runs the guide's six files).
 SHORT_REGRESSION = {"tests": ["tests/test_logprob_contract.py"], "pytest_args": ["-x"]}
@@ -30,7 +42,7 @@ SMALL_VOCAB = {"real_vocab": 1000, "padded_vocab": 1024, "num_vocab_tiles": 8}
 def copy_repo(dest: Path, name: str = "repo") -> Path:
     """A copy of the working tree at ``dest/name`` with an empty ``results/``."""
     repo = dest / name
-    shutil.copytree(REPO, repo, ignore=IGNORE)
+    shutil.copytree(REPO, repo, ignore=_ignore)
     (repo / "results").mkdir(exist_ok=True)
     return repo
 
@@ -116,6 +128,6 @@ def archive_of(repo: Path) -> Path:
 
 
 __all__ = [
-    "CONFIG", "IGNORE", "REPO", "SHORT_REGRESSION", "SMALL_VOCAB", "archive_of", "copy_repo", "env_for",
+    "CONFIG", "REPO", "SHORT_REGRESSION", "SMALL_VOCAB", "archive_of", "copy_repo", "env_for",
     "jobs_run", "run_name_of", "snakemake", "snakemake_cmd", "verify", "write_config",
 ]
