@@ -9,7 +9,9 @@ env, regression, parity, validate, crosscheck, summary, archive) into an archive
 capture and a parity report: ``verify --recompute`` passes on it without ``--capture``; without
 the capture member, or with other bytes in it, it is refused naming the file and the hash. The
 capture's path is not part of the run name; rank 0 hashes the capture once; the ``parity:``
-section of config.yaml is checked before any job."""
+section of config.yaml is checked before any job. Last, the same kind of config runs through
+``snakemake`` end to end, with the capture and parity stages, to an archive ``verify --recompute``
+passes."""
 
 from __future__ import annotations
 
@@ -528,3 +530,70 @@ def test_an_archived_capture_with_other_bytes_is_refused(capture_archive: dict[s
     expected = f"not that of the case's capture (sha256 {sha}"
     for name in ("report acceptance", "inputs regenerated", "candidate replayed"):
         assert checks[name]["status"] == "FAIL" and expected in _text(checks[name]), (name, checks[name])
+
+
+@pytest.mark.slow
+def test_a_capture_and_parity_config_runs_through_snakemake_to_a_verified_archive(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 21 end to end, the workflow of docs/capture.md's worked example on a tiny capture: the dry
+    run plans the ``capture`` and ``parity`` stages and writes nothing; the real run copies the
+    capture, writes the parity report (the sides differ: a finding, the stage passes), packs both
+    into an archive its own ``verify_archive`` job passes, and the reviewer's ``verify --recompute``
+    replays it from the archived capture, no ``--capture`` given; ``snakemake --lint`` is clean.
+    The negative control (the good config plans neither stage) is
+    tests/test_gates_config.py::test_snakemake_dry_run_of_a_good_config_plans_every_job."""
+    import tarfile
+
+    import yaml
+
+    from _capture_case import write_trainer_side
+    from _workflow_util import (SHORT_REGRESSION, copy_repo, env_for, jobs_run, run_name_of, snakemake, verify,
+                                write_config)
+    from rl_engine import jsonio
+    from rl_engine.rundir import CAPTURE, PARITY_JSON, PARITY_PNG
+
+    repo = copy_repo(tmp_path)
+    rollout = write_tiny_capture(repo / "rollout.safetensors")
+    write_trainer_side(repo / "trainer.safetensors")
+    write_config(repo, {**{k: v for k, v in CASE_FIELDS.items() if k not in ("device", "backend", "seed")},
+                        "regression": SHORT_REGRESSION, "topologies": ["1x1", "2x1"],
+                        "inputs": {"capture": "rollout.safetensors", "archive": True},
+                        "parity": {"rollout": "rollout.safetensors", "trainer": "trainer.safetensors",
+                                   "ratio_bounds": [0.5, 2.0]}})
+    planned = snakemake(repo, "-n", "-p")
+    text = planned.stdout + planned.stderr
+    assert planned.returncode == 0, text[-6000:]
+    counts = jobs_run(text)
+    assert counts.get("capture") == 1 and counts.get("parity") == 1 and counts.get("topology") == 2, counts
+    parity_line = next(line for line in text.splitlines() if "rl_engine parity" in line)
+    assert "--ratio-bounds 0.5 2.0" in parity_line and "--difference-exit-code 0 > " in parity_line
+    archive_line = next(line for line in text.splitlines() if "rl_engine archive" in line)
+    assert "/capture.safetensors" in archive_line and "/parity.json" in archive_line
+    assert "/logs/parity.log" in archive_line and "copy-capture --case" in text
+    assert list((repo / "results").iterdir()) == []  # a dry run writes nothing
+
+    done = snakemake(repo)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-8000:]
+    assert jobs_run(text).get("capture") == 1 and jobs_run(text).get("parity") == 1, jobs_run(text)
+    monkeypatch.chdir(repo)  # the config's capture paths are relative to the workflow's directory
+    name = run_name_of(repo)
+    run, archive = repo / "results" / name, repo / "results" / f"{name}.tar.gz"
+    assert jsonio.load(repo / "results" / f"{name}.verify.json")["passed"] is True  # the workflow's own verify
+    assert (run / CAPTURE).read_bytes() == rollout.read_bytes()
+    parity = jsonio.load(run / PARITY_JSON)
+    assert parity["verdict"] == "different" and parity["logits"]["tokens_differing"] > 0
+    assert "## Parity: rollout versus trainer" in (run / "SUMMARY.md").read_text()
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    assert {f"{name}/{CAPTURE}", f"{name}/{PARITY_JSON}", f"{name}/{PARITY_PNG}", f"{name}/logs/parity.log"} <= names
+    verdict = tmp_path / "reviewer.json"
+    reviewed = verify(repo, archive, "--recompute", "--json", str(verdict))  # the archived capture: no --capture
+    assert reviewed.returncode == 0, reviewed.stdout[-6000:] + reviewed.stderr[-3000:]
+    checks = {c["name"]: c["status"] for c in jsonio.load(verdict)["checks"]}
+    assert checks["inputs regenerated"] == checks["candidate replayed"] == "PASS", checks
+
+    lint = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--configfile", "test-config.yaml"],
+                          cwd=repo, env=env_for(repo), capture_output=True, text=True, timeout=300)
+    assert "Congratulations, your workflow is in a good condition!" in lint.stdout + lint.stderr, lint.stdout[-3000:]
+    assert yaml.safe_load((repo / "test-config.yaml").read_text())["inputs"]["archive"] is True

@@ -519,36 +519,3 @@ def test_snakemake_lint_is_clean(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Congratulations, your workflow is in a good condition!" in done.stdout + done.stderr
-
-
-@pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
-def test_a_capture_archive_and_parity_config_plans_both_stages_and_lints(dry_runs: tuple[Path, dict[str, Any]]) -> None:
-    """Issue 21: inputs.archive: true adds the capture copy, a parity: section the parity stage (its
-    command exits 0 on a difference, a finding), both feeding the gates, the summary and the archive;
-    snakemake --lint is clean with them. Negative control: the good config plans neither
-    (test_snakemake_dry_run_of_a_good_config_plans_every_job)."""
-    from _capture_case import write_tiny_capture, write_trainer_side
-
-    repo, _ = dry_runs
-    write_tiny_capture(repo / "rollout.safetensors")
-    write_trainer_side(repo / "trainer.safetensors")
-    write_config(repo, {**base(), "dtype": "bf16", "real_vocab": 64, "padded_vocab": 64, "num_vocab_tiles": 4,
-                        "batch": 2, "seq": 8, "prompt_tokens": 3, "topologies": ["1x1", "2x1"],
-                        "inputs": {"capture": "rollout.safetensors", "archive": True},
-                        "parity": {"rollout": "rollout.safetensors", "trainer": "trainer.safetensors",
-                                   "ratio_bounds": [0.5, 2.0]}}, name="capture-parity.yaml")
-    done = subprocess.run(snakemake_cmd("-n", "-p", configfile="capture-parity.yaml"), cwd=repo, env=env_for(repo),
-                          capture_output=True, text=True, timeout=300)
-    text = done.stdout + done.stderr
-    assert done.returncode == 0, text
-    counts = jobs_run(text)
-    assert counts.get("capture") == 1 and counts.get("parity") == 1 and counts.get("topology") == 2, counts
-    parity = next(line for line in text.splitlines() if "rl_engine parity" in line)
-    assert "--ratio-bounds 0.5 2.0" in parity and "--difference-exit-code 0 > " in parity
-    archive = next(line for line in text.splitlines() if "rl_engine archive" in line)
-    assert "/capture.safetensors" in archive and "/parity.json" in archive and "/logs/parity.log" in archive
-    assert "copy-capture --case" in text
-    assert list((repo / "results").iterdir()) == []
-    lint = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--configfile", "capture-parity.yaml"],
-                          cwd=repo, env=env_for(repo), capture_output=True, text=True, timeout=300)
-    assert "Congratulations, your workflow is in a good condition!" in lint.stdout + lint.stderr, lint.stdout + lint.stderr
