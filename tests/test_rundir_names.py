@@ -1,0 +1,120 @@
+"""Issue 19's "done when", read from the source: a run's file names are built only in
+``rl_engine/rundir.py``, and the stage list is written there only.
+
+"Built" means a path made from a name: ``run / "plan.json"``, ``os.path.join(d, "case.json")``,
+``Path("x.json")``, ``p.with_name("tp1-cp1.json")``, an f-string ``f"{run}/plan.json"`` or
+``f"tp{t}-cp{c}"``. Docstrings, messages and templates that mention a file by name are prose,
+not paths, and are not counted (an f-string with a space in it is not a name). The workflow's rules and Snakefile take every run path from rundir (through
+common.smk), so a quoted run file name there is a second copy. A stage list is a literal list or
+tuple of three or more of rundir's stage names. Each check has a negative control on a snippet
+that builds a name the way the old code did.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from rl_engine import rundir
+
+REPO = Path(__file__).resolve().parent.parent
+OWNER = REPO / "rl_engine" / "rundir.py"
+NAMES = sorted({value for key, value in vars(rundir).items() if key.isupper() and isinstance(value, str)
+                and re.search(r"\.(json|f32|md|log|safetensors|png|xml|txt|sha256|gz)$", value)})
+TENSOR_SUFFIXES = (".logp.f32", ".lse.f32", ".entropy.f32")
+STEM = re.compile(r"tp(\d+|\{\})-cp(\d+|\{\})")
+PATH_CALLS = ("path.join", "Path", "PurePath", "with_name", "with_suffix", "joinpath")
+STAGE_NAMES = {stage.rule for stage in rundir.stages("results/x", [rundir.Topology(1, 1)], capture=True, parity=True)}
+
+
+def run_file_literal(text: str) -> bool:
+    """A literal that names a run file: one of rundir's names (alone or at a path's end), a
+    tensor suffix, or a ``tp<T>-cp<C>`` stem."""
+    if any(text == name or text.endswith("/" + name) for name in NAMES):
+        return True
+    return text.endswith(TENSOR_SUFFIXES) or bool(STEM.search(text))
+
+
+def built_names(source: str) -> list[tuple[int, str]]:
+    """(line, literal) of every run file name ``source`` builds a path or stem from."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        literals: list[str] = []
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            literals = [s.value for s in (node.left, node.right) if isinstance(s, ast.Constant) and isinstance(s.value, str)]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith(PATH_CALLS):
+            literals = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+        elif isinstance(node, ast.JoinedStr):  # a name or a path has no spaces; a message or template has
+            text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+            if re.search(r"\s", text):
+                continue
+            if STEM.search(text) or re.search(r"\{\}/[\w.-]+$", text) and run_file_literal(text.replace("{}", "x")):
+                literals = [text]
+            elif re.search(r"\{\}(\.logp|\.lse|\.entropy)\.f32$", text):
+                literals = [text]
+        found += [(node.lineno, text) for text in literals if text.startswith("tp") or run_file_literal(text)]
+    return found
+
+
+def stage_lists(source: str) -> list[tuple[int, list[str]]]:
+    """(line, names) of every literal list or tuple holding three or more stage names."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.List, ast.Tuple)):
+            names = [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in STAGE_NAMES]
+            if len(names) >= 3:
+                found.append((node.lineno, names))
+    return found
+
+
+PY_FILES = sorted(p for p in (REPO / "rl_engine").rglob("*.py") if p != OWNER)
+RULE_FILES = sorted([REPO / "workflow" / "Snakefile", *(REPO / "workflow" / "rules").glob("*.smk")])
+
+
+@pytest.mark.parametrize("path", PY_FILES, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_module_but_rundir_builds_a_run_file_name(path: Path) -> None:
+    assert built_names(path.read_text(encoding="utf-8")) == [], f"{path}: build the name from rl_engine.rundir"
+
+
+@pytest.mark.parametrize("path", PY_FILES, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_module_but_rundir_lists_the_stages(path: Path) -> None:
+    assert stage_lists(path.read_text(encoding="utf-8")) == [], f"{path}: take the stages from rl_engine.rundir.stages"
+
+
+def test_no_rule_quotes_a_run_file_name_or_lists_the_stages() -> None:
+    problems = []
+    for path in RULE_FILES:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for literal in re.findall(r"\"([^\"]*)\"|'([^']*)'", line):
+                text = literal[0] or literal[1]
+                if not text.startswith("docs/") and run_file_literal(text):  # docs/: a source of the checkout
+                    problems.append(f"{path.name}:{number}: {text}")
+            if len(set(re.findall(r"\"(\w+)\"", line)) & STAGE_NAMES) >= 3:
+                problems.append(f"{path.name}:{number}: a stage list")
+    assert problems == []
+
+
+def test_the_checks_find_names_built_the_old_way_negative_control() -> None:
+    """The forms the old code used (issue 19 counted six places that built ``tp{T}-cp{C}`` and five
+    that built the tensor names) are found; prose that mentions a file is not."""
+    snippet = '''
+def f(run, tp, cp, stem):
+    """Reads plan.json and writes SUMMARY.md."""
+    a = run / "plan.json"
+    b = os.path.join(run, "case.json")
+    c = f"tp{tp}-cp{cp}"
+    d = f"{stem}.logp.f32"
+    e = Path(run, "validation.json")
+    g = f"{run}/crosscheck.json"
+    raise ValueError("plan.json is missing")
+STAGES = ["environment", "regression", "case", "plan"]
+'''
+    found = sorted(text for _, text in built_names(snippet))
+    assert found == sorted(["plan.json", "case.json", "tp{}-cp{}", "{}.logp.f32", "validation.json",
+                            "{}/crosscheck.json"]), found
+    assert stage_lists(snippet) == [(11, ["environment", "regression", "case", "plan"])]
+    assert {"plan.json", "case.json", "SUMMARY.md", "capture.safetensors"} <= set(NAMES)  # the names are rundir's
+    assert {"case", "capture", "parity", "validation", "verify_archive"} <= STAGE_NAMES
