@@ -33,6 +33,8 @@ def _ignore(directory: str, names: list[str]) -> set[str]:
     if Path(directory).resolve() == (REPO / ".ci").resolve():
         ignored |= set(_CI_INSTALLS(directory, names))
     return ignored
+
+
 CONFIG = "test-config.yaml"
 # A fast focused regression for workflow tests (the default config runs the guide's six files).
 SHORT_REGRESSION = {"tests": ["tests/test_logprob_contract.py"], "pytest_args": ["-x"]}

@@ -544,13 +544,11 @@ def test_a_capture_and_parity_config_runs_through_snakemake_to_a_verified_archiv
     tests/test_gates_config.py::test_snakemake_dry_run_of_a_good_config_plans_every_job."""
     import tarfile
 
-    import yaml
-
     from _capture_case import write_trainer_side
-    from _workflow_util import (SHORT_REGRESSION, copy_repo, env_for, jobs_run, run_name_of, snakemake, verify,
-                                write_config)
+    from _workflow_util import (CONFIG, SHORT_REGRESSION, copy_repo, env_for, jobs_run, run_name_of, snakemake,
+                                verify, write_config)
     from rl_engine import jsonio
-    from rl_engine.rundir import CAPTURE, PARITY_JSON, PARITY_PNG
+    from rl_engine.rundir import CAPTURE, PARITY_JSON, PARITY_PNG, SUMMARY
 
     repo = copy_repo(tmp_path)
     rollout = write_tiny_capture(repo / "rollout.safetensors")
@@ -583,7 +581,7 @@ def test_a_capture_and_parity_config_runs_through_snakemake_to_a_verified_archiv
     assert (run / CAPTURE).read_bytes() == rollout.read_bytes()
     parity = jsonio.load(run / PARITY_JSON)
     assert parity["verdict"] == "different" and parity["logits"]["tokens_differing"] > 0
-    assert "## Parity: rollout versus trainer" in (run / "SUMMARY.md").read_text()
+    assert "## Parity: rollout versus trainer" in (run / SUMMARY).read_text()
     with tarfile.open(archive) as tar:
         names = set(tar.getnames())
     assert {f"{name}/{CAPTURE}", f"{name}/{PARITY_JSON}", f"{name}/{PARITY_PNG}", f"{name}/logs/parity.log"} <= names
@@ -593,7 +591,6 @@ def test_a_capture_and_parity_config_runs_through_snakemake_to_a_verified_archiv
     checks = {c["name"]: c["status"] for c in jsonio.load(verdict)["checks"]}
     assert checks["inputs regenerated"] == checks["candidate replayed"] == "PASS", checks
 
-    lint = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--configfile", "test-config.yaml"],
+    lint = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--configfile", CONFIG],
                           cwd=repo, env=env_for(repo), capture_output=True, text=True, timeout=300)
     assert "Congratulations, your workflow is in a good condition!" in lint.stdout + lint.stderr, lint.stdout[-3000:]
-    assert yaml.safe_load((repo / "test-config.yaml").read_text())["inputs"]["archive"] is True
