@@ -4,8 +4,9 @@
 "Built" means a path made from a name: ``run / "plan.json"``, ``os.path.join(d, "case.json")``,
 ``Path("x.json")``, ``p.with_name("tp1-cp1.json")``, an f-string ``f"{run}/plan.json"`` or
 ``f"tp{t}-cp{c}"``. Docstrings, messages and templates that mention a file by name are prose,
-not paths, and are not counted (an f-string with a space in it is not a name). The workflow's rules and Snakefile take every run path from rundir (through
-common.smk), so a quoted run file name there is a second copy. A stage list is a literal list or
+not paths, and are not counted (an f-string with a space in it is not a name). The workflow's
+rules and Snakefile take every run path from rundir (through common.smk), so a quoted run file
+name there is a second copy. A stage list is a literal list or
 tuple of three or more of rundir's stage names. Each check has a negative control on a snippet
 that builds a name the way the old code did.
 """
@@ -24,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 OWNER = REPO / "rl_engine" / "rundir.py"
 NAMES = sorted({value for key, value in vars(rundir).items() if key.isupper() and isinstance(value, str)
                 and re.search(r"\.(json|f32|md|log|safetensors|png|xml|txt|sha256|gz)$", value)})
-TENSOR_SUFFIXES = (".logp.f32", ".lse.f32", ".entropy.f32")
+TENSOR_SUFFIXES = tuple(name[len("tp1-cp1"):] for name in rundir.Topology(1, 1).tensors.values())  # ".logp.f32", ...
 STEM = re.compile(r"tp(\d+|\{\})-cp(\d+|\{\})")
 PATH_CALLS = ("path.join", "Path", "PurePath", "with_name", "with_suffix", "joinpath")
 STAGE_NAMES = {stage.rule for stage in rundir.stages("results/x", [rundir.Topology(1, 1)], capture=True, parity=True)}
@@ -49,13 +50,8 @@ def built_names(source: str) -> list[tuple[int, str]]:
             literals = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
         elif isinstance(node, ast.JoinedStr):  # a name or a path has no spaces; a message or template has
             text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
-            if re.search(r"\s", text):
-                continue
-            if STEM.search(text) or re.search(r"\{\}/[\w.-]+$", text) and run_file_literal(text.replace("{}", "x")):
-                literals = [text]
-            elif re.search(r"\{\}(\.logp|\.lse|\.entropy)\.f32$", text):
-                literals = [text]
-        found += [(node.lineno, text) for text in literals if text.startswith("tp") or run_file_literal(text)]
+            literals = [] if re.search(r"\s", text) else [text]
+        found += [(node.lineno, text) for text in literals if run_file_literal(text)]
     return found
 
 
@@ -84,17 +80,35 @@ def test_no_module_but_rundir_lists_the_stages(path: Path) -> None:
     assert stage_lists(path.read_text(encoding="utf-8")) == [], f"{path}: take the stages from rl_engine.rundir.stages"
 
 
-def test_no_rule_quotes_a_run_file_name_or_lists_the_stages() -> None:
-    problems = []
-    for path in RULE_FILES:
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            for literal in re.findall(r"\"([^\"]*)\"|'([^']*)'", line):
-                text = literal[0] or literal[1]
-                if not text.startswith("docs/") and run_file_literal(text):  # docs/: a source of the checkout
-                    problems.append(f"{path.name}:{number}: {text}")
-            if len(set(re.findall(r"\"(\w+)\"", line)) & STAGE_NAMES) >= 3:
-                problems.append(f"{path.name}:{number}: a stage list")
-    assert problems == []
+def rule_problems(text: str) -> list[str]:
+    """Run file names quoted in a rule file's ``text`` (``docs/...`` is a source of the checkout,
+    not a run file), and bracketed lists, over any number of lines, of three or more stage names."""
+    problems = [literal for pair in re.findall(r"\"([^\"\n]*)\"|'([^'\n]*)'", text) for literal in pair
+                if literal and not literal.startswith("docs/") and run_file_literal(literal)]
+    for bracket in re.findall(r"[\[(][^\[\]()]*[\])]", text):
+        names = [n for n in re.findall(r"[\"'](\w+)[\"']", bracket) if n in STAGE_NAMES]
+        if len(names) >= 3:
+            problems.append(f"a stage list: {names}")
+    return problems
+
+
+@pytest.mark.parametrize("path", RULE_FILES, ids=lambda p: p.name)
+def test_no_rule_quotes_a_run_file_name_or_lists_the_stages(path: Path) -> None:
+    assert rule_problems(path.read_text(encoding="utf-8")) == [], f"{path}: take the paths from common.smk"
+
+
+def test_the_rule_check_finds_a_quoted_name_and_a_stage_list_negative_control() -> None:
+    snippet = """rule x:
+    input: "results/{name}/plan.json", spec="docs/arithmetic.md"
+    output: f"{RUN}/tp{wildcards.tp}-cp1.lse.f32"
+STAGES = [
+    "environment",
+    "regression",
+    "case",
+]
+"""
+    assert rule_problems(snippet) == ["results/{name}/plan.json", "{RUN}/tp{wildcards.tp}-cp1.lse.f32",
+                                      "a stage list: ['environment', 'regression', 'case']"]
 
 
 def test_the_checks_find_names_built_the_old_way_negative_control() -> None:
