@@ -1,6 +1,7 @@
-"""A second, independent implementation of ``docs/arithmetic.md`` (``rl-engine-arith/1``).
+"""A second, independent implementation of ``docs/arithmetic.md``: ``rl-engine-arith/2`` and,
+for replaying archives made under it, ``rl-engine-arith/1`` (``docs/arithmetic-1.md``).
 
-Written from that document alone, in NumPy binary32 / 32-bit integer arithmetic. It shares
+Written from those documents alone, in NumPy binary32 / 32-bit integer arithmetic. It shares
 no code with the PyTorch path (``rl_engine.logprob``) and imports neither it nor ``torch``.
 
 Only basic operations are used: element-wise ``np.add`` / ``np.subtract`` / ``np.multiply`` /
@@ -8,15 +9,17 @@ Only basic operations are used: element-wise ``np.add`` / ``np.subtract`` / ``np
 NumPy never contracts two separate ufunc calls into a fused multiply-add), IEEE comparisons,
 ``np.where``, ``np.maximum`` / ``np.minimum`` (which propagate NaN), integer shifts/masks and
 bit views. No ``np.exp``/``np.log``/``np.sum``/``np.dot``/``np.cumsum``: every sum is the
-fixed fold ``F`` of section 4. NumPy does not set FTZ/DAZ, so subnormals are gradual.
+fold ``F`` or the lane sum ``G`` of section 4. NumPy does not set FTZ/DAZ, so subnormals are
+gradual. NumPy has no fused multiply-add: :func:`fma32` computes one exactly (binary64 sum
+rounded to odd, then rounded once to binary32; section 1 of ``docs/arithmetic.md``).
 
 Public API::
 
-    SPEC_VERSION
-    exp32(y), log32(x), fold(v, axis=-1)
+    SPEC_VERSION, SPECS
+    exp32(y), exp32_v1(y), log32(x), fma32(a, b, c), fold(v, axis=-1), lane_sum(v), lane_fma_sum(u, v)
     to_f32(bits_or_array, dtype)
-    forward(logits, dtype, targets, active, real_vocab, num_tiles, with_entropy)
-    backward(logits, dtype, targets, active, lse, grad_logp, grad_lse, real_vocab, num_tiles)
+    forward(logits, dtype, targets, active, real_vocab, num_tiles, with_entropy, spec=SPEC_VERSION)
+    backward(logits, dtype, targets, active, lse, grad_logp, grad_lse, real_vocab, num_tiles, spec=SPEC_VERSION)
     make_inputs(batch, seq, prompt_tokens, real_vocab, padded_vocab, seed, logit_scale)
     canon_nan(x), round_bf16(x), round_f16(x)
     measure_ulp()        # also: python -m rl_engine.spec_numpy --measure
@@ -31,7 +34,9 @@ import time
 
 import numpy as np
 
-SPEC_VERSION = "rl-engine-arith/1"
+SPEC_V1 = "rl-engine-arith/1"
+SPEC_VERSION = "rl-engine-arith/2"
+SPECS = (SPEC_V1, SPEC_VERSION)  # every version this module computes (an archive records its own)
 
 F32 = np.float32
 U32 = np.uint32
@@ -47,10 +52,17 @@ def _hx(s: str) -> np.float32:
     return f
 
 
-# ---- section 3 constants ------------------------------------------------------------
-E_LO = _hx("-0x1.5cp+6")  # -87
+# ---- section 3 constants (rl-engine-arith/2) -----------------------------------------
+E2_LO = _hx("-0x1.6p+6")  # -88
 E_HI = _hx("0x1.64p+6")  # 89
 LOG2E = _hx("0x1.715476p+0")
+BIAS = _hx("0x1.8000fep+23")  # 0x1.8p+23 + 127
+LN2_HI2 = _hx("0x1.62e430p-1")  # RN32(ln 2)
+LN2_LO2 = _hx("-0x1.05c610p-29")  # RN32(ln 2 - LN2_HI2)
+TWO_P127 = _hx("0x1p+127")
+LANES = 128  # L of the lane sum G (section 4)
+# ---- rl-engine-arith/1's E (docs/arithmetic-1.md section 3); C2..C6 are shared -------
+E_LO = _hx("-0x1.5cp+6")  # -87
 SHIFTER = _hx("0x1.8p+23")
 LN2_HI = _hx("0x1.62e4p-1")
 LN2_LO = _hx("0x1.7f7d1cp-20")
@@ -98,10 +110,60 @@ def _chk(a: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------
+# Section 1: fusedMultiplyAdd, exactly
+# ------------------------------------------------------------------------------------
+def fma32(a, b, c) -> np.ndarray:
+    """IEEE-754 binary32 ``fusedMultiplyAdd(a, b, c)``: ``a * b + c`` rounded once (section 1).
+
+    The product of two binary32 values is exact in binary64. Its sum with ``c`` is rounded to
+    binary64 and the rounding error recovered exactly (TwoSum); where the sum was inexact and
+    its last bit is even, it is moved one binary64 ulp towards the exact value, which is the
+    sum rounded to odd. Binary64 has 53 >= 2 * 24 + 2 significant bits, so rounding that once
+    to binary32 is the correctly rounded result (Boldo and Melquiond, 2008), subnormal and
+    overflowing results included. Rounding the binary64 sum to nearest instead would round
+    twice, which is wrong near binary32 midpoints. Special operands (NaN, infinities) follow
+    binary64 arithmetic, which gives the IEEE results.
+    """
+    a, b, c = (np.asarray(v, F32) for v in (a, b, c))
+    with np.errstate(over="ignore", invalid="ignore"):
+        p = np.multiply(a.astype(np.float64), b.astype(np.float64))  # exact
+        c64 = c.astype(np.float64)
+        s = np.add(p, c64)
+        bb = np.subtract(s, p)  # TwoSum: s + err == p + c64 exactly
+        err = np.add(np.subtract(p, np.subtract(s, bb)), np.subtract(c64, bb))
+        bits = s.view(np.int64)
+        fix = np.isfinite(s) & np.isfinite(err) & (err != 0) & ((bits & 1) == 0)
+        away = (err > 0) == (s > 0)  # the exact value lies further from zero than s
+        bits = np.where(fix, np.where(away, bits + 1, bits - 1), bits)
+        return _chk(np.asarray(bits.view(np.float64).astype(F32)))
+
+
+# ------------------------------------------------------------------------------------
 # Section 3: E(y)
 # ------------------------------------------------------------------------------------
 def exp32(y: np.ndarray) -> np.ndarray:
-    """``E(y)`` of section 3, element-wise on a float32 array."""
+    """``E(y)`` of section 3 (``rl-engine-arith/2``), element-wise on a float32 array."""
+    y = _f32(y)
+    with np.errstate(over="ignore", invalid="ignore"):
+        yc = np.minimum(np.maximum(y, E2_LO), E_HI)  # 1. NaN stays NaN
+        t = fma32(yc, LOG2E, BIAS)  # 2. BIAS + k, k the integer nearest yc * LOG2E
+        kf = np.subtract(t, BIAS)  # 3. exact
+        r = fma32(kf, -LN2_HI2, yc)  # 4. exact
+        r = fma32(kf, -LN2_LO2, r)
+        q = fma32(C6, r, C5)  # 5. Horner with fusedMultiplyAdd
+        q = fma32(q, r, C4)
+        q = fma32(q, r, C3)
+        q = fma32(q, r, C2)
+        q = fma32(q, r, ONE)
+        p = fma32(q, r, ONE)
+        sc = np.left_shift(t.view(U32), U32(23)).view(F32)  # 6. 2**k; +0 at k = -127
+        res = np.where(np.equal(kf, F32(128)), np.multiply(np.multiply(p, TWO), TWO_P127),  # 7.
+                       np.multiply(p, sc))
+    return _chk(res)
+
+
+def exp32_v1(y: np.ndarray) -> np.ndarray:
+    """``E(y)`` of ``rl-engine-arith/1`` (``docs/arithmetic-1.md`` section 3), element-wise."""
     y = _f32(y)
     with np.errstate(over="ignore", invalid="ignore"):
         under = np.less(y, E_LO)  # 1. false for NaN
@@ -144,6 +206,41 @@ def fold(v, axis: int = -1):
         v[..., :h] = v[..., :h] + v[..., w - h : w]
         w = w - h
     return v[..., 0][()]  # a scalar for 1-D input, else an array
+
+
+def _lanes(v: np.ndarray, fill) -> np.ndarray:
+    """``v[..., w]`` as ``[..., chunks, LANES]``: column ``c`` in lane ``c % LANES`` of chunk
+    ``c // LANES``, the missing columns of the last chunk set to ``fill``."""
+    w = v.shape[-1]
+    chunks = -(-w // LANES)
+    out = np.full(v.shape[:-1] + (chunks * LANES,), fill, dtype=v.dtype)
+    out[..., :w] = v
+    return out.reshape(v.shape[:-1] + (chunks, LANES))
+
+
+def lane_sum(v) -> np.ndarray:
+    """The lane sum ``G`` of section 4 over the last axis of a float32 array.
+
+    Lane ``l`` starts at ``+0`` and adds the terms of columns ``l, l + 128, l + 256, ...`` in
+    that order; the 128 lane sums are then folded by ``F``. A lane never holds ``-0`` (it starts
+    at ``+0``), so the ``+0`` added for a column past the tile's end leaves it unchanged.
+    """
+    v = _f32(v)
+    chunks = _lanes(v, ZERO)
+    acc = np.zeros(v.shape[:-1] + (LANES,), F32)
+    for k in range(chunks.shape[-2]):
+        acc = np.add(acc, chunks[..., k, :])
+    return _chk(np.asarray(fold(acc)))
+
+
+def lane_fma_sum(u, v) -> np.ndarray:
+    """``G*`` of section 4: lane ``l`` is ``fma(u_c, v_c, lane)`` over its columns in order, then ``F``."""
+    u, v = _f32(u), _f32(v)
+    cu, cv = _lanes(u, ZERO), _lanes(v, ZERO)  # fma(0, 0, lane) == lane
+    acc = np.zeros(u.shape[:-1] + (LANES,), F32)
+    for k in range(cu.shape[-2]):
+        acc = fma32(cu[..., k, :], cv[..., k, :], acc)
+    return _chk(np.asarray(fold(acc)))
 
 
 # ------------------------------------------------------------------------------------
@@ -280,9 +377,17 @@ def _masked_block(x_all, r0, r1, real_vocab):
     return x
 
 
+def _check_spec(spec: str) -> str:
+    if spec not in SPECS:
+        raise ValueError(f"spec must be one of {SPECS}, got {spec!r}")
+    return spec
+
+
 def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int,
-            with_entropy: bool):
+            with_entropy: bool, spec: str = SPEC_VERSION):
     """Section 6 over the full vocabulary in one process. Returns (logp, lse, entropy|None)."""
+    v1 = _check_spec(spec) == SPEC_V1
+    exp = exp32_v1 if v1 else exp32
     x_all, rows, vp, targets, active = _check_common(
         logits, dtype, targets, active, real_vocab, num_tiles)
     T = int(num_tiles)
@@ -300,14 +405,19 @@ def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int
             m = np.add(m, ZERO)  # -0 + 0 = +0
             sh = np.where(np.equal(m, NEG_INF), ZERO, m)  # 2.
             y = np.subtract(x, sh[:, :, None])  # 3.
-            e = exp32(y)
-            s = fold(e, axis=2)
-            if with_entropy:
-                yp = np.where(pad.reshape(T, w)[None], ZERO, y)  # 4.
-                t = fold(np.multiply(e, yp), axis=2)
+            e = exp(y)
+            if v1:
+                s = fold(e, axis=2)
+                if with_entropy:
+                    yp = np.where(pad.reshape(T, w)[None], ZERO, y)  # 4. (/1)
+                    t = fold(np.multiply(e, yp), axis=2)
+            else:
+                s = lane_sum(e)
+                if with_entropy:  # 4. yc = max(y, LO), E's step 1 (y <= 0 here)
+                    t = lane_fma_sum(e, np.maximum(y, E2_LO))
             B = np.maximum.reduce(m, axis=1)  # 5.
             Bs = np.where(np.equal(B, NEG_INF), ZERO, B)
-            wj = exp32(np.subtract(m, Bs[:, None]))  # 6.
+            wj = exp(np.subtract(m, Bs[:, None]))  # 6.
             S = fold(np.multiply(s, wj), axis=1)
             L = np.add(Bs, log32(S))  # 7.
             if with_entropy:
@@ -327,12 +437,13 @@ def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int
 # Sections 7, 8: backward
 # ------------------------------------------------------------------------------------
 def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
-             real_vocab: int, num_tiles: int):
+             real_vocab: int, num_tiles: int, spec: str = SPEC_VERSION):
     """Section 7 gradient, rounded once to the logits' representation (section 8).
 
     ``grad_logp`` / ``grad_lse``: float32 [rows] or None (absent = 0). Returns uint16 bf16
     bits, np.float16 or np.float32 of the logits' shape.
     """
+    exp = exp32_v1 if _check_spec(spec) == SPEC_V1 else exp32
     x_all, rows, vp, targets, active = _check_common(
         logits, dtype, targets, active, real_vocab, num_tiles)
     lse = _f32(_as_1d(lse, rows, F32, "lse"))
@@ -348,7 +459,7 @@ def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
             r1 = min(rows, r0 + blk)
             n = r1 - r0
             x = _masked_block(x_all, r0, r1, real_vocab)
-            p = exp32(np.subtract(x, lse[r0:r1, None]))  # 1.
+            p = exp(np.subtract(x, lse[r0:r1, None]))  # 1.
             c = coef[r0:r1, None]
             g = np.multiply(c, p)
             zero_row = np.equal(coef[r0:r1], ZERO)
@@ -468,7 +579,8 @@ class _Acc:
 def measure_ulp(full: bool = True, out=sys.stdout):
     """Sweep exp32/log32 against float64 np.exp/np.log (the reference only).
 
-    full=True: every binary32 in [-87, 0] and every 16th in [0, 88.72] for exp; every
+    full=True: every binary32 in [-87, 0], every 16th in [0, 88.72] and every binary32 in
+    [-87.68, -87] (the subnormal results) for exp; every
     binary32 in [1, 2**18], every 64th positive normal and every 64th positive subnormal for
     log. Returns a dict name -> (max_ulp, argmax, fraction correctly rounded, n).
     """
@@ -476,6 +588,7 @@ def measure_ulp(full: bool = True, out=sys.stdout):
     sweeps = {
         "exp[-87,0]": (exp32, np.exp, 0x80000000, _f32_bits(-87.0), s),
         "exp[0,88.72]": (exp32, np.exp, 0, _f32_bits(88.72), 16 if full else 64),
+        "exp[-87.68,-87]": (exp32, np.exp, _f32_bits(-87.0), _f32_bits(-87.68), 1),
         "log[1,2^18]": (log32, np.log, _f32_bits(1.0), _f32_bits(2.0 ** 18), s),
         "log[normals]": (log32, np.log, 0x00800000, 0x7F7FFFFF, 64 if full else 1024),
         "log[subnormals]": (log32, np.log, 0x00000001, 0x007FFFFF, 64 if full else 1024),

@@ -6,12 +6,15 @@ thread count or which rank computes the tile. ``torch.sum`` is not used: on the 
 splits a long row across threads when there are few rows, which changes the bits.
 
 The exp and log are the portable ones of :mod:`rl_engine.logprob.portable`: every number is
-the one ``docs/arithmetic.md`` (sections 6-8) defines, on any IEEE-754 device.
+the one ``docs/arithmetic.md`` (sections 6-8) defines, on any IEEE-754 device. A tile's sums
+are the lane sums ``G`` of section 4 (:class:`LanePlan`: 128 lanes, each in column order,
+then the fold ``F``); the merge across tiles is ``F``.
 
 Speed without changing a bit: a :class:`ChunkWorkspace` owns one cache-sized FP32 chunk
 buffer per call and replays, chunk after chunk, the same in-place operations on
-precomputed views of it (upcast, tile max, shift, exp, pairwise fold). Nothing is
-allocated inside the chunk loop and nothing of size ``tokens x vocab`` in FP32 exists.
+precomputed views of it (upcast, tile max, shift, exp, lane sums). Nothing is allocated
+inside the chunk loop (but the rare elements an exact fused multiply-add must round to odd)
+and nothing of size ``tokens x vocab`` in FP32 exists.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import torch
 
 from rl_engine.logprob.portable import (
     ExpScratch,
+    FmaScratch,
     canonical_nan_,
     exp,
     exp_into,
+    fma_into,
     log,
     round_into,
 )
@@ -34,6 +39,7 @@ NEG_INF = float("-inf")
 # Rows per chunk aim at this many bytes of FP32 per chunk buffer: the chunk stays in the
 # per-core L2 cache while it is upcast, shifted, exponentiated and folded.
 CHUNK_TARGET_BYTES = 2 << 20
+LANES = 128  # L of the lane sum G (docs/arithmetic.md section 4)
 
 
 def fold_sum_(x: torch.Tensor) -> torch.Tensor:
@@ -86,6 +92,63 @@ class FoldPlan:
         return torch.add(self._last[0], self._last[1], out=out)
 
 
+class LanePlan:
+    """The lane sums ``G`` (and ``G*``) of section 4 over the last dimension of fixed
+    ``[..., w]`` views, as precomputed views replayed on demand.
+
+    ``lanes`` is a ``[..., 128]`` buffer: lane ``l`` starts at ``+0`` and takes the columns
+    ``l, l + 128, ...`` of the tile in order, one chunk of 128 columns after another (the last
+    chunk may be partial: its missing lanes are left alone, which equals adding ``+0``); the
+    128 lane sums are then folded by ``F`` (:class:`FoldPlan`) into the caller's output.
+    """
+
+    __slots__ = ("_lanes", "_chunks", "_fold", "_scratch")
+
+    def __init__(self, width: int, lanes: torch.Tensor, scratch: FmaScratch | None) -> None:
+        self._lanes = lanes
+        full, rest = divmod(width, LANES)
+        self._chunks = [(slice(k * LANES, (k + 1) * LANES), lanes, scratch) for k in range(full)]
+        if rest:
+            part = lanes[..., :rest]
+            part_scratch = scratch.narrow(rest) if scratch is not None else None
+            self._chunks.append((slice(full * LANES, width), part, part_scratch))
+        self._fold = FoldPlan(lanes)
+        self._scratch = scratch
+
+    def sum_into(self, terms: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out = G(terms)`` over the last dimension (``terms`` is left as it was)."""
+        self._lanes.zero_()
+        for cols, lanes, _ in self._chunks:
+            lanes.add_(terms[..., cols])
+        return self._fold.run_into(out)
+
+    def fma_sum_into(self, u: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out = G*(u, v)``: each lane ``fma(u_c, v_c, lane)`` in column order, then ``F``."""
+        assert self._scratch is not None, "build the plan with an FmaScratch for G*"
+        self._lanes.zero_()
+        for cols, lanes, scratch in self._chunks:
+            # a lane's result below 2**-125 is an exact binary64 sum: its terms e * max(y, LO)
+            # are <= 0, so no cancellation, and a tiny one needs a tiny y (e = 1 then) or
+            # is exactly 0 (tests/test_portable_arith.py holds it to the NumPy fma32)
+            fma_into(u[..., cols], v[..., cols], lanes, lanes, scratch, tiny_exact=True)
+        return self._fold.run_into(out)
+
+
+def lane_sum(x: torch.Tensor) -> torch.Tensor:
+    """``G`` over the last dimension of a binary32 tensor (allocating; section 4)."""
+    lanes = torch.empty(x.shape[:-1] + (LANES,), dtype=torch.float32, device=x.device)
+    out = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    return LanePlan(x.shape[-1], lanes, None).sum_into(x, out)
+
+
+def lane_fma_sum(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``G*(u, v)`` over the last dimension of two binary32 tensors (allocating; section 4)."""
+    lanes = torch.empty(u.shape[:-1] + (LANES,), dtype=torch.float32, device=u.device)
+    out = torch.empty(u.shape[:-1], dtype=torch.float32, device=u.device)
+    scratch = FmaScratch(tuple(lanes.shape), u.device)
+    return LanePlan(u.shape[-1], lanes, scratch).fma_sum_into(u, v, out)
+
+
 def canonical_zero_(x: torch.Tensor) -> torch.Tensor:
     """Turn ``-0.0`` into ``+0.0`` in place (``-0.0 + 0.0 == +0.0``), so a tile's max has one sign."""
     return x.add_(0.0)
@@ -98,9 +161,9 @@ class _ChunkViews(NamedTuple):
     padding: torch.Tensor | None  # padding columns, if any
     shift: torch.Tensor  # [rows, tiles]
     shift_per_tile: torch.Tensor  # [rows, tiles, 1]
-    fold: FoldPlan
-    exp_buf: torch.Tensor | None
-    exp_fold: FoldPlan | None
+    exp_tiles: torch.Tensor  # E(y) as [rows, tiles, tile_width]
+    yc_tiles: torch.Tensor  # max(y, LO) (E's step 1) as [rows, tiles, tile_width]
+    sums: LanePlan
     scratch: ExpScratch
 
 
@@ -110,8 +173,8 @@ class ChunkWorkspace:
     ``partials`` computes, for one chunk of rows in the logits dtype, the FP32 ``(max,
     sum exp, sum exp * shifted)`` of every local tile, in place in the workspace: upcast,
     padding to ``-inf``, tile max, canonical zero, shift (``0`` for an all ``-inf`` tile),
-    exp and fixed fold. ``t = sum(exp(y) * y)`` with ``y = x - shift`` and ``y = 0`` on
-    padding columns.
+    exp and lane sums: ``s = G(E(y))`` and ``t = G*(E(y), max(y, LO))`` with
+    ``y = x - shift`` (section 6 steps 1-4).
     """
 
     def __init__(
@@ -132,9 +195,11 @@ class ChunkWorkspace:
         self.real_local = real_local
         self.with_entropy = with_entropy
         self.buf = torch.empty(chunk_rows, local_vocab, dtype=torch.float32, device=device)
-        self.exp_buf = torch.empty_like(self.buf) if with_entropy else None
+        self.exp_buf = torch.empty_like(self.buf)
         self.shift = torch.empty(chunk_rows, self.tiles, dtype=torch.float32, device=device)
         self.scratch = ExpScratch((chunk_rows, local_vocab), device)
+        self.lanes = torch.empty(chunk_rows, self.tiles, LANES, dtype=torch.float32, device=device)
+        self.lane_scratch = FmaScratch((chunk_rows, self.tiles, LANES), device) if with_entropy else None
         self._views: dict[int, _ChunkViews] = {}
 
     def views(self, rows: int) -> _ChunkViews:
@@ -143,8 +208,9 @@ class ChunkWorkspace:
         if found is None:
             buf = self.buf[:rows]
             shape = (rows, self.tiles, self.tile_width)
-            exp_buf = self.exp_buf[:rows] if self.exp_buf is not None else None
             shift = self.shift[:rows]
+            scratch = self.scratch.rows(rows)
+            lane_scratch = self.lane_scratch.rows(rows) if self.lane_scratch is not None else None
             found = _ChunkViews(
                 buf=buf,
                 tiles=buf.view(shape),
@@ -152,10 +218,10 @@ class ChunkWorkspace:
                 padding=buf[:, self.real_local :] if self.real_local < self.local_vocab else None,
                 shift=shift,
                 shift_per_tile=shift.unsqueeze(-1),
-                fold=FoldPlan(buf.view(shape)),
-                exp_buf=exp_buf,
-                exp_fold=FoldPlan(exp_buf.view(shape)) if exp_buf is not None else None,
-                scratch=self.scratch.rows(rows),
+                exp_tiles=self.exp_buf[:rows].view(shape),
+                yc_tiles=scratch.yc.view(shape),
+                sums=LanePlan(self.tile_width, self.lanes[:rows], lane_scratch),
+                scratch=scratch,
             )
             self._views[rows] = found
         return found
@@ -183,18 +249,12 @@ class ChunkWorkspace:
         canonical_zero_(m_out)
         # shift = m, except 0 for an all -inf tile (as ``where(m == -inf, 0, m)``), one op
         torch.nan_to_num(m_out, nan=math.nan, posinf=math.inf, neginf=0.0, out=v.shift)
-        v.tiles.sub_(v.shift_per_tile)
+        v.tiles.sub_(v.shift_per_tile)  # y (padding: -inf, so E(y) = +0 and max(y, LO) = LO)
+        exp_into(v.buf, self.exp_buf[: v.buf.shape[0]], v.scratch)  # E(y); scratch.yc = max(y, LO)
+        v.sums.sum_into(v.exp_tiles, s_out)
         if self.with_entropy:
-            assert v.exp_buf is not None and v.exp_fold is not None and t_out is not None
-            exp_into(v.buf, v.exp_buf, v.scratch)
-            if v.padding is not None:
-                v.padding.fill_(0.0)  # y = 0 on padding: exp == 0 there, and 0 * 0 keeps it out
-            v.buf.mul_(v.exp_buf)
-            v.fold.run_into(t_out)
-            v.exp_fold.run_into(s_out)
-        else:
-            exp_into(v.buf, v.buf, v.scratch)
-            v.fold.run_into(s_out)
+            assert t_out is not None
+            v.sums.fma_sum_into(v.exp_tiles, v.yc_tiles, t_out)
 
 
 class GradWorkspace:
