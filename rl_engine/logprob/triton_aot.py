@@ -1,47 +1,64 @@
-"""What the GPU will execute: the Triton backend's kernels compiled ahead of time, and read.
+"""What the GPU will execute: the Triton backend's kernels compiled ahead of time, as launched, and read.
 
 ``triton.compile(..., target=GPUTarget(...))`` needs no GPU: it gives the PTX (and a cubin,
 through the ptxas Triton ships) for NVIDIA targets and the AMDGCN ISA (and an hsaco) for AMD
-ones. This module compiles every kernel variant of ``triton-vocab-parallel-logp-ws2`` with the
-argument types and constants :mod:`rl_engine.logprob.triton_backend` launches it with
-(:func:`launch_variants` builds them through the backend's own ``forward_launch`` and
-``backward_launch``) and classifies every floating-point instruction:
+ones. This module compiles the kernels of ``triton-vocab-parallel-logp-ws2`` **with the
+specialization Triton applies at launch**: the backend's own launches
+(:func:`rl_engine.logprob.triton_backend.forward_launch` and ``backward_launches``) go through
+Triton's own binder, which marks every pointer aligned to 16 bytes and every integer divisible
+by 16 with ``tt.divisibility=16`` (and makes an integer equal to 1 a constant), exactly as
+``kernel[grid](...)`` does before it compiles. A bare signature is another program (at the
+default case of ``rl-engine-arith/1`` the two differed by a factor of two in instructions, and
+only the launched one spilled). The launches are built on ``meta`` tensors, so the default
+case's 8192 x 151936 logits need no memory.
 
-* NVIDIA (:func:`ptx_findings`): allowed are IEEE round-to-nearest basic operations
-  (``add.rn``, ``sub.rn``, ``mul.rn``, ``div.rn``, also their ``.f32x2`` packed form on sm_100),
-  comparisons (``setp``), selects (``selp``), ``max``/``min``, ``abs``/``neg`` (sign bit),
-  exact conversions (``cvt.rzi.s32.f32`` of an integral value, ``cvt.rn.f32.[su]32`` of an
-  integer below ``2**24``) and moves; forbidden: ``fma``, ``mad`` on floats, ``.approx``,
-  ``ex2``, ``lg2``, ``rcp``, ``sqrt``, ``.ftz``, and a ``mul``/``add``/``sub`` without ``.rn``
-  (ptxas may contract such a pair into an FMA). Any other floating-point opcode is reported
-  as unknown: the check fails closed.
-* AMD (:func:`amdgcn_findings`): the ISA has no rounding suffixes (its default mode is round to
-  nearest with denormals on, which Triton's AMD backend keeps for fp32); a fused multiply-add is
-  ``v_fma*``, ``v_fmac*``, ``v_fmaak*``, ``v_fmamk*``, ``v_mad*``, ``v_pk_fma*``. A correctly
-  rounded division (``div_rn``) is also built from FMAs, always inside the sequence
-  ``v_div_scale_f32 ... v_div_fmas_f32 ... v_div_fixup_f32``; the rule: an FMA-class
-  instruction is a division step when it lies inside such a sequence, and a contracted
-  multiply-add otherwise. The backend's kernels divide nowhere, so with fusion off they must
-  hold no FMA-class instruction at all; ``tests/test_triton_ptx.py`` tests the rule on a probe
-  kernel that divides (its FMAs are all division steps, with fusion off) and the same probe
-  with a multiply-add and fusion on (an FMA outside the sequences).
+Checks (:func:`ptx_findings`, :func:`amdgcn_findings`) classify every floating-point instruction:
 
-``python -m rl_engine.logprob.triton_aot`` prints the instruction counts per target.
+* NVIDIA: allowed are IEEE round-to-nearest basic operations (``add.rn``, ``sub.rn``,
+  ``mul.rn``, ``div.rn``, also their ``.f32x2`` packed form on sm_100), ``fma.rn.f32`` and
+  ``fma.rn.f32x2`` (counted, a packed one as two: exactly the fused multiply-adds
+  ``docs/arithmetic.md`` writes), comparisons (``setp``), selects (``selp``), ``max``/``min``
+  and the warp's ``redux.sync.max``/``min`` (a maximum does not depend on grouping),
+  ``abs``/``neg`` (sign bit), exact conversions
+  (``cvt.rzi.s32.f32`` of an integral value, ``cvt.rn.f32.[su]32`` of an integer below ``2**24``)
+  and moves; forbidden: ``mad`` on floats, ``.approx``, ``ex2``, ``lg2``, ``rcp``, ``sqrt``,
+  ``.ftz``, and a ``mul``/``add``/``sub`` without ``.rn`` (ptxas may contract such a pair into an
+  FMA). Any other floating-point opcode is reported as unknown: the check fails closed.
+* AMD: the ISA has no rounding suffixes (its default mode is round to nearest with denormals
+  on, which Triton's AMD backend keeps for fp32); a fused multiply-add is ``v_fma*``,
+  ``v_fmac*``, ``v_fmaak*``, ``v_fmamk*``, ``v_mad*``, ``v_pk_fma*`` (two per instruction). A
+  correctly rounded division (``div_rn``) is built from FMAs inside ``v_div_scale_f32 ...
+  v_div_fixup_f32``; an FMA-class instruction inside such a sequence is a division step,
+  outside it a multiply-add, and those must be exactly the specification's.
+
+The roofline (:func:`roofline`, ``python -m rl_engine.logprob.triton_aot --roofline
+--output-dir DIR``) compiles the default case's launches for sm_90 and reads each cubin's SASS
+with the ``nvdisasm`` and ``cuobjdump`` the Triton wheel ships: instructions per thread,
+registers, local memory (spills), whether the code loops; and predicts the time of the forward
+and the backward at 8192 x 151936 bf16 on an H100 SXM and an H200 against the memory floor
+(:data:`MODEL`, written into ``roofline.json``, ``schemas/roofline.schema.json``). It is a
+paper model from the compiled SASS, not a measurement.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
+import os
 import re
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.triton_backend import (
-    backward_launch,
+    Launch,
+    backward_launches,
     forward_launch,
     load_kernels,
 )
@@ -49,8 +66,19 @@ from rl_engine.logprob.vocab_parallel import backward_terms
 
 NVIDIA_TARGETS: tuple[int, ...] = (80, 90, 100)
 AMD_TARGET = "gfx942"
-# the default case's tile (151936 / 64 = 2374 columns, 4096 slots) and a padded 143-wide tile
-WIDTHS: tuple[tuple[int, int, int], ...] = ((151936, 151936, 64), (997, 1001, 7))
+ROOFLINE_ARCH = 90
+# (name, real vocabulary, padded vocabulary, tiles): the default case (151936: every size
+# divisible by 16), one that is not (GPT-2's 50257, padded to 50304, 48 tiles), and a small
+# padded one (tiles of 143 columns) the quick tests compile
+CASES: tuple[tuple[str, int, int, int], ...] = (
+    ("default", 151936, 151936, 64),
+    ("gpt2", 50257, 50304, 48),
+    ("small", 997, 1001, 7),
+)
+ROOFLINE_ROWS = 8192
+# docs/arithmetic.md: fused multiply-adds per column: E has 9 (step 2, two of step 4, six of
+# step 5), the entropy's G* one more; the backward's E 9
+FMA_PER_COLUMN = {"forward": 9, "forward_entropy": 10, "backward": 9}
 
 _TORCH_TYPES = {torch.float32: "*fp32", torch.int16: "*i16", torch.int32: "*i32",
                 torch.int8: "*i8", torch.int64: "*i64"}
@@ -59,6 +87,7 @@ _FLOAT_TYPE = re.compile(r"\.(f16|bf16|f32|f64)(x2)?\b")
 _PTX_ALLOWED = [
     re.compile(p) for p in (
         r"^(add|sub|mul|div)\.rn\.f32(x2)?$",
+        r"^fma\.rn\.f32(x2)?$",
         r"^setp\.[a-z]+\.f32$",
         r"^selp\.f32$",
         r"^(max|min)(\.NaN)?\.f32$",
@@ -67,80 +96,156 @@ _PTX_ALLOWED = [
         r"^cvt\.rn\.f32\.[su](8|16|32)$",
         r"^mov\.f32$",
         r"^(ld|st)\.[a-z.0-9]*f32$",
+        r"^shfl\.sync\.[a-z]+\.[bf]32$",
+        r"^redux\.sync\.(max|min)(\.NaN)?\.f32$",
     )
 ]
-_PTX_FORBIDDEN = re.compile(r"(^fma|^mad\..*f(16|32|64)|\.approx|^ex2|^lg2|^rcp|^sqrt|^rsqrt|\.ftz|^sin|^cos|^tanh)")
+_PTX_FORBIDDEN = re.compile(
+    r"(^fma(?!\.rn\.f32(x2)?$)|^mad\..*f(16|32|64)|\.approx|^ex2|^lg2|^rcp|^sqrt|^rsqrt|\.ftz|^sin|^cos|^tanh)")
 AMD_FMA = re.compile(r"^v_(pk_)?(fma|fmac|fmaak|fmamk|mad|mac)[a-z0-9_]*f(16|32|64)")
 AMD_FORBIDDEN = re.compile(r"^v_(exp|log|rsq|sqrt|sin|cos)_")
 
 
+class AotError(RuntimeError):
+    """A kernel does not compile for a target, or a tool of the Triton wheel is missing or fails."""
+
+
 @dataclass(frozen=True)
 class Variant:
-    """One kernel with the argument types and constants of one of the backend's launches."""
+    """One launch of the backend, specialized as Triton specializes it at launch."""
 
     name: str
     kernel: str
     signature: dict[str, str]
-    constexprs: dict[str, Any]
+    constexprs: dict[Any, Any]
+    attrs: dict[Any, Any]
+    warps: int
+    grid: tuple[int, ...]
+    columns: int  # the logit columns the launch covers (rows x local vocabulary, for a whole launch set)
 
 
-def _signature(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> dict[str, str]:
-    names = list(kernel.arg_names)
-    sig: dict[str, str] = {}
-    for name, value in zip(names, args):
-        if isinstance(value, torch.Tensor):
-            sig[name] = _TORCH_TYPES[value.dtype]
-        else:
-            sig[name] = "i32" if -(2**31) <= int(value) < 2**31 else "i64"
-    for name in meta:
-        sig[name] = "constexpr"
-    return sig
+def launch_specialization(fn: Any, launch: Launch, target: Any) -> tuple[dict[str, str], dict[Any, Any], dict[Any, Any]]:
+    """``(signature, constexprs, attrs)`` of ``launch`` exactly as ``fn[grid](*args, **meta)``
+    derives them: Triton's own binder (``create_function_from_signature``) over the launch's
+    arguments, then ``JITFunction._pack_args``."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.meta)
+    _, signature, constexprs, attrs = fn._pack_args(backend, dict(launch.meta), bound, specialization, options)
+    return signature, constexprs, attrs
 
 
-def launch_variants() -> list[Variant]:
-    """Every (kernel, dtype, flags, tile width) the backend launches, as the backend builds it."""
+def _meta_inputs(rows: int, real: int, padded: int, tiles: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The backend's launches for one case, on meta tensors (no memory; pointers count as aligned)."""
+    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    contract = LogprobContract(real_vocab_size=real, padded_vocab_size=padded, num_vocab_tiles=tiles,
+                               num_sequences=1, seq_len=rows, logits_dtype=dtype_name)
+    raw_dtype = torch.float32 if dtype == torch.float32 else torch.int16
+    raw = torch.empty(rows, padded, dtype=raw_dtype, device="meta")
+    m = torch.empty(rows, tiles, dtype=torch.float32, device="meta")
+    bad = torch.empty(rows, tiles, dtype=torch.int8, device="meta")
+    lse = torch.empty(rows, dtype=torch.float32, device="meta")
+    targets = torch.empty(rows, dtype=torch.int64, device="meta")
+    active = torch.empty(rows, dtype=torch.bool, device="meta")
+    return {"contract": contract, "raw": raw, "m": m, "bad": bad, "lse": lse, "targets": targets,
+            "active": active, "dtype_name": dtype_name}
+
+
+def case_launches(rows: int, real: int, padded: int, tiles: int, dtype: torch.dtype,
+                  entropy: bool = True, validate: bool = True) -> dict[str, list[Launch]]:
+    """``{"forward": [...], "backward": [...]}``: what the backend launches for one local shard
+    of ``rows`` x ``padded`` logits (TP=1), built by the backend's own launch functions."""
+    inp = _meta_inputs(rows, real, padded, tiles, dtype)
+    raw, m, contract = inp["raw"], inp["m"], inp["contract"]
+    forward = forward_launch(raw, contract, m, m, m if entropy else None, inp["bad"] if validate else None,
+                             entropy, validate, dtype)
+    terms = backward_terms(raw, inp["targets"], inp["active"], inp["lse"], inp["lse"], inp["lse"], contract)
+    return {"forward": [forward], "backward": backward_launches(raw, inp["lse"], terms, raw, dtype)}
+
+
+def launch_part(launch: Launch) -> str:
+    """The suffix naming one of a phase's launches: ``-blocks``/``-tail``/``-target`` for the backward's."""
+    if launch.kernel == "backward_kernel":
+        return "-tail" if launch.meta.get("MASKED") else "-blocks"
+    return "-target" if launch.kernel == "backward_target_kernel" else ""
+
+
+def launch_variants(arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_ROWS,
+                    cases: tuple[tuple[str, int, int, int], ...] = CASES) -> list[Variant]:
+    """Every (case, dtype, flags) launch the backend makes, specialized for ``arch`` as at launch."""
+    from triton.backends.compiler import GPUTarget
+
     kernels = load_kernels("compiled")
+    target = GPUTarget("cuda", arch, 32)
     out: list[Variant] = []
-    for real, padded, tiles in WIDTHS:
-        for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
-                                  ("fp32", torch.float32)):
-            contract = LogprobContract(real_vocab_size=real, padded_vocab_size=padded,
-                                       num_vocab_tiles=tiles, num_sequences=1, seq_len=2,
-                                       logits_dtype=dtype_name)
-            raw = torch.zeros(2, padded, dtype=torch.float32 if dtype == torch.float32 else torch.int16)
-            m = torch.zeros(2, tiles)
-            bad = torch.zeros(2, tiles, dtype=torch.int8)
+    for case, real, padded, tiles in cases:
+        for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
             for entropy, validate in ((True, True), (False, False)):
-                _, args, meta = forward_launch(raw, contract, m, m, m if entropy else None,
-                                               bad if validate else None, entropy, validate, dtype)
-                out.append(Variant(
-                    f"forward-{dtype_name}-w{contract.tile_width}-entropy{int(entropy)}-validate{int(validate)}",
-                    "forward_partials_kernel",
-                    _signature(kernels.forward_partials_kernel, args, meta), meta))
-            lse = torch.zeros(2)
-            targets = torch.zeros(2, dtype=torch.int64)
-            active = torch.ones(2, dtype=torch.bool)
-            terms = backward_terms(raw, targets, active, lse, lse, lse, contract)
-            _, args, meta = backward_launch(raw, lse, terms, raw, dtype)
-            out.append(Variant(f"backward-{dtype_name}-v{padded}", "backward_kernel",
-                               _signature(kernels.backward_kernel, args, meta), meta))
+                launches = case_launches(rows, real, padded, tiles, dtype, entropy, validate)
+                groups = [("forward", launches["forward"])]
+                if entropy:  # the backward does not depend on the forward's flags
+                    groups.append(("backward", launches["backward"]))
+                for phase, group in groups:
+                    for i, launch in enumerate(group):
+                        fn = getattr(kernels, launch.kernel)
+                        sig, cx, attrs = launch_specialization(fn, launch, target)
+                        flags = f"-entropy{int(entropy)}-validate{int(validate)}" if phase == "forward" else ""
+                        out.append(Variant(f"{phase}-{case}-{dtype_name}{flags}{launch_part(launch)}", launch.kernel, sig, cx,
+                                           attrs, launch.warps, launch.grid, rows * padded))
     return out
 
 
-def compile_variant(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
-                    backend: str, arch: int | str, fusion: bool) -> dict[str, Any]:
-    """``triton.compile`` for a target, no GPU needed; returns every stage (text, or the
-    binary's bytes: ``cubin``, ``hsaco``)."""
+def compile_variant(fn: Any, variant: Variant, backend: str, arch: int | str, fusion: bool) -> dict[str, Any]:
+    """``triton.compile`` of a launch for a target, no GPU needed; returns every stage (text, or
+    the binary's bytes: ``cubin``, ``hsaco``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     warp = 32 if backend == "cuda" else 64
-    compiled = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-        target=GPUTarget(backend, arch, warp), options={"enable_fp_fusion": fusion},
-    )
+    target = GPUTarget(backend, arch, warp)
+    if backend == "cuda" and arch == ROOFLINE_ARCH:
+        signature, constexprs, attrs = variant.signature, variant.constexprs, variant.attrs
+    else:  # the same launch, specialized for this target
+        signature, constexprs, attrs = _respecialized(fn, variant, target)
+    try:
+        compiled = triton.compile(
+            ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+            target=target, options={"enable_fp_fusion": fusion, "num_warps": variant.warps},
+        )
+    except Exception as exc:  # noqa: BLE001 - say which kernel and target, and why
+        raise AotError(f"triton {triton.__version__} cannot compile {variant.name} for {backend} {arch}: "
+                       f"{type(exc).__name__}: {exc}") from exc
     return dict(compiled.asm)
+
+
+def _respecialized(fn: Any, variant: Variant, target: Any) -> tuple[dict[str, str], dict[Any, Any], dict[Any, Any]]:
+    """The variant's launch specialized for another target (the specialization rules are the
+    backend's: AMD's differ from NVIDIA's)."""
+    for launch_variant, launch in _launch_index().items():
+        if launch_variant == variant.name:
+            return launch_specialization(fn, launch, target)
+    raise AotError(f"no launch named {variant.name}")
+
+
+_LAUNCHES: dict[str, Launch] = {}
+
+
+def _launch_index() -> dict[str, Launch]:
+    """Every launch of :func:`launch_variants`' cases by variant name (built once)."""
+    if not _LAUNCHES:
+        for case, real, padded, tiles in CASES:
+            for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
+                for entropy, validate in ((True, True), (False, False)):
+                    launches = case_launches(ROOFLINE_ROWS, real, padded, tiles, dtype, entropy, validate)
+                    flags = f"-entropy{int(entropy)}-validate{int(validate)}"
+                    _LAUNCHES[f"forward-{case}-{dtype_name}{flags}"] = launches["forward"][0]
+                    for launch in launches["backward"]:
+                        _LAUNCHES[f"backward-{case}-{dtype_name}{launch_part(launch)}"] = launch
+    return _LAUNCHES
 
 
 def opcodes(asm: str) -> collections.Counter[str]:
@@ -154,21 +259,24 @@ def opcodes(asm: str) -> collections.Counter[str]:
     return found
 
 
-def ptx_findings(ptx: str) -> dict[str, list[str]]:
-    """``{"forbidden": [...], "unknown": [...], "float_ops": [...]}`` of a PTX text."""
+def ptx_findings(ptx: str) -> dict[str, Any]:
+    """``{"forbidden": [...], "unknown": [...], "float_ops": [...], "fma": n}`` of a PTX text."""
     forbidden, unknown, floats = [], [], []
-    for op in sorted(opcodes(ptx)):
+    ops = opcodes(ptx)
+    for op in sorted(ops):
         if _PTX_FORBIDDEN.search(op) or re.match(r"^(mul|add|sub)\.f32", op):
             forbidden.append(op)
         elif _FLOAT_TYPE.search(op):
             floats.append(op)
             if not any(p.match(op) for p in _PTX_ALLOWED):
                 unknown.append(op)
-    return {"forbidden": forbidden, "unknown": unknown, "float_ops": floats}
+    fma = ops.get("fma.rn.f32", 0) + 2 * ops.get("fma.rn.f32x2", 0)  # a packed one is two
+    return {"forbidden": forbidden, "unknown": unknown, "float_ops": floats, "fma": fma}
 
 
 def amdgcn_findings(asm: str) -> dict[str, Any]:
-    """FMA-class instructions inside and outside division sequences, and forbidden ones."""
+    """FMA-class instructions inside and outside division sequences (a ``v_pk_`` one counts two
+    fused multiply-adds), and forbidden ones."""
     inside = outside = 0
     in_division = False
     forbidden: list[str] = []
@@ -183,30 +291,236 @@ def amdgcn_findings(asm: str) -> dict[str, Any]:
         elif op.startswith("v_div_fixup_f32"):
             in_division = False
         elif AMD_FMA.match(op) or op.startswith("v_div_fmas_f32"):
+            n = 2 if op.startswith("v_pk_") else 1
             if in_division:
-                inside += 1
+                inside += n
             else:
-                outside += 1
+                outside += n
         if AMD_FORBIDDEN.match(op):
             forbidden.append(op)
     return {"fma_in_division": inside, "fma_outside_division": outside,
             "forbidden": sorted(set(forbidden))}
 
 
-def main(argv: list[str]) -> int:
+# ------------------------------------------------------------------------------------ SASS
+
+
+def nvidia_tool(name: str) -> Path:
+    """A binary of the Triton wheel's ``backends/nvidia/bin`` (``nvdisasm``, ``cuobjdump``)."""
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not path.is_file():
+        raise AotError(f"{path} is missing: the Triton wheel ships {name} for reading SASS; reinstall triton")
+    return path
+
+
+@dataclass(frozen=True)
+class Sass:
+    """What one cubin runs: its instructions (NOPs left out) and resources."""
+
+    opcodes: dict[str, int]
+    instructions: int  # per thread, static (= executed when the code has no loop)
+    registers: int
+    local_bytes: int  # local memory per thread: spills (and stack)
+    shared_bytes: int
+    loops: bool  # a branch back to an earlier instruction (the trailing self-branch trap excluded)
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)\s*([^;]*);")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+
+
+def read_sass(cubin: bytes) -> Sass:
+    """Disassemble a cubin (``nvdisasm -c``) and read its resources (``cuobjdump --dump-resource-usage``)."""
+    with tempfile.TemporaryDirectory(prefix="rl_engine-sass-") as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        try:
+            text = subprocess.run([str(nvidia_tool("nvdisasm")), "-c", str(path)], capture_output=True,
+                                  text=True, check=True, timeout=300).stdout
+            usage = subprocess.run([str(nvidia_tool("cuobjdump")), "--dump-resource-usage", str(path)],
+                                   capture_output=True, text=True, check=True, timeout=300).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise AotError(f"reading the SASS failed: {exc}") from exc
+    return parse_sass(text, usage)
+
+
+def parse_sass(text: str, usage: str) -> Sass:
+    """:class:`Sass` from ``nvdisasm -c`` text and ``cuobjdump --dump-resource-usage`` text."""
+    ops: collections.Counter[str] = collections.Counter()
+    labels: dict[str, int] = {}
+    pending: list[str] = []
+    branches: list[tuple[int, str]] = []
+    for line in text.splitlines():
+        label = _LABEL.match(line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        match = _SASS_LINE.search(line)
+        if not match:
+            continue
+        address, op, operands = int(match.group(1), 16), match.group(2), match.group(4)
+        for name in pending:
+            labels[name] = address
+        pending = []
+        if op == "NOP":
+            continue
+        ops[op] += 1
+        target = _BRANCH_TARGET.search(operands)
+        if op in ("BRA", "BRX", "JMP") and target:
+            branches.append((address, target.group(1)))
+    loops = any(labels.get(target, address + 1) < address for address, target in branches)
+    resources = dict(re.findall(r"\b(REG|SHARED|LOCAL|STACK):(\d+)", usage))
+    if "REG" not in resources:
+        raise AotError(f"cuobjdump printed no resource usage: {usage[:200]!r}")
+    return Sass(dict(sorted(ops.items())), sum(ops.values()), int(resources["REG"]),
+                int(resources.get("LOCAL", 0)) + int(resources.get("STACK", 0)), int(resources.get("SHARED", 0)),
+                loops)
+
+
+# ------------------------------------------------------------------------------------ roofline
+
+# The throughput model of the roofline, written into roofline.json. An H100 SXM and an H200
+# have the same 132 SMs of 4 schedulers, each issuing one warp instruction (32 threads) per
+# clock at up to 1.98 GHz; the FP32 pipe (FADD, FMUL, FFMA) takes one warp instruction per
+# clock, the integer/logic/compare/select/min-max pipe one every two clocks, conversions one
+# every four. A kernel's time is the largest of: issue (every instruction), each pipe's
+# occupancy, and its memory traffic at the HBM bandwidth.
+MODEL: dict[str, Any] = {
+    "sms": 132,
+    "schedulers_per_sm": 4,
+    "threads_per_warp": 32,
+    "clock_hz": 1.98e9,
+    "bandwidth_bytes_per_s": {"h100": 3.35e12, "h200": 4.8e12},
+    "rows": ROOFLINE_ROWS,
+    "vocab": 151936,
+    "logit_bytes": 2,
+    "half_rate": ["FMNMX", "FSETP", "FSEL", "SEL", "ISETP", "IADD3", "IMAD", "IMNMX", "SHF", "LOP3", "PRMT",
+                  "LEA", "SGXT", "IABS", "BMSK", "FCHK", "VIADD", "VIMNMX", "IADD", "ISCADD"],
+    "quarter_rate": ["F2I", "I2F", "F2F", "I2I", "F2FP", "MUFU", "POPC", "FLO", "BREV"],
+}
+
+
+def _kernel_seconds(sass: Sass, threads: int, programs: int, model: dict[str, Any]) -> float:
+    """Issue-bound and pipe-bound time of one launch (the larger)."""
+    rate = model["sms"] * model["schedulers_per_sm"] * model["threads_per_warp"] * model["clock_hz"]
+    half = sum(n for op, n in sass.opcodes.items() if op in model["half_rate"])
+    quarter = sum(n for op, n in sass.opcodes.items() if op in model["quarter_rate"])
+    slots = max(sass.instructions, 2 * half, 4 * quarter)
+    return slots * threads * programs / rate
+
+
+def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH) -> dict[str, Any]:
+    """Compile the default case's launches (bf16, 8192 x 151936, entropy and validation on) for
+    ``arch``, write each cubin into ``output_dir`` and return the roofline document."""
+    import triton
+
+    output_dir.mkdir(parents=True, exist_ok=True)
     kernels = load_kernels("compiled")
-    variants = launch_variants() if "--all" in argv else launch_variants()[:1] + launch_variants()[4:5]
+    _, real, padded, tiles = CASES[0]
+    launches = case_launches(ROOFLINE_ROWS, real, padded, tiles, torch.bfloat16, True, True)
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", arch, 32)
+    columns = ROOFLINE_ROWS * padded
+    entries: list[dict[str, Any]] = []
+    seconds = {"forward": 0.0, "backward": 0.0}
+    per_column = {"forward": 0.0, "backward": 0.0}
+    for phase, group in launches.items():
+        for launch in group:
+            fn = getattr(kernels, launch.kernel)
+            sig, cx, attrs = launch_specialization(fn, launch, target)
+            name = f"{phase}{launch_part(launch)}"
+            variant = Variant(name, launch.kernel, sig, cx, attrs, launch.warps, launch.grid, columns)
+            asm = compile_variant(fn, variant, "cuda", arch, False)
+            cubin = f"{name}.sm_{arch}.cubin"
+            (output_dir / cubin).write_bytes(asm["cubin"])
+            sass = read_sass(asm["cubin"])
+            threads = 32 * launch.warps
+            programs = 1
+            for g in launch.grid:
+                programs *= g
+            share = sass.instructions * threads * programs / columns
+            per_column[phase] += share
+            seconds[phase] += _kernel_seconds(sass, threads, programs, MODEL)
+            entries.append({
+                "name": name, "kernel": launch.kernel, "cubin": cubin, "arch": f"sm_{arch}",
+                "sass_per_thread": sass.instructions, "threads_per_program": threads, "programs": programs,
+                "registers": sass.registers, "local_bytes": sass.local_bytes, "shared_bytes": sass.shared_bytes,
+                "loops": sass.loops, "instructions_per_column": round(share, 3),
+                "fma_per_thread": sass.opcodes.get("FFMA", 0), "opcodes": sass.opcodes,
+                "specialization": {k: v for k, v in sig.items() if v != "constexpr"},
+                "divisible_by_16": sorted(fn.arg_names[k[0]] for k, v in attrs.items()
+                                          if any(a == ["tt.divisibility", 16] for a in v)),
+            })
+    logits = columns * MODEL["logit_bytes"]
+    predicted = {}
+    for gpu, bandwidth in MODEL["bandwidth_bytes_per_s"].items():
+        floor_fwd = logits / bandwidth  # read the logits once
+        floor_bwd = 2 * logits / bandwidth  # read them again, write the gradient
+        fwd = max(seconds["forward"], floor_fwd)
+        bwd = max(seconds["backward"], floor_bwd)
+        predicted[gpu] = {
+            "forward_floor_ms": round(floor_fwd * 1e3, 4), "forward_ms": round(fwd * 1e3, 4),
+            "backward_floor_ms": round(floor_bwd * 1e3, 4), "backward_ms": round(bwd * 1e3, 4),
+            "forward_over_floor": round(fwd / floor_fwd, 4),
+            "forward_backward_over_floor": round((fwd + bwd) / (floor_fwd + floor_bwd), 4),
+            "forward_issue_ms": round(seconds["forward"] * 1e3, 4),
+            "backward_issue_ms": round(seconds["backward"] * 1e3, 4),
+        }
+    from rl_engine.tables import SCHEMA_VERSION
+
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "paper model from the compiled SASS (not a measurement)",
+        "triton": triton.__version__,
+        "case": {"rows": ROOFLINE_ROWS, "real_vocab": real, "padded_vocab": padded, "num_vocab_tiles": tiles,
+                 "dtype": "bf16", "entropy": True, "validate": True},
+        "model": MODEL,
+        "kernels": entries,
+        "instructions_per_column": {k: round(v, 3) for k, v in per_column.items()},
+        "predicted": predicted,
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rl_engine.logprob.triton_aot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--roofline", action="store_true", help="write roofline.json and the cubins into --output-dir")
+    parser.add_argument("--output-dir", type=Path, default=None)
+    parser.add_argument("--all", action="store_true", help="check every launch variant's PTX (default: the default case's bf16)")
+    args = parser.parse_args(argv)
+    if args.roofline:
+        if args.output_dir is None:
+            parser.error("--roofline needs --output-dir DIR")
+        from rl_engine import schemas
+
+        doc = roofline(args.output_dir)
+        schemas.write_validated(args.output_dir / "roofline.json", doc, "roofline")
+        for k in doc["kernels"]:
+            print(f"{k['name']}: {k['sass_per_thread']} SASS/thread x {k['threads_per_program']} threads x "
+                  f"{k['programs']} programs, {k['instructions_per_column']} per column, {k['registers']} registers, "
+                  f"local {k['local_bytes']} B, loops {k['loops']}")
+        print(f"per column: {doc['instructions_per_column']}")
+        for gpu, p in doc["predicted"].items():
+            print(f"{gpu}: forward {p['forward_ms']} ms ({p['forward_over_floor']}x the floor), forward+backward "
+                  f"{p['forward_backward_over_floor']}x the floor")
+        print(f"wrote {args.output_dir / 'roofline.json'}")
+        return 0
+    kernels = load_kernels("compiled")
+    variants = launch_variants()
+    if not args.all:
+        variants = [v for v in variants if v.name.startswith(("forward-default-bf16", "backward-default-bf16"))]
     for variant in variants:
         fn = getattr(kernels, variant.kernel)
         for arch in NVIDIA_TARGETS:
-            asm = compile_variant(fn, variant.signature, variant.constexprs, "cuda", arch, False)
-            ops = opcodes(asm["ptx"])
-            floats = {op: n for op, n in sorted(ops.items()) if _FLOAT_TYPE.search(op)}
-            print(f"{variant.name} sm_{arch}: {floats} findings={ptx_findings(asm['ptx'])['forbidden']}")
-        asm = compile_variant(fn, variant.signature, variant.constexprs, "hip", AMD_TARGET, False)
-        ops = opcodes(asm["amdgcn"])
-        floats = {op: n for op, n in sorted(ops.items()) if "f32" in op}
-        print(f"{variant.name} {AMD_TARGET}: {floats} {amdgcn_findings(asm['amdgcn'])}")
+            asm = compile_variant(fn, variant, "cuda", arch, False)
+            found = ptx_findings(asm["ptx"])
+            print(f"{variant.name} sm_{arch}: fma={found['fma']} float ops={found['float_ops']} "
+                  f"forbidden={found['forbidden']} unknown={found['unknown']}")
+        asm = compile_variant(fn, variant, "hip", AMD_TARGET, False)
+        print(f"{variant.name} {AMD_TARGET}: {amdgcn_findings(asm['amdgcn'])}")
     return 0
 
 

@@ -9,14 +9,17 @@ bytes of ``pytorch-vocab-parallel-logp-ws2`` (``tests/test_triton_backend.py``).
 Two modes, chosen explicitly, never by a fallback:
 
 * ``compiled`` (the default): ``triton.jit`` kernels on CUDA tensors; every launch passes
-  ``enable_fp_fusion=False`` (no multiply-add contracted into an FMA).
+  ``enable_fp_fusion=False`` (no multiply-add contracted into an FMA: the only FMAs are the
+  ``tl.fma`` the kernels write, where ``docs/arithmetic.md`` has one).
 * ``interpreter``: Triton's interpreter runs the same kernel source on CPU tensors through
   NumPy, one IEEE operation at a time. It is selected by ``TritonLogprob(mode="interpreter")``
   or, for processes a launcher starts (torchrun ranks), by the environment variable
   ``RL_ENGINE_TRITON_MODE=interpreter``; the mode is part of the backend's provenance
   (:func:`triton_mode`, recorded in each campaign report's ``dispatch`` section). Triton's own
   ``TRITON_INTERPRET=1`` is not read: it would turn every ``triton.jit`` of the process into
-  an interpreted function, including other libraries'.
+  an interpreted function, including other libraries'. The interpreter must compute ``tl.fma``
+  with one rounding (Triton 3.6's computes ``a * b + c`` with two): :func:`load_kernels`
+  probes it on a case where the two differ, and refuses an interpreter that rounds twice.
 
 Fail closed: without Triton, without CUDA (compiled mode), or when a kernel does not compile,
 :func:`triton_unavailable` gives the reason, the registry marks the backend unavailable and
@@ -27,9 +30,9 @@ Fail closed: without Triton, without CUDA (compiled mode), or when a kernel does
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import sys
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -53,8 +56,16 @@ MODE_DEVICES: dict[str, str] = {"compiled": "cuda", "interpreter": "cpu"}
 # Oldest Triton the kernels are tested with (tests/test_triton_versions.py); newest: the
 # installed one (3.9.0 when written).
 MIN_TRITON = (3, 6)
-BACKWARD_BLOCK = 4096
+BACKWARD_BLOCK = 2048  # columns of one backward program (4 warps, 16 columns a thread)
+BACKWARD_WARPS = 4
+FORWARD_WARPS = 1  # one warp per (row, tile): 128 lanes, 4 consecutive columns a thread
+TARGET_ROWS = 128  # rows of one program of the target kernel
+TARGET_WARPS = 1
 KERNEL_FILE = Path(__file__).with_name("triton_kernels.py")
+# fma(a, b, c) with one rounding is 0x1.000002p+0; a*b+c rounded twice (binary64, then binary32)
+# is 0x1.000004p+0 (docs/arithmetic.md section 1)
+FMA_PROBE = (float.fromhex("0x1.000002p-12"), float.fromhex("0x1.fffffcp-13"), float.fromhex("0x1.000002p+0"))
+FMA_PROBE_RESULT = float.fromhex("0x1.000002p+0")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -124,7 +135,35 @@ def load_kernels(mode: str) -> ModuleType:
     except Exception as exc:  # noqa: BLE001 - any failure to build the kernels is a reason
         sys.modules.pop(name, None)
         raise TritonKernelError(f"the Triton kernels do not load in {mode} mode: {exc}") from None
+    if mode == "interpreter":
+        _require_single_rounding_fma(triton.__version__)
     return module
+
+
+def _probe_fma(a_ptr, out_ptr):  # type: ignore[no-untyped-def]
+    import triton.language as tl
+
+    a = tl.load(a_ptr + tl.arange(0, 4))
+    b = tl.load(a_ptr + 4 + tl.arange(0, 4))
+    c = tl.load(a_ptr + 8 + tl.arange(0, 4))
+    tl.store(out_ptr + tl.arange(0, 4), tl.fma(a, b, c))
+
+
+def _require_single_rounding_fma(version: str) -> None:
+    """Refuse an interpreter whose ``tl.fma`` rounds twice (it would not compute the spec's bytes)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    a, b, c = FMA_PROBE
+    src = torch.tensor([a] * 4 + [b] * 4 + [c] * 4, dtype=torch.float32)
+    out = torch.empty(4, dtype=torch.float32)
+    InterpretedFunction(_probe_fma)[(1,)](src, out)
+    if float(out[0]) != FMA_PROBE_RESULT:
+        raise TritonKernelError(
+            f"Triton {version}'s interpreter computes tl.fma({a.hex()}, {b.hex()}, {c.hex()}) as "
+            f"{float(out[0]).hex()}, not the fused multiply-add's {FMA_PROBE_RESULT.hex()}: it rounds "
+            "twice, so it cannot compute rl-engine-arith/2's bytes; the interpreter mode needs a "
+            "Triton whose interpreter rounds fma once (3.9 does); compiled kernels are not affected"
+        )
 
 
 def triton_unavailable(mode: str | None = None) -> str | None:
@@ -139,16 +178,9 @@ def triton_unavailable(mode: str | None = None) -> str | None:
     return None
 
 
-def levels(width: int) -> int:
-    """``log2`` of the slots a tile of ``width`` columns occupies (the next power of two)."""
-    return max(0, math.ceil(math.log2(width))) if width > 1 else 0
-
-
-@lru_cache(maxsize=64)
-def _slot_table(width: int, device: str) -> torch.Tensor:
-    from rl_engine.logprob.triton_kernels import fold_slots
-
-    return torch.tensor(fold_slots(width), dtype=torch.int32, device=device)
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (``n >= 1``)."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def _raw(logits: torch.Tensor) -> torch.Tensor:
@@ -159,15 +191,28 @@ def _raw(logits: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.view(torch.int16)
 
 
-def _launch(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], meta: dict[str, Any]) -> None:
+def _launch(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], meta: dict[str, Any],
+            warps: int) -> None:
     try:
-        kernel[grid](*args, **meta, enable_fp_fusion=False)
+        kernel[grid](*args, **meta, num_warps=warps, enable_fp_fusion=False)
     except Exception as exc:  # noqa: BLE001 - compile or launch failure: raise with the reason
         raise TritonKernelError(f"{TRITON_ID}: kernel {getattr(kernel, '__name__', kernel)} "
                                 f"failed: {type(exc).__name__}: {exc}") from exc
 
 
-Launch = tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any]]
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: the kernel's name, grid, arguments, constants and warps per program
+    (what the backend launches, and what :mod:`rl_engine.logprob.triton_aot` compiles)."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    meta: dict[str, Any]
+    warps: int
+
+    def run(self, kernels: ModuleType) -> None:
+        _launch(getattr(kernels, self.kernel), self.grid, self.args, self.meta, self.warps)
 
 
 def forward_launch(
@@ -175,30 +220,44 @@ def forward_launch(
     t: torch.Tensor | None, bad: torch.Tensor | None, with_entropy: bool, validate: bool,
     logits_dtype: torch.dtype,
 ) -> Launch:
-    """Grid, arguments and constants of one forward launch (also what the PTX check compiles)."""
+    """The forward launch: one program (one warp) per (row, tile)."""
     width = contract.tile_width
     tiles = contract.local_vocab_size // width
-    args = (x, _slot_table(width, str(x.device)), m, s, t if t is not None else m,
-            bad if bad is not None else m, x.stride(0), real_local_columns(contract))
-    meta = {"TILES": tiles, "WIDTH": width, "LEVELS": levels(width),
-            "DTYPE": _DTYPE_CODES[logits_dtype], "WITH_ENTROPY": with_entropy,
-            "VALIDATE": validate}
-    return (x.shape[0] * tiles,), args, meta
+    real_local = real_local_columns(contract)
+    args = (x, m, s, t if t is not None else m, bad if bad is not None else m, x.stride(0), real_local)
+    meta = {"TILES": tiles, "WIDTH": width, "DTYPE": _DTYPE_CODES[logits_dtype],
+            "WITH_ENTROPY": with_entropy, "VALIDATE": validate,
+            "PADDED": real_local < contract.local_vocab_size}
+    return Launch("forward_partials_kernel", (x.shape[0] * tiles,), args, meta, FORWARD_WARPS)
 
 
-def backward_launch(
+def backward_launches(
     x: torch.Tensor, lse: torch.Tensor, terms: BackwardTerms, out: torch.Tensor,
     logits_dtype: torch.dtype,
-) -> Launch:
-    """Grid, arguments and constants of one backward launch (also what the PTX check compiles)."""
+) -> list[Launch]:
+    """The backward's launches, in stream order: the whole blocks of ``BACKWARD_BLOCK`` columns
+    (no mask), the last partial block (masked), then the target column of every row."""
     rows, local_vocab = x.shape
-    block = min(BACKWARD_BLOCK, 1 << levels(local_vocab))
-    blocks = -(-local_vocab // block)
-    args = (x, lse.detach().float().contiguous(), terms.coef.float().contiguous(),
-            terms.target_col.to(torch.int64).contiguous(), terms.target_add.float().contiguous(),
-            out, x.stride(0), local_vocab, terms.real_local)
-    meta = {"BLOCKS": blocks, "BLOCK": block, "DTYPE": _DTYPE_CODES[logits_dtype]}
-    return (rows * blocks,), args, meta
+    dtype = _DTYPE_CODES[logits_dtype]
+    lse = lse.detach().float().contiguous()
+    coef = terms.coef.float().contiguous()
+    padded = terms.real_local < local_vocab
+    whole, rest = divmod(local_vocab, BACKWARD_BLOCK)
+    found = []
+    common = (x, lse, coef, out, x.stride(0), local_vocab, terms.real_local)
+    if whole:
+        found.append(Launch("backward_kernel", (rows * whole,), common + (0,),
+                            {"BLOCKS": whole, "BLOCK": BACKWARD_BLOCK, "DTYPE": dtype, "MASKED": False,
+                             "PADDED": padded}, BACKWARD_WARPS))
+    if rest:
+        found.append(Launch("backward_kernel", (rows,), common + (whole * BACKWARD_BLOCK,),
+                            {"BLOCKS": 1, "BLOCK": next_pow2(rest), "DTYPE": dtype, "MASKED": True,
+                             "PADDED": padded}, BACKWARD_WARPS))
+    target = (x, lse, coef, terms.target_col.to(torch.int64).contiguous(),
+              terms.target_add.float().contiguous(), out, rows, x.stride(0), local_vocab, terms.real_local)
+    found.append(Launch("backward_target_kernel", (-(-rows // TARGET_ROWS),), target,
+                        {"ROWS": TARGET_ROWS, "DTYPE": dtype}, TARGET_WARPS))
+    return found
 
 
 def triton_partials(
@@ -216,9 +275,7 @@ def triton_partials(
     t = torch.empty_like(m) if with_entropy else None
     bad = torch.zeros(rows, tiles, dtype=torch.int8, device=dev) if validate else None
     if rows and tiles:
-        grid, args, meta = forward_launch(x, contract, m, s, t, bad, with_entropy, validate,
-                                          logits.dtype)
-        _launch(k.forward_partials_kernel, grid, args, meta)
+        forward_launch(x, contract, m, s, t, bad, with_entropy, validate, logits.dtype).run(k)
     finite = None
     if bad is not None:
         finite = bad.amax(dim=1) == 0 if tiles else torch.ones(rows, dtype=torch.bool, device=dev)
@@ -235,8 +292,8 @@ def triton_backward(
     grad = torch.empty((rows, local_vocab), dtype=logits.dtype, device=logits.device)
     if rows and local_vocab:
         out = grad if grad.dtype == torch.float32 else grad.view(torch.int16)
-        grid, args, meta = backward_launch(x, lse, terms, out, logits.dtype)
-        _launch(k.backward_kernel, grid, args, meta)
+        for launch in backward_launches(x, lse, terms, out, logits.dtype):
+            launch.run(k)
     return grad
 
 

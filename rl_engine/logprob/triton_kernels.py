@@ -1,22 +1,31 @@
-"""Triton kernels of backend ``triton-vocab-parallel-logp-ws2`` (``docs/arithmetic.md``).
+"""Triton kernels of backend ``triton-vocab-parallel-logp-ws2`` (``docs/arithmetic.md``, ``rl-engine-arith/2``).
 
-Two kernels, written with IEEE-754 basic operations only, in the specification's order:
+Written with IEEE-754 basic operations and the fused multiply-adds the specification writes
+(``tl.fma``), in its order, shaped for what Triton compiles at launch:
 
-* :func:`forward_partials_kernel`: one program per (row, tile): upcast (bf16 and binary16 by
-  integer operations), the tile max, ``E(x - shift)`` (section 3), the fold ``F`` of section 4
-  over the tile's ``w`` columns, the entropy terms (section 6 steps 1-4) and, for validation,
-  whether every real column of the tile is finite;
-* :func:`backward_kernel`: one program per (row, block of columns): ``E(x - lse)``, times
-  ``coef``, plus the target term, canonical NaN, the one rounding of section 8, and the
-  ``coef == 0`` and padding overrides of section 7.
+* :func:`forward_partials_kernel`: one program (one warp) per (row, tile). The tile is read in
+  chunks of 128 columns, column ``c`` in lane ``c % 128`` of the chunk: a first pass takes the
+  lanes' maxima (and minima, for validation), a second computes ``E(x - shift)`` and adds it
+  into the 128 lane sums in column order (section 4's ``G``; the entropy's ``G*`` adds
+  ``fma(e, max(y, LO), lane)``); the 128 lane sums are then folded by ``F``. The chunk loops are
+  unrolled (a tile of up to ``MAX_UNROLL`` chunks), so every thread runs the same straight
+  code and the loads of the second pass are the first pass's registers.
+* :func:`backward_kernel`: one program per (row, block of columns), no branch: ``E(x - lse)``
+  times ``coef``, the ``coef == 0`` override, canonical NaN, padding zeros, the one rounding of
+  section 8. Launched over the whole blocks without masks, and once more, masked, over the
+  last partial block.
+* :func:`backward_target_kernel`: the one column per row that gets the target term
+  (``coef * E(x - lse) + gl``, or ``+0 + gl`` where ``coef == 0``), launched after the
+  others on the same stream, so it overwrites that column's value: no per-column compare in
+  the main kernel.
 
-No ``tl.exp``, ``tl.log``, ``tl.sum``, ``tl.max``, ``tl.reduce``, libdevice or division is
-used. The fold is written out: the tile's ``w`` columns are placed in ``P`` (a power of two)
-slots by a permutation (:func:`fold_slots`, computed once on the host) chosen so that the
-halving ``A[i] + A[i + P/2]``, repeated, adds exactly the pairs ``F`` adds, level by level;
-the slots that hold no column carry ``-0.0``, the identity of IEEE addition (``x + -0 = x``
-for every ``x``, ``+0`` and NaN included). A halving is a ``reshape`` to ``[2, P/2]``, a
-transpose and a ``split``: data movement, then one ``add`` per pair.
+No ``tl.exp``, ``tl.log``, libdevice or division is used. Reductions: a max or min over the
+128 lanes is ``tl.reduce`` with Triton's max or min (a maximum does not depend on grouping;
+NaN is tracked apart, so a NaN lane gives a NaN maximum whichever way the reduction's NaN rule
+goes, in the compiled kernel and under the interpreter alike); a sum is only ever a reduction
+over an axis of exactly two values (:func:`lane_fold`): one addition, whose operand order
+cannot change its result (IEEE addition commutes). Every fused multiply-add is a ``tl.fma`` written here;
+launches pass ``enable_fp_fusion=False``, so the compiler contracts nothing else.
 
 This file is loaded twice by :mod:`rl_engine.logprob.triton_backend`, once per mode: with
 ``KERNEL_MODE = "compiled"`` every function is a ``triton.jit`` function; with
@@ -32,74 +41,91 @@ import triton.language as tl
 KERNEL_MODE = globals().get("KERNEL_MODE", "compiled")
 
 
-def _decorator():  # type: ignore[no-untyped-def]
+def _decorator(launched: bool):  # type: ignore[no-untyped-def]
+    """``triton.jit`` when compiled. Under the interpreter, a launched kernel is an
+    ``InterpretedFunction`` and a function it calls stays a plain Python function: it runs
+    inside the kernel's interpreted scope all the same, without the interpreter re-patching
+    the language module at every call (which cost more than the arithmetic)."""
     if KERNEL_MODE == "interpreter":
         from triton.runtime.interpreter import InterpretedFunction
 
-        return InterpretedFunction
+        return InterpretedFunction if launched else (lambda fn: fn)
     if KERNEL_MODE != "compiled":
         raise ValueError(f"KERNEL_MODE={KERNEL_MODE!r} must be 'compiled' or 'interpreter'")
     return triton.jit
 
 
-kernel = _decorator()
+kernel = _decorator(launched=True)  # a function the backend launches
+device = _decorator(launched=False)  # a function kernels call
 
 # docs/arithmetic.md section 3 (binary32 values, exact as Python floats)
-E_LO: tl.constexpr = tl.constexpr(float.fromhex("-0x1.5cp+6"))
+E_LO: tl.constexpr = tl.constexpr(float.fromhex("-0x1.6p+6"))
 E_HI: tl.constexpr = tl.constexpr(float.fromhex("0x1.64p+6"))
 E_LOG2E: tl.constexpr = tl.constexpr(float.fromhex("0x1.715476p+0"))
-E_SHIFTER: tl.constexpr = tl.constexpr(float.fromhex("0x1.8p+23"))
-E_LN2_HI: tl.constexpr = tl.constexpr(float.fromhex("0x1.62e4p-1"))
-E_LN2_LO: tl.constexpr = tl.constexpr(float.fromhex("0x1.7f7d1cp-20"))
+E_BIAS: tl.constexpr = tl.constexpr(float.fromhex("0x1.8000fep+23"))
+E_NEG_LN2_HI: tl.constexpr = tl.constexpr(-float.fromhex("0x1.62e430p-1"))
+E_NEG_LN2_LO: tl.constexpr = tl.constexpr(float.fromhex("0x1.05c610p-29"))  # -LN2_LO
 E_C6: tl.constexpr = tl.constexpr(float.fromhex("0x1.6a244cp-10"))
 E_C5: tl.constexpr = tl.constexpr(float.fromhex("0x1.1239d4p-7"))
 E_C4: tl.constexpr = tl.constexpr(float.fromhex("0x1.5558f2p-5"))
 E_C3: tl.constexpr = tl.constexpr(float.fromhex("0x1.555492p-3"))
 E_C2: tl.constexpr = tl.constexpr(float.fromhex("0x1.fffffcp-2"))
+E_TWO127: tl.constexpr = tl.constexpr(float.fromhex("0x1p+127"))
 CANONICAL_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)
 NEG_INF_BITS: tl.constexpr = tl.constexpr(-8388608)  # 0xFF800000
-NEG_ZERO_BITS: tl.constexpr = tl.constexpr(-2147483648)  # 0x80000000
+POS_INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)
 DT_F32: tl.constexpr = tl.constexpr(0)
 DT_BF16: tl.constexpr = tl.constexpr(1)
 DT_F16: tl.constexpr = tl.constexpr(2)
+LANES: tl.constexpr = tl.constexpr(128)  # L of the lane sum G (section 4)
+LANE_LEVELS: tl.constexpr = tl.constexpr(7)  # log2(LANES): the levels of F over the lanes
+MAX_UNROLL: tl.constexpr = tl.constexpr(32)  # chunks of a tile unrolled (a wider tile loops)
+# The combine functions of Triton's own tl.sum, tl.max and tl.min, given to the builtin tl.reduce:
+# the compiler lowers them to +, max.f32 and min.f32; the interpreter (both modes call them from
+# here, where tl.sum itself is a compiled function) to NumPy's sum, nanmax and nanmin. Neither
+# max nor min sees a NaN here: a NaN lane is tracked apart.
+SUM = tl.standard._sum_combine
+MAX = tl.standard._elementwise_max
+MIN = tl.standard._elementwise_min
 
 
-@kernel
+@device
+def exp_core(yc):
+    """Steps 2-5 of section 3 for ``yc`` (step 1's value): ``(p, t)``."""
+    t = tl.fma(yc, E_LOG2E, E_BIAS)  # 2. BIAS + k
+    kf = t - E_BIAS  # 3. exact
+    r = tl.fma(kf, E_NEG_LN2_HI, yc)  # 4. exact
+    r = tl.fma(kf, E_NEG_LN2_LO, r)
+    q = tl.fma(r, E_C6, E_C5)  # 5. Horner with fusedMultiplyAdd
+    q = tl.fma(q, r, E_C4)
+    q = tl.fma(q, r, E_C3)
+    q = tl.fma(q, r, E_C2)
+    q = tl.fma(q, r, 1.0)
+    p = tl.fma(q, r, 1.0)
+    return p, t
+
+
+@device
+def spec_exp_forward(y):
+    """``E(y)`` in the forward form of section 3 (every ``y < 88`` and NaN; 13 operations), and
+    ``yc = max(y, LO)``, step 1's value, which the entropy term multiplies by."""
+    yc = tl.maximum(y, E_LO, propagate_nan=tl.PropagateNan.ALL)  # 1. NaN stays NaN
+    p, t = exp_core(yc)
+    sc = (t.to(tl.int32, bitcast=True) << 23).to(tl.float32, bitcast=True)  # 6. 2**k (+0: k = -127)
+    return p * sc, yc  # 7.
+
+
+@device
 def spec_exp(y):
-    """``E(y)``, section 3 steps 1-8, on a binary32 tensor."""
-    under = y < E_LO  # 1. false for NaN
-    yc = tl.where(y < E_LO, E_LO, y)  # 2. NaN stays NaN (comparisons are false)
-    yc = tl.where(yc > E_HI, E_HI, yc)
-    t = yc * E_LOG2E  # 3.
-    t = t + E_SHIFTER
-    kf = t - E_SHIFTER
-    a1 = kf * E_LN2_HI  # 4.
-    r = yc - a1
-    a2 = kf * E_LN2_LO
-    r = r - a2
-    q = r * E_C6  # 5. Horner, each step a multiply then an add
-    q = q + E_C5
-    q = q * r
-    q = q + E_C4
-    q = q * r
-    q = q + E_C3
-    q = q * r
-    q = q + E_C2
-    q = q * r
-    q = q + 1.0
-    q = q * r
-    p = q + 1.0
-    k = kf.to(tl.int32)  # 6. exact (kf is integral); a NaN kf gives some integer
-    ka = k >> 1
-    kb = k - ka
-    sa = ((ka + 127) << 23).to(tl.float32, bitcast=True)
-    sb = ((kb + 127) << 23).to(tl.float32, bitcast=True)
-    res = p * sa  # 7.
-    res = res * sb
-    return tl.where(under, 0.0, res)  # 8.
+    """``E(y)``, section 3's general form (every argument; the element tests compare it)."""
+    yc = tl.minimum(tl.maximum(y, E_LO, propagate_nan=tl.PropagateNan.ALL), E_HI,
+                    propagate_nan=tl.PropagateNan.ALL)  # 1.
+    p, t = exp_core(yc)
+    sc = (t.to(tl.int32, bitcast=True) << 23).to(tl.float32, bitcast=True)  # 6.
+    return tl.where(t - E_BIAS == 128.0, (p * 2.0) * E_TWO127, p * sc)  # 7.
 
 
-@kernel
+@device
 def upcast(raw, DTYPE: tl.constexpr):
     """Section 1's exact conversion to binary32: bf16 and binary16 (given as int16 bits) by
     integer operations; binary32 is returned as it is."""
@@ -120,63 +146,117 @@ def upcast(raw, DTYPE: tl.constexpr):
     return out
 
 
-@kernel
-def fold_add(v, LEVELS: tl.constexpr):
-    """``F`` over the ``2**LEVELS`` slots of ``v`` (laid out by :func:`fold_slots`): ``LEVELS``
-    halvings ``v[i] + v[i + P/2]``; returns a one-element tensor."""
-    for level in tl.static_range(LEVELS):
-        a, b = tl.split(tl.trans(tl.reshape(v, (2, (1 << LEVELS) >> (level + 1)))))
-        v = a + b
+@device
+def lane_fold(v):
+    """``F`` (section 4) over the 128 lane sums ``v``: ``v[i] + v[i + 64]``, then ``+ 32``, ...
+    Each level is a reduction over an axis of exactly two values: one addition. Returns a
+    one-element tensor."""
+    for level in tl.static_range(LANE_LEVELS):
+        v = tl.reduce(tl.reshape(v, (2, LANES >> (level + 1))), 0, SUM)
     return v
+
+
+@device
+def chunk(base, col0, lane, real_left, DTYPE: tl.constexpr, VALID: tl.constexpr, PADDED: tl.constexpr):
+    """The binary32 logits of the tile's columns ``col0 + lane``: ``(x, xmin)``, where ``x`` is
+    ``-inf`` past the tile's ``VALID`` columns of this chunk and (``PADDED``) on padding
+    columns, and ``xmin`` is ``x`` with ``+inf`` there (what the validation minimum reads)."""
+    neg_inf = tl.full((LANES,), NEG_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    pos_inf = tl.full((LANES,), POS_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    cols = col0 + lane
+    if PADDED:
+        real = (lane < VALID) & (cols < real_left)
+        x = tl.where(real, upcast(tl.load(base + cols, mask=real, other=0), DTYPE), neg_inf)
+        xmin = tl.where(real, x, pos_inf)
+    elif VALID < LANES:
+        inside = lane < VALID
+        x = tl.where(inside, upcast(tl.load(base + cols, mask=inside, other=0), DTYPE), neg_inf)
+        xmin = tl.where(inside, x, pos_inf)
+    else:
+        x = upcast(tl.load(base + cols), DTYPE)
+        xmin = x
+    return x, xmin
+
+
+@device
+def extremes(base, col0, lane, real_left, mx, mn, DTYPE: tl.constexpr, VALID: tl.constexpr,
+             PADDED: tl.constexpr, VALIDATE: tl.constexpr):
+    """The first pass over one chunk: the lanes' maxima (NaN propagates) and minima."""
+    x, xmin = chunk(base, col0, lane, real_left, DTYPE, VALID, PADDED)
+    mx = tl.maximum(mx, x, propagate_nan=tl.PropagateNan.ALL)
+    if VALIDATE:
+        mn = tl.minimum(mn, xmin)
+    return mx, mn
+
+
+@device
+def lane_terms(base, col0, lane, real_left, sh, s, t, DTYPE: tl.constexpr, VALID: tl.constexpr,
+               PADDED: tl.constexpr, WITH_ENTROPY: tl.constexpr):
+    """The second pass over one chunk (section 6 steps 3-4): ``s += E(y)``, ``t = fma(E(y), yc, t)``."""
+    x, _ = chunk(base, col0, lane, real_left, DTYPE, VALID, PADDED)
+    e, yc = spec_exp_forward(x - sh)
+    s = s + e
+    if WITH_ENTROPY:
+        t = tl.fma(e, yc, t)
+    return s, t
 
 
 @kernel
 def forward_partials_kernel(
-    x_ptr, slot_ptr, m_ptr, s_ptr, t_ptr, bad_ptr,
+    x_ptr, m_ptr, s_ptr, t_ptr, bad_ptr,
     row_stride, real_local,
-    TILES: tl.constexpr, WIDTH: tl.constexpr, LEVELS: tl.constexpr, DTYPE: tl.constexpr,
-    WITH_ENTROPY: tl.constexpr, VALIDATE: tl.constexpr,
+    TILES: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr, VALIDATE: tl.constexpr, PADDED: tl.constexpr,
 ):
     """Section 6 steps 1-4 for the tile ``pid % TILES`` of row ``pid // TILES`` (a constant
     divisor: integer multiply and shift, no division sequence)."""
-    SLOTS: tl.constexpr = 1 << LEVELS
+    FULL: tl.constexpr = WIDTH // LANES
+    REST: tl.constexpr = WIDTH - FULL * LANES
     pid = tl.program_id(0)
     row = (pid // TILES).to(tl.int64)
     tile = pid % TILES
-    local = tl.load(slot_ptr + tl.arange(0, SLOTS))  # the column in the tile, -1: no column
-    held = local >= 0
-    col = tile * WIDTH + local
-    real = held & (col < real_local)
-    raw = tl.load(x_ptr + row * row_stride + col, mask=real, other=0)
-    neg_inf = tl.full((SLOTS,), NEG_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
-    neg_zero = tl.full((SLOTS,), NEG_ZERO_BITS, tl.int32).to(tl.float32, bitcast=True)
-    x = tl.where(real, upcast(raw, DTYPE), neg_inf)  # padding and empty slots: -inf
-    # 1. the tile max, NaN if any column is NaN (a max does not depend on grouping)
-    mx = x
-    for level in tl.static_range(LEVELS):
-        a, b = tl.split(tl.trans(tl.reshape(mx, (2, SLOTS >> (level + 1)))))
-        mx = tl.where((a > b) | (a != a), a, b)
-    m = mx + 0.0  # one sign for zero (a one-element tensor)
+    base = x_ptr + row * row_stride + tile * WIDTH
+    real_left = real_local - tile * WIDTH  # the tile's real columns (PADDED only)
+    lane = tl.arange(0, LANES)
+    mx = tl.full((LANES,), NEG_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    mn = tl.full((LANES,), POS_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    # 1. the lanes' maxima (a max does not depend on grouping)
+    if FULL <= MAX_UNROLL:
+        for k in tl.static_range(FULL):
+            mx, mn = extremes(base, k * LANES, lane, real_left, mx, mn, DTYPE, LANES, PADDED, VALIDATE)
+    else:
+        for k in range(FULL):
+            mx, mn = extremes(base, k * LANES, lane, real_left, mx, mn, DTYPE, LANES, PADDED, VALIDATE)
+    if REST > 0:
+        mx, mn = extremes(base, FULL * LANES, lane, real_left, mx, mn, DTYPE, REST, PADDED, VALIDATE)
+    lane_nan = mx != mx
+    nan = tl.reduce(lane_nan.to(tl.int32), 0, MAX)
+    m = tl.reduce(tl.where(lane_nan, float("-inf"), mx), 0, MAX)
+    m = tl.where(nan > 0, float("nan"), m) + tl.full((1,), 0.0, tl.float32)  # m + 0: one sign for zero
     sh = tl.where(m == float("-inf"), 0.0, m)  # 2.
-    y = x - sh  # 3.
-    e = spec_exp(y)
-    s = fold_add(tl.where(held, e, neg_zero), LEVELS)
+    # 3.-4. the lane sums, each lane in column order
+    s = tl.full((LANES,), 0.0, tl.float32)
+    t = tl.full((LANES,), 0.0, tl.float32)
+    if FULL <= MAX_UNROLL:
+        for k in tl.static_range(FULL):
+            s, t = lane_terms(base, k * LANES, lane, real_left, sh, s, t, DTYPE, LANES, PADDED, WITH_ENTROPY)
+    else:
+        for k in range(FULL):
+            s, t = lane_terms(base, k * LANES, lane, real_left, sh, s, t, DTYPE, LANES, PADDED, WITH_ENTROPY)
+    if REST > 0:
+        s, t = lane_terms(base, FULL * LANES, lane, real_left, sh, s, t, DTYPE, REST, PADDED, WITH_ENTROPY)
     out = row * TILES + tile + tl.arange(0, 1)
     tl.store(m_ptr + out, m)
-    tl.store(s_ptr + out, s)
-    if WITH_ENTROPY:  # 4. y' = 0 on padding columns
-        te = e * tl.where(real, y, 0.0)
-        t = fold_add(tl.where(held, te, neg_zero), LEVELS)
-        tl.store(t_ptr + out, t)
-    if VALIDATE:  # a real column that is NaN or infinite (an integer flag; order free)
-        bad = tl.where(real & ((x != x) | (x == float("inf")) | (x == float("-inf"))), 1, 0)
-        for level in tl.static_range(LEVELS):
-            a2, b2 = tl.split(tl.trans(tl.reshape(bad, (2, SLOTS >> (level + 1)))))
-            bad = a2 | b2
+    tl.store(s_ptr + out, lane_fold(s))
+    if WITH_ENTROPY:
+        tl.store(t_ptr + out, lane_fold(t))
+    if VALIDATE:  # a real column that is NaN or infinite
+        low = tl.reduce(tl.where(lane_nan, 0.0, mn), 0, MIN) + tl.full((1,), 0.0, tl.float32)
+        bad = (m != m) | (m == float("inf")) | (low == float("-inf"))
         tl.store(bad_ptr + out, bad.to(tl.int8))
 
 
-@kernel
+@device
 def round_f16_bits(u):
     """Section 8: binary32 bits (NaN canonical) to binary16 bits, round to nearest even, with
     subnormal results and overflow to infinity; integer operations only."""
@@ -199,70 +279,69 @@ def round_f16_bits(u):
     return tl.where(a > 0x7F800000, 0x7E00, sign | out)  # NaN: the canonical 0x7E00
 
 
+@device
+def store_rounded(ptr, g, mask, DTYPE: tl.constexpr, MASKED: tl.constexpr):
+    """Section 7 step 3 and section 8: canonical NaN, then the one rounding to the logits dtype."""
+    bits = g.to(tl.int32, bitcast=True)
+    bits = tl.where(g != g, CANONICAL_NAN_BITS, bits)
+    if DTYPE == DT_F32:
+        value = bits.to(tl.float32, bitcast=True)
+    elif DTYPE == DT_BF16:
+        value = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+    else:
+        value = round_f16_bits(bits).to(tl.int16)
+    if MASKED:
+        tl.store(ptr, value, mask=mask)
+    else:
+        tl.store(ptr, value)
+
+
 @kernel
 def backward_kernel(
-    x_ptr, lse_ptr, coef_ptr, col_ptr, add_ptr, g_ptr,
-    row_stride, local_vocab, real_local,
+    x_ptr, lse_ptr, coef_ptr, g_ptr,
+    row_stride, local_vocab, real_local, col0,
     BLOCKS: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+    MASKED: tl.constexpr, PADDED: tl.constexpr,
 ):
-    """Section 7 (and 8) for columns ``[b * BLOCK, (b + 1) * BLOCK)`` of row ``pid // BLOCKS``."""
+    """Section 7 (and 8) for columns ``col0 + [b * BLOCK, (b + 1) * BLOCK)`` of row
+    ``pid // BLOCKS``, every column but the target term (:func:`backward_target_kernel`)."""
     pid = tl.program_id(0)
     row = (pid // BLOCKS).to(tl.int64)
-    cols = (pid % BLOCKS) * BLOCK + tl.arange(0, BLOCK)
-    inside = cols < local_vocab
-    real = cols < real_local
+    cols = col0 + (pid % BLOCKS) * BLOCK + tl.arange(0, BLOCK)
     lse = tl.load(lse_ptr + row)
     coef = tl.load(coef_ptr + row)
-    target = tl.load(col_ptr + row)
-    add = tl.load(add_ptr + row)
-    raw = tl.load(x_ptr + row * row_stride + cols, mask=real, other=0)
-    x = upcast(raw, DTYPE)
-    g = coef * spec_exp(x - lse)  # 1.
-    at_target = cols == target
-    g = tl.where(at_target, g + add, g)  # 2. (add is -0.0, the identity, on rows owning no target)
-    g = tl.where(coef == 0.0, tl.where(at_target, add + 0.0, 0.0), g)  # the coef == 0 override
-    g = tl.where(real, g, 0.0)  # padding columns are +0
-    bits = g.to(tl.int32, bitcast=True)
-    bits = tl.where(g != g, CANONICAL_NAN_BITS, bits)  # 3. canonical NaN
-    if DTYPE == DT_F32:
-        tl.store(g_ptr + row * local_vocab + cols, bits.to(tl.float32, bitcast=True), mask=inside)
-    elif DTYPE == DT_BF16:
-        r = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
-        tl.store(g_ptr + row * local_vocab + cols, r.to(tl.int16), mask=inside)
+    inside = cols < local_vocab
+    if MASKED:
+        raw = tl.load(x_ptr + row * row_stride + cols, mask=inside, other=0)
     else:
-        tl.store(g_ptr + row * local_vocab + cols, round_f16_bits(bits).to(tl.int16), mask=inside)
+        raw = tl.load(x_ptr + row * row_stride + cols)
+    e, _ = spec_exp_forward(upcast(raw, DTYPE) - lse)  # 1. x - lse <= 0 or NaN (section 7)
+    g = coef * e
+    g = tl.where(coef == 0.0, 0.0, g)  # the coef == 0 override (+0, NaN included)
+    if PADDED:
+        g = tl.where(cols < real_local, g, 0.0)  # padding columns are +0
+    store_rounded(g_ptr + row * local_vocab + cols, g, inside, DTYPE, MASKED)
 
 
-def fold_slots(width: int) -> list[int]:
-    """Where each of a tile's ``width`` columns goes among ``P = next_pow2(width)`` slots.
-
-    Returns ``slot -> column`` (``-1`` for a slot holding no column) such that ``log2(P)``
-    halvings ``A[i] + A[i + P/2]`` add the pairs the fold ``F`` of section 4 adds: at a level
-    of ``w`` values, ``h = w // 2``, value ``i < h`` is paired with value ``w - h + i``, and
-    when ``w`` is odd value ``h`` passes to the next level unchanged (it meets an empty slot).
-    Built from the last level (one value in slot 0) back to the first.
-    """
-    if width < 1:
-        raise ValueError(f"width={width} must be >= 1")
-    widths = [width]
-    while widths[-1] > 1:
-        widths.append(widths[-1] - widths[-1] // 2)
-    slots = 1
-    while slots < width:
-        slots *= 2
-    size = 1
-    position = [0]  # value -> slot at the last level
-    for w in reversed(widths[:-1]):
-        h = w // 2
-        nxt = position  # positions of the w - h values of the next level
-        position = [0] * w
-        for i in range(w - h):
-            position[i] = nxt[i]
-        for i in range(h):
-            position[w - h + i] = nxt[i] + size
-        size *= 2
-    assert size == slots, (size, slots)
-    table = [-1] * slots
-    for value, slot in enumerate(position):
-        table[slot] = value
-    return table
+@kernel
+def backward_target_kernel(
+    x_ptr, lse_ptr, coef_ptr, col_ptr, add_ptr, g_ptr,
+    rows, row_stride, local_vocab, real_local,
+    ROWS: tl.constexpr, DTYPE: tl.constexpr,
+):
+    """Section 7 step 2 for ``ROWS`` rows: the target column's value, ``coef * E(x - lse) + gl``
+    (``+0 + gl`` where ``coef == 0``), canonical NaN, rounded once; ``gl`` is ``-0`` (the
+    identity) on rows that own no target, so their column gets the main kernel's value again.
+    Padding columns are left to the main kernel's ``+0``."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    inside = r < rows
+    row = r.to(tl.int64)
+    col = tl.load(col_ptr + r, mask=inside, other=0)
+    lse = tl.load(lse_ptr + r, mask=inside, other=0.0)
+    coef = tl.load(coef_ptr + r, mask=inside, other=0.0)
+    add = tl.load(add_ptr + r, mask=inside, other=0.0)
+    raw = tl.load(x_ptr + row * row_stride + col, mask=inside, other=0)
+    e, _ = spec_exp_forward(upcast(raw, DTYPE) - lse)
+    g = coef * e + add  # 1.-2.: a multiply, then an add (two roundings, as written)
+    g = tl.where(coef == 0.0, add + 0.0, g)
+    store_rounded(g_ptr + row * local_vocab + col, g, inside & (col < real_local), DTYPE, True)
