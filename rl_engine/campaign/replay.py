@@ -1,10 +1,16 @@
 """Replay the candidate of a campaign case at TP=1, CP=1 in one process, on any machine.
 
-Because the candidate's arithmetic is ``docs/arithmetic.md`` (IEEE-754 basic operations in a
-fixed order, TP deciding only who computes a tile), one process on a reviewer's laptop
-computes the same bytes as every topology of the campaign did on its cluster. ``verify
---recompute`` uses this to require byte equality with the archived logp, LSE and entropy
-files and with all four fingerprints, the gradient's included.
+Because the candidate's arithmetic is ``docs/arithmetic.md`` (IEEE-754 operations in a fixed
+order, TP deciding only who computes a tile), one process on a reviewer's laptop computes the
+same bytes as every topology of the campaign did on its cluster. ``verify --recompute`` uses
+this to require byte equality with the archived logp, LSE and entropy files and with all four
+fingerprints, the gradient's included.
+
+A report names the version of the arithmetic it was computed under (``arithmetic_spec``), and
+each version is replayed under its own rules for ever: this installation's backends compute
+:data:`rl_engine.logprob.portable.SPEC_VERSION`; an earlier version (``rl-engine-arith/1``,
+``docs/arithmetic-1.md``) is replayed by the NumPy implementation, :mod:`rl_engine.spec_numpy`,
+which computes every version it lists in ``SPECS``.
 """
 
 from __future__ import annotations
@@ -13,9 +19,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
+from rl_engine import spec_numpy
 from rl_engine.logprob.contract import LogprobContract
+from rl_engine.logprob.portable import SPEC_VERSION
 from rl_engine.logprob.registry import dispatch
 from rl_engine.tensorio import fingerprint
 from rl_engine.campaign.captured import case_inputs
@@ -37,7 +46,7 @@ class Replay:
         return found
 
 
-# Backends that compute docs/arithmetic.md (rl-engine-arith/1): any of them replays a case
+# Backends that compute docs/arithmetic.md (this version): any of them replays a case
 # run with any other, byte for byte (tests/test_fused_cpu.py, tests/test_fused_campaign.py,
 # tests/test_triton_backend.py, tests/test_triton_campaign.py): a Triton-backend campaign run on
 # GPUs is replayed on a reviewer's CPU by the eager reference.
@@ -46,17 +55,25 @@ ARITH_BACKENDS = ("pytorch-vocab-parallel-logp-ws2", "cpu-vocab-parallel-logp-ws
 REFERENCE_BACKEND = "pytorch-vocab-parallel-logp-ws2"
 
 
+class ReplayError(ValueError):
+    """A report's arithmetic version that this installation cannot replay."""
+
+
 def replay_candidate(case: Mapping[str, Any], backend: str | None = None,
-                     capture: str | os.PathLike[str] | None = None) -> Replay:
+                     capture: str | os.PathLike[str] | None = None, spec: str = SPEC_VERSION) -> Replay:
     """Regenerate the case's inputs and compute the candidate on all of them, TP=1, CP=1, CPU.
 
     ``backend`` (default: the case's) names the backend that recomputes; ``verify
     --recompute`` passes the eager reference for a case of any ``ARITH_BACKENDS`` backend, so a
-    reviewer's machine needs no compiled kernel to check a fused-backend run.
+    reviewer's machine needs no compiled kernel to check a fused-backend run. ``spec`` is the
+    arithmetic version the report records: another than this installation's is replayed by the
+    NumPy implementation of that version (:func:`replay_numpy`).
     The gradient is that of the sum of the selected logprobs over all tokens (what every
     topology's runner differentiates). A case on a capture reads it from ``capture`` (default:
     its recorded path) after checking its SHA-256.
     """
+    if spec != SPEC_VERSION:
+        return replay_numpy(case, spec, capture)
     logits, targets, active = case_inputs(case, capture)
     contract = LogprobContract(
         real_vocab_size=int(case["real_vocab"]),
@@ -76,4 +93,42 @@ def replay_candidate(case: Mapping[str, Any], backend: str | None = None,
     return Replay(tensors, x.grad.detach())
 
 
-__all__ = ["Replay", "replay_candidate"]
+_NUMPY_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def replay_numpy(case: Mapping[str, Any], spec: str, capture: str | os.PathLike[str] | None = None) -> Replay:
+    """The candidate of ``case`` under arithmetic version ``spec``, by :mod:`rl_engine.spec_numpy`.
+
+    The inputs are the campaign's (the recipe's FP32 logits converted to the case's dtype as the
+    runner converts them, or the capture's); the forward, and the gradient of the summed selected
+    logprobs (``grad_logp = 1`` on every token, no LSE gradient), are NumPy's.
+    """
+    if spec not in spec_numpy.SPECS:
+        raise ReplayError(f"arithmetic_spec {spec!r} is not one this rl_engine can replay ({', '.join(spec_numpy.SPECS)}); "
+                          "verify with an rl_engine that implements it")
+    logits, targets, active = case_inputs(case, capture)
+    contract = LogprobContract(
+        real_vocab_size=int(case["real_vocab"]),
+        padded_vocab_size=int(case["padded_vocab"]),
+        num_vocab_tiles=int(case["num_vocab_tiles"]),
+        num_sequences=int(case["batch"]),
+        seq_len=int(case["seq"]),
+        logits_dtype=str(case["dtype"]),
+    )
+    x = logits.to(contract.torch_dtype).contiguous()
+    bits = x.view(torch.int16).numpy().view(np.uint16) if x.dtype == torch.bfloat16 else x.numpy()
+    dtype = _NUMPY_DTYPES[str(case["dtype"])]
+    t, a = targets.numpy(), active.numpy()
+    real, tiles = contract.real_vocab_size, contract.num_vocab_tiles
+    logp, lse, entropy = spec_numpy.forward(bits, dtype, t, a, real, tiles, True, spec=spec)
+    grad = spec_numpy.backward(bits, dtype, t, a, lse, np.ones(len(t), np.float32), None, real, tiles, spec=spec)
+    computed = {"logp": logp, "lse": lse, "entropy": entropy}
+    tensors = {name: torch.from_numpy(np.ascontiguousarray(computed[name])) for name in TENSOR_NAMES}
+    if x.dtype == torch.bfloat16:
+        grad_t = torch.from_numpy(grad.view(np.int16)).view(torch.bfloat16)
+    else:
+        grad_t = torch.from_numpy(grad)
+    return Replay(tensors, grad_t)
+
+
+__all__ = ["Replay", "ReplayError", "replay_candidate", "replay_numpy"]

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Union
 
 from rl_engine import jsonio
-from rl_engine.evidence.spec_doc import SPEC_DOC, SPEC_SOURCE, SpecDocError, check_spec_doc, spec_record
+from rl_engine.evidence.spec_doc import SPEC_DOC, SPEC_SOURCE, SpecDocError, check_spec_doc, spec_record, spec_version
 from rl_engine.rundir import (
     ARCHIVE_ONLY,
     ARCHIVE_SUFFIX,
@@ -174,10 +174,25 @@ recorded in `environment.json`). In a clone of the rl_engine repository you were
 """
 
 
+# What REVIEWING.md says of the arithmetic, by the version the archive packs: an archive's
+# REVIEWING.md is rendered again by verify, so the text of a version never changes.
+_ARITHMETIC_CLAIM = {
+    "rl-engine-arith/1": ("IEEE-754 basic operations in the fixed order of the specification", "no fused multiply-add",
+                          "The verifier refuses a report made under another `arithmetic_spec` than its own."),
+    "rl-engine-arith/2": ("IEEE-754 operations in the fixed order of the specification",
+                          "no fused multiply-add but the ones it writes",
+                          "The verifier replays each report under the `arithmetic_spec` it records (every version "
+                          "rl_engine ever defined) and refuses one it does not know."),
+}
+
+
 def reviewing_text(name: str, git: dict[str, Any] | None = None, spec: bytes | None = None) -> str:
-    """REVIEWING.md of archive ``name``; ``git`` is environment.json's git record."""
+    """REVIEWING.md of archive ``name``; ``git`` is environment.json's git record; ``spec`` the
+    packed specification, whose version decides what the text says of the arithmetic."""
     from rl_engine.logprob.portable import SPEC_VERSION
 
+    version = (spec_version(spec) if spec is not None else None) or SPEC_VERSION
+    operations, fma, refuses = _ARITHMETIC_CLAIM.get(version, _ARITHMETIC_CLAIM[SPEC_VERSION])
     return f"""# Reviewing {name}
 
 This bundle is the evidence of one rl_engine validation run: the environment record, the
@@ -203,11 +218,11 @@ must record the same hash), and `verify --recompute` recomputes it.
 
 ## The arithmetic, and replaying it
 
-Every report records `arithmetic_spec` (`{SPEC_VERSION}`): the candidate's logp, LSE,
-entropy and gradient are IEEE-754 basic operations in the fixed order of the specification
+Every report records `arithmetic_spec` (`{version}`): the candidate's logp, LSE,
+entropy and gradient are {operations}
 packed beside this file, {spec_record(spec) if spec is not None else "(no specification packed)"}
 (rl_engine's `docs/arithmetic.md`), with its own exp and log, no library transcendental, no
-library reduction and no fused multiply-add. Any conforming CPU or GPU computes the same bytes
+library reduction and {fma}. Any conforming CPU or GPU computes the same bytes
 (given gradual underflow, the IEEE default), so your machine can replay the candidate.
 
 ## With the verifier (offline, no GPU)
@@ -224,7 +239,7 @@ used and requires the shipped one to be byte-identical, so the numbers you read 
 evidence's. It also requires the case's `atol`/`rtol` (plan and every report) to be no looser
 than rl_engine's defaults for the dtype: a consistently raised tolerance fails unless you
 pass `--accept-looser-tolerance`, which turns that row into a note naming the looser values.
-The verifier refuses a report made under another `arithmetic_spec` than its own.
+{refuses}
 `--recompute` regenerates each report's inputs from its `case` (checking `inputs_sha256`),
 recomputes the drift against the FP32 and FP64 oracles from the raw tensors, and replays the
 candidate at TP=1 in one process: every topology's logp, LSE and entropy files and all four

@@ -39,10 +39,12 @@ Runs without a GPU or network and checks, each as a row of the printed table:
     (:func:`rl_engine.logprob.comparison.default_tolerance`, what the runner uses when the
     config sets none). Looser tolerances fail unless ``--accept-looser-tolerance`` is given;
     then the row is a note that names them, not a pass. Tighter tolerances pass;
-12. **arithmetic spec**: every report was computed under this installation's
-    ``docs/arithmetic.md`` version (:data:`rl_engine.logprob.portable.SPEC_VERSION`), and the
-    archive packs that specification as ``arithmetic.md`` (its first line names the version;
-    REVIEWING.md records its version and SHA-256, :mod:`rl_engine.evidence.spec_doc`);
+12. **arithmetic spec**: every report names one and the same version of the arithmetic, one
+    this installation replays (:data:`rl_engine.spec_numpy.SPECS`: the current
+    ``docs/arithmetic.md``, :data:`rl_engine.logprob.portable.SPEC_VERSION`, and every earlier
+    one), and the archive packs that version's specification as ``arithmetic.md`` (its first
+    line names the version; REVIEWING.md records its version and SHA-256,
+    :mod:`rl_engine.evidence.spec_doc`);
 13. with ``--recompute``: **inputs regenerated** (``make_inputs(case)``, or on a capture the
     archive's ``capture.safetensors`` or ``--capture PATH`` after its SHA-256, hashes to the report's
     ``inputs_sha256``), **oracle drift recomputed** from the raw tensors against the FP32
@@ -562,26 +564,37 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
 
 
 def check_arithmetic_spec(run: Run) -> Check:
-    """Every planned report names this installation's arithmetic specification."""
+    """Every planned report names one version of the arithmetic, one this installation replays,
+    and the archive packs that version's specification."""
     from rl_engine.logprob.portable import SPEC_VERSION
+    from rl_engine.spec_numpy import SPECS
 
     planned, msg = _planned(run)
     if msg:
         return Check("arithmetic spec", False, msg[0], msg)
     problems = []
+    versions: set[str] = set()
     for item in planned:
         report = run.report(item)
         got = report.get("arithmetic_spec") if isinstance(report, dict) else None
-        if got != SPEC_VERSION:
-            problems.append(f"{item.file}: arithmetic_spec: {got!r}, but this verifier implements "
-                            f"{SPEC_VERSION!r}; verify with the rl_engine release of that version")
+        if got not in SPECS:
+            problems.append(f"{item.file}: arithmetic_spec: {terminal_text(repr(got), 80)} is not a version this "
+                            f"verifier replays ({', '.join(SPECS)}); verify with an rl_engine release that "
+                            "implements it")
+        else:
+            versions.add(got)
+    if len(versions) > 1:
+        problems.append(f"the reports name different arithmetic versions ({', '.join(sorted(versions))}): one campaign "
+                        "is computed under one")
+    claimed = versions.pop() if len(versions) == 1 else SPEC_VERSION
     spec = run.root / SPEC_DOC
     reviewing = run.root / REVIEWING
-    problems += spec_problems(spec.read_bytes() if spec.is_file() else None, SPEC_VERSION,
+    problems += spec_problems(spec.read_bytes() if spec.is_file() else None, claimed,
                               reviewing.read_text(encoding="utf-8", errors="replace") if reviewing.is_file() else None)
     if problems:
         return Check("arithmetic spec", False, f"{len(problems)} problem(s)", problems)
-    return Check("arithmetic spec", True, f"{len(planned)} reports computed under {SPEC_VERSION}; its text packed as "
+    earlier = "" if claimed == SPEC_VERSION else f" (an earlier version than this rl_engine's {SPEC_VERSION}: replayed under its own)"
+    return Check("arithmetic spec", True, f"{len(planned)} reports computed under {claimed}{earlier}; its text packed as "
                  f"{SPEC_DOC}, the version and SHA-256 REVIEWING.md records")
 
 
@@ -622,14 +635,17 @@ def replay(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | None =
             if report is None or case is None:
                 problems.append(f"{item.file}: case: unreadable report or case")
                 continue
-            key = _case_key(case)
+            spec = report.get("arithmetic_spec")
+            key = (_case_key(case), spec)
             if key not in cache:
                 # a case of any backend of the arithmetic spec is replayed by the eager
-                # reference: no compiled kernel needed here, and the strictest comparison
+                # reference: no compiled kernel needed here, and the strictest comparison;
+                # a report of an earlier arithmetic version, by that version's NumPy implementation
                 by = REFERENCE_BACKEND if case.get("backend") in ARITH_BACKENDS else None
                 source = (None if case.get("capture") is None
                           else replay_source(case["capture"], run.root, capture))
-                cache[key] = replay_candidate(case, backend=by, capture=source)
+                cache[key] = replay_candidate(case, backend=by, capture=source,
+                                              spec=spec if isinstance(spec, str) else "")
             again = cache[key]
             for tensor in TENSOR_NAMES:
                 path, refused = _accepted_tensor(run, item, report, tensor)
