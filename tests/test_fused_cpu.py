@@ -10,7 +10,14 @@ Every comparison is of bytes (SHA-256 or raw bytes), never ``allclose``:
   ``-inf`` inactive row, NaN and ``+inf`` in inactive rows, large logits);
 * per TP shard (TP = 1, 2, 4, 8 with a padding-only rank), the kernel's tile partials and
   local gradient equal the eager chunk loop's (the exchange and merge are shared code);
-* the baseline (SSE2) and AVX2 variants of the kernel give the same bytes;
+* the tile partials ``s`` and ``t`` are the lane sums ``G`` and ``G*`` of the NumPy
+  implementation (``rl_engine/spec_numpy.py``) for tile widths below, at and around 128
+  and up to one tile of 151936 columns, with padding and special values, in every variant;
+* the baseline (SSE2, software fma), AVX2 and AVX-512 variants of the kernel give the same
+  bytes (AVX-512 where the CPU has it);
+* each variant's fusedMultiplyAdd is the correctly rounded one (``spec_numpy.fma32``:
+  the double-rounding counterexample, subnormal and overflowing results, random operands),
+  and a written ``a * b + c`` still rounds twice (no contraction);
 * the element functions (``E``, binary16 and bf16 rounding, binary16 upcast) agree with the
   eager reference and with torch's IEEE conversions;
 * the backend fails closed (a missing or broken module makes dispatch raise with the reason)
@@ -30,6 +37,7 @@ import numpy as np
 import pytest
 import torch
 
+from rl_engine import spec_numpy
 from rl_engine.logprob import fused_cpu, portable
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.fused_cpu import FUSED_CPU_ID, FusedCpuEngine, FusedCpuLogprob
@@ -59,6 +67,7 @@ SHAPES = [
     (13, 16, 16, 17),
     (20, 24, 8, 1),
     (151936, 151936, 64, 5),
+    (151936, 151936, 1, 3),  # one tile of 151936 columns (1187 chunks of 128 lanes)
 ]
 
 
@@ -124,23 +133,29 @@ def test_negative_control_a_library_exp_in_the_eager_loop_breaks_the_equality(
     assert fused["grad"] != library["grad"]  # fp32: the gradient is not rounded
 
 
+def _sweep(start: float, towards: float, count: int) -> list[np.float32]:
+    out = [np.float32(start)]
+    for _ in range(count):
+        out.append(np.nextafter(out[-1], np.float32(towards)))
+    return out
+
+
 @pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
-def test_exp_arguments_near_the_spec_boundaries_in_both_kernels(isa: str) -> None:
-    """Rows whose ``x - max`` and ``x - lse`` sweep [-88, 0] densely, with every binary32
-    around -87 (LO) and around the smallest normal results: the vector ``E`` of the forward
-    (its clamp-free, single-scale form) and of the backward give the eager bytes."""
+def test_exp_arguments_near_the_spec_boundaries_in_every_kernel(isa: str) -> None:
+    """Rows whose ``x - max`` and ``x - lse`` sweep [-89, 0] densely, with every binary32
+    around LO = -88, around -87.68 (where ``k`` reaches -127 and ``E`` becomes +0), around
+    -87.34 (``k = -126``: subnormal results below) and around 0: the forward form of ``E`` and
+    the lane sums of the forward, and the general form of the backward, give the eager bytes."""
     if isa not in _isas():
         pytest.skip(f"this CPU lacks {isa}")
-    around = np.float32(-87.0)
-    near = [around]
-    for _ in range(300):
-        near.append(np.nextafter(near[-1], np.float32(0)))
-    low = [around]
-    for _ in range(300):
-        low.append(np.nextafter(low[-1], np.float32(-np.inf)))
-    values = np.concatenate([np.array(near + low, dtype=np.float32),
-                             np.linspace(-88.0, 0.0, 4096, dtype=np.float32),
-                             np.array([-0.0, 0.0, -1e-30, -126 * np.log(2)], dtype=np.float32)])
+    points: list[np.float32] = []
+    for centre in (-88.0, -87.68317, -87.33654, -87.0):
+        points += _sweep(centre, 0.0, 150) + _sweep(centre, -np.inf, 150)
+    points += _sweep(-0.0, -np.inf, 300)
+    values = np.concatenate([np.array(points, dtype=np.float32),
+                             np.linspace(-89.0, 0.0, 4096, dtype=np.float32),
+                             np.array([-0.0, 0.0, -1e-30, -1e-45, -126 * np.log(2)],
+                                      dtype=np.float32)])
     rows, width = 4, values.size + (-values.size) % 16
     x = torch.full((rows, width), -1000.0)
     for r in range(rows):
@@ -150,12 +165,54 @@ def test_exp_arguments_near_the_spec_boundaries_in_both_kernels(isa: str) -> Non
     contract = _contract("fp32", width, width, tiles, rows)
     targets = torch.zeros(rows, dtype=torch.int64)
     active = torch.ones(rows, dtype=torch.bool)
+    x[1, 7] = float("-inf")  # a real -inf column (adds nothing), on an inactive row
+    active[1] = False
     eager = _run(VocabParallelLogprob(), x, targets, active, contract, True)
     fused = _run(FusedCpuLogprob(isa=isa), x, targets, active, contract, True)
     assert fused == eager
     m1, s1, t1, _ = EAGER_ENGINE.local_partials(x, contract, 3, True, False)
     m2, s2, t2, _ = FusedCpuEngine(isa=isa).local_partials(x, contract, 3, True, False)
     assert [_partial_bytes(v) for v in (m1, s1, t1)] == [_partial_bytes(v) for v in (m2, s2, t2)]
+
+
+# ----- lane sums against the NumPy implementation ----------------------------------------------
+
+
+def _numpy_partials(x: np.ndarray, real: int, tiles: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Section 6 steps 1-4 by ``rl_engine/spec_numpy.py`` (binary32 ``x``, padding read as -inf)."""
+    x = x.copy()
+    x[:, real:] = -np.inf
+    rows, vp = x.shape
+    xt = x.reshape(rows, tiles, vp // tiles)
+    with np.errstate(invalid="ignore", over="ignore"):
+        m = np.add(np.maximum.reduce(xt, axis=2), np.float32(0.0))
+        sh = np.where(m == -np.inf, np.float32(0.0), m).astype(np.float32)
+        y = np.subtract(xt, sh[:, :, None])
+        e = spec_numpy.exp32(y)
+        s = spec_numpy.lane_sum(e)
+        t = spec_numpy.lane_fma_sum(e, np.maximum(y, spec_numpy.E2_LO))
+    return m, s, t
+
+
+# (real, padded, tiles): tile widths 1, 3, 100, 127, 128, 129, 143, 255, 256, 383, 2374 and one
+# tile of 151936, with padding inside the last tile where real < padded
+LANE_SHAPES = [(30, 32, 32), (40, 48, 16), (290, 300, 3), (254, 254, 2), (1000, 1024, 8),
+               (250, 258, 2), (997, 1001, 7), (500, 510, 2), (512, 512, 2), (383, 383, 1),
+               (9000, 9496, 4), (151936, 151936, 1)]
+
+
+@pytest.mark.parametrize("shape", LANE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_tile_partials_are_the_numpy_lane_sums(shape: tuple[int, int, int]) -> None:
+    real, padded, tiles = shape
+    rows = 4
+    x, _, _ = _inputs("fp32", real, padded, rows, seed=real, scale=4.0)
+    x[1, : min(real, 5)] = float("-inf")  # real -inf columns add nothing under /2
+    ref = _numpy_partials(x.numpy(), real, tiles)
+    want = [_partial_bytes(torch.from_numpy(np.ascontiguousarray(v))) for v in ref]
+    contract = _contract("fp32", real, padded, tiles, rows)
+    for isa in _isas():
+        m, s, t, _ = FusedCpuEngine(isa=isa).local_partials(x, contract, 3, True, False)
+        assert [_partial_bytes(v) for v in (m, s, t)] == want, isa
 
 
 # ----- per TP shard: partials and local gradient --------------------------------------------
@@ -178,13 +235,16 @@ def _isas() -> list[str]:
                            if kernel.selected_isa(fused_cpu.ISA_NAMES[name]) == fused_cpu.ISA_NAMES[name]]
 
 
+@pytest.mark.parametrize("shape", [(997, 1001, 7), (9000, 9496, 4), (13, 16, 16)],
+                         ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
-def test_baseline_avx2_and_avx512_kernels_give_the_same_bytes(dtype: str) -> None:
+def test_baseline_avx2_and_avx512_kernels_give_the_same_bytes(dtype: str, shape: tuple[int, int, int]) -> None:
     isas = _isas()
     if len(isas) == 1:
         pytest.skip("this CPU has neither AVX2 nor AVX-512: only the baseline kernel runs here")
-    x, targets, active = _inputs(dtype, 997, 1001, 11, seed=11)
-    contract = _contract(dtype, 997, 1001, 7, 11)
+    real, padded, tiles = shape
+    x, targets, active = _inputs(dtype, real, padded, 11, seed=11)
+    contract = _contract(dtype, real, padded, tiles, 11)
     eager = _run(VocabParallelLogprob(), x, targets, active, contract, True)
     for isa in isas + ["auto"]:
         assert _run(FusedCpuLogprob(isa=isa), x, targets, active, contract, True) == eager, isa
@@ -229,14 +289,113 @@ def _probe_floats() -> np.ndarray:
                            np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf))])
 
 
-def test_exp_is_the_eager_exp_bit_for_bit() -> None:
-    y = _probe_floats()
-    y = np.concatenate([y, np.linspace(-100, 100, 200001, dtype=np.float32)])
-    ours = _call("rle_exp_array", y, np.float32)
-    ref = portable.exp(torch.from_numpy(y.copy())).numpy()
+def _elementwise(op: int, isa: str, a: np.ndarray, b: np.ndarray | None = None,
+                 c: np.ndarray | None = None) -> np.ndarray:
+    """The kernel's hook ``rle_elementwise_array`` in variant ``isa``: op 0 ``fma(a, b, c)``,
+    op 1 ``a * b + c`` as written, op 2 ``E(a)`` (the general form)."""
+    lib = fused_cpu.load_kernel().lib
+    args = [np.ascontiguousarray(v, dtype=np.float32) if v is not None else None for v in (a, b, c)]
+    out = np.empty(args[0].shape, dtype=np.float32)
+    status = lib.rle_elementwise_array(op, *[v.ctypes.data if v is not None else None for v in args],
+                                       out.ctypes.data, out.size, fused_cpu.ISA_NAMES[isa])
+    assert status == 0, status
+    return out
+
+
+def _same_bits(ours: np.ndarray, ref: np.ndarray) -> bool:
     same = ours.view(np.uint32) == ref.view(np.uint32)
-    nan = np.isnan(ours) & np.isnan(ref)
-    assert bool(np.all(same | nan))
+    nan = np.isnan(ours) & np.isnan(ref)  # a NaN's payload is not specified
+    return bool(np.all(same | nan))
+
+
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
+def test_exp_is_the_eager_exp_bit_for_bit(isa: str) -> None:
+    if isa not in _isas():
+        pytest.skip(f"this CPU lacks {isa}")
+    y = _probe_floats()
+    y = np.concatenate([y, np.linspace(-100, 100, 200001, dtype=np.float32),
+                        np.array([88.0, 88.3762626647949, 88.72283, 89.0, 128.0], dtype=np.float32)])
+    ours = _elementwise(2, isa, y)
+    assert _same_bits(ours, portable.exp(torch.from_numpy(y.copy())).numpy())
+    assert _same_bits(ours, spec_numpy.exp32(y))  # and the NumPy implementation's
+
+
+def _fma_probes() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    n = 1 << 18
+
+    def f32(bits: np.ndarray) -> np.ndarray:
+        return bits.astype(np.uint32).view(np.float32)
+
+    def rand_bits(lo: int, hi: int, size: int) -> np.ndarray:
+        return f32(rng.integers(lo, hi, size=size, dtype=np.uint64))
+
+    a, b, c = [], [], []
+    # any bit patterns (NaN, infinities, subnormals, zeros of both signs included)
+    for arr in (a, b, c):
+        arr.append(rand_bits(0, 2**32, n))
+    # moderate exponents, product and addend of comparable size: cancellation, midpoints
+    for arr in (a, b):
+        arr.append(rng.uniform(-4, 4, n).astype(np.float32))
+    c.append((a[-1].astype(np.float64) * b[-1].astype(np.float64)
+              * -rng.choice([1.0, 1.0 + 2.0**-20, 1.0 - 2.0**-24], n)).astype(np.float32))
+    # subnormal and underflowing results
+    a.append(rand_bits(0x1E000000, 0x21000000, n) * rng.choice(np.array([1, -1], np.float32), n))
+    b.append(rand_bits(0x1E000000, 0x21000000, n))
+    c.append(rand_bits(0, 0x01000000, n) * rng.choice(np.array([1, -1], np.float32), n))
+    # overflowing results
+    a.append(rand_bits(0x5F000000, 0x60000000, n))
+    b.append(rand_bits(0x5F000000, 0x60000000, n))
+    c.append(-rand_bits(0x7E000000, 0x7F800000, n))
+    # E's own operands: t = fma(yc, LOG2E, BIAS) and Horner steps
+    yc = rng.uniform(-88, 0, n).astype(np.float32)
+    a.append(yc)
+    b.append(np.full(n, spec_numpy.LOG2E))
+    c.append(np.full(n, spec_numpy.BIAS))
+    # the double-rounding counterexample of docs/arithmetic.md section 1, and signed zeros
+    hx = [float.fromhex(v) for v in ("0x1.000002p-12", "0x1.fffffcp-13", "0x1.000002p+0")]
+    a.append(np.array([hx[0], 0.0, -0.0, 0.0, -0.0, 1.0], np.float32))
+    b.append(np.array([hx[1], -88.0, 5.0, -1.0, 0.0, -1.0], np.float32))
+    c.append(np.array([hx[2], 0.0, -0.0, 0.0, 0.0, 1.0], np.float32))
+    return np.concatenate(a), np.concatenate(b), np.concatenate(c)
+
+
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
+def test_each_variant_fma_is_the_correctly_rounded_one(isa: str) -> None:
+    """``fma`` of the variant (baseline: the software one by rounding to odd; AVX2, AVX-512:
+    vfmadd) equals ``spec_numpy.fma32`` bit for bit, NaN payloads aside."""
+    if isa not in _isas():
+        pytest.skip(f"this CPU lacks {isa}")
+    a, b, c = _fma_probes()
+    ours = _elementwise(0, isa, a, b, c)
+    assert _same_bits(ours, spec_numpy.fma32(a, b, c))
+    # the counterexample: fma is 0x1.000002p+0, the binary64 sum rounded twice 0x1.000004p+0
+    hx = [float.fromhex(v) for v in ("0x1.000002p-12", "0x1.fffffcp-13", "0x1.000002p+0")]
+    one = _elementwise(0, isa, *[np.array([v], np.float32) for v in hx])
+    twice = np.float32(np.float64(hx[0]) * np.float64(hx[1]) + np.float64(hx[2]))
+    assert float(one[0]) == float.fromhex("0x1.000002p+0") != float(twice)
+    # the three results of the special cases: +0 * LO + +0 == +0, -0 * 5 + -0 == -0
+    assert ours[-6:].view(np.uint32)[1:5].tolist() == [0x00000000, 0x80000000, 0x00000000, 0x00000000]
+    assert ours[-1] == 0.0  # 1 * -1 + 1
+    # results in binary32's subnormal range and overflows occurred
+    finite = np.isfinite(ours)
+    assert np.any((ours != 0) & (np.abs(ours) < np.float32(2.0**-126)))
+    assert np.any(np.isinf(ours) & np.isfinite(a) & np.isfinite(b) & np.isfinite(c)) and finite.any()
+
+
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
+def test_a_written_multiply_add_rounds_twice_in_every_variant(isa: str) -> None:
+    """No contraction: ``a * b + c`` written in the kernel's source is a multiply then an add,
+    also in the variants compiled for the FMA instruction (-ffp-contract=off)."""
+    if isa not in _isas():
+        pytest.skip(f"this CPU lacks {isa}")
+    u = np.float32(1.0 + 2.0**-12)  # u * u = 1 + 2**-11 + 2**-24: the product rounds (a tie)
+    a = np.array([u, u], np.float32)
+    c = np.array([-(1.0 + 2.0**-11), 0.0], np.float32)
+    written = _elementwise(1, isa, a, a, c)
+    fused = _elementwise(0, isa, a, a, c)
+    assert written[0] == 0.0 and fused[0] == np.float32(2.0**-24)
+    assert written[1] == fused[1] == np.float32(1.0 + 2.0**-11)  # a * b rounded either way
 
 
 def test_binary16_rounding_is_ieee_round_to_nearest_even() -> None:
@@ -327,8 +486,9 @@ def test_a_stale_kernel_abi_is_refused(
     assert real is not None and real.origin is not None
     copy = tmp_path / "copy.so"
     shutil.copy(real.origin, copy)
+    assert fused_cpu.ABI_VERSION == 2  # the rl-engine-arith/2 kernel (/1's was 1)
     monkeypatch.setattr(fused_cpu, "ABI_VERSION", 999)
-    with pytest.raises(fused_cpu.FusedKernelError, match="kernel ABI 1, this code needs 999"):
+    with pytest.raises(fused_cpu.FusedKernelError, match="kernel ABI 2, this code needs 999"):
         fused_cpu.load_kernel()
 
 

@@ -1,21 +1,27 @@
 /*
  * Fused CPU kernels of backend cpu-vocab-parallel-logp-ws2: docs/arithmetic.md
- * (rl-engine-arith/1) sections 3, 4, 6 (steps 1-4), 7 and 8, in plain C.
+ * (rl-engine-arith/2) sections 1, 3, 4, 6 (steps 1-4), 7 and 8, in plain C.
  *
  * Built by setup.py as the extension module rl_engine.logprob._fused_cpu with
  * -O3 -ffp-contract=off -fno-fast-math: every a * b + c below is a multiply then an add,
- * each rounded (no FMA contraction), and no reassociation. Python loads the module's file
- * with ctypes (rl_engine/logprob/fused_cpu.py) and passes tensor data pointers; ctypes
- * releases the GIL for the call.
+ * each rounded, and every fusedMultiplyAdd the specification writes is written here as one
+ * (RLE_VFMA in _fused_cpu_lanes.h): no contraction, no reassociation. Python loads the
+ * module's file with ctypes (rl_engine/logprob/fused_cpu.py) and passes tensor data
+ * pointers; ctypes releases the GIL for the call.
  *
- * One pass per (row, tile): the tile is upcast into an L1-resident FP32 buffer (with its
- * max, NaN flag and, for validation, the real-column minimum), then E() and the products
- * of the entropy term are written into two more tile buffers, and the fixed fold F of
- * section 4 (in-place halving, grouping a function of the tile width alone) sums them.
+ * Forward, per (row, tile): one pass upcasts the tile into an L1-resident FP32 buffer (with
+ * its max and, for validation, the real-column minimum); a second pass computes E (the
+ * forward form of section 3) and accumulates the lane sums G and G* of section 4 in vector
+ * registers (a group of lanes walks the tile's chunks of 128 columns), then folds the 128
+ * lanes with F. Backward, per row: E (the general form) of x - lse, scaled, the target term,
+ * canonical NaN, one rounding.
  *
- * Three instruction-set variants of the same source: the baseline (SSE2), an AVX2 clone and
- * an AVX-512 clone (target attributes; none enables FMA, and contraction is off anyway). Both evaluate the same IEEE-754 operations element by
- * element in the same order, so they give the same bytes; the test suite compares them.
+ * Three instruction-set variants of the same source (_fused_cpu_lanes.h): the baseline
+ * (SSE2; no FMA instruction, so fma is the correctly rounded software one of section 1), an
+ * AVX2 clone and an AVX-512 clone (target attributes with "fma": the vfmadd instruction).
+ * Each evaluates the same IEEE-754 operations element by element in the same order, and a
+ * correctly rounded fma has one result, so they give the same bytes; the test suite
+ * compares them (and each variant's fma with spec_numpy.fma32).
  *
  * Threads split rows only: `threads` pthreads take blocks of rows from a shared counter.
  * A worker refuses to run if its thread flushes subnormals (FTZ/DAZ): return code 2.
@@ -34,8 +40,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__FP_FAST_FMAF) || defined(__FAST_MATH__)
-#error "rl-engine-arith/1 forbids FMA contraction and fast-math: build with -ffp-contract=off -fno-fast-math"
+/* rl-engine-arith/2 wants the fusedMultiplyAdds it writes and no other: fast-math
+ * (reassociation, contraction, FTZ) is refused here; contraction has no macro to test, so
+ * setup.py passes -ffp-contract=off and tests/test_fused_cpu.py checks, per variant, that a
+ * written a * b + c rounds twice (the hook rle_elementwise_array, op 1). The old guard on
+ * __FP_FAST_FMAF is gone: GCC defines it wherever the target has an FMA instruction, which
+ * the AVX2 and AVX-512 variants now require. */
+#if defined(__FAST_MATH__)
+#error "rl-engine-arith/2 forbids fast-math: build with -ffp-contract=off -fno-fast-math"
 #endif
 
 #define RLE_OK 0
@@ -71,66 +83,20 @@ static inline __attribute__((always_inline)) uint32_t u_of(float f) {
 }
 
 /* Section 3 constants (hex floats, binary32). */
-#define E_LO (-0x1.5cp+6f)
+#define E_LO (-0x1.6p+6f)
 #define E_HI (0x1.64p+6f)
 #define E_LOG2E (0x1.715476p+0f)
-#define E_SHIFTER (0x1.8p+23f)
-#define E_LN2_HI (0x1.62e4p-1f)
-#define E_LN2_LO (0x1.7f7d1cp-20f)
+#define E_BIAS (0x1.8000fep+23f)
+#define E_LN2_HI (0x1.62e430p-1f)
+#define E_LN2_LO (-0x1.05c610p-29f)
 #define E_C6 (0x1.6a244cp-10f)
 #define E_C5 (0x1.1239d4p-7f)
 #define E_C4 (0x1.5558f2p-5f)
 #define E_C3 (0x1.555492p-3f)
 #define E_C2 (0x1.fffffcp-2f)
+#define E_TWO127 (0x1p+127f)
 #define CANONICAL_NAN_BITS 0x7FC00000u
-
-/* E(y), section 3, steps 1-8 in order. Branch free so loops over it vectorize. */
-static inline __attribute__((always_inline)) float rle_exp(float y) {
-    int under = y < E_LO;                 /* 1. false for NaN */
-    float yc = y < E_LO ? E_LO : y;       /* 2. max(y, LO); NaN stays NaN */
-    yc = yc > E_HI ? E_HI : yc;           /*    min(., HI);  NaN stays NaN */
-    float t = yc * E_LOG2E;               /* 3. */
-    t = t + E_SHIFTER;
-    float kf = t - E_SHIFTER;
-    float a1 = kf * E_LN2_HI;             /* 4. */
-    float r = yc - a1;
-    float a2 = kf * E_LN2_LO;
-    r = r - a2;
-    float q = r * E_C6;                   /* 5. Horner: r * C6 + C5, ... */
-    q = q + E_C5;
-    q = q * r;
-    q = q + E_C4;
-    q = q * r;
-    q = q + E_C3;
-    q = q * r;
-    q = q + E_C2;
-    q = q * r;
-    q = q + 1.0f;
-    q = q * r;
-    float p = q + 1.0f;
-    /* 6. k exact; a NaN kf may become any integer (the result is NaN whatever the scale). */
-    int32_t k = (kf == kf) ? (int32_t)kf : 0;
-    int32_t ka = k >> 1;
-    int32_t kb = k - ka;
-    float sa = f_of((uint32_t)(ka + 127) << 23);
-    float sb = f_of((uint32_t)(kb + 127) << 23);
-    float res = p * sa;                   /* 7. */
-    res = res * sb;
-    return under ? 0.0f : res;            /* 8. */
-}
-
-/* Section 4: F, in place on v[0..n), n >= 1. */
-static inline __attribute__((always_inline)) float rle_fold(float *restrict v, int64_t n) {
-    int64_t w = n;
-    while (w > 1) {
-        int64_t h = w / 2;
-        float *restrict dst = v;
-        const float *restrict src = v + (w - h);
-        for (int64_t i = 0; i < h; i++) dst[i] = dst[i] + src[i];
-        w -= h;
-    }
-    return v[0];
-}
+#define RLE_LANE_COUNT 128 /* L of the lane sum G (section 4) */
 
 static inline __attribute__((always_inline)) float upcast(const void *base, int dtype, int64_t i) {
     if (dtype == DT_F32) return ((const float *)base)[i];
@@ -207,45 +173,42 @@ typedef struct {
     void *grad; /* [rows, local_vocab] contiguous, dtype of the logits */
 } bwd_args;
 
-static inline __attribute__((always_inline)) void store_scalar(void *out, int dtype, int64_t c,
-                                                               float g) {
-    g = canonical(g);
-    if (dtype == DT_F32) ((float *)out)[c] = g;
-    else if (dtype == DT_BF16) ((uint16_t *)out)[c] = round_bf16(g);
-    else ((uint16_t *)out)[c] = round_f16(g);
-}
-
 /* ------------------------------------------------------------------ the three variants */
 
+/* The baseline has no FMA instruction (x86-64's SSE2), so its fma is the software one of
+ * section 1 (vfma_soft in _fused_cpu_lanes.h). Off x86 the baseline is the only variant and
+ * uses the same software fma, not libm's fmaf: one code path, whose bytes depend on binary64
+ * add/subtract/multiply alone (a hardware FMA there, e.g. ARMv8's fmadd, would give the same
+ * bytes faster, but it is not tested here). */
 #define LANES 4
+#define RLE_HW_FMA 0
 #define RLE_NAME(n) n##_baseline
 #include "_fused_cpu_lanes.h"
 #undef RLE_NAME
+#undef RLE_HW_FMA
 #undef LANES
-#undef RLE_VMAX
-#undef RLE_VMIN
 
 #if RLE_X86
 #pragma GCC push_options
-#pragma GCC target("avx2")
+#pragma GCC target("avx2,fma")
 #define LANES 8
+#define RLE_HW_FMA 1
 #define RLE_NAME(n) n##_avx2
 #include "_fused_cpu_lanes.h"
 #undef RLE_NAME
+#undef RLE_HW_FMA
 #undef LANES
-#undef RLE_VMAX
-#undef RLE_VMIN
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl")
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,fma")
 #define LANES 16
+#define RLE_HW_FMA 1
 #define RLE_NAME(n) n##_avx512
 #include "_fused_cpu_lanes.h"
 #undef RLE_NAME
+#undef RLE_HW_FMA
 #undef LANES
-#undef RLE_VMAX
-#undef RLE_VMIN
 #pragma GCC pop_options
 #endif /* RLE_X86 */
 
@@ -279,21 +242,22 @@ static void *run_job(void *p) {
     }
     if (jb->kind == 0) {
         const fwd_args *a = (const fwd_args *)jb->args;
-        size_t n = (size_t)a->tile_width;
-        float *buf = (float *)malloc(3 * n * sizeof(float));
+        /* the tile buffer: the tile width rounded up to whole chunks of 128 columns (a lane
+         * group reads -inf past the tile's end) */
+        size_t n = (size_t)((a->tile_width + RLE_LANE_COUNT - 1) / RLE_LANE_COUNT * RLE_LANE_COUNT);
+        float *buf = (float *)aligned_alloc(64, n * sizeof(float));
         if (buf == NULL) {
             jb->status = RLE_NO_MEMORY;
             return NULL;
         }
-        float *tb = a->t != NULL ? buf + 2 * n : NULL;
         int64_t r0, r1;
         while ((r0 = take_block(jb, &r1)) < jb->rows) {
 #if RLE_X86
-            if (jb->isa == ISA_AVX512) fwd_rows_avx512(a, r0, r1, buf, buf + n, tb);
-            else if (jb->isa == ISA_AVX2) fwd_rows_avx2(a, r0, r1, buf, buf + n, tb);
+            if (jb->isa == ISA_AVX512) fwd_rows_avx512(a, r0, r1, buf);
+            else if (jb->isa == ISA_AVX2) fwd_rows_avx2(a, r0, r1, buf);
             else
 #endif
-                fwd_rows_baseline(a, r0, r1, buf, buf + n, tb);
+                fwd_rows_baseline(a, r0, r1, buf);
         }
         free(buf);
     } else {
@@ -316,15 +280,19 @@ static int resolve_isa(int isa) {
     if (isa == ISA_BASELINE) return ISA_BASELINE;
 #if !RLE_X86
     return isa == ISA_AUTO ? ISA_BASELINE : -1;
-#endif
+#else
     __builtin_cpu_init();
-    int has_avx2 = __builtin_cpu_supports("avx2");
-    int has_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-                     __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    /* both vector variants execute vfmadd: FMA3 is required beside AVX2 / AVX-512 */
+    int has_fma = __builtin_cpu_supports("fma");
+    int has_avx2 = has_fma && __builtin_cpu_supports("avx2");
+    int has_avx512 = has_fma && __builtin_cpu_supports("avx512f") &&
+                     __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
+                     __builtin_cpu_supports("avx512vl");
     if (isa == ISA_AVX2) return has_avx2 ? ISA_AVX2 : -1;
     if (isa == ISA_AVX512) return has_avx512 ? ISA_AVX512 : -1;
     if (isa != ISA_AUTO) return -1;
     return has_avx512 ? ISA_AVX512 : (has_avx2 ? ISA_AVX2 : ISA_BASELINE);
+#endif
 }
 
 static int run_split(int kind, int isa, const void *args, int64_t rows, int threads) {
@@ -386,8 +354,24 @@ __attribute__((visibility("default"))) int rle_backward(
 }
 
 /* Test hooks: the element functions on their own. */
-__attribute__((visibility("default"))) void rle_exp_array(const float *y, float *out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = rle_exp(y[i]);
+
+/* out[i] = op(a[i], b[i], c[i]) in the variant `isa` selects (resolved as the kernels' isa=):
+ * op 0 fma(a, b, c), op 1 a * b + c as written (two roundings), op 2 E(a) (the general form;
+ * b and c unused, may be NULL). Returns RLE_BAD_ARG for an unknown op or an unsupported isa. */
+__attribute__((visibility("default"))) int rle_elementwise_array(int op, const float *a,
+                                                                 const float *b, const float *c,
+                                                                 float *out, int64_t n, int isa) {
+    int chosen = resolve_isa(isa);
+    if (chosen < 0 || op < 0 || op > 2 || n < 0 || a == NULL || out == NULL ||
+        (op < 2 && (b == NULL || c == NULL)))
+        return RLE_BAD_ARG;
+#if RLE_X86
+    if (chosen == ISA_AVX512) elementwise_avx512(op, a, b, c, out, n);
+    else if (chosen == ISA_AVX2) elementwise_avx2(op, a, b, c, out, n);
+    else
+#endif
+        elementwise_baseline(op, a, b, c, out, n);
+    return RLE_OK;
 }
 
 __attribute__((visibility("default"))) void rle_round_f16_array(const float *x, uint16_t *out,
@@ -405,7 +389,7 @@ __attribute__((visibility("default"))) void rle_upcast_f16_array(const uint16_t 
     for (int64_t i = 0; i < n; i++) out[i] = upcast(x, DT_F16, i);
 }
 
-__attribute__((visibility("default"))) int rle_abi_version(void) { return 1; }
+__attribute__((visibility("default"))) int rle_abi_version(void) { return 2; }
 
 __attribute__((visibility("default"))) int rle_selected_isa(int isa) { return resolve_isa(isa); }
 

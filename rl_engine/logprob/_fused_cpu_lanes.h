@@ -1,152 +1,183 @@
 /*
  * The vector kernels of rl_engine/logprob/_fused_cpu.c, included once per instruction set
- * with LANES (16-byte SSE2: 4, AVX2: 8, AVX-512: 16) and RLE_NAME (a name suffix) defined.
- * The lane count changes how many elements one instruction handles, never an operation or
- * its order on an element; the reductions over lanes are max and min (order free), and the
- * sums are the fold F over memory, the same loop for every variant.
+ * with LANES (binary32 values per vector: SSE2 4, AVX2 8, AVX-512 16), RLE_NAME (a name
+ * suffix) and RLE_HW_FMA (1 where the variant is compiled for an FMA instruction) defined.
+ * The vector width changes how many elements one instruction handles, never an operation or
+ * its order on an element: the reductions over vector lanes are max and min (order free), and
+ * the sums are the lane sums G and G* of docs/arithmetic.md section 4, whose 128 lanes are
+ * 128 / LANES vectors in every variant.
  */
 
-/* GCC vector extensions: each operation is the same IEEE-754 operation on every lane (four
- * SSE2 registers in the baseline build, two AVX2 registers or one AVX-512 register in the
- * clones), so a lane computes exactly what the scalar code above computes for its element. */
+/* GCC vector extensions: each operation is the same IEEE-754 operation on every lane, so a
+ * lane computes exactly what the specification says for its element. */
 typedef float RLE_NAME(vf) __attribute__((vector_size(4 * LANES)));
 typedef int32_t RLE_NAME(vi) __attribute__((vector_size(4 * LANES)));
 typedef uint32_t RLE_NAME(vu) __attribute__((vector_size(4 * LANES)));
 typedef uint16_t RLE_NAME(vh) __attribute__((vector_size(2 * LANES)));
+typedef double RLE_NAME(vd) __attribute__((vector_size(8 * LANES)));
+typedef int64_t RLE_NAME(vl) __attribute__((vector_size(8 * LANES)));
 
-static inline __attribute__((always_inline)) RLE_NAME(vf) RLE_NAME(vsplat)(float x) {
-    RLE_NAME(vf) v;
+#define VF RLE_NAME(vf)
+#define VI RLE_NAME(vi)
+#define VU RLE_NAME(vu)
+#define VH RLE_NAME(vh)
+#define VD RLE_NAME(vd)
+#define VL RLE_NAME(vl)
+#define AI static inline __attribute__((always_inline))
+
+AI VF RLE_NAME(vsplat)(float x) {
+    VF v;
     for (int l = 0; l < LANES; l++) v[l] = x; /* a broadcast (keeps -0.0 and NaN bits) */
     return v;
 }
 
-static inline __attribute__((always_inline)) RLE_NAME(vi) RLE_NAME(vsplati)(int32_t x) {
-    RLE_NAME(vi) v;
+AI VI RLE_NAME(vsplati)(int32_t x) {
+    VI v;
     for (int l = 0; l < LANES; l++) v[l] = x;
     return v;
 }
 
-static inline __attribute__((always_inline)) RLE_NAME(vf) RLE_NAME(vsel)(RLE_NAME(vi) mask, RLE_NAME(vf) a, RLE_NAME(vf) b) {
-    return (RLE_NAME(vf))(((RLE_NAME(vi))a & mask) | ((RLE_NAME(vi))b & ~mask));
+#define VS(x) RLE_NAME(vsplat)(x)
+
+AI VF RLE_NAME(vsel)(VI mask, VF a, VF b) {
+    return (VF)(((VI)a & mask) | ((VI)b & ~mask));
 }
 
-static inline __attribute__((always_inline)) RLE_NAME(vf) RLE_NAME(vload)(const float *p) {
-    RLE_NAME(vf) v;
+AI VF RLE_NAME(vload)(const float *p) {
+    VF v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline __attribute__((always_inline)) void RLE_NAME(vstore)(float *p, RLE_NAME(vf) v) { memcpy(p, &v, sizeof v); }
+AI void RLE_NAME(vstore)(float *p, VF v) { memcpy(p, &v, sizeof v); }
 
-static inline __attribute__((always_inline)) RLE_NAME(vf) RLE_NAME(vload_bf16)(const uint16_t *p) {
-    RLE_NAME(vh) h;
+AI VF RLE_NAME(vload_bf16)(const uint16_t *p) {
+    VH h;
     memcpy(&h, p, sizeof h);
-    RLE_NAME(vu) u = __builtin_convertvector(h, RLE_NAME(vu)) << 16;
-    return (RLE_NAME(vf))u;
+    VU u = __builtin_convertvector(h, VU) << 16;
+    return (VF)u;
 }
-
-/* E(y) on 16 lanes: rle_exp's operations, in its order, with two shortcuts that give the
- * same value for every y (docs/arithmetic.md section 3):
- *  - step 2's max(y, LO) is left out: where y < LO the result is replaced by +0 in step 8
- *    whatever was computed, and elsewhere max(y, LO) == y (a NaN stays NaN either way);
- *  - with `le0` (the forward, where y = x - max <= 0 or NaN) step 2's min(., HI) is a no-op
- *    and is left out too;
- *  - a NaN kf is converted by the instruction set's truncation (x86: INT_MIN); any integer
- *    is allowed there since the result is NaN whatever the scale. */
-static inline __attribute__((always_inline)) RLE_NAME(vf) RLE_NAME(vexp_impl)(RLE_NAME(vf) y, int le0) {
-    RLE_NAME(vi) under = y < RLE_NAME(vsplat)(E_LO);
-    RLE_NAME(vf) yc = le0 ? y : RLE_NAME(vsel)(y > RLE_NAME(vsplat)(E_HI), RLE_NAME(vsplat)(E_HI), y);
-    RLE_NAME(vf) t = yc * RLE_NAME(vsplat)(E_LOG2E);
-    t = t + RLE_NAME(vsplat)(E_SHIFTER);
-    RLE_NAME(vf) kf = t - RLE_NAME(vsplat)(E_SHIFTER);
-    RLE_NAME(vf) a1 = kf * RLE_NAME(vsplat)(E_LN2_HI);
-    RLE_NAME(vf) r = yc - a1;
-    RLE_NAME(vf) a2 = kf * RLE_NAME(vsplat)(E_LN2_LO);
-    r = r - a2;
-    RLE_NAME(vf) q = r * RLE_NAME(vsplat)(E_C6);
-    q = q + RLE_NAME(vsplat)(E_C5);
-    q = q * r;
-    q = q + RLE_NAME(vsplat)(E_C4);
-    q = q * r;
-    q = q + RLE_NAME(vsplat)(E_C3);
-    q = q * r;
-    q = q + RLE_NAME(vsplat)(E_C2);
-    q = q * r;
-    q = q + RLE_NAME(vsplat)(1.0f);
-    q = q * r;
-    RLE_NAME(vf) p = q + RLE_NAME(vsplat)(1.0f);
-    RLE_NAME(vi) k = __builtin_convertvector(kf, RLE_NAME(vi));
-    if (le0) {
-        /* y in [LO, 0]: k in [-126, 0], p in [0.7, 1.5], and every value of (p * 2^a) * 2^b
-         * is a normal binary32, so both multiplications are exact and equal p * 2^k: one
-         * multiplication by 2^k gives the same bits (lanes with y < LO are replaced below). */
-        RLE_NAME(vf) sk = (RLE_NAME(vf))((RLE_NAME(vu))(k + 127) << 23);
-        return (RLE_NAME(vf))((RLE_NAME(vi))(p * sk) & ~under);
-    }
-    RLE_NAME(vi) ka = k >> 1;
-    RLE_NAME(vi) kb = k - ka;
-    RLE_NAME(vf) sa = (RLE_NAME(vf))((RLE_NAME(vu))(ka + 127) << 23);
-    RLE_NAME(vf) sb = (RLE_NAME(vf))((RLE_NAME(vu))(kb + 127) << 23);
-    RLE_NAME(vf) res = p * sa;
-    res = res * sb;
-    return (RLE_NAME(vf))((RLE_NAME(vi))res & ~under); /* step 8: +0 where y < LO */
-}
-
-static inline __attribute__((always_inline)) RLE_NAME(vf) RLE_NAME(vexp)(RLE_NAME(vf) y) { return RLE_NAME(vexp_impl)(y, 0); }
-static inline __attribute__((always_inline)) RLE_NAME(vf) RLE_NAME(vexp_le0)(RLE_NAME(vf) y) { return RLE_NAME(vexp_impl)(y, 1); }
-
-static inline __attribute__((always_inline)) RLE_NAME(vf) RLE_NAME(vcanonical)(RLE_NAME(vf) g) {
-    return RLE_NAME(vsel)(g != g, (RLE_NAME(vf))RLE_NAME(vsplati)((int32_t)CANONICAL_NAN_BITS), g);
-}
-
-static inline __attribute__((always_inline)) RLE_NAME(vh) RLE_NAME(vround_bf16)(RLE_NAME(vf) g) {
-    RLE_NAME(vu) u = (RLE_NAME(vu))g;
-    RLE_NAME(vu) r = ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) & 0xFFFFu;
-    return __builtin_convertvector(r, RLE_NAME(vh));
-}
-
-/* ------------------------------------------------------------------ forward */
-
-
 
 /* max(a, b) and min(a, b) of the instruction set: `a > b ? a : b` and `a < b ? a : b` lane by
- * lane (x86 MAXPS/MINPS return the second operand when either is NaN). A NaN is never picked:
- * the caller learns of NaN from the tile's sum (see fwd_rows). */
+ * lane (x86 MAXPS/MINPS return the second operand when either is NaN). So RLE_VMAX(LO, y) is
+ * section 3's max(y, LO) with a NaN y staying NaN, and RLE_VMIN(HI, .) its min(., HI). */
 #if !RLE_X86
 #define RLE_VMAX(a, b) RLE_NAME(vsel)((a) > (b), (a), (b))
 #define RLE_VMIN(a, b) RLE_NAME(vsel)((a) < (b), (a), (b))
 #elif LANES == 16
-#define RLE_VMAX(a, b) ((RLE_NAME(vf))_mm512_max_ps((__m512)(a), (__m512)(b)))
-#define RLE_VMIN(a, b) ((RLE_NAME(vf))_mm512_min_ps((__m512)(a), (__m512)(b)))
+#define RLE_VMAX(a, b) ((VF)_mm512_max_ps((__m512)(a), (__m512)(b)))
+#define RLE_VMIN(a, b) ((VF)_mm512_min_ps((__m512)(a), (__m512)(b)))
 #elif LANES == 8
-#define RLE_VMAX(a, b) ((RLE_NAME(vf))_mm256_max_ps((__m256)(a), (__m256)(b)))
-#define RLE_VMIN(a, b) ((RLE_NAME(vf))_mm256_min_ps((__m256)(a), (__m256)(b)))
+#define RLE_VMAX(a, b) ((VF)_mm256_max_ps((__m256)(a), (__m256)(b)))
+#define RLE_VMIN(a, b) ((VF)_mm256_min_ps((__m256)(a), (__m256)(b)))
 #else
-#define RLE_VMAX(a, b) ((RLE_NAME(vf))_mm_max_ps((__m128)(a), (__m128)(b)))
-#define RLE_VMIN(a, b) ((RLE_NAME(vf))_mm_min_ps((__m128)(a), (__m128)(b)))
+#define RLE_VMAX(a, b) ((VF)_mm_max_ps((__m128)(a), (__m128)(b)))
+#define RLE_VMIN(a, b) ((VF)_mm_min_ps((__m128)(a), (__m128)(b)))
 #endif
 
-/* Upcast the real columns [c0, c0 + nreal) of a row into x (-inf on the rest of the tile) and
- * return their max ignoring NaN (-inf when there is none) and, with want_min, their min
+/* ------------------------------------------------------------------ fma(a, b, c) */
+
+/* Section 1's fusedMultiplyAdd: a * b + c rounded once. Every fma of this file is written
+ * through RLE_VFMA; no other expression may become one (-ffp-contract=off). */
+#if RLE_HW_FMA && LANES == 16
+#define RLE_VFMA(a, b, c) ((VF)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
+#elif RLE_HW_FMA && LANES == 8
+#define RLE_VFMA(a, b, c) ((VF)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c)))
+#else
+/* Without an FMA instruction (the SSE2 baseline; every non-x86 build, see _fused_cpu.c): the
+ * algorithm of section 1 and of spec_numpy.fma32, in binary64 lanes. The product of two
+ * binary32 values is exact in binary64; the binary64 sum s and its rounding error err are
+ * exact (TwoSum: s + err == a * b + c); where err != 0 (inexact) and s's last bit is even,
+ * s moves one binary64 ulp towards the exact value, which is the sum rounded to odd; one
+ * rounding of that to binary32 is the correctly rounded fma, subnormal and overflowing
+ * results included (53 >= 2 * 24 + 2 bits: Boldo and Melquiond 2008). Rounding the binary64
+ * sum straight to binary32 would round twice. No libm call: the bytes depend on nothing but
+ * IEEE binary64 add/subtract/multiply and the conversions. NaN and infinite operands: s is
+ * NaN or infinite, err is NaN, nothing moves, and the conversion gives the IEEE result. */
+AI VF RLE_NAME(vfma_soft)(VF a, VF b, VF c) {
+    const VD a64 = __builtin_convertvector(a, VD), b64 = __builtin_convertvector(b, VD);
+    const VD c64 = __builtin_convertvector(c, VD);
+    VD z;
+    for (int l = 0; l < LANES; l++) z[l] = 0.0;
+    const VD p = a64 * b64; /* exact: 24 x 24 bits */
+    const VD s = p + c64;
+    const VD bb = s - p;
+    const VD err = (p - (s - bb)) + (c64 - bb); /* TwoSum */
+    VL u = (VL)s;
+    const VL inexact = (err < z) | (err > z);           /* false where err is NaN */
+    const VL toward_zero = (err > z) ^ (s > z);         /* the exact value is nearer 0 than s */
+    const VL step = ((u & 1) ^ 1) & inexact;            /* 1 where inexact and s's last bit even */
+    u = u + ((step ^ toward_zero) - toward_zero);       /* +step, or -step towards zero */
+    return __builtin_convertvector((VD)u, VF);          /* the one rounding to binary32 */
+}
+#define RLE_VFMA(a, b, c) RLE_NAME(vfma_soft)((a), (b), (c))
+#endif
+
+/* ------------------------------------------------------------------ E(y), section 3 */
+
+/* Steps 4-5: r, then p by Horner with fusedMultiplyAdd. */
+AI VF RLE_NAME(vexp_poly)(VF yc, VF kf) {
+    VF r = RLE_VFMA(kf, VS(-E_LN2_HI), yc); /* exact */
+    r = RLE_VFMA(kf, VS(-E_LN2_LO), r);
+    VF q = RLE_VFMA(VS(E_C6), r, VS(E_C5));
+    q = RLE_VFMA(q, r, VS(E_C4));
+    q = RLE_VFMA(q, r, VS(E_C3));
+    q = RLE_VFMA(q, r, VS(E_C2));
+    q = RLE_VFMA(q, r, VS(1.0f));
+    return RLE_VFMA(q, r, VS(1.0f));
+}
+
+/* The general form of E (section 3, every y): the test hook's, and the backward's, whose
+ * lse is the caller's (any binary32: the form does not rest on it being the forward's). The
+ * forward's E is the forward form, written out in tile_sums. */
+AI VF RLE_NAME(vexp)(VF y) {
+    const VF yc = RLE_VMIN(VS(E_HI), RLE_VMAX(VS(E_LO), y)); /* 1. NaN stays NaN */
+    const VF t = RLE_VFMA(yc, VS(E_LOG2E), VS(E_BIAS));
+    const VF kf = t - VS(E_BIAS);
+    const VF p = RLE_NAME(vexp_poly)(yc, kf);
+    const VF sc = (VF)((VU)t << 23);                         /* +inf at k = 128 */
+    const VF res = p * sc;
+    const VF top = (p * VS(2.0f)) * VS(E_TWO127);            /* 7. where kf == 128 */
+    return RLE_NAME(vsel)(kf == VS(128.0f), top, res);
+}
+
+AI VF RLE_NAME(vcanonical)(VF g) {
+    return RLE_NAME(vsel)(g != g, (VF)RLE_NAME(vsplati)((int32_t)CANONICAL_NAN_BITS), g);
+}
+
+AI VH RLE_NAME(vround_bf16)(VF g) {
+    VU u = (VU)g;
+    VU r = ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) & 0xFFFFu;
+    return __builtin_convertvector(r, VH);
+}
+
+/* ------------------------------------------------------------------ forward */
+
+/* Columns per lane group of the tile loop: RLE_GROUP_VECS vectors side by side, each its own
+ * lanes (independent dependency chains for the out-of-order core). Divides 128. */
+#define RLE_GROUP_VECS 4
+#define RLE_GROUP (RLE_GROUP_VECS * LANES)
+
+/* Upcast the real columns [c0, c0 + nreal) of a row into x (-inf on the rest of x[0, wv))
+ * and return their max ignoring NaN (-inf when there is none) and, with want_min, their min
  * ignoring NaN. Max and min of a set do not depend on grouping; a zero's sign is fixed by
  * the caller's + 0. */
-static inline __attribute__((always_inline)) float RLE_NAME(tile_upcast_max)(
-    const char *rowp, int dtype, int64_t c0, int64_t nreal, int64_t w, float *restrict x,
-    int want_min, float *mn_out) {
-    RLE_NAME(vf) vmx = RLE_NAME(vsplat)(-__builtin_inff()), vmn = RLE_NAME(vsplat)(__builtin_inff());
+AI float RLE_NAME(tile_upcast_max)(const char *rowp, int dtype, int64_t c0, int64_t nreal,
+                                    int64_t wv, float *restrict x, int want_min, float *mn_out) {
+    VF vmx = VS(-__builtin_inff()), vmn = VS(__builtin_inff());
     int64_t c = 0;
     if (dtype == DT_BF16) {
         const uint16_t *src = (const uint16_t *)rowp + c0;
         if (want_min) {
             for (; c + LANES <= nreal; c += LANES) {
-                RLE_NAME(vf) v = RLE_NAME(vload_bf16)(src + c);
+                VF v = RLE_NAME(vload_bf16)(src + c);
                 RLE_NAME(vstore)(x + c, v);
                 vmx = RLE_VMAX(v, vmx);
                 vmn = RLE_VMIN(v, vmn);
             }
         } else {
             for (; c + LANES <= nreal; c += LANES) {
-                RLE_NAME(vf) v = RLE_NAME(vload_bf16)(src + c);
+                VF v = RLE_NAME(vload_bf16)(src + c);
                 RLE_NAME(vstore)(x + c, v);
                 vmx = RLE_VMAX(v, vmx);
             }
@@ -155,7 +186,7 @@ static inline __attribute__((always_inline)) float RLE_NAME(tile_upcast_max)(
     } else if (dtype == DT_F32) {
         const float *src = (const float *)rowp + c0;
         for (; c + LANES <= nreal; c += LANES) {
-            RLE_NAME(vf) v = RLE_NAME(vload)(src + c);
+            VF v = RLE_NAME(vload)(src + c);
             RLE_NAME(vstore)(x + c, v);
             vmx = RLE_VMAX(v, vmx);
             vmn = RLE_VMIN(v, vmn);
@@ -164,7 +195,7 @@ static inline __attribute__((always_inline)) float RLE_NAME(tile_upcast_max)(
     } else {
         for (c = 0; c < nreal; c++) x[c] = upcast(rowp, DT_F16, c0 + c);
         for (c = 0; c + LANES <= nreal; c += LANES) {
-            RLE_NAME(vf) v = RLE_NAME(vload)(x + c);
+            VF v = RLE_NAME(vload)(x + c);
             vmx = RLE_VMAX(v, vmx);
             vmn = RLE_VMIN(v, vmn);
         }
@@ -179,10 +210,65 @@ static inline __attribute__((always_inline)) float RLE_NAME(tile_upcast_max)(
         mx = v > mx ? v : mx;
         mn = v < mn ? v : mn;
     }
-    for (c = nreal; c < w; c++) x[c] = -__builtin_inff();
+    for (c = nreal; c < wv; c++) x[c] = -__builtin_inff();
     *mn_out = mn;
     return mx;
 }
+
+/* F (section 4) of the 128 lanes in v: a[i] + a[i + 64], then + 32, ...: the levels down to
+ * LANES are whole-vector additions. */
+AI float RLE_NAME(fold_lanes)(float *restrict v) {
+    for (int h = RLE_LANE_COUNT / 2; h >= LANES; h /= 2)
+        for (int i = 0; i < h; i += LANES)
+            RLE_NAME(vstore)(v + i, RLE_NAME(vload)(v + i) + RLE_NAME(vload)(v + i + h));
+    for (int h = LANES / 2; h >= 1; h /= 2)
+        for (int i = 0; i < h; i++) v[i] = v[i] + v[i + h];
+    return v[0];
+}
+
+/* Section 6 steps 3-4 on one tile: y = x - sh, e = E(y); lane l of the 128 adds, in column
+ * order, the terms of columns l, l + 128, ... < w (G), and with_t, fma(e, max(y, LO), lane)
+ * (G*). A group of RLE_GROUP lanes stays in registers while it walks the tile's chunks of 128
+ * columns; the columns of x past w up to the group's end are -inf (E = +0, and
+ * fma(+0, LO, lane) == lane: section 4 allows adding them). Groups with no column stay +0.
+ *
+ * E is section 3's forward form, its 13 operations: y = x - sh is <= 0 or NaN (sh is the
+ * tile's max ignoring NaN, or 0 when that is -inf; a +inf max gives y = -inf or NaN), so
+ * min(., HI) changes nothing and kf == 128 cannot happen. Its steps are written one at a
+ * time across the group's vectors, so that the core has independent operations to issue
+ * while each vector's chain of dependent FMAs waits on their latency. */
+#define RLE_EACH for (int v = 0; v < RLE_GROUP_VECS; v++)
+AI void RLE_NAME(tile_sums)(const float *restrict x, int64_t w, float sh, float *restrict ls,
+                            float *restrict lt, const int with_t) {
+    const VF vsh = VS(sh);
+    for (int g = 0; g < RLE_LANE_COUNT; g += RLE_GROUP) {
+        VF s[RLE_GROUP_VECS], t[RLE_GROUP_VECS];
+        RLE_EACH s[v] = t[v] = VS(0.0f);
+        for (int64_t c = g; c < w; c += RLE_LANE_COUNT) {
+            VF yc[RLE_GROUP_VECS], tt[RLE_GROUP_VECS], kf[RLE_GROUP_VECS], r[RLE_GROUP_VECS];
+            VF q[RLE_GROUP_VECS];
+            RLE_EACH yc[v] = RLE_VMAX(VS(E_LO), RLE_NAME(vload)(x + c + v * LANES) - vsh);
+            RLE_EACH tt[v] = RLE_VFMA(yc[v], VS(E_LOG2E), VS(E_BIAS));
+            RLE_EACH kf[v] = tt[v] - VS(E_BIAS);
+            RLE_EACH r[v] = RLE_VFMA(kf[v], VS(-E_LN2_HI), yc[v]);
+            RLE_EACH r[v] = RLE_VFMA(kf[v], VS(-E_LN2_LO), r[v]);
+            RLE_EACH q[v] = RLE_VFMA(VS(E_C6), r[v], VS(E_C5));
+            RLE_EACH q[v] = RLE_VFMA(q[v], r[v], VS(E_C4));
+            RLE_EACH q[v] = RLE_VFMA(q[v], r[v], VS(E_C3));
+            RLE_EACH q[v] = RLE_VFMA(q[v], r[v], VS(E_C2));
+            RLE_EACH q[v] = RLE_VFMA(q[v], r[v], VS(1.0f));
+            RLE_EACH q[v] = RLE_VFMA(q[v], r[v], VS(1.0f)); /* p */
+            RLE_EACH q[v] = q[v] * (VF)((VU)tt[v] << 23);   /* e = p * 2**k */
+            RLE_EACH s[v] = s[v] + q[v];
+            if (with_t) RLE_EACH t[v] = RLE_VFMA(q[v], yc[v], t[v]);
+        }
+        RLE_EACH {
+            RLE_NAME(vstore)(ls + g + v * LANES, s[v]);
+            if (with_t) RLE_NAME(vstore)(lt + g + v * LANES, t[v]);
+        }
+    }
+}
+#undef RLE_EACH
 
 static __attribute__((noinline)) int RLE_NAME(has_nan)(const float *x, int64_t n) {
     for (int64_t c = 0; c < n; c++)
@@ -190,13 +276,15 @@ static __attribute__((noinline)) int RLE_NAME(has_nan)(const float *x, int64_t n
     return 0;
 }
 
+/* x: a tile buffer of at least w rounded up to 128 floats. */
 static __attribute__((noinline)) void RLE_NAME(fwd_rows)(const fwd_args *a, int64_t r0,
-                                                           int64_t r1, float *restrict x,
-                                                           float *restrict eb,
-                                                           float *restrict tb) {
+                                                           int64_t r1, float *restrict x) {
     const int64_t w = a->tile_width;
     const int64_t tiles = a->local_vocab / w;
+    const int64_t wv = (w + RLE_GROUP - 1) / RLE_GROUP * RLE_GROUP;
     const size_t esz = a->dtype == DT_F32 ? 4 : 2;
+    float ls[RLE_LANE_COUNT] __attribute__((aligned(64)));
+    float lt[RLE_LANE_COUNT] __attribute__((aligned(64)));
     for (int64_t row = r0; row < r1; row++) {
         const char *rowp = (const char *)a->logits + (size_t)row * (size_t)a->row_stride * esz;
         float rmin = __builtin_inff();
@@ -206,58 +294,25 @@ static __attribute__((noinline)) void RLE_NAME(fwd_rows)(const fwd_args *a, int6
             int64_t nreal = a->real_local - c0;
             nreal = nreal < 0 ? 0 : (nreal > w ? w : nreal);
             float mn;
-            const float mx = RLE_NAME(tile_upcast_max)(rowp, a->dtype, c0, nreal, w, x,
+            const float mx = RLE_NAME(tile_upcast_max)(rowp, a->dtype, c0, nreal, wv, x,
                                                        a->row_min != NULL, &mn);
             if (nreal > 0) rmin = mn < rmin ? mn : rmin;
             /* Section 6 steps 1-2 take m = NaN when a column is NaN; here the shift comes from
-             * the max ignoring NaN. Both give the same s and t: a NaN column makes its y, E(y)
-             * and E(y) * y NaN, so the folds are NaN either way (payloads do not matter: every
-             * output is made canonical). m itself is set to NaN below, from the sum. */
-            float mj = mx + 0.0f;
+             * the max ignoring NaN. Both give the same s and t: a NaN column makes its y, E(y),
+             * and fma(E(y), max(y, LO), .) NaN, so the lane sums are NaN either way (payloads
+             * do not matter: every output is made canonical). m itself is set to NaN below,
+             * from the sum. */
+            const float mj = mx + 0.0f;
             const float sh = mj == -__builtin_inff() ? 0.0f : mj;
-            const RLE_NAME(vf) vsh = RLE_NAME(vsplat)(sh);
-            /* steps 3-4, with the first level of each fold F done as the terms are made:
-             * F's level 1 adds v[i] + v[w - h + i] for i < h (h = w / 2), leaving v[h] alone
-             * when w is odd; the rest of F then folds the first w - h values. */
-            const int64_t h = w / 2, base = w - h;
-            int64_t c = 0;
-            if (tb != NULL) {
-                for (; c + LANES <= h && base + c + LANES <= nreal; c += LANES) {
-                    RLE_NAME(vf) y0 = RLE_NAME(vload)(x + c) - vsh;
-                    RLE_NAME(vf) y1 = RLE_NAME(vload)(x + base + c) - vsh;
-                    RLE_NAME(vf) e0 = RLE_NAME(vexp_le0)(y0);
-                    RLE_NAME(vf) e1 = RLE_NAME(vexp_le0)(y1);
-                    RLE_NAME(vstore)(eb + c, e0 + e1);
-                    RLE_NAME(vstore)(tb + c, (e0 * y0) + (e1 * y1));
-                }
-                for (; c < base; c++) {
-                    float y0 = x[c] - sh;
-                    float e0 = rle_exp(y0);
-                    float t0 = e0 * (c < nreal ? y0 : 0.0f); /* y' = 0 on padding columns */
-                    if (c < h) {
-                        float y1 = x[base + c] - sh;
-                        float e1 = rle_exp(y1);
-                        float t1 = e1 * (base + c < nreal ? y1 : 0.0f);
-                        e0 = e0 + e1;
-                        t0 = t0 + t1;
-                    }
-                    eb[c] = e0;
-                    tb[c] = t0;
-                }
-                a->t[row * tiles + j] = rle_fold(tb, base);
+            float sj, tj = 0.0f;
+            if (a->t != NULL) {
+                RLE_NAME(tile_sums)(x, w, sh, ls, lt, 1);
+                tj = RLE_NAME(fold_lanes)(lt);
             } else {
-                for (; c + LANES <= h; c += LANES) {
-                    RLE_NAME(vf) e0 = RLE_NAME(vexp_le0)(RLE_NAME(vload)(x + c) - vsh);
-                    RLE_NAME(vf) e1 = RLE_NAME(vexp_le0)(RLE_NAME(vload)(x + base + c) - vsh);
-                    RLE_NAME(vstore)(eb + c, e0 + e1);
-                }
-                for (; c < base; c++) {
-                    float e0 = rle_exp(x[c] - sh);
-                    if (c < h) e0 = e0 + rle_exp(x[base + c] - sh);
-                    eb[c] = e0;
-                }
+                RLE_NAME(tile_sums)(x, w, sh, ls, lt, 0);
             }
-            const float sj = rle_fold(eb, base);
+            sj = RLE_NAME(fold_lanes)(ls);
+            if (a->t != NULL) a->t[row * tiles + j] = tj;
             /* A NaN column makes s NaN. Without one, s is NaN only when the max is +inf
              * (inf - inf); only then is the tile scanned. */
             const int nan = sj != sj && (mx != __builtin_inff() || RLE_NAME(has_nan)(x, nreal));
@@ -272,22 +327,17 @@ static __attribute__((noinline)) void RLE_NAME(fwd_rows)(const fwd_args *a, int6
 
 /* ------------------------------------------------------------------ backward */
 
-
-
-static inline __attribute__((always_inline)) void RLE_NAME(store_one)(void *out, int dtype, int64_t c,
-                                                            float g) {
+AI void RLE_NAME(store_one)(void *out, int dtype, int64_t c, float g) {
     g = canonical(g);
     if (dtype == DT_F32) ((float *)out)[c] = g;
     else if (dtype == DT_BF16) ((uint16_t *)out)[c] = round_bf16(g);
     else ((uint16_t *)out)[c] = round_f16(g);
 }
 
-/* Section 7 step 1 and 3 for one column (scalar; tails and the target column). */
-static inline __attribute__((always_inline)) float RLE_NAME(grad_one)(const char *rowp, int dtype,
-                                                            int64_t c, float lse, float coef) {
-    float x = upcast(rowp, dtype, c);
-    float y = x - lse;
-    return coef * rle_exp(y);
+/* Section 7 step 1 for one column (the target column): the vector operations on one lane. */
+AI float RLE_NAME(grad_one)(const char *rowp, int dtype, int64_t c, float lse, float coef) {
+    const VF g = VS(coef) * RLE_NAME(vexp)(VS(upcast(rowp, dtype, c)) - VS(lse));
+    return g[0];
 }
 
 static __attribute__((noinline)) void RLE_NAME(bwd_rows)(const bwd_args *a, int64_t r0,
@@ -307,31 +357,36 @@ static __attribute__((noinline)) void RLE_NAME(bwd_rows)(const bwd_args *a, int6
             if (tc >= 0 && tc < R) RLE_NAME(store_one)(out, dtype, tc, a->target_add[row] + 0.0f);
             continue;
         }
-        const RLE_NAME(vf) vlse = RLE_NAME(vsplat)(lse), vcoef = RLE_NAME(vsplat)(coef);
+        const VF vlse = VS(lse), vcoef = VS(coef);
         int64_t c = 0;
         if (dtype == DT_BF16) {
             const uint16_t *src = (const uint16_t *)rowp;
             for (; c + LANES <= R; c += LANES) {
-                RLE_NAME(vf) g = vcoef * RLE_NAME(vexp)(RLE_NAME(vload_bf16)(src + c) - vlse);
-                RLE_NAME(vh) h = RLE_NAME(vround_bf16)(RLE_NAME(vcanonical)(g));
+                VF g = vcoef * RLE_NAME(vexp)(RLE_NAME(vload_bf16)(src + c) - vlse);
+                VH h = RLE_NAME(vround_bf16)(RLE_NAME(vcanonical)(g));
                 memcpy((uint16_t *)out + c, &h, sizeof h);
             }
         } else if (dtype == DT_F32) {
             const float *src = (const float *)rowp;
             for (; c + LANES <= R; c += LANES) {
-                RLE_NAME(vf) g = vcoef * RLE_NAME(vexp)(RLE_NAME(vload)(src + c) - vlse);
+                VF g = vcoef * RLE_NAME(vexp)(RLE_NAME(vload)(src + c) - vlse);
                 RLE_NAME(vstore)((float *)out + c, RLE_NAME(vcanonical)(g));
             }
         } else {
             float xs[LANES], gs[LANES];
             for (; c + LANES <= R; c += LANES) {
                 for (int l = 0; l < LANES; l++) xs[l] = upcast(rowp, DT_F16, c + l);
-                RLE_NAME(vf) g = vcoef * RLE_NAME(vexp)(RLE_NAME(vload)(xs) - vlse);
+                VF g = vcoef * RLE_NAME(vexp)(RLE_NAME(vload)(xs) - vlse);
                 RLE_NAME(vstore)(gs, g);
                 for (int l = 0; l < LANES; l++) ((uint16_t *)out)[c + l] = round_f16(canonical(gs[l]));
             }
         }
-        for (; c < R; c++) RLE_NAME(store_one)(out, dtype, c, RLE_NAME(grad_one)(rowp, dtype, c, lse, coef));
+        if (c < R) { /* the last R - c < LANES columns: one vector, lanes past R unused */
+            float xs[LANES], gs[LANES];
+            for (int l = 0; l < LANES; l++) xs[l] = c + l < R ? upcast(rowp, dtype, c + l) : 0.0f;
+            RLE_NAME(vstore)(gs, vcoef * RLE_NAME(vexp)(RLE_NAME(vload)(xs) - vlse));
+            for (int64_t k = c; k < R; k++) RLE_NAME(store_one)(out, dtype, k, gs[k - c]);
+        }
         if (tc >= 0 && tc < R) {
             /* step 2: the same operations for the one column, then + gl, rounded once */
             float g = RLE_NAME(grad_one)(rowp, dtype, tc, lse, coef);
@@ -342,3 +397,42 @@ static __attribute__((noinline)) void RLE_NAME(bwd_rows)(const bwd_args *a, int6
     }
 }
 
+/* ------------------------------------------------------------------ test hooks */
+
+/* out[i] = op(a[i], b[i], c[i]) for op 0: fma(a, b, c) (RLE_VFMA), 1: a * b + c as two
+ * roundings (written that way; a contracting compiler would make it an fma), 2: E(a) (the
+ * general form). Whole vectors, then one vector on a zero-padded copy of the tail. */
+static __attribute__((noinline)) void RLE_NAME(elementwise)(int op, const float *a, const float *b,
+                                                              const float *c, float *out,
+                                                              int64_t n) {
+    for (int64_t i = 0; i < n; i += LANES) {
+        float xa[LANES], xb[LANES], xc[LANES], r[LANES];
+        const int64_t m = n - i < LANES ? n - i : LANES;
+        for (int l = 0; l < LANES; l++) {
+            xa[l] = l < m ? a[i + l] : 0.0f;
+            xb[l] = l < m && b != NULL ? b[i + l] : 0.0f;
+            xc[l] = l < m && c != NULL ? c[i + l] : 0.0f;
+        }
+        const VF va = RLE_NAME(vload)(xa), vb = RLE_NAME(vload)(xb), vc = RLE_NAME(vload)(xc);
+        VF vr;
+        if (op == 0) vr = RLE_VFMA(va, vb, vc);
+        else if (op == 1) vr = va * vb + vc;
+        else vr = RLE_NAME(vexp)(va);
+        RLE_NAME(vstore)(r, vr);
+        memcpy(out + i, r, (size_t)m * sizeof(float));
+    }
+}
+
+#undef RLE_GROUP
+#undef RLE_GROUP_VECS
+#undef RLE_VFMA
+#undef RLE_VMAX
+#undef RLE_VMIN
+#undef VS
+#undef AI
+#undef VF
+#undef VI
+#undef VU
+#undef VH
+#undef VD
+#undef VL

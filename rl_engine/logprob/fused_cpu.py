@@ -1,17 +1,21 @@
 """Backend ``cpu-vocab-parallel-logp-ws2``: the eager backend with its chunk loops in compiled C.
 
 The per-rank compute (tile partials of the forward, the local gradient of the backward)
-runs in ``rl_engine/logprob/_fused_cpu.c``: one pass per (row, tile) while the tile sits in
-L1 (upcast, tile max, ``E``, fixed fold ``F``), and one pass per row for the gradient
-(recompute ``E(x - lse)``, scale, add the target term, canonical NaN, round once). It
-follows ``docs/arithmetic.md`` (``rl-engine-arith/1``) operation for operation; everything
-else (validation, the all-gather of partials, the merge, autograd) is the eager backend's
-code, so the two backends give the same bytes (``tests/test_fused_cpu.py``).
+runs in ``rl_engine/logprob/_fused_cpu.c``: per (row, tile), one pass upcasts the tile into
+an L1-resident buffer with its max, and one pass computes ``E`` and accumulates the lane
+sums ``G`` and ``G*`` in vector registers, then folds the 128 lanes with ``F``; one pass per
+row for the gradient (recompute ``E(x - lse)``, scale, add the target term, canonical NaN,
+round once). It follows ``docs/arithmetic.md`` (``rl-engine-arith/2``) operation for
+operation, every fusedMultiplyAdd included: the FMA instruction in the AVX2 and AVX-512
+variants, a correctly rounded software one in the baseline; everything else (validation, the
+all-gather of partials, the merge, autograd) is the eager backend's code, so the two backends
+give the same bytes (``tests/test_fused_cpu.py``).
 
 Why C through ctypes: the kernel needs nothing but IEEE binary32 arithmetic, integer bit
 operations and threads, so plain C compiled by setuptools during ``pip install`` (no torch
 headers, so pip's isolated build environment needs setuptools alone, never a CUDA torch) is
-enough; ``-ffp-contract=off -fno-fast-math`` pin the operations. numba would add llvmlite and
+enough; ``-ffp-contract=off -fno-fast-math`` pin the operations (the only fused
+multiply-adds are those the source writes). numba would add llvmlite and
 a JIT cache on disk, and its LLVM may contract multiply-adds unless every function is
 configured carefully. ctypes releases the GIL during the call; the C code splits rows
 between ``torch.get_num_threads()`` pthreads.
@@ -44,7 +48,7 @@ from rl_engine.logprob.tiles import rows_finite
 
 FUSED_CPU_ID = FUSED_CPU_BACKEND
 MODULE = "rl_engine.logprob._fused_cpu"
-ABI_VERSION = 1
+ABI_VERSION = 2
 ISA_AUTO, ISA_BASELINE, ISA_AVX2, ISA_AVX512 = 0, 1, 2, 3
 ISA_NAMES = {"auto": ISA_AUTO, "baseline": ISA_BASELINE, "avx2": ISA_AVX2, "avx512": ISA_AVX512}
 MAX_THREADS = 256  # the size of the kernel's job table (run_split in _fused_cpu.c)
@@ -52,7 +56,7 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _STATUS = {
     1: "bad arguments, or an instruction set this CPU lacks (isa=)",
     2: (
-        "a kernel thread flushes subnormal numbers to zero (FTZ/DAZ); rl-engine-arith/1 needs "
+        "a kernel thread flushes subnormal numbers to zero (FTZ/DAZ); rl-engine-arith/2 needs "
         "IEEE gradual underflow: call torch.set_flush_denormal(False) before the logprob op"
     ),
     3: "out of memory for a tile buffer",
@@ -116,11 +120,14 @@ def _load() -> FusedKernel:
         _c_p, ctypes.c_int, _c_i64, _c_i64, _c_i64, _c_i64,
         _c_p, _c_p, _c_p, _c_p, _c_p, ctypes.c_int, ctypes.c_int,
     ]
-    for name in ("rle_exp_array", "rle_round_f16_array", "rle_round_bf16_array",
-                 "rle_upcast_f16_array"):
+    for name in ("rle_round_f16_array", "rle_round_bf16_array", "rle_upcast_f16_array"):
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = [_c_p, _c_p, _c_i64]
+    lib.rle_elementwise_array.restype = ctypes.c_int
+    lib.rle_elementwise_array.argtypes = [
+        ctypes.c_int, _c_p, _c_p, _c_p, _c_p, _c_i64, ctypes.c_int,
+    ]
     lib.rle_selected_isa.restype = ctypes.c_int
     lib.rle_selected_isa.argtypes = [ctypes.c_int]
     return FusedKernel(spec.origin, lib)
@@ -260,8 +267,9 @@ class FusedCpuEngine(LocalEngine):
             raise LogprobContractError(f"isa={isa!r} is not one of {sorted(ISA_NAMES)}")
         if load_kernel().selected_isa(ISA_NAMES[isa]) < 0:
             raise LogprobContractError(
-                f"isa={isa!r} is not supported by this CPU; use isa='auto' (the widest this "
-                "CPU has) or 'baseline' (every variant gives the same bytes)"
+                f"isa={isa!r} is not supported by this CPU (avx2 and avx512 also need FMA3); use "
+                "isa='auto' (the widest this CPU has) or 'baseline' (every variant gives the same "
+                "bytes)"
             )
         check_threads(threads)
         self.threads = threads
