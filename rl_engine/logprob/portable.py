@@ -37,12 +37,11 @@ def _f(hex_literal: str) -> float:
 
 # Section 3: E(y)
 EXP_LO = _f("-0x1.6p+6")  # -88: below about -87.68, k = -127 and E returns +0
-EXP_HI = _f("0x1.64p+6")  # 89: k <= 128
+EXP_HI = _f("0x1.64p+6")  # 89: k <= 128, and k = 128 gives +inf
 LOG2E = _f("0x1.715476p+0")
 BIAS = _f("0x1.8000fep+23")  # 0x1.8p+23 + 127: t = BIAS + k, and bits(t) << 23 is 2**k
 LN2_HI = _f("0x1.62e430p-1")  # ln 2 rounded to binary32
 LN2_LO = _f("-0x1.05c610p-29")  # ln 2 - LN2_HI rounded to binary32
-TWO127 = _f("0x1p+127")
 EXP_POLY = (  # C6 .. C2 (Horner with fusedMultiplyAdd, innermost first), then 1, 1
     _f("0x1.6a244cp-10"),
     _f("0x1.1239d4p-7"),
@@ -244,8 +243,7 @@ def _exp_exact(y: torch.Tensor) -> torch.Tensor:
     q = fma_(r, c6, c5)
     for c in (c4, c3, c2, 1.0, 1.0):
         q = fma_(q, r, c)
-    res = q * torch.bitwise_left_shift(t.view(torch.int32), 23).view(torch.float32)
-    return torch.where(kf == 128.0, (q * 2.0) * TWO127, res)
+    return q * torch.bitwise_left_shift(t.view(torch.int32), 23).view(torch.float32)
 
 
 def exp_into(y: torch.Tensor, out: torch.Tensor, sc: ExpScratch) -> torch.Tensor:
@@ -292,9 +290,6 @@ def exp_into(y: torch.Tensor, out: torch.Tensor, sc: ExpScratch) -> torch.Tensor
     ka = sc.ka
     torch.bitwise_left_shift(t.view(torch.int32), 23, out=ka)
     torch.mul(q, ka.view(torch.float32), out=out)  # 7. p * sc
-    torch.eq(kf, 128.0, out=sc.mask)
-    if bool(sc.mask.any()):  # k = 128 (y >= 88.37...): (p * 2) * 2**127
-        out[sc.mask] = (q[sc.mask] * 2.0) * TWO127
     if bool(sc.odd.any()):  # a binary64 sum on a binary32 midpoint: recompute those exactly
         idx = sc.odd.nonzero(as_tuple=True)
         out[idx] = _exp_exact(yc[idx])  # E(yc) = E(y): step 1 is idempotent

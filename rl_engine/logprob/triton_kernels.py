@@ -11,7 +11,7 @@ Written with IEEE-754 basic operations and the fused multiply-adds the specifica
   unrolled (a tile of up to ``MAX_UNROLL`` chunks), so every thread runs the same straight
   code and the loads of the second pass are the first pass's registers.
 * :func:`backward_kernel`: one program per (row, block of columns), no branch: ``E(x - lse)``
-  times ``coef``, the ``coef == 0`` override, canonical NaN, padding zeros, the one rounding of
+  (the general form: ``lse`` is an input) times ``coef``, the ``coef == 0`` override, canonical NaN, padding zeros, the one rounding of
   section 8. Launched over the whole blocks without masks, and once more, masked, over the
   last partial block.
 * :func:`backward_target_kernel`: the one column per row that gets the target term
@@ -70,7 +70,6 @@ E_C5: tl.constexpr = tl.constexpr(float.fromhex("0x1.1239d4p-7"))
 E_C4: tl.constexpr = tl.constexpr(float.fromhex("0x1.5558f2p-5"))
 E_C3: tl.constexpr = tl.constexpr(float.fromhex("0x1.555492p-3"))
 E_C2: tl.constexpr = tl.constexpr(float.fromhex("0x1.fffffcp-2"))
-E_TWO127: tl.constexpr = tl.constexpr(float.fromhex("0x1p+127"))
 CANONICAL_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)
 NEG_INF_BITS: tl.constexpr = tl.constexpr(-8388608)  # 0xFF800000
 POS_INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)
@@ -117,12 +116,13 @@ def spec_exp_forward(y):
 
 @device
 def spec_exp(y):
-    """``E(y)``, section 3's general form (every argument; the element tests compare it)."""
+    """``E(y)``, section 3's general form (every argument: the backward, whose ``x - lse`` is only
+    ``<= 0`` when ``lse`` is the forward's, and the element tests)."""
     yc = tl.minimum(tl.maximum(y, E_LO, propagate_nan=tl.PropagateNan.ALL), E_HI,
                     propagate_nan=tl.PropagateNan.ALL)  # 1.
     p, t = exp_core(yc)
-    sc = (t.to(tl.int32, bitcast=True) << 23).to(tl.float32, bitcast=True)  # 6.
-    return tl.where(t - E_BIAS == 128.0, (p * 2.0) * E_TWO127, p * sc)  # 7.
+    sc = (t.to(tl.int32, bitcast=True) << 23).to(tl.float32, bitcast=True)  # 6. (+inf at k = 128)
+    return p * sc  # 7.
 
 
 @device
@@ -315,8 +315,7 @@ def backward_kernel(
         raw = tl.load(x_ptr + row * row_stride + cols, mask=inside, other=0)
     else:
         raw = tl.load(x_ptr + row * row_stride + cols)
-    e, _ = spec_exp_forward(upcast(raw, DTYPE) - lse)  # 1. x - lse <= 0 or NaN (section 7)
-    g = coef * e
+    g = coef * spec_exp(upcast(raw, DTYPE) - lse)  # 1. (any lse: the general form)
     g = tl.where(coef == 0.0, 0.0, g)  # the coef == 0 override (+0, NaN included)
     if PADDED:
         g = tl.where(cols < real_local, g, 0.0)  # padding columns are +0
@@ -341,7 +340,6 @@ def backward_target_kernel(
     coef = tl.load(coef_ptr + r, mask=inside, other=0.0)
     add = tl.load(add_ptr + r, mask=inside, other=0.0)
     raw = tl.load(x_ptr + row * row_stride + col, mask=inside, other=0)
-    e, _ = spec_exp_forward(upcast(raw, DTYPE) - lse)
-    g = coef * e + add  # 1.-2.: a multiply, then an add (two roundings, as written)
+    g = coef * spec_exp(upcast(raw, DTYPE) - lse) + add  # 1.-2.: a multiply, then an add, as written
     g = tl.where(coef == 0.0, add + 0.0, g)
     store_rounded(g_ptr + row * local_vocab + col, g, inside & (col < real_local), DTYPE, True)
