@@ -94,7 +94,6 @@ static inline __attribute__((always_inline)) uint32_t u_of(float f) {
 #define E_C4 (0x1.5558f2p-5f)
 #define E_C3 (0x1.555492p-3f)
 #define E_C2 (0x1.fffffcp-2f)
-#define E_TWO127 (0x1p+127f)
 #define CANONICAL_NAN_BITS 0x7FC00000u
 #define RLE_LANE_COUNT 128 /* L of the lane sum G (section 4) */
 

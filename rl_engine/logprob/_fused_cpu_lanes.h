@@ -51,11 +51,22 @@ AI VF RLE_NAME(vload)(const float *p) {
 
 AI void RLE_NAME(vstore)(float *p, VF v) { memcpy(p, &v, sizeof v); }
 
+/* LANES bf16 values as binary32 (bits << 16, exact). x86: one zero-extending load and a shift
+ * (AVX2, AVX-512), or an interleave with zeros (SSE2); GCC's generic lowering of the
+ * conversion takes several shuffles more. */
 AI VF RLE_NAME(vload_bf16)(const uint16_t *p) {
+#if RLE_X86 && LANES == 16
+    return (VF)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif RLE_X86 && LANES == 8
+    return (VF)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#elif RLE_X86 && LANES == 4
+    return (VF)_mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)p));
+#else
     VH h;
     memcpy(&h, p, sizeof h);
     VU u = __builtin_convertvector(h, VU) << 16;
     return (VF)u;
+#endif
 }
 
 /* max(a, b) and min(a, b) of the instruction set: `a > b ? a : b` and `a < b ? a : b` lane by
@@ -127,18 +138,18 @@ AI VF RLE_NAME(vexp_poly)(VF yc, VF kf) {
     return RLE_VFMA(q, r, VS(1.0f));
 }
 
-/* The general form of E (section 3, every y): the test hook's, and the backward's, whose
- * lse is the caller's (any binary32: the form does not rest on it being the forward's). The
- * forward's E is the forward form, written out in tile_sums. */
+/* E, section 3: the general form, its 14 operations (every y). The backward's and the test
+ * hook's: the backward's lse is the caller's, so the clamp at HI is kept although the
+ * forward's own lse makes every argument <= 0. The forward's E is the forward form (the same
+ * without min(., HI)), written out in tile_sums. */
 AI VF RLE_NAME(vexp)(VF y) {
     const VF yc = RLE_VMIN(VS(E_HI), RLE_VMAX(VS(E_LO), y)); /* 1. NaN stays NaN */
-    const VF t = RLE_VFMA(yc, VS(E_LOG2E), VS(E_BIAS));
-    const VF kf = t - VS(E_BIAS);
-    const VF p = RLE_NAME(vexp_poly)(yc, kf);
-    const VF sc = (VF)((VU)t << 23);                         /* +inf at k = 128 */
-    const VF res = p * sc;
-    const VF top = (p * VS(2.0f)) * VS(E_TWO127);            /* 7. where kf == 128 */
-    return RLE_NAME(vsel)(kf == VS(128.0f), top, res);
+    const VF t = RLE_VFMA(yc, VS(E_LOG2E), VS(E_BIAS));      /* 2. BIAS + k */
+    const VF kf = t - VS(E_BIAS);                            /* 3. exact */
+    const VF p = RLE_NAME(vexp_poly)(yc, kf);                /* 4-5. */
+    const VF sc = (VF)((VU)t << 23);                         /* 6. 2**k; +0 at k = -127,
+                                                                   +inf at k = 128 */
+    return p * sc;                                           /* 7. */
 }
 
 AI VF RLE_NAME(vcanonical)(VF g) {
@@ -239,12 +250,17 @@ AI float RLE_NAME(fold_lanes)(float *restrict v) {
  * while each vector's chain of dependent FMAs waits on their latency. */
 #define RLE_EACH for (int v = 0; v < RLE_GROUP_VECS; v++)
 AI void RLE_NAME(tile_sums)(const float *restrict x, int64_t w, float sh, float *restrict ls,
-                            float *restrict lt, const int with_t) {
+                            float *restrict lt, const int with_t, const char *pf,
+                            const char *pf_end) {
     const VF vsh = VS(sh);
     for (int g = 0; g < RLE_LANE_COUNT; g += RLE_GROUP) {
         VF s[RLE_GROUP_VECS], t[RLE_GROUP_VECS];
         RLE_EACH s[v] = t[v] = VS(0.0f);
         for (int64_t c = g; c < w; c += RLE_LANE_COUNT) {
+            if (pf < pf_end) { /* the next tile's logits, one cache line per step (no effect on a value) */
+                __builtin_prefetch(pf);
+                pf += 64;
+            }
             VF yc[RLE_GROUP_VECS], tt[RLE_GROUP_VECS], kf[RLE_GROUP_VECS], r[RLE_GROUP_VECS];
             VF q[RLE_GROUP_VECS];
             RLE_EACH yc[v] = RLE_VMAX(VS(E_LO), RLE_NAME(vload)(x + c + v * LANES) - vsh);
@@ -304,12 +320,18 @@ static __attribute__((noinline)) void RLE_NAME(fwd_rows)(const fwd_args *a, int6
              * from the sum. */
             const float mj = mx + 0.0f;
             const float sh = mj == -__builtin_inff() ? 0.0f : mj;
+            /* While E runs on this tile, the next tile's logits (or the next row's first) are
+             * fetched: the E loop reads only the tile buffer, so without this the upcast pass
+             * would wait on memory. */
+            const char *pf = j + 1 < tiles ? rowp + (size_t)(c0 + w) * esz
+                                           : rowp + (size_t)a->row_stride * esz;
+            const char *pf_end = pf + (size_t)w * esz;
             float sj, tj = 0.0f;
             if (a->t != NULL) {
-                RLE_NAME(tile_sums)(x, w, sh, ls, lt, 1);
+                RLE_NAME(tile_sums)(x, w, sh, ls, lt, 1, pf, pf_end);
                 tj = RLE_NAME(fold_lanes)(lt);
             } else {
-                RLE_NAME(tile_sums)(x, w, sh, ls, lt, 0);
+                RLE_NAME(tile_sums)(x, w, sh, ls, lt, 0, pf, pf_end);
             }
             sj = RLE_NAME(fold_lanes)(ls);
             if (a->t != NULL) a->t[row * tiles + j] = tj;
