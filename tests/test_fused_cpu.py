@@ -156,12 +156,17 @@ def test_exp_arguments_near_the_spec_boundaries_in_every_kernel(isa: str) -> Non
                              np.linspace(-89.0, 0.0, 4096, dtype=np.float32),
                              np.array([-0.0, 0.0, -1e-30, -1e-45, -126 * np.log(2)],
                                       dtype=np.float32)])
-    rows, width = 4, values.size + (-values.size) % 16
-    x = torch.full((rows, width), -1000.0)
+    # tiles of 16 columns: column 0 of each holds the tile's max (0 + r / 4), the other 15 the
+    # sweep, so that the forward's y = x - max sweeps it too
+    per_tile = 15
+    values = np.concatenate([values, np.full((-values.size) % per_tile, -100.0, np.float32)])
+    tiles = values.size // per_tile
+    rows, width = 4, tiles * 16
+    x = torch.empty((rows, tiles, 16))
     for r in range(rows):
-        x[r, : values.size] = torch.from_numpy(values) + float(r) * 0.25
-        x[r, values.size:] = -100.0
-    tiles = width // 16
+        x[r, :, 0] = float(r) * 0.25
+        x[r, :, 1:] = torch.from_numpy(values.reshape(tiles, per_tile)) + float(r) * 0.25
+    x = x.reshape(rows, width).contiguous()
     contract = _contract("fp32", width, width, tiles, rows)
     targets = torch.zeros(rows, dtype=torch.int64)
     active = torch.ones(rows, dtype=torch.bool)
