@@ -504,7 +504,7 @@ def test_archive_is_byte_reproducible_and_well_formed(good_run: Path, tmp_path: 
     reviewing = files["REVIEWING.md"].decode()
     assert "python -m rl_engine verify" in reviewing and "--accept-looser-tolerance" in reviewing
     assert "`bitwise_fingerprints.candidate_grad_sha256` is compared across topologies" in reviewing
-    assert "rl-engine-arith/1" in reviewing and "replays the\ncandidate at TP=1" in reviewing
+    assert "rl-engine-arith/2" in reviewing and "replays the\ncandidate at TP=1" in reviewing
     assert "not backed by a file" in reviewing and not [rel for rel in files if "grad" in rel]
     lines = files["SHA256SUMS"].decode().splitlines()
     listed = {line.split("  ", 1)[1]: line.split("  ", 1)[0] for line in lines}
@@ -874,10 +874,10 @@ def test_summary_reproduction_installs_with_the_readmes_command(good_run: Path) 
 def test_archive_refuses_a_specification_of_another_version(run: Path, tmp_path: Path) -> None:
     """Issue 22: the packed spec must be the version the engine computes (its first line names it)."""
     other = tmp_path / "arithmetic.md"
-    other.write_bytes(spec_file().read_bytes().replace(b"`rl-engine-arith/1`", b"`rl-engine-arith/2`", 1))
+    other.write_bytes(spec_file().read_bytes().replace(b"`rl-engine-arith/2`", b"`rl-engine-arith/1`", 1))
     out = tmp_path / "res" / f"{run.name}.tar.gz"
-    with pytest.raises(archive.ArchiveError, match=r"names version 'rl-engine-arith/2', but this rl_engine computes "
-                                                   r"'rl-engine-arith/1'"):
+    with pytest.raises(archive.ArchiveError, match=r"names version 'rl-engine-arith/1', but this rl_engine computes "
+                                                   r"'rl-engine-arith/2'"):
         archive.build(run, out, declared_files(run), schema_files(), other)
     assert not out.exists()
 

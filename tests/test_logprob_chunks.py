@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from rl_engine import spec_numpy
 from rl_engine.logprob.chunk_threads import for_each_chunk
 from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.portable import exp as portable_exp
@@ -49,15 +50,15 @@ def _reference_partials(
     xv = xf.view(rows, vocab // width, width)
     m = xv.amax(dim=-1) + 0.0
     shift = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    y = xv - shift.unsqueeze(-1)
-    e = portable_exp(y.contiguous())  # the spec's E, not a library exp
-    s = fold_sum_(e.clone())
+    y = (xv - shift.unsqueeze(-1)).contiguous()
+    e = portable_exp(y)  # the spec's E, not a library exp
+    # the lane sums G and G* of section 4, from the NumPy implementation (no shared code)
+    s = torch.from_numpy(spec_numpy.lane_sum(e.numpy()))
     t = None
     if entropy:
-        y = y.reshape(rows, vocab).clone()
-        y[:, real:] = 0.0
-        t = fold_sum_((y * e.reshape(rows, vocab)).view(rows, vocab // width, width))
-    return m, s.clone(), None if t is None else t.clone(), finite
+        yc = torch.clamp(y, min=float.fromhex("-0x1.6p+6"))  # max(y, LO): -inf padding becomes LO
+        t = torch.from_numpy(spec_numpy.lane_fma_sum(e.numpy(), yc.numpy()))
+    return m, s, t, finite
 
 
 @pytest.mark.parametrize("entropy", [False, True])

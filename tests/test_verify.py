@@ -998,7 +998,7 @@ def test_the_archive_packs_the_specification_the_reports_claim(good: Good) -> No
 
 
 SPEC_FORGERIES: dict[str, Callable[[bytes], bytes]] = {
-    "another version": lambda d: d.replace(b"`rl-engine-arith/1`", b"`rl-engine-arith/2`", 1),
+    "another version": lambda d: d.replace(b"`rl-engine-arith/2`", b"`rl-engine-arith/1`", 1),
     "edited text": lambda d: d.replace(b"IEEE-754", b"IEEE-754 (roughly)", 1),
 }
 
@@ -1013,7 +1013,7 @@ def test_a_changed_packed_specification_fails(good: Good, sandbox: Sandbox, tmp_
     assert code == 1 and status(result)["arithmetic spec"] == "FAIL" and status(result)["SHA256SUMS"] == "PASS"
     text = problems(result, "arithmetic spec")
     assert "REVIEWING.md does not record its version and SHA-256" in text
-    assert ("its first line names version 'rl-engine-arith/2'" in text) is (forgery == "another version")
+    assert ("its first line names version 'rl-engine-arith/1'" in text) is (forgery == "another version")
 
 
 def test_an_archive_without_the_specification_fails(good: Good, sandbox: Sandbox, tmp_path: Path,
