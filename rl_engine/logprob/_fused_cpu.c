@@ -13,8 +13,8 @@
  * its max and, for validation, the real-column minimum); a second pass computes E (the
  * forward form of section 3) and accumulates the lane sums G and G* of section 4 in vector
  * registers (a group of lanes walks the tile's chunks of 128 columns), then folds the 128
- * lanes with F. Backward, per row: E (the general form) of x - lse, scaled, the target term,
- * canonical NaN, one rounding.
+ * lanes with F; meanwhile the next tile's logits are prefetched. Backward, per row: E (the
+ * general form) of x - lse, scaled, the target term, canonical NaN, one rounding.
  *
  * Three instruction-set variants of the same source (_fused_cpu_lanes.h): the baseline
  * (SSE2; no FMA instruction, so fma is the correctly rounded software one of section 1), an

@@ -245,9 +245,11 @@ AI float RLE_NAME(fold_lanes)(float *restrict v) {
  *
  * E is section 3's forward form, its 13 operations: y = x - sh is <= 0 or NaN (sh is the
  * tile's max ignoring NaN, or 0 when that is -inf; a +inf max gives y = -inf or NaN), so
- * min(., HI) changes nothing and kf == 128 cannot happen. Its steps are written one at a
- * time across the group's vectors, so that the core has independent operations to issue
- * while each vector's chain of dependent FMAs waits on their latency. */
+ * min(., HI) changes nothing. Its steps are written one at a time across the group's
+ * vectors, so that the core has independent operations to issue while each vector's chain of
+ * dependent FMAs waits on their latency. While it runs, the logits at [pf, pf_end) (the next
+ * tile's) are prefetched, one cache line per step: the E pass reads no new memory, so the
+ * next upcast pass would otherwise wait on it. */
 #define RLE_EACH for (int v = 0; v < RLE_GROUP_VECS; v++)
 AI void RLE_NAME(tile_sums)(const float *restrict x, int64_t w, float sh, float *restrict ls,
                             float *restrict lt, const int with_t, const char *pf,
@@ -257,7 +259,7 @@ AI void RLE_NAME(tile_sums)(const float *restrict x, int64_t w, float sh, float 
         VF s[RLE_GROUP_VECS], t[RLE_GROUP_VECS];
         RLE_EACH s[v] = t[v] = VS(0.0f);
         for (int64_t c = g; c < w; c += RLE_LANE_COUNT) {
-            if (pf < pf_end) { /* the next tile's logits, one cache line per step (no effect on a value) */
+            if (pf < pf_end) { /* no effect on a value */
                 __builtin_prefetch(pf);
                 pf += 64;
             }
