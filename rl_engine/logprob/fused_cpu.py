@@ -259,6 +259,22 @@ def fused_backward(
     return grad
 
 
+E_OP = 2  # rle_elementwise_array's op: E, the general form
+
+
+def fused_exp(y: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
+    """``E(y)`` (section 3, the general form) of a binary32 CPU tensor, by the compiled kernel."""
+    if y.dtype != torch.float32 or y.device.type != "cpu":
+        raise LogprobContractError(f"fused_exp takes a binary32 CPU tensor, got {y.dtype} on {y.device}")
+    src = _c_operand("y", y).contiguous()
+    out = torch.empty_like(src)
+    if src.numel():
+        kernel = load_kernel()
+        kernel.check(kernel.lib.rle_elementwise_array(E_OP, src.data_ptr(), None, None, out.data_ptr(),
+                                                      src.numel(), ISA_NAMES[isa]), "E")
+    return out
+
+
 class FusedCpuEngine(LocalEngine):
     """:class:`LocalEngine` on the compiled kernel (``chunk_rows`` is not used: rows stream)."""
 
@@ -282,6 +298,12 @@ class FusedCpuEngine(LocalEngine):
 
     def local_backward(self, logits, lse, terms, chunk_rows):  # type: ignore[override]
         return fused_backward(logits, lse, terms, threads=self.threads, isa=self.isa)
+
+    def exp(self, y: torch.Tensor) -> torch.Tensor:
+        """``E`` of the merge by the kernel's own vector ``E`` (the same bytes as the portable
+        one: tests/test_fused_cpu.py), on the calling thread, whose gradual underflow the op
+        checked before it started."""
+        return fused_exp(y, isa=self.isa)
 
 
 class FusedCpuLogprob(VocabParallelLogprob):
@@ -316,6 +338,7 @@ __all__ = [
     "MAX_THREADS",
     "check_threads",
     "fused_backward",
+    "fused_exp",
     "fused_partials",
     "kernel_unavailable",
     "load_kernel",

@@ -20,7 +20,7 @@ and nothing of size ``tokens x vocab`` in FP32 exists.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -307,17 +307,42 @@ def rows_finite(
     return torch.isfinite(top) & torch.isfinite(row_min)
 
 
+# Elements of one block of the merge on the CPU: below ATen's grain size (32768), so each of the
+# merge's small elementwise operations runs inline on the calling thread instead of waking
+# torch's thread pool (on a loaded machine each wake-up waits for a descheduled thread).
+MERGE_BLOCK_ELEMENTS = 16384
+
+
+ExpFn = Callable[[torch.Tensor], torch.Tensor]
+
+
 def merge_tiles(
-    m: torch.Tensor, s: torch.Tensor, t: torch.Tensor | None
+    m: torch.Tensor, s: torch.Tensor, t: torch.Tensor | None, exp_fn: ExpFn = exp
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Merge ``[rows, num_tiles]`` partials in global tile order: LSE and, if given, entropy.
 
     ``docs/arithmetic.md`` section 6, steps 5-8: a row whose tiles are all ``-inf`` has
-    ``LSE = -inf`` (the shift is 0, the weighted sum 0 and ``L(0) = -inf``).
+    ``LSE = -inf`` (the shift is 0, the weighted sum 0 and ``L(0) = -inf``). ``exp_fn`` computes
+    ``E`` on a binary32 tensor: the portable one, or an engine's compiled one (the same bytes,
+    its tests say). On the CPU the rows go in blocks of :data:`MERGE_BLOCK_ELEMENTS` elements
+    (rows never mix, so the bytes are the same for any block).
     """
+    rows = m.shape[0]
+    block = max(1, MERGE_BLOCK_ELEMENTS // max(1, m.shape[-1]))
+    if m.device.type != "cpu" or rows <= block:
+        return _merge_rows(m, s, t, exp_fn)
+    parts = [_merge_rows(m[r:r + block], s[r:r + block], None if t is None else t[r:r + block], exp_fn)
+             for r in range(0, rows, block)]
+    lse = torch.cat([p[0] for p in parts])
+    return lse, (None if t is None else torch.cat([p[1] for p in parts]))  # type: ignore[misc]
+
+
+def _merge_rows(
+    m: torch.Tensor, s: torch.Tensor, t: torch.Tensor | None, exp_fn: ExpFn
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     big = m.amax(dim=-1, keepdim=True)
     big_shift = torch.where(big == NEG_INF, torch.zeros_like(big), big)
-    weight = exp(m - big_shift)
+    weight = exp_fn((m - big_shift).contiguous())
     total = fold_sum_(s * weight)
     lse = big_shift.squeeze(-1) + log(total)
     entropy = None

@@ -297,11 +297,28 @@ def triton_backward(
     return grad
 
 
+EXP_BLOCK = 1024
+
+
+def triton_exp(y: torch.Tensor, mode: str = "compiled") -> torch.Tensor:
+    """``E(y)`` of a binary32 tensor in one launch of :func:`exp_kernel` (the merge's weights)."""
+    k = load_kernels(mode)
+    src = y.detach().contiguous()
+    out = torch.empty_like(src)
+    n = src.numel()
+    if n:
+        Launch("exp_kernel", (-(-n // EXP_BLOCK),), (src, out, n), {"BLOCK": EXP_BLOCK}, 4).run(k)
+    return out
+
+
 class TritonEngine(LocalEngine):
     """:class:`LocalEngine` on the Triton kernels (``chunk_rows`` is not used: one launch)."""
 
     def __init__(self, mode: str = "compiled") -> None:
         self.mode = check_mode(mode)
+
+    def exp(self, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return triton_exp(y, self.mode)
 
     def local_partials(self, logits, contract, chunk_rows, with_entropy, validate):  # type: ignore[override]
         return triton_partials(logits, contract, with_entropy, validate, self.mode)

@@ -14,6 +14,8 @@ Written with IEEE-754 basic operations and the fused multiply-adds the specifica
   (the general form: ``lse`` is an input) times ``coef``, the ``coef == 0`` override, canonical NaN, padding zeros, the one rounding of
   section 8. Launched over the whole blocks without masks, and once more, masked, over the
   last partial block.
+* :func:`exp_kernel`: ``E`` of the merge's ``[rows, tiles]`` weights in one launch (the merge
+  itself is the eager backend's code).
 * :func:`backward_target_kernel`: the one column per row that gets the target term
   (``coef * E(x - lse) + gl``, or ``+0 + gl`` where ``coef == 0``), launched after the
   others on the same stream, so it overwrites that column's value: no per-column compare in
@@ -343,3 +345,11 @@ def backward_target_kernel(
     g = coef * spec_exp(upcast(raw, DTYPE) - lse) + add  # 1.-2.: a multiply, then an add, as written
     g = tl.where(coef == 0.0, add + 0.0, g)
     store_rounded(g_ptr + row * local_vocab + col, g, inside & (col < real_local), DTYPE, True)
+
+
+@kernel
+def exp_kernel(y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """``E`` (the general form) of ``n`` binary32 values: the merge's weights ``E(m_j - B)``."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    tl.store(out_ptr + offs, spec_exp(tl.load(y_ptr + offs, mask=inside, other=0.0)), mask=inside)

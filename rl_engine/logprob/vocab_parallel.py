@@ -36,6 +36,7 @@ from rl_engine.logprob.portable import (
     require_gradual_underflow,
     rounded,
 )
+from rl_engine.logprob.portable import exp as portable_exp
 from rl_engine.logprob.storage import require_readable
 from rl_engine.logprob.tiles import (
     NEG_INF,
@@ -316,7 +317,7 @@ def vocab_parallel_forward(
             )
     m_all, s_all = merged[0], merged[1]
     t_all = merged[2] if t is not None else None
-    lse, entropy = merge_tiles(m_all, s_all, t_all)
+    lse, entropy = merge_tiles(m_all, s_all, t_all, engine.exp)
     owner = _owner_rank(targets, contract).unsqueeze(1)
     target_logit = targets_by_rank.gather(1, owner).squeeze(1)
     logp = torch.where(active, target_logit - lse, torch.zeros_like(lse))
@@ -447,6 +448,10 @@ class LocalEngine:
         self, logits: torch.Tensor, lse: torch.Tensor, terms: BackwardTerms, chunk_rows: int
     ) -> torch.Tensor:
         return _eager_backward(logits, lse, terms, chunk_rows)
+
+    def exp(self, y: torch.Tensor) -> torch.Tensor:
+        """``E`` (section 3) of a contiguous binary32 tensor, for the merge of the tile partials."""
+        return portable_exp(y)
 
 
 EAGER_ENGINE = LocalEngine()
