@@ -19,6 +19,13 @@
    ``--tokens`` tokens (default 8192) of the case's vocabulary and dtype, with each path's peak
    device memory above the inputs (CUDA: ``torch.cuda.max_memory_allocated``; null on the
    CPU) and its ratios to the floor and to naive from the same run.
+4. On cuda, the paper model beside the measurement: the roofline of the Triton backend's
+   kernels for this case at ``--tokens`` tokens, compiled for the GPU's architecture as Triton
+   compiles them at launch and read from their SASS (:func:`rl_engine.logprob.triton_aot.roofline`,
+   its cubins under ``<output-dir>/roofline/``), and its predicted forward and
+   forward+backward times (H100 SXM or H200 figures, by the device's name) beside the measured
+   medians of the Triton backend and of the floor (``smoke.json``'s ``roofline``; ``null`` on
+   the CPU, with the reason).
 
 ``--cpu-only`` does all of it with ``device: cpu`` (gloo ranks instead of GPUs): what the
 test suite runs (``tests/test_gpu_smoke.py``). Writes ``<output-dir>/smoke.json`` (checked against
@@ -237,6 +244,40 @@ def time_paths(case: Case, device: torch.device, tokens: int, repeats: int) -> l
     return rows + timed_rows
 
 
+GPU_MODELS = {"H200": "h200", "H100": "h100"}
+
+
+def gpu_model(name: str) -> str | None:
+    """The roofline model (``h100``/``h200``) of a CUDA device name, or None for another GPU."""
+    return next((model for key, model in GPU_MODELS.items() if key in name.upper()), None)
+
+
+def roofline_table(case: Case, device: str, tokens: int, timing: list[dict[str, Any]],
+                   out_dir: Path) -> dict[str, Any]:
+    """``smoke.json``'s ``roofline``: the predicted times of the Triton kernels next to the measured
+    ones (cuda), or why there is none."""
+    if device != "cuda":
+        return {"rows": [], "reason": "no GPU: the roofline predicts a GPU's time (--cpu-only run)"}
+    from rl_engine.logprob import triton_aot
+
+    name = torch.cuda.get_device_name(0)
+    model = gpu_model(name)
+    major, minor = torch.cuda.get_device_capability(0)
+    try:
+        doc = triton_aot.roofline(out_dir / "roofline", arch=10 * major + minor, rows=tokens,
+                                  case=(case.real_vocab, case.padded_vocab, case.num_vocab_tiles),
+                                  dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[case.dtype])
+    except Exception as exc:  # noqa: BLE001 - the prediction is an addition; say why it is missing
+        return {"rows": [], "reason": f"the roofline could not be computed: {type(exc).__name__}: {exc}"}
+    schemas.write_validated(out_dir / "roofline" / "roofline.json", doc, "roofline")
+    gpus = [model] if model else ["h100", "h200"]
+    rows = [dict(row, model=gpu) for gpu in gpus
+            for row in triton_aot.predicted_vs_measured(doc, timing, gpu, TRITON_BACKEND)]
+    reason = None if model else f"{name} is neither an H100 nor an H200: both models are shown"
+    return {"rows": rows, "reason": reason, "arch": f"sm_{10 * major + minor}",
+            "instructions_per_column": doc["instructions_per_column"]}
+
+
 def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     config = load_config(args.config)
     device = "cpu" if args.cpu_only else "cuda"
@@ -289,6 +330,7 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
                                         f"the CPU replay with {backend_id}: {cpu[key]}")
     print(f"[3/3] forward and forward+backward timing on {device} at {args.tokens} tokens")
     timing = time_paths(case, torch.device(device), args.tokens, args.repeats)
+    roofline = roofline_table(case, device, args.tokens, timing, out_dir)
     result = {
         "schema_version": SCHEMA_VERSION,
         "device": device,
@@ -302,6 +344,7 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         "cpu_fingerprints": cpu_replays_result,
         "cpu_backends": cpu_backends,
         "timing": {"tokens": args.tokens, "repeats": args.repeats, "rows": timing},
+        "roofline": roofline,
         "passed": not problems,
         "failures": problems,
     }
@@ -339,6 +382,12 @@ def main(argv: list[str]) -> int:
     except (schemas.ArtifactSchemaError, jsonio.StrictJSONError) as exc:
         print(f"gpu-smoke FAILED: smoke.json not written: {exc}", file=sys.stderr)
         return EXIT_DIFFERS
+    for row in result["roofline"]["rows"]:
+        print(f"  paper model ({row['model']}) {row['phase']:<16} predicted {row['predicted_ms']:.3f} ms, "
+              f"measured {row['measured_ms']:.3f} ms ({row['measured_over_predicted']:.2f}x); floor predicted "
+              f"{row['floor_predicted_ms']:.3f} ms, measured {row['floor_measured_ms']:.3f} ms")
+    if result["roofline"].get("reason"):
+        print(f"  paper model: {result['roofline']['reason']}")
     for row in result["timing"]["rows"]:
         if "median_s" in row:
             memory = "" if row["peak_bytes"] is None else f", peak {row['peak_bytes'] / 2**20:.0f} MiB"

@@ -159,3 +159,32 @@ def test_timing_rows_have_both_phases_ratios_and_skips_on_the_cpu() -> None:
         ("cpu-vocab-parallel-logp-ws2", "forward_backward")}
     floor = next(r for r in timed if r["path"] == "floor" and r["phase"] == "forward")
     assert floor["time_vs_floor"] == 1.0 and floor["memory_vs_naive"] is None
+
+
+@pytest.mark.slow
+def test_the_cpu_only_smoke_says_why_it_has_no_roofline(smoke_run) -> None:
+    _, _, result = smoke_run
+    assert result["roofline"]["rows"] == [] and "no GPU" in result["roofline"]["reason"]
+
+
+def test_predicted_beside_measured_from_a_roofline_and_timing_rows() -> None:
+    """The table gpu-smoke prints on a GPU: the paper model's forward and forward+backward times
+    (a roofline document's numbers) next to the measured medians of the Triton backend and the floor."""
+    from rl_engine.logprob import triton_aot
+
+    doc = jsonio.load(Path(__file__).resolve().parent / "fixtures" / "schemas" / "roofline" / "valid"
+                      / "default.json")
+    rows = [{"path": gpu_smoke.TRITON_BACKEND, "phase": "forward", "median_s": 0.00101},
+            {"path": "floor", "phase": "forward", "median_s": 0.00080},
+            {"path": gpu_smoke.TRITON_BACKEND, "phase": "forward_backward", "median_s": 0.0030},
+            {"path": "floor", "phase": "forward_backward", "median_s": 0.0025},
+            {"path": "naive", "skipped": "n/a"}]
+    table = triton_aot.predicted_vs_measured(doc, rows, "h100", gpu_smoke.TRITON_BACKEND)
+    p = doc["predicted"]["h100"]
+    fwd, both = table
+    assert fwd["predicted_ms"] == p["forward_ms"] and fwd["measured_ms"] == 1.01
+    assert fwd["measured_over_predicted"] == round(1.01 / p["forward_ms"], 4)
+    assert both["predicted_ms"] == p["forward_ms"] + p["backward_ms"]
+    assert both["floor_predicted_ms"] == p["forward_floor_ms"] + p["backward_floor_ms"]
+    assert gpu_smoke.gpu_model("NVIDIA H100 80GB HBM3") == "h100" and gpu_smoke.gpu_model("NVIDIA H200") == "h200"
+    assert gpu_smoke.gpu_model("NVIDIA A100-SXM4-80GB") is None

@@ -25,12 +25,14 @@ from typing import Callable, NamedTuple
 import torch
 
 from rl_engine.logprob.portable import (
+    _MIDPOINT,
+    _MIDPOINT_MASK,
     ExpScratch,
     FmaScratch,
+    _odd_rounded,
     canonical_nan_,
     exp,
     exp_into,
-    fma_into,
     log,
     round_into,
 )
@@ -122,16 +124,54 @@ class LanePlan:
             lanes.add_(terms[..., cols])
         return self._fold.run_into(out)
 
-    def fma_sum_into(self, u: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out = G*(u, v)``: each lane ``fma(u_c, v_c, lane)`` in column order, then ``F``."""
+    def fma_sum_into(self, u: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     prod: torch.Tensor | None = None, wide: torch.Tensor | None = None) -> torch.Tensor:
+        """``out = G*(u, v)``: each lane ``fma(u_c, v_c, lane)`` in column order, then ``F``.
+
+        The products ``u_c * v_c`` are exact in binary64 (``prod`` and ``wide``: binary64
+        buffers of ``u``'s shape, or allocated); each step adds one chunk's products to the
+        lanes in binary64 and rounds the sums once to binary32: the fma, except where a sum sits
+        on a binary32 midpoint (:func:`rl_engine.logprob.portable.fma_into`). Those lanes are
+        noted and, at the end, recomputed with every fma rounded to odd first. A lane's result
+        below ``2**-125`` is an exact binary64 sum (its terms ``e * max(y, LO)`` are ``<= 0``, so
+        nothing cancels, and a tiny one needs a tiny ``y``, where ``e = 1``), so only the
+        midpoint test is needed (the tests hold this to the NumPy ``fma32``).
+        """
         assert self._scratch is not None, "build the plan with an FmaScratch for G*"
+        if prod is None or wide is None:
+            prod = torch.empty(u.shape, dtype=torch.float64, device=u.device)
+            wide = torch.empty_like(prod)
+        prod.copy_(u)
+        wide.copy_(v)
+        prod.mul_(wide)  # exact: 24 x 24 bits
+        odd = self._scratch.tiny  # the lanes whose binary64 sum met a midpoint at some step
+        odd.zero_()
         self._lanes.zero_()
         for cols, lanes, scratch in self._chunks:
-            # a lane's result below 2**-125 is an exact binary64 sum: its terms e * max(y, LO)
-            # are <= 0, so no cancellation, and a tiny one needs a tiny y (e = 1 then) or
-            # is exactly 0 (tests/test_portable_arith.py holds it to the NumPy fma32)
-            fma_into(u[..., cols], v[..., cols], lanes, lanes, scratch, tiny_exact=True)
+            acc = scratch.sum64
+            acc.copy_(lanes)
+            acc.add_(prod[..., cols])
+            lanes.copy_(acc)
+            torch.bitwise_and(acc.view(torch.int64), _MIDPOINT_MASK, out=scratch.bits)
+            torch.eq(scratch.bits, _MIDPOINT, out=scratch.flag)
+            odd[..., : lanes.shape[-1]].logical_or_(scratch.flag)
+        if bool(odd.any()):
+            self._exact_lanes(u, v, odd.nonzero(as_tuple=True))
         return self._fold.run_into(out)
+
+    def _exact_lanes(self, u: torch.Tensor, v: torch.Tensor, idx: tuple[torch.Tensor, ...]) -> None:
+        """Recompute the lanes at ``idx`` (``[..., lane]`` indices) with every fma exact."""
+        *lead, lane = idx
+        width = u.shape[-1]
+        acc = torch.zeros(lane.shape, dtype=torch.float32, device=u.device)
+        for start in range(0, width, LANES):
+            col = lane + start
+            valid = col < width
+            col = torch.where(valid, col, torch.zeros_like(col))
+            a = torch.where(valid, u[(*lead, col)], torch.zeros_like(acc))  # fma(0, 0, lane) = lane
+            b = torch.where(valid, v[(*lead, col)], torch.zeros_like(acc))
+            acc = _odd_rounded(a, b, acc, acc).to(torch.float32)
+        self._lanes[idx] = acc
 
 
 def lane_sum(x: torch.Tensor) -> torch.Tensor:
@@ -254,7 +294,9 @@ class ChunkWorkspace:
         v.sums.sum_into(v.exp_tiles, s_out)
         if self.with_entropy:
             assert t_out is not None
-            v.sums.fma_sum_into(v.exp_tiles, v.yc_tiles, t_out)
+            shape = v.exp_tiles.shape
+            v.sums.fma_sum_into(v.exp_tiles, v.yc_tiles, t_out,
+                                v.scratch.s64.view(shape), v.scratch.r64.view(shape))
 
 
 class GradWorkspace:

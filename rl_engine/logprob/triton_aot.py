@@ -412,19 +412,21 @@ def _kernel_seconds(sass: Sass, threads: int, programs: int, model: dict[str, An
     return slots * threads * programs / rate
 
 
-def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH) -> dict[str, Any]:
-    """Compile the default case's launches (bf16, 8192 x 151936, entropy and validation on) for
-    ``arch``, write each cubin into ``output_dir`` and return the roofline document."""
+def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_ROWS,
+             case: tuple[int, int, int] = CASES[0][1:], dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """Compile the launches of one case (default: the default case, bf16, 8192 x 151936, 64
+    tiles, entropy and validation on) for ``arch``, write each cubin into ``output_dir`` and
+    return the roofline document."""
     import triton
 
     output_dir.mkdir(parents=True, exist_ok=True)
     kernels = load_kernels("compiled")
-    _, real, padded, tiles = CASES[0]
-    launches = case_launches(ROOFLINE_ROWS, real, padded, tiles, torch.bfloat16, True, True)
+    real, padded, tiles = case
+    launches = case_launches(rows, real, padded, tiles, dtype, True, True)
     from triton.backends.compiler import GPUTarget
 
     target = GPUTarget("cuda", arch, 32)
-    columns = ROOFLINE_ROWS * padded
+    columns = rows * padded
     entries: list[dict[str, Any]] = []
     seconds = {"forward": 0.0, "backward": 0.0}
     per_column = {"forward": 0.0, "backward": 0.0}
@@ -455,7 +457,7 @@ def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH) -> dict[str, Any]:
                 "divisible_by_16": sorted(fn.arg_names[k[0]] for k, v in attrs.items()
                                           if any(a == ["tt.divisibility", 16] for a in v)),
             })
-    logits = columns * MODEL["logit_bytes"]
+    logits = columns * torch.empty((), dtype=dtype).element_size()
     predicted = {}
     for gpu, bandwidth in MODEL["bandwidth_bytes_per_s"].items():
         floor_fwd = logits / bandwidth  # read the logits once
@@ -476,9 +478,10 @@ def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "kind": "paper model from the compiled SASS (not a measurement)",
         "triton": triton.__version__,
-        "case": {"rows": ROOFLINE_ROWS, "real_vocab": real, "padded_vocab": padded, "num_vocab_tiles": tiles,
-                 "dtype": "bf16", "entropy": True, "validate": True},
-        "model": MODEL,
+        "case": {"rows": rows, "real_vocab": real, "padded_vocab": padded, "num_vocab_tiles": tiles,
+                 "dtype": {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype],
+                 "entropy": True, "validate": True},
+        "model": {**MODEL, "rows": rows, "vocab": padded, "logit_bytes": torch.empty((), dtype=dtype).element_size()},
         "kernels": entries,
         "instructions_per_column": {k: round(v, 3) for k, v in per_column.items()},
         "predicted": predicted,
@@ -526,3 +529,22 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(main(sys.argv[1:]))
+
+
+def predicted_vs_measured(doc: dict[str, Any], timing_rows: list[dict[str, Any]], gpu: str,
+                          path: str) -> list[dict[str, Any]]:
+    """The roofline's predicted forward and forward+backward times of ``gpu`` (``h100``/``h200``)
+    beside the measured medians of ``path`` and of the floor (rows of ``gpu-smoke``'s timing)."""
+    p = doc["predicted"][gpu]
+    predicted = {"forward": (p["forward_ms"], p["forward_floor_ms"]),
+                 "forward_backward": (p["forward_ms"] + p["backward_ms"], p["forward_floor_ms"] + p["backward_floor_ms"])}
+    out = []
+    for phase, (ms, floor_ms) in predicted.items():
+        measured = {r["path"]: r["median_s"] * 1e3 for r in timing_rows if r.get("phase") == phase and "median_s" in r}
+        if path not in measured or "floor" not in measured:
+            continue
+        out.append({"phase": phase, "path": path, "predicted_ms": ms, "measured_ms": round(measured[path], 4),
+                    "measured_over_predicted": round(measured[path] / ms, 4),
+                    "floor_predicted_ms": floor_ms, "floor_measured_ms": round(measured["floor"], 4),
+                    "floor_measured_over_predicted": round(measured["floor"] / floor_ms, 4)})
+    return out
