@@ -454,20 +454,23 @@ def test_really_failing_topology_keeps_its_report_and_blocks_the_archive(wf: Wor
 
 def test_hanging_rank_fails_the_rule_at_its_time_limit(wf: Workflow) -> None:
     """Rank 1 of TP=2 x CP=1 sleeps forever once the mesh is up; with topology_timeout_s=20 the
-    rule fails at the limit. TP=1 x CP=2 (two ranks, same limit, same run) completes: the control."""
+    rule fails at the limit. The control, TP=1 x CP=2 with the same fault setting (which hangs only
+    2x1), runs in a second invocation under the default limit: a healthy run is never given a
+    limit that a loaded machine could miss, so the verdict does not depend on the load."""
     wf.remove(*wf.files_of("tp2-cp1"), *wf.files_of("tp1-cp2"))
-    targets = [str(wf.report(label).relative_to(wf.repo)) for label in ("tp1-cp2", "tp2-cp1")]
     env = env_for(wf.repo, {"RL_ENGINE_FAULT": "hang:2x1:1"})
-    done = snakemake(wf.repo, *targets, "--config", f"topology_timeout_s={HANG_LIMIT_S}", env=env, timeout=600)
+    hung = str(wf.report("tp2-cp1").relative_to(wf.repo))
+    done = snakemake(wf.repo, hung, "--config", f"topology_timeout_s={HANG_LIMIT_S}", env=env, timeout=600)
     text = text_of(done)
     assert done.returncode != 0
     assert failed_rules(text) == ["topology"], text[-4000:]
     assert "wildcards: tp=2, cp=1" in text and "returned non-zero exit status 124." in text
-    for tp, cp in ((1, 2), (2, 1)):  # both topologies ran under the same limit
-        assert f"--tp {tp} --cp {cp} --timeout-s {HANG_LIMIT_S} " in text
+    assert f"--tp 2 --cp 1 --timeout-s {HANG_LIMIT_S} " in text
     log = wf.log("tp2-cp1")
     assert (f"error: topology 2x1 exceeded --timeout-s={HANG_LIMIT_S}; the runner and its ranks were "
             "killed and its outputs removed") in log
     assert [p.name for p in wf.files_of("tp2-cp1") if p.exists()] == []
+    control = snakemake(wf.repo, str(wf.report("tp1-cp2").relative_to(wf.repo)), env=env, timeout=600)
+    assert control.returncode == 0, text_of(control)[-4000:]
     assert jsonio.load(wf.report("tp1-cp2"))["passed"] is True
     assert processes_mentioning(str(wf.report("tp2-cp1"))) == []  # the hung rank is gone too
