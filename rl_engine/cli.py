@@ -50,5 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(module.main(rest))
     except OSError as exc:  # a file the verb was pointed at cannot be read or written: the message, no traceback
+        # 2, as for every refusal: 1 is each verb's "the evidence shows a difference or a failure"
         print(f"{verb}: {exc}", file=sys.stderr)
-        return 1
+        return 2

@@ -1,4 +1,9 @@
-"""Strict JSON, SHA-256 and atomic writes: the one place artifacts are written and read.
+"""Strict JSON, SHA-256, atomic writes and regular-file opens: the one place artifacts are written and read.
+
+:func:`open_regular` is how a file the project reads is opened: with ``O_NONBLOCK``, so a FIFO or
+a device never blocks the ``open``, then refused by ``fstat`` unless it is a regular file
+(:class:`NotRegularFileError`, an ``OSError`` naming the path and what it is). Checking the open
+descriptor rather than the path first leaves no window for the path to change in between.
 
 Strict means ``allow_nan=False`` on write and, on read, a refusal of ``NaN``/``Infinity``
 literals, of a number that overflows binary64 (``1e999`` reads as infinity otherwise) and of an
@@ -13,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
@@ -73,13 +79,50 @@ def _bounded_int(text: str) -> int:
     return int(text)
 
 
+class NotRegularFileError(OSError):
+    """A path the project was asked to read that is not a regular file (a FIFO, a device, a directory)."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """``open(path, "rb")`` of a regular file (symlinks followed), never blocking on a FIFO or a
+    device; raises :class:`NotRegularFileError` naming the path, or the ``OSError`` of the open."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(f"{os.fspath(path)} is {_kind(mode)}, not a regular file; "
+                                      "give the path of a file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def require_regular(path: str | os.PathLike[str]) -> None:
+    """Raise as :func:`open_regular` does unless ``path`` is a regular file (for a library that opens
+    the path itself: safetensors, tarfile)."""
+    open_regular(path).close()
+
+
 def loads(text: str) -> Any:
     return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float, parse_int=_bounded_int)
 
 
 def load(path: str | os.PathLike[str]) -> Any:
     try:
-        return loads(Path(path).read_text(encoding="utf-8"))
+        with open_regular(path) as handle:
+            return loads(handle.read().decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise StrictJSONError(f"{path}: invalid JSON ({exc})") from None
     except StrictJSONError as exc:
@@ -127,7 +170,7 @@ def sha256_bytes(data: bytes) -> str:
 
 def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with open_regular(path) as handle:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()

@@ -174,6 +174,23 @@ def config_capture(config: dict[str, Any], origin: Origin = Origin()) -> dict[st
     return value
 
 
+def check_capture_location(config: dict[str, Any], run_dir: str | os.PathLike[str]) -> None:
+    """Refuse ``inputs.capture`` inside the run directory this config writes (``results/<run>``):
+    the workflow would take the file for one of its own outputs (with ``archive: true``, the
+    capture stage's ``capture.safetensors``) and remove it, the only copy; a reviewer reproducing
+    from an extracted archive copies the capture out first."""
+    inputs = config.get("inputs")
+    if inputs is None:
+        return
+    capture, run = Path(inputs["capture"]).resolve(), Path(run_dir).resolve()
+    if capture == run or run in capture.parents:
+        raise WorkflowConfigError(
+            f"config key 'inputs.capture' has value {str(inputs['capture'])!r}, inside the run directory "
+            f"{run_dir} that this config writes: the workflow would treat it as its own output and could "
+            "remove it; copy the capture out of the run directory (for example next to config.yaml) and "
+            "point inputs.capture there")
+
+
 def _file_state(path: str | os.PathLike[str]) -> tuple[int, int]:
     """``(size, mtime_ns)`` of a file (``(-1, -1)`` when it cannot be read): a cache key of what was read."""
     try:

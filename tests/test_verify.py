@@ -394,6 +394,31 @@ def test_forged_summary_with_sums_recomputed_fails(good: Good, sandbox: Sandbox,
         assert "SUMMARY.md is missing" in found
 
 
+def test_a_summary_holding_control_characters_fails(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A raw ESC sequence (a screen clear and a green verdict) appended to SUMMARY.md, the manifest
+    recomputed: the SUMMARY.md row fails naming the characters, and the terminal never gets them."""
+    def inject(data: bytes) -> bytes:
+        return data + "\x1b[2J\x1b[32mALL CHECKS VERIFIED ON 8xH100\x1b[0m\n".encode()
+
+    entries = edited(good, {"SUMMARY.md": inject}, resum=True)
+    code, text, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
+    assert code == 1 and status(result)["SUMMARY.md"] == "FAIL", text
+    assert "control or bidirectional characters ['U+001B']" in problems(result, "SUMMARY.md")
+    assert "\x1b" not in text
+
+
+def test_every_summary_cell_goes_through_md_cell() -> None:
+    from rl_engine.evidence.summary import Section, md_cell
+
+    hostile = "caps/a\nb|c\x1b]0;pwned\x07\u202e.safetensors"
+    cell = md_cell(hostile)
+    assert cell == "caps/a\\x0ab\\|c\\x1b]0;pwned\\x07\\u202e.safetensors"
+    table = Section("t", ("a", "b"), ((hostile, "ok"),)).markdown()
+    assert table.count("\n") == 3 and cell in table  # header, rule, one row: the newline did not end the row
+    assert md_cell("plain `path` 1.5e-07") == "plain `path` 1.5e-07"  # the control: nothing else changes
+
+
 def _loosen(value: float) -> Callable[[bytes], bytes]:
     """Every atol of a plan or report (case, drift statistics, launch command) set to ``value``."""
     default = repr(default_tolerance("bf16")[0])

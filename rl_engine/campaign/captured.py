@@ -29,8 +29,9 @@ from typing import Any, Mapping
 
 import torch
 
+from rl_engine import jsonio
 from rl_engine.campaign import inputs  # inputs.make_inputs looked up at call time (a test spies on it)
-from rl_engine.capture.format import CaptureError, read_capture, read_header
+from rl_engine.capture.format import CaptureError, Header, read_capture, read_header
 from rl_engine.rundir import CAPTURE
 
 COPY_CHUNK = 1 << 20  # bytes read at a time when hashing or copying a capture
@@ -44,7 +45,7 @@ def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
     """The file's SHA-256, hashed at most once per process while its identity stays the same."""
-    with open(path, "rb") as handle:
+    with jsonio.open_regular(path) as handle:
         before = _identity(os.fstat(handle.fileno()))
         if before in _HASHED:
             return _HASHED[before]
@@ -62,12 +63,22 @@ def _hash_stream(handle: Any) -> str:
     return digest.hexdigest()
 
 
+def _require_file(path: Path, what: str, fix: str) -> None:
+    """``path`` exists and is a regular file, else :class:`CaptureError`: "no such file" (saying
+    where it looked) or "not a regular file" (a directory, a FIFO, a device)."""
+    if not path.exists():
+        raise CaptureError(f"{what}: no such file (looked for {path.absolute()}); {fix}")
+    try:
+        jsonio.require_regular(path)
+    except jsonio.NotRegularFileError as exc:
+        raise CaptureError(f"{what}: {exc}; {fix}") from None
+
+
 def capture_record(path: str | os.PathLike[str], archive: bool = False) -> dict[str, Any]:
     """The case's ``capture`` record of a file: raises :class:`CaptureError` naming what is wrong."""
     where = Path(path)
-    if not where.is_file():
-        raise CaptureError(f"inputs.capture={str(path)!r}: no such file; give the path of a capture "
-                           "written by rl_engine.capture.write_capture (docs/capture.md)")
+    _require_file(where, f"inputs.capture={str(path)!r}", "give the path of a capture written by "
+                  "rl_engine.capture.write_capture (docs/capture.md)")
     header = read_header(where)
     return {
         "path": str(where.resolve()),
@@ -85,9 +96,8 @@ def check_file(record: Mapping[str, Any], path: str | os.PathLike[str] | None = 
     """``path`` (default: the recorded one) holds the recorded capture's bytes; else refuse."""
     where = Path(path if path is not None else record["path"])
     expected = f"the case's capture (sha256 {record['sha256']}, {record['size']} bytes)"
-    if not where.is_file():
-        raise CaptureError(f"capture {where}: no such file; {expected} must be there (or pass "
-                           "its copy where the command takes one)")
+    _require_file(where, f"capture {where}", f"{expected} must be there (or pass its copy where the "
+                  "command takes one)")
     size = where.stat().st_size
     if size != record["size"]:
         raise CaptureError(f"capture {where} has {size} bytes, not those of {expected}; "
@@ -96,7 +106,22 @@ def check_file(record: Mapping[str, Any], path: str | os.PathLike[str] | None = 
     if digest != record["sha256"]:
         raise CaptureError(f"capture {where} has sha256 {digest}, not that of {expected}; "
                            "give the file the case was made from")
+    check_header(record, read_header(where), str(where))
     return where
+
+
+def check_header(record: Mapping[str, Any], header: Header, where: str) -> None:
+    """Every field the case records of its capture (tokens, vocabulary, logits dtype, size,
+    metadata) is what the file's own header says, else :class:`CaptureError` naming the first
+    field that differs: a record edited after the case was made (the same bytes, other claims)
+    is refused wherever the file is read, before any tensor is."""
+    found = {"tokens": header.num_tokens, "vocab": header.vocab, "dtype": header.logits_dtype,
+             "size": header.file_size, "metadata": dict(header.metadata)}
+    for key, value in found.items():
+        if record.get(key) != value:
+            raise CaptureError(f"capture {where}: the case records {key}={record.get(key)!r} but the file's "
+                               f"header says {value!r}; the case's capture record does not describe this "
+                               "file: make the case again from the file (rerun the workflow)")
 
 
 def full_capture(record: Mapping[str, Any],
@@ -142,16 +167,19 @@ def copy_capture(record: Mapping[str, Any], output: str | os.PathLike[str],
     """
     where = Path(source if source is not None else record["path"])
     target = Path(output)
-    target.unlink(missing_ok=True)
+    if where.absolute() == target.absolute() or (where.exists() and target.exists()
+                                                 and os.path.samefile(where, target)):
+        raise CaptureError(f"--output {target} is the capture itself ({where}); nothing was copied or "
+                           "removed: copy it to another path (the run directory's capture.safetensors)")
     expected = f"the case's capture (sha256 {record['sha256']}, {record['size']} bytes)"
-    if not where.is_file():
-        raise CaptureError(f"capture {where}: no such file; {expected} must be there to be archived "
-                           "(restore it, or set inputs.archive: false)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
+    tmp: str | None = None
+    try:  # any refusal leaves nothing at output (which, checked above, is not the source)
+        _require_file(where, f"capture {where}", f"{expected} must be there to be archived (restore it, "
+                      "or set inputs.archive: false)")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
         digest, size = hashlib.sha256(), 0
-        with open(where, "rb") as src, os.fdopen(fd, "wb") as dst:
+        with os.fdopen(fd, "wb") as dst, jsonio.open_regular(where) as src:
             while block := src.read(COPY_CHUNK):
                 digest.update(block)
                 dst.write(block)
@@ -165,7 +193,9 @@ def copy_capture(record: Mapping[str, Any], output: str | os.PathLike[str],
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        target.unlink(missing_ok=True)
         raise
     return digest.hexdigest()
 
@@ -195,5 +225,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["capture_record", "case_inputs", "check_file", "copy_capture", "file_sha256", "full_capture", "main",
+__all__ = ["capture_record", "case_inputs", "check_file", "check_header", "copy_capture", "file_sha256", "full_capture", "main",
            "replay_source"]

@@ -141,11 +141,13 @@ def _entry(name: str, raw: Any, where: str) -> TensorEntry:
         raise CaptureError(f"{where}: tensor {name}: header record {raw!r} is not a safetensors "
                            "record (dtype, shape, data_offsets); rewrite the file with safetensors")
     dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
-    if dtype not in ST_DTYPES:
+    if not isinstance(dtype, str) or dtype not in ST_DTYPES:
         raise CaptureError(f"{where}: tensor {name} has dtype {dtype}; {_dtype_rule(name)}")
-    if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
+    # type() is int, not isinstance: a JSON true is a bool, which Python counts as an int and
+    # safetensors refuses
+    if (not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape)
             or not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(o, int) and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
+            or not all(type(o) is int and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
         raise CaptureError(f"{where}: tensor {name}: shape {shape!r} or data_offsets {offsets!r} "
                            "is malformed; rewrite the file with safetensors")
     count = 1
@@ -185,9 +187,42 @@ def _check_layout(entries: dict[str, TensorEntry], where: str) -> None:
 
 
 def read_header(path: str | os.PathLike[str]) -> Header:
-    """Parse and check a capture's safetensors header without reading the tensors."""
-    with open(path, "rb") as handle:
-        return parse_header(handle, os.path.getsize(path), str(path))
+    """Parse and check a capture's safetensors header without reading the tensors (the path must be
+    a regular file: :func:`rl_engine.jsonio.open_regular`, so a FIFO never blocks)."""
+    with jsonio.open_regular(path) as handle:
+        return parse_header(handle, os.fstat(handle.fileno()).st_size, str(path))
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise CaptureError(f"the safetensors header repeats the key(s) "
+                           f"{sorted({k for k in keys if keys.count(k) > 1})!r}")
+    return dict(pairs)
+
+
+def _no_constant(name: str) -> Any:
+    raise CaptureError(f"the safetensors header holds the literal {name}, which is not JSON")
+
+
+def _strings_are_utf8(value: Any, where: str) -> None:
+    """Every string of the parsed header encodes as UTF-8 (a lone surrogate escape such as
+    ``"\\ud800"`` parses in Python but not in safetensors' reader)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise CaptureError(f"{where}: the safetensors header holds the string {item!r}, which "
+                                   "is not valid Unicode (a lone surrogate); safetensors refuses it: "
+                                   "write the capture again") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def parse_header(handle: BinaryIO, size: int, where: str) -> Header:
@@ -203,13 +238,22 @@ def parse_header(handle: BinaryIO, size: int, where: str) -> Header:
                            "a safetensors file; copy or capture it again")
     text = handle.read(length)
     try:
-        raw = json.loads(text.decode("utf-8"))
+        raw = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CaptureError(f"{where}: the safetensors header is not JSON ({exc}): the file is "
                            "damaged or not a capture") from None
+    except RecursionError:
+        raise CaptureError(f"{where}: the safetensors header nests arrays or objects deeper than a JSON "
+                           "parser allows (a capture's header is 3 levels deep): the file is damaged or "
+                           "not a capture") from None
+    except CaptureError as exc:
+        raise CaptureError(f"{where}: {exc}; safetensors refuses it: the file is damaged or not a "
+                           "capture") from None
+    _strings_are_utf8(raw, where)
     if not isinstance(raw, dict):
         raise CaptureError(f"{where}: the safetensors header is not an object: not a capture")
-    metadata = raw.pop("__metadata__", None) or {}
+    metadata = raw.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict):
         raise CaptureError(f"{where}: __metadata__={metadata!r} must be an object of strings")
     entries = {name: _entry(name, rec, where) for name, rec in raw.items()}
@@ -357,6 +401,7 @@ def write_capture(path: str | os.PathLike[str], capture: Capture) -> str:
 def _open(path: str | os.PathLike[str]) -> Any:
     from safetensors import safe_open
 
+    jsonio.require_regular(path)
     return safe_open(str(path), framework="pt", device="cpu")
 
 

@@ -86,13 +86,17 @@ class Tokens:
     active: torch.Tensor
 
 
+def _check_backend(backend: str) -> None:
+    if backend == AUTO or "cpu" not in BACKEND_DEVICES.get(backend, ()):
+        raise ParityError(f"backend={backend!r} must be a backend registered for the cpu (our logprob "
+                          f"runs here): one of {sorted(b for b, d in BACKEND_DEVICES.items() if 'cpu' in d)}")
+
+
 def check_pair(rollout: Path, trainer: Path, options: ParityOptions) -> None:
     """Every refusal of :func:`run` that needs no logits: each file a capture (header checked), the
     same tokens, targets and mask (section 1), a tile count that divides the vocabulary, and a
     backend registered for the CPU. Raises :class:`ParityError` naming the side and the fix."""
-    if options.backend == AUTO or "cpu" not in BACKEND_DEVICES.get(options.backend, ()):
-        raise ParityError(f"backend={options.backend!r} must be a backend registered for the cpu (our logprob "
-                          f"runs here): one of {sorted(b for b, d in BACKEND_DEVICES.items() if 'cpu' in d)}")
+    _check_backend(options.backend)
     sides = []
     for side, path in zip(SIDES, (rollout, trainer)):
         try:
@@ -369,7 +373,13 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def run(rollout: Path, trainer: Path, output_dir: Path, options: ParityOptions) -> dict[str, Any]:
-    """Build, validate and write the report; raises :class:`ParityError` with nothing written."""
+    """Build, validate and write the report; raises :class:`ParityError` with nothing written.
+    What can be refused without the logits is refused first (the backend, an output directory
+    that is a file)."""
+    _check_backend(options.backend)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ParityError(f"--output-dir {output_dir} exists and is not a directory; name a directory "
+                          "(it is made if missing)")
     report = build_report(rollout, trainer, options)
     try:
         schemas.require_valid(report, SCHEMA, what=str(output_dir / PARITY_JSON))

@@ -27,6 +27,7 @@ Exit 1 when an evidence file cannot be read.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 import xml.etree.ElementTree as ET
@@ -73,6 +74,21 @@ class Evidence:
     parity: dict[str, Any] | None = None  # parity.json, when the run has a parity stage
 
 
+# C0 (newline and tab included), DEL, C1 and the bidirectional overrides: what defs.schema.json's
+# "printable" refuses. In a Markdown table cell each is shown as a visible escape instead.
+UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def md_cell(text: str) -> str:
+    """One table cell of SUMMARY.md, whatever the evidence held: every control character (a raw ESC
+    sequence, a newline that would end the row) and bidirectional override becomes a visible
+    ``\\xNN`` or ``\\uNNNN`` escape, and ``|`` is escaped, so a string from the evidence cannot leave
+    its cell or reach a reviewer's terminal as a command. The one function SUMMARY.md's cells go through."""
+    text = UNPRINTABLE.sub(lambda m: (f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                                       else f"\\u{ord(m.group()):04x}"), text)
+    return text.replace("|", "\\|")
+
+
 @dataclass(frozen=True)
 class Section:
     """One table: a title, column names and rows of strings (rendered as Markdown and rich)."""
@@ -84,7 +100,7 @@ class Section:
     def markdown(self) -> str:
         head = "| " + " | ".join(self.columns) + " |"
         rule = "|" + "|".join("---" for _ in self.columns) + "|"
-        body = ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in self.rows]
+        body = ["| " + " | ".join(md_cell(cell) for cell in row) + " |" for row in self.rows]
         return "\n".join([head, rule, *body]) + "\n"
 
     def rich(self) -> Table:

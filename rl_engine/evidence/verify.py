@@ -103,7 +103,7 @@ from rl_engine.rundir import (ENVIRONMENT, PARITY_JSON, PLAN, REGRESSION, REVIEW
                               PlannedReport, Run, inside, is_number)
 from rl_engine.evidence.safe_tar import MIB, Extracted, Limits, UnsafeArchiveError, safe_extract
 from rl_engine.evidence.spec_doc import SPEC_DOC, spec_problems
-from rl_engine.evidence.summary import SummaryError, regression_text, summary_text
+from rl_engine.evidence.summary import UNPRINTABLE, SummaryError, regression_text, summary_text
 from rl_engine.evidence.terminal import terminal_text
 from rl_engine.evidence.validation import validate_run
 
@@ -227,6 +227,11 @@ def check_summary(run: Run) -> Check:
     except Exception as exc:  # damaged evidence: a failed row, not a traceback
         return Check("SUMMARY.md", False, f"rendering the summary again stopped: {type(exc).__name__}: {exc}")
     actual = shipped.read_bytes()
+    controls = sorted({m.group() for m in UNPRINTABLE.finditer(actual.decode("utf-8", "replace"))} - {"\n"})
+    if controls:
+        return Check("SUMMARY.md", False, f"{SUMMARY} holds control or bidirectional characters "
+                     f"{[f'U+{ord(c):04X}' for c in controls]}: a terminal would act on them; the project's "
+                     "summary shows every such character as a visible escape")
     if actual == expected.encode("utf-8"):
         return Check("SUMMARY.md", True, "byte-identical to the summary rendered again from the evidence")
     count, problem = _line_difference(SUMMARY, actual, expected, "the evidence renders")

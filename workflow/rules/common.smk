@@ -3,6 +3,7 @@
 # outputs and log, the reports and tensors, the schemas and the logs the archive packs.
 
 from rl_engine.workflow import (
+    check_capture_location,
     config_case,
     parity_settings,
     parse_topologies,
@@ -17,6 +18,7 @@ from rl_engine.workflow import (
 REPO = str(Path(workflow.basedir).parent)
 RUN_NAME = run_name(config, REPO)
 RUN = f"results/{RUN_NAME}"
+check_capture_location(config, RUN)  # before any job: a capture inside RUN would be taken for an output
 TOPOLOGIES = parse_topologies(config["topologies"])
 # The case file's JSON (case rule): the one thing of the config that the plan and the runs read.
 CASE_JSON = json.dumps(config_case(config), sort_keys=True, allow_nan=False, separators=(",", ":"))
