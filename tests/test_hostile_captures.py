@@ -265,3 +265,46 @@ def test_a_capture_inside_the_run_directory_is_refused_before_any_job(tmp_path: 
     check_capture_location({}, run)
     common = Path(__file__).resolve().parent.parent / "workflow" / "rules" / "common.smk"
     assert "check_capture_location(config, RUN)" in common.read_text()  # the workflow calls it
+
+
+# ----------------------------------------------------------------------------- overflows are findings
+@pytest.mark.parametrize("kind", ["ratio overflows", "fp32 logits near the range"])
+def test_parity_on_overflowing_values_writes_the_report_and_counts_them(tmp_path: Path, kind: str) -> None:
+    """Valid captures whose importance ratio overflows (the trainer's target logit 200 above the
+    rollout's, relative to the row) or whose fp32 logits of +-3e38 give a -inf logprob: the report
+    is written, the overflows counted in non_finite, the statistics they spoil null."""
+    from rl_engine.capture import Capture, build_metadata, write_capture
+    from rl_engine.capture.parity import run
+
+    tokens, vocab = 4, 8
+    targets = torch.tensor([1, 2, 3, 4])
+    active = torch.ones(tokens, dtype=torch.bool)
+    if kind == "ratio overflows":
+        rollout_logits = torch.zeros(tokens, vocab)
+        rollout_logits[torch.arange(tokens), targets] = -200.0
+        trainer_logits = torch.zeros(tokens, vocab)
+        dtype = torch.bfloat16
+    else:
+        rollout_logits = torch.zeros(tokens, vocab)
+        rollout_logits[:, 0], rollout_logits[:, 1:] = 3e38, -3e38
+        trainer_logits = rollout_logits.clone()
+        trainer_logits[0, 5] = 1.0  # one row's logits differ; every logprob is -inf on both sides
+        dtype = torch.float32
+    paths = []
+    for side, logits in (("rollout", rollout_logits), ("trainer", trainer_logits)):
+        meta = build_metadata(engine="test", engine_version="0", model="m",
+                              dtype={torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype])
+        path = tmp_path / f"{side}.safetensors"
+        write_capture(path, Capture(logits.to(dtype), targets, active, metadata=meta))
+        paths.append(path)
+    report = run(paths[0], paths[1], tmp_path / "out", ParityOptions())
+    assert (tmp_path / "out" / "parity.json").is_file() and (tmp_path / "out" / "parity.png").is_file()
+    ours, ratio = report["our_logprob"], report["importance_ratio"]["ours"]
+    if kind == "ratio overflows":
+        assert ours["non_finite"] == 0 and 199 < ours["max_abs_diff"] < 201
+        assert ratio["non_finite"] == tokens and ratio["mean"] is None and ratio["min"] is None
+        assert ratio["per_token"] == [None] * tokens
+    else:
+        assert ours["non_finite"] == tokens and ours["max_abs_diff"] is None and ours["mean_diff"] is None
+        assert ours["rollout_logp"].count(None) == tokens
+        assert jsonio.load(tmp_path / "out" / "parity.json")["our_logprob"]["non_finite"] == tokens

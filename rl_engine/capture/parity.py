@@ -87,9 +87,13 @@ class Tokens:
 
 
 def _check_backend(backend: str) -> None:
-    if backend == AUTO or "cpu" not in BACKEND_DEVICES.get(backend, ()):
+    cpu = sorted(b for b, d in BACKEND_DEVICES.items() if "cpu" in d)
+    if backend != AUTO and backend not in BACKEND_DEVICES:
+        raise ParityError(f"backend={backend!r} is not registered; name one registered for the cpu "
+                          f"(our logprob runs here): one of {cpu}")
+    if backend == AUTO or "cpu" not in BACKEND_DEVICES[backend]:
         raise ParityError(f"backend={backend!r} must be a backend registered for the cpu (our logprob "
-                          f"runs here): one of {sorted(b for b, d in BACKEND_DEVICES.items() if 'cpu' in d)}")
+                          f"runs here, and auto is not a name): one of {cpu}")
 
 
 def check_pair(rollout: Path, trainer: Path, options: ParityOptions) -> None:
@@ -206,18 +210,29 @@ def _logits_section(rollout: Capture, trainer: Capture) -> dict[str, Any]:
     }
 
 
+def _finite_or_none(values: list[float]) -> list[float | None]:
+    """A per-token list for strict JSON: a non-finite value (an overflow) becomes null."""
+    return [v if math.isfinite(v) else None for v in values]
+
+
 def _diff_stats(a: torch.Tensor, b: torch.Tensor, active: torch.Tensor) -> dict[str, Any]:
-    """``b - a`` per token (binary32) and its aggregate over active tokens."""
+    """``b - a`` per token (binary32) and its aggregate over active tokens. A difference that is not
+    finite (a logprob that overflowed to -inf on fp32 logits near the format's range, or its NaN
+    difference) is counted in ``non_finite`` and shown as null; the aggregates that it would make
+    meaningless are then null too, as docs/capture.md says."""
     diff = b - a
     differ = (a.view(torch.int32) != b.view(torch.int32)) & active
     act = [d for d, on in zip(diff.tolist(), active.tolist()) if on]
+    finite = [d for d in act if math.isfinite(d)]
+    whole = len(finite) == len(act)
     return {
         "bitwise_equal": not bool(differ.any()),
         "tokens_differing": int(differ.sum()),
-        "max_abs_diff": max(abs(d) for d in act),
-        "mean_abs_diff": _mean([abs(d) for d in act]),
-        "mean_diff": _mean(act),
-        "per_token": {"diff": diff.tolist(), "bitwise_equal": (~differ | ~active).tolist()},
+        "non_finite": len(act) - len(finite),
+        "max_abs_diff": max(abs(d) for d in act) if whole else None,
+        "mean_abs_diff": _mean([abs(d) for d in act]) if whole else None,
+        "mean_diff": _mean(act) if whole else None,
+        "per_token": {"diff": _finite_or_none(diff.tolist()), "bitwise_equal": (~differ | ~active).tolist()},
     }
 
 
@@ -230,7 +245,7 @@ def _ratio(log_new: torch.Tensor, log_old: torch.Tensor, active: torch.Tensor,
     outside = sum(1 for r in values if not (low <= r <= high))
     return {
         "mean": _mean(finite) if len(finite) == len(values) else None,
-        "min": min(values), "max": max(values) if len(finite) == len(values) else None,
+        "min": min(finite) if finite else None, "max": max(values) if len(finite) == len(values) else None,
         "non_finite": len(values) - len(finite),
         "outside_bounds": outside,
         "share_outside_bounds": outside / len(values),
@@ -274,7 +289,8 @@ def compute(rollout: Capture, trainer: Capture, options: ParityOptions) -> dict[
         "logits": logits,
         "our_logprob": {
             **logp,
-            "rollout_logp": ours["rollout"].tolist(), "trainer_logp": ours["trainer"].tolist(),
+            "rollout_logp": _finite_or_none(ours["rollout"].tolist()),
+            "trainer_logp": _finite_or_none(ours["trainer"].tolist()),
             "from_logits_only": not unexplained,
             "tokens_equal_logits_different_logp": unexplained,
             "control": {"what": "the rollout's logits again, rows in reversed order, bytes "
@@ -332,7 +348,7 @@ def render_png(report: dict[str, Any]) -> bytes:
     FigureCanvasAgg(fig)
     for i, (title, diff) in enumerate(panels, start=1):
         ax = fig.add_subplot(len(panels), 1, i)
-        values = [d for d, on in zip(diff, act) if on]
+        values = [d for d, on in zip(diff, act) if on and d is not None]  # null: not finite
         zero = all(d == 0 for d in values)
         ax.hist(values, bins=1 if zero else 50, color="tab:blue")
         ax.set_title(title + (" (all zero)" if zero else ""), fontsize=9)
@@ -342,6 +358,10 @@ def render_png(report: dict[str, Any]) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", metadata={"Software": None})
     return buf.getvalue()
+
+
+def _g(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3g}"
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -357,7 +377,8 @@ def print_table(report: dict[str, Any]) -> None:
                   f"{lg['tokens_differing']} tokens, {lg['columns_differing']} columns differ; "
                   f"max abs {lg['max_abs_diff']:.3g}, max rel {lg['max_rel_diff']:.3g}")
     table.add_row("3 our logprob", ("bitwise equal" if lp["bitwise_equal"] else
-                  f"{lp['tokens_differing']} tokens differ, max abs {lp['max_abs_diff']:.3g}")
+                  f"{lp['tokens_differing']} tokens differ, max abs {_g(lp['max_abs_diff'])}"
+                  + (f", {lp['non_finite']} not finite" if lp["non_finite"] else ""))
                   + ("; from the logits only" if lp["from_logits_only"] else
                      "; NOT from the logits alone") + ("; control ok" if lp["control"]["bitwise_equal"]
                                                         else "; CONTROL FAILED"))
@@ -365,9 +386,10 @@ def print_table(report: dict[str, Any]) -> None:
         st = report["engine_vs_ours"][side]
         table.add_row(f"4 {side} engine vs ours", "no reported_logp" if st is None else
                       ("bitwise equal" if st["bitwise_equal"] else
-                       f"{st['tokens_differing']} tokens differ, max abs {st['max_abs_diff']:.3g}"))
+                       f"{st['tokens_differing']} tokens differ, max abs {_g(st['max_abs_diff'])}"))
     mean = "n/a" if rt["mean"] is None else f"{rt['mean']:.6g}"
-    table.add_row("5 ratio (ours)", f"mean {mean}, min {rt['min']:.6g}, "
+    low = "n/a" if rt["min"] is None else f"{rt['min']:.6g}"
+    table.add_row("5 ratio (ours)", f"mean {mean}, min {low}, "
                   f"outside {report['importance_ratio']['bounds']}: {rt['share_outside_bounds']:.2%}")
     Console(stderr=False, width=120).print(table)
 

@@ -418,8 +418,10 @@ def _differ_text(stats: Any) -> str:
         return "no reported_logp in the capture"
     if stats.get("bitwise_equal") is True:
         return "bitwise equal on every active token"
+    overflow = (f"; {stats.get('non_finite')} not finite (an overflowed logprob: the statistics are n/a)"
+                if stats.get("non_finite") else "")
     return (f"{stats.get('tokens_differing')} active tokens differ; max abs {_exact(stats.get('max_abs_diff'))}, "
-            f"mean abs {_exact(stats.get('mean_abs_diff'))}, mean {_exact(stats.get('mean_diff'))}")
+            f"mean abs {_exact(stats.get('mean_abs_diff'))}, mean {_exact(stats.get('mean_diff'))}{overflow}")
 
 
 def _ratio_text(stats: Any, bounds: Any) -> str:
