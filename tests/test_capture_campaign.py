@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -406,9 +407,11 @@ def _text(check: dict) -> str:
     return "\n".join([check["detail"], *check["problems"]])
 
 
-def _rebuilt(capture_archive: dict[str, Path], tmp_path: Path, capture_bytes: bytes | None) -> Path:
-    """The archive with its capture member replaced by ``capture_bytes`` (removed when None), SHA256SUMS
-    recomputed and a matching .sha256: only the checks of the capture itself can catch it."""
+def _rebuilt(capture_archive: dict[str, Path], tmp_path: Path, capture_bytes: bytes | None,
+             edit: Any = None) -> Path:
+    """The archive with its capture member replaced by ``capture_bytes`` (removed when None), each member
+    passed through ``edit(name, data)`` when given, SHA256SUMS recomputed and a matching .sha256: only
+    the checks of the capture itself can catch it."""
     import gzip
     import io
     import tarfile
@@ -426,6 +429,8 @@ def _rebuilt(capture_archive: dict[str, Path], tmp_path: Path, capture_bytes: by
         del files[f"{top}/{CAPTURE}"]
     else:
         files[f"{top}/{CAPTURE}"] = capture_bytes
+    if edit is not None:
+        files = {name: data if data is None else edit(name, data) for name, data in files.items()}
     sums = [(name[len(top) + 1:], data) for name, data in files.items() if data is not None and not name.endswith(SUMS)]
     files[f"{top}/{SUMS}"] = archive_verb.sums_text(sums).encode()
     buffer = io.BytesIO()
@@ -514,6 +519,56 @@ def test_an_archive_without_its_capture_member_is_refused_naming_the_file_and_ha
     # negative control: given the file with --capture, the replay passes again
     code, checks = _verify(path, tmp_path, "--recompute", "--capture", str(capture_archive["capture"]))
     assert checks["inputs regenerated"]["status"] == "PASS" and checks["candidate replayed"]["status"] == "PASS"
+
+
+@pytest.mark.slow
+def test_an_archived_capture_larger_than_its_case_is_bounded_before_any_tensor_is_read(
+        capture_archive: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forged archive whose capture (and its record, rewritten to match the file) holds 128 times the
+    case's columns: the replay bound counts the record's tokens x vocab, not the case's, and refuses
+    before any capture tensor is read; a limit the case alone would pass is the one given."""
+    import torch
+
+    from _capture_case import BATCH, SEQ, VOCAB
+    from rl_engine import jsonio
+    from rl_engine.campaign import captured
+    from rl_engine.capture import Capture, build_metadata
+    from rl_engine.capture.format import write_capture
+
+    big = tmp_path / "big.safetensors"
+    meta = build_metadata(engine="test", engine_version="0", model="zeros", dtype="bf16", notes="row 5")
+    tokens = BATCH * SEQ
+    write_capture(big, Capture(torch.zeros(tokens, VOCAB * 128, dtype=torch.bfloat16),
+                               torch.zeros(tokens, dtype=torch.int64), torch.ones(tokens, dtype=torch.bool), None, meta))
+    forged = {k: v for k, v in capture_record(big, archive=True).items() if k != "path"}
+
+    def edit(name: str, data: bytes) -> bytes:  # every case's capture record now describes the big file
+        if not name.endswith(".json"):
+            return data
+        doc = jsonio.loads(data.decode())
+        cases = [doc.get("case"), doc] if isinstance(doc, dict) else []
+        changed = False
+        for case in cases:
+            if isinstance(case, dict) and isinstance(case.get("capture"), dict):
+                case["capture"].update(forged)
+                changed = True
+        return jsonio.dumps(doc).encode() if changed else data
+
+    path = _rebuilt(capture_archive, tmp_path, big.read_bytes(), edit)
+    read: list[object] = []
+    monkeypatch.setattr(captured, "read_capture", lambda *a, **k: read.append(a) or pytest.fail("a tensor was read"))
+    limit = tokens * VOCAB  # the case's own logits: within the limit
+    code, checks = _verify(path, tmp_path, "--recompute", "--max-replay-logits", str(limit))
+    assert code == 1 and not read
+    for name in ("inputs regenerated", "candidate replayed"):
+        text = _text(checks[name])
+        assert checks[name]["status"] == "FAIL", (name, checks[name])
+        assert f"case.capture records {tokens} tokens x {VOCAB * 128} columns but the case has" in text
+        assert f"the replay would generate {tokens * VOCAB * 128} logits" in text and "nothing was generated" in text
+    # negative control: the same archive under a limit that holds the capture passes the bound, and the
+    # replay then reads the capture (and refuses the case that disagrees with it)
+    code, checks = _verify(path, tmp_path, "--recompute", "--max-replay-logits", str(tokens * VOCAB * 128))
+    assert "over the replay limit" not in _text(checks["inputs regenerated"])
 
 
 @pytest.mark.slow

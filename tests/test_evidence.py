@@ -220,6 +220,34 @@ def test_regression_failure_and_empty_run_exit_1(tmp_path: Path) -> None:
     assert regression.main(["--output-dir", str(tmp_path / "c"), "--tests", str(tmp_path / "nope.py")]) == 2
 
 
+def test_regression_in_a_checkout_without_the_built_kernel_says_so_and_runs_nothing(tmp_path: Path) -> None:
+    """A checkout whose fused kernel is not built (its package installed from another checkout): the
+    verb names the checkout and the fix and runs nothing, rather than letting the suite's ``auto``
+    tests fail saying that auto chose eager. Negative control: the same verb from this checkout runs."""
+    import shutil
+    import subprocess
+    import sys
+
+    source = Path(regression.__file__).resolve().parents[2]
+    checkout = tmp_path / "other-checkout"
+    shutil.copytree(source / "rl_engine", checkout / "rl_engine",
+                    ignore=shutil.ignore_patterns("_fused_cpu*.so", "_fused_cpu*.pyd", "__pycache__"))
+    passing = tmp_path / "test_ok.py"
+    passing.write_text("def test_ok():\n    pass\n")
+    argv = [sys.executable, "-m", "rl_engine", "regression", "--tests", str(passing), *PYTEST_ARGS]
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    run = subprocess.run([*argv, "--output-dir", str(tmp_path / "a")], cwd=checkout, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert (f"regression: the fused kernel is not built in this checkout ({checkout}: no logprob/_fused_cpu"
+            in run.stderr) and f"run `pip install -e .` here (in {checkout})" in run.stderr
+    assert not (tmp_path / "a").exists()  # nothing was run or written
+    env = {**os.environ, "PYTHONPATH": str(source)}
+    run = subprocess.run([*argv, "--output-dir", str(tmp_path / "b")], cwd=source, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "not built" not in run.stderr, run.stderr
+
+
 # ---------------------------------------------------------------- validation and crosscheck
 
 

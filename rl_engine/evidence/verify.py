@@ -447,8 +447,9 @@ def _accepted_tensor(run: Run, item: PlannedReport, report: dict[str, Any], tens
 
 
 def replay_bound(run: Run, planned: tuple[PlannedReport, ...], max_logits: int) -> list[str]:
-    """Why the replay is refused before any input is generated: its logits (tokens x padded vocabulary,
-    summed over the distinct cases) over ``max_logits``, a case whose sizes are not positive integers, or
+    """Why the replay is refused before any input is generated or any capture read: its logits (tokens x
+    padded vocabulary, or the capture record's tokens x vocab where larger, summed over the distinct cases)
+    over ``max_logits``, a case whose sizes are not positive integers or disagree with its capture record, or
     one whose ``threads_per_rank`` (the replay's CPU thread count) is not an integer from 1 to
     :data:`rl_engine.tables.MAX_THREADS_PER_RANK`, the bound the case itself has."""
     sizes: dict[tuple[Any, ...], tuple[int, int]] = {}
@@ -467,7 +468,21 @@ def replay_bound(run: Run, planned: tuple[PlannedReport, ...], max_logits: int) 
             problems.append(f"{item.file}: case: threads_per_rank must be an integer from 1 to {MAX_THREADS_PER_RANK} "
                             f"(the case's own bound) to set the replay's threads, got {terminal_text(repr(threads), 200)}")
             continue
-        sizes[_case_key(case)] = (dims[0] * dims[1], dims[2])
+        tokens, vocab = dims[0] * dims[1], dims[2]
+        record = case.get("capture")
+        if record is not None:  # the replay reads the capture's logits: bound what its record says
+            held = [record.get(k) if isinstance(record, dict) else None for k in ("tokens", "vocab")]
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in held):
+                problems.append(f"{item.file}: case.capture: tokens and vocab must be positive integers to bound "
+                                f"the replay, got {terminal_text(repr(held), 200)}")
+                continue
+            if held != [tokens, vocab]:
+                problems.append(f"{item.file}: case.capture records {held[0]} tokens x {held[1]} columns but the "
+                                f"case has batch * seq = {tokens} tokens x padded_vocab {vocab}: the replay would "
+                                "read the capture's logits, not the case's; nothing was read (a case is made "
+                                "with its capture's sizes: rerun the workflow)")
+            tokens, vocab = max(tokens, held[0]), max(vocab, held[1])
+        sizes[_case_key(case)] = (tokens, vocab)
     total = sum(tokens * vocab for tokens, vocab in sizes.values())
     if total > max_logits:
         parts = " + ".join(f"{tokens} tokens x {vocab} padded vocabulary" for tokens, vocab in sizes.values())

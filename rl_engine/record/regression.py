@@ -16,7 +16,8 @@ of reach of the terminal's Ctrl-C: Snakemake waited for pytest to finish.
 
 Exit 0 when pytest exited 0 and every test passed or was skipped; 1 when any test failed or
 errored, no test ran, or pytest exited non-zero, or when ``regression.json`` would not match its
-schema (then it is not written); 2 on a bad argument or a missing test file. On a failed
+schema (then it is not written); 2 on a bad argument, a missing test file, or a checkout whose fused
+kernel is not built (:func:`unbuilt_kernel`: nothing is run). On a failed
 regression the verb still writes ``regression.json``, which a hand run keeps; under Snakemake a
 failed job's outputs are deleted, so there the record of what failed is the rule's log
 (``RUN/logs/regression.log``, which holds the echoed pytest output), not ``regression.json``.
@@ -184,6 +185,24 @@ def run(output_dir: Path, tests: list[str], pytest_args: list[str],
     return result, 1 if failed else 0
 
 
+def unbuilt_kernel() -> str | None:
+    """Why the focused suite cannot pass in the checkout it runs from, or None: the fused kernel's
+    compiled module (``setup.py`` builds it at ``pip install -e .``) is not beside the ``rl_engine``
+    this process imports. Run from a checkout whose package was installed from another one, the
+    suite's ``auto`` tests would otherwise fail saying that ``auto`` chose the eager backend."""
+    import importlib.machinery
+
+    import rl_engine
+
+    package = Path(rl_engine.__file__).resolve().parent
+    folder = package / "logprob"
+    if any((folder / f"_fused_cpu{suffix}").is_file() for suffix in importlib.machinery.EXTENSION_SUFFIXES):
+        return None
+    return (f"the fused kernel is not built in this checkout ({package.parent}: no {folder.name}/_fused_cpu"
+            f"{importlib.machinery.EXTENSION_SUFFIXES[0]}): run `pip install -e .` here (in {package.parent}), "
+            "then run the workflow again; nothing was run")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rl_engine regression", description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-dir", required=True, type=Path, help="run directory to write into")
@@ -200,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     missing = [t for t in args.tests if not Path(t.split("::", 1)[0]).exists()]
     if missing:
         print(f"regression: test file(s) not found: {', '.join(missing)}; fix --tests (config regression.tests)", file=sys.stderr)
+        return 2
+    unbuilt = unbuilt_kernel()
+    if unbuilt:
+        print(f"regression: {unbuilt}", file=sys.stderr)
         return 2
     try:
         progress = os.fdopen(args.progress_fd, "w", closefd=False) if args.progress_fd is not None else None
