@@ -28,6 +28,41 @@ def tile_width(padded_vocab: int, num_vocab_tiles: int) -> int:
     return padded_vocab // num_vocab_tiles
 
 
+AUTO_TILES = "auto"
+AUTO_MAX_TILE_WIDTH = 4096  # columns: a bf16 tile in 8 KiB, its binary32 upcast in 16 KiB (a core's L1)
+AUTO_MIN_TILE_WIDTH = 128  # columns: one column per lane of the 128-lane sums (docs/arithmetic.md)
+AUTO_TILES_RULE = (f"the smallest multiple of max_tp that divides the padded vocabulary with tiles of at most "
+                   f"{AUTO_MAX_TILE_WIDTH} columns, and of at least {AUTO_MIN_TILE_WIDTH} (or padded_vocab // "
+                   "max_tp where that is smaller)")
+
+
+def auto_vocab_tiles(padded_vocab: int, max_tp: int) -> int:
+    """``num_vocab_tiles="auto"``: :data:`AUTO_TILES_RULE`. Every TP degree dividing ``max_tp``
+    then splits the tiles evenly, so TP 1 and TP ``max_tp`` compute with the same tiles (the
+    same bytes); a vocabulary with no such count is refused, naming the padding that has one."""
+    for name, value in (("padded_vocab", padded_vocab), ("max_tp", max_tp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BoundsError(f"{name}={value!r} must be a positive integer")
+    tiles = _auto(padded_vocab, max_tp)
+    if tiles is not None:
+        return tiles
+    start = -(-padded_vocab // max_tp) * max_tp
+    padded = next(v for v in range(start, start + AUTO_MAX_TILE_WIDTH * max_tp + 1, max_tp)
+                  if _auto(v, max_tp) is not None)  # max_tp * 4096 columns at the latest
+    raise BoundsError(
+        f"num_vocab_tiles='auto' has no tile count for padded_vocab={padded_vocab} and max_tp={max_tp} "
+        f"({AUTO_TILES_RULE}); pad the vocabulary (padded_vocab_size={padded}, the smallest that has one, "
+        "or a model's own padding such as a multiple of 128) or give num_vocab_tiles explicitly")
+
+
+def _auto(padded_vocab: int, max_tp: int) -> int | None:
+    narrowest = min(AUTO_MIN_TILE_WIDTH, padded_vocab // max_tp)
+    for tiles in range(max_tp, padded_vocab + 1, max_tp):
+        if padded_vocab % tiles == 0 and padded_vocab // tiles <= AUTO_MAX_TILE_WIDTH:
+            return tiles if padded_vocab // tiles >= narrowest else None
+    return None
+
+
 def even_vocab_shards(
     padded_vocab: int, num_vocab_tiles: int, tp: int
 ) -> tuple[tuple[int, int], ...]:

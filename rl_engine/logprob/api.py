@@ -16,16 +16,64 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rl_engine.distributed.bounds import token_indices
+from rl_engine.distributed.bounds import AUTO_TILES, AUTO_TILES_RULE, BoundsError, auto_vocab_tiles, token_indices
 from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
 from rl_engine.logprob.registry import dispatch
 from rl_engine.logprob.storage import require_readable
 from rl_engine.logprob.vocab_parallel import LogprobOutput
-from rl_engine.tables import AUTO
+from rl_engine.tables import AUTO, MAX_TP
 
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in LOGITS_DTYPES.items()}
+
+
+TARGET_DTYPES = (torch.int64, torch.int32)
+MASK_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def trainer_inputs(targets: Any, active: Any, lead: tuple[int, ...],
+                   ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A trainer's ``(targets, mask)`` as the op takes them, ``(int64, bool)``, each converted exactly.
+
+    ``targets``: int64 or int32 token ids. ``active``: bool, or an integer mask holding only 0
+    and 1 (an attention or loss mask); ``None`` makes every token whose target is not
+    ``ignore_index`` active, as ``cross_entropy(ignore_index=-100)`` does. Anything else raises
+    :class:`LogprobContractError` naming the field, the value and the fix.
+    """
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise LogprobContractError(f"ignore_index={ignore_index!r} must be an integer (default -100)")
+    for name, tensor in (("targets", targets), ("active", active)):
+        if tensor is None and name == "active":
+            continue
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != lead:
+            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise LogprobContractError(
+                f"{name}.shape={got} must equal logits.shape[:-1]={lead} (one per token)"
+            )
+    if targets.dtype not in TARGET_DTYPES:
+        raise LogprobContractError(
+            f"targets.dtype={targets.dtype} is not a token-id type; pass int64 or int32 ids "
+            "(float or bool targets are refused, never rounded)"
+        )
+    targets = targets.to(torch.int64)  # exact from int32
+    if active is None:
+        return targets, targets != ignore_index
+    if active.dtype == torch.bool:
+        return targets, active
+    if active.dtype not in MASK_INT_DTYPES:
+        raise LogprobContractError(
+            f"active.dtype={active.dtype} is not a mask type; pass a bool mask or an integer one of 0 "
+            "and 1 (a float mask is refused: a weight is not a mask)"
+        )
+    bad = (active != 0) & (active != 1)
+    if active.numel() and bool(bad.any()):
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise LogprobContractError(
+            f"active{list(index)}={int(active[index])} is not 0 or 1; an integer mask holds only 0 "
+            "(inactive) and 1 (active): pass active.bool() if any non-zero means active"
+        )
+    return targets, active == 1
 
 
 def selected_logprob(
@@ -33,21 +81,30 @@ def selected_logprob(
     targets: torch.Tensor,
     active: torch.Tensor | None = None,
     *,
-    num_vocab_tiles: int,
+    num_vocab_tiles: int | str = AUTO_TILES,
     real_vocab_size: int | None = None,
     compute_entropy: bool = False,
     validate: bool = True,
     chunk_rows: int | None = None,
     backend: str = AUTO,
+    ignore_index: int = -100,
+    max_tp: int = MAX_TP,
 ) -> LogprobOutput:
     """Selected-token logprob of full-vocabulary logits on one rank (TP=1, CP=1).
 
     ``logits`` is ``[tokens, vocab]`` or ``[batch, seq, vocab]`` in bf16, fp16 or fp32;
-    ``targets`` (int64) and ``active`` (bool, default all active) have the logits' shape
-    without the vocabulary. Columns ``>= real_vocab_size`` (default: every column) are
+    ``targets`` (int64 or int32) and ``active`` (bool, or an integer mask of 0 and 1) have the
+    logits' shape without the vocabulary; without ``active``, every token whose target is not
+    ``ignore_index`` (default -100) is active. Row ``i`` of the logits predicts token ``i + 1``
+    of the sequence: pass the logits of positions ``0 .. T-2`` with the ids of ``1 .. T-1``
+    (docs/trainer.md). Columns ``>= real_vocab_size`` (default: every column) are
     padding. ``num_vocab_tiles`` must divide the vocabulary; it is part of the numerical
-    identity (another tile count gives other bytes), so pick it once for a run. The outputs
-    (FP32, shape of ``targets``) are the bytes the TP x CP op gives for the same logits.
+    identity (another tile count gives other bytes), so pick it once for a run. The default,
+    ``"auto"``, is :func:`rl_engine.distributed.bounds.auto_vocab_tiles` of the vocabulary and
+    ``max_tp`` (default 8, the largest TP degree the run will use): the same count at every TP
+    degree dividing ``max_tp``; ``out.provenance["num_vocab_tiles"]`` records the rule and the
+    count. The outputs (FP32, shape of ``targets``) are the bytes the TP x CP op gives for the
+    same logits.
 
     ``backend`` (default ``auto``) names the backend; ``auto`` takes the fastest registered
     one available on the logits' device (Triton on cuda, the fused C kernel on cpu, the eager
@@ -67,23 +124,18 @@ def selected_logprob(
         )
     require_readable("logits", logits)  # before the reshape, which cannot view sparse memory
     lead = tuple(logits.shape[:-1])
-    if active is None:
-        active = torch.ones(lead, dtype=torch.bool, device=logits.device)
-    for name, tensor in (("targets", targets), ("active", active)):
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != lead:
-            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise LogprobContractError(
-                f"{name}.shape={got} must equal logits.shape[:-1]={lead} (one per token)"
-            )
+    targets, active = trainer_inputs(targets, active, lead, ignore_index)
     vocab = logits.shape[-1]
+    tiles = resolve_vocab_tiles(num_vocab_tiles, vocab, max_tp)
     num_sequences, seq_len = (1, lead[0]) if len(lead) == 1 else lead
     contract = LogprobContract(
         real_vocab_size=vocab if real_vocab_size is None else real_vocab_size,
         padded_vocab_size=vocab,
-        num_vocab_tiles=num_vocab_tiles,
+        num_vocab_tiles=tiles["resolved"],
         num_sequences=num_sequences,
         seq_len=seq_len,
         logits_dtype=DTYPE_NAMES[logits.dtype],
+        ignore_index=ignore_index,
     )
     chosen = dispatch(backend, contract, logits.device.type)
     out = chosen.op(
@@ -94,8 +146,23 @@ def selected_logprob(
         out.selected_logp.reshape(lead),
         out.lse.reshape(lead),
         out.entropy.reshape(lead) if out.entropy is not None else None,
-        chosen.provenance(),
+        {**chosen.provenance(), "num_vocab_tiles": tiles},
     )
+
+
+def resolve_vocab_tiles(num_vocab_tiles: int | str, padded_vocab: int, max_tp: int = MAX_TP) -> dict[str, Any]:
+    """``{"requested", "resolved", "rule", "max_tp"}``: an explicit count as given (the contract
+    checks it), or ``"auto"`` resolved by :func:`rl_engine.distributed.bounds.auto_vocab_tiles`."""
+    if num_vocab_tiles != AUTO_TILES:
+        if isinstance(num_vocab_tiles, str):
+            raise LogprobContractError(f"num_vocab_tiles={num_vocab_tiles!r} must be a positive integer or "
+                                       f"{AUTO_TILES!r}")
+        return {"requested": num_vocab_tiles, "resolved": num_vocab_tiles, "rule": "given", "max_tp": None}
+    try:
+        resolved = auto_vocab_tiles(padded_vocab, max_tp)
+    except BoundsError as exc:
+        raise LogprobContractError(str(exc)) from None
+    return {"requested": AUTO_TILES, "resolved": resolved, "rule": AUTO_TILES_RULE, "max_tp": max_tp}
 
 
 GATHER_CALL = "gather_tokens"
@@ -192,4 +259,4 @@ def gather_tokens(local: torch.Tensor, contract: LogprobContract, group: Any = N
     return _GatherCPTokens.apply(local, contract, group)
 
 
-__all__ = ["gather_tokens", "selected_logprob"]
+__all__ = ["gather_tokens", "resolve_vocab_tiles", "selected_logprob", "trainer_inputs"]

@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from rl_engine.validators import choice_problem, int_problem, require
-from rl_engine.tables import DTYPES, TORCH_DTYPE_NAMES
+from rl_engine.tables import DTYPES, MAX_TP, TORCH_DTYPE_NAMES
 from rl_engine.distributed.bounds import (
+    AUTO_TILES,
     CP_LAYOUTS,
     BoundsError,
+    auto_vocab_tiles,
     check_cp_split,
     check_vocab_shards,
     even_vocab_shards,
@@ -184,10 +186,11 @@ class LogprobContract:
         mesh: Any,
         *,
         real_vocab_size: int,
-        num_vocab_tiles: int,
         num_sequences: int,
         seq_len: int,
+        num_vocab_tiles: int | str = AUTO_TILES,
         padded_vocab_size: int | None = None,
+        max_tp: int = MAX_TP,
         **fields: Any,
     ) -> "LogprobContract":
         """This rank's contract on ``mesh`` (:func:`rl_engine.distributed.mesh.init_mesh`).
@@ -195,7 +198,10 @@ class LogprobContract:
         The TP and CP degrees and this rank's coordinates come from the mesh, so they are
         never typed twice. ``padded_vocab_size`` defaults to ``real_vocab_size``; every other
         field (``cp_layout``, ``logits_dtype``, ``vocab_shard_bounds``, ...) passes through.
-        ``num_sequences`` counts the sequences this rank's DP shard holds.
+        ``num_sequences`` counts the sequences this rank's DP shard holds. ``num_vocab_tiles``
+        defaults to ``"auto"``: :func:`rl_engine.distributed.bounds.auto_vocab_tiles` of the
+        padded vocabulary and ``max_tp`` (default 8), the count ``selected_logprob`` takes too,
+        so every TP degree dividing ``max_tp`` computes with the same tiles.
         """
         taken = sorted(set(fields) & {"tp_world_size", "tp_rank", "cp_world_size", "cp_rank"})
         if taken:
@@ -210,9 +216,20 @@ class LogprobContract:
             raise LogprobContractError(
                 f"mesh={mesh!r} is not a mesh: pass the one init_mesh(...) returned"
             ) from None
+        padded = real_vocab_size if padded_vocab_size is None else padded_vocab_size
+        if num_vocab_tiles == AUTO_TILES:
+            if isinstance(max_tp, int) and not isinstance(max_tp, bool) and max_tp >= 1 and max_tp % tp:
+                raise LogprobContractError(
+                    f"the mesh's tp={tp} does not divide max_tp={max_tp}, so num_vocab_tiles='auto' "
+                    f"would not split evenly; pass max_tp as a multiple of {tp} (the largest TP degree "
+                    "the run uses) or give num_vocab_tiles")
+            try:
+                num_vocab_tiles = auto_vocab_tiles(padded, max_tp)
+            except BoundsError as exc:
+                raise LogprobContractError(str(exc)) from None
         return cls(
             real_vocab_size=real_vocab_size,
-            padded_vocab_size=real_vocab_size if padded_vocab_size is None else padded_vocab_size,
+            padded_vocab_size=padded,
             num_vocab_tiles=num_vocab_tiles,
             num_sequences=num_sequences,
             seq_len=seq_len,
