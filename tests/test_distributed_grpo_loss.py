@@ -53,6 +53,14 @@ CASES: dict[str, dict[str, Any]] = {
         "uneven_dp": False, "ref": False, "tiles": TILES,
     },
     TILE_CONTROL: {**TOKEN_K3, "tiles": 4},
+    # the trainer's own advantages (one per sequence, not the group's): they travel beside the
+    # rewards in the one gather, over an uneven DP split
+    "fp32-given-advantages-uneven": {
+        "dtype": "fp32",
+        "objective": {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "beta": 0.05,
+                      "kl_estimator": "k3", "reduction": "token_mean"},
+        "uneven_dp": True, "ref": True, "tiles": TILES, "advantages": True,
+    },
 }
 
 UNEVEN_DP: dict[int, tuple[tuple[int, int], ...]] = {
@@ -90,8 +98,9 @@ def make_inputs() -> dict[str, torch.Tensor]:
     old = torch.where(active, old, torch.full_like(old, float("nan")))  # ignored rows
     rewards = torch.randint(0, 3, (SEQS,), generator=gen).to(torch.float32)
     rewards[4:8] = torch.tensor([1.0, 1.0, 1.0, 1.0])  # a group of equal rewards
+    advantages = torch.randn(SEQS, generator=gen)  # a trainer's own estimate, not the group's
     return {"logits": logits, "ref": ref, "actions": actions, "active": active,
-            "old": old, "rewards": rewards}
+            "old": old, "rewards": rewards, "advantages": advantages}
 
 
 def build_contract(
@@ -126,6 +135,7 @@ def run_case(
         logits, data["actions"][rows], data["old"][rows], data["rewards"][start:end],
         data["active"][rows], contract, ref_logits=ref, tp_group=tp_group,
         world_group=world_group,
+        advantages=data["advantages"][start:end] if case.get("advantages") else None,
     )
     out.loss.backward()
     assert logits.grad is not None
@@ -200,13 +210,13 @@ def negative_worker(rank: int, data: dict[str, torch.Tensor]) -> dict[str, Any]:
     mesh = init_mesh(tp=2, cp=2, dp=1)
     case = CASES["bf16-token-k3"]
     outcome: dict[str, Any] = {}
-    for label in ("beta", "reward", "empty", "actions"):
+    for label in ("beta", "reward", "empty", "actions", "advantages"):
         objective = dict(case["objective"])
         if label == "beta" and rank == 3:
             objective["beta"] = 0.06
         if label == "empty":
             objective["reduction"] = "sequence_mean"
-        bad_case = {**case, "objective": objective}
+        bad_case = {**case, "objective": objective, "advantages": label == "advantages" and rank == 3}
         contract = build_contract(bad_case, 2, 2, 1, "zigzag", mesh.tp_rank, mesh.cp_rank,
                                   mesh.dp_rank)
         local = dict(data)
@@ -384,3 +394,26 @@ def test_actions_that_differ_on_a_tp_peer_raise_on_every_rank_before_numerics(
         assert actions["raised"] is not None, f"rank {rank} did not raise"
         assert "rank 1 (dp=0, cp=0, tp=1) hold actions" in actions["raised"], actions["raised"]
         assert actions["collectives"] == [("all_gather", "torch.int64")]
+
+
+def test_advantages_given_on_one_rank_only_raise_on_every_rank_before_numerics(
+    mesh_results: dict[int, list[dict[str, Any]]],
+) -> None:
+    """The gather's layout depends on whether advantages are given: the preflight agrees on it."""
+    for rank, rank_results in enumerate(mesh_results[4]):
+        given = rank_results["negative"]["advantages"]
+        assert given["raised"] is not None, f"rank {rank} did not raise"
+        assert "preflight mismatch" in given["raised"] and "give advantages= on every rank or on none" in given["raised"]
+        assert given["collectives"] == [("all_gather", "torch.int64")]
+
+
+def test_given_advantages_are_used_as_given(baseline: dict[str, dict[str, Any]], data: dict[str, torch.Tensor]) -> None:
+    """The given-advantages case reports the trainer's advantages (bytes), and its loss differs from the
+    same objective on the group's advantages (negative control: they are not ignored)."""
+    given = baseline["fp32-given-advantages-uneven"]
+    assert given["prints"]["advantages"] == fingerprint(data["advantages"])
+    assert given["provenance"]["advantages"] == "given"
+    case = {**CASES["fp32-given-advantages-uneven"], "advantages": False}
+    group = run_case(case, build_contract(case, 1, 1, 1, "contiguous"), data, GRPOLoss())
+    assert group["provenance"]["advantages"] == "group_mean_std"
+    assert group["prints"]["loss"] != given["prints"]["loss"]

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import json
 import math
+import re
 from typing import Any
 
 import pytest
@@ -558,3 +559,36 @@ def test_sequence_stats_are_consistent(data: dict[str, torch.Tensor]) -> None:
     assert tensor_bytes(ordered_sum(stats.policy_loss_sum)) == tensor_bytes(out.policy_loss)
     clipped = int(stats.clipped_tokens.sum())
     assert math.isclose(float(out.clip_fraction), clipped / out.active_tokens, rel_tol=1e-7)
+
+
+# ----- the trainer's own advantages --------------------------------------------------------------
+def test_advantages_given_as_computed_give_the_same_bytes_and_others_change_them() -> None:
+    """``advantages=`` is used as given: the group's own advantages, passed in, give the bytes of
+    the rewards path (loss, gradient, statistics); other advantages give other bytes."""
+    contract, data = make_contract(), make_inputs()
+    ref, ref_grad = run_loss(contract, data)
+    logits = data["logits"].clone().requires_grad_()
+    out = GRPOLoss()(logits, data["actions"], data["old"], data["rewards"], data["active"], contract,
+                     ref_logits=data["ref"], advantages=ref.advantages.clone())
+    out.loss.backward()
+    assert logits.grad is not None and out.provenance["advantages"] == "given"
+    assert ref.provenance["advantages"] == "group_mean_std"
+    assert tensor_bytes(out.loss) == tensor_bytes(ref.loss) and tensor_bytes(logits.grad) == tensor_bytes(ref_grad)
+    assert tensor_bytes(out.advantages) == tensor_bytes(ref.advantages)
+    other = GRPOLoss()(data["logits"], data["actions"], data["old"], data["rewards"], data["active"], contract,
+                       ref_logits=data["ref"], advantages=ref.advantages * 2)
+    assert tensor_bytes(other.loss) != tensor_bytes(ref.loss)
+
+
+@pytest.mark.parametrize("advantages, needle", [
+    (torch.zeros(SEQS, dtype=torch.float64), "advantages must be float32 of shape [8]"),
+    (torch.zeros(SEQS - 1), "advantages must be float32 of shape [8]"),
+    ([0.0] * SEQS, "got list"),
+    (torch.tensor([0.0, 1.0, float("inf"), 0.0, 0.0, 0.0, 0.0, 0.0]),
+     "advantages[2]=inf (global sequence 2) is not finite; fix the advantage estimate"),
+])
+def test_bad_advantages_are_refused_by_name(advantages: Any, needle: str) -> None:
+    data = make_inputs()
+    with pytest.raises(GRPOContractError, match=re.escape(needle)):
+        GRPOLoss()(data["logits"], data["actions"], data["old"], data["rewards"], data["active"],
+                   make_contract(), ref_logits=data["ref"], advantages=advantages)

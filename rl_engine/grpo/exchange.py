@@ -57,9 +57,12 @@ def check_world_group(contract: GRPOContract, group: Any) -> None:
         )
 
 
-def preflight_token(contract: GRPOContract, backend_id: str) -> bytes:
-    """Digest of what every rank must agree on: the GRPO contract and the backend id."""
+def preflight_token(contract: GRPOContract, backend_id: str, advantages_given: bool = False) -> bytes:
+    """Digest of what every rank must agree on: the GRPO contract, the backend id and whether the
+    trainer gives its own advantages (the gather's layout depends on it)."""
     text = f"{contract.cross_rank_fingerprint()}|backend={backend_id}"
+    if advantages_given:
+        text += "|advantages=given"
     return hashlib.sha256(text.encode("utf-8")).digest()
 
 
@@ -88,6 +91,7 @@ def preflight(
     local_error: str | None,
     active_counts: torch.Tensor | None,
     input_digest: bytes | None = None,
+    advantages_given: bool = False,
 ) -> torch.Tensor:
     """Agree on contract, backend and input validity, or every rank raises.
 
@@ -103,7 +107,7 @@ def preflight(
     slot = max(end - start for start, end in contract.dp_sequence_bounds or ())
     mine = torch.zeros(COUNTS_AT + slot, dtype=torch.int64, device=device)
     mine[:DIGEST_BYTES] = torch.tensor(
-        list(preflight_token(contract, backend_id)), dtype=torch.int64, device=device
+        list(preflight_token(contract, backend_id, advantages_given)), dtype=torch.int64, device=device
     )
     mine[DIGEST_BYTES] = 0 if local_error is None else 1
     if local_error is None and input_digest is not None:
@@ -125,8 +129,9 @@ def preflight(
             "GRPO preflight mismatch: the contract fingerprint or backend id differs between "
             f"ranks (per rank: {digests}; this rank {contract.rank} has beta={contract.beta}, "
             f"clip_eps_low={contract.clip_eps_low}, clip_eps_high={contract.clip_eps_high}, "
-            f"num_vocab_tiles={contract.logprob.num_vocab_tiles}, backend={backend_id}); "
-            "build every rank's contract from the same config"
+            f"num_vocab_tiles={contract.logprob.num_vocab_tiles}, backend={backend_id}, advantages="
+            f"{'given' if advantages_given else contract.advantage_mode}); build every rank's contract "
+            "from the same config, and give advantages= on every rank or on none"
         )
     if local_error is not None:
         raise GRPOContractError(f"rank {contract.rank}: {local_error}")
@@ -171,11 +176,12 @@ class GlobalBatch:
     active: torch.Tensor
     ref_logp: torch.Tensor | None
     rewards: torch.Tensor
+    advantages: torch.Tensor | None = None  # the trainer's own, where it gave them
 
 
-def _pack(columns: list[torch.Tensor], rewards: torch.Tensor) -> torch.Tensor:
+def _pack(columns: list[torch.Tensor], per_sequence: torch.Tensor) -> torch.Tensor:
     tokens = torch.stack(columns, dim=1).reshape(-1)
-    return torch.cat([tokens, rewards])
+    return torch.cat([tokens, per_sequence.reshape(-1)])
 
 
 def _source_rank(contract: GRPOContract, rank: int, replicated_over_cp: bool) -> int:
@@ -184,9 +190,10 @@ def _source_rank(contract: GRPOContract, rank: int, replicated_over_cp: bool) ->
 
 
 def _check_replicas(
-    pieces: list[torch.Tensor], contract: GRPOContract, num_columns: int
+    pieces: list[torch.Tensor], contract: GRPOContract, num_columns: int, per_sequence: int
 ) -> None:
-    """Values every TP rank (and, for rewards, every CP rank) of a DP shard shares must match."""
+    """Values every TP rank (and, for rewards and given advantages, every CP rank) of a DP shard
+    shares must match."""
     for rank, piece in enumerate(pieces):
         dp_rank, cp_rank, tp_rank = contract.coords(rank)
         tokens = len(contract.rank_token_indices(rank)) * num_columns
@@ -202,13 +209,13 @@ def _check_replicas(
         if tp_rank or cp_rank:
             src = pieces[_source_rank(contract, rank, True)]
             src_tokens = len(contract.rank_token_indices(_source_rank(contract, rank, True)))
-            mine = piece[tokens : tokens + _local_sequences(contract, dp_rank)]
+            mine = piece[tokens : tokens + per_sequence * _local_sequences(contract, dp_rank)]
             theirs = src[src_tokens * num_columns : src_tokens * num_columns + mine.numel()]
             if tensor_bytes(mine) != tensor_bytes(theirs):
                 raise GRPOContractError(
-                    f"rank {rank} (dp={dp_rank}, cp={cp_rank}, tp={tp_rank}) holds rewards that "
-                    "differ from those of its DP shard's first rank; give every TP and CP rank "
-                    "of a DP shard the same rewards"
+                    f"rank {rank} (dp={dp_rank}, cp={cp_rank}, tp={tp_rank}) holds rewards (or "
+                    "advantages) that differ from those of its DP shard's first rank; give every "
+                    "TP and CP rank of a DP shard the same rewards and advantages"
                 )
 
 
@@ -219,13 +226,13 @@ def _local_sequences(contract: GRPOContract, dp_rank: int) -> int:
 
 
 def _gather_pieces(
-    packed: torch.Tensor, contract: GRPOContract, group: Any, num_columns: int
+    packed: torch.Tensor, contract: GRPOContract, group: Any, num_columns: int, per_sequence: int
 ) -> list[torch.Tensor]:
     if contract.world_size == 1:
         return [packed]
     lengths = [
         len(contract.rank_token_indices(r)) * num_columns
-        + _local_sequences(contract, contract.coords(r)[0])
+        + per_sequence * _local_sequences(contract, contract.coords(r)[0])
         for r in range(contract.world_size)
     ]
     slot = max(lengths)
@@ -237,13 +244,13 @@ def _gather_pieces(
 
 
 def _assemble(
-    pieces: list[torch.Tensor], contract: GRPOContract, num_columns: int
+    pieces: list[torch.Tensor], contract: GRPOContract, num_columns: int, per_sequence: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     device = pieces[0].device
     tokens = torch.empty(
         contract.global_num_tokens, num_columns, dtype=torch.float32, device=device
     )
-    rewards = torch.empty(contract.num_sequences, dtype=torch.float32, device=device)
+    rewards = torch.empty(per_sequence, contract.num_sequences, dtype=torch.float32, device=device)
     filled = torch.zeros(contract.global_num_tokens, dtype=torch.bool, device=device)
     assert contract.dp_sequence_bounds is not None
     for rank, piece in enumerate(pieces):
@@ -256,7 +263,8 @@ def _assemble(
         filled[index] = True
         if cp_rank == 0:
             start, end = contract.dp_sequence_bounds[dp_rank]
-            rewards[start:end] = piece[rows * num_columns : rows * num_columns + end - start]
+            values = piece[rows * num_columns : rows * num_columns + per_sequence * (end - start)]
+            rewards[:, start:end] = values.reshape(per_sequence, end - start)
     if not bool(filled.all()):  # pragma: no cover - guarded by the contract's layout checks
         raise GRPOContractError("internal: the ranks' token indices do not cover the batch")
     return tokens, rewards
@@ -277,10 +285,11 @@ class _GatherGlobalBatch(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         columns = [local_logp.detach()] + list(local_rest.unbind(1))
         num_columns = len(columns)
+        per_sequence = local_rewards.shape[0]  # rewards, and the trainer's advantages where given
         packed = _pack(columns, local_rewards)
-        pieces = _gather_pieces(packed, contract, group, num_columns)
-        _check_replicas(pieces, contract, num_columns)
-        tokens, rewards = _assemble(pieces, contract, num_columns)
+        pieces = _gather_pieces(packed, contract, group, num_columns, per_sequence)
+        _check_replicas(pieces, contract, num_columns, per_sequence)
+        tokens, rewards = _assemble(pieces, contract, num_columns, per_sequence)
         shape = (contract.num_sequences, contract.seq_len)
         logp = tokens[:, 0].reshape(shape).contiguous()
         rest = tokens[:, 1:].reshape(*shape, num_columns - 1).contiguous()
@@ -305,8 +314,10 @@ def gather_global(
     local_rewards: torch.Tensor,
     contract: GRPOContract,
     group: Any,
+    local_advantages: torch.Tensor | None = None,
 ) -> GlobalBatch:
-    """All ranks' token values placed in global order; ``logp`` keeps the autograd link."""
+    """All ranks' token values placed in global order; ``logp`` keeps the autograd link. The
+    rewards (and the trainer's advantages, where given) travel per sequence in the same gather."""
     zeros = torch.zeros_like(local_old_logp)
     rest = [
         torch.where(local_active, local_old_logp, zeros),
@@ -314,15 +325,19 @@ def gather_global(
     ]
     if local_ref_logp is not None:
         rest.append(torch.where(local_active, local_ref_logp.detach(), zeros))
+    per_sequence = [local_rewards.detach()]
+    if local_advantages is not None:
+        per_sequence.append(local_advantages.detach())
     logp, rest_global, rewards = _GatherGlobalBatch.apply(
-        local_logp, torch.stack(rest, dim=1), local_rewards.detach(), contract, group
+        local_logp, torch.stack(rest, dim=1), torch.stack(per_sequence), contract, group
     )
     return GlobalBatch(
         logp=logp,
         old_logp=rest_global[..., 0],
         active=rest_global[..., 1] != 0,
         ref_logp=rest_global[..., 2] if local_ref_logp is not None else None,
-        rewards=rewards,
+        rewards=rewards[0],
+        advantages=rewards[1] if local_advantages is not None else None,
     )
 
 

@@ -92,6 +92,7 @@ def _check_local_inputs(
     rewards: torch.Tensor,
     active: torch.Tensor,
     ref_logits: torch.Tensor | None,
+    advantages: torch.Tensor | None = None,
 ) -> str | None:
     """Every local check of the inputs; returns the first problem (None when all pass)."""
     lp = contract.logprob
@@ -115,7 +116,17 @@ def _check_local_inputs(
             f"{contract.dp_rank}, sequences {list(contract.sequence_range)}), got "
             f"dtype={rewards.dtype} shape={tuple(rewards.shape)}"
         )
-    for name, tensor in (("old_logp", old_logp), ("rewards", rewards)):
+    if advantages is not None and (not isinstance(advantages, torch.Tensor) or advantages.dtype != torch.float32
+                                   or tuple(advantages.shape) != (local_seqs,)):
+        got = (f"dtype={advantages.dtype} shape={tuple(advantages.shape)}" if isinstance(advantages, torch.Tensor)
+               else type(advantages).__name__)
+        return (
+            f"advantages must be float32 of shape [{local_seqs}] (one per sequence of dp_rank="
+            f"{contract.dp_rank}, like rewards), got {got}; or leave it out and the loss computes "
+            f"them from the rewards ({contract.advantage_mode})"
+        )
+    held = [("old_logp", old_logp), ("rewards", rewards)] + ([("advantages", advantages)] if advantages is not None else [])
+    for name, tensor in held:
         if tensor.device != logits.device:
             return (
                 f"{name}.device={tensor.device} differs from logits.device={logits.device}; "
@@ -129,13 +140,15 @@ def _check_local_inputs(
             f"{contract.global_token_indices[row]}) is not finite on an active token; fix the "
             "rollout's logprobs or mark the token inactive"
         )
-    bad_reward = ~torch.isfinite(rewards)
-    if bool(bad_reward.any()):
-        i = int(bad_reward.nonzero()[0, 0])
-        return (
-            f"rewards[{i}]={float(rewards[i])} (global sequence "
-            f"{contract.sequence_range[0] + i}) is not finite; fix the reward function"
-        )
+    for name, values in held[1:]:
+        bad = ~torch.isfinite(values)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            return (
+                f"{name}[{i}]={float(values[i])} (global sequence "
+                f"{contract.sequence_range[0] + i}) is not finite; fix the "
+                f"{'reward function' if name == 'rewards' else 'advantage estimate'}"
+            )
     if contract.beta > 0.0 and ref_logits is None:
         return (
             f"beta={contract.beta} > 0 needs reference logits; pass ref_logits= or set beta=0"
@@ -181,18 +194,25 @@ class GRPOLoss:
         tp_group: Any = None,
         world_group: Any = None,
         chunk_rows: int | None = None,
+        advantages: torch.Tensor | None = None,
     ) -> GRPOOutput:
+        """``advantages`` (float32, one per sequence of this DP shard, like ``rewards``): the
+        trainer's own, used as given; left out, they are computed from the global rewards by the
+        contract's ``advantage_mode``. Every TP and CP rank of a DP shard passes the same."""
         if not isinstance(contract, GRPOContract):
             raise GRPOContractError(f"contract={contract!r} must be a GRPOContract")
         chosen = self._dispatch(contract, logits.device)
         active_per_sequence = _agreed_active_counts(
-            contract, chosen, world_group, logits, actions, old_logp, rewards, active, ref_logits
+            contract, chosen, world_group, logits, actions, old_logp, rewards, active, ref_logits,
+            advantages,
         )
         logp, ref_logp = _selected_logps(
             chosen.op, contract, logits, ref_logits, actions, active, tp_group, chunk_rows
         )
-        batch = gather_global(logp, old_logp, active, ref_logp, rewards, contract, world_group)
-        advantages = group_advantages(batch.rewards, contract)
+        batch = gather_global(logp, old_logp, active, ref_logp, rewards, contract, world_group,
+                              advantages)
+        advantages = (batch.advantages if batch.advantages is not None
+                      else group_advantages(batch.rewards, contract))
         terms = token_terms(
             batch.logp, batch.old_logp, batch.ref_logp, batch.active, advantages, contract
         )
@@ -209,18 +229,20 @@ class GRPOLoss:
             ratio=terms.ratio,
             sequence_stats=stats,
             active_tokens=int(active_per_sequence.sum()),
-            provenance=_provenance(chosen, contract),
+            provenance={**_provenance(chosen, contract),
+                        "advantages": "given" if batch.advantages is not None else contract.advantage_mode},
         )
 
 
 def _agreed_active_counts(
     contract: GRPOContract, chosen: Any, world_group: Any, logits: torch.Tensor, actions: torch.Tensor,
     old_logp: torch.Tensor, rewards: torch.Tensor, active: torch.Tensor, ref_logits: torch.Tensor | None,
+    advantages: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Judge this rank's inputs, agree on the verdict and the inputs' digest with the whole world
     group (every rank raises together), and return the active tokens of each sequence."""
     local_error = _check_local_inputs(
-        contract, logits, actions, old_logp, rewards, active, ref_logits
+        contract, logits, actions, old_logp, rewards, active, ref_logits, advantages
     )
     counts = None if local_error is not None else local_active_counts(contract, active)
     digest = (
@@ -229,7 +251,7 @@ def _agreed_active_counts(
     )
     active_per_sequence = preflight(
         contract, chosen.actual_backend, world_group, logits.device, local_error, counts,
-        digest,
+        digest, advantages is not None,
     )
     check_active_counts(active_per_sequence, contract)
     return active_per_sequence
