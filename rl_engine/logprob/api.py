@@ -122,8 +122,11 @@ def selected_logprob(
             f"logits.dtype={logits.dtype} is not supported; use one of "
             f"{list(DTYPE_NAMES)} (accumulation is FP32 whatever the input)"
         )
-    require_readable("logits", logits)  # before the reshape, which cannot view sparse memory
     lead = tuple(logits.shape[:-1])
+    if torch.compiler.is_compiling():  # one registered op: its checks run outside the graph
+        return _compiled_call(logits, targets, active, lead, num_vocab_tiles, real_vocab_size,
+                              compute_entropy, validate, backend, ignore_index, max_tp)
+    require_readable("logits", logits)  # before the reshape, which cannot view sparse memory
     targets, active = trainer_inputs(targets, active, lead, ignore_index)
     vocab = logits.shape[-1]
     tiles = resolve_vocab_tiles(num_vocab_tiles, vocab, max_tp)
@@ -148,6 +151,20 @@ def selected_logprob(
         out.entropy.reshape(lead) if out.entropy is not None else None,
         {**chosen.provenance(), "num_vocab_tiles": tiles},
     )
+
+
+def _compiled_call(logits: torch.Tensor, targets: Any, active: Any, lead: tuple[int, ...],
+                   num_vocab_tiles: int | str, real_vocab_size: int | None, compute_entropy: bool,
+                   validate: bool, backend: str, ignore_index: int, max_tp: int) -> LogprobOutput:
+    """Under ``torch.compile``: ``rl_engine::selected_logprob`` (:mod:`rl_engine.logprob.compiled`),
+    whose real implementation is this function's eager path; no provenance in the graph."""
+    from rl_engine.logprob.compiled import selected_logprob_op
+
+    tiles = resolve_vocab_tiles(num_vocab_tiles, logits.shape[-1], max_tp)["resolved"]
+    logp, lse, entropy = selected_logprob_op(
+        logits, targets, active, logits.shape[-1] if real_vocab_size is None else real_vocab_size, tiles,
+        ignore_index, compute_entropy, validate, backend)
+    return LogprobOutput(logp, lse, entropy if compute_entropy else None, None)
 
 
 def resolve_vocab_tiles(num_vocab_tiles: int | str, padded_vocab: int, max_tp: int = MAX_TP) -> dict[str, Any]:
