@@ -106,12 +106,22 @@ def selected_logprob(
     count. The outputs (FP32, shape of ``targets``) are the bytes the TP x CP op gives for the
     same logits.
 
+    ``logits`` may be a DTensor sharded on the vocabulary (``Shard(-1)`` on one mesh dimension,
+    ``Replicate`` on any other: loss parallel, a ``ColwiseParallel`` lm_head with
+    ``use_local_output=False``): the mesh dimension's group is the TP group, each rank's columns
+    are its shard's (``torch.chunk``'s split, which must fall on tile boundaries), the outputs
+    are plain tensors equal on every rank, and the gradient reaches the DTensor as a DTensor.
+    ``targets`` and ``active`` are then plain tensors or replicated DTensors.
+
     ``backend`` (default ``auto``) names the backend; ``auto`` takes the fastest registered
     one available on the logits' device (Triton on cuda, the fused C kernel on cpu, the eager
     one otherwise): every backend gives the same bytes (tested), and the choice and its reason
     are in ``out.provenance``. An explicit id that cannot serve the call raises
     ``BackendUnavailableError``; nothing falls back.
     """
+    if _is_dtensor(logits):  # sharded on the vocabulary: its mesh gives the group and the columns
+        return _dtensor_call(logits, targets, active, num_vocab_tiles, real_vocab_size, compute_entropy,
+                             validate, chunk_rows, backend, ignore_index, max_tp)
     if not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3):
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise LogprobContractError(
@@ -150,6 +160,75 @@ def selected_logprob(
         out.lse.reshape(lead),
         out.entropy.reshape(lead) if out.entropy is not None else None,
         {**chosen.provenance(), "num_vocab_tiles": tiles},
+    )
+
+
+def _is_dtensor(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(value, DTensor)
+
+
+def _replicated_local(name: str, value: Any) -> Any:
+    """A plain tensor as it is; a DTensor that every rank holds whole (``Replicate`` placements)
+    as its local tensor; any other placement raises naming it."""
+    if not _is_dtensor(value):
+        return value
+    from torch.distributed.tensor import Replicate
+
+    if not all(isinstance(p, Replicate) for p in value.placements):
+        raise LogprobContractError(
+            f"{name} is a DTensor with placements {list(value.placements)}; the per-token inputs must be "
+            f"whole on every rank: pass a plain tensor or {name}.redistribute(placements=[Replicate()])")
+    return value.to_local()
+
+
+def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int | str,
+                  real_vocab_size: int | None, compute_entropy: bool, validate: bool,
+                  chunk_rows: int | None, backend: str, ignore_index: int, max_tp: int) -> LogprobOutput:
+    """The TP op on a DTensor's local shard, with the group and the columns its mesh gives."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if logits.dim() not in (2, 3) or logits.dtype not in DTYPE_NAMES:
+        raise LogprobContractError(
+            f"logits is a DTensor of shape {tuple(logits.shape)} and dtype {logits.dtype}; it must be "
+            f"[tokens, vocab] or [batch, seq, vocab] in one of {list(DTYPE_NAMES)}")
+    last = logits.dim() - 1
+    placements = list(logits.placements)
+    sharded = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim % logits.dim() == last]
+    others = [p for i, p in enumerate(placements) if i not in sharded and not isinstance(p, Replicate)]
+    if len(sharded) != 1 or others:
+        raise LogprobContractError(
+            f"logits is a DTensor with placements {placements}; the op takes logits sharded on the "
+            "vocabulary (the last dimension) along one mesh dimension and replicated along any other: "
+            "Shard(-1) (loss parallel, ColwiseParallel(use_local_output=False) on the lm_head), or "
+            "redistribute them so")
+    mesh, dim = logits.device_mesh, sharded[0]
+    tp, tp_rank = mesh.size(dim), mesh.get_local_rank(dim)
+    vocab, lead = logits.shape[-1], tuple(logits.shape[:-1])
+    width = -(-vocab // tp)  # torch.chunk's split: ceil(vocab / tp) columns, the last rank the rest
+    bounds = tuple((min(r * width, vocab), min((r + 1) * width, vocab)) for r in range(tp))
+    targets, active = trainer_inputs(_replicated_local("targets", targets), _replicated_local("active", active),
+                                     lead, ignore_index)
+    tiles = resolve_vocab_tiles(num_vocab_tiles, vocab, max_tp)
+    num_sequences, seq_len = (1, lead[0]) if len(lead) == 1 else lead
+    contract = LogprobContract(
+        real_vocab_size=vocab if real_vocab_size is None else real_vocab_size, padded_vocab_size=vocab,
+        num_vocab_tiles=tiles["resolved"], num_sequences=num_sequences, seq_len=seq_len,
+        tp_world_size=tp, tp_rank=tp_rank, vocab_shard_bounds=bounds,
+        logits_dtype=DTYPE_NAMES[logits.dtype], ignore_index=ignore_index)
+    local = logits.to_local()  # differentiable: the gradient comes back as a DTensor
+    chosen = dispatch(backend, contract, local.device.type)
+    out = chosen.op(local.reshape(-1, local.shape[-1]), targets.reshape(-1), active.reshape(-1), contract,
+                    group=mesh.get_group(dim), compute_entropy=compute_entropy, validate=validate,
+                    chunk_rows=chunk_rows)
+    return LogprobOutput(
+        out.selected_logp.reshape(lead), out.lse.reshape(lead),
+        out.entropy.reshape(lead) if out.entropy is not None else None,
+        {**chosen.provenance(), "num_vocab_tiles": tiles,
+         "dtensor": {"mesh_dim": dim, "tp": tp, "tp_rank": tp_rank, "columns": list(bounds[tp_rank])}},
     )
 
 
