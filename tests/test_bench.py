@@ -354,3 +354,34 @@ def test_on_a_gpu_the_clock_waits_for_the_kernels_before_it_starts_and_stops() -
     times, _ = time_round_robin(steps, warmup=1, repeats=2, sync=lambda: events.append("sync"))
     assert len(times["a"]) == 2
     assert events == ["step", "sync", "step", "sync", "sync", "step", "sync"]  # warm-up unsynced
+
+
+@pytest.mark.slow  # four memory-probe subprocesses
+def test_the_fused_head_is_measured_against_the_logits_made_whole(tmp_path: Path) -> None:
+    """``lm_head`` (hidden @ weight.T, then the op) and ``fused_lm_head`` (selected_logprob_from_hidden,
+    256 tokens at a time): rows, ratios from this run's rows, the head targets, and a memory probe
+    that sees the whole logits only in the materialised path (1024 x 16384 bf16: 32 MiB)."""
+    tokens, vocab = 1024, 16384
+    doc = _run(tmp_path, "head", "--tokens", str(tokens), "--vocab", str(vocab), "--tiles", "8", "--repeats", "1",
+               "--warmup", "0", "--threads", "2", "--paths", "lm_head", "fused_lm_head", "--hidden-size", "64")
+    rows = {(r["path"], r["phase"]): r for r in doc["rows"]}
+    assert set(rows) == {(p, ph) for p in ("lm_head", "fused_lm_head") for ph in PHASES}
+    logits = tokens * vocab * 2
+    assert rows[("lm_head", "forward")]["peak_mem_bytes"] >= logits * 0.95
+    assert rows[("fused_lm_head", "forward")]["peak_mem_bytes"] < logits * 0.5
+    for phase in PHASES:
+        got, ref = rows[("fused_lm_head", phase)], rows[("lm_head", phase)]
+        assert doc["path_ratios"]["fused_lm_head"][str(tokens)][phase] == {
+            "time_vs_lm_head": got["median_s"] / ref["median_s"],
+            "peak_mem_vs_lm_head": got["peak_mem_bytes"] / ref["peak_mem_bytes"]}
+    names = {t["target"] for t in doc["targets"] if t["path"] == "fused_lm_head"}
+    assert names == {name for name, *_ in report.HEAD_TARGETS}
+    assert doc["config"]["hidden_size"] == 64
+
+
+def test_the_head_paths_need_a_hidden_size_and_a_hidden_size_needs_them() -> None:
+    with pytest.raises(BenchError, match=r"paths contains \['fused_lm_head'\] but hidden_size=None; pass --hidden-size"):
+        BenchConfig(tokens=(8,), vocab=512, tiles=4, paths=("fused_lm_head",))
+    with pytest.raises(BenchError, match="hidden_size=64 is given but no path uses it"):
+        BenchConfig(tokens=(8,), vocab=512, tiles=4, paths=("candidate",), hidden_size=64)
+    assert not {"lm_head", "fused_lm_head"} & set(paths.default_paths())

@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the inputs live and the backends run (cuda: --no-memory, no fused, no --tp)")
     p.add_argument("--tp", type=int, nargs="+", default=[], help="TP degrees: run the torchrun mode")
+    p.add_argument("--hidden-size", type=int, default=None,
+                   help="the hidden size of the head paths (lm_head, fused_lm_head: asked for by name in --paths)")
     p.add_argument("--output", default=None, help="write the JSON document here")
     p.add_argument("--probe", nargs=3, metavar=("PATH", "PHASE", "TOKENS"), help=argparse.SUPPRESS)
     p.add_argument("--tp-worker", metavar="OUTPUT", help=argparse.SUPPRESS)
@@ -61,7 +63,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         threads=args.threads if args.threads is not None else torch.get_num_threads(),
         chunk_rows=args.chunk_rows, validate=not args.no_validate, memory=not args.no_memory,
         seed=args.seed, paths=tuple(args.paths) if args.paths else default_paths(args.device), phases=tuple(args.phases),
-        tp=tuple(args.tp), device=args.device,
+        tp=tuple(args.tp), device=args.device, hidden_size=args.hidden_size,
     )
 
 

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract
 from rl_engine.logprob.tiles import default_chunk_rows
 
-PATHS: tuple[str, ...] = ("candidate", "fused", "triton", "naive", "floor")
+PATHS: tuple[str, ...] = ("candidate", "fused", "triton", "naive", "floor", "lm_head", "fused_lm_head")
+# From the last hidden state and the lm_head weight (--hidden-size): the logits made whole
+# (lm_head) or chunk by chunk (fused_lm_head, selected_logprob_from_hidden); asked for by name.
+HEAD_PATHS: tuple[str, ...] = ("lm_head", "fused_lm_head")
 # The benchmarked backends: path name -> backend id ("candidate" is the eager reference).
 BACKEND_PATHS: dict[str, str] = {
     "candidate": "pytorch-vocab-parallel-logp-ws2",
@@ -17,7 +20,7 @@ BACKEND_PATHS: dict[str, str] = {
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 # The paths a configuration runs unless told otherwise: triton is asked for by name (on the cpu it
 # runs only under Triton's interpreter, whose timings are not a GPU's).
-CPU_PATHS: tuple[str, ...] = tuple(p for p in PATHS if p != "triton")
+CPU_PATHS: tuple[str, ...] = tuple(p for p in PATHS if p != "triton" and p not in HEAD_PATHS)
 PHASES: tuple[str, ...] = ("forward", "forward_backward")
 
 
@@ -44,6 +47,7 @@ class BenchConfig:
     phases: tuple[str, ...] = PHASES
     tp: tuple[int, ...] = ()
     device: str = "cpu"
+    hidden_size: int | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -73,6 +77,17 @@ class BenchConfig:
             if bad or not values:
                 raise BenchError(f"{name}={list(values)} must be a non-empty subset of {list(allowed)}")
         self._check_device_and_backends()
+        heads = [p for p in self.paths if p in HEAD_PATHS]
+        if heads and (isinstance(self.hidden_size, bool) or not isinstance(self.hidden_size, int)
+                      or self.hidden_size < 1):
+            raise BenchError(f"paths contains {heads} but hidden_size={self.hidden_size!r}; pass --hidden-size N "
+                             "(the model's hidden size, e.g. 1024)")
+        if self.hidden_size is not None and not heads:
+            raise BenchError(f"hidden_size={self.hidden_size} is given but no path uses it; add lm_head and "
+                             "fused_lm_head to --paths or drop --hidden-size")
+        if heads and self.tp:
+            raise BenchError(f"paths contains {heads} with tp={list(self.tp)}: the head paths run in the TP=1 "
+                             "mode only; drop --tp")
         for degree in self.tp:
             if degree < 1 or self.tiles % degree:
                 raise BenchError(
@@ -162,6 +177,8 @@ class BenchConfig:
         ]
         if self.chunk_rows is not None:
             out += ["--chunk-rows", str(self.chunk_rows)]
+        if self.hidden_size is not None:
+            out += ["--hidden-size", str(self.hidden_size)]
         if not self.validate:
             out.append("--no-validate")
         return out

@@ -58,7 +58,7 @@ def torch_warmup() -> None:
 def probe_memory(path: str, phase: str, tokens: int, config: BenchConfig) -> dict[str, int]:
     """Peak RSS above the inputs of one run (call in a fresh process)."""
     torch.set_num_threads(config.threads)
-    inputs = make_inputs(tokens, config.vocab, config.dtype, config.seed)
+    inputs = make_inputs(tokens, config.vocab, config.dtype, config.seed, hidden_size=config.hidden_size)
     step, reset = build_step(path, phase, inputs, config)
     torch_warmup()
     reset_peak_rss()

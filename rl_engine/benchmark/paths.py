@@ -10,6 +10,10 @@
 - ``naive``: at TP=1 ``torch.log_softmax(logits.float(), -1).gather(...)`` with autograd,
   masked by the active rows; under TP what a user writes without this engine (Megatron-LM's
   vocab-parallel cross-entropy, :class:`NaiveVocabParallelLogp`);
+- ``lm_head`` and ``fused_lm_head`` (asked for by name, with ``--hidden-size``): the logprob
+  from a hidden state and an lm_head weight, the logits made whole (``hidden @ weight.T``, then
+  ``selected_logprob``) or chunk by chunk (``selected_logprob_from_hidden``); forward+backward
+  gives the gradients of both;
 - ``floor``: one pass over the (local) logits in row chunks, upcast and row max (the least any
   exact method must do); its backward adds one more read of the logits and one write of a
   gradient in the logits dtype. The floor runs its chunks through the same chunk runner
@@ -25,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from rl_engine.benchmark.config import BACKEND_PATHS, PATHS, BenchConfig, BenchError
+from rl_engine.benchmark.config import BACKEND_PATHS, HEAD_PATHS, PATHS, BenchConfig, BenchError
 from rl_engine.benchmark.inputs import Inputs
 from rl_engine.logprob.chunk_threads import for_each_chunk
 from rl_engine.logprob.contract import LogprobContract
@@ -40,10 +44,12 @@ def default_paths(device: str = "cpu") -> tuple[str, ...]:
     if device == "cuda":
         from rl_engine.logprob.triton_backend import triton_unavailable
 
-        return tuple(p for p in PATHS if p != "fused" and (p != "triton" or triton_unavailable() is None))
+        return tuple(p for p in PATHS if p != "fused" and p not in HEAD_PATHS
+                     and (p != "triton" or triton_unavailable() is None))
     from rl_engine.logprob.fused_cpu import kernel_unavailable
 
-    return tuple(p for p in PATHS if p != "triton" and (p != "fused" or kernel_unavailable() is None))
+    return tuple(p for p in PATHS if p != "triton" and p not in HEAD_PATHS
+                 and (p != "fused" or kernel_unavailable() is None))
 
 
 def _naive_logp(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
@@ -126,6 +132,40 @@ def floor_backward(logits: torch.Tensor, chunk_rows: int) -> torch.Tensor:
     return grad
 
 
+def _head_step(path: str, phase: str, inputs: Inputs, config: BenchConfig) -> tuple[Step, Step]:
+    """``lm_head``: ``hidden @ weight.T`` made whole, then ``selected_logprob`` (backend auto);
+    ``fused_lm_head``: ``selected_logprob_from_hidden`` (the same backend, the logits chunk by
+    chunk). With ``forward_backward`` both give the gradients of the hidden state and the weight."""
+    from rl_engine.logprob import selected_logprob, selected_logprob_from_hidden
+
+    if inputs.hidden is None or inputs.weight is None:
+        raise BenchError(f"path={path!r} needs a hidden state and a weight: pass --hidden-size")
+    hidden = inputs.hidden.detach().requires_grad_(phase == "forward_backward")
+    weight = inputs.weight.detach().requires_grad_(phase == "forward_backward")
+    targets, active = inputs.targets, inputs.active
+
+    def run() -> Any:
+        if path == "lm_head":
+            return selected_logprob(hidden @ weight.T, targets, active, num_vocab_tiles=config.tiles,
+                                    validate=config.validate)
+        return selected_logprob_from_hidden(hidden, weight, targets, active, num_vocab_tiles=config.tiles,
+                                            validate=config.validate)
+
+    def reset() -> None:
+        hidden.grad = None
+        weight.grad = None
+
+    if phase == "forward":
+        def step() -> Any:
+            with torch.no_grad():
+                return run()
+    else:
+        def step() -> Any:
+            run().selected_logp.sum().backward()
+            return hidden.grad, weight.grad
+    return step, reset
+
+
 def build_step(path: str, phase: str, inputs: Inputs, config: BenchConfig,
                contract: LogprobContract | None = None, group: Any = None) -> tuple[Step, Step]:
     """``(step, reset)``: ``step()`` runs the path once and returns what it produced (kept
@@ -174,6 +214,8 @@ def build_step(path: str, phase: str, inputs: Inputs, config: BenchConfig,
             def step() -> Any:
                 naive(leaf).sum().backward()
                 return leaf.grad
+    elif path in HEAD_PATHS:
+        return _head_step(path, phase, inputs, config)
     elif path == "floor":
         if phase == "forward":
             def step() -> Any:

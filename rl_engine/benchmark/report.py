@@ -37,6 +37,15 @@ FUSED_TARGETS: tuple[tuple[str, str, str, float], ...] = (
 )
 
 
+# The fused head (selected_logprob_from_hidden) against the logits made whole (path "lm_head").
+HEAD_TARGETS: tuple[tuple[str, str, str, float], ...] = (
+    ("fused lm_head forward peak memory <= 0.25x lm_head", "forward", "peak_mem_vs_lm_head", 0.25),
+    ("fused lm_head forward+backward peak memory <= 0.25x lm_head", "forward_backward", "peak_mem_vs_lm_head", 0.25),
+    ("fused lm_head forward time <= 1.2x lm_head", "forward", "time_vs_lm_head", 1.2),
+    ("fused lm_head forward+backward time <= 1.2x lm_head", "forward_backward", "time_vs_lm_head", 1.2),
+)
+
+
 def _ratio(num: float | None, den: float | None) -> float | None:
     if num is None or den is None or den <= 0:
         return None
@@ -72,10 +81,10 @@ def compute_path_ratios(
     index = {(r["path"], r["phase"], r["tokens"]): r for r in rows if r.get("tp", 1) == 1}
     out: dict[str, dict[str, dict[str, dict[str, float | None]]]] = {}
     for (path, phase, tokens), row in sorted(index.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
-        if path not in ("fused", "triton"):
+        if path not in ("fused", "triton", "fused_lm_head"):
             continue
         entry: dict[str, float | None] = {}
-        for other in ("naive", "floor", "candidate"):
+        for other in ("lm_head",) if path == "fused_lm_head" else ("naive", "floor", "candidate"):
             ref = index.get((other, phase, tokens))
             if ref is None:
                 continue
@@ -130,6 +139,8 @@ def evaluate_targets(
     out = _targets_of("candidate", ratios, TARGETS)
     if path_ratios and "fused" in path_ratios:
         out += _targets_of("fused", path_ratios["fused"], FUSED_TARGETS)
+    if path_ratios and "fused_lm_head" in path_ratios:
+        out += _targets_of("fused_lm_head", path_ratios["fused_lm_head"], HEAD_TARGETS)
     return out
 
 

@@ -37,7 +37,8 @@ def run_tp1(config: BenchConfig, log: Callable[[str], None] = print) -> dict[str
                     peaks[(path, phase)] = run_memory_probe(path, phase, tokens, config)
                 else:
                     peaks[(path, phase)] = None
-        inputs = make_inputs(tokens, config.vocab, config.dtype, config.seed).to(config.device)
+        inputs = make_inputs(tokens, config.vocab, config.dtype, config.seed,
+                             hidden_size=config.hidden_size).to(config.device)
         log(f"timing  tokens={tokens}: {config.warmup} warm-up + {config.repeats} rounds")
         steps = {(p, ph): build_step(p, ph, inputs, config) for p in config.paths for ph in config.phases}
         sync = torch.cuda.synchronize if config.device == "cuda" else None

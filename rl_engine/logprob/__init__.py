@@ -2,6 +2,7 @@
 
 from rl_engine.logprob.api import gather_tokens, selected_logprob
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.logprob.hidden import selected_logprob_from_hidden
 from rl_engine.logprob.oracle import fp32_oracle, fp64_oracle
 from rl_engine.logprob.registry import BackendUnavailableError, Dispatch, dispatch
 from rl_engine.logprob.vocab_parallel import BACKEND_ID, LogprobOutput, VocabParallelLogprob
@@ -19,4 +20,5 @@ __all__ = [
     "fp64_oracle",
     "gather_tokens",
     "selected_logprob",
+    "selected_logprob_from_hidden",
 ]
