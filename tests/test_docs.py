@@ -80,6 +80,13 @@ def test_every_docs_page_is_linked_from_the_readme() -> None:
     assert missing == []
 
 
+def test_the_readme_stays_a_front_door_of_at_most_180_lines() -> None:
+    """The reference (every configuration key, every flag) lives in docs/; the README points there."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 180, f"README.md has {len(lines)} lines; move detail to docs/"
+    assert "Every key, the stages, run" in "\n".join(lines)  # the configuration's pointer to docs/workflow.md
+
+
 def test_the_readme_test_command_is_the_one_ci_runs() -> None:
     """.ci/run installs and runs pytest with the README's command, byte for byte."""
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()

@@ -820,6 +820,25 @@ def test_max_replay_logits_must_be_positive(tmp_path: Path, capsys: pytest.Captu
     assert exc.value.code == 2 and "--max-replay-logits" in capsys.readouterr().err
 
 
+
+def test_a_missing_capture_is_a_usage_error_naming_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--capture`` naming no file is the user's mistake, not a tampered archive: exit 2 before any
+    check (not FAILED rows); the size flags say what they bound."""
+    archive_path = tmp_path / "a.tar.gz"
+    archive_path.write_bytes(b"")
+    for given in (tmp_path / "nope.safetensors", tmp_path):
+        with pytest.raises(SystemExit) as exc:
+            verify.main([str(archive_path), "--recompute", "--capture", str(given)])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"--capture {given}: no such regular file" in err, err
+    with pytest.raises(SystemExit):
+        verify.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--max-member-mib MIB refuse the archive if one member", "--max-total-mib MIB refuse the archive",
+                 "--max-members N refuse an archive of more than N members"):
+        assert flag in text, flag
+
+
 HOSTILE_BRANCH = "\x1b]0;owned\x07\x1b[2J\x1b]8;;https://evil.example/\x1b\\click\x1b]8;;\x1b\\[/][bold red]main\x9b31m"
 
 

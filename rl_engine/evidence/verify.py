@@ -844,12 +844,20 @@ def main(argv: list[str] | None = None) -> int:
                                           ", about 256 MiB of float32); a larger case is refused before any input "
                                           "is generated")
     parser.add_argument("--json", type=Path, default=None, help="also write the result as JSON (verify.schema.json)")
-    parser.add_argument("--max-member-mib", type=int, default=Limits().max_member_bytes // MIB)
-    parser.add_argument("--max-total-mib", type=int, default=Limits().max_total_bytes // MIB)
-    parser.add_argument("--max-members", type=int, default=Limits().max_members)
+    parser.add_argument("--max-member-mib", type=int, default=Limits().max_member_bytes // MIB, metavar="MIB",
+                        help="refuse the archive if one member would extract to more than this many MiB "
+                             f"(default {Limits().max_member_bytes // MIB}); nothing is extracted")
+    parser.add_argument("--max-total-mib", type=int, default=Limits().max_total_bytes // MIB, metavar="MIB",
+                        help="refuse the archive if its members would extract to more than this many MiB in all "
+                             f"(default {Limits().max_total_bytes // MIB})")
+    parser.add_argument("--max-members", type=int, default=Limits().max_members, metavar="N",
+                        help=f"refuse an archive of more than N members (default {Limits().max_members})")
     args = parser.parse_args(argv)
     if args.capture is not None and not args.recompute:
         parser.error(f"--capture {args.capture} is read only by --recompute; add --recompute or drop --capture")
+    if args.capture is not None and not args.capture.is_file():
+        parser.error(f"--capture {terminal_text(str(args.capture))}: no such regular file (looked for "
+                     f"{terminal_text(str(args.capture.absolute()))}); give the path of the captured file")
     if not args.archive.is_file():
         print(f"verify: {terminal_text(str(args.archive))} is not a file", file=sys.stderr)
         return 2
