@@ -432,8 +432,12 @@ def machine_problems(config: dict[str, Any], origin: Origin = Origin()) -> list[
     """What this machine cannot run of a schema-valid config: ``device: cuda`` without CUDA/NCCL.
 
     The message is the one the ranks would raise (:func:`rl_engine.distributed.mesh.check_device`),
-    given before any job instead of in every topology's log.
+    given before any job instead of in every topology's log. ``device: cpu`` is not checked here
+    (its only requirement, a torch build with gloo, the ranks check): the check imports torch,
+    about 3 s in every parse of the Snakefile, and every Slurm job parses it again.
     """
+    if config["device"] == "cpu":
+        return []
     from rl_engine.distributed.mesh import MeshError, check_device  # imports torch.distributed
 
     try:
