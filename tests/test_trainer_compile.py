@@ -76,3 +76,18 @@ def test_negative_control_the_unregistered_op_breaks_the_full_graph() -> None:
 
     with pytest.raises(Exception, match="(?i)graph break|unsupported"):
         torch.compile(direct, fullgraph=True, backend="aot_eager")(logits.reshape(12, 1024))
+
+
+def test_chunk_rows_reaches_the_compiled_call() -> None:
+    """The compiled call passes ``chunk_rows`` to the eager one: a bad value is refused there, and a
+    good one gives the default's bytes (the chunk size never changes the bytes)."""
+    torch._dynamo.reset()
+    logits, ids, mask = _inputs()
+
+    def step(x: torch.Tensor, rows: int) -> torch.Tensor:
+        return selected_logprob(x, ids, mask, real_vocab_size=1000, chunk_rows=rows).selected_logp
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=False)
+    assert tensor_bytes(compiled(logits, 3)) == tensor_bytes(step(logits, 5))
+    with pytest.raises(LogprobContractError, match="chunk_rows"):
+        compiled(logits, 0)

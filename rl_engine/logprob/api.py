@@ -135,7 +135,7 @@ def selected_logprob(
     lead = tuple(logits.shape[:-1])
     if torch.compiler.is_compiling():  # one registered op: its checks run outside the graph
         return _compiled_call(logits, targets, active, lead, num_vocab_tiles, real_vocab_size,
-                              compute_entropy, validate, backend, ignore_index, max_tp)
+                              compute_entropy, validate, backend, ignore_index, max_tp, chunk_rows)
     require_readable("logits", logits)  # before the reshape, which cannot view sparse memory
     targets, active = trainer_inputs(targets, active, lead, ignore_index)
     vocab = logits.shape[-1]
@@ -234,7 +234,8 @@ def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int |
 
 def _compiled_call(logits: torch.Tensor, targets: Any, active: Any, lead: tuple[int, ...],
                    num_vocab_tiles: int | str, real_vocab_size: int | None, compute_entropy: bool,
-                   validate: bool, backend: str, ignore_index: int, max_tp: int) -> LogprobOutput:
+                   validate: bool, backend: str, ignore_index: int, max_tp: int,
+                   chunk_rows: int | None) -> LogprobOutput:
     """Under ``torch.compile``: ``rl_engine::selected_logprob`` (:mod:`rl_engine.logprob.compiled`),
     whose real implementation is this function's eager path; no provenance in the graph."""
     from rl_engine.logprob.compiled import selected_logprob_op
@@ -242,7 +243,7 @@ def _compiled_call(logits: torch.Tensor, targets: Any, active: Any, lead: tuple[
     tiles = resolve_vocab_tiles(num_vocab_tiles, logits.shape[-1], max_tp)["resolved"]
     logp, lse, entropy = selected_logprob_op(
         logits, targets, active, logits.shape[-1] if real_vocab_size is None else real_vocab_size, tiles,
-        ignore_index, compute_entropy, validate, backend)
+        ignore_index, compute_entropy, validate, backend, chunk_rows)
     return LogprobOutput(logp, lse, entropy if compute_entropy else None, None)
 
 

@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
+from rl_engine.logprob.api import DTYPE_NAMES, resolve_vocab_tiles, trainer_inputs
+from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.registry import dispatch
 from rl_engine.logprob.vocab_parallel import LogprobOutput, vocab_parallel_backward
 from rl_engine.tables import AUTO, MAX_TP
 
 DEFAULT_CHUNK_TOKENS = 256
-DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in LOGITS_DTYPES.items()}
 
 
 def _chunk_contract(contract: LogprobContract, rows: int) -> LogprobContract:
@@ -128,8 +128,6 @@ def selected_logprob_from_hidden(
     exist: at most ``chunk_tokens`` rows of them, and of their gradient. Differentiable to
     ``hidden`` and ``weight``. See the module docstring for the bits.
     """
-    from rl_engine.logprob.api import resolve_vocab_tiles, trainer_inputs
-
     for name, tensor in (("hidden", hidden), ("weight", weight)):
         if not isinstance(tensor, torch.Tensor) or tensor.dtype not in DTYPE_NAMES:
             got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
