@@ -22,10 +22,16 @@ without the fault.
 Beyond the workflow, ``launch`` is run in ``salloc`` allocations: its time limit and a SIGTERM
 stop every node's tree (two runs at once, on distinct rendezvous ports), and a node that dies
 mid-run fails the launch and leaves nothing.
+
+Two copies of the suite may share the test cluster (CI on a loaded machine): each test looks only
+at its own jobs (by the directory they were submitted from), ``salloc`` waits for free nodes, and
+the test that kills node2's slurmd holds the cluster alone (:func:`cluster_use`, a ``flock``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import shutil
@@ -34,7 +40,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -90,12 +96,40 @@ def _cluster_problem() -> str | None:
     return f"nodes not up: {down} (sinfo: {states})" if down else None
 
 
+CLUSTER_LOCK = Path(os.environ.get("RL_ENGINE_SLURM_STATE", "/var/tmp/rl-engine-slurm")) / "tests.lock"
+
+
+@contextlib.contextmanager
+def cluster_use(exclusive: bool = False) -> Iterator[None]:
+    """Hold the test cluster: shared by the tests that only run jobs on it, exclusive for the one
+    that kills a node's slurmd (a second copy of the suite on the same cluster would lose its
+    steps on that node). ``flock`` on a file of the cluster's state directory; released on exit."""
+    with open(CLUSTER_LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="module")
 def cluster() -> None:
     problem = _cluster_problem()
     if problem is not None:
         pytest.skip(f"no Slurm test cluster ({problem}); start one with `.ci/slurm-cluster.sh start` "
                     "(.ci/run does)")
+
+
+@pytest.fixture
+def shared_cluster(cluster: None) -> Iterator[None]:
+    with cluster_use():
+        yield
+
+
+@pytest.fixture
+def exclusive_cluster(cluster: None) -> Iterator[None]:
+    with cluster_use(exclusive=True):
+        yield
 
 
 def slurm_snakemake(repo: Path, *args: str, ranks_per_node: str = "2", configfile: str = CONFIG,
@@ -112,11 +146,32 @@ def sbatch_lines(output: str) -> list[str]:
             for line in output.splitlines() if "sbatch call: " in line]
 
 
-def slurm_jobs() -> list[str]:
-    """Every job slurmctld still knows (MinJobAge keeps finished ones), one line each."""
+def slurm_jobs(workdir: Path) -> list[str]:
+    """The jobs slurmctld still knows (MinJobAge keeps finished ones) that were submitted from
+    ``workdir`` or below it, one line each: another copy of the suite may share the test cluster,
+    and its jobs are not this test's."""
     done = subprocess.run(["scontrol", "-o", "show", "job"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
-    return [line for line in done.stdout.splitlines() if line.startswith("JobId=")]
+    return [line for line in done.stdout.splitlines()
+            if line.startswith("JobId=") and _is_under(_field(line, "WorkDir"), workdir)]
+
+
+def _field(line: str, name: str) -> str:
+    """``name=value`` of one ``scontrol -o`` line (values hold no spaces in these tests' paths)."""
+    found = re.search(rf"(?:^| ){name}=(\S*)", line)
+    return found.group(1) if found else ""
+
+
+def _is_under(path: str, root: Path) -> bool:
+    return path != "" and (Path(path) == root or root in Path(path).parents)
+
+
+def queued_jobs(*workdirs: Path) -> list[str]:
+    """The queue's jobs (pending, running or completing) submitted from one of ``workdirs``."""
+    done = subprocess.run(["squeue", "-h", "-o", "%i|%j|%T|%Z"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return [line for line in done.stdout.splitlines()
+            if any(_is_under(line.rsplit("|", 1)[-1], root) for root in workdirs)]
 
 
 @pytest.fixture(scope="module")
@@ -126,15 +181,16 @@ def campaign(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     repo = copy_repo(tmp_path_factory.mktemp("slurm"))
     write_config(repo, CASE)
     run = repo / run_of(repo)
-    start = time.monotonic()
-    failed = slurm_snakemake(repo, extra_env={"RL_ENGINE_FAULT": "kill:2x2:node2/0"})
-    failed_text = failed.stdout + failed.stderr
-    assert failed.returncode != 0, failed_text[-6000:]
-    left = sorted(p.name for p in run.glob("tp2-cp2*"))
-    failed_log = (run / "logs" / "tp2-cp2.log").read_text()
-    single = (run / "tp1-cp1.json").stat().st_mtime_ns  # the other topology completed (keep-going)
-    done = slurm_snakemake(repo)
-    elapsed = time.monotonic() - start
+    with cluster_use():
+        start = time.monotonic()
+        failed = slurm_snakemake(repo, extra_env={"RL_ENGINE_FAULT": "kill:2x2:node2/0"})
+        failed_text = failed.stdout + failed.stderr
+        assert failed.returncode != 0, failed_text[-6000:]
+        left = sorted(p.name for p in run.glob("tp2-cp2*"))
+        failed_log = (run / "logs" / "tp2-cp2.log").read_text()
+        single = (run / "tp1-cp1.json").stat().st_mtime_ns  # the other topology completed (keep-going)
+        done = slurm_snakemake(repo)
+        elapsed = time.monotonic() - start
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-8000:]
     print(f"\nslurm campaign (faulted run, then the rerun): {elapsed:.1f} s")
@@ -198,7 +254,6 @@ def test_each_job_asked_slurm_for_what_its_topology_needs(campaign: dict[str, An
 def test_bad_ranks_per_node_is_refused_before_any_job_reaches_slurm(cluster: None, tmp_path: Path) -> None:
     repo = copy_repo(tmp_path)
     write_config(repo, {**CASE, "topologies": ["1x1", "2x1", "4x2"]})
-    before = slurm_jobs()
     for value, message in (("3", "config key 'ranks_per_node' has value 3 (given with --config ranks_per_node=...; the config file "
                             "has ranks_per_node: 8): topology '4x2' (topologies[2])"),
                            ("0", "config key 'ranks_per_node' has value 0")):
@@ -207,7 +262,7 @@ def test_bad_ranks_per_node_is_refused_before_any_job_reaches_slurm(cluster: Non
         assert done.returncode != 0, text[-4000:]
         assert "WorkflowConfigError" in text and message in text, text[-4000:]
         assert "sbatch call" not in text and "Building DAG of jobs" not in text, text[-4000:]
-    assert slurm_jobs() == before
+    assert slurm_jobs(repo) == []
     assert list((repo / "results").iterdir()) == []
     assert not (repo / ".snakemake" / "slurm_logs").exists()
 
@@ -223,7 +278,7 @@ def _salloc_launch(run: Path, plan: Path, timeout_s: int, fault: str) -> subproc
     )
 
 
-def test_time_limit_and_stop_signal_kill_every_nodes_tree(cluster: None, tmp_path: Path) -> None:
+def test_time_limit_and_stop_signal_kill_every_nodes_tree(shared_cluster: None, tmp_path: Path) -> None:
     """A rank on node2 hangs. One launch hits its time limit (124), another is sent SIGTERM while
     its ranks run on both nodes (143); the two run at once, on distinct rendezvous ports. Each
     stops its srun with SIGUSR1 (srun would SIGKILL the step on SIGTERM), each node's launch
@@ -294,10 +349,11 @@ def _tree(root: int) -> list[int]:
     return found
 
 
-def test_a_dead_node_fails_the_launch_and_leaves_nothing(cluster: None, tmp_path: Path) -> None:
+def test_a_dead_node_fails_the_launch_and_leaves_nothing(exclusive_cluster: None, tmp_path: Path) -> None:
     """node2 dies mid-run: its slurmd, its job step daemon and every process of the step are
     SIGKILLed at once. The launch fails (2) with no report and nothing alive; node2 is then
-    brought back (``.ci/slurm-cluster.sh start`` restarts its slurmd)."""
+    brought back (``.ci/slurm-cluster.sh start`` restarts its slurmd). It holds the cluster alone
+    (:func:`cluster_use`): another copy of the suite's jobs on node2 would die with it."""
     plan = tmp_path / "plan.json"
     assert cli.main(["plan", *TINY, "--topologies", "1x1,2x2", "--output", str(plan)]) == 0
     proc = _salloc_launch(tmp_path, plan, 600, "hang:2x2:node2/0")
@@ -358,11 +414,14 @@ def _processes_mentioning(text: str) -> list[str]:
 
 def test_nothing_is_left_behind(campaign: dict[str, Any]) -> None:
     """Runs last: the queue is empty and no launch, torchrun, rank or job step of the runs is alive."""
-    queue = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True, timeout=30)
-    assert queue.returncode == 0 and queue.stdout.strip() == "", queue.stdout + queue.stderr
-    repo = str(campaign["repo"])
-    assert _processes_mentioning(repo) == []
-    # a multi-node launch's rendezvous id, in a process Slurm started (the suite's other worker
-    # may run multi-node launches of its own, outside Slurm)
+    # this copy's jobs: the campaign's (submitted from its repository) and the salloc launches
+    # (from the checkout); a second copy of the suite on the same test cluster has its own
+    repo = campaign["repo"]
+    assert queued_jobs(repo, REPO_ROOT) == []
+    assert _processes_mentioning(str(repo)) == []
+    # a multi-node launch's rendezvous id, in a process Slurm started for one of this copy's
+    # jobs (the suite's other worker may run multi-node launches of its own, outside Slurm)
+    ours = {_field(line, "JobId") for line in slurm_jobs(repo) + slurm_jobs(REPO_ROOT)}
+    assert ours, "no job of the campaign is known to slurmctld (MinJobAge keeps them 900 s)"
     assert [p for p in _processes_mentioning("--rdzv-id=rl-engine-")
-            if "SLURM_JOB_ID" in _environ(_pid_of(p))] == []
+            if _environ(_pid_of(p)).get("SLURM_JOB_ID") in ours] == []
