@@ -104,6 +104,19 @@ def test_environment_records_commands_and_absent_tools(tmp_path: Path, monkeypat
     assert f"$ git rev-parse HEAD\n{env['git']['commit']}\n[exit code: 0]" in text
 
 
+@pytest.mark.parametrize(("path", "source"), [
+    ("new.py", True), ("sub/mod.pyx", True), ("kernel.c", True), ("kernel.h", True), ("k.cu", True),
+    ("Snakefile", True), ("workflow/rules/extra.smk", True), ("pyproject.toml", True), ("setup.py", True),
+    ("rl_engine/data.bin", True), ("workflow/profiles/x/config.yaml", True), ("schemas/new.schema.json", True),
+    ("site.pth", True), ("tests/fixtures/new.json", True),
+    ("capture.yaml", False), ("trainer.safetensors", False), ("parity/parity.png", False), (".py", False),
+    ("notes/README.md", False), ("results/run/tp1-cp1.json", False), ("my_rl_engine/x.txt", False),
+])
+def test_is_source_names_what_could_change_what_runs(path: str, source: bool) -> None:
+    """The dirty rule: an untracked file makes a checkout dirty only where it could change what runs."""
+    assert gitstate.is_source(path) is source
+
+
 def test_environment_outside_git_is_recorded_not_failed(tmp_path: Path) -> None:
     assert environment.main(["--output-dir", str(tmp_path / "out"), "--repo", str(tmp_path)]) == 0
     env = jsonio.load(tmp_path / "out" / "environment.json")
@@ -132,12 +145,28 @@ def test_git_state_dirty_counts_untracked_but_not_ignored(tmp_path: Path) -> Non
     assert not clean.dirty and clean.changed_files == ()
     (repo / "ignored.log").write_text("noise\n")  # ignored: still clean
     assert not gitstate.read_git_state(repo).dirty
-    (repo / "sub").mkdir()
-    (repo / "sub" / "new.py").write_text("x = 1\n")  # untracked, not ignored: dirty, listed by file
+    # untracked data (a worked example's YAML, captures, a figure, a name with a newline): listed, clean
+    data = ["capture.yaml", "cap\nture.safetensors", "parity/parity.png", "trainer.safetensors"]
+    for name in data:
+        (repo / name).parent.mkdir(exist_ok=True)
+        (repo / name).write_bytes(b"data\n")
     state = gitstate.read_git_state(repo)
-    assert state.dirty and state.changed_files == ("sub/new.py",) and state.untracked_files == ("sub/new.py",)
+    assert not state.dirty and sorted(state.untracked_data_files) == sorted(data)
+    record = environment._git(repo, 20.0)
+    assert record["dirty"] is False and record["untracked_files"] == 4
+    assert sorted(record["untracked_data_files"]) == sorted(
+        ["capture.yaml", "cap\\nture.safetensors", "parity/parity.png", "trainer.safetensors"])
+    assert environment.main(["--output-dir", str(tmp_path / "env"), "--repo", str(repo)]) == 0  # schema-valid
+    assert jsonio.load(tmp_path / "env" / "environment.json")["git"]["untracked_data_files"] == record["untracked_data_files"]
+    (repo / "sub").mkdir()
+    (repo / "sub" / "new.py").write_text("x = 1\n")  # untracked source, not ignored: dirty, listed by file
+    state = gitstate.read_git_state(repo)
+    assert state.dirty and "sub/new.py" in state.changed_files and "sub/new.py" in state.untracked_files
+    assert "sub/new.py" not in state.untracked_data_files
     record = environment._git(repo, 20.0)  # environment.json's record uses the same definition
-    assert record["dirty"] is True and record["untracked_files"] == 1 and record["commit"] == state.commit
+    assert record["dirty"] is True and record["untracked_files"] == 5 and record["commit"] == state.commit
+    for name in data:
+        (repo / name).unlink()
     (repo / "sub" / "new.py").unlink()
     (repo / "a.txt").write_text("changed\n")  # a tracked change
     _git(repo, "mv", "b.txt", "c.txt")  # a staged rename: two -z fields, one change
@@ -810,6 +839,35 @@ def test_every_verb_help_says_what_it_does(capsys: pytest.CaptureFixture[str]) -
     assert "Run one topology of a plan under torchrun" in helps["run"]  # (the verb was `compare`, issue 19)
     assert "case.schema.json and every case rule" in helps["case"]
     assert "Run one planned topology" in helps["launch"]
+
+
+def test_no_verb_imports_torch_for_its_help() -> None:
+    """Every verb's --help in a fresh interpreter, with torch absent from sys.modules afterwards
+    (copy-capture --help took 10 s: its module imports torch; rl_engine.verb_parsers builds the
+    parsers of such verbs without it). The verbs' accepted arguments come from the same parsers
+    (test_every_verb_help_says_what_it_does checks each help through cli.main)."""
+    script = ("import contextlib, io, sys\n"
+              "from rl_engine import cli\n"
+              "heavy = {}\n"
+              "for verb in cli.VERBS:\n"
+              "    with contextlib.redirect_stdout(io.StringIO()):\n"
+              "        try:\n"
+              "            code = cli.main([verb, '--help'])\n"
+              "        except SystemExit as exc:\n"
+              "            code = exc.code\n"
+              "    assert code in (0, None), (verb, code)\n"
+              "    heavy[verb] = sorted(m for m in ('torch', 'triton') if m in sys.modules)\n"
+              "print(heavy)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    heavy = eval(done.stdout)  # noqa: S307 (our own subprocess's repr of a dict of lists of names)
+    assert set(heavy) == set(cli.VERBS) and all(found == [] for found in heavy.values()), heavy
+    # negative control: the check sees torch when a verb's module is imported
+    control = subprocess.run([sys.executable, "-c", "import sys, rl_engine.capture.parity; print('torch' in sys.modules)"],
+                             capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert control.stdout.strip() == "True", control.stderr[-2000:]
 
 
 @pytest.mark.parametrize("argv", [["check-config", "/nonexistent/config.yaml"], ["env", "--output-dir", "/proc/no/such"]])

@@ -315,9 +315,12 @@ def test_run_name_and_environment_agree_on_dirty(tmp_path: Path) -> None:
     _git(repo, "config", "status.showUntrackedFiles", "no")
     short = environment._git(repo, 20.0)["short_commit"]
     states = []
-    for step in ("clean", "ignored", "untracked", "tracked change"):
+    for step in ("clean", "ignored", "untracked data", "untracked", "tracked change"):
         if step == "ignored":
             (repo / "ignored.log").write_text("noise\n")
+        if step == "untracked data":  # a worked example's files: listed, not dirty, same run name
+            (repo / "capture.yaml").write_text("inputs: {}\n")
+            (repo / "trainer.safetensors").write_bytes(b"\0" * 16)
         if step == "untracked":
             (repo / "new.py").write_text("x = 1\n")
         if step == "tracked change":
@@ -328,7 +331,7 @@ def test_run_name_and_environment_agree_on_dirty(tmp_path: Path) -> None:
         assert name == f"c-{short}{'-dirty' if dirty else ''}-case-{digest}", step
         assert RunName.parse(name) == RunName("c", short, dirty, digest)
         states.append(dirty)
-    assert states == [False, False, True, True]  # both outcomes seen (negative control)
+    assert states == [False, False, False, True, True]  # both outcomes seen (negative control)
 
 
 # (change, whether it changes the evidence and so the run name)

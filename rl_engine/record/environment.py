@@ -4,8 +4,8 @@
 
 * ``RUN/environment.json`` (``schemas/environment.schema.json``, validated before it is
   written): git commit, branch and dirty flag (:mod:`rl_engine.record.gitstate`: dirty when
-  a tracked file changed or an untracked file is not ignored; the number of untracked files is
-  recorded too), Python, torch and its CUDA build, CUDA availability, GPU count and names,
+  a tracked file changed or an untracked source file is not ignored; the number of untracked
+  files is recorded, and the untracked data files, which leave the tree clean, are listed), Python, torch and its CUDA build, CUDA availability, GPU count and names,
   NCCL and gloo availability, CPU model and count, hostname, platform and the versions of
   snakemake, jsonschema, rich, numpy, pyyaml and rl_engine;
 * ``RUN/environment.txt``: the raw output of the guide's commands (``git rev-parse HEAD``,
@@ -33,9 +33,19 @@ from pathlib import Path
 from typing import Any
 
 from rl_engine import jsonio, schemas
+from rl_engine.evidence.terminal import terminal_text
 from rl_engine.record.gitstate import GitStateError, read_git_state
 from rl_engine.rundir import ENVIRONMENT, ENVIRONMENT_TEXT
 from rl_engine.tables import SCHEMA_VERSION
+
+MAX_LISTED = 200  # untracked data files listed in environment.json (all are counted)
+
+
+def printable_path(path: str) -> str:
+    """A path git printed, as a schema-``printable`` string: control and format characters (a
+    newline included) as visible escapes, at most 1000 characters."""
+    return terminal_text(path.replace("\n", "\\n"), limit=1000)
+
 
 PACKAGES = ("snakemake", "jsonschema", "rich", "numpy", "pyyaml", "torch", "rl_engine")
 TORCH_ONE_LINER = (
@@ -104,7 +114,7 @@ def _git(repo: Path, timeout_s: float) -> dict[str, Any]:
         state = read_git_state(repo, timeout_s)
     except GitStateError as exc:
         return {"available": False, "commit": None, "short_commit": None, "branch": None, "dirty": None,
-                "untracked_files": None, "reason": str(exc)}
+                "untracked_files": None, "untracked_data_files": None, "reason": str(exc)}
     return {
         "available": True,
         "commit": state.commit,
@@ -112,6 +122,8 @@ def _git(repo: Path, timeout_s: float) -> dict[str, Any]:
         "branch": state.branch,
         "dirty": state.dirty,
         "untracked_files": len(state.untracked_files),
+        # data files do not make the tree dirty; listed (escaped, the first MAX_LISTED) so a reviewer sees them
+        "untracked_data_files": [printable_path(path) for path in state.untracked_data_files[:MAX_LISTED]],
         "reason": None,
     }
 

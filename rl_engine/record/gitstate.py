@@ -1,12 +1,25 @@
 """The state of a git checkout: the one definition of "commit", "branch" and "dirty".
 
 :func:`read_git_state` asks git for ``HEAD``, its short form, the current branch and
-``git status --porcelain=v1 -z --untracked-files=all``. A checkout is **dirty** when that
-status lists anything: a staged or unstaged change to a tracked file, or an untracked file
-that is not ignored (``.gitignore``, ``.git/info/exclude``). Ignored files never make a
-checkout dirty. ``environment.json``'s git record is built from it; anything else that needs
-"dirty" (such as a run name) should call it rather than ask git itself, so no two records
-can disagree about whether the tested tree was clean.
+``git status --porcelain=v1 -z --untracked-files=all``. A checkout is **dirty** when the code
+that runs may differ from the commit:
+
+- a tracked file has a staged or unstaged change (whatever its kind), or
+- an untracked, not ignored file could change what runs: a source file (:func:`is_source`:
+  ``.py``, ``.pyx``, ``.pxd``, ``.c``, ``.h``, ``.cc``, ``.cpp``, ``.cu``, ``.cuh``, ``.smk``,
+  a ``Snakefile``, ``.pth``), a build or packaging file (``pyproject.toml``, ``setup.py``,
+  ``setup.cfg``, ``MANIFEST.in``), or any file under the directories the package and the
+  workflow read their code, schemas and rules from, and the focused suite its tests and fixtures
+  from (``rl_engine/``, ``workflow/``, ``schemas/``, ``tests/``).
+
+Any other untracked file (a capture, a figure, a worked example's YAML or output) is **data**:
+it is listed (:attr:`GitState.untracked_data_files`) and counted in environment.json, and does
+not make the checkout dirty, since nothing the workflow runs imports or includes it (a config
+file given with ``--configfile`` reaches the evidence through the config, whose case values the
+case hash covers). Ignored files (``.gitignore``, ``.git/info/exclude``) are neither.
+``environment.json``'s git record is built from it; anything else that needs "dirty" (such as
+a run name) should call it rather than ask git itself, so no two records can disagree about
+whether the tested tree was clean.
 
 Outside a git checkout, without a ``git`` executable, or when git does not answer within the
 time limit, :class:`GitStateError` says why; callers record that (no commit) rather than fail.
@@ -23,6 +36,17 @@ DEFAULT_TIMEOUT_S = 20.0
 SHORT_LENGTH = 7
 COMMIT = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
 UNTRACKED = "??"
+SOURCE_SUFFIXES = frozenset({".py", ".pyx", ".pxd", ".c", ".h", ".cc", ".cpp", ".cu", ".cuh", ".smk", ".pth"})
+SOURCE_NAMES = frozenset({"Snakefile", "pyproject.toml", "setup.py", "setup.cfg", "MANIFEST.in"})
+SOURCE_DIRS = ("rl_engine/", "workflow/", "schemas/", "tests/")
+
+
+def is_source(path: str) -> bool:
+    """Whether an untracked file at ``path`` (relative to the checkout, ``/``-separated) could
+    change what the package or the workflow runs (the module docstring's rule)."""
+    name = path.rsplit("/", 1)[-1]
+    suffix = name[name.rfind("."):] if "." in name.lstrip(".") else ""
+    return suffix in SOURCE_SUFFIXES or name in SOURCE_NAMES or path.startswith(SOURCE_DIRS)
 
 
 class GitStateError(RuntimeError):
@@ -61,7 +85,8 @@ class GitState:
 
     @property
     def dirty(self) -> bool:
-        return bool(self.changes)
+        """A tracked change, or an untracked source file (:func:`is_source`)."""
+        return any(c.status != UNTRACKED or is_source(c.path) for c in self.changes)
 
     @property
     def changed_files(self) -> tuple[str, ...]:
@@ -71,6 +96,11 @@ class GitState:
     @property
     def untracked_files(self) -> tuple[str, ...]:
         return tuple(c.path for c in self.changes if c.status == UNTRACKED)
+
+    @property
+    def untracked_data_files(self) -> tuple[str, ...]:
+        """Untracked files that do not make the checkout dirty (not :func:`is_source`)."""
+        return tuple(path for path in self.untracked_files if not is_source(path))
 
 
 def _git(repo: Path, timeout_s: float, *args: str) -> str:
@@ -120,4 +150,4 @@ def read_git_state(repo: str | Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> Gi
     return GitState(commit, short, branch, parse_porcelain(status))
 
 
-__all__ = ["Change", "GitState", "GitStateError", "parse_porcelain", "read_git_state"]
+__all__ = ["Change", "GitState", "GitStateError", "is_source", "parse_porcelain", "read_git_state"]
