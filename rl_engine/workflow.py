@@ -26,6 +26,7 @@ import argparse
 import atexit
 import difflib
 import functools
+import logging
 import math
 import os
 import re
@@ -718,6 +719,35 @@ def print_closing_at_exit(run: str | Path, topologies: list[Topology], succeeded
     the table the last thing on the console (issue 22). The files are read then, when every job
     is over."""
     atexit.register(functools.partial(print_closing, run, topologies, succeeded, **flags))
+
+
+class _NothingToDo(logging.Filter):
+    """Notes whether Snakemake logged "Nothing to be done" (it then returns before ``onsuccess:``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("Nothing to be done"):
+            self.seen = True
+        return True
+
+
+def print_closing_when_nothing_to_do(workflow: Any, run: str | Path, topologies: list[Topology],
+                                     **flags: bool) -> None:
+    """The closing table of the run the config names, at exit, when a real run (not a dry run, in
+    the main process) ended with "Nothing to be done": its evidence is on disk and up to date, so the
+    table says its verdict, archive and verify command as the run that made them did. Snakemake
+    returns before ``onsuccess:`` then, so this watches its log for the message."""
+    seen = _NothingToDo()
+    logging.getLogger("snakemake.logging").addFilter(seen)
+
+    def at_exit() -> None:
+        if seen.seen and workflow.is_main_process and not workflow.dryrun:
+            print_closing(run, topologies, True, **flags)
+
+    atexit.register(at_exit)
 
 
 def main(argv: list[str]) -> int:

@@ -61,6 +61,12 @@ def test_default_campaign_builds_an_archive_that_verifies(default_run) -> None:
     print(f"default campaign wall time: {elapsed:.1f} s")
     counts = jobs_run(done.stdout + done.stderr)
     assert counts.get("topology") == len(TOPOLOGIES) == 6, counts
+    for topo in TOPOLOGIES:  # each topology job is named by its topology in the console, start and end
+        stem = f"tp{topo[0]}-cp{topo[2]}"
+        started = re.findall(rf"^topology {stem} \(jobid (\d+)\): started$", done.stdout, re.M)
+        assert len(started) == 1, (stem, done.stdout[-6000:])
+        assert f"topology {stem} (jobid {started[0]}): report written" in done.stdout, stem
+        assert f"Finished jobid: {started[0]} (Rule: topology)" in done.stdout, stem
     name = run_name_of(repo)
     archive = archive_of(repo)
     assert archive.name == f"{name}.tar.gz"
@@ -146,14 +152,21 @@ def test_an_edited_engine_source_reruns_what_depends_on_it(default_run) -> None:
     assert "environment" not in counts and "case" not in counts, counts
     back = snakemake(repo, "-n")
     assert jobs_run(back.stdout + back.stderr) == {}, back.stdout[-3000:]
+    assert "rl_engine evidence workflow: result" not in back.stdout + back.stderr  # a dry run: no table
 
 
-def test_second_run_has_nothing_to_do(default_run) -> None:
+def test_second_run_has_nothing_to_do_and_ends_with_the_verdict_table(default_run) -> None:
     repo, _, _ = default_run
     done = snakemake(repo)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "Nothing to be done" in done.stdout + done.stderr
     assert jobs_run(done.stdout + done.stderr) == {}
+    # a no-op run still ends with the run's verdict table, read from disk
+    name = run_name_of(repo)
+    table = done.stdout[done.stdout.index("rl_engine evidence workflow: result"):]
+    for text in ("VERIFIED", f"results/{name}.tar.gz", f"python -m rl_engine verify results/{name}.tar.gz"):
+        assert text in table, (text, table)
+    assert table.rstrip("\n").splitlines()[-1].startswith("└")
 
 
 def test_verify_rejects_a_tampered_archive(default_run, tmp_path: Path) -> None:

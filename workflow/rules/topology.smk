@@ -22,6 +22,7 @@ rule topology:
         tp=r"[1-9][0-9]*",
         cp=r"[1-9][0-9]*",
     params:
+        name=lambda wildcards: f"tp{wildcards.tp}-cp{wildcards.cp}",
         timeout=config["topology_timeout_s"],
         ranks_per_node=config["ranks_per_node"],
     threads: lambda wildcards: int(wildcards.tp) * int(wildcards.cp) * config["threads_per_rank"]
@@ -30,9 +31,13 @@ rule topology:
         **topology_resource_functions(config),
     conda:
         "../envs/rl_engine.yaml"
+    # The console names each job by its topology (Snakemake's own lines say only "Rule: topology").
     shell:
+        'job="topology "{params.name:q}" (jobid "{jobid:q}")"; echo "$job: started"; '
         "rc=0; python -m rl_engine launch --plan {input.plan:q} --tp {wildcards.tp:q} "
         "--cp {wildcards.cp:q} --timeout-s {params.timeout:q} --ranks-per-node {params.ranks_per_node:q} "
         "> {log:q} 2>&1 || rc=$?; "
         'if [ "$rc" -eq 1 ]; then echo "acceptance failed; report kept for the validation gate" >> {log:q}; '
-        'elif [ "$rc" -ne 0 ]; then exit "$rc"; fi'
+        'echo "$job: acceptance failed, report kept for the validation gate"; '
+        'elif [ "$rc" -ne 0 ]; then echo "$job: FAILED (exit $rc), log "{log:q}; exit "$rc"; '
+        'else echo "$job: report written"; fi'
