@@ -46,6 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     if verb not in VERBS:
         print(f"unknown verb {verb!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    if any(arg in ("-h", "--help") for arg in rest):
+        # a verb whose module imports torch (seconds) has its parser in rl_engine.verb_parsers
+        from rl_engine.verb_parsers import PARSERS
+
+        if verb in PARSERS:
+            try:
+                PARSERS[verb]().parse_args(rest)
+            except SystemExit as exc:  # argparse printed the help (0) or a usage error (2)
+                return exc.code if isinstance(exc.code, int) else 2
     module = importlib.import_module(VERBS[verb][0])
     try:
         return int(module.main(rest))

@@ -42,7 +42,6 @@ Usage on a GPU machine (CUDA build of torch installed, then ``pip install -e .``
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -61,9 +60,10 @@ from rl_engine.logprob.tiles import chunk_rows_for_device
 from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.plan import build_plan
-from rl_engine.tables import DEVICE_DIST_BACKENDS, EAGER_BACKEND, SCHEMA_VERSION, TRITON_BACKEND
+from rl_engine.tables import BENCH_PHASES, DEVICE_DIST_BACKENDS, EAGER_BACKEND, SCHEMA_VERSION, TRITON_BACKEND
 from rl_engine.campaign.replay import replay_candidate
 from rl_engine.rundir import LOGS, PLAN, Run, Topology
+from rl_engine.verb_parsers import gpu_smoke_parser as build_parser
 
 FIELDS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256",
           "candidate_grad_sha256")
@@ -149,7 +149,7 @@ def cpu_replays(case: Case) -> dict[str, dict[str, str]]:
     return out
 
 
-PHASES: tuple[str, ...] = ("forward", "forward_backward")
+PHASES: tuple[str, ...] = BENCH_PHASES
 
 
 def _naive(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
@@ -350,22 +350,6 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     }
     schemas.write_validated(out_dir / "smoke.json", result, "smoke")  # checked, strict JSON, or nothing
     return result, problems
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m rl_engine gpu-smoke", description="Portable bits on a GPU, in one command: the campaign on cuda, the same case on the CPU, identical fingerprints required, forward times per backend.")
-    p.add_argument("--config", default="config.yaml", help="the campaign (default config.yaml)")
-    p.add_argument("--output-dir", default="results/gpu-smoke", help="where runs and smoke.json go")
-    p.add_argument("--cpu-only", action="store_true", help="everything but CUDA: the campaign on the CPU")
-    p.add_argument("--tokens", type=int, default=8192, help="tokens of the timed forward (default 8192)")
-    p.add_argument("--repeats", type=int, default=5, help="timed forwards per backend (median)")
-    p.add_argument("--max-ranks", type=int, default=None,
-                   help="largest TP*CP to run (default: the GPU count; no limit with --cpu-only)")
-    p.add_argument("--timeout-s", type=int, default=900, help="time limit of one topology")
-    p.add_argument("--backends", default=None,
-                   help="campaign backends, comma separated (default: on cuda the Triton and the "
-                        "eager backend, on the CPU the config's)")
-    return p
 
 
 def main(argv: list[str]) -> int:

@@ -61,4 +61,9 @@ LOGIT_SCALE_BOUNDS: dict[str, float] = {
 DEFAULT_TOPOLOGIES: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2))
 DEFAULT_PG_TIMEOUT_S = 120.0  # process-group timeout: a lost rank fails the collective
 
+# The benchmark's paths and phases (python -m rl_engine bench; rl_engine.benchmark.config says what each is).
+BENCH_PATHS: tuple[str, ...] = ("candidate", "fused", "triton", "naive", "floor", "lm_head", "fused_lm_head")
+BENCH_PHASES: tuple[str, ...] = ("forward", "forward_backward")
+PARITY_RATIO_BOUNDS: tuple[float, float] = (0.8, 1.2)  # parity's default: PPO-style clip; TIS users pass their own
+
 SCHEMA_VERSION = "1"  # of every artifact rl_engine writes (case, plan, reports, gates, environment, regression, verify, bench, smoke)

@@ -14,46 +14,13 @@ import sys
 
 import torch
 
-from rl_engine.benchmark.config import PATHS, PHASES, BenchConfig, BenchError
+from rl_engine.benchmark.config import BenchConfig, BenchError
 from rl_engine.benchmark.memory import probe_memory
 from rl_engine.benchmark.paths import default_paths
 from rl_engine.benchmark.report import render_table, write_document
 from rl_engine.benchmark.single import run_tp1
 from rl_engine.benchmark.tp import run_tp, tp_worker
-from rl_engine.logprob.contract import LOGITS_DTYPES
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m rl_engine bench",
-        description="Benchmark every backend available here (candidate: the eager one; fused: the "
-        "compiled CPU one) against naive log_softmax and a one-pass floor; with --tp, the same paths "
-        "on vocabulary shards under torchrun (naive: a vocab-parallel log_softmax).",
-    )
-    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--tiles", type=int, default=64)
-    p.add_argument("--dtype", default="bf16", choices=sorted(LOGITS_DTYPES))
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds (median reported)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed calls per path first")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--chunk-rows", type=int, default=None, help="rows per chunk of candidate and floor (fused streams rows)")
-    p.add_argument("--no-validate", action="store_true", help="backends with validate=False")
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--paths", nargs="+", default=None, choices=PATHS,
-                   help="default: every path this machine runs on --device (cpu: fused where its kernel loads; "
-                   "cuda: triton where it compiles); triton on the cpu needs RL_ENGINE_TRITON_MODE=interpreter")
-    p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="where the inputs live and the backends run (cuda: --no-memory, no fused, no --tp)")
-    p.add_argument("--tp", type=int, nargs="+", default=[], help="TP degrees: run the torchrun mode")
-    p.add_argument("--hidden-size", type=int, default=None,
-                   help="the hidden size of the head paths (lm_head, fused_lm_head: asked for by name in --paths)")
-    p.add_argument("--output", default=None, help="write the JSON document here")
-    p.add_argument("--probe", nargs=3, metavar=("PATH", "PHASE", "TOKENS"), help=argparse.SUPPRESS)
-    p.add_argument("--tp-worker", metavar="OUTPUT", help=argparse.SUPPRESS)
-    return p
+from rl_engine.verb_parsers import bench_parser as build_parser
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:

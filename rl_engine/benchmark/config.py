@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract
 from rl_engine.logprob.tiles import default_chunk_rows
+from rl_engine.tables import BENCH_PATHS, BENCH_PHASES
 
-PATHS: tuple[str, ...] = ("candidate", "fused", "triton", "naive", "floor", "lm_head", "fused_lm_head")
+PATHS: tuple[str, ...] = BENCH_PATHS
 # From the last hidden state and the lm_head weight (--hidden-size): the logits made whole
 # (lm_head) or chunk by chunk (fused_lm_head, selected_logprob_from_hidden); asked for by name.
 HEAD_PATHS: tuple[str, ...] = ("lm_head", "fused_lm_head")
@@ -21,7 +22,7 @@ DEVICES: tuple[str, ...] = ("cpu", "cuda")
 # The paths a configuration runs unless told otherwise: triton is asked for by name (on the cpu it
 # runs only under Triton's interpreter, whose timings are not a GPU's).
 CPU_PATHS: tuple[str, ...] = tuple(p for p in PATHS if p != "triton" and p not in HEAD_PATHS)
-PHASES: tuple[str, ...] = ("forward", "forward_backward")
+PHASES: tuple[str, ...] = BENCH_PHASES
 
 
 class BenchError(ValueError):

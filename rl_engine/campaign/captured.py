@@ -19,7 +19,6 @@ the mask: ``prompt_tokens``, ``seed`` and ``logit_scale`` do not shape a capture
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import sys
@@ -33,6 +32,7 @@ from rl_engine import jsonio
 from rl_engine.campaign import inputs  # inputs.make_inputs looked up at call time (a test spies on it)
 from rl_engine.capture.format import CaptureError, Header, read_capture, read_header
 from rl_engine.rundir import CAPTURE
+from rl_engine.verb_parsers import copy_capture_parser
 
 COPY_CHUNK = 1 << 20  # bytes read at a time when hashing or copying a capture
 # (device, inode, size, mtime_ns) of a file this process hashed -> its SHA-256
@@ -205,13 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     workflow's capture rule (config ``inputs.archive: true``). 0 copied, 2 refused (nothing written)."""
     from rl_engine.campaign.case import CaseError, load_case_file
 
-    parser = argparse.ArgumentParser(
-        prog="python -m rl_engine copy-capture",
-        description="Copy the case's captured file into the run directory (config inputs.archive: true), "
-                    "checking its SHA-256 against the case while it is copied. Exit 0 copied, 2 refused.")
-    parser.add_argument("--case", required=True, type=Path, help="the case file (case.json) of a capture case")
-    parser.add_argument("--output", required=True, type=Path, help=f"where the copy goes (RUN/{CAPTURE})")
-    args = parser.parse_args(argv)
+    args = copy_capture_parser().parse_args(argv)
     try:
         case, _ = load_case_file(args.case)
         if case.capture is None or case.capture.get("archive") is not True:

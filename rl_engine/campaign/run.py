@@ -41,7 +41,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import argparse
 import platform
 import socket
 import time
@@ -77,24 +76,12 @@ from rl_engine.campaign.captured import case_inputs, check_file
 from rl_engine.capture.shard import rank_inputs
 from rl_engine.campaign.inputs import inputs_sha256, make_inputs
 from rl_engine.campaign.nodes import node_name
+from rl_engine.verb_parsers import run_parser as build_parser
 
 MERGE_ORDER = (
     "per-tile FP32 (max, sum exp) with a fixed pairwise fold inside each tile; tiles merged "
     "in global tile order with the same fold, identically on every rank"
 )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m rl_engine run",
-        description="Run one topology of a plan under torchrun (its command: torchrun ... -m rl_engine.campaign.run "
-                    "PLAN --tp T --cp C): every rank computes its part, rank 0 writes the report beside the plan. "
-                    "Exit 0 passed, 1 failed acceptance (report kept), 2 no valid report.",
-    )
-    p.add_argument("plan", help="plan.json (python -m rl_engine plan)")
-    p.add_argument("--tp", type=int, required=True, help="TP degree of a planned topology")
-    p.add_argument("--cp", type=int, required=True, help="CP degree of a planned topology")
-    return p
 
 
 # ----- one rank -----------------------------------------------------------------------------

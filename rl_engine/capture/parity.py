@@ -28,7 +28,6 @@ divided by their count.
 
 from __future__ import annotations
 
-import argparse
 import io
 import math
 import sys
@@ -41,15 +40,16 @@ import torch
 from rl_engine import jsonio, schemas
 from rl_engine.distributed.bounds import BoundsError, tile_width
 from rl_engine.rundir import PARITY_JSON, PARITY_PNG
-from rl_engine.tables import AUTO, BACKEND_DEVICES, EAGER_BACKEND, SCHEMA_VERSION
+from rl_engine.tables import AUTO, BACKEND_DEVICES, EAGER_BACKEND, PARITY_RATIO_BOUNDS, SCHEMA_VERSION
 from rl_engine.capture.format import Capture, CaptureError, read_capture, read_header, read_tokens
 from rl_engine.logprob import portable
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.tensorio import tensor_bytes
+from rl_engine.verb_parsers import parity_parser
 
 SCHEMA = "parity"
 SIDES = ("rollout", "trainer")
-DEFAULT_RATIO_BOUNDS = (0.8, 1.2)  # PPO-style clip of the ratio; TIS users pass their own
+DEFAULT_RATIO_BOUNDS = PARITY_RATIO_BOUNDS  # PPO-style clip of the ratio; TIS users pass their own
 ROW_BLOCK = 32  # rows of logits compared at a time (bounds the float64 temporaries)
 RATIO_METHOD = ("binary32 E(logp_trainer - logp_rollout): the portable exp of docs/arithmetic.md "
                 "on the binary32 difference (a report statistic, not the candidate's path)")
@@ -416,23 +416,7 @@ def run(rollout: Path, trainer: Path, output_dir: Path, options: ParityOptions) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m rl_engine parity",
-        description="Compare two captures of the same tokens (a rollout engine's and a trainer's): "
-        "targets and mask, logits, our logprob on each side's logits, each engine's reported "
-        "logprob against ours, and the importance ratio. Writes parity.json and parity.png; exit "
-        "0 bitwise equal, 1 different, 2 refused (nothing written).")
-    parser.add_argument("rollout", type=Path, help="the rollout engine's capture (safetensors)")
-    parser.add_argument("trainer", type=Path, help="the trainer's capture of the same tokens")
-    parser.add_argument("--output-dir", type=Path, required=True)
-    parser.add_argument("--backend", default=EAGER_BACKEND, help="our logprob's backend (explicit id)")
-    parser.add_argument("--num-vocab-tiles", type=int, default=1)
-    parser.add_argument("--ratio-bounds", type=float, nargs=2, default=list(DEFAULT_RATIO_BOUNDS),
-                        metavar=("LOW", "HIGH"))
-    parser.add_argument("--difference-exit-code", type=int, choices=(0, 1), default=1,
-                        help="the exit code when the report shows a difference (default 1; the workflow's "
-                             "parity stage passes 0: a difference is a finding, not a failed stage)")
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    args = parity_parser().parse_args(list(argv) if argv is not None else None)
     try:
         options = ParityOptions(args.backend, args.num_vocab_tiles, tuple(args.ratio_bounds))
         report = run(args.rollout, args.trainer, args.output_dir, options)
