@@ -9,6 +9,7 @@ bf16 log_softmax shows up in section 4; bad inputs are refused (exit 2) with not
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from pathlib import Path
@@ -21,6 +22,7 @@ from _tiny_lm import padded, sequences, tiny_model, variant
 from rl_engine import cli, jsonio, schemas
 from rl_engine.capture import Capture, read_capture, write_capture
 from rl_engine.capture.hf import capture_causal_lm, concat_captures
+from rl_engine.capture import parity
 from rl_engine.capture.parity import ParityOptions, our_logprob
 
 
@@ -100,6 +102,43 @@ def test_logits_made_equal_on_some_tokens_make_our_logprob_equal_exactly_there(c
             assert lg["per_token"]["columns_differing"][i] == 0
             assert _f32([diffs[i]]) == _f32([0.0])
     assert lp["from_logits_only"] and 0 < lp["tokens_differing"] < report["targets_and_mask"]["active_tokens"]
+
+
+def test_the_parity_figure_counts_exact_zeros_apart_from_parity_json(caps: dict[str, Path], tmp_path: Path) -> None:
+    """parity.png: every count it shows comes from parity.json (recounted here from the per-token
+    arrays): the exact zeros of our logprob and of the logits apart from the histogram, the ratio's
+    bounds and how many tokens lie outside them; and it is readable at the size it is shown."""
+    rollout, trainer = read_capture(caps["rollout"]), read_capture(caps["trainer"])
+    spliced = trainer.logits.clone()
+    spliced[::2] = rollout.logits[::2]  # equal logits rows on every other token
+    path = tmp_path / "spliced.safetensors"
+    write_capture(path, Capture(spliced, trainer.targets, trainer.active, None, trainer.metadata))
+    code, report = _parity(caps["rollout"], path, tmp_path / "out")
+    assert code == 1 and report is not None
+    active = report["targets_and_mask"]["per_token"]["active"]
+    on = [i for i, a in enumerate(active) if a]
+    logp_diff = report["our_logprob"]["per_token"]["diff"]
+    logit_diff = report["logits"]["per_token"]["max_abs_diff"]
+    ratio = report["importance_ratio"]["ours"]["per_token"]
+    low, high = report["importance_ratio"]["bounds"]
+    panels = parity.figure_panels(json.loads((tmp_path / "out" / "parity.json").read_text()))
+    assert [p.title.split(":")[0] for p in panels] == ["our logprob", "logits", "importance ratio (ours)"]
+    ours, logits, ratios = panels
+    zeros = sum(1 for i in on if logp_diff[i] == 0)
+    assert 0 < zeros < len(on) and ours.zeros == zeros and ours.active == len(on)
+    assert sorted(ours.values) == sorted(logp_diff[i] for i in on if logp_diff[i] != 0)  # zeros not in the histogram
+    assert logits.zeros == sum(1 for i in on if logit_diff[i] == 0) == len(range(0, len(active), 2)) - sum(
+        1 for i in range(0, len(active), 2) if not active[i])
+    assert ratios.marks == (low, high) and ratios.zeros == -1
+    outside = sum(1 for i in on if not low <= ratio[i] <= high)
+    assert f"outside [{low:.3g}, {high:.3g}]: {outside} of {len(on)}" in ratios.note()
+    assert f"exactly 0: {zeros} of {len(on)} active tokens" in ours.note()
+    assert f"bitwise equal on {zeros} of {len(on)} active tokens" in parity.headline(report)
+    assert "equal logits give equal logprob bytes: yes" in parity.headline(report)
+    png = (tmp_path / "out" / "parity.png").read_bytes()
+    width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk
+    assert png[12:16] == b"IHDR" and width == 1280 and height >= 800, (width, height)
+
 
 
 def test_bf16_vs_fp32_trainer(caps: dict[str, Path], tmp_path: Path) -> None:

@@ -333,30 +333,112 @@ def build_report(rollout_path: Path, trainer_path: Path, options: ParityOptions)
     }
 
 
-def render_png(report: dict[str, Any]) -> bytes:
-    """The histogram of the per-token logprob differences (matplotlib's Agg canvas, no pyplot)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+@dataclass(frozen=True)
+class Panel:
+    """One panel of parity.png: per-token values of the active tokens, the exact zeros counted apart
+    (they are not in the histogram), the tokens whose value is not finite, and lines to mark."""
 
+    title: str
+    xlabel: str
+    values: tuple[float, ...]  # the finite values the histogram shows (exact zeros left out when zeros_apart)
+    zeros: int  # active tokens whose value is exactly 0 (bitwise equal), counted apart; -1: not counted apart
+    non_finite: int
+    active: int
+    marks: tuple[float, ...] = ()  # vertical lines (the ratio's truncation bounds)
+
+    def note(self) -> str:
+        """What the panel's annotation says: the counts a reviewer reads at a glance."""
+        parts = [] if self.zeros < 0 else [f"exactly 0: {self.zeros} of {self.active} active tokens "
+                                           f"({100.0 * self.zeros / self.active:.1f}%), not in the histogram"]
+        if self.non_finite:
+            parts.append(f"not finite: {self.non_finite}")
+        if self.marks:
+            outside = sum(1 for v in self.values if v < self.marks[0] or v > self.marks[1]) + self.non_finite
+            parts.append(f"outside [{_g(self.marks[0])}, {_g(self.marks[1])}]: {outside} of {self.active}")
+        return "\n".join(parts)
+
+
+def figure_panels(report: dict[str, Any]) -> list[Panel]:
+    """The panels of parity.png, every number from the report (parity.json): our logprob difference
+    (trainer - rollout), the logits' largest difference per token, our importance ratio with its
+    truncation bounds, and each engine's reported logprob against ours where the capture has one."""
     act = report["targets_and_mask"]["per_token"]["active"]
-    panels = [("ours: trainer - rollout (section 3)", report["our_logprob"]["per_token"]["diff"])]
+    active = sum(1 for on in act if on)
+
+    def diff_panel(title: str, per_token: list[float | None], xlabel: str) -> Panel:
+        on = [d for d, a in zip(per_token, act) if a]
+        finite = [d for d in on if d is not None]
+        return Panel(title, xlabel, tuple(d for d in finite if d != 0), sum(1 for d in finite if d == 0),
+                     len(on) - len(finite), active)
+
+    panels = [diff_panel("our logprob: trainer - rollout", report["our_logprob"]["per_token"]["diff"],
+                         "logprob difference (nats)"),
+              diff_panel("logits: largest |trainer - rollout| of the row",
+                         report["logits"]["per_token"]["max_abs_diff"], "max |logit difference|")]
+    ratio = report["importance_ratio"]
+    on = [r for r, a in zip(ratio["ours"]["per_token"], act) if a]
+    finite = tuple(r for r in on if r is not None)
+    panels.append(Panel("importance ratio (ours): exp(logp_trainer - logp_rollout)", "ratio", finite, -1,
+                        len(on) - len(finite), active, tuple(ratio["bounds"])))
     for side in SIDES:
         stats = report["engine_vs_ours"][side]
         if stats is not None:
-            panels.append((f"{side} engine reported - ours (section 4)", stats["per_token"]["diff"]))
-    fig = Figure(figsize=(6.4, 2.6 * len(panels)))
+            panels.append(diff_panel(f"{side} engine's reported logprob - ours", stats["per_token"]["diff"],
+                                     "logprob difference (nats)"))
+    return panels
+
+
+def headline(report: dict[str, Any]) -> str:
+    """The figure's title: the verdict and the main finding, equal logits giving equal logprob bytes."""
+    act = report["targets_and_mask"]["per_token"]["active"]
+    ours, logits = report["our_logprob"], report["logits"]["per_token"]["columns_differing"]
+    active = sum(1 for on in act if on)
+    equal_logp = sum(1 for on, eq in zip(act, ours["per_token"]["bitwise_equal"]) if on and eq)
+    equal_rows = sum(1 for on, cols in zip(act, logits) if on and cols == 0)
+    attributed = "yes" if ours["from_logits_only"] else "NO"
+    return (f"parity: {report['verdict']}; our logprob bitwise equal on {equal_logp} of {active} active tokens\n"
+            f"logits rows bitwise equal on {equal_rows}; equal logits give equal logprob bytes: {attributed}")
+
+
+FIGURE_COLUMNS = 2
+PANEL_SIZE_IN = (6.4, 4.2)  # inches; at 100 dpi each panel is 640 x 420 pixels
+FIGURE_DPI = 100
+
+
+def render_png(report: dict[str, Any]) -> bytes:
+    """parity.png (matplotlib's Agg canvas, no pyplot): :func:`figure_panels` on a grid, two
+    panels a row, each a histogram of its values with its exact zeros counted apart and its
+    counts written on it, in type a reviewer reads at the size the figure is shown."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    panels = figure_panels(report)
+    rows = -(-len(panels) // FIGURE_COLUMNS)
+    fig = Figure(figsize=(PANEL_SIZE_IN[0] * FIGURE_COLUMNS, PANEL_SIZE_IN[1] * rows + 0.6), dpi=FIGURE_DPI)
     FigureCanvasAgg(fig)
-    for i, (title, diff) in enumerate(panels, start=1):
-        ax = fig.add_subplot(len(panels), 1, i)
-        values = [d for d, on in zip(diff, act) if on and d is not None]  # null: not finite
-        zero = all(d == 0 for d in values)
-        ax.hist(values, bins=1 if zero else 50, color="tab:blue")
-        ax.set_title(title + (" (all zero)" if zero else ""), fontsize=9)
-        ax.set_xlabel("logprob difference (nats)", fontsize=8)
-        ax.set_ylabel("active tokens", fontsize=8)
-    fig.tight_layout()
+    fig.suptitle(headline(report), fontsize=14)
+    for i, panel in enumerate(panels, start=1):
+        ax = fig.add_subplot(rows, FIGURE_COLUMNS, i)
+        if panel.values:
+            ax.hist(panel.values, bins=min(50, max(1, len(set(panel.values)))), color="tab:blue")
+        else:
+            ax.text(0.5, 0.5, "no value to plot", transform=ax.transAxes, ha="center", fontsize=12)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # headroom for the counts written at the top
+        for mark in panel.marks:
+            ax.axvline(mark, color="tab:red", linestyle="--", linewidth=1.5)
+        ax.set_title(panel.title, fontsize=12)
+        ax.set_xlabel(panel.xlabel, fontsize=11)
+        ax.set_ylabel("active tokens", fontsize=11)
+        ax.tick_params(labelsize=10)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        note = panel.note()
+        if note:
+            ax.text(0.02, 0.97, note, transform=ax.transAxes, va="top", ha="left", fontsize=10,
+                    bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85})
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": None})
+    fig.savefig(buf, format="png", dpi=FIGURE_DPI, metadata={"Software": None})
     return buf.getvalue()
 
 
@@ -432,5 +514,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(args.difference_exit_code)
 
 
-__all__ = ["ParityError", "ParityOptions", "Tokens", "build_report", "check_pair", "check_same_tokens", "compute",
+__all__ = ["Panel", "ParityError", "ParityOptions", "Tokens", "build_report", "check_pair", "check_same_tokens", "compute", "figure_panels", "headline",
            "main", "run"]
