@@ -721,6 +721,65 @@ def print_closing_at_exit(run: str | Path, topologies: list[Topology], succeeded
     atexit.register(functools.partial(print_closing, run, topologies, succeeded, **flags))
 
 
+# ----- Snakemake's HTML report (snakemake --report report.html) -------------------------------
+# The outputs a reviewer looks at are marked with report() in their rules (SUMMARY.md, verify.json,
+# crosscheck.json, parity.png); each gets labels read from the run's files when the report is made,
+# so the report's table shows the closing table's rows, the cross-topology result and the parity
+# counts beside the embedded files. A label function never raises: a file it cannot read is named.
+
+def _plain(value: str) -> str:
+    from rich.text import Text
+
+    return Text.from_markup(value).plain
+
+
+def _read_json(path: str | Path) -> dict[str, Any] | None:
+    try:
+        data = jsonio.load(Path(path))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def report_closing_labels(run: str | Path, topologies: list[Topology], **flags: bool) -> Callable[..., dict[str, str]]:
+    """Labels of the verify_archive output: the closing table's rows, as the console's closing table shows them."""
+    def labels(wildcards: Any) -> dict[str, str]:
+        result = closing(run, topologies, True, **flags)
+        return {"Verdict": result.verdict, **{label: _plain(value) for label, value in result.rows}}
+    return labels
+
+
+def report_crosscheck_labels(wildcards: Any, output: Any) -> dict[str, str]:
+    """Labels of crosscheck.json: the result, the reference topology and what was compared."""
+    data = _read_json(output[0])
+    if data is None:
+        return {"Cross-topology check": f"{output[0]} cannot be read"}
+    topologies = [t.get("topology", t) if isinstance(t, dict) else t for t in data.get("topologies", [])]
+    return {"Cross-topology check": "PASSED: bitwise equal" if data.get("passed") is True else
+            f"FAILED: {len(data.get('failures', []))} difference(s)",
+            "Reference": str(data.get("reference")), "Topologies": str(len(topologies)),
+            "Fields compared": ", ".join(str(f) for f in data.get("fields", []))}
+
+
+def report_parity_labels(wildcards: Any, output: Any) -> dict[str, str]:
+    """Labels of parity.png: the verdict and the counts the figure shows, from parity.json."""
+    data = _read_json(output.json)
+    if data is None:
+        return {"Parity": f"{output.json} cannot be read"}
+    try:
+        active = data["targets_and_mask"]["active_tokens"]
+        ours = data["our_logprob"]
+        equal = sum(1 for a, e in zip(data["targets_and_mask"]["per_token"]["active"],
+                                      ours["per_token"]["bitwise_equal"]) if a and e)
+        ratio = data["importance_ratio"]["ours"]
+        return {"Parity": str(data["verdict"]), "Active tokens": str(active),
+                "Logprob bitwise equal": f"{equal} of {active}",
+                "Logits bitwise equal": str(data["logits"]["bitwise_equal"]),
+                "Ratio outside bounds": f"{ratio['outside_bounds']} of {active}"}
+    except (KeyError, TypeError) as exc:
+        return {"Parity": f"{output.json} lacks {exc}"}
+
+
 class _NothingToDo(logging.Filter):
     """Notes whether Snakemake logged "Nothing to be done" (it then returns before ``onsuccess:``)."""
 

@@ -7,6 +7,8 @@ copy's code is what runs.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 import shutil
@@ -111,6 +113,20 @@ def verify(repo: Path, archive: Path, *args: str) -> subprocess.CompletedProcess
         [sys.executable, "-m", "rl_engine", "verify", str(archive), *args],
         cwd=repo, env=env_for(repo), capture_output=True, text=True, timeout=600,
     )
+
+
+def html_report(repo: Path, out: Path, configfile: str = CONFIG) -> tuple[dict[str, Any], str]:
+    """``snakemake --report OUT`` in ``repo``; the report's results (file path -> record, its
+    ``data_uri`` decoded into ``data``) and its workflow description, read from the HTML."""
+    done = subprocess.run([sys.executable, "-m", "snakemake", "--configfile", configfile, "--report", str(out)],
+                          cwd=repo, env=env_for(repo), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    html = out.read_text(encoding="utf-8")
+    results = json.loads(re.search(r"^\s*var results = (\{.*\});?\s*$", html, re.M).group(1))
+    for record in results.values():
+        record["data"] = base64.b64decode(record["data_uri"].split("base64,", 1)[1])
+    description = json.loads(re.search(r"^\s*var workflow_desc = (\".*\");?\s*$", html, re.M).group(1))
+    return results, description
 
 
 def jobs_run(output: str) -> dict[str, int]:

@@ -600,8 +600,8 @@ def test_a_capture_and_parity_config_runs_through_snakemake_to_a_verified_archiv
     import tarfile
 
     from _capture_case import write_trainer_side
-    from _workflow_util import (CONFIG, SHORT_REGRESSION, copy_repo, env_for, jobs_run, run_name_of, snakemake,
-                                verify, write_config)
+    from _workflow_util import (CONFIG, SHORT_REGRESSION, copy_repo, env_for, html_report, jobs_run, run_name_of,
+                                snakemake, verify, write_config)
     from rl_engine import jsonio
     from rl_engine.rundir import CAPTURE, PARITY_JSON, PARITY_PNG, SUMMARY
 
@@ -645,6 +645,14 @@ def test_a_capture_and_parity_config_runs_through_snakemake_to_a_verified_archiv
     assert reviewed.returncode == 0, reviewed.stdout[-6000:] + reviewed.stderr[-3000:]
     checks = {c["name"]: c["status"] for c in jsonio.load(verdict)["checks"]}
     assert checks["inputs regenerated"] == checks["candidate replayed"] == "PASS", checks
+
+    # the HTML report embeds parity.png, labelled with the counts of parity.json
+    results, _ = html_report(repo, tmp_path / "report.html")
+    figure = results[f"results/{name}/{PARITY_PNG}"]
+    assert figure["data"] == (run / PARITY_PNG).read_bytes() and figure["mime_type"] == "image/png"
+    active = parity["targets_and_mask"]["active_tokens"]
+    assert figure["labels"]["Parity"] == "different" and figure["labels"]["Active tokens"] == str(active)
+    assert figure["labels"]["Ratio outside bounds"] == f"{parity['importance_ratio']['ours']['outside_bounds']} of {active}"
 
     lint = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--configfile", CONFIG],
                           cwd=repo, env=env_for(repo), capture_output=True, text=True, timeout=300)

@@ -42,7 +42,8 @@ rule verify_archive:
         archive=stage_output("archive", 0),
         checksum=stage_output("archive", 1),
     output:
-        stage_output("verify_archive"),
+        report(stage_output("verify_archive"), caption="../report/verdict.rst", category="1. Verdict",
+               labels=report_closing_labels(RUN, TOPOLOGIES, **STAGE_FLAGS)),
     log:
         stage_log("verify_archive"),
     conda:

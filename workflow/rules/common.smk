@@ -7,6 +7,9 @@ from rl_engine.workflow import (
     config_case,
     parity_settings,
     parse_topologies,
+    report_closing_labels,
+    report_crosscheck_labels,
+    report_parity_labels,
     run_name,
     run_stages,
     source_digest,
@@ -18,6 +21,9 @@ from rl_engine.workflow import (
 REPO = str(Path(workflow.basedir).parent)
 RUN_NAME = run_name(config, REPO)
 RUN = f"results/{RUN_NAME}"
+# environment captures and passing focused suites, shared by the runs of the same code, tests and
+# environment (rl_engine/record/reuse.py): a new case copies them instead of capturing and testing again
+REUSE_DIR = "results/.reuse"
 check_capture_location(config, RUN)  # before any job: a capture inside RUN would be taken for an output
 TOPOLOGIES = parse_topologies(config["topologies"])
 # The case file's JSON (case rule): the one thing of the config that the plan and the runs read.

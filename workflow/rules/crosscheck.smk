@@ -4,7 +4,8 @@ rule crosscheck:
         reports=REPORTS,
         tensors=TENSORS,
     output:
-        stage_output("crosscheck"),
+        report(stage_output("crosscheck"), caption="../report/crosscheck.rst", category="2. Cross-topology check",
+               labels=report_crosscheck_labels),
     log:
         stage_log("crosscheck"),
     params:

@@ -13,7 +13,8 @@ rule parity:
         sources=SOURCES,
     output:
         json=stage_output("parity", 0),
-        png=stage_output("parity", 1),
+        png=report(stage_output("parity", 1), caption="../report/parity.rst", category="3. Parity",
+                   labels=report_parity_labels),
     log:
         stage_log("parity"),
     params:

@@ -5,7 +5,8 @@ rule summary:
         capture=CAPTURE_COPY,
         parity=PARITY_OUTPUTS,
     output:
-        stage_output("summary"),
+        report(stage_output("summary"), caption="../report/summary.rst", category="1. Verdict",
+               labels={"File": "SUMMARY.md"}),
     log:
         stage_log("summary"),
     params:

@@ -33,7 +33,7 @@ rule topology:
         "../envs/rl_engine.yaml"
     # The console names each job by its topology (Snakemake's own lines say only "Rule: topology").
     shell:
-        'job="topology "{params.name:q}" (jobid "{jobid:q}")"; echo "$job: started"; '
+        'job="topology "{params.name:q}; echo "$job: started"; '
         "rc=0; python -m rl_engine launch --plan {input.plan:q} --tp {wildcards.tp:q} "
         "--cp {wildcards.cp:q} --timeout-s {params.timeout:q} --ranks-per-node {params.ranks_per_node:q} "
         "> {log:q} 2>&1 || rc=$?; "
