@@ -27,6 +27,7 @@ from _workflow_util import (
     SHORT_REGRESSION,
     archive_of,
     copy_repo,
+    html_report,
     jobs_run,
     run_name_of,
     snakemake,
@@ -63,10 +64,9 @@ def test_default_campaign_builds_an_archive_that_verifies(default_run) -> None:
     assert counts.get("topology") == len(TOPOLOGIES) == 6, counts
     for topo in TOPOLOGIES:  # each topology job is named by its topology in the console, start and end
         stem = f"tp{topo[0]}-cp{topo[2]}"
-        started = re.findall(rf"^topology {stem} \(jobid (\d+)\): started$", done.stdout, re.M)
-        assert len(started) == 1, (stem, done.stdout[-6000:])
-        assert f"topology {stem} (jobid {started[0]}): report written" in done.stdout, stem
-        assert f"Finished jobid: {started[0]} (Rule: topology)" in done.stdout, stem
+        assert len(re.findall(rf"^topology {stem}: started$", done.stdout, re.M)) == 1, (stem, done.stdout[-6000:])
+        assert len(re.findall(rf"^topology {stem}: report written$", done.stdout, re.M)) == 1, stem
+    assert len(re.findall(r"^Finished jobid: \d+ \(Rule: topology\)$", done.stdout, re.M)) == len(TOPOLOGIES)
     name = run_name_of(repo)
     archive = archive_of(repo)
     assert archive.name == f"{name}.tar.gz"
@@ -169,6 +169,29 @@ def test_second_run_has_nothing_to_do_and_ends_with_the_verdict_table(default_ru
     assert table.rstrip("\n").splitlines()[-1].startswith("└")
 
 
+def test_the_html_report_holds_what_a_reviewer_reads(default_run, tmp_path: Path) -> None:
+    """``snakemake --report report.html`` made a 3 MB report with no result in it. Read from the HTML:
+    SUMMARY.md and the two verdict files are embedded byte for byte, the verification's labels are the
+    closing table's rows (VERIFIED, the archive, its SHA-256, the verify command), the cross-topology
+    labels say it passed over every topology, and the workflow's description names the topologies."""
+    repo, _, _ = default_run
+    name = run_name_of(repo)
+    results, description = html_report(repo, tmp_path / "report.html")
+    summary, verdict = f"results/{name}/SUMMARY.md", f"results/{name}.verify.json"
+    crosscheck = f"results/{name}/crosscheck.json"
+    assert set(results) == {summary, verdict, crosscheck}, sorted(results)
+    for path in results:
+        assert results[path]["data"] == (repo / path).read_bytes(), path
+    labels = results[verdict]["labels"]
+    digest = (repo / "results" / f"{name}.tar.gz.sha256").read_text().split()[0]
+    assert labels["Verdict"] == "VERIFIED" and labels["SHA-256"] == digest, labels
+    assert labels["Archive"] == f"results/{name}.tar.gz"
+    assert labels["Verify (reviewer)"] == f"python -m rl_engine verify results/{name}.tar.gz"
+    checked = results[crosscheck]["labels"]
+    assert checked["Cross-topology check"] == "PASSED: bitwise equal" and checked["Topologies"] == str(len(TOPOLOGIES))
+    assert ", ".join(TOPOLOGIES) in description
+
+
 def test_verify_rejects_a_tampered_archive(default_run, tmp_path: Path) -> None:
     repo, _, _ = default_run
     original = archive_of(repo)
@@ -199,6 +222,13 @@ def test_a_changed_campaign_gets_its_own_run_and_going_back_has_nothing_to_do(de
     assert second != first and second.startswith("rl-engine-logprob-nogit-case-")
     assert sorted(p.name for p in (repo / "results" / second).glob("tp*-cp*.json")) == ["tp1-cp1.json", "tp2-cp1.json"]
     assert jobs_run(text).get("verify_archive") == 1  # the new archive verified in the run (rc 0)
+    # a new case of the same code: the environment capture and the focused suite are copied, not run
+    for stage in ("environment.json", "regression.json"):
+        reused = jsonio.load(repo / "results" / second / stage)["reused"]
+        assert reused["from_run"] == first, (stage, reused)
+    assert re.search(r"^regression: reused the focused suite's pass of run " + re.escape(first), text, re.M), text[-6000:]
+    assert "regression: running the focused suite" not in text
+    assert f"reused from run {first}" in (repo / "results" / second / "SUMMARY.md").read_text()
     assert jsonio.load(repo / "results" / f"{second}.verify.json")["passed"] is True
     assert {p: p.read_bytes() for p in kept} == kept  # the first campaign's archive is untouched
     back = snakemake(repo)

@@ -174,6 +174,18 @@ def hardware_text(env: dict[str, Any]) -> str:
     return f"CPU only: {_get(env, 'cpu', 'model')} ({_get(env, 'cpu', 'count')} cores), no GPU"
 
 
+def reused_text(ev: Evidence) -> list[str]:
+    """Where the environment capture and the focused suite were reused from (rl_engine.record.reuse)."""
+    lines = []
+    for what, record in (("The environment capture", ev.environment.get("reused")),
+                         ("The focused suite's pass", ev.regression.get("reused"))):
+        if isinstance(record, dict):
+            lines += [f"{what} is reused from run {md_cell(str(record.get('from_run')))} "
+                      f"({md_cell(str(record.get('captured_utc')))}, key `{md_cell(str(record.get('key')))[:16]}`): "
+                      "same code, tests and environment; not run again for this case.", ""]
+    return lines
+
+
 def regression_text(reg: dict[str, Any]) -> str:
     text = f"{reg.get('passed')} passed, {reg.get('skipped')} skipped"
     if reg.get("failed") or reg.get("errors"):
@@ -548,6 +560,7 @@ def render(ev: Evidence, run: Run) -> tuple[str, dict[str, Section]]:
         f"{regression_text(ev.regression)} (pytest exit {ev.regression.get('exit_code')}; `{ev.regression.get('log')}`, "
         f"`{ev.regression.get('junit')}`).",
         "",
+        *reused_text(ev),
         skipped_text(run.root, ev.regression, secs["skipped"]),
         "## Fingerprints",
         "",

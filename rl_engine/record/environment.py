@@ -34,6 +34,7 @@ from typing import Any
 
 from rl_engine import jsonio, schemas
 from rl_engine.evidence.terminal import terminal_text
+from rl_engine.record import reuse
 from rl_engine.record.gitstate import GitStateError, read_git_state
 from rl_engine.rundir import ENVIRONMENT, ENVIRONMENT_TEXT
 from rl_engine.tables import SCHEMA_VERSION
@@ -186,12 +187,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", required=True, type=Path, help="run directory to write into")
     parser.add_argument("--repo", type=Path, default=Path.cwd(), help="git checkout to describe (default: cwd)")
     parser.add_argument("--timeout-s", type=float, default=20.0, help="per-command time limit in seconds (default 20)")
+    parser.add_argument("--reuse-dir", type=Path, default=None,
+                        help="cache of earlier captures (rl_engine.record.reuse): copy the one whose key (commit, git "
+                             "status, Python, packages, host, CPU, GPUs) is this environment's, else capture and store")
     args = parser.parse_args(argv)
     if args.timeout_s <= 0:
         parser.error(f"--timeout-s must be > 0, got {args.timeout_s}")
     if not args.repo.is_dir():
         parser.error(f"--repo {args.repo} is not a directory")
-    env, text = capture(args.repo.resolve(), args.timeout_s)
+    key = reuse.environment_key(args.repo) if args.reuse_dir is not None else ""
+    origin = reuse.lookup(args.reuse_dir, "environment", key, [ENVIRONMENT, ENVIRONMENT_TEXT])
+    if origin is not None:
+        cached = reuse.entry(args.reuse_dir, "environment", key)
+        env = {**jsonio.load(cached / ENVIRONMENT), reuse.REUSED: reuse.reused_record(origin)}
+        text = (cached / ENVIRONMENT_TEXT).read_text(encoding="utf-8")
+        print(f"environment: reused the capture of run {origin['run']} ({origin['captured_utc']}): same commit, "
+              f"git status, Python, packages, host, CPU and GPUs (key {key[:16]}; {cached})")
+    else:
+        env, text = capture(args.repo.resolve(), args.timeout_s)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     try:
         schemas.write_validated(args.output_dir / ENVIRONMENT, env, "environment")
@@ -199,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"env: {exc}", file=sys.stderr)
         return 1
     jsonio.atomic_write_text(args.output_dir / ENVIRONMENT_TEXT, text)
+    if origin is None:
+        reuse.store(args.reuse_dir, "environment", key, {ENVIRONMENT: args.output_dir / ENVIRONMENT,
+                                                          ENVIRONMENT_TEXT: args.output_dir / ENVIRONMENT_TEXT},
+                    args.output_dir.name)
     git = env["git"]
     print(f"environment: commit {git['commit']} ({'dirty' if git['dirty'] else 'clean'}), "
           f"python {env['python']['version']}, torch {env['torch']['version']}, "

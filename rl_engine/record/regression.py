@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rl_engine import schemas
+from rl_engine import jsonio, schemas
+from rl_engine.record import reuse
 from rl_engine.rundir import JUNIT, PYTEST_LOG, REGRESSION
 from rl_engine.tables import SCHEMA_VERSION
 from rl_engine.campaign.proctree import EXIT_TIMEOUT, KILL_GRACE_S, StopSignals, stop_tree, supervise
@@ -203,6 +204,23 @@ def unbuilt_kernel() -> str | None:
             "then run the workflow again; nothing was run")
 
 
+def _reuse(reuse_dir: Path, key: str, origin: dict[str, Any], output_dir: Path, progress: Any) -> int:
+    """Copy a cached pass into ``output_dir`` (regression.json gains ``reused``); exit 0."""
+    cached = reuse.entry(reuse_dir, "regression", key)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for name in (PYTEST_LOG, JUNIT):
+        jsonio.atomic_write_bytes(output_dir / name, (cached / name).read_bytes())
+    result = {**jsonio.load(cached / REGRESSION), reuse.REUSED: reuse.reused_record(origin)}
+    schemas.write_validated(output_dir / REGRESSION, result, "regression")
+    line = (f"regression: reused the focused suite's pass of run {origin['run']} ({origin['captured_utc']}): "
+            f"{result['passed']} passed, {result['skipped']} skipped; same package and test bytes, tests, "
+            f"arguments and environment (key {key[:16]}; {cached})")
+    print(line)
+    if progress is not None:
+        print(line, file=progress, flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rl_engine regression", description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-dir", required=True, type=Path, help="run directory to write into")
@@ -210,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pytest-arg", action="append", default=[], help="extra pytest argument (repeatable)")
     parser.add_argument("--timeout-s", type=float, default=None,
                         help="wall-clock limit: stop pytest and what it started, exit 124 (default: none)")
+    parser.add_argument("--reuse-dir", type=Path, default=None,
+                        help="cache of earlier passing suites (rl_engine.record.reuse): copy the one whose key (the "
+                             "package's and the tests' bytes, the test list and arguments, Python, packages, host, "
+                             "CPU, GPUs) is this run's, else run pytest and store a pass")
     parser.add_argument("--progress-fd", type=int, default=None,
                         help="also write one line per pytest progress line, and the counts, to this open file "
                              "descriptor (the workflow passes the console's, as its log takes stdout)")
@@ -228,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         progress = os.fdopen(args.progress_fd, "w", closefd=False) if args.progress_fd is not None else None
     except OSError as exc:
         parser.error(f"--progress-fd={args.progress_fd} is not an open file descriptor ({exc})")
+    key = reuse.regression_key(Path.cwd(), args.tests, args.pytest_arg) if args.reuse_dir is not None else ""
+    origin = reuse.lookup(args.reuse_dir, "regression", key, [REGRESSION, PYTEST_LOG, JUNIT])
+    if origin is not None:
+        return _reuse(args.reuse_dir, key, origin, args.output_dir, progress)
     if progress is not None:
         print(f"regression: running the focused suite ({len(args.tests)} files); its log: "
               f"{args.output_dir / PYTEST_LOG}", file=progress, flush=True)
@@ -239,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     except RegressionStopped as exc:
         print(f"regression: {exc}", file=sys.stderr)
         return exc.code
+    if code == 0:
+        reuse.store(args.reuse_dir, "regression", key, {name: args.output_dir / name for name in
+                                                         (REGRESSION, PYTEST_LOG, JUNIT)}, args.output_dir.name)
     line = (f"regression: {result['passed']} passed, {result['failed']} failed, {result['skipped']} skipped, "
             f"{result['errors']} errors (total {result['total']}, pytest exit {result['exit_code']})")
     print(line, file=sys.stderr if code else sys.stdout)

@@ -7,7 +7,9 @@ rule environment:
     params:
         run=lambda wildcards, output: os.path.dirname(output.json),
         repo=REPO,
+        reuse=REUSE_DIR,
     conda:
         "../envs/rl_engine.yaml"
     shell:
-        "exec python -m rl_engine env --output-dir {params.run:q} --repo {params.repo:q} > {log:q} 2>&1"
+        "exec python -m rl_engine env --output-dir {params.run:q} --repo {params.repo:q} --reuse-dir {params.reuse:q} "
+        "> {log:q} 2>&1"

@@ -21,9 +21,10 @@ rule regression:
         tests=config["regression"]["tests"],
         extra=[f"--pytest-arg={arg}" for arg in config["regression"].get("pytest_args", [])],
         timeout=config["regression"].get("timeout_s", 1800),
+        reuse=REUSE_DIR,
     threads: 2
     conda:
         "../envs/rl_engine.yaml"
     shell:
         "exec python -m rl_engine regression --output-dir {params.run:q} --tests {params.tests:q} "
-        "{params.extra:q} --timeout-s {params.timeout:q} --progress-fd 3 3>&2 > {log:q} 2>&1"
+        "{params.extra:q} --timeout-s {params.timeout:q} --reuse-dir {params.reuse:q} --progress-fd 3 3>&2 > {log:q} 2>&1"
