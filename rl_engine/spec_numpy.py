@@ -381,13 +381,33 @@ def _check_spec(spec: str) -> str:
     return spec
 
 
+def inverse_temperature32(temperature) -> np.float32:
+    """Section 6 step 0: ``r = RN32(1 / RN32(T))`` (one binary32 division), ``T32`` in ``[2**-64, 2**64]``."""
+    t32 = F32(temperature)
+    if not (F32(2.0 ** -64) <= t32 <= F32(2.0 ** 64)):
+        raise ValueError(f"temperature {temperature!r} outside [2**-64, 2**64] in binary32")
+    return np.divide(F32(1.0), t32)
+
+
+def _tempered(x: np.ndarray, temperature) -> np.ndarray:
+    """Step 0: ``x' = RN32(x * r)``; the identity (skipped) when ``r = 1``."""
+    r = inverse_temperature32(temperature)
+    return x if r == F32(1.0) else np.multiply(x, r)
+
+
 def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int,
-            with_entropy: bool, spec: str = SPEC_VERSION):
-    """Section 6 over the full vocabulary in one process. Returns (logp, lse, entropy|None)."""
+            with_entropy: bool, spec: str = SPEC_VERSION, temperature: float = 1.0):
+    """Section 6 over the full vocabulary in one process. Returns (logp, lse, entropy|None).
+
+    ``temperature`` (``/2`` only): step 0 scales every logit by ``RN32(1 / RN32(T))``."""
     v1 = _check_spec(spec) == SPEC_V1
+    if v1 and temperature != 1.0:
+        raise ValueError(f"{SPEC_V1} has no temperature; got {temperature!r}")
     exp = exp32_v1 if v1 else exp32
     x_all, rows, vp, targets, active = _check_common(
         logits, dtype, targets, active, real_vocab, num_tiles)
+    with np.errstate(over="ignore", invalid="ignore"):
+        x_all = _tempered(x_all, temperature)
     T = int(num_tiles)
     w = vp // T
     logp = np.empty(rows, F32)
@@ -435,15 +455,22 @@ def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int
 # Sections 7, 8: backward
 # ------------------------------------------------------------------------------------
 def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
-             real_vocab: int, num_tiles: int, spec: str = SPEC_VERSION):
+             real_vocab: int, num_tiles: int, spec: str = SPEC_VERSION, temperature: float = 1.0):
     """Section 7 gradient, rounded once to the logits' representation (section 8).
 
     ``grad_logp`` / ``grad_lse``: float32 [rows] or None (absent = 0). Returns uint16 bf16
-    bits, np.float16 or np.float32 of the logits' shape.
+    bits, np.float16 or np.float32 of the logits' shape. ``temperature``: step 0 on the logits,
+    and the gradient multiplied by ``r`` before its rounding (step 2b).
     """
-    exp = exp32_v1 if _check_spec(spec) == SPEC_V1 else exp32
+    v1 = _check_spec(spec) == SPEC_V1
+    if v1 and temperature != 1.0:
+        raise ValueError(f"{SPEC_V1} has no temperature; got {temperature!r}")
+    exp = exp32_v1 if v1 else exp32
     x_all, rows, vp, targets, active = _check_common(
         logits, dtype, targets, active, real_vocab, num_tiles)
+    r = inverse_temperature32(temperature)
+    with np.errstate(over="ignore", invalid="ignore"):
+        x_all = _tempered(x_all, temperature)
     lse = _f32(_as_1d(lse, rows, F32, "lse"))
     g_logp = np.zeros(rows, F32) if grad_logp is None else _as_1d(grad_logp, rows, F32, "grad_logp")
     g_lse = np.zeros(rows, F32) if grad_lse is None else _as_1d(grad_lse, rows, F32, "grad_lse")
@@ -467,6 +494,8 @@ def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
             tc = targets[r0:r1][act]
             base = g[ar, tc]
             g[ar, tc] = np.add(base, gl[r0:r1][act])  # 2. ... except round(0 + gl) at target
+            if r != F32(1.0):
+                g = np.multiply(g, r)  # 2b. the temperature's chain rule (+0 stays +0: r > 0)
             g[:, real_vocab:] = ZERO  # padding columns are +0
             out[r0:r1] = _round_to(_chk(g), dtype)  # 3.
     return out

@@ -102,6 +102,24 @@ def test_one_chunk_gives_the_weight_gradient_of_the_materialised_path() -> None:
     assert tensor_bytes(w2.grad) == tensor_bytes(w.grad)
 
 
+def test_a_temperature_is_applied_as_the_op_applies_it() -> None:
+    """One chunk (the logits are then exactly the materialised product) at ``T = 0.7``: the
+    materialised call's bytes at the same temperature, gradients included; not the bytes at 1."""
+    hidden, weight, ids = _inputs(torch.bfloat16)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    ref = selected_logprob(h @ w.T, ids, real_vocab_size=REAL, compute_entropy=True, temperature=0.7)
+    _loss(ref).backward()
+    h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    got = selected_logprob_from_hidden(h2, w2, ids, real_vocab_size=REAL, compute_entropy=True, chunk_tokens=150,
+                                       temperature=0.7)
+    _loss(got).backward()
+    for name in ("selected_logp", "lse", "entropy"):
+        assert tensor_bytes(getattr(got, name)) == tensor_bytes(getattr(ref, name)), name
+    assert tensor_bytes(h2.grad) == tensor_bytes(h.grad) and tensor_bytes(w2.grad) == tensor_bytes(w.grad)
+    cold = selected_logprob_from_hidden(hidden, weight, ids, real_vocab_size=REAL, chunk_tokens=150)
+    assert tensor_bytes(cold.selected_logp) != tensor_bytes(got.selected_logp)
+
+
 def test_another_chunk_size_gives_the_same_logprob_bytes_where_the_matmul_is_row_invariant() -> None:
     hidden, weight, ids = _inputs(torch.bfloat16)
     if not _row_invariant(hidden, weight):

@@ -493,9 +493,9 @@ def test_a_stale_kernel_abi_is_refused(
     assert real is not None and real.origin is not None
     copy = tmp_path / "copy.so"
     shutil.copy(real.origin, copy)
-    assert fused_cpu.ABI_VERSION == 2  # the rl-engine-arith/2 kernel (/1's was 1)
+    assert fused_cpu.ABI_VERSION == 3  # the rl-engine-arith/2 kernel with the temperature (/1: 1, /2 before it: 2)
     monkeypatch.setattr(fused_cpu, "ABI_VERSION", 999)
-    with pytest.raises(fused_cpu.FusedKernelError, match="kernel ABI 2, this code needs 999"):
+    with pytest.raises(fused_cpu.FusedKernelError, match="kernel ABI 3, this code needs 999"):
         fused_cpu.load_kernel()
 
 

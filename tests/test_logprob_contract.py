@@ -151,7 +151,9 @@ def test_to_dict_is_strict_json_with_every_field() -> None:
     d = c.to_dict()
     json.dumps(d, allow_nan=False)
     init_fields = {f.name for f in dataclasses.fields(LogprobContract) if f.init}
-    assert init_fields <= set(d)
+    # temperature only when it is not 1: a call without one keeps the dict and fingerprints it had
+    assert init_fields - {"temperature"} <= set(d) and "temperature" not in d
+    assert make(temperature=0.7).to_dict()["temperature"] == 0.7
     assert d["vocab_shard_bounds"] == [[0, 512], [512, 1024]]
     assert d["tp_rank"] == 1 and d["tile_width"] == 64
 
@@ -179,6 +181,7 @@ def test_fingerprint_equal_across_ranks_and_independent_recomputation() -> None:
 
 # one variant per field that changes the call's numbers; the base has tp=2
 FINGERPRINT_VARIANTS: dict[str, dict[str, Any]] = {
+    "temperature": {"temperature": 0.7},
     "real_vocab_size": dict(real_vocab_size=999),
     "padded_vocab_size": dict(padded_vocab_size=2048),
     "num_vocab_tiles": dict(num_vocab_tiles=32),

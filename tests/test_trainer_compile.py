@@ -91,3 +91,24 @@ def test_chunk_rows_reaches_the_compiled_call() -> None:
     assert tensor_bytes(compiled(logits, 3)) == tensor_bytes(step(logits, 5))
     with pytest.raises(LogprobContractError, match="chunk_rows"):
         compiled(logits, 0)
+
+
+def test_a_temperature_reaches_the_compiled_call_and_its_gradient() -> None:
+    """``temperature`` goes through the registered op and its backward: the compiled step's loss and
+    gradient at ``T = 0.7`` are the eager step's bytes at ``T = 0.7``, not those at 1."""
+    torch._dynamo.reset()
+    logits, ids, mask = _inputs()
+
+    def step(x: torch.Tensor, temperature: float) -> torch.Tensor:
+        out = selected_logprob(x, ids, mask, real_vocab_size=1000, temperature=temperature)
+        return -(out.selected_logp * 0.5).sum() + (out.lse * 0.25).sum()
+
+    eager_x = logits.clone().requires_grad_(True)
+    eager = step(eager_x, 0.7)
+    eager.backward()
+    compiled_x = logits.clone().requires_grad_(True)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=False)(compiled_x, 0.7)
+    compiled.backward()
+    assert tensor_bytes(compiled) == tensor_bytes(eager)
+    assert tensor_bytes(compiled_x.grad) == tensor_bytes(eager_x.grad)
+    assert tensor_bytes(step(logits, 1.0)) != tensor_bytes(eager)

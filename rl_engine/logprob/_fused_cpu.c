@@ -161,6 +161,7 @@ typedef struct {
     int dtype;
     int64_t rows, row_stride, local_vocab, tile_width, real_local;
     float *m, *s, *t, *row_min; /* t, row_min may be NULL */
+    float r;                    /* the temperature's r (section 6 step 0); 1: no multiply */
 } fwd_args;
 
 typedef struct {
@@ -170,6 +171,7 @@ typedef struct {
     const float *lse, *coef, *target_add;
     const int64_t *target_col;
     void *grad; /* [rows, local_vocab] contiguous, dtype of the logits */
+    float r;    /* the temperature's r: x * r before E, the gradient * r before its rounding */
 } bwd_args;
 
 /* ------------------------------------------------------------------ the three variants */
@@ -329,26 +331,28 @@ static int run_split(int kind, int isa, const void *args, int64_t rows, int thre
 __attribute__((visibility("default"))) int rle_forward_partials(
     const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t local_vocab,
     int64_t tile_width, int64_t real_local, float *m, float *s, float *t, float *row_min,
-    int threads, int isa) {
+    float r, int threads, int isa) {
     if (logits == NULL || m == NULL || s == NULL || tile_width < 1 || local_vocab < 1 ||
         local_vocab % tile_width != 0 || dtype < DT_F32 || dtype > DT_F16 || rows < 0 ||
-        row_stride < local_vocab || real_local < 0 || real_local > local_vocab)
+        row_stride < local_vocab || real_local < 0 || real_local > local_vocab || !(r > 0.0f) ||
+        r == __builtin_inff())
         return RLE_BAD_ARG;
     fwd_args a = {logits, dtype, rows, row_stride, local_vocab, tile_width, real_local,
-                  m, s, t, row_min};
+                  m, s, t, row_min, r};
     return run_split(0, isa, &a, rows, threads);
 }
 
 __attribute__((visibility("default"))) int rle_backward(
     const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t local_vocab,
     int64_t real_local, const float *lse, const float *coef, const int64_t *target_col,
-    const float *target_add, void *grad, int threads, int isa) {
+    const float *target_add, void *grad, float r, int threads, int isa) {
     if (logits == NULL || grad == NULL || lse == NULL || coef == NULL || target_col == NULL ||
         target_add == NULL || local_vocab < 1 || dtype < DT_F32 || dtype > DT_F16 || rows < 0 ||
-        row_stride < local_vocab || real_local < 0 || real_local > local_vocab)
+        row_stride < local_vocab || real_local < 0 || real_local > local_vocab || !(r > 0.0f) ||
+        r == __builtin_inff())
         return RLE_BAD_ARG;
     bwd_args a = {logits, dtype, rows, row_stride, local_vocab, real_local,
-                  lse, coef, target_add, target_col, grad};
+                  lse, coef, target_add, target_col, grad, r};
     return run_split(1, isa, &a, rows, threads);
 }
 
@@ -388,7 +392,7 @@ __attribute__((visibility("default"))) void rle_upcast_f16_array(const uint16_t 
     for (int64_t i = 0; i < n; i++) out[i] = upcast(x, DT_F16, i);
 }
 
-__attribute__((visibility("default"))) int rle_abi_version(void) { return 2; }
+__attribute__((visibility("default"))) int rle_abi_version(void) { return 3; }
 
 __attribute__((visibility("default"))) int rle_selected_isa(int isa) { return resolve_isa(isa); }
 

@@ -312,8 +312,20 @@ static __attribute__((noinline)) void RLE_NAME(fwd_rows)(const fwd_args *a, int6
             int64_t nreal = a->real_local - c0;
             nreal = nreal < 0 ? 0 : (nreal > w ? w : nreal);
             float mn;
-            const float mx = RLE_NAME(tile_upcast_max)(rowp, a->dtype, c0, nreal, wv, x,
-                                                       a->row_min != NULL, &mn);
+            float mx = RLE_NAME(tile_upcast_max)(rowp, a->dtype, c0, nreal, wv, x,
+                                                 a->row_min != NULL, &mn);
+            if (a->r != 1.0f) {
+                /* section 6 step 0: x = x * r. r > 0 and rounding is monotone, so the max and
+                 * min of the products are the products of the max and min (NaN ignored as
+                 * before; -inf stays -inf). */
+                const VF vr = VS(a->r);
+                int64_t c = 0;
+                for (; c + LANES <= nreal; c += LANES)
+                    RLE_NAME(vstore)(x + c, RLE_NAME(vload)(x + c) * vr);
+                for (; c < nreal; c++) x[c] = x[c] * a->r;
+                mx = mx * a->r;
+                mn = mn * a->r;
+            }
             if (nreal > 0) rmin = mn < rmin ? mn : rmin;
             /* Section 6 steps 1-2 take m = NaN when a column is NaN; here the shift comes from
              * the max ignoring NaN. Both give the same s and t: a NaN column makes its y, E(y),
@@ -359,9 +371,26 @@ AI void RLE_NAME(store_one)(void *out, int dtype, int64_t c, float g) {
 }
 
 /* Section 7 step 1 for one column (the target column): the vector operations on one lane. */
-AI float RLE_NAME(grad_one)(const char *rowp, int dtype, int64_t c, float lse, float coef) {
-    const VF g = VS(coef) * RLE_NAME(vexp)(VS(upcast(rowp, dtype, c)) - VS(lse));
+AI float RLE_NAME(grad_one)(const char *rowp, int dtype, int64_t c, float lse, float coef, float r) {
+    const float x = r != 1.0f ? upcast(rowp, dtype, c) * r : upcast(rowp, dtype, c);
+    const VF g = VS(coef) * RLE_NAME(vexp)(VS(x) - VS(lse));
     return g[0];
+}
+
+/* One row's gradient with a temperature: x = f32(X) * r, g = (coef * E(x - lse)) * r, rounded
+ * once (the target column is redone by the caller). Every dtype through one upcast buffer:
+ * the tempered path is not the hot one, so it is written once. */
+static __attribute__((noinline)) void RLE_NAME(bwd_row_tempered)(const char *rowp, int dtype, char *out,
+                                                                  int64_t R, float lse, float coef,
+                                                                  float r) {
+    const VF vlse = VS(lse), vcoef = VS(coef), vr = VS(r);
+    float xs[LANES], gs[LANES];
+    for (int64_t c = 0; c < R; c += LANES) {
+        for (int l = 0; l < LANES; l++) xs[l] = c + l < R ? upcast(rowp, dtype, c + l) : 0.0f;
+        const VF g = (vcoef * RLE_NAME(vexp)(RLE_NAME(vload)(xs) * vr - vlse)) * vr;
+        RLE_NAME(vstore)(gs, g);
+        for (int64_t k = c; k < R && k < c + LANES; k++) RLE_NAME(store_one)(out, dtype, k, gs[k - c]);
+    }
 }
 
 static __attribute__((noinline)) void RLE_NAME(bwd_rows)(const bwd_args *a, int64_t r0,
@@ -375,47 +404,53 @@ static __attribute__((noinline)) void RLE_NAME(bwd_rows)(const bwd_args *a, int6
         const float coef = a->coef[row];
         const float lse = a->lse[row];
         const int64_t tc = a->target_col[row];
+        const float r = a->r;
         if (coef == 0.0f) {
-            /* section 7 override: +0 everywhere, round(+0 + gl) at the owned target */
+            /* section 7 override: +0 everywhere, round((+0 + gl) * r) at the owned target */
             memset(out, 0, (size_t)V * esz);
-            if (tc >= 0 && tc < R) RLE_NAME(store_one)(out, dtype, tc, a->target_add[row] + 0.0f);
+            const float g = a->target_add[row] + 0.0f;
+            if (tc >= 0 && tc < R) RLE_NAME(store_one)(out, dtype, tc, r != 1.0f ? g * r : g);
             continue;
         }
-        const VF vlse = VS(lse), vcoef = VS(coef);
-        int64_t c = 0;
-        if (dtype == DT_BF16) {
-            const uint16_t *src = (const uint16_t *)rowp;
-            for (; c + LANES <= R; c += LANES) {
-                VF g = vcoef * RLE_NAME(vexp)(RLE_NAME(vload_bf16)(src + c) - vlse);
-                VH h = RLE_NAME(vround_bf16)(RLE_NAME(vcanonical)(g));
-                memcpy((uint16_t *)out + c, &h, sizeof h);
-            }
-        } else if (dtype == DT_F32) {
-            const float *src = (const float *)rowp;
-            for (; c + LANES <= R; c += LANES) {
-                VF g = vcoef * RLE_NAME(vexp)(RLE_NAME(vload)(src + c) - vlse);
-                RLE_NAME(vstore)((float *)out + c, RLE_NAME(vcanonical)(g));
-            }
+        if (r != 1.0f) { /* section 6 step 0 and section 7 step 2 with a temperature */
+            RLE_NAME(bwd_row_tempered)(rowp, dtype, out, R, lse, coef, r);
         } else {
-            float xs[LANES], gs[LANES];
-            for (; c + LANES <= R; c += LANES) {
-                for (int l = 0; l < LANES; l++) xs[l] = upcast(rowp, DT_F16, c + l);
-                VF g = vcoef * RLE_NAME(vexp)(RLE_NAME(vload)(xs) - vlse);
-                RLE_NAME(vstore)(gs, g);
-                for (int l = 0; l < LANES; l++) ((uint16_t *)out)[c + l] = round_f16(canonical(gs[l]));
+            const VF vlse = VS(lse), vcoef = VS(coef);
+            int64_t c = 0;
+            if (dtype == DT_BF16) {
+                const uint16_t *src = (const uint16_t *)rowp;
+                for (; c + LANES <= R; c += LANES) {
+                    VF g = vcoef * RLE_NAME(vexp)(RLE_NAME(vload_bf16)(src + c) - vlse);
+                    VH h = RLE_NAME(vround_bf16)(RLE_NAME(vcanonical)(g));
+                    memcpy((uint16_t *)out + c, &h, sizeof h);
+                }
+            } else if (dtype == DT_F32) {
+                const float *src = (const float *)rowp;
+                for (; c + LANES <= R; c += LANES) {
+                    VF g = vcoef * RLE_NAME(vexp)(RLE_NAME(vload)(src + c) - vlse);
+                    RLE_NAME(vstore)((float *)out + c, RLE_NAME(vcanonical)(g));
+                }
+            } else {
+                float xs[LANES], gs[LANES];
+                for (; c + LANES <= R; c += LANES) {
+                    for (int l = 0; l < LANES; l++) xs[l] = upcast(rowp, DT_F16, c + l);
+                    VF g = vcoef * RLE_NAME(vexp)(RLE_NAME(vload)(xs) - vlse);
+                    RLE_NAME(vstore)(gs, g);
+                    for (int l = 0; l < LANES; l++) ((uint16_t *)out)[c + l] = round_f16(canonical(gs[l]));
+                }
             }
-        }
-        if (c < R) { /* the last R - c < LANES columns: one vector, lanes past R unused */
-            float xs[LANES], gs[LANES];
-            for (int l = 0; l < LANES; l++) xs[l] = c + l < R ? upcast(rowp, dtype, c + l) : 0.0f;
-            RLE_NAME(vstore)(gs, vcoef * RLE_NAME(vexp)(RLE_NAME(vload)(xs) - vlse));
-            for (int64_t k = c; k < R; k++) RLE_NAME(store_one)(out, dtype, k, gs[k - c]);
+            if (c < R) { /* the last R - c < LANES columns: one vector, lanes past R unused */
+                float xs[LANES], gs[LANES];
+                for (int l = 0; l < LANES; l++) xs[l] = c + l < R ? upcast(rowp, dtype, c + l) : 0.0f;
+                RLE_NAME(vstore)(gs, vcoef * RLE_NAME(vexp)(RLE_NAME(vload)(xs) - vlse));
+                for (int64_t k = c; k < R; k++) RLE_NAME(store_one)(out, dtype, k, gs[k - c]);
+            }
         }
         if (tc >= 0 && tc < R) {
-            /* step 2: the same operations for the one column, then + gl, rounded once */
-            float g = RLE_NAME(grad_one)(rowp, dtype, tc, lse, coef);
+            /* step 2: the same operations for the one column, then + gl, times r, rounded once */
+            float g = RLE_NAME(grad_one)(rowp, dtype, tc, lse, coef, r);
             g = g + a->target_add[row];
-            RLE_NAME(store_one)(out, dtype, tc, g);
+            RLE_NAME(store_one)(out, dtype, tc, r != 1.0f ? g * r : g);
         }
         if (R < V) memset(out + (size_t)R * esz, 0, (size_t)(V - R) * esz);
     }

@@ -89,6 +89,7 @@ def selected_logprob(
     backend: str = AUTO,
     ignore_index: int = -100,
     max_tp: int = MAX_TP,
+    temperature: float = 1.0,
 ) -> LogprobOutput:
     """Selected-token logprob of full-vocabulary logits on one rank (TP=1, CP=1).
 
@@ -106,6 +107,11 @@ def selected_logprob(
     count. The outputs (FP32, shape of ``targets``) are the bytes the TP x CP op gives for the
     same logits.
 
+    ``temperature`` (default 1.0): the logprob, LSE, entropy and gradient of the distribution at
+    temperature ``T``, computed inside the arithmetic (docs/arithmetic.md section 6 step 0: every
+    logit times ``r = RN32(1 / RN32(T))`` after its exact upcast, the gradient times ``r``), so no
+    divided copy of the logits is made; ``1.0`` gives exactly the bytes without a temperature.
+
     ``logits`` may be a DTensor sharded on the vocabulary (``Shard(-1)`` on one mesh dimension,
     ``Replicate`` on any other: loss parallel, a ``ColwiseParallel`` lm_head with
     ``use_local_output=False``): the mesh dimension's group is the TP group, each rank's columns
@@ -121,7 +127,7 @@ def selected_logprob(
     """
     if _is_dtensor(logits):  # sharded on the vocabulary: its mesh gives the group and the columns
         return _dtensor_call(logits, targets, active, num_vocab_tiles, real_vocab_size, compute_entropy,
-                             validate, chunk_rows, backend, ignore_index, max_tp)
+                             validate, chunk_rows, backend, ignore_index, max_tp, temperature)
     if not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3):
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise LogprobContractError(
@@ -135,7 +141,7 @@ def selected_logprob(
     lead = tuple(logits.shape[:-1])
     if torch.compiler.is_compiling():  # one registered op: its checks run outside the graph
         return _compiled_call(logits, targets, active, lead, num_vocab_tiles, real_vocab_size,
-                              compute_entropy, validate, backend, ignore_index, max_tp, chunk_rows)
+                              compute_entropy, validate, backend, ignore_index, max_tp, chunk_rows, temperature)
     require_readable("logits", logits)  # before the reshape, which cannot view sparse memory
     targets, active = trainer_inputs(targets, active, lead, ignore_index)
     vocab = logits.shape[-1]
@@ -149,6 +155,7 @@ def selected_logprob(
         seq_len=seq_len,
         logits_dtype=DTYPE_NAMES[logits.dtype],
         ignore_index=ignore_index,
+        temperature=temperature,
     )
     chosen = dispatch(backend, contract, logits.device.type)
     out = chosen.op(
@@ -187,7 +194,8 @@ def _replicated_local(name: str, value: Any) -> Any:
 
 def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int | str,
                   real_vocab_size: int | None, compute_entropy: bool, validate: bool,
-                  chunk_rows: int | None, backend: str, ignore_index: int, max_tp: int) -> LogprobOutput:
+                  chunk_rows: int | None, backend: str, ignore_index: int, max_tp: int,
+                  temperature: float = 1.0) -> LogprobOutput:
     """The TP op on a DTensor's local shard, with the group and the columns its mesh gives."""
     from torch.distributed.tensor import Replicate, Shard
 
@@ -218,7 +226,7 @@ def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int |
         real_vocab_size=vocab if real_vocab_size is None else real_vocab_size, padded_vocab_size=vocab,
         num_vocab_tiles=tiles["resolved"], num_sequences=num_sequences, seq_len=seq_len,
         tp_world_size=tp, tp_rank=tp_rank, vocab_shard_bounds=bounds,
-        logits_dtype=DTYPE_NAMES[logits.dtype], ignore_index=ignore_index)
+        logits_dtype=DTYPE_NAMES[logits.dtype], ignore_index=ignore_index, temperature=temperature)
     local = logits.to_local()  # differentiable: the gradient comes back as a DTensor
     chosen = dispatch(backend, contract, local.device.type)
     out = chosen.op(local.reshape(-1, local.shape[-1]), targets.reshape(-1), active.reshape(-1), contract,
@@ -235,7 +243,7 @@ def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int |
 def _compiled_call(logits: torch.Tensor, targets: Any, active: Any, lead: tuple[int, ...],
                    num_vocab_tiles: int | str, real_vocab_size: int | None, compute_entropy: bool,
                    validate: bool, backend: str, ignore_index: int, max_tp: int,
-                   chunk_rows: int | None) -> LogprobOutput:
+                   chunk_rows: int | None, temperature: float = 1.0) -> LogprobOutput:
     """Under ``torch.compile``: ``rl_engine::selected_logprob`` (:mod:`rl_engine.logprob.compiled`),
     whose real implementation is this function's eager path; no provenance in the graph."""
     from rl_engine.logprob.compiled import selected_logprob_op
@@ -243,7 +251,7 @@ def _compiled_call(logits: torch.Tensor, targets: Any, active: Any, lead: tuple[
     tiles = resolve_vocab_tiles(num_vocab_tiles, logits.shape[-1], max_tp)["resolved"]
     logp, lse, entropy = selected_logprob_op(
         logits, targets, active, logits.shape[-1] if real_vocab_size is None else real_vocab_size, tiles,
-        ignore_index, compute_entropy, validate, backend, chunk_rows)
+        ignore_index, compute_entropy, validate, backend, chunk_rows, temperature)
     return LogprobOutput(logp, lse, entropy if compute_entropy else None, None)
 
 

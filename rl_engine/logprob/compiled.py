@@ -31,25 +31,25 @@ BACKWARD_OP = "rl_engine::selected_logprob_backward"
 
 def _eager(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None, real_vocab_size: int,
            num_vocab_tiles: int, ignore_index: int, compute_entropy: bool, validate: bool,
-           backend: str, chunk_rows: int | None) -> Any:
+           backend: str, chunk_rows: int | None, temperature: float) -> Any:
     from rl_engine.logprob.api import selected_logprob  # it imports this module
 
     return selected_logprob(logits, targets, active, num_vocab_tiles=num_vocab_tiles,
                             real_vocab_size=real_vocab_size, compute_entropy=compute_entropy,
                             validate=validate, backend=backend, ignore_index=ignore_index,
-                            chunk_rows=chunk_rows)
+                            chunk_rows=chunk_rows, temperature=temperature)
 
 
 @torch.library.custom_op(OP, mutates_args=())
 def selected_logprob_op(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
                         real_vocab_size: int, num_vocab_tiles: int, ignore_index: int,
                         compute_entropy: bool, validate: bool, backend: str, chunk_rows: int | None,
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp, lse, entropy)`` of :func:`rl_engine.logprob.api.selected_logprob` run eagerly,
     every check included (entropy empty without ``compute_entropy``)."""
     with torch.no_grad():
         out = _eager(logits, targets, active, real_vocab_size, num_vocab_tiles, ignore_index,
-                     compute_entropy, validate, backend, chunk_rows)
+                     compute_entropy, validate, backend, chunk_rows, temperature)
     entropy = out.entropy if out.entropy is not None else logits.new_empty(0, dtype=torch.float32)
     return out.selected_logp.clone(), out.lse.clone(), entropy.clone()
 
@@ -57,7 +57,7 @@ def selected_logprob_op(logits: torch.Tensor, targets: torch.Tensor, active: tor
 @selected_logprob_op.register_fake
 def _(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None, real_vocab_size: int,
       num_vocab_tiles: int, ignore_index: int, compute_entropy: bool, validate: bool,
-      backend: str, chunk_rows: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+      backend: str, chunk_rows: int | None, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     per_token = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
     entropy = torch.empty_like(per_token) if compute_entropy else logits.new_empty(0, dtype=torch.float32)
     return per_token, torch.empty_like(per_token), entropy
@@ -68,7 +68,7 @@ def selected_logprob_backward_op(logits: torch.Tensor, targets: torch.Tensor, ac
                                  lse: torch.Tensor, grad_logp: torch.Tensor | None,
                                  grad_lse: torch.Tensor | None, real_vocab_size: int, num_vocab_tiles: int,
                                  ignore_index: int,
-                                 backend: str) -> torch.Tensor:
+                                 backend: str, temperature: float = 1.0) -> torch.Tensor:
     """The gradient to the logits: the eager op's own backward (``vocab_parallel_backward`` with
     the backend's engine), one rounding to the logits' dtype."""
     from rl_engine.logprob.api import DTYPE_NAMES, trainer_inputs
@@ -79,7 +79,7 @@ def selected_logprob_backward_op(logits: torch.Tensor, targets: torch.Tensor, ac
     contract = LogprobContract(real_vocab_size=real_vocab_size, padded_vocab_size=vocab,
                                num_vocab_tiles=num_vocab_tiles, num_sequences=num_sequences,
                                seq_len=seq_len, logits_dtype=DTYPE_NAMES[logits.dtype],
-                               ignore_index=ignore_index)
+                               ignore_index=ignore_index, temperature=temperature)
     op = dispatch(backend, contract, logits.device.type).op
     flat = logits.reshape(-1, vocab).resolve_neg()
     grad = vocab_parallel_backward(flat, targets.reshape(-1), active.reshape(-1), lse.reshape(-1),
@@ -92,21 +92,21 @@ def selected_logprob_backward_op(logits: torch.Tensor, targets: torch.Tensor, ac
 @selected_logprob_backward_op.register_fake
 def _(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None, lse: torch.Tensor,
       grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None, real_vocab_size: int,
-      num_vocab_tiles: int, ignore_index: int, backend: str) -> torch.Tensor:
+      num_vocab_tiles: int, ignore_index: int, backend: str, temperature: float = 1.0) -> torch.Tensor:
     return torch.empty_like(logits)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    logits, targets, active, real_vocab_size, num_vocab_tiles, ignore_index, _, _, backend, _ = inputs
+    logits, targets, active, real_vocab_size, num_vocab_tiles, ignore_index, _, _, backend, _, temperature = inputs
     ctx.save_for_backward(logits, targets, active, output[1])
-    ctx.fields = (real_vocab_size, num_vocab_tiles, ignore_index, backend)
+    ctx.fields = (real_vocab_size, num_vocab_tiles, ignore_index, backend, temperature)
 
 
 def _backward(ctx: Any, grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None,
               _grad_entropy: Any) -> tuple[Any, ...]:
     logits, targets, active, lse = ctx.saved_tensors
     grad = selected_logprob_backward_op(logits, targets, active, lse, grad_logp, grad_lse, *ctx.fields)
-    return (grad,) + (None,) * 9
+    return (grad,) + (None,) * 10
 
 
 selected_logprob_op.register_autograd(_backward, setup_context=_setup_context)

@@ -19,6 +19,7 @@ import torch
 
 from rl_engine.validators import choice_problem, int_problem, require
 from rl_engine.tables import DTYPES, MAX_TP, TORCH_DTYPE_NAMES
+from rl_engine.temperature import TemperatureError, inverse_temperature
 from rl_engine.distributed.bounds import (
     AUTO_TILES,
     CP_LAYOUTS,
@@ -99,6 +100,7 @@ class LogprobContract:
     determinism_scope: str = "cross_tp_bitwise"
     accumulation_dtype: str = ACCUMULATION_DTYPE
     output_dtype: str = OUTPUT_DTYPE
+    temperature: float = 1.0  # docs/arithmetic.md section 6 step 0 (rl_engine.temperature)
     _token_indices: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +113,10 @@ class LogprobContract:
         _require_int("tp_rank", self.tp_rank, 0)
         _require_int("cp_world_size", self.cp_world_size, 1)
         _require_int("cp_rank", self.cp_rank, 0)
+        try:
+            inverse_temperature(self.temperature)
+        except TemperatureError as exc:
+            raise LogprobContractError(str(exc)) from None
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise LogprobContractError(f"ignore_index={self.ignore_index!r} must be an integer")
         if 0 <= self.ignore_index < self.real_vocab_size:
@@ -304,7 +310,14 @@ class LogprobContract:
             "determinism_scope": self.determinism_scope,
             "accumulation_dtype": self.accumulation_dtype,
             "output_dtype": self.output_dtype,
+            # only when not 1: the dict (and every fingerprint of it) of a call without a temperature is unchanged
+            **({"temperature": float(self.temperature)} if self.inverse_temperature != 1.0 else {}),
         }
+
+    @property
+    def inverse_temperature(self) -> float:
+        """``r = RN32(1 / RN32(temperature))`` (section 6 step 0); 1.0 without a temperature."""
+        return inverse_temperature(self.temperature)
 
     def cross_rank_fingerprint(self) -> str:
         """SHA-256 of the canonical JSON of every field shared by all ranks of the call."""

@@ -48,7 +48,7 @@ from rl_engine.logprob.tiles import rows_finite
 
 FUSED_CPU_ID = FUSED_CPU_BACKEND
 MODULE = "rl_engine.logprob._fused_cpu"
-ABI_VERSION = 2
+ABI_VERSION = 3
 ISA_AUTO, ISA_BASELINE, ISA_AVX2, ISA_AVX512 = 0, 1, 2, 3
 ISA_NAMES = {"auto": ISA_AUTO, "baseline": ISA_BASELINE, "avx2": ISA_AVX2, "avx512": ISA_AVX512}
 MAX_THREADS = 256  # the size of the kernel's job table (run_split in _fused_cpu.c)
@@ -113,12 +113,12 @@ def _load() -> FusedKernel:
     lib.rle_forward_partials.restype = ctypes.c_int
     lib.rle_forward_partials.argtypes = [
         _c_p, ctypes.c_int, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64,
-        _c_p, _c_p, _c_p, _c_p, ctypes.c_int, ctypes.c_int,
+        _c_p, _c_p, _c_p, _c_p, ctypes.c_float, ctypes.c_int, ctypes.c_int,
     ]
     lib.rle_backward.restype = ctypes.c_int
     lib.rle_backward.argtypes = [
         _c_p, ctypes.c_int, _c_i64, _c_i64, _c_i64, _c_i64,
-        _c_p, _c_p, _c_p, _c_p, _c_p, ctypes.c_int, ctypes.c_int,
+        _c_p, _c_p, _c_p, _c_p, _c_p, ctypes.c_float, ctypes.c_int, ctypes.c_int,
     ]
     for name in ("rle_round_f16_array", "rle_round_bf16_array", "rle_upcast_f16_array"):
         fn = getattr(lib, name)
@@ -225,7 +225,7 @@ def fused_partials(
         status = kernel.lib.rle_forward_partials(
             x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), contract.local_vocab_size,
             width, real_local, m.data_ptr(), s.data_ptr(), _ptr(t), _ptr(row_min),
-            _threads(threads), ISA_NAMES[isa],
+            contract.inverse_temperature, _threads(threads), ISA_NAMES[isa],
         )
         kernel.check(status, "forward")
     finite = rows_finite(m, row_min, width, real_local) if row_min is not None else None
@@ -253,7 +253,7 @@ def fused_backward(
         status = kernel.lib.rle_backward(
             x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), local_vocab,
             terms.real_local, lse_c.data_ptr(), coef.data_ptr(), col.data_ptr(),
-            add.data_ptr(), grad.data_ptr(), _threads(threads), ISA_NAMES[isa],
+            add.data_ptr(), grad.data_ptr(), terms.inv_t, _threads(threads), ISA_NAMES[isa],
         )
         kernel.check(status, "backward")
     return grad

@@ -39,7 +39,7 @@ def _chunk_contract(contract: LogprobContract, rows: int) -> LogprobContract:
     return LogprobContract(
         real_vocab_size=contract.real_vocab_size, padded_vocab_size=contract.padded_vocab_size,
         num_vocab_tiles=contract.num_vocab_tiles, num_sequences=1, seq_len=rows,
-        logits_dtype=contract.logits_dtype, ignore_index=contract.ignore_index)
+        logits_dtype=contract.logits_dtype, ignore_index=contract.ignore_index, temperature=contract.temperature)
 
 
 class _FromHidden(torch.autograd.Function):
@@ -117,13 +117,14 @@ def selected_logprob_from_hidden(
     ignore_index: int = -100,
     max_tp: int = MAX_TP,
     grad_weight_fp32: bool = False,
+    temperature: float = 1.0,
 ) -> LogprobOutput:
     """Selected-token logprob of ``hidden @ weight.T`` made ``chunk_tokens`` tokens at a time.
 
     ``hidden`` is ``[tokens, hidden_size]`` or ``[batch, seq, hidden_size]``, ``weight``
     ``[vocab, hidden_size]`` (the lm_head's; its rows past ``real_vocab_size`` are padding), both
     in bf16, fp16 or fp32 and of one dtype (the logits' dtype); ``targets``, ``active``,
-    ``num_vocab_tiles``, ``ignore_index`` and ``backend`` as in
+    ``num_vocab_tiles``, ``ignore_index``, ``backend`` and ``temperature`` as in
     :func:`rl_engine.logprob.api.selected_logprob`. The whole ``[tokens, vocab]`` logits never
     exist: at most ``chunk_tokens`` rows of them, and of their gradient. Differentiable to
     ``hidden`` and ``weight``. See the module docstring for the bits.
@@ -153,7 +154,7 @@ def selected_logprob_from_hidden(
     contract = LogprobContract(
         real_vocab_size=vocab if real_vocab_size is None else real_vocab_size, padded_vocab_size=vocab,
         num_vocab_tiles=tiles["resolved"], num_sequences=1, seq_len=tokens,
-        logits_dtype=DTYPE_NAMES[hidden.dtype], ignore_index=ignore_index)
+        logits_dtype=DTYPE_NAMES[hidden.dtype], ignore_index=ignore_index, temperature=temperature)
     chosen = dispatch(backend, contract, hidden.device.type)
     logp, lse, entropy = _FromHidden.apply(
         hidden.reshape(tokens, -1), weight, targets.reshape(-1), active.reshape(-1), contract, chosen.op,

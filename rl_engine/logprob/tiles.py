@@ -225,6 +225,7 @@ class ChunkWorkspace:
         real_local: int,
         with_entropy: bool,
         device: torch.device,
+        inv_t: float = 1.0,
     ) -> None:
         if local_vocab % tile_width:
             raise ValueError(f"local_vocab={local_vocab} is not a multiple of tile_width={tile_width}")
@@ -234,6 +235,7 @@ class ChunkWorkspace:
         self.tiles = local_vocab // tile_width
         self.real_local = real_local
         self.with_entropy = with_entropy
+        self.inv_t = inv_t  # section 6 step 0: x' = x * r after the upcast (skipped when r = 1)
         self.buf = torch.empty(chunk_rows, local_vocab, dtype=torch.float32, device=device)
         self.exp_buf = torch.empty_like(self.buf)
         self.shift = torch.empty(chunk_rows, self.tiles, dtype=torch.float32, device=device)
@@ -281,6 +283,8 @@ class ChunkWorkspace:
         """
         v = self.views(chunk.shape[0])
         v.buf.copy_(chunk)
+        if self.inv_t != 1.0:
+            v.buf.mul_(self.inv_t)  # binary32 multiply by r (exactly representable in binary32)
         if row_min_out is not None and self.real_local > 0:
             torch.amin(v.real, dim=1, out=row_min_out)
         if v.padding is not None:
@@ -314,9 +318,11 @@ class GradWorkspace:
         target_col: torch.Tensor,
         target_add: torch.Tensor,
         out: torch.Tensor,
+        inv_t: float = 1.0,
     ) -> None:
-        """``out = coef * E(x - lse)``, plus ``target_add`` at ``target_col`` in FP32, NaN made
-        canonical, rounded once to ``out``'s dtype (``docs/arithmetic.md`` sections 7-8).
+        """``out = coef * E(x - lse)``, plus ``target_add`` at ``target_col`` in FP32, times ``inv_t``
+        (the temperature's ``r``, skipped when 1), NaN made canonical, rounded once to ``out``'s
+        dtype (``docs/arithmetic.md`` sections 7-8; ``x`` is the chunk scaled by ``r``).
 
         Adding ``-0.0`` is the identity for every FP32 value, so rows that own no target
         carry ``-0.0`` in ``target_add`` and keep their bits. ``scatter_add_`` adds exactly
@@ -326,10 +332,14 @@ class GradWorkspace:
         buf = self.buf[:rows]
         sc = self.scratch.rows(rows)
         buf.copy_(chunk)
+        if inv_t != 1.0:
+            buf.mul_(inv_t)  # section 6 step 0
         buf.sub_(lse.unsqueeze(1))
         exp_into(buf, buf, sc)
         buf.mul_(coef.unsqueeze(1))
         buf.scatter_add_(1, target_col.unsqueeze(1), target_add.unsqueeze(1))
+        if inv_t != 1.0:
+            buf.mul_(inv_t)  # section 7 step 2: the chain rule of the multiply by r
         canonical_nan_(buf, sc.mask)
         round_into(buf, out, sc.ka)
 

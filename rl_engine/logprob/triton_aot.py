@@ -138,11 +138,12 @@ def launch_specialization(fn: Any, launch: Launch, target: Any) -> tuple[dict[st
     return signature, constexprs, attrs
 
 
-def _meta_inputs(rows: int, real: int, padded: int, tiles: int, dtype: torch.dtype) -> dict[str, Any]:
+def _meta_inputs(rows: int, real: int, padded: int, tiles: int, dtype: torch.dtype,
+                 temperature: float = 1.0) -> dict[str, Any]:
     """The backend's launches for one case, on meta tensors (no memory; pointers count as aligned)."""
     dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     contract = LogprobContract(real_vocab_size=real, padded_vocab_size=padded, num_vocab_tiles=tiles,
-                               num_sequences=1, seq_len=rows, logits_dtype=dtype_name)
+                               num_sequences=1, seq_len=rows, logits_dtype=dtype_name, temperature=temperature)
     raw_dtype = torch.float32 if dtype == torch.float32 else torch.int16
     raw = torch.empty(rows, padded, dtype=raw_dtype, device="meta")
     m = torch.empty(rows, tiles, dtype=torch.float32, device="meta")
@@ -155,10 +156,10 @@ def _meta_inputs(rows: int, real: int, padded: int, tiles: int, dtype: torch.dty
 
 
 def case_launches(rows: int, real: int, padded: int, tiles: int, dtype: torch.dtype,
-                  entropy: bool = True, validate: bool = True) -> dict[str, list[Launch]]:
+                  entropy: bool = True, validate: bool = True, temperature: float = 1.0) -> dict[str, list[Launch]]:
     """``{"forward": [...], "backward": [...]}``: what the backend launches for one local shard
     of ``rows`` x ``padded`` logits (TP=1), built by the backend's own launch functions."""
-    inp = _meta_inputs(rows, real, padded, tiles, dtype)
+    inp = _meta_inputs(rows, real, padded, tiles, dtype, temperature)
     raw, m, contract = inp["raw"], inp["m"], inp["contract"]
     forward = forward_launch(raw, contract, m, m, m if entropy else None, inp["bad"] if validate else None,
                              entropy, validate, dtype)
@@ -413,16 +414,18 @@ def _kernel_seconds(sass: Sass, threads: int, programs: int, model: dict[str, An
 
 
 def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_ROWS,
-             case: tuple[int, int, int] = CASES[0][1:], dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+             case: tuple[int, int, int] = CASES[0][1:], dtype: torch.dtype = torch.bfloat16,
+             temperature: float = 1.0) -> dict[str, Any]:
     """Compile the launches of one case (default: the default case, bf16, 8192 x 151936, 64
-    tiles, entropy and validation on) for ``arch``, write each cubin into ``output_dir`` and
-    return the roofline document."""
+    tiles, entropy and validation on, no temperature) for ``arch``, write each cubin into
+    ``output_dir`` and return the roofline document (``temperature`` other than 1 compiles the
+    kernels with section 6 step 0's multiply)."""
     import triton
 
     output_dir.mkdir(parents=True, exist_ok=True)
     kernels = load_kernels("compiled")
     real, padded, tiles = case
-    launches = case_launches(rows, real, padded, tiles, dtype, True, True)
+    launches = case_launches(rows, real, padded, tiles, dtype, True, True, temperature)
     from triton.backends.compiler import GPUTarget
 
     target = GPUTarget("cuda", arch, 32)
@@ -480,7 +483,7 @@ def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_R
         "triton": triton.__version__,
         "case": {"rows": rows, "real_vocab": real, "padded_vocab": padded, "num_vocab_tiles": tiles,
                  "dtype": {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype],
-                 "entropy": True, "validate": True},
+                 "entropy": True, "validate": True, "temperature": temperature},
         "model": {**MODEL, "rows": rows, "vocab": padded, "logit_bytes": torch.empty((), dtype=dtype).element_size()},
         "kernels": entries,
         "instructions_per_column": {k: round(v, 3) for k, v in per_column.items()},

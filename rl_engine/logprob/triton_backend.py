@@ -224,10 +224,11 @@ def forward_launch(
     width = contract.tile_width
     tiles = contract.local_vocab_size // width
     real_local = real_local_columns(contract)
-    args = (x, m, s, t if t is not None else m, bad if bad is not None else m, x.stride(0), real_local)
+    inv_t = contract.inverse_temperature
+    args = (x, m, s, t if t is not None else m, bad if bad is not None else m, x.stride(0), real_local, inv_t)
     meta = {"TILES": tiles, "WIDTH": width, "DTYPE": _DTYPE_CODES[logits_dtype],
             "WITH_ENTROPY": with_entropy, "VALIDATE": validate,
-            "PADDED": real_local < contract.local_vocab_size}
+            "PADDED": real_local < contract.local_vocab_size, "TEMPERED": inv_t != 1.0}
     return Launch("forward_partials_kernel", (x.shape[0] * tiles,), args, meta, FORWARD_WARPS)
 
 
@@ -245,18 +246,20 @@ def backward_launches(
     whole, rest = divmod(local_vocab, BACKWARD_BLOCK)
     found = []
     common = (x, lse, coef, out, x.stride(0), local_vocab, terms.real_local)
+    tempered = terms.inv_t != 1.0
     if whole:
-        found.append(Launch("backward_kernel", (rows * whole,), common + (0,),
+        found.append(Launch("backward_kernel", (rows * whole,), common + (0, terms.inv_t),
                             {"BLOCKS": whole, "BLOCK": BACKWARD_BLOCK, "DTYPE": dtype, "MASKED": False,
-                             "PADDED": padded}, BACKWARD_WARPS))
+                             "PADDED": padded, "TEMPERED": tempered}, BACKWARD_WARPS))
     if rest:
-        found.append(Launch("backward_kernel", (rows,), common + (whole * BACKWARD_BLOCK,),
+        found.append(Launch("backward_kernel", (rows,), common + (whole * BACKWARD_BLOCK, terms.inv_t),
                             {"BLOCKS": 1, "BLOCK": next_pow2(rest), "DTYPE": dtype, "MASKED": True,
-                             "PADDED": padded}, BACKWARD_WARPS))
+                             "PADDED": padded, "TEMPERED": tempered}, BACKWARD_WARPS))
     target = (x, lse, coef, terms.target_col.to(torch.int64).contiguous(),
-              terms.target_add.float().contiguous(), out, rows, x.stride(0), local_vocab, terms.real_local)
+              terms.target_add.float().contiguous(), out, rows, x.stride(0), local_vocab, terms.real_local,
+              terms.inv_t)
     found.append(Launch("backward_target_kernel", (-(-rows // TARGET_ROWS),), target,
-                        {"ROWS": TARGET_ROWS, "DTYPE": dtype}, TARGET_WARPS))
+                        {"ROWS": TARGET_ROWS, "DTYPE": dtype, "TEMPERED": tempered}, TARGET_WARPS))
     return found
 
 

@@ -159,32 +159,44 @@ def lane_fold(v):
 
 
 @device
-def chunk(base, col0, lane, real_left, DTYPE: tl.constexpr, VALID: tl.constexpr, PADDED: tl.constexpr):
-    """The binary32 logits of the tile's columns ``col0 + lane``: ``(x, xmin)``, where ``x`` is
-    ``-inf`` past the tile's ``VALID`` columns of this chunk and (``PADDED``) on padding
-    columns, and ``xmin`` is ``x`` with ``+inf`` there (what the validation minimum reads)."""
+def scaled(raw, inv_t, DTYPE: tl.constexpr, TEMPERED: tl.constexpr):
+    """Section 6 step 0: the exact upcast, then ``x * r`` (one binary32 multiply) when ``TEMPERED``;
+    without a temperature the kernel has no multiply at all."""
+    x = upcast(raw, DTYPE)
+    if TEMPERED:
+        x = x * inv_t
+    return x
+
+
+@device
+def chunk(base, col0, lane, real_left, inv_t, DTYPE: tl.constexpr, VALID: tl.constexpr, PADDED: tl.constexpr,
+          TEMPERED: tl.constexpr):
+    """The binary32 logits of the tile's columns ``col0 + lane`` (scaled by ``r``, step 0):
+    ``(x, xmin)``, where ``x`` is ``-inf`` past the tile's ``VALID`` columns of this chunk and
+    (``PADDED``) on padding columns, and ``xmin`` is ``x`` with ``+inf`` there (what the
+    validation minimum reads)."""
     neg_inf = tl.full((LANES,), NEG_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
     pos_inf = tl.full((LANES,), POS_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
     cols = col0 + lane
     if PADDED:
         real = (lane < VALID) & (cols < real_left)
-        x = tl.where(real, upcast(tl.load(base + cols, mask=real, other=0), DTYPE), neg_inf)
+        x = tl.where(real, scaled(tl.load(base + cols, mask=real, other=0), inv_t, DTYPE, TEMPERED), neg_inf)
         xmin = tl.where(real, x, pos_inf)
     elif VALID < LANES:
         inside = lane < VALID
-        x = tl.where(inside, upcast(tl.load(base + cols, mask=inside, other=0), DTYPE), neg_inf)
+        x = tl.where(inside, scaled(tl.load(base + cols, mask=inside, other=0), inv_t, DTYPE, TEMPERED), neg_inf)
         xmin = tl.where(inside, x, pos_inf)
     else:
-        x = upcast(tl.load(base + cols), DTYPE)
+        x = scaled(tl.load(base + cols), inv_t, DTYPE, TEMPERED)
         xmin = x
     return x, xmin
 
 
 @device
-def extremes(base, col0, lane, real_left, mx, mn, DTYPE: tl.constexpr, VALID: tl.constexpr,
-             PADDED: tl.constexpr, VALIDATE: tl.constexpr):
+def extremes(base, col0, lane, real_left, mx, mn, inv_t, DTYPE: tl.constexpr, VALID: tl.constexpr,
+             PADDED: tl.constexpr, VALIDATE: tl.constexpr, TEMPERED: tl.constexpr):
     """The first pass over one chunk: the lanes' maxima (NaN propagates) and minima."""
-    x, xmin = chunk(base, col0, lane, real_left, DTYPE, VALID, PADDED)
+    x, xmin = chunk(base, col0, lane, real_left, inv_t, DTYPE, VALID, PADDED, TEMPERED)
     mx = tl.maximum(mx, x, propagate_nan=tl.PropagateNan.ALL)
     if VALIDATE:
         mn = tl.minimum(mn, xmin)
@@ -192,10 +204,10 @@ def extremes(base, col0, lane, real_left, mx, mn, DTYPE: tl.constexpr, VALID: tl
 
 
 @device
-def lane_terms(base, col0, lane, real_left, sh, s, t, DTYPE: tl.constexpr, VALID: tl.constexpr,
-               PADDED: tl.constexpr, WITH_ENTROPY: tl.constexpr):
+def lane_terms(base, col0, lane, real_left, sh, s, t, inv_t, DTYPE: tl.constexpr, VALID: tl.constexpr,
+               PADDED: tl.constexpr, WITH_ENTROPY: tl.constexpr, TEMPERED: tl.constexpr):
     """The second pass over one chunk (section 6 steps 3-4): ``s += E(y)``, ``t = fma(E(y), yc, t)``."""
-    x, _ = chunk(base, col0, lane, real_left, DTYPE, VALID, PADDED)
+    x, _ = chunk(base, col0, lane, real_left, inv_t, DTYPE, VALID, PADDED, TEMPERED)
     e, yc = spec_exp_forward(x - sh)
     s = s + e
     if WITH_ENTROPY:
@@ -206,9 +218,9 @@ def lane_terms(base, col0, lane, real_left, sh, s, t, DTYPE: tl.constexpr, VALID
 @kernel
 def forward_partials_kernel(
     x_ptr, m_ptr, s_ptr, t_ptr, bad_ptr,
-    row_stride, real_local,
+    row_stride, real_local, inv_t,
     TILES: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr,
-    WITH_ENTROPY: tl.constexpr, VALIDATE: tl.constexpr, PADDED: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr, VALIDATE: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr,
 ):
     """Section 6 steps 1-4 for the tile ``pid % TILES`` of row ``pid // TILES`` (a constant
     divisor: integer multiply and shift, no division sequence)."""
@@ -225,12 +237,12 @@ def forward_partials_kernel(
     # 1. the lanes' maxima (a max does not depend on grouping)
     if FULL <= MAX_UNROLL:
         for k in tl.static_range(FULL):
-            mx, mn = extremes(base, k * LANES, lane, real_left, mx, mn, DTYPE, LANES, PADDED, VALIDATE)
+            mx, mn = extremes(base, k * LANES, lane, real_left, mx, mn, inv_t, DTYPE, LANES, PADDED, VALIDATE, TEMPERED)
     else:
         for k in range(FULL):
-            mx, mn = extremes(base, k * LANES, lane, real_left, mx, mn, DTYPE, LANES, PADDED, VALIDATE)
+            mx, mn = extremes(base, k * LANES, lane, real_left, mx, mn, inv_t, DTYPE, LANES, PADDED, VALIDATE, TEMPERED)
     if REST > 0:
-        mx, mn = extremes(base, FULL * LANES, lane, real_left, mx, mn, DTYPE, REST, PADDED, VALIDATE)
+        mx, mn = extremes(base, FULL * LANES, lane, real_left, mx, mn, inv_t, DTYPE, REST, PADDED, VALIDATE, TEMPERED)
     lane_nan = mx != mx
     nan = tl.reduce(lane_nan.to(tl.int32), 0, MAX)
     m = tl.reduce(tl.where(lane_nan, float("-inf"), mx), 0, MAX)
@@ -241,12 +253,15 @@ def forward_partials_kernel(
     t = tl.full((LANES,), 0.0, tl.float32)
     if FULL <= MAX_UNROLL:
         for k in tl.static_range(FULL):
-            s, t = lane_terms(base, k * LANES, lane, real_left, sh, s, t, DTYPE, LANES, PADDED, WITH_ENTROPY)
+            s, t = lane_terms(base, k * LANES, lane, real_left, sh, s, t, inv_t, DTYPE, LANES, PADDED, WITH_ENTROPY,
+                                  TEMPERED)
     else:
         for k in range(FULL):
-            s, t = lane_terms(base, k * LANES, lane, real_left, sh, s, t, DTYPE, LANES, PADDED, WITH_ENTROPY)
+            s, t = lane_terms(base, k * LANES, lane, real_left, sh, s, t, inv_t, DTYPE, LANES, PADDED, WITH_ENTROPY,
+                                  TEMPERED)
     if REST > 0:
-        s, t = lane_terms(base, FULL * LANES, lane, real_left, sh, s, t, DTYPE, REST, PADDED, WITH_ENTROPY)
+        s, t = lane_terms(base, FULL * LANES, lane, real_left, sh, s, t, inv_t, DTYPE, REST, PADDED, WITH_ENTROPY,
+                          TEMPERED)
     out = row * TILES + tile + tl.arange(0, 1)
     tl.store(m_ptr + out, m)
     tl.store(s_ptr + out, lane_fold(s))
@@ -301,9 +316,9 @@ def store_rounded(ptr, g, mask, DTYPE: tl.constexpr, MASKED: tl.constexpr):
 @kernel
 def backward_kernel(
     x_ptr, lse_ptr, coef_ptr, g_ptr,
-    row_stride, local_vocab, real_local, col0,
+    row_stride, local_vocab, real_local, col0, inv_t,
     BLOCKS: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
-    MASKED: tl.constexpr, PADDED: tl.constexpr,
+    MASKED: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr,
 ):
     """Section 7 (and 8) for columns ``col0 + [b * BLOCK, (b + 1) * BLOCK)`` of row
     ``pid // BLOCKS``, every column but the target term (:func:`backward_target_kernel`)."""
@@ -317,7 +332,9 @@ def backward_kernel(
         raw = tl.load(x_ptr + row * row_stride + cols, mask=inside, other=0)
     else:
         raw = tl.load(x_ptr + row * row_stride + cols)
-    g = coef * spec_exp(upcast(raw, DTYPE) - lse)  # 1. (any lse: the general form)
+    g = coef * spec_exp(scaled(raw, inv_t, DTYPE, TEMPERED) - lse)  # 1. (any lse: the general form)
+    if TEMPERED:
+        g = g * inv_t  # 2. the temperature's chain rule
     g = tl.where(coef == 0.0, 0.0, g)  # the coef == 0 override (+0, NaN included)
     if PADDED:
         g = tl.where(cols < real_local, g, 0.0)  # padding columns are +0
@@ -327,8 +344,8 @@ def backward_kernel(
 @kernel
 def backward_target_kernel(
     x_ptr, lse_ptr, coef_ptr, col_ptr, add_ptr, g_ptr,
-    rows, row_stride, local_vocab, real_local,
-    ROWS: tl.constexpr, DTYPE: tl.constexpr,
+    rows, row_stride, local_vocab, real_local, inv_t,
+    ROWS: tl.constexpr, DTYPE: tl.constexpr, TEMPERED: tl.constexpr,
 ):
     """Section 7 step 2 for ``ROWS`` rows: the target column's value, ``coef * E(x - lse) + gl``
     (``+0 + gl`` where ``coef == 0``), canonical NaN, rounded once; ``gl`` is ``-0`` (the
@@ -342,8 +359,10 @@ def backward_target_kernel(
     coef = tl.load(coef_ptr + r, mask=inside, other=0.0)
     add = tl.load(add_ptr + r, mask=inside, other=0.0)
     raw = tl.load(x_ptr + row * row_stride + col, mask=inside, other=0)
-    g = coef * spec_exp(upcast(raw, DTYPE) - lse) + add  # 1.-2.: a multiply, then an add, as written
+    g = coef * spec_exp(scaled(raw, inv_t, DTYPE, TEMPERED) - lse) + add  # 1.-2.: a multiply, then an add
     g = tl.where(coef == 0.0, add + 0.0, g)
+    if TEMPERED:
+        g = g * inv_t  # 2. the temperature's chain rule, the override's (+0 + gl) * r included
     store_rounded(g_ptr + row * local_vocab + col, g, inside & (col < real_local), DTYPE, True)
 
 

@@ -86,7 +86,7 @@ def check_group(contract: LogprobContract, group: Any) -> None:
 
 
 CONTRACT_FIELDS: tuple[str, ...] = tuple(
-    sorted(k for k in LogprobContract(1, 1, 1, 1, 1).to_dict() if k not in RANK_LOCAL_FIELDS)
+    sorted({k for k in LogprobContract(1, 1, 1, 1, 1).to_dict() if k not in RANK_LOCAL_FIELDS} | {"temperature"})
 )
 CALL = "selected_logprob"
 AGREEMENT_HINTS: dict[str, str] = {
@@ -144,7 +144,8 @@ def call_record(
     if isinstance(contract, LogprobContract):
         shared = contract.to_dict()
         fields += [
-            (f"contract.{k}", json.dumps(shared[k], separators=(",", ":")))
+            (f"contract.{k}", json.dumps(shared.get(k, 1.0) if k == "temperature" else shared[k],
+                                         separators=(",", ":")))
             for k in CONTRACT_FIELDS
         ]
         fields.append(("cp_rank", str(contract.cp_rank)))
@@ -207,7 +208,7 @@ def _local_partials(
         require_gradual_underflow(logits.device)  # per worker thread
         return ChunkWorkspace(
             min(chunk_rows, rows), contract.local_vocab_size, width, real_local, with_entropy,
-            logits.device,
+            logits.device, contract.inverse_temperature,
         )
 
     def work(ws: ChunkWorkspace, start: int, stop: int) -> None:
@@ -231,6 +232,8 @@ def _local_target_logit(
     owned = (local >= 0) & (local < contract.local_vocab_size)
     index = torch.where(owned, local, torch.zeros_like(local)).unsqueeze(1)
     value = logits.gather(1, index).squeeze(1).float()
+    if contract.inverse_temperature != 1.0:
+        value = value * contract.inverse_temperature  # section 6 step 0, as every engine scales its tiles
     return torch.where(owned, value, torch.zeros_like(value))
 
 
@@ -340,6 +343,7 @@ class BackwardTerms:
     target_col: torch.Tensor
     target_add: torch.Tensor
     real_local: int
+    inv_t: float = 1.0  # the temperature's r (section 6 step 0; section 7 step 2)
 
 
 def backward_terms(
@@ -360,7 +364,7 @@ def backward_terms(
     owned = active & (local_target >= 0) & (local_target < local_vocab)
     target_col = torch.where(owned, local_target, torch.zeros_like(local_target))
     target_add = torch.where(owned, g_logp, torch.full_like(g_logp, -0.0))
-    return BackwardTerms(coef, target_col, target_add, real_local_columns(contract))
+    return BackwardTerms(coef, target_col, target_add, real_local_columns(contract), contract.inverse_temperature)
 
 
 def _eager_backward(
@@ -378,6 +382,7 @@ def _eager_backward(
             target_col[start:stop],
             target_add[start:stop],
             grad[start:stop],
+            terms.inv_t,
         )
 
     def workspace() -> GradWorkspace:
@@ -394,7 +399,10 @@ def _eager_backward(
     zero_rows = (coef == 0).nonzero().squeeze(1)  # one host sync per backward call
     if zero_rows.numel():
         grad.index_fill_(0, zero_rows, 0.0)
-        at_target = rounded(canonical_nan_(target_add[zero_rows] + 0.0), grad.dtype)  # +0.0 + g
+        at_target = target_add[zero_rows] + 0.0  # +0.0 + g
+        if terms.inv_t != 1.0:
+            at_target = at_target * terms.inv_t
+        at_target = rounded(canonical_nan_(at_target), grad.dtype)
         grad[zero_rows, target_col[zero_rows]] = at_target
     if terms.real_local < local_vocab:
         grad[:, terms.real_local:] = 0.0
