@@ -276,6 +276,8 @@ def case_values(config: dict[str, Any], origin: Origin = Origin()) -> dict[str, 
         "rtol": tolerance.get("rtol"),
         "timeout_s": config["pg_timeout_s"],
         **({} if capture is None else {"capture": capture}),
+        # absent at 1 (Case's default): a case without a temperature hashes as before it existed
+        **({"temperature": float(config["temperature"])} if config.get("temperature", 1) != 1 else {}),
     }
 
 

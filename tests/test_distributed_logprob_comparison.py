@@ -274,6 +274,30 @@ def test_single_process_report_is_valid_and_matches_the_harness() -> None:
         assert report["tensors"][name]["sha256"] == fingerprint(tensors[name])
 
 
+def test_a_case_with_a_temperature_is_its_own_case_and_replays_from_the_evidence() -> None:
+    """``temperature: 0.7`` in the case: a schema-valid passing report whose case, case id and
+    fingerprints carry it, whose bytes the reviewer's replay (verify --recompute's) and the NumPy
+    implementation give again, and which differ from the case at 1; 1 is the case without it."""
+    from rl_engine.campaign.replay import replay_candidate, replay_numpy
+    from rl_engine.logprob.portable import SPEC_VERSION
+
+    warm = _case(temperature=0.7)
+    assert warm.case_id.endswith("-temp0.7") and _case(temperature=1.0).case_id == _case().case_id
+    assert _case(temperature=1.0).to_dict() == _case().to_dict()  # absent at 1: hashes as before
+    report, tensors, _ = _one_rank_report(warm)
+    assert schemas.errors(report, "report") == [] and report["passed"] is True, report["failures"]
+    assert report["case"]["temperature"] == 0.7
+    replayed = replay_candidate(warm.to_dict(), spec=SPEC_VERSION)
+    by_numpy = replay_numpy(warm.to_dict(), SPEC_VERSION)
+    for name in ("logp", "lse", "entropy"):
+        assert fingerprint(replayed.tensors[name]) == fingerprint(tensors[name]) == fingerprint(by_numpy.tensors[name])
+    assert fingerprint(replayed.grad) == report["bitwise_fingerprints"]["candidate_grad_sha256"]
+    cold, _, _ = _one_rank_report(_case())
+    assert cold["bitwise_fingerprints"]["candidate_logp_sha256"] != report["bitwise_fingerprints"]["candidate_logp_sha256"]
+    with pytest.raises(CaseError, match="temperature"):
+        _case(temperature=0.0)
+
+
 def test_fallback_on_a_rank_fails_acceptance() -> None:
     case = _case()
     results = [compute_rank(case, 1, 1, 0, 0, 0, None, CPU)]

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from dataclasses import fields as dataclass_fields
 from typing import Any, Mapping, Sequence
 
+from rl_engine.temperature import TemperatureError, inverse_temperature
 from rl_engine.validators import choice_problem, int_problem, require
 from rl_engine import jsonio, schemas
 from rl_engine.tables import (
@@ -192,6 +193,11 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
                 f"logit_scale={values['logit_scale']!r} exceeds {bound:.6g} for dtype {dtype}: logits reach "
                 f"3.47 x logit_scale and must stay finite in {dtype} (the bound is a quarter of its largest "
                 f"finite value); use logit_scale <= {bound:.6g}")
+    if "temperature" in values:
+        try:
+            inverse_temperature(values["temperature"])
+        except TemperatureError as exc:
+            add("temperature", str(exc))
     if has("cp_layout"):
         add("cp_layout", choice_problem("cp_layout", values["cp_layout"], CP_LAYOUTS, "is unknown"))
     if has("real_vocab", "padded_vocab") and values["real_vocab"] > values["padded_vocab"]:
@@ -260,7 +266,7 @@ def capture_problems(record: Any, values: Mapping[str, Any]) -> list[str]:
     return found
 
 
-FLOAT_FIELDS: tuple[str, ...] = ("logit_scale", "atol", "rtol", "timeout_s")
+FLOAT_FIELDS: tuple[str, ...] = ("logit_scale", "atol", "rtol", "timeout_s", "temperature")
 # The case fields the topology rules read: check_topology needs each of them valid.
 TOPOLOGY_FIELDS: tuple[str, ...] = ("padded_vocab", "num_vocab_tiles", "seq", "cp_layout")
 
@@ -311,6 +317,8 @@ class Case:
     # None: the input recipe (rl_engine.campaign.inputs); else the captured file's record
     # (rl_engine.campaign.captured.capture_record): path, sha256, size, shape, dtype, metadata
     capture: dict[str, Any] | None = None
+    # docs/arithmetic.md section 6 step 0 (rl_engine.temperature); 1.0: none
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         problems = case_problems(self.to_dict())
@@ -333,17 +341,20 @@ class Case:
         fields.setdefault("cp_layout", "contiguous")
         fields.setdefault("logit_scale", 1.0)
         fields.setdefault("threads_per_rank", 1)
-        missing = [f.name for f in dataclass_fields(cls) if f.name not in fields and f.name != "capture"]
+        missing = [f.name for f in dataclass_fields(cls) if f.name not in fields and f.name not in ("capture", "temperature")]
         if missing:
             raise CaseError(f"case fields {missing} are missing; give each of them")
         return cls(**fields)
 
     def to_dict(self) -> dict[str, Any]:
-        """The case's fields; ``capture`` only when the case runs on a capture (so a recipe
-        case's plan, report and case hash are what they were before captures existed)."""
+        """The case's fields; ``capture`` only when the case runs on a capture and ``temperature``
+        only when it is not 1 (so a recipe case's plan, report and case hash are what they were
+        before either existed)."""
         values = asdict(self)
         if values["capture"] is None:
             del values["capture"]
+        if values["temperature"] == 1.0:
+            del values["temperature"]
         return values
 
     @property
@@ -354,6 +365,7 @@ class Case:
             f"-b{self.batch}-s{self.seq}-pt{self.prompt_tokens}-seed{self.seed}"
             f"-{self.cp_layout}-scale{self.logit_scale:g}"
             + ("" if self.capture is None else f"-capture{self.capture['sha256'][:16]}")
+            + ("" if self.temperature == 1.0 else f"-temp{self.temperature:g}")
         )
 
     def check_topology(self, tp: int, cp: int) -> None:

@@ -82,6 +82,7 @@ def replay_candidate(case: Mapping[str, Any], backend: str | None = None,
         num_sequences=int(case["batch"]),
         seq_len=int(case["seq"]),
         logits_dtype=str(case["dtype"]),
+        temperature=float(case.get("temperature", 1.0)),
     )
     op = dispatch(backend or str(case["backend"]), contract, "cpu").op
     x = logits.to(contract.torch_dtype).requires_grad_(True)
@@ -114,14 +115,17 @@ def replay_numpy(case: Mapping[str, Any], spec: str, capture: str | os.PathLike[
         num_sequences=int(case["batch"]),
         seq_len=int(case["seq"]),
         logits_dtype=str(case["dtype"]),
+        temperature=float(case.get("temperature", 1.0)),
     )
     x = logits.to(contract.torch_dtype).contiguous()
     bits = x.view(torch.int16).numpy().view(np.uint16) if x.dtype == torch.bfloat16 else x.numpy()
     dtype = _NUMPY_DTYPES[str(case["dtype"])]
     t, a = targets.numpy(), active.numpy()
     real, tiles = contract.real_vocab_size, contract.num_vocab_tiles
-    logp, lse, entropy = spec_numpy.forward(bits, dtype, t, a, real, tiles, True, spec=spec)
-    grad = spec_numpy.backward(bits, dtype, t, a, lse, np.ones(len(t), np.float32), None, real, tiles, spec=spec)
+    temperature = contract.temperature
+    logp, lse, entropy = spec_numpy.forward(bits, dtype, t, a, real, tiles, True, spec=spec, temperature=temperature)
+    grad = spec_numpy.backward(bits, dtype, t, a, lse, np.ones(len(t), np.float32), None, real, tiles, spec=spec,
+                               temperature=temperature)
     computed = {"logp": logp, "lse": lse, "entropy": entropy}
     tensors = {name: torch.from_numpy(np.ascontiguousarray(computed[name])) for name in TENSOR_NAMES}
     if x.dtype == torch.bfloat16:

@@ -98,6 +98,7 @@ def rank_contract(case: Case, tp: int, cp: int, tp_rank: int, cp_rank: int) -> L
         cp_rank=cp_rank,
         cp_layout=case.cp_layout,
         logits_dtype=case.dtype,
+        temperature=case.temperature,
     )
 
 
@@ -308,7 +309,7 @@ def build_report(
     if fault is not None and fault.kind == "perturb" and fault.applies(tp, cp):
         perturb(tensors["logp"], logits_fp32, targets, active, case)
     drift = oracle_drift(tensors["logp"], tensors["lse"], logits_fp32, targets, active,
-                         case.real_vocab, case.dtype, case.atol, case.rtol)
+                         case.real_vocab, case.dtype, case.atol, case.rtol, case.temperature)
     failures += drift_failures(drift)
     timings = {**timings, "oracle_s": time.perf_counter() - start}
     n = case.batch * case.seq

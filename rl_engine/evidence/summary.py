@@ -515,7 +515,8 @@ def _case_line(case: dict[str, Any]) -> str:
             f"{case.get('real_vocab')}/{case.get('padded_vocab')}, {case.get('num_vocab_tiles')} vocabulary tiles, "
             f"batch {case.get('batch')}, sequence {case.get('seq')}, prompt tokens {case.get('prompt_tokens')}, "
             f"seed {case.get('seed')}, logit scale {case.get('logit_scale')}, CP layout {case.get('cp_layout')}, "
-            f"explicit {case.get('backend')}, {case.get('device')}/{case.get('dist_backend')}.")
+            + (f"temperature {md_cell(str(case.get('temperature')))} (section 6 step 0), " if "temperature" in case else "")
+            + f"explicit {case.get('backend')}, {case.get('device')}/{case.get('dist_backend')}.")
 
 
 def render(ev: Evidence, run: Run) -> tuple[str, dict[str, Section]]:

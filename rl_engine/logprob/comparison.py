@@ -123,11 +123,13 @@ def oracle_drift(
     dtype: str,
     atol: float,
     rtol: float,
+    temperature: float = 1.0,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """The report's ``drift``: LSE (all rows) and dlogp (active rows) against both oracles.
 
     FP32 oracle: the unrounded FP32 logits. FP64 oracle: the logits rounded to ``dtype``
-    (what the candidate saw), computed in FP64.
+    (what the candidate saw), computed in FP64. With a ``temperature`` both see the logits
+    divided by ``T`` in binary64 (the distribution the candidate's ``x * r`` approximates).
     """
     if dtype not in LOGITS_DTYPES:
         raise ComparisonError(f"dtype={dtype!r} is unknown; use one of {list(LOGITS_DTYPES)}")
@@ -135,8 +137,12 @@ def oracle_drift(
         raise ComparisonError(f"logits_fp32.dtype={logits_fp32.dtype} must be torch.float32")
     all_rows = torch.ones_like(active)
     rounded = logits_fp32.to(LOGITS_DTYPES[dtype])
+    unrounded = logits_fp32
+    if temperature != 1.0:
+        unrounded = (logits_fp32.double() / temperature).float()
+        rounded = rounded.double() / temperature
     out: dict[str, dict[str, dict[str, Any]]] = {}
-    for name, oracle in (("fp32_oracle", fp32_oracle(logits_fp32, targets, active, real_vocab)),
+    for name, oracle in (("fp32_oracle", fp32_oracle(unrounded, targets, active, real_vocab)),
                          ("fp64_oracle", fp64_oracle(rounded, targets, active, real_vocab))):
         out[name] = {
             "lse": drift_stats(candidate_lse, oracle.lse, all_rows, targets, atol, rtol),

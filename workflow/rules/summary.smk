@@ -6,7 +6,7 @@ rule summary:
         parity=PARITY_OUTPUTS,
     output:
         report(stage_output("summary"), caption="../report/summary.rst", category="1. Verdict",
-               labels={"File": "SUMMARY.md"}),
+               labels={"What": "the run's summary, in Markdown"}),
     log:
         stage_log("summary"),
     params:
