@@ -455,12 +455,14 @@ def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int
 # Sections 7, 8: backward
 # ------------------------------------------------------------------------------------
 def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
-             real_vocab: int, num_tiles: int, spec: str = SPEC_VERSION, temperature: float = 1.0):
+             real_vocab: int, num_tiles: int, spec: str = SPEC_VERSION, temperature: float = 1.0,
+             grad_entropy=None, entropy=None):
     """Section 7 gradient, rounded once to the logits' representation (section 8).
 
     ``grad_logp`` / ``grad_lse``: float32 [rows] or None (absent = 0). Returns uint16 bf16
     bits, np.float16 or np.float32 of the logits' shape. ``temperature``: step 0 on the logits,
-    and the gradient multiplied by ``r`` before its rounding (step 2b).
+    and the gradient multiplied by ``r`` before its rounding (step 2b). ``grad_entropy`` (float32
+    [rows] or None) with the forward's ``entropy``: step 1's entropy term.
     """
     v1 = _check_spec(spec) == SPEC_V1
     if v1 and temperature != 1.0:
@@ -476,6 +478,14 @@ def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
     g_lse = np.zeros(rows, F32) if grad_lse is None else _as_1d(grad_lse, rows, F32, "grad_lse")
     gl = np.where(active, g_logp, ZERO)
     coef = np.subtract(g_lse, gl)
+    if grad_entropy is not None:
+        if v1:
+            raise ValueError(f"{SPEC_V1} has no entropy gradient")
+        g_ent = _as_1d(grad_entropy, rows, F32, "grad_entropy")
+        mb = np.subtract(lse, _f32(_as_1d(entropy, rows, F32, "entropy")))  # Mb = LSE - H
+    else:
+        g_ent = np.zeros(rows, F32)
+        mb = np.zeros(rows, F32)
     out_dtype = {"bfloat16": np.uint16, "float16": np.float16, "float32": F32}[dtype]
     out = np.empty((rows, vp), out_dtype)
     blk = _rows_block(rows, vp)
@@ -487,7 +497,10 @@ def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
             p = exp(np.subtract(x, lse[r0:r1, None]))  # 1.
             c = coef[r0:r1, None]
             g = np.multiply(c, p)
-            zero_row = np.equal(coef[r0:r1], ZERO)
+            ge = g_ent[r0:r1, None]
+            term = np.multiply(np.multiply(ge, p), np.subtract(mb[r0:r1, None], x))  # (g_ent * p) * (Mb - x)
+            g = np.where(np.not_equal(ge, ZERO) & np.not_equal(p, ZERO), np.add(g, term), g)
+            zero_row = np.equal(coef[r0:r1], ZERO) & np.equal(g_ent[r0:r1], ZERO)
             g = np.where(zero_row[:, None], ZERO, g)  # coef == 0 rows: +0 everywhere ...
             act = active[r0:r1]
             ar = np.arange(n)[act]

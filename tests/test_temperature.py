@@ -170,3 +170,16 @@ def test_a_temperature_gives_the_same_bytes_at_every_tp_and_cp_degree() -> None:
             grad[part["rows"], start:end] = part["grad"]
         mine = {**{n: tensor_bytes(t) for n, t in got.items()}, "grad": tensor_bytes(grad)}
         assert {k: mine[k] == want[k] for k in OUTPUTS} == dict.fromkeys(OUTPUTS, True), topology
+
+
+def test_the_documented_block_of_docs_trainer_md_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "trainer.md").read_text(encoding="utf-8")
+    mark = "<!-- run by tests/test_temperature.py -->"
+    assert text.count(mark) == 1
+    block = re.search(re.escape(mark) + r"\n```python\n(.*?)^```", text, re.S | re.M)
+    assert block is not None
+    exec(compile(block.group(1), "docs/trainer.md", "exec"), {"__name__": "__main__"})
+    assert "torch.Size([4]) torch.Size([4]) torch.bfloat16" in capsys.readouterr().out

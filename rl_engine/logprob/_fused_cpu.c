@@ -172,6 +172,7 @@ typedef struct {
     const int64_t *target_col;
     void *grad; /* [rows, local_vocab] contiguous, dtype of the logits */
     float r;    /* the temperature's r: x * r before E, the gradient * r before its rounding */
+    const float *g_ent, *mb; /* the entropy gradient and Mb = LSE - H per row; both NULL without one */
 } bwd_args;
 
 /* ------------------------------------------------------------------ the three variants */
@@ -345,14 +346,15 @@ __attribute__((visibility("default"))) int rle_forward_partials(
 __attribute__((visibility("default"))) int rle_backward(
     const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t local_vocab,
     int64_t real_local, const float *lse, const float *coef, const int64_t *target_col,
-    const float *target_add, void *grad, float r, int threads, int isa) {
+    const float *target_add, void *grad, float r, const float *g_ent, const float *mb, int threads,
+    int isa) {
     if (logits == NULL || grad == NULL || lse == NULL || coef == NULL || target_col == NULL ||
         target_add == NULL || local_vocab < 1 || dtype < DT_F32 || dtype > DT_F16 || rows < 0 ||
         row_stride < local_vocab || real_local < 0 || real_local > local_vocab || !(r > 0.0f) ||
-        r == __builtin_inff())
+        r == __builtin_inff() || (g_ent == NULL) != (mb == NULL))
         return RLE_BAD_ARG;
     bwd_args a = {logits, dtype, rows, row_stride, local_vocab, real_local,
-                  lse, coef, target_add, target_col, grad, r};
+                  lse, coef, target_add, target_col, grad, r, g_ent, mb};
     return run_split(1, isa, &a, rows, threads);
 }
 

@@ -370,26 +370,46 @@ AI void RLE_NAME(store_one)(void *out, int dtype, int64_t c, float g) {
     else ((uint16_t *)out)[c] = round_f16(g);
 }
 
-/* Section 7 step 1 for one column (the target column): the vector operations on one lane. */
-AI float RLE_NAME(grad_one)(const char *rowp, int dtype, int64_t c, float lse, float coef, float r) {
-    const float x = r != 1.0f ? upcast(rowp, dtype, c) * r : upcast(rowp, dtype, c);
-    const VF g = VS(coef) * RLE_NAME(vexp)(VS(x) - VS(lse));
-    return g[0];
+/* Section 7 steps 1-2 for one column, in the general form: a temperature (r != 1) and an entropy
+ * term (ge != 0): x = f32(X) * r; p = E(x - lse); g = coef * p; g = g + (ge * p) * (mb - x) where
+ * p != 0; at the target g + gl; then g * r. Scalar code on one vector lane of vexp (the E of the
+ * vector paths). */
+AI float RLE_NAME(grad_general)(float x, float lse, float coef, float ge, float mb) {
+    const VF p = RLE_NAME(vexp)(VS(x) - VS(lse));
+    float g = coef * p[0];
+    if (ge != 0.0f && p[0] != 0.0f) g = g + (ge * p[0]) * (mb - x);
+    return g;
 }
 
-/* One row's gradient with a temperature: x = f32(X) * r, g = (coef * E(x - lse)) * r, rounded
- * once (the target column is redone by the caller). Every dtype through one upcast buffer:
- * the tempered path is not the hot one, so it is written once. */
-static __attribute__((noinline)) void RLE_NAME(bwd_row_tempered)(const char *rowp, int dtype, char *out,
-                                                                  int64_t R, float lse, float coef,
-                                                                  float r) {
-    const VF vlse = VS(lse), vcoef = VS(coef), vr = VS(r);
-    float xs[LANES], gs[LANES];
+/* Section 7 step 1 for one column (the target column): the vector operations on one lane. */
+AI float RLE_NAME(grad_one)(const char *rowp, int dtype, int64_t c, float lse, float coef, float r,
+                            float ge, float mb) {
+    const float x = r != 1.0f ? upcast(rowp, dtype, c) * r : upcast(rowp, dtype, c);
+    return RLE_NAME(grad_general)(x, lse, coef, ge, mb);
+}
+
+/* One row's gradient with a temperature or an entropy term (the target column is redone by the
+ * caller): LANES columns at a time through the scalar upcast, the vector E, the products of
+ * grad_general lane by lane (each an IEEE operation, so a lane's bits are grad_general's). */
+static __attribute__((noinline)) void RLE_NAME(bwd_row_general)(const char *rowp, int dtype, char *out,
+                                                                 int64_t R, float lse, float coef,
+                                                                 float r, float ge, float mb) {
+    const VF vlse = VS(lse), vcoef = VS(coef), vr = VS(r), vge = VS(ge), vmb = VS(mb);
+    float xs[LANES], ps[LANES], gs[LANES], hs[LANES];
     for (int64_t c = 0; c < R; c += LANES) {
         for (int l = 0; l < LANES; l++) xs[l] = c + l < R ? upcast(rowp, dtype, c + l) : 0.0f;
-        const VF g = (vcoef * RLE_NAME(vexp)(RLE_NAME(vload)(xs) * vr - vlse)) * vr;
+        VF x = RLE_NAME(vload)(xs);
+        if (r != 1.0f) x = x * vr;
+        const VF p = RLE_NAME(vexp)(x - vlse);
+        const VF g = vcoef * p;
         RLE_NAME(vstore)(gs, g);
-        for (int64_t k = c; k < R && k < c + LANES; k++) RLE_NAME(store_one)(out, dtype, k, gs[k - c]);
+        if (ge != 0.0f) {
+            RLE_NAME(vstore)(ps, p);
+            RLE_NAME(vstore)(hs, g + (vge * p) * (vmb - x));
+            for (int l = 0; l < LANES; l++) gs[l] = ps[l] != 0.0f ? hs[l] : gs[l];
+        }
+        for (int64_t k = c; k < R && k < c + LANES; k++)
+            RLE_NAME(store_one)(out, dtype, k, r != 1.0f ? gs[k - c] * r : gs[k - c]);
     }
 }
 
@@ -405,15 +425,17 @@ static __attribute__((noinline)) void RLE_NAME(bwd_rows)(const bwd_args *a, int6
         const float lse = a->lse[row];
         const int64_t tc = a->target_col[row];
         const float r = a->r;
-        if (coef == 0.0f) {
+        const float ge = a->g_ent != NULL ? a->g_ent[row] : 0.0f;
+        const float mb = a->mb != NULL ? a->mb[row] : 0.0f;
+        if (coef == 0.0f && ge == 0.0f) {
             /* section 7 override: +0 everywhere, round((+0 + gl) * r) at the owned target */
             memset(out, 0, (size_t)V * esz);
             const float g = a->target_add[row] + 0.0f;
             if (tc >= 0 && tc < R) RLE_NAME(store_one)(out, dtype, tc, r != 1.0f ? g * r : g);
             continue;
         }
-        if (r != 1.0f) { /* section 6 step 0 and section 7 step 2 with a temperature */
-            RLE_NAME(bwd_row_tempered)(rowp, dtype, out, R, lse, coef, r);
+        if (r != 1.0f || ge != 0.0f) { /* a temperature (section 6 step 0) or an entropy term */
+            RLE_NAME(bwd_row_general)(rowp, dtype, out, R, lse, coef, r, ge, mb);
         } else {
             const VF vlse = VS(lse), vcoef = VS(coef);
             int64_t c = 0;
@@ -448,7 +470,7 @@ static __attribute__((noinline)) void RLE_NAME(bwd_rows)(const bwd_args *a, int6
         }
         if (tc >= 0 && tc < R) {
             /* step 2: the same operations for the one column, then + gl, times r, rounded once */
-            float g = RLE_NAME(grad_one)(rowp, dtype, tc, lse, coef, r);
+            float g = RLE_NAME(grad_one)(rowp, dtype, tc, lse, coef, r, ge, mb);
             g = g + a->target_add[row];
             RLE_NAME(store_one)(out, dtype, tc, r != 1.0f ? g * r : g);
         }

@@ -68,7 +68,8 @@ def selected_logprob_backward_op(logits: torch.Tensor, targets: torch.Tensor, ac
                                  lse: torch.Tensor, grad_logp: torch.Tensor | None,
                                  grad_lse: torch.Tensor | None, real_vocab_size: int, num_vocab_tiles: int,
                                  ignore_index: int,
-                                 backend: str, temperature: float = 1.0) -> torch.Tensor:
+                                 backend: str, temperature: float = 1.0, grad_entropy: torch.Tensor | None = None,
+                                 entropy: torch.Tensor | None = None) -> torch.Tensor:
     """The gradient to the logits: the eager op's own backward (``vocab_parallel_backward`` with
     the backend's engine), one rounding to the logits' dtype."""
     from rl_engine.logprob.api import DTYPE_NAMES, trainer_inputs
@@ -85,27 +86,34 @@ def selected_logprob_backward_op(logits: torch.Tensor, targets: torch.Tensor, ac
     grad = vocab_parallel_backward(flat, targets.reshape(-1), active.reshape(-1), lse.reshape(-1),
                                    None if grad_logp is None else grad_logp.reshape(-1),
                                    None if grad_lse is None else grad_lse.reshape(-1), contract,
-                                   op.default_chunk_rows(contract, logits.device), op.engine())
+                                   op.default_chunk_rows(contract, logits.device), op.engine(),
+                                   None if grad_entropy is None else grad_entropy.reshape(-1),
+                                   None if entropy is None else entropy.reshape(-1))
     return grad.reshape(logits.shape)
 
 
 @selected_logprob_backward_op.register_fake
 def _(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None, lse: torch.Tensor,
       grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None, real_vocab_size: int,
-      num_vocab_tiles: int, ignore_index: int, backend: str, temperature: float = 1.0) -> torch.Tensor:
+      num_vocab_tiles: int, ignore_index: int, backend: str, temperature: float = 1.0,
+      grad_entropy: torch.Tensor | None = None, entropy: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_like(logits)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
     logits, targets, active, real_vocab_size, num_vocab_tiles, ignore_index, _, _, backend, _, temperature = inputs
-    ctx.save_for_backward(logits, targets, active, output[1])
+    ctx.save_for_backward(logits, targets, active, output[1], output[2])
     ctx.fields = (real_vocab_size, num_vocab_tiles, ignore_index, backend, temperature)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None,
-              _grad_entropy: Any) -> tuple[Any, ...]:
-    logits, targets, active, lse = ctx.saved_tensors
-    grad = selected_logprob_backward_op(logits, targets, active, lse, grad_logp, grad_lse, *ctx.fields)
+              grad_entropy: torch.Tensor | None) -> tuple[Any, ...]:
+    logits, targets, active, lse, entropy = ctx.saved_tensors
+    if entropy.shape != lse.shape:  # no entropy was computed
+        grad_entropy = None
+    grad = selected_logprob_backward_op(logits, targets, active, lse, grad_logp, grad_lse, *ctx.fields,
+                                        grad_entropy, entropy if grad_entropy is not None else None)
     return (grad,) + (None,) * 10
 
 

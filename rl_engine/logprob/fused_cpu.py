@@ -118,7 +118,7 @@ def _load() -> FusedKernel:
     lib.rle_backward.restype = ctypes.c_int
     lib.rle_backward.argtypes = [
         _c_p, ctypes.c_int, _c_i64, _c_i64, _c_i64, _c_i64,
-        _c_p, _c_p, _c_p, _c_p, _c_p, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+        _c_p, _c_p, _c_p, _c_p, _c_p, ctypes.c_float, _c_p, _c_p, ctypes.c_int, ctypes.c_int,
     ]
     for name in ("rle_round_f16_array", "rle_round_bf16_array", "rle_upcast_f16_array"):
         fn = getattr(lib, name)
@@ -250,10 +250,13 @@ def fused_backward(
         coef = _c_operand("coef", terms.coef.float())
         col = _c_operand("target_col", terms.target_col.to(torch.int64))
         add = _c_operand("target_add", terms.target_add.float())
+        g_ent = None if terms.g_ent is None else _c_operand("grad_entropy", terms.g_ent.float())
+        mb = None if terms.mb is None else _c_operand("mb", terms.mb.float())
         status = kernel.lib.rle_backward(
             x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), local_vocab,
             terms.real_local, lse_c.data_ptr(), coef.data_ptr(), col.data_ptr(),
-            add.data_ptr(), grad.data_ptr(), terms.inv_t, _threads(threads), ISA_NAMES[isa],
+            add.data_ptr(), grad.data_ptr(), terms.inv_t, _ptr(g_ent), _ptr(mb), _threads(threads),
+            ISA_NAMES[isa],
         )
         kernel.check(status, "backward")
     return grad

@@ -63,17 +63,22 @@ class _FromHidden(torch.autograd.Function):
             if compute_entropy:
                 entropy[start:end] = out.entropy
             del logits, out
-        ctx.save_for_backward(hidden, weight, targets, active, lse)
+        ctx.save_for_backward(hidden, weight, targets, active, lse, entropy)
         ctx.contract, ctx.op, ctx.chunk_tokens = contract, op, chunk_tokens
         ctx.grad_weight_fp32 = grad_weight_fp32
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output the loss does not use gives None, not zeros
+        if not compute_entropy:
+            ctx.mark_non_differentiable(entropy)
         return logp, lse, entropy
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: Any, grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None, _grad_entropy: Any,
+        ctx: Any, grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None,
+        grad_entropy: torch.Tensor | None,
     ) -> tuple[Any, ...]:
-        hidden, weight, targets, active, lse = ctx.saved_tensors
+        hidden, weight, targets, active, lse, entropy = ctx.saved_tensors
+        if entropy.shape != lse.shape:
+            grad_entropy = None
         contract, op, chunk = ctx.contract, ctx.op, ctx.chunk_tokens
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -89,7 +94,8 @@ class _FromHidden(torch.autograd.Function):
                     logits, targets[rows], active[rows], lse[rows],
                     None if grad_logp is None else grad_logp[rows],
                     None if grad_lse is None else grad_lse[rows], part,
-                    op.default_chunk_rows(part, logits.device), op.engine())
+                    op.default_chunk_rows(part, logits.device), op.engine(),
+                    None if grad_entropy is None else grad_entropy[rows], entropy[rows] if grad_entropy is not None else None)
                 del logits
                 if grad_hidden is not None:
                     grad_hidden[rows] = grad_logits @ weight

@@ -319,6 +319,8 @@ class GradWorkspace:
         target_add: torch.Tensor,
         out: torch.Tensor,
         inv_t: float = 1.0,
+        g_ent: torch.Tensor | None = None,
+        mb: torch.Tensor | None = None,
     ) -> None:
         """``out = coef * E(x - lse)``, plus ``target_add`` at ``target_col`` in FP32, times ``inv_t``
         (the temperature's ``r``, skipped when 1), NaN made canonical, rounded once to ``out``'s
@@ -334,9 +336,18 @@ class GradWorkspace:
         buf.copy_(chunk)
         if inv_t != 1.0:
             buf.mul_(inv_t)  # section 6 step 0
+        x = buf.clone() if g_ent is not None else None  # the entropy term reads x after E overwrote buf
         buf.sub_(lse.unsqueeze(1))
         exp_into(buf, buf, sc)
-        buf.mul_(coef.unsqueeze(1))
+        if g_ent is not None:
+            assert x is not None and mb is not None
+            ge = g_ent.unsqueeze(1)
+            term = (ge * buf) * (mb.unsqueeze(1) - x)  # (g_ent * p) * (Mb - x), section 7 step 1
+            use = (ge != 0) & (buf != 0)  # p == 0 or g_ent == 0: no term (no 0 * inf)
+            buf.mul_(coef.unsqueeze(1))
+            buf.copy_(torch.where(use, buf + term, buf))
+        else:
+            buf.mul_(coef.unsqueeze(1))
         buf.scatter_add_(1, target_col.unsqueeze(1), target_add.unsqueeze(1))
         if inv_t != 1.0:
             buf.mul_(inv_t)  # section 7 step 2: the chain rule of the multiply by r

@@ -245,21 +245,25 @@ def backward_launches(
     padded = terms.real_local < local_vocab
     whole, rest = divmod(local_vocab, BACKWARD_BLOCK)
     found = []
-    common = (x, lse, coef, out, x.stride(0), local_vocab, terms.real_local)
+    entropy_grad = terms.g_ent is not None
+    gent = terms.g_ent.float().contiguous() if entropy_grad else lse  # (unread without ENTROPY_GRAD)
+    mb = terms.mb.float().contiguous() if entropy_grad else lse
+    common = (x, lse, coef, out, gent, mb, x.stride(0), local_vocab, terms.real_local)
     tempered = terms.inv_t != 1.0
     if whole:
         found.append(Launch("backward_kernel", (rows * whole,), common + (0, terms.inv_t),
                             {"BLOCKS": whole, "BLOCK": BACKWARD_BLOCK, "DTYPE": dtype, "MASKED": False,
-                             "PADDED": padded, "TEMPERED": tempered}, BACKWARD_WARPS))
+                             "PADDED": padded, "TEMPERED": tempered, "ENTROPY_GRAD": entropy_grad}, BACKWARD_WARPS))
     if rest:
         found.append(Launch("backward_kernel", (rows,), common + (whole * BACKWARD_BLOCK, terms.inv_t),
                             {"BLOCKS": 1, "BLOCK": next_pow2(rest), "DTYPE": dtype, "MASKED": True,
-                             "PADDED": padded, "TEMPERED": tempered}, BACKWARD_WARPS))
+                             "PADDED": padded, "TEMPERED": tempered, "ENTROPY_GRAD": entropy_grad}, BACKWARD_WARPS))
     target = (x, lse, coef, terms.target_col.to(torch.int64).contiguous(),
-              terms.target_add.float().contiguous(), out, rows, x.stride(0), local_vocab, terms.real_local,
-              terms.inv_t)
+              terms.target_add.float().contiguous(), out, gent, mb, rows, x.stride(0), local_vocab,
+              terms.real_local, terms.inv_t)
     found.append(Launch("backward_target_kernel", (-(-rows // TARGET_ROWS),), target,
-                        {"ROWS": TARGET_ROWS, "DTYPE": dtype, "TEMPERED": tempered}, TARGET_WARPS))
+                        {"ROWS": TARGET_ROWS, "DTYPE": dtype, "TEMPERED": tempered, "ENTROPY_GRAD": entropy_grad},
+                        TARGET_WARPS))
     return found
 
 

@@ -315,10 +315,10 @@ def store_rounded(ptr, g, mask, DTYPE: tl.constexpr, MASKED: tl.constexpr):
 
 @kernel
 def backward_kernel(
-    x_ptr, lse_ptr, coef_ptr, g_ptr,
+    x_ptr, lse_ptr, coef_ptr, g_ptr, gent_ptr, mb_ptr,
     row_stride, local_vocab, real_local, col0, inv_t,
     BLOCKS: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
-    MASKED: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr,
+    MASKED: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
 ):
     """Section 7 (and 8) for columns ``col0 + [b * BLOCK, (b + 1) * BLOCK)`` of row
     ``pid // BLOCKS``, every column but the target term (:func:`backward_target_kernel`)."""
@@ -332,10 +332,19 @@ def backward_kernel(
         raw = tl.load(x_ptr + row * row_stride + cols, mask=inside, other=0)
     else:
         raw = tl.load(x_ptr + row * row_stride + cols)
-    g = coef * spec_exp(scaled(raw, inv_t, DTYPE, TEMPERED) - lse)  # 1. (any lse: the general form)
+    x = scaled(raw, inv_t, DTYPE, TEMPERED)
+    p = spec_exp(x - lse)
+    g = coef * p  # 1. (any lse: the general form)
+    if ENTROPY_GRAD:  # 1. the entropy term where g_ent != 0 and p != 0
+        ge = tl.load(gent_ptr + row)
+        term = g + (ge * p) * (tl.load(mb_ptr + row) - x)
+        g = tl.where(ge != 0.0, tl.where(p != 0.0, term, g), g)
+        zero = ((coef == 0.0).to(tl.int32) * (ge == 0.0).to(tl.int32)) != 0
+    else:
+        zero = coef == 0.0
     if TEMPERED:
         g = g * inv_t  # 2. the temperature's chain rule
-    g = tl.where(coef == 0.0, 0.0, g)  # the coef == 0 override (+0, NaN included)
+    g = tl.where(zero, 0.0, g)  # the override (+0, NaN included)
     if PADDED:
         g = tl.where(cols < real_local, g, 0.0)  # padding columns are +0
     store_rounded(g_ptr + row * local_vocab + cols, g, inside, DTYPE, MASKED)
@@ -343,9 +352,9 @@ def backward_kernel(
 
 @kernel
 def backward_target_kernel(
-    x_ptr, lse_ptr, coef_ptr, col_ptr, add_ptr, g_ptr,
+    x_ptr, lse_ptr, coef_ptr, col_ptr, add_ptr, g_ptr, gent_ptr, mb_ptr,
     rows, row_stride, local_vocab, real_local, inv_t,
-    ROWS: tl.constexpr, DTYPE: tl.constexpr, TEMPERED: tl.constexpr,
+    ROWS: tl.constexpr, DTYPE: tl.constexpr, TEMPERED: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
 ):
     """Section 7 step 2 for ``ROWS`` rows: the target column's value, ``coef * E(x - lse) + gl``
     (``+0 + gl`` where ``coef == 0``), canonical NaN, rounded once; ``gl`` is ``-0`` (the
@@ -359,8 +368,18 @@ def backward_target_kernel(
     coef = tl.load(coef_ptr + r, mask=inside, other=0.0)
     add = tl.load(add_ptr + r, mask=inside, other=0.0)
     raw = tl.load(x_ptr + row * row_stride + col, mask=inside, other=0)
-    g = coef * spec_exp(scaled(raw, inv_t, DTYPE, TEMPERED) - lse) + add  # 1.-2.: a multiply, then an add
-    g = tl.where(coef == 0.0, add + 0.0, g)
+    x = scaled(raw, inv_t, DTYPE, TEMPERED)
+    p = spec_exp(x - lse)
+    g = coef * p  # 1.
+    if ENTROPY_GRAD:
+        ge = tl.load(gent_ptr + r, mask=inside, other=0.0)
+        term = g + (ge * p) * (tl.load(mb_ptr + r, mask=inside, other=0.0) - x)
+        g = tl.where(ge != 0.0, tl.where(p != 0.0, term, g), g)
+        zero = ((coef == 0.0).to(tl.int32) * (ge == 0.0).to(tl.int32)) != 0
+    else:
+        zero = coef == 0.0
+    g = g + add  # 2.: a multiply, then an add, as written
+    g = tl.where(zero, add + 0.0, g)
     if TEMPERED:
         g = g * inv_t  # 2. the temperature's chain rule, the override's (+0 + gl) * r included
     store_rounded(g_ptr + row * local_vocab + col, g, inside & (col < real_local), DTYPE, True)

@@ -344,6 +344,14 @@ class BackwardTerms:
     target_add: torch.Tensor
     real_local: int
     inv_t: float = 1.0  # the temperature's r (section 6 step 0; section 7 step 2)
+    # the entropy gradient (section 7 step 1): g_ent per row and Mb = LSE - H; None without one
+    g_ent: torch.Tensor | None = None
+    mb: torch.Tensor | None = None
+
+    def zero_rows(self) -> torch.Tensor:
+        """Rows the section 7 override writes as +0: coef == 0 and no entropy term."""
+        zero = self.coef == 0
+        return zero if self.g_ent is None else zero & (self.g_ent == 0)
 
 
 def backward_terms(
@@ -354,6 +362,8 @@ def backward_terms(
     grad_logp: torch.Tensor | None,
     grad_lse: torch.Tensor | None,
     contract: LogprobContract,
+    grad_entropy: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> BackwardTerms:
     local_vocab = logits.shape[1]
     zeros = torch.zeros_like(lse)
@@ -364,7 +374,14 @@ def backward_terms(
     owned = active & (local_target >= 0) & (local_target < local_vocab)
     target_col = torch.where(owned, local_target, torch.zeros_like(local_target))
     target_add = torch.where(owned, g_logp, torch.full_like(g_logp, -0.0))
-    return BackwardTerms(coef, target_col, target_add, real_local_columns(contract), contract.inverse_temperature)
+    g_ent = mb = None
+    if grad_entropy is not None:
+        if entropy is None or entropy.shape != lse.shape:
+            raise LogprobContractError("an entropy gradient needs the forward's entropy: call with compute_entropy=True")
+        g_ent = grad_entropy.float().contiguous()
+        mb = (lse - entropy).contiguous()  # Mb = LSE - H, one binary32 subtraction (section 7)
+    return BackwardTerms(coef, target_col, target_add, real_local_columns(contract), contract.inverse_temperature,
+                         g_ent, mb)
 
 
 def _eager_backward(
@@ -383,6 +400,8 @@ def _eager_backward(
             target_add[start:stop],
             grad[start:stop],
             terms.inv_t,
+            None if terms.g_ent is None else terms.g_ent[start:stop],
+            None if terms.mb is None else terms.mb[start:stop],
         )
 
     def workspace() -> GradWorkspace:
@@ -396,7 +415,7 @@ def _eager_backward(
         work,
         threaded=logits.device.type == "cpu",
     )
-    zero_rows = (coef == 0).nonzero().squeeze(1)  # one host sync per backward call
+    zero_rows = terms.zero_rows().nonzero().squeeze(1)  # one host sync per backward call
     if zero_rows.numel():
         grad.index_fill_(0, zero_rows, 0.0)
         at_target = target_add[zero_rows] + 0.0  # +0.0 + g
@@ -475,6 +494,8 @@ def vocab_parallel_backward(
     contract: LogprobContract,
     chunk_rows: int,
     engine: LocalEngine | None = None,
+    grad_entropy: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Local logits gradient, recomputed chunk by chunk from the stored logits.
 
@@ -489,7 +510,7 @@ def vocab_parallel_backward(
     which costs one index look-up per call instead of a masked pass per chunk.
     ``engine`` replaces the chunk loop (default: the eager one); the terms are shared.
     """
-    terms = backward_terms(logits, targets, active, lse, grad_logp, grad_lse, contract)
+    terms = backward_terms(logits, targets, active, lse, grad_logp, grad_lse, contract, grad_entropy, entropy)
     return (engine or EAGER_ENGINE).local_backward(logits, lse, terms, chunk_rows)
 
 
@@ -510,20 +531,23 @@ class _VocabParallelLogprob(torch.autograd.Function):
         logp, lse, entropy = vocab_parallel_forward(
             logits, targets, active, contract, group, chunk_rows, with_entropy, validate, engine
         )
-        ctx.save_for_backward(logits, targets, active, lse)
         ctx.contract = contract
         ctx.chunk_rows = chunk_rows
         ctx.engine = engine
+        ctx.set_materialize_grads(False)  # an output the loss does not use gives None, not zeros
         if entropy is None:
             entropy = torch.empty(0, dtype=torch.float32, device=logits.device)
-        ctx.mark_non_differentiable(entropy)
+            ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(logits, targets, active, lse, entropy)  # the entropy: Mb of section 7
         return logp, lse, entropy
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: Any, grad_logp: torch.Tensor, grad_lse: torch.Tensor, _grad_entropy: Any
+        ctx: Any, grad_logp: torch.Tensor, grad_lse: torch.Tensor, grad_entropy: torch.Tensor | None
     ) -> tuple[Any, ...]:
-        logits, targets, active, lse = ctx.saved_tensors
+        logits, targets, active, lse, entropy = ctx.saved_tensors
+        if grad_entropy is not None and entropy.shape != lse.shape:
+            grad_entropy = None  # no entropy was computed: it carried no gradient
         # the saved logits' storage may have been freed since the forward (FSDP); no
         # collective follows, so raising here on one rank leaves no peer waiting
         require_readable("saved logits", logits)
@@ -534,6 +558,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
                 grad_logp.detach() if grad_logp is not None else None,
                 grad_lse.detach() if grad_lse is not None else None,
                 ctx.contract, ctx.chunk_rows, ctx.engine,
+                grad_entropy.detach() if grad_entropy is not None else None, entropy.detach(),
             )
         if create_graph and logits.requires_grad:
             grad = _FirstOrderOnly.apply(logits, [grad])

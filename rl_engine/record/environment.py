@@ -27,13 +27,13 @@ import shutil
 import socket
 import subprocess
 import sys
+import unicodedata
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from rl_engine import jsonio, schemas
-from rl_engine.evidence.terminal import terminal_text
 from rl_engine.record import reuse
 from rl_engine.record.gitstate import GitStateError, read_git_state
 from rl_engine.rundir import ENVIRONMENT, ENVIRONMENT_TEXT
@@ -44,8 +44,14 @@ MAX_LISTED = 200  # untracked data files listed in environment.json (all are cou
 
 def printable_path(path: str) -> str:
     """A path git printed, as a schema-``printable`` string: control and format characters (a
-    newline included) as visible escapes, at most 1000 characters."""
-    return terminal_text(path.replace("\n", "\\n"), limit=1000)
+    newline included) as visible escapes (``\\n``, ``\\x1b``, ``\\u202e``), at most 1000 characters."""
+    def shown(ch: str) -> str:
+        code = ord(ch)
+        if ch == "\n":
+            return "\\n"
+        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+    return "".join(shown(ch) if unicodedata.category(ch) in ("Cc", "Cf") else ch for ch in path[:1000])
 
 
 PACKAGES = ("snakemake", "jsonschema", "rich", "numpy", "pyyaml", "torch", "rl_engine")
