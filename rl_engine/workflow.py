@@ -718,7 +718,7 @@ def print_closing_at_exit(run: str | Path, topologies: list[Topology], succeeded
 
     Snakemake logs the complete log's path and the elapsed time after ``onsuccess:`` and
     ``onerror:`` return (and on error its final error line); printing at interpreter exit keeps
-    the table the last thing on the console (issue 22). The files are read then, when every job
+    the table the last thing on the console. The files are read then, when every job
     is over."""
     atexit.register(functools.partial(print_closing, run, topologies, succeeded, **flags))
 

@@ -1,4 +1,4 @@
-"""Fixtures shared across test modules: one tiny real run and its archive per session (issue 19).
+"""Fixtures shared across test modules: one tiny real run and its archive per session.
 
 ``tests/test_evidence.py``, ``tests/test_verify.py`` and ``tests/test_gates_archives.py`` each
 built the same tiny run (two torchrun topologies and a pytest subprocess) in a module fixture;

@@ -211,7 +211,7 @@ def test_tp_mode_times_the_fused_and_eager_backends_against_this_runs_baselines(
     assert values and all(math.isfinite(v) and v > 0 for v in values)
     assert set(doc["tp_ratios"]["2"]["path_ratios"]["fused"]["8"]["forward"]) >= {
         "time_vs_naive", "time_vs_floor", "time_vs_candidate"}
-    assert doc["ratios"] == {} and doc["targets"] == []  # issue 6/11 targets are TP=1's
+    assert doc["ratios"] == {} and doc["targets"] == []  # the targets are TP=1's
     # negative control: one rank slower in a copy changes the recomputation
     other = copy.deepcopy(doc["rows"])
     next(r for r in other if r["path"] == "naive" and r["rank"] == 1)["median_s"] *= 10
@@ -289,7 +289,7 @@ def test_a_size_that_does_not_fit_in_free_memory_is_refused_up_front(
     memory.check_memory_headroom(8192, config)  # enough: no error
 
 
-# ----- the Triton path (issue 18): on the cpu only under Triton's interpreter, asked for by name -----
+# ----- the Triton path: on the cpu only under Triton's interpreter, asked for by name -----
 TRITON_FLAGS = ["--tokens", "4", "--no-memory", "--repeats", "1", "--warmup", "0", "--vocab", "512",
                 "--tiles", "4", "--threads", "2"]
 

@@ -226,7 +226,7 @@ def test_a_rank_refuses_a_capture_whose_bytes_changed_after_the_plan(capture_run
             kept_path.write_bytes(data)
 
 
-# ----- the capture's path is not the case's identity (issue 21) ---------------------------------
+# ----- the capture's path is not the case's identity ---------------------------------
 def test_the_capture_path_is_recorded_but_the_same_bytes_elsewhere_are_the_same_run(tmp_path: Path) -> None:
     import shutil
 
@@ -590,7 +590,7 @@ def test_an_archived_capture_with_other_bytes_is_refused(capture_archive: dict[s
 @pytest.mark.slow
 def test_a_capture_and_parity_config_runs_through_snakemake_to_a_verified_archive(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 21 end to end, the workflow of docs/capture.md's worked example on a tiny capture: the dry
+    """End to end, the workflow of docs/capture.md's worked example on a tiny capture: the dry
     run plans the ``capture`` and ``parity`` stages and writes nothing; the real run copies the
     capture, writes the parity report (the sides differ: a finding, the stage passes), packs both
     into an archive its own ``verify_archive`` job passes, and the reviewer's ``verify --recompute``

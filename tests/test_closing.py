@@ -1,4 +1,4 @@
-"""The workflow's closing message (issue 14: the console ended with Snakemake's step counter).
+"""The workflow's closing message.
 
 :func:`rl_engine.workflow.closing` reads the files the stages left; these tests lay out
 run directories by hand for each outcome, from the one stage list (:func:`rl_engine.rundir.stages`,
@@ -144,7 +144,7 @@ def test_every_stage_that_fails_is_named_with_its_own_log(tmp_path: Path) -> Non
 
 
 def test_a_failed_case_rule_is_named_at_case_not_plan(tmp_path: Path) -> None:
-    """Issue 19: the closing table said "FAILED at plan" with logs/plan.log when the case rule failed."""
+    """The closing table said "FAILED at plan" with logs/plan.log when the case rule failed."""
     run = lay_out(tmp_path / "results", upto="case")
     (run / "logs").mkdir(parents=True, exist_ok=True)
     (run / "logs" / "case.log").write_text("CaseError: ...\n")
@@ -154,7 +154,7 @@ def test_a_failed_case_rule_is_named_at_case_not_plan(tmp_path: Path) -> None:
 
 
 def test_a_failed_stage_shows_the_end_of_its_log(tmp_path: Path) -> None:
-    """Issue 22: the default profile quiets Snakemake's error block, so the table shows the failed
+    """The default profile quiets Snakemake's error block, so the table shows the failed
     stage's last lines itself (rich markup in the log is shown as text, not interpreted)."""
     run = lay_out(tmp_path / "results", upto="topology tp2-cp1")
     log = run / "logs" / "tp2-cp1.log"

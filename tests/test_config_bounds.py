@@ -1,4 +1,4 @@
-"""Values that passed the parse-time check and failed later, or never (issue 20, item 12).
+"""Values that passed the parse-time check and failed later, or never.
 
 ``seed=2**70`` failed only inside the input recipe, after two stages had run;
 ``logit_scale=1e39`` gave infinite logits; ``seq=2**40`` dry-ran fine; ``regression.tests:

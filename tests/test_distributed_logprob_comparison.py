@@ -128,7 +128,7 @@ def test_plan_default_matrix_order_and_commands(tmp_path: Path, capsys: pytest.C
         assert entry["command"] == (f"torchrun --standalone --nproc-per-node={n} -m rl_engine.campaign.run "
                                     f"{output} --tp {tp} --cp {cp}")
         assert entry["command"] in printed
-        # the plan records the argv launch runs, and prints shlex.join of it (issue 19)
+        # the plan records the argv launch runs, and prints shlex.join of it
         assert entry["command"] == shlex.join(entry["argv"]) and shlex.split(entry["command"]) == entry["argv"]
         argv = planmod.interpreter_argv(entry["argv"])
         assert argv[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
@@ -552,7 +552,7 @@ def test_plan_errors_name_the_field() -> None:
 
 
 def test_launch_runs_the_argv_the_plan_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 19: launch ran an argv built beside the plan's command; now it runs the plan's argv
+    """Launch ran an argv built beside the plan's command; now it runs the plan's argv
     (torchrun as this interpreter's module). A plan whose argv is edited launches the edited argv."""
     from rl_engine.campaign import launch
 

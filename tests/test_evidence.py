@@ -1,7 +1,7 @@
 """Evidence gates on real evidence: environment, regression, validation, crosscheck, summary, archive.
 
 One tiny-vocabulary run (TP=1 x CP=1 and TP=2 x CP=2, real torchrun/gloo ranks) is built once
-per module; each corrupted case of issue 7 is applied to a copy and must be caught by the
+per module; each corrupted case is applied to a copy and must be caught by the
 right gate, naming the file (or topology) and the field. A real perturbed topology
 (``RL_ENGINE_FAULT=perturb``) provides the genuinely failing report.
 """
@@ -465,7 +465,7 @@ def test_summary_numbers_come_from_the_evidence(good_run: Path, run: Path) -> No
 
 
 def test_summary_has_the_reproduction_section_and_every_skip_reason(good_run: Path, run: Path) -> None:
-    """Issue 14: SUMMARY.md lacked the guide's Reproduction section and the reason of each skipped test."""
+    """SUMMARY.md lacked the guide's Reproduction section and the reason of each skipped test."""
     from snakemake.utils import update_config
 
     from rl_engine import workflow as wfconfig
@@ -570,7 +570,7 @@ def test_archive_is_byte_reproducible_and_well_formed(good_run: Path, tmp_path: 
 
 
 def test_reviewing_says_how_to_get_rl_engine_at_the_tested_commit(good_run: Path, run: Path, tmp_path: Path) -> None:
-    """Issue 14: REVIEWING.md did not say how to get the code that made the evidence."""
+    """REVIEWING.md did not say how to get the code that made the evidence."""
     def reviewing(run_dir: Path, out: Path) -> str:
         assert _archive(run_dir, out) == 0
         with tarfile.open(out) as tar:
@@ -663,7 +663,7 @@ def test_archive_refuses_unsafe_run_dirs_and_names(run: Path, tmp_path: Path) ->
 
 def test_archive_packs_exactly_the_given_files_and_verify_finds_all_it_needs(
         run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 13: the archive packs its declared inputs, not the run directory. Files no rule declares
+    """The archive packs its declared inputs, not the run directory. Files no rule declares
     (a report of an unplanned topology left in the run, a note) are not packed, the summary does not
     list them, and the archive built from the declared list verifies: it misses nothing verify needs."""
     from rl_engine.evidence import verify
@@ -754,7 +754,7 @@ def test_gzip_and_tar_helpers_are_deterministic() -> None:
 
 def test_a_file_member_is_streamed_from_disk_and_packs_the_same_bytes(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 21: a capture can be gigabytes: the archive reads a file member in chunks (never whole:
+    """A capture can be gigabytes: the archive reads a file member in chunks (never whole:
     ``Path.read_bytes`` is refused here) and its bytes and SHA256SUMS line are those of the same data held
     in memory, so streaming keeps the archive byte-reproducible."""
     big = tmp_path / "capture.safetensors"
@@ -826,7 +826,7 @@ def _help(verb: str, capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_every_verb_help_says_what_it_does(capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 14: plan --help and compare --help printed the same text under the runner's file name, and
+    """Plan --help and compare --help printed the same text under the runner's file name, and
     launch --help printed its own usage line as its description."""
     helps = {verb: _help(verb, capsys) for verb in cli.VERBS}
     for verb, text in helps.items():
@@ -836,7 +836,7 @@ def test_every_verb_help_says_what_it_does(capsys: pytest.CaptureFixture[str]) -
         assert len(description.split()) >= 8, (verb, description)
     assert len(set(helps.values())) == len(helps)  # no two verbs print the same help
     assert "Write plan.json for a case" in helps["plan"]
-    assert "Run one topology of a plan under torchrun" in helps["run"]  # (the verb was `compare`, issue 19)
+    assert "Run one topology of a plan under torchrun" in helps["run"]  # (the verb was `compare`)
     assert "case.schema.json and every case rule" in helps["case"]
     assert "Run one planned topology" in helps["launch"]
 
@@ -892,7 +892,7 @@ def test_plan_not_built_from_the_case_file_fails_validation(run: Path, capsys: p
     assert "plan.json: topologies: plans [(1, 1), (2, 2)], but case.json lists [(2, 2), (1, 1)]" in err
 
 
-# ---------------------------------------------------------------- issue 20: cheap value checks, hostile JSON
+# ---------------------------------------------------------------- cheap value checks, hostile JSON
 
 
 def _f32(*values: float) -> bytes:
@@ -947,7 +947,7 @@ def test_load_json_hostile_numbers_and_depth(tmp_path: Path, text: str, field: s
 
 
 def test_summary_reproduction_installs_with_the_readmes_command(good_run: Path) -> None:
-    """Issue 22: SUMMARY.md's Reproduction said `pip install -e '.[test]'`, the README another command."""
+    """SUMMARY.md's Reproduction said `pip install -e '.[test]'`, the README another command."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     for command in summary.INSTALL_COMMANDS.values():
         assert command.split("  #")[0] in readme, command
@@ -958,7 +958,7 @@ def test_summary_reproduction_installs_with_the_readmes_command(good_run: Path) 
 
 
 def test_archive_refuses_a_specification_of_another_version(run: Path, tmp_path: Path) -> None:
-    """Issue 22: the packed spec must be the version the engine computes (its first line names it)."""
+    """The packed spec must be the version the engine computes (its first line names it)."""
     other = tmp_path / "arithmetic.md"
     other.write_bytes(spec_file().read_bytes().replace(b"`rl-engine-arith/2`", b"`rl-engine-arith/1`", 1))
     out = tmp_path / "res" / f"{run.name}.tar.gz"
@@ -969,7 +969,7 @@ def test_archive_refuses_a_specification_of_another_version(run: Path, tmp_path:
 
 
 def test_the_regression_shows_progress_on_its_progress_fd(tmp_path: Path) -> None:
-    """Issue 22: the focused suite was 34 s of silence; with --progress-fd the verb writes a start
+    """The focused suite was 34 s of silence; with --progress-fd the verb writes a start
     line, one line per pytest progress line and the counts there (the log keeps all of pytest's output)."""
     assert regression.progress_line("....... [ 48%]\n", 12.4) == "regression: 48% of the focused suite, 12 s\n"
     assert regression.progress_line("1 passed in 0.1s\n", 1.0) is None  # negative control

@@ -1,4 +1,4 @@
-"""Bad configuration is refused when the workflow is parsed, before any job (issue 7).
+"""Bad configuration is refused when the workflow is parsed, before any job.
 
 ``check_config`` (what ``workflow/Snakefile`` calls before any rule exists) is exercised case
 by case; then real ``snakemake -n --configfile bad.yaml`` runs, at least one per family of
@@ -357,7 +357,7 @@ CASE_CHANGES: list[tuple[str, dict[str, Any], bool]] = [
 
 @pytest.mark.parametrize(("overrides", "changes"), [pytest.param(o, c, id=i) for i, o, c in CASE_CHANGES])
 def test_run_name_changes_exactly_with_the_evidence(tmp_path: Path, overrides: dict[str, Any], changes: bool) -> None:
-    """Issue 14: --config topologies=... or seed=7 started in the directory of the default campaign
+    """--config topologies=... or seed=7 started in the directory of the default campaign
     (reports "left from an earlier plan", an overwritten archive). Each case now has its own name;
     what does not change the evidence (wall-clock limits) keeps the name, so a rerun completes it."""
     config = base()
@@ -388,7 +388,7 @@ def test_run_name_parse_refuses_names_without_a_case() -> None:
 
 
 def test_config_errors_say_when_the_value_came_from_the_command_line() -> None:
-    """Issue 14: a bad --config value was reported as if config.yaml held it."""
+    """A bad --config value was reported as if config.yaml held it."""
     config = dict(base(), seed=-1)
     with pytest.raises(WorkflowConfigError) as from_file:
         check_config(config)
@@ -412,7 +412,7 @@ def test_config_errors_say_when_the_value_came_from_the_command_line() -> None:
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_campaign_is_refused_on_a_machine_without_cuda() -> None:
-    """Issue 14: device=cuda passed the dry run here and failed 35 s later in six tracebacks."""
+    """Device=cuda passed the dry run here and failed 35 s later in six tracebacks."""
     config = dict(base(), device="cuda")
     assert check_config(config) is config  # the campaign itself is valid...
     with pytest.raises(WorkflowConfigError, match="config key 'device' has value 'cuda': device='cuda' was requested "
@@ -438,7 +438,7 @@ DRY_RUNS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "campaign-topology": ({"num_vocab_tiles": 4, "topologies": ["1x1", "3x1", "4x2"]},
                           ("config key 'topologies[1]' has value '3x1'", "would not be tile aligned",
                            "config key 'topologies[2]' has value '4x2': tp*cp=8 ranks exceed num_vocab_tiles=4")),
-    # issue 20 item 12: each passed the parse-time check and failed later, or never
+    # each passed the parse-time check and failed later, or never
     "bounds": ({"seed": 2**70, "logit_scale": 1e39, "seq": 2**40,
                 "regression": {"tests": ["../../../../etc/passwd"]}},
                ("config key 'seed' has value 1180591620717411303424", "config key 'logit_scale' has value 1e+39",
@@ -483,7 +483,7 @@ def test_snakemake_dry_run_refuses_bad_config_before_any_job(dry_runs: tuple[Pat
 @pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 def test_snakemake_dry_run_refuses_cuda_on_a_machine_without_cuda(dry_runs: tuple[Path, dict[str, Any]]) -> None:
-    """Issue 14: ``snakemake -n --config device=cuda`` passed here; the jobs failed 35 s later."""
+    """``snakemake -n --config device=cuda`` passed here; the jobs failed 35 s later."""
     repo, _ = dry_runs
     write_config(repo, base(), name="good.yaml")
     done = subprocess.run(snakemake_cmd("-n", "--config", "device=cuda", configfile="good.yaml"), cwd=repo,
@@ -515,7 +515,7 @@ def test_snakemake_dry_run_of_a_good_config_plans_every_job(dry_runs: tuple[Path
 
 @pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_snakemake_lint_is_clean(tmp_path: Path) -> None:
-    """Issue 13's done-when: ``snakemake --lint`` finds nothing in the workflow (rules, the case rule's
+    """``snakemake --lint`` finds nothing in the workflow (rules, the case rule's
     params, the Snakefile's parse-time code)."""
     repo = copy_repo(tmp_path)
     done = subprocess.run([sys.executable, "-m", "snakemake", "--lint"], cwd=repo, env=env_for(repo),

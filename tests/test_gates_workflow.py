@@ -1,4 +1,4 @@
-"""Faults during a real workflow run, and corrupted evidence through the real workflow (issue 7).
+"""Faults during a real workflow run, and corrupted evidence through the real workflow.
 
 One small campaign (real vocabulary 1000 / padded 1024 / 8 tiles, TP x CP = 1x1, 1x2, 2x1,
 a short focused regression) runs with ``snakemake --cores 8`` in a temporary copy of the
@@ -333,7 +333,7 @@ def test_archive_job_killed_under_snakemake_leaves_no_archive_and_reruns(wf: Wor
 
 
 def test_a_report_edited_after_the_gates_reruns_them_and_an_undeclared_file_is_never_packed(wf: Workflow) -> None:
-    """Issue 13: the archive packs its declared inputs and Snakemake decides what is stale. A report
+    """The archive packs its declared inputs and Snakemake decides what is stale. A report
     edited after the gates passed (same evidence, new bytes) is an input of validation and of the
     archive: the gates, the summary, the archive and its verification run again, once each, and the
     archive holds the new bytes. A report of a topology the plan does not list, dropped into the run
@@ -447,7 +447,7 @@ def test_really_failing_topology_keeps_its_report_and_blocks_the_archive(wf: Wor
     assert "tp2-cp1.json: passed: is False" in log and "tp2-cp1.json: failures: must be empty" in log
     assert "tp1-cp1.json:" not in log and "tp1-cp2.json:" not in log
     assert not started(text, "archive") and not any(p.exists() for p in wf.finals)
-    closing = done.stdout[done.stdout.rindex("rl_engine evidence workflow: result"):]  # issue 14: the verdict
+    closing = done.stdout[done.stdout.rindex("rl_engine evidence workflow: result"):]  # the verdict
     assert "FAILED at validation gate (missing validation.json)" in closing, closing
     assert f"{wf.name}/logs/validation.log" in closing and "none: no archive is built" in closing
 

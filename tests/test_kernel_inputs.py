@@ -1,4 +1,4 @@
-"""Hostile tensors at the kernel API (issue 20, items 1-4).
+"""Hostile tensors at the kernel API.
 
 Every tensor the op hands to compiled code or to a collective is checked before the
 agreement step, so a bad tensor on one TP rank makes every rank raise the same

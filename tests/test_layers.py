@@ -1,4 +1,4 @@
-"""No import runs up the layers (issue 19): each module of rl_engine imports only its own layer or lower.
+"""No import runs up the layers: each module of rl_engine imports only its own layer or lower.
 
 The layers, lowest first (docs: /work/shared/DESIGN.md's layout):
 

@@ -1,4 +1,4 @@
-"""TP ranks that disagree on a call raise the same LogprobContractError on every rank (issue 14).
+"""TP ranks that disagree on a call raise the same LogprobContractError on every rank.
 
 Real processes and real gloo collectives (:func:`_multiproc.run_workers`).
 Each scenario reproduces a case that crashed (SIGABRT), hung until the process-group timeout

@@ -1,4 +1,4 @@
-"""The README's code blocks are complete programs, run as pasted (issue 22).
+"""The README's code blocks are complete programs, run as pasted.
 
 Every ```python block of README.md is extracted and run: the one-rank block with plain Python,
 the mesh block under ``torchrun`` (CPU, gloo, TP=2 x CP=2, the command the README gives). Both

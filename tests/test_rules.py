@@ -1,4 +1,4 @@
-"""The rules' shell lines, read as text (issue 19's review): every path and value a rule puts on a
+"""The rules' shell lines, read as text: every path and value a rule puts on a
 command line is quoted, and every rule that runs one verb runs it with ``exec``.
 
 Quoting: a checkout at ``/home/me/My Projects/rl_engine`` gave ``--repo /home/me/My Projects/...``,

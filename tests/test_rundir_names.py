@@ -1,4 +1,4 @@
-"""Issue 19's "done when", read from the source: a run's file names are built only in
+"""Read from the source: a run's file names are built only in
 ``rl_engine/rundir.py``, and the stage list is written there only.
 
 "Built" means a path made from a name: ``run / "plan.json"``, ``os.path.join(d, "case.json")``,
@@ -112,8 +112,7 @@ STAGES = [
 
 
 def test_the_checks_find_names_built_the_old_way_negative_control() -> None:
-    """The forms the old code used (issue 19 counted six places that built ``tp{T}-cp{C}`` and five
-    that built the tensor names) are found; prose that mentions a file is not."""
+    """The forms the old code used are found; prose that mentions a file is not."""
     snippet = '''
 def f(run, tp, cp, stem):
     """Reads plan.json and writes SUMMARY.md."""

@@ -1,4 +1,4 @@
-"""The campaign on a real Slurm cluster (issue 12): marker ``slurm``, ``pytest -m slurm``.
+"""The campaign on a real Slurm cluster: marker ``slurm``, ``pytest -m slurm``.
 
 Needs the two-node cluster of ``.ci/slurm-cluster.sh start`` (``.ci/run`` starts it before the
 tests and stops it after); every test here skips, saying so, when that cluster is not up.

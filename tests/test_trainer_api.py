@@ -1,4 +1,4 @@
-"""The op as a trainer uses it (issue 14): the README's example run under torchrun, the one-call
+"""The op as a trainer uses it: the README's example run under torchrun, the one-call
 TP=1 function, the contract from the mesh, the gather into global token order, argument
 errors, and double backward refused instead of silently dropped.
 

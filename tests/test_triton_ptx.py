@@ -10,7 +10,7 @@ with entropy (9 in ``E``, one in ``G*``), 9 in the backward; the AMD ISA the sam
 division sequence. Negative controls: the forward with fusion on holds more FMAs; a plain ``/``
 gives a non-IEEE division on NVIDIA; the AMD rule classifies ``div_rn``'s FMA steps as division
 steps. The roofline of the launched binaries (``python -m rl_engine.logprob.triton_aot
---roofline``) meets issue 29's targets: no local memory, no loop, at most 25 SASS instructions
+--roofline``) meets the roofline targets: no local memory, no loop, at most 25 SASS instructions
 per column forward and 35 backward, forward within 1.25x of the H100 floor, forward+backward
 within 1.25x of theirs.
 

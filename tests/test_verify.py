@@ -1,4 +1,4 @@
-"""The reviewer's verifier on a real archive and on every hostile or damaged variant of issue 7.
+"""The reviewer's verifier on a real archive and on every hostile or damaged variant.
 
 A real tiny-vocabulary run is archived once per module. Each hostile archive is rebuilt from
 it with one thing changed and, unless the change is to the outer checksum itself, a correct
@@ -147,7 +147,7 @@ def test_good_archive_verifies_with_recompute(good: Good, sandbox: Sandbox, caps
     reg = jsonio.loads(good.data("regression.json").decode())
     assert reg["passed"] > 0
     assert problems(result, "focused regression") == (
-        f"tests ran, none failed: {reg['passed']} passed, {reg['skipped']} skipped")  # issue 22: the counts
+        f"tests ran, none failed: {reg['passed']} passed, {reg['skipped']} skipped")  # the counts
     assert "byte-identical to the summary rendered again" in problems(result, "SUMMARY.md")
 
 
@@ -183,7 +183,7 @@ def evidence_name(good: Good, campaign: str = "c", **changes: Any) -> RunName:
 @pytest.mark.parametrize("dirty", [False, True])
 def test_verify_prints_the_tested_commit_and_case_and_a_dirty_tree(good: Good, sandbox: Sandbox, tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str], dirty: bool) -> None:
-    """Issue 14: verify did not say which commit and case it verified, nor that the tree was dirty."""
+    """Verify did not say which commit and case it verified, nor that the tree was dirty."""
     def set_dirty(env: dict[str, Any]) -> None:
         env["git"]["dirty"] = dirty
 
@@ -689,7 +689,7 @@ def test_one_ulp_forgery_rebuilt_with_the_projects_verbs_is_caught_only_by_the_r
         assert f"{label}.json: bitwise_fingerprints.candidate_logp_sha256" in text
 
 
-# ---------------------------------------------------------------- issue 20: an attacker's archive
+# ---------------------------------------------------------------- an attacker's archive
 
 
 def _set_tensor_path(label: str, tensor: str, path: str) -> Callable[[dict[str, Any]], None]:
@@ -1025,7 +1025,7 @@ def test_hostile_json_is_an_ordinary_finding_and_every_other_check_runs(
 
 
 
-# ---------------------------------------------------------------- the packed specification (issue 22)
+# ---------------------------------------------------------------- the packed specification
 
 
 def test_the_archive_packs_the_specification_the_reports_claim(good: Good) -> None:
@@ -1070,7 +1070,7 @@ def test_an_archive_without_the_specification_fails(good: Good, sandbox: Sandbox
 
 def test_verify_reads_each_evidence_file_once(good: Good, sandbox: Sandbox, capsys: pytest.CaptureFixture[str],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 19: one ``verify --recompute`` read plan.json 10 times, each report 6 and, counted here, each
+    """One ``verify --recompute`` read plan.json 10 times, each report 6 and, counted here, each
     raw tensor file 18. Now every reader takes the one :class:`rl_engine.rundir.Run` that ``Run.load``
     built: each document and each raw tensor file of the run is read once (by ``Run.load`` or the first
     check), and the SHA256SUMS check, the acceptance, the cross-topology check, the summary, the recompute

@@ -87,11 +87,11 @@ def test_default_campaign_builds_an_archive_that_verifies(default_run) -> None:
         packed = {m.name[len(name) + 1:] for m in tar.getmembers() if m.isfile()}
     assert f"{name}/SHA256SUMS" in names
     assert any(n.endswith("/schemas/report.schema.json") for n in names)
-    # issue 13: the archive packs the rule's declared inputs, and they are every file the workflow
+    # the archive packs the rule's declared inputs, and they are every file the workflow
     # wrote in the run (evidence, SUMMARY.md, every rule's log): nothing left out, nothing else
     run_files = {p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()}
     assert {p for p in packed if not p.startswith("schemas/")} - {"SHA256SUMS", "REVIEWING.md", "arithmetic.md"} == run_files
-    with tarfile.open(archive) as tar:  # issue 22: the specification the reports claim, packed as it is in the repo
+    with tarfile.open(archive) as tar:  # the specification the reports claim, packed as it is in the repo
         spec = tar.extractfile(f"{name}/arithmetic.md").read()  # type: ignore[union-attr]
     assert spec == (repo / "docs" / "arithmetic.md").read_bytes()
     assert {p[len("schemas/"):] for p in packed if p.startswith("schemas/")} == {
@@ -100,7 +100,7 @@ def test_default_campaign_builds_an_archive_that_verifies(default_run) -> None:
 
 
 def test_the_console_ends_with_the_verdict_and_the_archive(default_run) -> None:
-    """Issue 14: the run ended with Snakemake's step counter; now its last table gives the verdict,
+    """The run ended with Snakemake's step counter; now its last table gives the verdict,
     the archive and its SHA-256, SUMMARY.md and the reviewer's verify command."""
     repo, done, _ = default_run
     name = run_name_of(repo)
@@ -112,11 +112,11 @@ def test_the_console_ends_with_the_verdict_and_the_archive(default_run) -> None:
     assert "Finished job" not in tail and "steps (100%) done" not in tail  # nothing of the run after it
 
 
-CONSOLE_LIMIT_BYTES = 20_000  # issue 22: a default run printed 58 KB, 292 lines
+CONSOLE_LIMIT_BYTES = 20_000  # a default run printed 58 KB, 292 lines
 
 
 def test_the_default_console_fits_a_few_screens_and_the_closing_table_is_last(default_run) -> None:
-    """Issue 22: one default run's whole console (Snakemake's and the jobs' output, in order) is at
+    """One default run's whole console (Snakemake's and the jobs' output, in order) is at
     most 20 KB, no job prints its input list, the focused suite shows progress, and nothing follows
     the closing table (its bottom border is the last line)."""
     repo, done, _ = default_run
@@ -134,7 +134,7 @@ def test_the_default_console_fits_a_few_screens_and_the_closing_table_is_last(de
 
 
 def test_an_edited_engine_source_reruns_what_depends_on_it(default_run) -> None:
-    """Issue 22: the sources are one input (results/logs/<name>-sources.sha256, from the sources
+    """The sources are one input (results/logs/<name>-sources.sha256, from the sources
     rule, whose digest param changes with any source), and an edit still reruns the regression, the
     plan, every topology and what follows; the environment and the case do not depend on it.
     Undoing the edit leaves nothing to do (the dry run changed nothing)."""
@@ -207,7 +207,7 @@ def test_verify_rejects_a_tampered_archive(default_run, tmp_path: Path) -> None:
 
 
 def test_a_changed_campaign_gets_its_own_run_and_going_back_has_nothing_to_do(default_run) -> None:
-    """Issue 14: --config topologies=... ran in the default campaign's directory and failed validation on
+    """--config topologies=... ran in the default campaign's directory and failed validation on
     reports "left from an earlier plan"; going back failed the same way; seed=7 overwrote the archive."""
     repo, _, _ = default_run
     first = run_name_of(repo)

@@ -1,4 +1,4 @@
-"""Hostile workflow configs and kills (issue 20, items 11 and 13), under real snakemake runs.
+"""Hostile workflow configs and kills, under real snakemake runs.
 
 11. The regression rule joined ``pytest_args`` unquoted into its shell command:
     ``-x;touch /tmp/x;#`` ran ``touch`` and commented out the time limit and the log redirect,

@@ -1,4 +1,4 @@
-"""Issue 14: Ctrl-C reaches every job of a real workflow run, and GPUs bound what runs together.
+"""Ctrl-C reaches every job of a real workflow run, and GPUs bound what runs together.
 
 Ctrl-C: a terminal sends SIGINT to its foreground process group. The test starts ``snakemake``
 as the leader of a new process group and sends SIGINT to that group while the regression rule's

@@ -1,4 +1,4 @@
-"""The benchmark behind ``python -m rl_engine bench`` (issues 6 and 11).
+"""The benchmark behind ``python -m rl_engine bench``.
 
 cli: the command; config: what to run; inputs: the seeded logits (whole or a TP shard);
 paths: the candidate, fused, naive and floor steps; timing: the round-robin loop; memory: the

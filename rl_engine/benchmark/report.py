@@ -19,7 +19,7 @@ from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.tables import SCHEMA_VERSION
 
 SCHEMA = "bench"
-# Issue 6 targets: (name, phase, ratio key, limit).
+# The eager candidate's targets: (name, phase, ratio key, limit).
 TARGETS: tuple[tuple[str, str, str, float], ...] = (
     ("forward time <= 0.5x naive", "forward", "time_vs_naive", 0.5),
     ("forward+backward time <= 0.5x naive", "forward_backward", "time_vs_naive", 0.5),
@@ -27,7 +27,7 @@ TARGETS: tuple[tuple[str, str, str, float], ...] = (
     ("forward+backward peak memory <= 0.25x naive", "forward_backward", "peak_mem_vs_naive", 0.25),
     ("moonshot: forward time <= 1.5x floor", "forward", "time_vs_floor", 1.5),
 )
-# Issue 11 targets of the fused backend (path "fused"): (name, phase, ratio key, limit).
+# The fused backend's targets (path "fused"): (name, phase, ratio key, limit).
 FUSED_TARGETS: tuple[tuple[str, str, str, float], ...] = (
     ("fused forward time <= 1.5x floor", "forward", "time_vs_floor", 1.5),
     ("fused forward+backward time <= 1.5x floor", "forward_backward", "time_vs_floor", 1.5),
@@ -134,7 +134,7 @@ def evaluate_targets(
     ratios: dict[str, dict[str, dict[str, float | None]]],
     path_ratios: dict[str, dict[str, dict[str, dict[str, float | None]]]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Issue 6's targets of the eager candidate and issue 11's of the fused backend, checked
+    """The eager candidate's targets and the fused backend's, checked
     against the ratios of this run (``met`` null if not measured)."""
     out = _targets_of("candidate", ratios, TARGETS)
     if path_ratios and "fused" in path_ratios:

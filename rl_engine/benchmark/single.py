@@ -4,7 +4,7 @@ and ``forward_backward``, at every ``--tokens``, in this process.
 Time: :func:`rl_engine.benchmark.timing.time_round_robin`; the median is reported with all
 samples. Memory: peak RSS above the inputs, one fresh subprocess per (path, phase, tokens)
 (:mod:`rl_engine.benchmark.memory`), run before the timing so the two never share the
-machine's memory. Ratios and the targets of issues 6 and 11 come from the rows of this run
+machine's memory. Ratios and the targets come from the rows of this run
 (:mod:`rl_engine.benchmark.report`).
 """
 

@@ -1,4 +1,4 @@
-"""The arithmetic specification packed into every archive (issue 22).
+"""The arithmetic specification packed into every archive.
 
 ``SUMMARY.md`` and ``REVIEWING.md`` point a reviewer to the specification every report claims
 (``arithmetic_spec``); a reviewer without the repository could not read it. The archive packs

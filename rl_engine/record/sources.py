@@ -1,5 +1,5 @@
 """The engine's source digest: the one input through which an edited engine source reruns the jobs
-that run the engine (issue 22).
+that run the engine.
 
 The workflow's jobs used to declare every ``rl_engine/*.py`` as an input, so each job printed
 about 70 file names. Now the ``sources`` rule writes ``results/logs/<run>-sources.sha256``
