@@ -6,7 +6,8 @@ The layers, lowest first (docs: /work/shared/DESIGN.md's layout):
    ``spec_numpy``, ``rundir`` (the run directory's names), ``temperature`` (the arithmetic's ``r``),
    ``verb_parsers`` (the torch-free command lines of the verbs whose modules import torch);
 1. the engine: ``logprob/`` and ``distributed/``;
-2. ``grpo/`` (the loss, built on the engine), ``capture/`` (captured logits and the parity verb, built on the engine);
+2. ``grpo/`` (the loss, built on the engine), ``capture/`` (captured logits and the parity verb, built on the engine),
+   ``integrations/`` (TRL's and verl's hooks onto the engine);
 3. ``campaign/`` (case, run names, plan, runner, launch), ``record/`` (the records a run writes before its
    campaign: environment, git state, the focused regression, the engine's source digest);
 4. ``evidence/`` (the checks);
@@ -29,7 +30,7 @@ LAYERS: dict[str, int] = {
     "tables": 0, "validators": 0, "jsonio": 0, "schemas": 0, "tensorio": 0, "spec_numpy": 0, "rundir": 0, "__init__": 0,
     "temperature": 0, "verb_parsers": 0,
     "logprob": 1, "distributed": 1,
-    "grpo": 2, "capture": 2,
+    "grpo": 2, "capture": 2, "integrations": 2,
     "campaign": 3, "record": 3,
     "evidence": 4,
     "workflow": 5, "benchmark": 5, "gpu_smoke": 5, "testing": 5, "cli": 5, "__main__": 5,
