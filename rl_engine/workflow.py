@@ -54,6 +54,7 @@ from rl_engine.campaign.case import (
 )
 from rl_engine.campaign import case as campaign_case
 from rl_engine.tables import DEVICE_DIST_BACKENDS
+from rl_engine.distributed.bounds import BoundsError, auto_vocab_tiles
 from rl_engine.campaign.nodes import NodeLayout, fitting_ranks_per_node, layout_problem
 from rl_engine.record.sources import source_digest  # for the workflow: the sources rule's param
 from rl_engine.rundir import Stage, Topology, run_stages, stages, topology_rule_files  # (the last two: for the workflow)
@@ -408,7 +409,8 @@ def topology_resource_functions(config: dict[str, Any]) -> dict[str, Callable[[A
 
 
 def check_config(config: dict[str, Any], origin: Origin = Origin()) -> dict[str, Any]:
-    """Validate ``config`` against its schema and the runner's plan-time rules; return it unchanged.
+    """Validate ``config`` against its schema and the runner's plan-time rules; return it, with
+    ``num_vocab_tiles: auto`` replaced in place by the count it resolves to (:func:`resolve_auto_tiles`).
 
     ``origin`` says which values came from ``--config``: their messages say so.
     """
@@ -416,6 +418,7 @@ def check_config(config: dict[str, Any], origin: Origin = Origin()) -> dict[str,
     found = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if found:
         raise WorkflowConfigError(_schema_message(found[0], origin))
+    resolve_auto_tiles(config, origin)
     bad_numbers = _non_finite(config)
     if bad_numbers:
         raise WorkflowConfigError("; ".join(
@@ -429,6 +432,20 @@ def check_config(config: dict[str, Any], origin: Origin = Origin()) -> dict[str,
     if problems:
         raise WorkflowConfigError("; ".join(problems))
     return config
+
+
+def resolve_auto_tiles(config: dict[str, Any], origin: Origin = Origin()) -> None:
+    """``num_vocab_tiles: auto``: the count :func:`rl_engine.distributed.bounds.auto_vocab_tiles`
+    gives for ``padded_vocab`` and the largest TP degree of ``topologies`` (the API's rule), written
+    into ``config`` before anything reads it. The case, its hash and the run name then hold the
+    count itself: ``auto`` and the count it resolves to are the same run."""
+    if config.get("num_vocab_tiles") != "auto":
+        return
+    max_tp = max(t.tp for t in parse_topologies(config["topologies"]))
+    try:
+        config["num_vocab_tiles"] = auto_vocab_tiles(config["padded_vocab"], max_tp)
+    except BoundsError as exc:
+        raise WorkflowConfigError(f"{origin.describe('num_vocab_tiles', 'auto')}: {exc}") from None
 
 
 def machine_problems(config: dict[str, Any], origin: Origin = Origin()) -> list[str]:

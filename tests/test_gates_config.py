@@ -522,3 +522,22 @@ def test_snakemake_lint_is_clean(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Congratulations, your workflow is in a good condition!" in done.stdout + done.stderr
+
+
+def test_auto_tiles_resolve_when_the_workflow_is_parsed_to_the_api_s_count() -> None:
+    """``num_vocab_tiles: auto`` becomes the count of the API's rule for ``padded_vocab`` and the
+    largest TP of ``topologies``: the same case hash (and run) as that count written out; a
+    vocabulary with no such count is refused naming the key and the padding that has one."""
+    from rl_engine.distributed.bounds import auto_vocab_tiles
+
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    explicit = wfconfig.check_config(dict(config))
+    auto = wfconfig.check_config({**config, "num_vocab_tiles": "auto"})
+    assert auto["num_vocab_tiles"] == auto_vocab_tiles(config["padded_vocab"], 4) == 64
+    assert wfconfig.config_case_hash(auto) == wfconfig.config_case_hash(explicit)
+    narrow = wfconfig.check_config({**config, "num_vocab_tiles": "auto", "topologies": ["1x1", "2x1"]})
+    assert narrow["num_vocab_tiles"] == auto_vocab_tiles(config["padded_vocab"], 2)
+    with pytest.raises(wfconfig.WorkflowConfigError, match="config key 'num_vocab_tiles' has value 'auto'.*padded_vocab_size="):
+        wfconfig.check_config({**config, "num_vocab_tiles": "auto", "padded_vocab": 50257, "real_vocab": 50257})
+    with pytest.raises(wfconfig.WorkflowConfigError, match="num_vocab_tiles"):
+        wfconfig.check_config({**config, "num_vocab_tiles": "many"})
