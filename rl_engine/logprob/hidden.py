@@ -18,6 +18,17 @@ its blocking from the row count may not have it). The logits' own bits are the m
 arithmetic's guarantees start at them. ``hidden``'s gradient is, by the same property, the
 materialised path's; ``weight``'s is a sum over tokens in another order (chunk by chunk), so it
 equals the materialised one only to within rounding (bitwise with one chunk).
+
+Under TP (``group=``): ``weight`` is this rank's shard of the vocabulary, ``[padded_vocab / TP,
+hidden_size]`` (an even split, as ``ColwiseParallel``/Megatron's column-parallel lm_head hold it),
+``hidden`` is whole on every rank; each chunk's logits are the rank's columns and go through the TP
+op (the same bytes as TP=1 on the concatenated shards' logits: the arithmetic does not depend on
+the TP degree). ``weight``'s gradient is the shard's. ``hidden``'s gradient is the rank's partial
+product ``grad_logits_shard @ weight_shard``; with ``hidden_grad="all_reduce"`` (the default under
+TP) the ranks' partials are summed by one all-reduce over ``group`` per backward, the gradient of
+the whole lm_head (its bits are that sum's: a column-parallel head's input gradient is a sum over
+ranks in any framework, not a TP-invariant quantity); ``hidden_grad="partial"`` leaves the sum to a
+framework that reduces it already (Megatron's ``copy_to_tensor_model_parallel_region``).
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from typing import Any
 
 import torch
 
+from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.api import DTYPE_NAMES, resolve_vocab_tiles, trainer_inputs
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.registry import dispatch
@@ -35,10 +47,14 @@ from rl_engine.tables import AUTO, MAX_TP
 DEFAULT_CHUNK_TOKENS = 256
 
 
+HIDDEN_GRADS = ("all_reduce", "partial")
+
+
 def _chunk_contract(contract: LogprobContract, rows: int) -> LogprobContract:
     return LogprobContract(
         real_vocab_size=contract.real_vocab_size, padded_vocab_size=contract.padded_vocab_size,
         num_vocab_tiles=contract.num_vocab_tiles, num_sequences=1, seq_len=rows,
+        tp_world_size=contract.tp_world_size, tp_rank=contract.tp_rank,
         logits_dtype=contract.logits_dtype, ignore_index=contract.ignore_index, temperature=contract.temperature)
 
 
@@ -47,7 +63,7 @@ class _FromHidden(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         active: torch.Tensor, contract: LogprobContract, op: Any, chunk_tokens: int,
-        compute_entropy: bool, validate: bool, grad_weight_fp32: bool,
+        compute_entropy: bool, validate: bool, grad_weight_fp32: bool, group: Any, reduce_hidden: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tokens = hidden.shape[0]
         logp = hidden.new_empty(tokens, dtype=torch.float32)
@@ -57,7 +73,7 @@ class _FromHidden(torch.autograd.Function):
             end = min(start + chunk_tokens, tokens)
             logits = hidden[start:end] @ weight.T
             out = op(logits, targets[start:end], active[start:end], _chunk_contract(contract, end - start),
-                     compute_entropy=compute_entropy, validate=validate)
+                     group=group, compute_entropy=compute_entropy, validate=validate)
             logp[start:end] = out.selected_logp
             lse[start:end] = out.lse
             if compute_entropy:
@@ -66,6 +82,7 @@ class _FromHidden(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, targets, active, lse, entropy)
         ctx.contract, ctx.op, ctx.chunk_tokens = contract, op, chunk_tokens
         ctx.grad_weight_fp32 = grad_weight_fp32
+        ctx.group, ctx.reduce_hidden = group, reduce_hidden
         ctx.set_materialize_grads(False)  # an output the loss does not use gives None, not zeros
         if not compute_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -104,8 +121,12 @@ class _FromHidden(torch.autograd.Function):
                 elif grad_weight is not None:
                     grad_weight.addmm_(grad_logits.T, hidden[rows])
                 del grad_logits
+        if grad_hidden is not None and ctx.reduce_hidden:
+            import torch.distributed as dist
+
+            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.group)  # the ranks' partial products
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None)
 
 
 def selected_logprob_from_hidden(
@@ -124,6 +145,8 @@ def selected_logprob_from_hidden(
     max_tp: int = MAX_TP,
     grad_weight_fp32: bool = False,
     temperature: float = 1.0,
+    group: Any = None,
+    hidden_grad: str = "all_reduce",
 ) -> LogprobOutput:
     """Selected-token logprob of ``hidden @ weight.T`` made ``chunk_tokens`` tokens at a time.
 
@@ -149,22 +172,29 @@ def selected_logprob_from_hidden(
             "share a dtype (the logits') and a device; cast one of them")
     if not isinstance(grad_weight_fp32, bool):
         raise LogprobContractError(f"grad_weight_fp32={grad_weight_fp32!r} must be True or False")
+    if hidden_grad not in HIDDEN_GRADS:
+        raise LogprobContractError(f"hidden_grad={hidden_grad!r} must be one of {HIDDEN_GRADS}")
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise LogprobContractError(f"chunk_tokens={chunk_tokens!r} must be a positive integer (default "
                                    f"{DEFAULT_CHUNK_TOKENS})")
     lead = tuple(hidden.shape[:-1])
     targets, active = trainer_inputs(targets, active, lead, ignore_index)
-    vocab = weight.shape[0]
+    tp, tp_rank = group_geometry(group)
+    vocab = weight.shape[0] * tp  # the shards are equal (an even split of the padded vocabulary)
     tiles = resolve_vocab_tiles(num_vocab_tiles, vocab, max_tp)
     tokens = hidden.reshape(-1, hidden.shape[-1]).shape[0]
     contract = LogprobContract(
         real_vocab_size=vocab if real_vocab_size is None else real_vocab_size, padded_vocab_size=vocab,
-        num_vocab_tiles=tiles["resolved"], num_sequences=1, seq_len=tokens,
+        num_vocab_tiles=tiles["resolved"], num_sequences=1, seq_len=tokens, tp_world_size=tp, tp_rank=tp_rank,
         logits_dtype=DTYPE_NAMES[hidden.dtype], ignore_index=ignore_index, temperature=temperature)
+    if contract.vocab_end - contract.vocab_start != weight.shape[0]:
+        raise LogprobContractError(
+            f"weight.shape[0]={weight.shape[0]} is not this rank's share of the vocabulary {vocab} split into "
+            f"{tp} tile-aligned shards ({contract.vocab_end - contract.vocab_start} rows); shard the lm_head evenly")
     chosen = dispatch(backend, contract, hidden.device.type)
     logp, lse, entropy = _FromHidden.apply(
         hidden.reshape(tokens, -1), weight, targets.reshape(-1), active.reshape(-1), contract, chosen.op,
-        chunk_tokens, compute_entropy, validate, grad_weight_fp32)
+        chunk_tokens, compute_entropy, validate, grad_weight_fp32, group, tp > 1 and hidden_grad == "all_reduce")
     return LogprobOutput(
         logp.reshape(lead), lse.reshape(lead), entropy.reshape(lead) if compute_entropy else None,
         {**chosen.provenance(), "num_vocab_tiles": tiles, "chunk_tokens": chunk_tokens},
