@@ -54,7 +54,6 @@ import torch
 from rl_engine import jsonio, schemas
 from rl_engine.workflow import WorkflowConfigError, case_values, load_config, parse_topologies
 from rl_engine.evidence.crosscheck import crosscheck_run
-from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.registry import BackendUnavailableError, default_registry, dispatch
 from rl_engine.logprob.tiles import chunk_rows_for_device
 from rl_engine.logprob.vocab_parallel import BACKEND_ID
@@ -166,11 +165,7 @@ def time_paths(case: Case, device: torch.device, tokens: int, repeats: int) -> l
     logits = inputs.logits.to(device)
     targets = inputs.targets.clamp(max=case.real_vocab - 1).to(device)
     active = inputs.active.to(device)
-    contract = LogprobContract(
-        real_vocab_size=case.real_vocab, padded_vocab_size=case.padded_vocab,
-        num_vocab_tiles=case.num_vocab_tiles, num_sequences=1, seq_len=tokens,
-        logits_dtype=case.dtype,
-    )
+    contract = case.contract(num_sequences=1, seq_len=tokens)
     cuda = device.type == "cuda"
 
     def sync() -> None:

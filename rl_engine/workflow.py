@@ -63,7 +63,8 @@ RUNTIME_MARGIN_MIN = 5  # a topology job's Slurm time limit beyond topology_time
 MEM_MB_PER_RANK = 2000  # a topology job's memory per node: this per rank on the node, plus the launchers'
 MEM_MB_LAUNCH = 1000
 # Case fields held under another config key (atol/rtol: tolerances.<dtype>.atol/rtol).
-CONFIG_KEYS = {"dist_backend": "device", "timeout_s": "pg_timeout_s"}
+# Case field -> the config key that holds it, where the names differ (campaign.case.CONFIG_FIELDS)
+CONFIG_KEYS = {"dist_backend": "device", **{field: key for key, field in campaign_case.CONFIG_FIELDS if key != field}}
 
 
 class WorkflowConfigError(ValueError):
@@ -268,14 +269,12 @@ def case_values(config: dict[str, Any], origin: Origin = Origin()) -> dict[str, 
     ``capture`` only on a capture: :func:`config_capture`)."""
     capture = config_capture(config, origin)
     tolerance = config["tolerances"].get(config["dtype"], {})
-    names = ("device", "dtype", "backend", "real_vocab", "padded_vocab", "num_vocab_tiles",
-             "batch", "seq", "prompt_tokens", "seed", "cp_layout", "logit_scale", "threads_per_rank")
+    optional = campaign_case.OPTIONAL_FIELDS
     return {
-        **{name: config[name] for name in names},
+        **{field: config[key] for key, field in campaign_case.CONFIG_FIELDS if field not in optional},
         "dist_backend": DEVICE_DIST_BACKENDS.get(config["device"], ""),
         "atol": tolerance.get("atol"),
         "rtol": tolerance.get("rtol"),
-        "timeout_s": config["pg_timeout_s"],
         **({} if capture is None else {"capture": capture}),
         # absent at 1 (Case's default): a case without a temperature hashes as before it existed
         **({"temperature": float(config["temperature"])} if config.get("temperature", 1) != 1 else {}),

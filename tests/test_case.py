@@ -131,3 +131,34 @@ def test_snakefile_case_json_is_the_config_case() -> None:
     case, topologies = casemod.case_from_document(document, "config.yaml")
     assert case.to_dict() == {**wfconfig.case_values(config), "logit_scale": 1.0, "timeout_s": 120.0}
     assert [f"{tp}x{cp}" for tp, cp in topologies] == config["topologies"]
+
+
+def _contracts_from_a_case(source: str) -> list[str]:
+    """Calls of ``LogprobContract(...)`` whose arguments read a case (``case.x``, ``case["x"]``)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "LogprobContract":
+            args = [ast.unparse(a) for a in node.args] + [ast.unparse(k.value) for k in node.keywords]
+            if any(a.startswith(("case.", "case[")) or "case." in a for a in args):
+                found.append(ast.unparse(node)[:120])
+    return found
+
+
+def test_only_the_case_turns_a_case_into_a_contract_and_maps_config_keys() -> None:
+    """``Case.contract`` is the one place a case becomes a ``LogprobContract`` (the runner's ranks,
+    verify's replays and the GPU smoke call it), and ``case.CONFIG_FIELDS`` the one mapping between
+    config keys and case fields (the workflow and SUMMARY.md's reproduce.yaml read it)."""
+    root = REPO / "rl_engine"
+    offenders = {str(p.relative_to(root)): found for p in root.rglob("*.py")
+                 if p != root / "campaign" / "case.py" and (found := _contracts_from_a_case(p.read_text()))}
+    assert offenders == {}
+    assert _contracts_from_a_case("c = LogprobContract(real_vocab_size=case.real_vocab, seq_len=4)")  # control
+    mapped = {p.relative_to(root).as_posix() for p in root.rglob("*.py") if '"pg_timeout_s", "timeout_s"' in p.read_text()
+              or "(\"pg_timeout_s\", \"timeout_s\")" in p.read_text()}
+    assert mapped == {"campaign/case.py"}
+    case = Case.create(**SMALL, temperature=0.7)
+    contract = case.contract(2, 2, 1, 0)
+    assert (contract.tp_world_size, contract.tp_rank, contract.cp_world_size, contract.temperature) == (2, 1, 2, 0.7)
+    assert contract.num_sequences == case.batch and contract.seq_len == case.seq

@@ -267,6 +267,17 @@ def capture_problems(record: Any, values: Mapping[str, Any]) -> list[str]:
 
 
 FLOAT_FIELDS: tuple[str, ...] = ("logit_scale", "atol", "rtol", "timeout_s", "temperature")
+# (config.yaml key, Case field) of every field the config holds by name: the one mapping both ways
+# (the workflow builds a case from a config with it, SUMMARY.md's reproduce.yaml a config from a
+# case). dist_backend follows the device, atol/rtol the dtype's tolerances, capture the inputs
+# section; OPTIONAL_FIELDS are absent from a case at their default.
+CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
+    ("device", "device"), ("backend", "backend"), ("dtype", "dtype"), ("real_vocab", "real_vocab"),
+    ("padded_vocab", "padded_vocab"), ("num_vocab_tiles", "num_vocab_tiles"), ("batch", "batch"), ("seq", "seq"),
+    ("prompt_tokens", "prompt_tokens"), ("seed", "seed"), ("logit_scale", "logit_scale"), ("cp_layout", "cp_layout"),
+    ("threads_per_rank", "threads_per_rank"), ("pg_timeout_s", "timeout_s"), ("temperature", "temperature"),
+)
+OPTIONAL_FIELDS: frozenset[str] = frozenset({"temperature"})
 # The case fields the topology rules read: check_topology needs each of them valid.
 TOPOLOGY_FIELDS: tuple[str, ...] = ("padded_vocab", "num_vocab_tiles", "seq", "cp_layout")
 
@@ -366,6 +377,27 @@ class Case:
             f"-{self.cp_layout}-scale{self.logit_scale:g}"
             + ("" if self.capture is None else f"-capture{self.capture['sha256'][:16]}")
             + ("" if self.temperature == 1.0 else f"-temp{self.temperature:g}")
+        )
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> "Case":
+        """The case of a plan's or a report's ``case`` (a report's adds its topology: ``tp``, ``cp``)."""
+        return cls(**{key: value for key, value in record.items() if key not in ("tp", "cp")})
+
+    def contract(self, tp: int = 1, cp: int = 1, tp_rank: int = 0, cp_rank: int = 0, *,
+                 num_sequences: int | None = None, seq_len: int | None = None) -> Any:
+        """The :class:`~rl_engine.logprob.contract.LogprobContract` of rank ``(tp_rank, cp_rank)`` of
+        a ``tp x cp`` topology of this case: the one place a case becomes a contract (the runner's
+        ranks, verify's replays, the GPU smoke's timing shape with ``num_sequences``/``seq_len``)."""
+        from rl_engine.logprob.contract import LogprobContract  # imports torch: not at parse time
+
+        return LogprobContract(
+            real_vocab_size=self.real_vocab, padded_vocab_size=self.padded_vocab,
+            num_vocab_tiles=self.num_vocab_tiles,
+            num_sequences=self.batch if num_sequences is None else num_sequences,
+            seq_len=self.seq if seq_len is None else seq_len,
+            tp_world_size=tp, tp_rank=tp_rank, cp_world_size=cp, cp_rank=cp_rank, cp_layout=self.cp_layout,
+            logits_dtype=self.dtype, temperature=self.temperature,
         )
 
     def check_topology(self, tp: int, cp: int) -> None:

@@ -54,7 +54,7 @@ from rl_engine import jsonio, schemas
 from rl_engine.distributed.mesh import LaunchEnv, MeshError, destroy, init_mesh
 from rl_engine.logprob.portable import SPEC_VERSION
 from rl_engine.logprob.comparison import ComparisonError, drift_failures, oracle_drift
-from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import fp32_oracle
 from rl_engine.logprob.registry import dispatch
 from rl_engine.tensorio import DTYPE_NAMES, fingerprint, write_raw
@@ -86,20 +86,8 @@ MERGE_ORDER = (
 
 # ----- one rank -----------------------------------------------------------------------------
 def rank_contract(case: Case, tp: int, cp: int, tp_rank: int, cp_rank: int) -> LogprobContract:
-    return LogprobContract(
-        real_vocab_size=case.real_vocab,
-        padded_vocab_size=case.padded_vocab,
-        num_vocab_tiles=case.num_vocab_tiles,
-        num_sequences=case.batch,
-        seq_len=case.seq,
-        tp_world_size=tp,
-        tp_rank=tp_rank,
-        cp_world_size=cp,
-        cp_rank=cp_rank,
-        cp_layout=case.cp_layout,
-        logits_dtype=case.dtype,
-        temperature=case.temperature,
-    )
+    """This rank's contract: :meth:`Case.contract`."""
+    return case.contract(tp, cp, tp_rank, cp_rank)
 
 
 def compute_rank(
@@ -182,8 +170,7 @@ def assemble(results: list[dict[str, Any]], case: Case) -> dict[str, torch.Tenso
     every token by exactly one TP rank, or this raises.
     """
     n = case.batch * case.seq
-    dtype = LogprobContract(case.real_vocab, case.padded_vocab, case.num_vocab_tiles, 1, 1,
-                            logits_dtype=case.dtype).torch_dtype
+    dtype = LOGITS_DTYPES[case.dtype]
     out = {name: torch.zeros(n, dtype=torch.float32) for name in TENSOR_NAMES}
     grad = torch.zeros(n, case.padded_vocab, dtype=dtype)
     row_cover = torch.zeros(n, dtype=torch.int64)

@@ -39,6 +39,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from rl_engine.campaign.case import CONFIG_FIELDS, OPTIONAL_FIELDS
 from rl_engine import jsonio
 from rl_engine.campaign.casename import RunNameError, pytest_args_of
 from rl_engine.campaign.plan import RUNNER_MODULE
@@ -213,14 +214,13 @@ def skipped_tests(run_dir: Path, reg: dict[str, Any]) -> tuple[tuple[str, str], 
 
 
 REPRODUCE_CONFIG = "reproduce.yaml"
-CONFIG_OF_CASE = (("device", "device"), ("backend", "backend"), ("dtype", "dtype"), ("real_vocab", "real_vocab"),
-                  ("padded_vocab", "padded_vocab"), ("num_vocab_tiles", "num_vocab_tiles"), ("batch", "batch"),
-                  ("seq", "seq"), ("prompt_tokens", "prompt_tokens"), ("seed", "seed"), ("logit_scale", "logit_scale"),
-                  ("cp_layout", "cp_layout"), ("threads_per_rank", "threads_per_rank"), ("pg_timeout_s", "timeout_s"))
+
+
 def reproduce_config(ev: Evidence) -> str:
     """A config file (YAML) that, over the repository's config.yaml, is this run's case."""
     case = ev.plan.get("case", {})
-    config: dict[str, Any] = {key: case.get(field) for key, field in CONFIG_OF_CASE}
+    config: dict[str, Any] = {key: case.get(field) for key, field in CONFIG_FIELDS
+                              if field in case or field not in OPTIONAL_FIELDS}
     config["topologies"] = [f"{p.tp}x{p.cp}" for p in ev.planned]
     config["tolerances"] = {case.get("dtype"): {"atol": case.get("atol"), "rtol": case.get("rtol")}}
     regression: dict[str, Any] = {"tests": list(ev.regression.get("tests") or [])}
