@@ -52,17 +52,17 @@ from typing import Any
 import torch
 
 from rl_engine import jsonio, schemas
-from rl_engine.workflow import WorkflowConfigError, case_values, load_config, parse_topologies
+from rl_engine.campaign.case import Case, CaseError
+from rl_engine.campaign.plan import build_plan
+from rl_engine.campaign.replay import replay_candidate
 from rl_engine.evidence.crosscheck import crosscheck_run
 from rl_engine.logprob.registry import BackendUnavailableError, default_registry, dispatch
 from rl_engine.logprob.tiles import chunk_rows_for_device
 from rl_engine.logprob.vocab_parallel import BACKEND_ID
-from rl_engine.campaign.case import Case, CaseError
-from rl_engine.campaign.plan import build_plan
-from rl_engine.tables import BENCH_PHASES, DEVICE_DIST_BACKENDS, EAGER_BACKEND, SCHEMA_VERSION, TRITON_BACKEND
-from rl_engine.campaign.replay import replay_candidate
 from rl_engine.rundir import LOGS, PLAN, Run, Topology
+from rl_engine.tables import BENCH_PHASES, DEVICE_DIST_BACKENDS, EAGER_BACKEND, SCHEMA_VERSION, TRITON_BACKEND
 from rl_engine.verb_parsers import gpu_smoke_parser as build_parser
+from rl_engine.workflow import WorkflowConfigError, case_values, load_config, parse_topologies
 
 FIELDS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256",
           "candidate_grad_sha256")

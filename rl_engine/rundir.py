@@ -28,9 +28,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from collections.abc import Callable
 from typing import Any
 
 from rl_engine import jsonio
@@ -546,7 +546,8 @@ class Run:
 
 
 __all__ = [
-    "ARCHIVE_ONLY", "CAPTURE", "OPTIONAL_DOCUMENTS", "PARITY_JSON", "PARITY_PNG", "SOURCES_SUFFIX", "SPEC_DOC", "CASE", "CROSSCHECK", "ENVIRONMENT", "ENVIRONMENT_TEXT", "Finding", "JUNIT", "PLAN",
+    "ARCHIVE_ONLY", "CAPTURE", "OPTIONAL_DOCUMENTS", "PARITY_JSON", "PARITY_PNG", "SOURCES_SUFFIX", "SPEC_DOC", "CASE",
+    "CROSSCHECK", "ENVIRONMENT", "ENVIRONMENT_TEXT", "Finding", "JUNIT", "PLAN",
     "PYTEST_LOG", "PlannedReport", "REGRESSION", "REVIEWING", "Run", "SCHEMA_DIR", "SUMMARY", "SUMS", "Stage",
     "STEM", "TENSOR_NAMES", "Topology", "topology_rule_files", "VALIDATION", "field_path", "get", "inside", "is_number", "load_json",
     "non_finite_numbers", "planned_reports", "report_tensors", "run_stages", "stages",

@@ -28,7 +28,6 @@ from referencing.jsonschema import DRAFT202012
 from rl_engine import jsonio
 
 
-
 class SchemaError(ValueError):
     """A schema that is missing or itself invalid."""
 
@@ -106,7 +105,8 @@ def require_valid(instance: Any, name: str, directory: str | Path | None = None,
     if found:
         shown = "; ".join(found[:MAX_ERRORS_SHOWN]) + (f"; ... and {len(found) - MAX_ERRORS_SHOWN} more"
                                                         if len(found) > MAX_ERRORS_SHOWN else "")
-        raise ArtifactSchemaError(f"{what} does not match {Path(directory or repo_schema_dir()) / (name + '.schema.json')} ({len(found)} error(s): {shown}); "
+        schema_file = Path(directory or repo_schema_dir()) / (name + ".schema.json")
+        raise ArtifactSchemaError(f"{what} does not match {schema_file} ({len(found)} error(s): {shown}); "
                                   "it was not written: fix the code that builds it or the schema")
 
 

@@ -100,7 +100,10 @@ def parity_parser() -> argparse.ArgumentParser:
 
 def gpu_smoke_parser() -> argparse.ArgumentParser:
     """``gpu-smoke`` (rl_engine.gpu_smoke)."""
-    p = argparse.ArgumentParser(prog="python -m rl_engine gpu-smoke", description="Portable bits on a GPU, in one command: the campaign on cuda, the same case on the CPU, identical fingerprints required, forward times per backend.")
+    p = argparse.ArgumentParser(
+        prog="python -m rl_engine gpu-smoke",
+        description="Portable bits on a GPU, in one command: the campaign on cuda, the same case on the CPU, "
+                    "identical fingerprints required, forward times per backend.")
     p.add_argument("--config", default="config.yaml", help="the campaign (default config.yaml)")
     p.add_argument("--output-dir", default="results/gpu-smoke", help="where runs and smoke.json go")
     p.add_argument("--cpu-only", action="store_true", help="everything but CUDA: the campaign on the CPU")

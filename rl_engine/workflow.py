@@ -41,8 +41,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from rl_engine import jsonio, schemas
-from rl_engine.campaign.casename import NOGIT, RunName, case_hash, parity_identity, resolved_case
-from rl_engine.record.gitstate import GitStateError, read_git_state
+from rl_engine.campaign import case as campaign_case
 from rl_engine.campaign.case import (
     TOPOLOGY_FIELDS,
     Case,
@@ -52,12 +51,13 @@ from rl_engine.campaign.case import (
     check_topology,
     matrix_problem,
 )
-from rl_engine.campaign import case as campaign_case
-from rl_engine.tables import DEVICE_DIST_BACKENDS
-from rl_engine.distributed.bounds import BoundsError, auto_vocab_tiles
+from rl_engine.campaign.casename import NOGIT, RunName, case_hash, parity_identity, resolved_case
 from rl_engine.campaign.nodes import NodeLayout, fitting_ranks_per_node, layout_problem
-from rl_engine.record.sources import source_digest  # for the workflow: the sources rule's param
-from rl_engine.rundir import Stage, Topology, run_stages, stages, topology_rule_files  # (the last two: for the workflow)
+from rl_engine.distributed.bounds import BoundsError, auto_vocab_tiles
+from rl_engine.record.gitstate import GitStateError, read_git_state
+from rl_engine.record.sources import source_digest  # noqa: F401 (the Snakefile's: the sources rule's param)
+from rl_engine.rundir import Stage, Topology, run_stages, stages, topology_rule_files  # noqa: F401 (the Snakefile's)
+from rl_engine.tables import DEVICE_DIST_BACKENDS
 
 RUNTIME_MARGIN_MIN = 5  # a topology job's Slurm time limit beyond topology_timeout_s
 MEM_MB_PER_RANK = 2000  # a topology job's memory per node: this per rank on the node, plus the launchers'
@@ -333,11 +333,11 @@ def _campaign_problems(config: dict[str, Any], origin: Origin) -> list[str]:
     except WorkflowConfigError as exc:
         return [*problems, str(exc)]
     broken: set[str] = set()
-    for field, message in case_problems(values):
-        broken.add(field)
-        if field in ("atol", "rtol") and not has_tolerance:
+    for case_field, message in case_problems(values):
+        broken.add(case_field)
+        if case_field in ("atol", "rtol") and not has_tolerance:
             continue  # already reported: the whole entry is missing
-        key, value = _config_key(field, config)
+        key, value = _config_key(case_field, config)
         problems.append(f"{origin.describe(key, value)}: {message}")
     pairs = parse_topologies(config["topologies"])
     if not broken & set(TOPOLOGY_FIELDS):  # the topology rules need those fields valid

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-
 Entry = tuple[tarfile.TarInfo, bytes | None]
 
 

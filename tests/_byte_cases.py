@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 import pytest
+import torch
 
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.vocab_parallel import (

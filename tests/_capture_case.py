@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from rl_engine.campaign.case import Case
 from rl_engine.campaign.captured import capture_record
+from rl_engine.campaign.case import Case
 from rl_engine.capture import Capture, build_metadata, write_capture
 
 BATCH, SEQ, VOCAB, TILES = 2, 8, 64, 4

@@ -16,11 +16,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from _tiny_lm import LENGTHS, VOCAB, padded, sequences, tiny_model, variant
 from rl_engine import jsonio
 from rl_engine.capture import Capture, CaptureError, build_metadata, read_capture, read_header, read_rows, write_capture
 from rl_engine.capture.hf import capture_causal_lm, concat_captures
 from rl_engine.tensorio import tensor_bytes
+
+from _tiny_lm import LENGTHS, VOCAB, padded, sequences, tiny_model, variant
 
 
 def _meta(dtype: str = "bf16") -> dict[str, str]:
@@ -90,9 +91,11 @@ BUILD_REFUSALS = {
     "metadata-dtype": (lambda t, m: m.update(dtype="fp32"), r"metadata dtype='fp32' disagrees with tensor logits, which is bf16"),
     "reported-dtype": (lambda t, m: t.update(reported_logp=t["reported_logp"].double()), r"tensor reported_logp has dtype"),
     "float-targets-nan": (lambda t, m: t.update(targets=torch.tensor([1.0, float("nan"), 2, 3, 4, 5])),
-                          r"tensor targets has dtype F32; it must be I64 \(targets are token ids: a float targets tensor is refused, NaN or not\)"),
+                          r"tensor targets has dtype F32; it must be I64 \(targets are token ids: "
+                          r"a float targets tensor is refused, NaN or not\)"),
     "targets-range": (lambda t, m: t["targets"].__setitem__(3, 32), r"tensor targets holds 32 at active token 3, outside \[0, 32\)"),
-    "logits-nan": (lambda t, m: t["logits"].__setitem__((4, 7), float("nan")), r"tensor logits has a non-finite value \(nan\) at token 4, column 7"),
+    "logits-nan": (lambda t, m: t["logits"].__setitem__((4, 7), float("nan")),
+                   r"tensor logits has a non-finite value \(nan\) at token 4, column 7"),
     "logits-inf": (lambda t, m: t["logits"].__setitem__((0, 1), float("-inf")), r"non-finite value \(-inf\) at token 0, column 1.*-inf"),
     "reported-nan": (lambda t, m: t["reported_logp"].__setitem__(1, float("nan")), r"tensor reported_logp is nan at active token 1"),
     "no-active": (lambda t, m: t.update(active=torch.zeros(6, dtype=torch.bool)), r"tensor active has no true value"),

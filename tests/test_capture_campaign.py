@@ -24,11 +24,12 @@ from typing import Any
 
 import pytest
 
-from _capture_case import CASE_FIELDS, capture_case, write_tiny_capture
 from rl_engine import cli, schemas
-from rl_engine.campaign.case import Case, CaseError, case_document, write_case_file
 from rl_engine.campaign.captured import capture_record, check_file
+from rl_engine.campaign.case import Case, CaseError, case_document, write_case_file
 from rl_engine.capture import CaptureError
+
+from _capture_case import CASE_FIELDS, capture_case, write_tiny_capture
 
 TOPOLOGIES = ("1x1", "2x1", "2x2")
 FIELDS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256",
@@ -364,11 +365,12 @@ def capture_archive(capture_run, tmp_path_factory: pytest.TempPathFactory) -> di
     """:func:`capture_run` completed by the real verbs, with a parity stage, archived under its run name."""
     import shutil
 
+    from rl_engine import jsonio
+    from rl_engine.campaign.casename import RunName, case_hash, evidence_resolved_case
+    from rl_engine.rundir import CAPTURE
+
     from _capture_case import write_trainer_side
     from _evidence_run import PYTEST_ARGS, TINY_TESTS
-    from rl_engine.campaign.casename import RunName, case_hash, evidence_resolved_case
-    from rl_engine import jsonio
-    from rl_engine.rundir import CAPTURE
 
     source, path, _ = capture_run
     base = tmp_path_factory.mktemp("capture-archive")
@@ -529,11 +531,12 @@ def test_an_archived_capture_larger_than_its_case_is_bounded_before_any_tensor_i
     before any capture tensor is read; a limit the case alone would pass is the one given."""
     import torch
 
-    from _capture_case import BATCH, SEQ, VOCAB
     from rl_engine import jsonio
     from rl_engine.campaign import captured
     from rl_engine.capture import Capture, build_metadata
     from rl_engine.capture.format import write_capture
+
+    from _capture_case import BATCH, SEQ, VOCAB
 
     big = tmp_path / "big.safetensors"
     meta = build_metadata(engine="test", engine_version="0", model="zeros", dtype="bf16", notes="row 5")
@@ -573,8 +576,9 @@ def test_an_archived_capture_larger_than_its_case_is_bounded_before_any_tensor_i
 
 @pytest.mark.slow
 def test_an_archived_capture_with_other_bytes_is_refused(capture_archive: dict[str, Path], tmp_path: Path) -> None:
-    from _capture_case import tiny_capture
     from rl_engine.capture.format import write_capture
+
+    from _capture_case import tiny_capture
 
     sha = capture_record(capture_archive["capture"])["sha256"]
     other = tmp_path / "other.safetensors"
@@ -599,11 +603,22 @@ def test_a_capture_and_parity_config_runs_through_snakemake_to_a_verified_archiv
     tests/test_gates_config.py::test_snakemake_dry_run_of_a_good_config_plans_every_job."""
     import tarfile
 
-    from _capture_case import write_trainer_side
-    from _workflow_util import (CONFIG, SHORT_REGRESSION, copy_repo, env_for, html_report, jobs_run, run_name_of,
-                                snakemake, verify, write_config)
     from rl_engine import jsonio
     from rl_engine.rundir import CAPTURE, PARITY_JSON, PARITY_PNG, SUMMARY
+
+    from _capture_case import write_trainer_side
+    from _workflow_util import (
+        CONFIG,
+        SHORT_REGRESSION,
+        copy_repo,
+        env_for,
+        html_report,
+        jobs_run,
+        run_name_of,
+        snakemake,
+        verify,
+        write_config,
+    )
 
     repo = copy_repo(tmp_path)
     rollout = write_tiny_capture(repo / "rollout.safetensors")

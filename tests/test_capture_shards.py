@@ -14,13 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-from _multiproc import run_workers
-from _tiny_lm import VOCAB, padded, sequences, tiny_model, variant
 from rl_engine.capture import CaptureError, read_capture, read_header, write_capture
 from rl_engine.capture.hf import capture_causal_lm
 from rl_engine.capture.shard import rank_inputs
 from rl_engine.logprob import LogprobContract, VocabParallelLogprob
 from rl_engine.tensorio import fingerprint
+
+from _multiproc import run_workers
+from _tiny_lm import VOCAB, padded, tiny_model, variant
 
 TILES = 16
 LENGTHS = (7, 11, 9, 5)  # 6 + 10 + 8 + 4 = 28 tokens: splits for CP=2 contiguous and zigzag

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from rl_engine import jsonio, schemas
+from rl_engine import jsonio, schemas, tables
+from rl_engine import workflow as wfconfig
 from rl_engine.campaign import case as casemod
-from rl_engine import tables
 from rl_engine.campaign.case import Case, CaseError, case_document, load_case_file
 from rl_engine.campaign.inputs import InputSpec, InputSpecError
 from rl_engine.campaign.plan import build_plan, load_plan
 from rl_engine.campaign.plan import main as plan_main
-from rl_engine import workflow as wfconfig
 
 REPO = Path(__file__).resolve().parents[1]
 DEFS = json.loads((REPO / "schemas" / "defs.schema.json").read_text())["$defs"]

@@ -16,8 +16,8 @@ import pytest
 from rich.console import Console
 
 from rl_engine import jsonio
-from rl_engine.workflow import VERIFIED, closing, print_closing
 from rl_engine.rundir import Topology, stages
+from rl_engine.workflow import VERIFIED, closing, print_closing
 
 NAME = "camp-abc1234-case-0123abcd"
 STEMS = [Topology(1, 1), Topology(2, 1)]

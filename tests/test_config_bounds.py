@@ -19,10 +19,11 @@ import pytest
 import torch
 import yaml
 
-from _workflow_util import REPO, SMALL_VOCAB
 from rl_engine.campaign.inputs import InputSpecError, _bell, make_inputs
 from rl_engine.tables import LOGIT_SCALE_BOUNDS, MAX_LOGIT_ELEMENTS, MAX_SEED, MAX_TOKENS
 from rl_engine.workflow import Origin, WorkflowConfigError, check_config, regression_problems
+
+from _workflow_util import REPO, SMALL_VOCAB
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

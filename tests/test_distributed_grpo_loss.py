@@ -21,6 +21,7 @@ import torch.distributed as dist
 from rl_engine.distributed.mesh import init_mesh
 from rl_engine.grpo import GRPOContract, GRPOContractError, GRPOLoss
 from rl_engine.tensorio import fingerprint, tensor_bytes
+
 from _multiproc import run_workers
 
 SEQS, SEQ_LEN, GROUP = 8, 16, 4

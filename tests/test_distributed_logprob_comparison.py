@@ -22,17 +22,13 @@ import torch
 import torch.distributed as dist
 
 from rl_engine import cli, jsonio, schemas
-from rl_engine.distributed.bounds import token_indices
-from rl_engine.distributed.mesh import ParallelDims
-from rl_engine.logprob.comparison import ComparisonError, compare_single_rank
-from rl_engine.logprob.vocab_parallel import BACKEND_ID
-from rl_engine.tensorio import fingerprint
 from rl_engine.campaign import case as campaign
 from rl_engine.campaign import plan as planmod
 from rl_engine.campaign.case import Case, CaseError
+from rl_engine.campaign.faults import Fault, FaultError, fault_from_env, parse_fault
+from rl_engine.campaign.inputs import PADDING_LOGIT, inputs_sha256, make_inputs
 from rl_engine.campaign.plan import load_plan
 from rl_engine.campaign.plan import main as plan_main
-from rl_engine.tables import DEFAULT_TOPOLOGIES
 from rl_engine.campaign.run import (
     assemble,
     build_report,
@@ -42,8 +38,13 @@ from rl_engine.campaign.run import (
     tp_replication_failures,
     write_report,
 )
-from rl_engine.campaign.faults import Fault, FaultError, fault_from_env, parse_fault
-from rl_engine.campaign.inputs import PADDING_LOGIT, inputs_sha256, make_inputs
+from rl_engine.distributed.bounds import token_indices
+from rl_engine.distributed.mesh import ParallelDims
+from rl_engine.logprob.comparison import ComparisonError, compare_single_rank
+from rl_engine.logprob.vocab_parallel import BACKEND_ID
+from rl_engine.tables import DEFAULT_TOPOLOGIES
+from rl_engine.tensorio import fingerprint
+
 from _multiproc import run_workers
 
 FLAGS = [
@@ -250,7 +251,8 @@ def test_token_bounds_for_both_layouts(layout: str, expected: list[list[int]]) -
 
 
 # ----- report logic in one process ---------------------------------------------------------
-def _one_rank_report(case: Case, fault: Fault | None = None, tmp: Path | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[dict[str, Any]]]:
+def _one_rank_report(case: Case, fault: Fault | None = None,
+                     tmp: Path | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[dict[str, Any]]]:
     results = [compute_rank(case, 1, 1, 0, 0, 0, None, CPU)]
     output = (tmp or Path("/nonexistent")) / "tp1-cp1.json"
     timings = {"setup_s": 0.0, "forward_s": 0.0, "backward_s": 0.0, "total_s": 0.0}

@@ -88,11 +88,12 @@ def test_the_readme_stays_a_front_door_of_at_most_180_lines() -> None:
 
 
 def test_the_readme_test_command_is_the_one_ci_runs() -> None:
-    """.ci/run installs and runs pytest with the README's command, byte for byte."""
+    """.ci/run installs, runs ruff and runs pytest with the README's command, byte for byte."""
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     install = next(line for line in ci if line.startswith("python -m pip install"))
+    ruff_line = next(line for line in ci if line.startswith("python -m ruff check"))
     pytest_line = next(line for line in ci if line.startswith("python -m pytest"))
-    command = f"{install.removeprefix('python -m ')} && {pytest_line}"
+    command = f"{install.removeprefix('python -m ')} && {ruff_line} && {pytest_line}"
     assert command in (ROOT / "README.md").read_text(encoding="utf-8")
 
 

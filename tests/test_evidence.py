@@ -24,11 +24,12 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from _evidence_run import PYTEST_ARGS, TOPOLOGIES, declared_files, launch, pack, schema_files, spec_file
 from rl_engine import cli, jsonio, schemas
 from rl_engine.evidence import archive, crosscheck, summary, validation
 from rl_engine.record import environment, gitstate, regression
 from rl_engine.rundir import Finding, Run, load_json
+
+from _evidence_run import PYTEST_ARGS, TOPOLOGIES, declared_files, launch, pack, schema_files, spec_file
 
 BAD = "tp2-cp2"  # the topology the corruptions target (the reference is tp1-cp1)
 
@@ -309,11 +310,14 @@ def test_really_perturbed_topology_fails_validation_and_crosscheck(perturbed_run
     ("field", "change", "expected"),
     [
         ("fallback", lambda r: r.update(fallback=True), f"{BAD}.json: fallback: is True"),
-        ("backend", lambda r: r.update(actual_backend="cpu-vocab-parallel-logp-ws2"), f"{BAD}.json: actual_backend: is 'cpu-vocab-parallel-logp-ws2'"),
+        ("backend", lambda r: r.update(actual_backend="cpu-vocab-parallel-logp-ws2"),
+         f"{BAD}.json: actual_backend: is 'cpu-vocab-parallel-logp-ws2'"),
         ("replicated", lambda r: r.update(tp_outputs_bitwise_replicated=False), f"{BAD}.json: tp_outputs_bitwise_replicated"),
         ("rank-fallback", lambda r: r["topology"]["ranks"][3].update(fallback=True), f"{BAD}.json: topology.ranks[3].fallback"),
-        ("drift", lambda r: r["drift"]["fp32_oracle"]["dlogp"].update(max_abs=0.5), f"{BAD}.json: drift.fp32_oracle.dlogp.max_abs: 0.5 exceeds atol"),
-        ("launch", lambda r: r.update(launch_command=r["launch_command"] + " --seed 8"), f"{BAD}.json: launch_command: differs from the plan"),
+        ("drift", lambda r: r["drift"]["fp32_oracle"]["dlogp"].update(max_abs=0.5),
+         f"{BAD}.json: drift.fp32_oracle.dlogp.max_abs: 0.5 exceeds atol"),
+        ("launch", lambda r: r.update(launch_command=r["launch_command"] + " --seed 8"),
+         f"{BAD}.json: launch_command: differs from the plan"),
         ("case", lambda r: r["case"].update(seed=8), f"{BAD}.json: case.seed: is 8 but the plan's case has 7"),
     ],
 )

@@ -39,7 +39,7 @@ import torch
 
 from rl_engine import spec_numpy
 from rl_engine.logprob import fused_cpu, portable
-from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.logprob.contract import LogprobContractError
 from rl_engine.logprob.fused_cpu import FUSED_CPU_ID, FusedCpuEngine, FusedCpuLogprob
 from rl_engine.logprob.registry import BackendUnavailableError, dispatch
 from rl_engine.logprob.vocab_parallel import (

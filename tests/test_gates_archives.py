@@ -30,10 +30,12 @@ from typing import Any
 
 import pytest
 
-from _archive_util import Entry, Good, make_sandbox
-from _archive_util import Sandbox as Box
 from rl_engine import jsonio, schemas
 from rl_engine.evidence import archive, verify
+
+from _archive_util import Entry, Good, make_sandbox
+from _archive_util import Sandbox as Box
+
 
 @pytest.fixture(scope="module")
 def good(tiny_archive: Good) -> Good:

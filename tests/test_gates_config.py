@@ -18,16 +18,17 @@ from typing import Any
 import pytest
 import yaml
 
-from _schema_fixtures import InvalidCase, invalid_cases
-from _workflow_util import REPO, SMALL_VOCAB, copy_repo, env_for, jobs_run, snakemake_cmd, write_config
 from rl_engine import workflow as wfconfig
-from rl_engine.campaign.casename import RunName, RunNameError, case_hash, evidence_resolved_case, pytest_args_of
-from rl_engine.record import environment
-from rl_engine.workflow import WorkflowConfigError, check_config, load_config
 from rl_engine.campaign import case as campaign
-from rl_engine.tables import MIN_MATRIX_TOPOLOGIES
+from rl_engine.campaign.casename import RunName, RunNameError, case_hash, evidence_resolved_case, pytest_args_of
 from rl_engine.campaign.plan import build_plan
 from rl_engine.campaign.plan import main as plan_main
+from rl_engine.record import environment
+from rl_engine.tables import MIN_MATRIX_TOPOLOGIES
+from rl_engine.workflow import WorkflowConfigError, check_config, load_config
+
+from _schema_fixtures import InvalidCase, invalid_cases
+from _workflow_util import REPO, SMALL_VOCAB, copy_repo, env_for, jobs_run, snakemake_cmd, write_config
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "schemas" / "config"
 SCHEMA_FIX = "fix the value in config.yaml (see schemas/config.schema.json)"

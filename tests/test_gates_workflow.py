@@ -31,6 +31,8 @@ from typing import Any
 
 import pytest
 
+from rl_engine import jsonio
+
 from _workflow_util import (
     SHORT_REGRESSION,
     SMALL_VOCAB,
@@ -43,7 +45,6 @@ from _workflow_util import (
     verify,
     write_config,
 )
-from rl_engine import jsonio
 
 pytestmark = pytest.mark.slow  # end to end: snakemake runs (in the full suite, not the quick loop)
 

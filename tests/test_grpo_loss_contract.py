@@ -18,7 +18,6 @@ import torch
 
 from rl_engine.grpo import GRPOContract, GRPOContractError, GRPOLoss
 from rl_engine.grpo.objective import ordered_sum
-from rl_engine.tensorio import tensor_bytes
 from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.registry import BackendUnavailableError, dispatch
 from rl_engine.tensorio import fingerprint, tensor_bytes

@@ -26,11 +26,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from _capture_case import tiny_capture, write_tiny_capture
 from rl_engine import cli, jsonio
 from rl_engine.campaign import captured
 from rl_engine.capture import CaptureError, read_capture, read_header
 from rl_engine.capture.parity import ParityError, ParityOptions, check_pair
+
+from _capture_case import tiny_capture, write_tiny_capture
 
 
 def _in_thread(fn: Any, timeout: float = 20.0) -> Any:

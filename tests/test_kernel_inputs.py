@@ -37,6 +37,7 @@ from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.fused_cpu import MAX_THREADS, FusedCpuLogprob
 from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
 from rl_engine.tensorio import fingerprint
+
 from _multiproc import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 
 from rl_engine import cli, jsonio
-from rl_engine.campaign import launch as launch_module
-from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.campaign import proctree
 from rl_engine.campaign.proctree import alive, descendants, stop_tree
+from rl_engine.logprob.vocab_parallel import BACKEND_ID
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = [

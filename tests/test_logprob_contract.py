@@ -29,8 +29,8 @@ from rl_engine.logprob.registry import (
     backend_ids,
     dispatch,
 )
-from rl_engine.tables import BACKEND_DEVICES, FUSED_CPU_BACKEND, TRITON_BACKEND
 from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
+from rl_engine.tables import BACKEND_DEVICES, FUSED_CPU_BACKEND, TRITON_BACKEND
 
 NO_CUDA = not torch.cuda.is_available()
 

@@ -17,9 +17,12 @@ from typing import Any
 import pytest
 import yaml
 
-from _workflow_util import REPO, SMALL_VOCAB
 from rl_engine import cli, jsonio
+from rl_engine.campaign import faults, nodes
+from rl_engine.campaign.nodes import NodeLayout, NodeLayoutError
+from rl_engine.campaign.plan import runner_args
 from rl_engine.evidence import summary
+from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.workflow import (
     RUNTIME_MARGIN_MIN,
     WorkflowConfigError,
@@ -27,10 +30,8 @@ from rl_engine.workflow import (
     topology_resource_functions,
     topology_resources,
 )
-from rl_engine.logprob.vocab_parallel import BACKEND_ID
-from rl_engine.campaign import faults, nodes
-from rl_engine.campaign.plan import runner_args
-from rl_engine.campaign.nodes import NodeLayout, NodeLayoutError
+
+from _workflow_util import REPO, SMALL_VOCAB
 
 TINY = [
     "--device", "cpu", "--dtype", "bf16", "--backend", BACKEND_ID, "--real-vocab", "60",

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 
-from _tiny_lm import padded, sequences, tiny_model, variant
 from rl_engine import cli, jsonio, schemas
-from rl_engine.capture import Capture, read_capture, write_capture
+from rl_engine.capture import Capture, parity, read_capture, write_capture
 from rl_engine.capture.hf import capture_causal_lm, concat_captures
-from rl_engine.capture import parity
 from rl_engine.capture.parity import ParityOptions, our_logprob
+
+from _tiny_lm import padded, sequences, tiny_model, variant
 
 
 def _f32(values: list[float]) -> bytes:

@@ -30,15 +30,16 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl_engine import spec_numpy
+from rl_engine.campaign.inputs import make_inputs
+from rl_engine.campaign.replay import replay_candidate
 from rl_engine.distributed.mesh import init_mesh
 from rl_engine.logprob import portable
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import fp64_oracle
 from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
-from rl_engine.tensorio import fingerprint, tensor_bytes
-from rl_engine.campaign.inputs import make_inputs
+from rl_engine.tensorio import tensor_bytes
+
 from _multiproc import run_workers
-from rl_engine.campaign.replay import replay_candidate
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CASE = {

@@ -36,6 +36,7 @@ from rl_engine.logprob.agreement import (
     encode_slot,
 )
 from rl_engine.tensorio import fingerprint
+
 from _multiproc import run_workers
 
 REAL, PADDED, TILES, SEQ = 1000, 1024, 16, 8

@@ -23,8 +23,9 @@ import pytest
 from jsonschema import Draft202012Validator
 from referencing.exceptions import Unresolvable
 
-from _schema_fixtures import FixtureError, InvalidCase, all_invalid_cases, apply_patch, invalid_cases
 from rl_engine import jsonio, schemas
+
+from _schema_fixtures import FixtureError, InvalidCase, all_invalid_cases, apply_patch, invalid_cases
 
 SCHEMA_DIR = schemas.repo_schema_dir()
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "schemas"

@@ -44,6 +44,9 @@ from typing import Any, Iterator
 
 import pytest
 
+from rl_engine import cli, jsonio
+from rl_engine.logprob.vocab_parallel import BACKEND_ID
+
 from _workflow_util import (
     CONFIG,
     SHORT_REGRESSION,
@@ -55,8 +58,6 @@ from _workflow_util import (
     run_name_of,
     write_config,
 )
-from rl_engine import cli, jsonio
-from rl_engine.logprob.vocab_parallel import BACKEND_ID
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

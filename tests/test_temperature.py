@@ -17,16 +17,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _byte_cases import _contract, _inputs, _run
-from _multiproc import run_workers
 from rl_engine import spec_numpy
 from rl_engine.distributed.mesh import init_mesh
 from rl_engine.logprob.api import selected_logprob
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
-from rl_engine.tensorio import tensor_bytes
 from rl_engine.logprob.fused_cpu import FusedCpuLogprob, kernel_unavailable
 from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
 from rl_engine.temperature import TemperatureError, inverse_temperature, rn32
+from rl_engine.tensorio import tensor_bytes
+
+from _byte_cases import _contract, _inputs, _run
+from _multiproc import run_workers
 
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
 

@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from _multiproc import run_workers
 from rl_engine.logprob import selected_logprob
 from rl_engine.logprob.contract import LogprobContractError
 from rl_engine.tensorio import tensor_bytes
+
+from _multiproc import run_workers
 
 VOCAB, REAL = 1024, 1000
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+from test_fused_campaign import CASE, EAGER, FIELDS, _campaign, _flags  # noqa: E402
+
 from rl_engine import cli  # noqa: E402
 from rl_engine.campaign.replay import replay_candidate  # noqa: E402
-
-from test_fused_campaign import CASE, EAGER, FIELDS, _campaign, _flags  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

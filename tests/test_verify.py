@@ -20,13 +20,15 @@ from typing import Any, Callable
 
 import pytest
 
-from _archive_util import Entry, Good, Sandbox, make_sandbox
-from _evidence_run import pack
 from rl_engine import jsonio, schemas
-from rl_engine.evidence import archive, safe_tar, summary, verify
 from rl_engine.campaign.casename import RunName, case_hash, evidence_resolved_case
+from rl_engine.evidence import archive, safe_tar, summary, verify
 from rl_engine.logprob.comparison import default_tolerance
 from rl_engine.rundir import Run
+
+from _archive_util import Entry, Good, Sandbox, make_sandbox
+from _evidence_run import pack
+
 
 @pytest.fixture(scope="module")
 def good(tiny_archive: Good) -> Good:
@@ -137,7 +139,8 @@ def test_good_archive_verifies_with_recompute(good: Good, sandbox: Sandbox, caps
     assert code == 0, text
     assert status(result) == {
         "outer checksum": "PASS", "safe extraction": "PASS", "top folder": "PASS", "SHA256SUMS": "PASS",
-        "archive members": "PASS", "REVIEWING.md": "PASS", "JSON schemas (shipped)": "PASS", "focused regression": "PASS", "report acceptance": "PASS",
+        "archive members": "PASS", "REVIEWING.md": "PASS", "JSON schemas (shipped)": "PASS", "focused regression": "PASS",
+        "report acceptance": "PASS",
         "cross-topology fingerprints": "PASS", "recorded gates": "PASS", "SUMMARY.md": "PASS", "tolerances": "PASS",
         "arithmetic spec": "PASS", "inputs regenerated": "PASS", "oracle drift recomputed": "PASS",
         "candidate replayed": "PASS", "schemas vs this rl_engine": "note",
@@ -640,9 +643,9 @@ def test_one_ulp_forgery_rebuilt_with_the_projects_verbs_is_caught_only_by_the_r
     import torch
 
     from rl_engine import cli
+    from rl_engine.campaign.inputs import make_inputs
     from rl_engine.logprob.comparison import oracle_drift
     from rl_engine.tensorio import fingerprint, read_raw_f32, write_raw
-    from rl_engine.campaign.inputs import make_inputs
 
     work = tmp_path / "forge"
     with tarfile.open(good.archive) as tar:

@@ -21,6 +21,7 @@ from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import fp32_oracle, fp64_oracle
 from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
 from rl_engine.tensorio import fingerprint, tensor_bytes
+
 from _multiproc import run_workers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -122,7 +123,7 @@ def test_single_rank_matches_both_oracles(dtype: str) -> None:
                                      ("lse", res["lse"], ref.lse, atol),
                                      ("entropy", res["entropy"], ref.entropy, entropy_atol)):
             torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=0,
-                                       msg=lambda m: f"{oracle.__name__} {name}: {m}")
+                                       msg=lambda m, oracle=oracle, name=name: f"{oracle.__name__} {name}: {m}")
     unrounded = fp32_oracle(b.logits_fp32, b.targets, b.active, b.real)
     active = b.active
     torch.testing.assert_close(res["logp"][active], unrounded.selected_logp[active],

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rl_engine import jsonio
+
 from _workflow_util import (
     REPO,
     SHORT_REGRESSION,
@@ -34,7 +36,6 @@ from _workflow_util import (
     verify,
     write_config,
 )
-from rl_engine import jsonio
 
 pytestmark = pytest.mark.slow  # end to end: snakemake runs (in the full suite, not the quick loop)
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from rl_engine import workflow
-from rl_engine.workflow import WorkflowConfigError
 from rl_engine.record.regression import KILL_GRACE_S
+from rl_engine.workflow import WorkflowConfigError
 
 from _workflow_util import REPO, SMALL_VOCAB, copy_repo, env_for, run_name_of, snakemake_cmd, write_config
 

@@ -22,9 +22,8 @@ from dataclasses import asdict, dataclass
 from dataclasses import fields as dataclass_fields
 from typing import Any, Mapping, Sequence
 
-from rl_engine.temperature import TemperatureError, inverse_temperature
-from rl_engine.validators import choice_problem, int_problem, require
 from rl_engine import jsonio, schemas
+from rl_engine.distributed.bounds import BoundsError, check_cp_split, even_vocab_shards, tile_width
 from rl_engine.tables import (
     AUTO,
     BACKEND_DEVICES,
@@ -45,7 +44,8 @@ from rl_engine.tables import (
     SCHEMA_VERSION,
     TRITON_MODE_ENV,
 )
-from rl_engine.distributed.bounds import BoundsError, check_cp_split, even_vocab_shards, tile_width
+from rl_engine.temperature import TemperatureError, inverse_temperature
+from rl_engine.validators import choice_problem, int_problem, require
 
 
 class CaseError(ValueError):
@@ -379,30 +379,34 @@ class Case:
             + ("" if self.temperature == 1.0 else f"-temp{self.temperature:g}")
         )
 
-    @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> "Case":
-        """The case of a plan's or a report's ``case`` (a report's adds its topology: ``tp``, ``cp``)."""
-        return cls(**{key: value for key, value in record.items() if key not in ("tp", "cp")})
-
     def contract(self, tp: int = 1, cp: int = 1, tp_rank: int = 0, cp_rank: int = 0, *,
                  num_sequences: int | None = None, seq_len: int | None = None) -> Any:
         """The :class:`~rl_engine.logprob.contract.LogprobContract` of rank ``(tp_rank, cp_rank)`` of
         a ``tp x cp`` topology of this case: the one place a case becomes a contract (the runner's
         ranks, verify's replays, the GPU smoke's timing shape with ``num_sequences``/``seq_len``)."""
-        from rl_engine.logprob.contract import LogprobContract  # imports torch: not at parse time
-
-        return LogprobContract(
-            real_vocab_size=self.real_vocab, padded_vocab_size=self.padded_vocab,
-            num_vocab_tiles=self.num_vocab_tiles,
-            num_sequences=self.batch if num_sequences is None else num_sequences,
-            seq_len=self.seq if seq_len is None else seq_len,
-            tp_world_size=tp, tp_rank=tp_rank, cp_world_size=cp, cp_rank=cp_rank, cp_layout=self.cp_layout,
-            logits_dtype=self.dtype, temperature=self.temperature,
-        )
+        return record_contract(self.to_dict(), tp, cp, tp_rank, cp_rank, num_sequences=num_sequences, seq_len=seq_len)
 
     def check_topology(self, tp: int, cp: int) -> None:
         """Every reason a ``tp x cp`` run of this case cannot be made, before anything starts."""
         check_topology(tp, cp, **{name: getattr(self, name) for name in TOPOLOGY_FIELDS})
+
+
+def record_contract(record: Mapping[str, Any], tp: int = 1, cp: int = 1, tp_rank: int = 0, cp_rank: int = 0, *,
+                    num_sequences: int | None = None, seq_len: int | None = None) -> Any:
+    """:meth:`Case.contract` of a case record (a plan's or a report's ``case``, or an archive's, which
+    verify replays before trusting it as a :class:`Case`): only the fields a contract reads, each
+    checked by the contract itself."""
+    from rl_engine.logprob.contract import LogprobContract  # imports torch: not at parse time
+
+    return LogprobContract(
+        real_vocab_size=int(record["real_vocab"]), padded_vocab_size=int(record["padded_vocab"]),
+        num_vocab_tiles=int(record["num_vocab_tiles"]),
+        num_sequences=int(record["batch"]) if num_sequences is None else num_sequences,
+        seq_len=int(record["seq"]) if seq_len is None else seq_len,
+        tp_world_size=tp, tp_rank=tp_rank, cp_world_size=cp, cp_rank=cp_rank,
+        cp_layout=str(record.get("cp_layout", "contiguous")), logits_dtype=str(record["dtype"]),
+        temperature=float(record.get("temperature", 1.0)),
+    )
 
 
 def case_document(case: Case, topologies: Sequence[tuple[int, int]]) -> dict[str, Any]:

@@ -38,13 +38,22 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
-from types import FrameType
 from typing import Any, Mapping, TextIO
 
 from rl_engine import jsonio, schemas
 from rl_engine.campaign.case import CaseError
+from rl_engine.campaign.nodes import (
+    NodeLayout,
+    NodeLayoutError,
+    SlurmError,
+    SlurmJob,
+    free_port,
+    node_address,
+    node_name,
+    node_torchrun_argv,
+    srun_argv,
+)
 from rl_engine.campaign.plan import (
     EXIT_FAILED,
     EXIT_NO_REPORT,
@@ -56,17 +65,6 @@ from rl_engine.campaign.plan import (
     planned_runner_args,
     remove_outputs,
     report_path,
-)
-from rl_engine.campaign.nodes import (
-    NodeLayout,
-    NodeLayoutError,
-    SlurmError,
-    SlurmJob,
-    free_port,
-    node_address,
-    node_name,
-    node_torchrun_argv,
-    srun_argv,
 )
 from rl_engine.campaign.proctree import (
     EXIT_TIMEOUT,

@@ -23,13 +23,12 @@ import numpy as np
 import torch
 
 from rl_engine import spec_numpy
+from rl_engine.campaign.captured import case_inputs
+from rl_engine.campaign.case import record_contract
 from rl_engine.logprob.portable import SPEC_VERSION
 from rl_engine.logprob.registry import dispatch
-from rl_engine.tensorio import fingerprint
-from rl_engine.campaign.captured import case_inputs
-from rl_engine.campaign.case import Case
 from rl_engine.rundir import TENSOR_NAMES
-
+from rl_engine.tensorio import fingerprint
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ def replay_candidate(case: Mapping[str, Any], backend: str | None = None,
     if spec != SPEC_VERSION:
         return replay_numpy(case, spec, capture)
     logits, targets, active = case_inputs(case, capture)
-    contract = Case.from_record(case).contract()
+    contract = record_contract(case)
     op = dispatch(backend or str(case["backend"]), contract, "cpu").op
     x = logits.to(contract.torch_dtype).requires_grad_(True)
     out = op(x, targets, active, contract, compute_entropy=True)
@@ -100,7 +99,7 @@ def replay_numpy(case: Mapping[str, Any], spec: str, capture: str | os.PathLike[
         raise ReplayError(f"arithmetic_spec {spec!r} is not one this rl_engine can replay ({', '.join(spec_numpy.SPECS)}); "
                           "verify with an rl_engine that implements it")
     logits, targets, active = case_inputs(case, capture)
-    contract = Case.from_record(case).contract()
+    contract = record_contract(case)
     x = logits.to(contract.torch_dtype).contiguous()
     bits = x.view(torch.int16).numpy().view(np.uint16) if x.dtype == torch.bfloat16 else x.numpy()
     dtype = _NUMPY_DTYPES[str(case["dtype"])]

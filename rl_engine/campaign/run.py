@@ -38,28 +38,23 @@ limit). ``RL_ENGINE_FAULT`` injects failures for tests (:mod:`rl_engine.campaign
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import platform
 import socket
+import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rl_engine import jsonio, schemas
-from rl_engine.distributed.mesh import LaunchEnv, MeshError, destroy, init_mesh
-from rl_engine.logprob.portable import SPEC_VERSION
-from rl_engine.logprob.comparison import ComparisonError, drift_failures, oracle_drift
-from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
-from rl_engine.logprob.oracle import fp32_oracle
-from rl_engine.logprob.registry import dispatch
-from rl_engine.tensorio import DTYPE_NAMES, fingerprint, write_raw
+from rl_engine.campaign.captured import case_inputs, check_file
 from rl_engine.campaign.case import Case, CaseError
-from rl_engine.capture.format import CaptureError
+from rl_engine.campaign.faults import Fault, FaultError, fault_from_env
+from rl_engine.campaign.inputs import inputs_sha256, make_inputs
+from rl_engine.campaign.nodes import node_name
 from rl_engine.campaign.plan import (
     EXIT_FAILED,
     EXIT_NO_REPORT,
@@ -69,13 +64,17 @@ from rl_engine.campaign.plan import (
     remove_outputs,
     report_path,
 )
-from rl_engine.tables import SCHEMA_VERSION
-from rl_engine.rundir import TENSOR_NAMES, Topology, report_tensors
-from rl_engine.campaign.faults import Fault, FaultError, fault_from_env
-from rl_engine.campaign.captured import case_inputs, check_file
+from rl_engine.capture.format import CaptureError
 from rl_engine.capture.shard import rank_inputs
-from rl_engine.campaign.inputs import inputs_sha256, make_inputs
-from rl_engine.campaign.nodes import node_name
+from rl_engine.distributed.mesh import LaunchEnv, MeshError, destroy, init_mesh
+from rl_engine.logprob.comparison import ComparisonError, drift_failures, oracle_drift
+from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
+from rl_engine.logprob.oracle import fp32_oracle
+from rl_engine.logprob.portable import SPEC_VERSION
+from rl_engine.logprob.registry import dispatch
+from rl_engine.rundir import TENSOR_NAMES, Topology, report_tensors
+from rl_engine.tables import SCHEMA_VERSION
+from rl_engine.tensorio import DTYPE_NAMES, fingerprint, write_raw
 from rl_engine.verb_parsers import run_parser as build_parser
 
 MERGE_ORDER = (

@@ -6,7 +6,14 @@ transformers import); :mod:`rl_engine.capture.hf` captures from a transformers c
 """
 
 from rl_engine.capture.format import (
-    FORMAT, Capture, CaptureError, Header, build_metadata, read_capture, read_header, read_rows,
+    FORMAT,
+    Capture,
+    CaptureError,
+    Header,
+    build_metadata,
+    read_capture,
+    read_header,
+    read_rows,
     write_capture,
 )
 

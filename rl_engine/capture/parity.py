@@ -38,12 +38,12 @@ from typing import Any, Sequence
 import torch
 
 from rl_engine import jsonio, schemas
-from rl_engine.distributed.bounds import BoundsError, tile_width
-from rl_engine.rundir import PARITY_JSON, PARITY_PNG
-from rl_engine.tables import AUTO, BACKEND_DEVICES, EAGER_BACKEND, PARITY_RATIO_BOUNDS, SCHEMA_VERSION
 from rl_engine.capture.format import Capture, CaptureError, read_capture, read_header, read_tokens
+from rl_engine.distributed.bounds import BoundsError, tile_width
 from rl_engine.logprob import portable
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.rundir import PARITY_JSON, PARITY_PNG
+from rl_engine.tables import AUTO, BACKEND_DEVICES, EAGER_BACKEND, PARITY_RATIO_BOUNDS, SCHEMA_VERSION
 from rl_engine.tensorio import tensor_bytes
 from rl_engine.verb_parsers import parity_parser
 
@@ -514,5 +514,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(args.difference_exit_code)
 
 
-__all__ = ["Panel", "ParityError", "ParityOptions", "Tokens", "build_report", "check_pair", "check_same_tokens", "compute", "figure_panels", "headline",
-           "main", "run"]
+__all__ = ["Panel", "ParityError", "ParityOptions", "Tokens", "build_report", "check_pair", "check_same_tokens", "compute",
+           "figure_panels", "headline", "main", "run"]

@@ -18,7 +18,13 @@ import os
 import torch
 
 from rl_engine.capture.format import (
-    ACTIVE, LOGITS, TARGETS, CaptureError, Header, read_header, read_rows,
+    ACTIVE,
+    LOGITS,
+    TARGETS,
+    CaptureError,
+    Header,
+    read_header,
+    read_rows,
 )
 from rl_engine.logprob.contract import LogprobContract
 

@@ -15,8 +15,8 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from rl_engine.tables import DEFAULT_PG_TIMEOUT_S, DEVICE_DIST_BACKENDS
 from rl_engine.distributed.bounds import CP_LAYOUTS
+from rl_engine.tables import DEFAULT_PG_TIMEOUT_S, DEVICE_DIST_BACKENDS
 
 
 class MeshError(RuntimeError):

@@ -27,16 +27,16 @@ Every finding names the report and the field.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rl_engine.tables import GATING_ORACLE, ORACLES, TORCH_DTYPE_NAMES
-from rl_engine.rundir import TENSOR_NAMES, Finding, PlannedReport, field_path, get, inside, is_number, non_finite_numbers
 from rl_engine.jsonio import sha256_bytes, sha256_file
+from rl_engine.rundir import TENSOR_NAMES, Finding, PlannedReport, field_path, get, inside, is_number, non_finite_numbers
+from rl_engine.tables import GATING_ORACLE, ORACLES, TORCH_DTYPE_NAMES
 
 TENSOR_FINGERPRINTS: dict[str, str] = {name: f"candidate_{name}_sha256" for name in TENSOR_NAMES}
 QUANTITIES = ("lse", "dlogp")
@@ -215,14 +215,17 @@ def _check_drift(found: list[Finding], where: str, report: Any, case: dict[str, 
                 if not is_number(value):
                     found.append(Finding(where, field_path(base + (key,)), f"is {value!r}; must be a finite number"))
             if quantity in counts and stats.get("count") != counts[quantity]:
-                found.append(Finding(where, field_path(base + ("count",)), f"is {stats.get('count')!r}; the case has {counts[quantity]} {'rows' if quantity == 'lse' else 'active rows'}"))
+                found.append(Finding(where, field_path(base + ("count",)),
+                                     f"is {stats.get('count')!r}; the case has {counts[quantity]} "
+                                     f"{'rows' if quantity == 'lse' else 'active rows'}"))
             if oracle != GATING_ORACLE:
                 continue
             for key, want in (("atol", atol), ("rtol", rtol)):
                 if stats.get(key) != want:
                     found.append(Finding(where, field_path(base + (key,)), f"is {stats.get(key)!r} but the case states {key}={want!r}"))
             if stats.get("passed") is not True:
-                found.append(Finding(where, field_path(base + ("passed",)), f"is {stats.get('passed')!r}: drift against the FP32 oracle is outside tolerance"))
+                found.append(Finding(where, field_path(base + ("passed",)),
+                                     f"is {stats.get('passed')!r}: drift against the FP32 oracle is outside tolerance"))
             max_abs = stats.get("max_abs")
             if is_number(max_abs) and is_number(atol) and rtol == 0 and math.isfinite(max_abs) and max_abs > atol:
                 found.append(Finding(where, field_path(base + ("max_abs",)), f"{max_abs!r} exceeds atol {atol!r} (rtol 0)"))
@@ -252,12 +255,16 @@ def _check_topology(found: list[Finding], where: str, report: dict[str, Any], ca
                 found.append(Finding(where, field_path(base), "must be an object"))
                 continue
             if rank.get("actual_backend") != requested:
-                found.append(Finding(where, field_path(base + ("actual_backend",)), f"rank {rank.get('rank')!r} materialised {rank.get('actual_backend')!r}, requested {requested!r}"))
+                found.append(Finding(where, field_path(base + ("actual_backend",)),
+                                     f"rank {rank.get('rank')!r} materialised {rank.get('actual_backend')!r}, "
+                                     f"requested {requested!r}"))
             if rank.get("fallback") is not False:
-                found.append(Finding(where, field_path(base + ("fallback",)), f"rank {rank.get('rank')!r} recorded fallback={rank.get('fallback')!r}"))
+                found.append(Finding(where, field_path(base + ("fallback",)),
+                                     f"rank {rank.get('rank')!r} recorded fallback={rank.get('fallback')!r}"))
         nodes = {rank.get("node") for rank in ranks if isinstance(rank, dict)} if isinstance(ranks, list) else set()
         if ranks and topo.get("nnodes") != len(nodes):
-            found.append(Finding(where, "topology.nnodes", f"is {topo.get('nnodes')!r} but the ranks ran on {len(nodes)} distinct node(s) {sorted(map(str, nodes))}"))
+            found.append(Finding(where, "topology.nnodes", f"is {topo.get('nnodes')!r} but the ranks ran on {len(nodes)} "
+                                                           f"distinct node(s) {sorted(map(str, nodes))}"))
 
 
 def _check_fingerprints(found: list[Finding], where: str, report: dict[str, Any], case: dict[str, Any]) -> None:
@@ -272,10 +279,12 @@ def _check_fingerprints(found: list[Finding], where: str, report: dict[str, Any]
         if tokens is not None and fps.get("shape") != [tokens]:
             found.append(Finding(where, "bitwise_fingerprints.shape", f"is {fps.get('shape')!r}; batch*seq is {tokens}"))
         if tokens is not None and "padded_vocab" in case and fps.get("grad_shape") != [tokens, case["padded_vocab"]]:
-            found.append(Finding(where, "bitwise_fingerprints.grad_shape", f"is {fps.get('grad_shape')!r}; expected [{tokens}, {case['padded_vocab']}]"))
+            found.append(Finding(where, "bitwise_fingerprints.grad_shape",
+                                 f"is {fps.get('grad_shape')!r}; expected [{tokens}, {case['padded_vocab']}]"))
         want_grad = TORCH_DTYPE_NAMES.get(case.get("dtype", ""))
         if want_grad and fps.get("grad_dtype") != want_grad:
-            found.append(Finding(where, "bitwise_fingerprints.grad_dtype", f"is {fps.get('grad_dtype')!r}; {case.get('dtype')} logits give {want_grad} gradients"))
+            found.append(Finding(where, "bitwise_fingerprints.grad_dtype",
+                                 f"is {fps.get('grad_dtype')!r}; {case.get('dtype')} logits give {want_grad} gradients"))
 
 
 def _check_against_plan(found: list[Finding], where: str, report: dict[str, Any], case: dict[str, Any],

@@ -76,7 +76,8 @@ def crosscheck_run(run: Run, min_topologies: int = 2) -> tuple[dict[str, Any], l
     """Compare every planned report of ``run``; return crosscheck.json's content and findings."""
     found: list[Finding] = run.found(PLAN) + list(run.plan_findings)
     if run.plan is not None and len(run.planned) < min_topologies:
-        found.append(Finding(PLAN, "topologies", f"{len(run.planned)} planned topologies; the cross-topology check needs at least {min_topologies}"))
+        found.append(Finding(PLAN, "topologies", f"{len(run.planned)} planned topologies; the cross-topology check "
+                                                f"needs at least {min_topologies}"))
     rows: list[dict[str, Any]] = []
     for item, report in run.reports():
         found += run.found(item.file)

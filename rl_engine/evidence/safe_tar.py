@@ -237,7 +237,8 @@ def safe_extract(archive: Path, dest: Path, limits: Limits = Limits()) -> Extrac
                         dirs.append(clean)
                         continue
                     if len(parts) < 2:
-                        raise UnsafeArchiveError(f"member {quoted(name)} is a file at the top level; every file must be inside the top folder")
+                        raise UnsafeArchiveError(f"member {quoted(name)} is a file at the top level; every file must be "
+                                                 "inside the top folder")
                     if member.size > limits.max_member_bytes:
                         raise UnsafeArchiveError(
                             f"member {quoted(name)} declares {member.size} bytes, over the per-member limit of "

@@ -39,8 +39,8 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from rl_engine.campaign.case import CONFIG_FIELDS, OPTIONAL_FIELDS
 from rl_engine import jsonio
+from rl_engine.campaign.case import CONFIG_FIELDS, OPTIONAL_FIELDS
 from rl_engine.campaign.casename import RunNameError, pytest_args_of
 from rl_engine.campaign.plan import RUNNER_MODULE
 from rl_engine.evidence.spec_doc import SPEC_DOC

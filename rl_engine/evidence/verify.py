@@ -86,26 +86,41 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+if TYPE_CHECKING:  # annotations only: torch is imported on --recompute alone
+    import torch
+
 from rl_engine import jsonio, schemas
-from rl_engine.tables import MAX_THREADS_PER_RANK, SCHEMA_VERSION
+from rl_engine.campaign.casename import NOGIT, RunName, RunNameError, case_hash, evidence_resolved_case
 from rl_engine.evidence.acceptance import check_tensor_files
 from rl_engine.evidence.archive import SCHEMA_DIR, SUFFIX, SUMS, reviewing_text
-from rl_engine.campaign.casename import NOGIT, RunName, RunNameError, case_hash, evidence_resolved_case
 from rl_engine.evidence.crosscheck import crosscheck_run
 from rl_engine.evidence.members import unexpected_members
-from rl_engine.rundir import (ENVIRONMENT, PARITY_JSON, PLAN, REGRESSION, REVIEWING, SUMMARY, VALIDATION, Finding,
-                              PlannedReport, Run, inside, is_number)
 from rl_engine.evidence.safe_tar import MIB, Extracted, Limits, UnsafeArchiveError, safe_extract
 from rl_engine.evidence.spec_doc import SPEC_DOC, spec_problems
 from rl_engine.evidence.summary import UNPRINTABLE, SummaryError, regression_text, summary_text
 from rl_engine.evidence.terminal import terminal_text
 from rl_engine.evidence.validation import validate_run
+from rl_engine.rundir import (
+    ENVIRONMENT,
+    PARITY_JSON,
+    PLAN,
+    REGRESSION,
+    REVIEWING,
+    SUMMARY,
+    VALIDATION,
+    Finding,
+    PlannedReport,
+    Run,
+    inside,
+    is_number,
+)
+from rl_engine.tables import MAX_THREADS_PER_RANK, SCHEMA_VERSION
 
 RECOMPUTE_TOL = 1e-5
 RECOMPUTED_STATS = ("max_abs", "mean_abs", "p95_abs", "p99_abs")
@@ -513,9 +528,9 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
     the raw tensors."""
     import torch
 
-    from rl_engine.logprob.comparison import oracle_drift
     from rl_engine.campaign.captured import case_inputs, replay_source
     from rl_engine.campaign.inputs import inputs_sha256
+    from rl_engine.logprob.comparison import oracle_drift
 
     planned, msg = _planned(run)
     msg = msg or replay_bound(run, planned, max_logits)
@@ -636,10 +651,10 @@ def replay(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | None =
     """Recompute the candidate at TP=1 and require byte equality with every topology."""
     import torch
 
-    from rl_engine.tensorio import tensor_bytes
     from rl_engine.campaign.captured import replay_source
     from rl_engine.campaign.replay import ARITH_BACKENDS, REFERENCE_BACKEND, replay_candidate
     from rl_engine.rundir import TENSOR_NAMES
+    from rl_engine.tensorio import tensor_bytes
 
     name = "candidate replayed"
     planned, msg = _planned(run)
@@ -708,8 +723,11 @@ def schema_note(shipped: Path) -> Check:
                  "(checks above used the shipped ones)")
 
 
+DEFAULT_LIMITS = Limits()  # the archive bounds verify applies unless told otherwise
+
+
 def verify(archive: Path, *, recompute_drift: bool = False, skip_outer: bool = False,
-           limits: Limits = Limits(), accept_looser_tolerance: bool = False,
+           limits: Limits = DEFAULT_LIMITS, accept_looser_tolerance: bool = False,
            max_replay_logits: int = MAX_REPLAY_LOGITS, capture: Path | None = None) -> list[Check]:
     """Every check of the module docstring, in order; later checks are skipped after a refusal."""
     checks = [check_outer(archive, skip_outer)]

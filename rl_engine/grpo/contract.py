@@ -34,10 +34,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from rl_engine.validators import choice_problem, int_problem, require
 from rl_engine.distributed.bounds import token_indices
 from rl_engine.distributed.mesh import ParallelDims
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.validators import choice_problem, int_problem, require
 
 ADVANTAGE_MODES: tuple[str, ...] = ("group_mean_std", "group_mean")
 KL_ESTIMATORS: tuple[str, ...] = ("k3", "k1")

@@ -35,10 +35,10 @@ from rl_engine.grpo.objective import (
     reduce_tokens,
     token_terms,
 )
-from rl_engine.tables import AUTO
 from rl_engine.logprob.contract import LogprobContractError
 from rl_engine.logprob.registry import dispatch
 from rl_engine.logprob.vocab_parallel import real_rows_finite
+from rl_engine.tables import AUTO
 
 # auto: the fastest backend on the logits' device (Triton on cuda, fused C on cpu), every one
 # the same bytes; the choice and its reason are in the output's provenance

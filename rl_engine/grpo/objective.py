@@ -7,8 +7,8 @@ evaluates the same. That is what makes the loss, the statistics and the per-toke
 coefficients byte-identical whatever the TP, CP and DP degrees.
 
 The exponentials are the portable ``E`` of ``docs/arithmetic.md`` (section 9), so the loss
-bytes do not depend on the device's exp either. Sums use :func:`ordered_sum`, a pairwise fold whose grouping depends only on the length of the
-summed dimension (never ``torch.sum``, which regroups with the thread count). Counts are
+bytes do not depend on the device's exp either. Sums use :func:`ordered_sum`, a pairwise fold whose grouping
+depends only on the length of the summed dimension (never ``torch.sum``, which regroups with the thread count). Counts are
 integer sums (exact in any order).
 """
 

@@ -15,7 +15,8 @@ on the policy and the reference model (nothing else of TRL changes):
                                   train_dataset=dataset, processing_class=tokenizer)
 
 The head computes in its weight's dtype, autocast or not (``cast_lm_head_to_fp32``: float32):
-the arithmetic needs the logits' dtype fixed. What is refused, naming the setting: an LM head with a bias, a model whose config scales or caps
+the arithmetic needs the logits' dtype fixed. What is refused, naming the setting: an LM head with a
+bias, a model whose config scales or caps
 its logits (``final_logit_softcapping``, ``logit_scale`` and its relatives: the arithmetic would
 need that step specified first), and per-token outputs other than ``log_probs`` and ``entropy``.
 """
@@ -138,4 +139,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["RLEngineGRPOTrainer", "add_rl_engine_lm_head", "rl_engine_trainer"]
+__all__ = ["add_rl_engine_lm_head", "rl_engine_trainer"]  # and RLEngineGRPOTrainer, made on first use

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from rl_engine.tables import DEFAULT_TOLERANCES, GATING_ORACLE
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract
 from rl_engine.logprob.oracle import fp32_oracle, fp64_oracle
 from rl_engine.logprob.registry import Dispatch, dispatch
+from rl_engine.tables import DEFAULT_TOLERANCES, GATING_ORACLE
 from rl_engine.tensorio import DTYPE_NAMES, fingerprint
 
 REL_FLOOR = float(torch.finfo(torch.float32).tiny)

@@ -17,9 +17,6 @@ from typing import Any
 
 import torch
 
-from rl_engine.validators import choice_problem, int_problem, require
-from rl_engine.tables import DTYPES, MAX_TP, TORCH_DTYPE_NAMES
-from rl_engine.temperature import TemperatureError, inverse_temperature
 from rl_engine.distributed.bounds import (
     AUTO_TILES,
     CP_LAYOUTS,
@@ -30,6 +27,9 @@ from rl_engine.distributed.bounds import (
     even_vocab_shards,
     token_indices,
 )
+from rl_engine.tables import DTYPES, MAX_TP, TORCH_DTYPE_NAMES
+from rl_engine.temperature import TemperatureError, inverse_temperature
+from rl_engine.validators import choice_problem, int_problem, require
 
 LOGITS_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, TORCH_DTYPE_NAMES[name]) for name in DTYPES}
 DETERMINISM_SCOPES: tuple[str, ...] = ("cross_tp_bitwise", "fixed_topology")

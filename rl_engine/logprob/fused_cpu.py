@@ -35,16 +35,16 @@ from functools import lru_cache
 
 import torch
 
-from rl_engine.tables import FUSED_CPU_BACKEND
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.storage import require_readable
+from rl_engine.logprob.tiles import rows_finite
 from rl_engine.logprob.vocab_parallel import (
     BackwardTerms,
     LocalEngine,
     VocabParallelLogprob,
     real_local_columns,
 )
-from rl_engine.logprob.tiles import rows_finite
+from rl_engine.tables import FUSED_CPU_BACKEND
 
 FUSED_CPU_ID = FUSED_CPU_BACKEND
 MODULE = "rl_engine.logprob._fused_cpu"

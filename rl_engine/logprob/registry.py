@@ -19,7 +19,6 @@ from typing import Any, Callable
 
 import torch
 
-from rl_engine.tables import AUTO, BACKEND_DEVICES, DTYPES, INTERPRETER_DEVICES
 from rl_engine.logprob.contract import DETERMINISM_SCOPES, LogprobContract, LogprobContractError
 from rl_engine.logprob.fused_cpu import FUSED_CPU_ID, FusedCpuLogprob, kernel_unavailable
 from rl_engine.logprob.triton_backend import (
@@ -30,6 +29,7 @@ from rl_engine.logprob.triton_backend import (
     triton_unavailable,
 )
 from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
+from rl_engine.tables import AUTO, BACKEND_DEVICES, DTYPES, INTERPRETER_DEVICES
 
 
 class BackendUnavailableError(LogprobContractError):

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
 import subprocess
 import sys
@@ -190,7 +189,7 @@ def launch_variants(arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_ROWS,
                 if entropy:  # the backward does not depend on the forward's flags
                     groups.append(("backward", launches["backward"]))
                 for phase, group in groups:
-                    for i, launch in enumerate(group):
+                    for launch in group:
                         fn = getattr(kernels, launch.kernel)
                         sig, cx, attrs = launch_specialization(fn, launch, target)
                         flags = f"-entropy{int(entropy)}-validate{int(validate)}" if phase == "forward" else ""

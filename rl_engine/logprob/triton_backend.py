@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 
-from rl_engine.tables import TRITON_BACKEND, TRITON_MODE_ENV
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.vocab_parallel import (
     BackwardTerms,
@@ -48,6 +47,7 @@ from rl_engine.logprob.vocab_parallel import (
     VocabParallelLogprob,
     real_local_columns,
 )
+from rl_engine.tables import TRITON_BACKEND, TRITON_MODE_ENV
 
 TRITON_ID = TRITON_BACKEND
 MODES: tuple[str, ...] = ("compiled", "interpreter")

@@ -25,10 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rl_engine.tables import EAGER_BACKEND
 from rl_engine.distributed.mesh import group_geometry
-from rl_engine.logprob.chunk_threads import for_each_chunk
 from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device, tensor_digest
+from rl_engine.logprob.chunk_threads import for_each_chunk
 from rl_engine.logprob.contract import RANK_LOCAL_FIELDS, LogprobContract, LogprobContractError
 from rl_engine.logprob.portable import (
     ArithmeticEnvironmentError,
@@ -46,6 +45,7 @@ from rl_engine.logprob.tiles import (
     merge_tiles,
     rows_finite,
 )
+from rl_engine.tables import EAGER_BACKEND
 
 BACKEND_ID = EAGER_BACKEND
 

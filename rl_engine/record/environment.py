@@ -5,7 +5,8 @@
 * ``RUN/environment.json`` (``schemas/environment.schema.json``, validated before it is
   written): git commit, branch and dirty flag (:mod:`rl_engine.record.gitstate`: dirty when
   a tracked file changed or an untracked source file is not ignored; the number of untracked
-  files is recorded, and the untracked data files, which leave the tree clean, are listed), Python, torch and its CUDA build, CUDA availability, GPU count and names,
+  files is recorded, and the untracked data files, which leave the tree clean, are listed), Python,
+  torch and its CUDA build, CUDA availability, GPU count and names,
   NCCL and gloo availability, CPU model and count, hostname, platform and the versions of
   snakemake, jsonschema, rich, numpy, pyyaml and rl_engine;
 * ``RUN/environment.txt``: the raw output of the guide's commands (``git rev-parse HEAD``,

@@ -40,11 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from rl_engine import jsonio, schemas
+from rl_engine.campaign.proctree import EXIT_TIMEOUT, KILL_GRACE_S, StopSignals, stop_tree, supervise
 from rl_engine.record import reuse
 from rl_engine.rundir import JUNIT, PYTEST_LOG, REGRESSION
 from rl_engine.tables import SCHEMA_VERSION
-from rl_engine.campaign.proctree import EXIT_TIMEOUT, KILL_GRACE_S, StopSignals, stop_tree, supervise
-
 
 
 class RegressionStopped(RuntimeError):
