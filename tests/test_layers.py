@@ -1,6 +1,6 @@
 """No import runs up the layers: each module of rl_engine imports only its own layer or lower.
 
-The layers, lowest first (docs: /work/shared/DESIGN.md's layout):
+The layers, lowest first (docs/design.md has the table):
 
 0. the foundations: ``tables`` (the constant tables), ``validators``, ``jsonio``, ``schemas``, ``tensorio``,
    ``spec_numpy``, ``rundir`` (the run directory's names), ``temperature`` (the arithmetic's ``r``),
