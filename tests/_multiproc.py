@@ -106,6 +106,23 @@ def run_workers(
         raise ValueError(f"world_size={world_size!r} must be a positive integer")
     if threads < 1:
         raise ValueError(f"threads={threads!r} must be >= 1")
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _run_once(fn, world_size, args, timeout_s, threads, failure_grace_s)
+        except WorkerError as exc:
+            # the port free_port() chose was taken before rank 0 bound it (another process on a
+            # busy machine): the group never formed and nothing ran, so run again on a new port
+            lost_port = any("address already in use" in text.lower() for text in exc.failures.values())
+            if not lost_port or attempt == PORT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+PORT_ATTEMPTS = 3
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout_s: float, threads: int,
+              failure_grace_s: float) -> list[Any]:
     ctx = _context()
     results = ctx.Queue()
     port = free_port()

@@ -421,7 +421,11 @@ def render_png(report: dict[str, Any]) -> bytes:
     for i, panel in enumerate(panels, start=1):
         ax = fig.add_subplot(rows, FIGURE_COLUMNS, i)
         if panel.values:
-            ax.hist(panel.values, bins=min(50, max(1, len(set(panel.values)))), color="tab:blue")
+            distinct = sorted(set(panel.values))
+            # one distinct value: an explicit range around it (numpy's +-0.5 vanishes at 3e38)
+            span = None if len(distinct) > 1 else (distinct[0] - max(abs(distinct[0]) * 1e-3, 0.5),
+                                                  distinct[0] + max(abs(distinct[0]) * 1e-3, 0.5))
+            ax.hist(panel.values, bins=min(50, len(distinct)), range=span, color="tab:blue")
         else:
             ax.text(0.5, 0.5, "no value to plot", transform=ax.transAxes, ha="center", fontsize=12)
         ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # headroom for the counts written at the top
