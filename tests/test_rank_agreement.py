@@ -324,3 +324,32 @@ def test_a_single_rank_group_exchanges_nothing_and_raises_its_own_verdict() -> N
     agree(CallRecord("selected_logprob", None, ()), None, torch.device("cpu"))
     with pytest.raises(LogprobContractError, match="^my own problem$"):
         agree(CallRecord("selected_logprob", "my own problem", ()), None, torch.device("cpu"))
+
+
+def _rank_of_world(rank: int) -> int:
+    import torch.distributed as dist
+
+    from rl_engine.distributed.mesh import init_mesh
+
+    init_mesh(tp=2, cp=1, timeout_s=30)
+    return dist.get_rank()
+
+
+def test_run_workers_runs_again_when_its_port_was_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The port ``free_port`` picks can be taken before rank 0 binds it (another process on a busy
+    machine: it happened beside a second copy of the suite). Here the first port is held by a
+    listening socket: the group cannot form, and ``run_workers`` runs again on a fresh port."""
+    import socket
+
+    import _multiproc
+
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    ports = iter([held.getsockname()[1]])
+    real = _multiproc.free_port
+    monkeypatch.setattr(_multiproc, "free_port", lambda: next(ports, None) or real())
+    try:
+        assert _multiproc.run_workers(_rank_of_world, 2, timeout_s=60, failure_grace_s=2.0) == [0, 1]
+    finally:
+        held.close()
