@@ -118,3 +118,17 @@ def refusal_messages(ops: list[Any], bad_value: float) -> list[str]:
             op(x, targets, active, contract)
         messages.append(str(info.value))
     return messages
+
+
+def tp4_and_tp2cp2_contracts(rank: int, real: int, padded: int, tiles: int, temperature: float) -> Any:
+    """Rank ``rank`` of a 4-rank gloo world (``init_mesh(tp=4)`` done by the caller): ``(tp, cp, group,
+    contract)`` for TP=4 and for TP=2 x CP=2 zigzag, two sequences of four bf16 tokens."""
+    import torch.distributed as dist
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    for tp, cp, group in ((4, 1, dist.group.WORLD), (2, 2, pairs[rank // 2])):
+        cp_rank, tp_rank = divmod(rank, tp)
+        yield tp, cp, group, LogprobContract(
+            real_vocab_size=real, padded_vocab_size=padded, num_vocab_tiles=tiles, num_sequences=2, seq_len=4,
+            tp_world_size=tp, tp_rank=tp_rank, cp_world_size=cp, cp_rank=cp_rank,
+            cp_layout="zigzag" if cp > 1 else "contiguous", logits_dtype="bf16", temperature=temperature)

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from rl_engine import spec_numpy
 from rl_engine.distributed.mesh import init_mesh
@@ -27,7 +26,7 @@ from rl_engine.logprob.hidden import selected_logprob_from_hidden
 from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
 from rl_engine.tensorio import tensor_bytes
 
-from _byte_cases import _contract, _inputs
+from _byte_cases import _contract, _inputs, tp4_and_tp2cp2_contracts
 from _multiproc import run_workers
 
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
@@ -132,15 +131,8 @@ def test_a_loss_without_the_entropy_keeps_its_bytes() -> None:
 
 def _tp_worker(rank: int, case: dict[str, Any]) -> dict[Any, Any]:
     init_mesh(tp=4, cp=1, timeout_s=60)
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     out: dict[Any, Any] = {}
-    for tp, cp, group in ((4, 1, dist.group.WORLD), (2, 2, pairs[rank // 2])):
-        cp_rank, tp_rank = divmod(rank, tp)
-        contract = LogprobContract(real_vocab_size=case["real"], padded_vocab_size=case["padded"],
-                                   num_vocab_tiles=case["tiles"], num_sequences=2, seq_len=4, tp_world_size=tp,
-                                   tp_rank=tp_rank, cp_world_size=cp, cp_rank=cp_rank,
-                                   cp_layout="zigzag" if cp > 1 else "contiguous", logits_dtype="bf16",
-                                   temperature=case["temperature"])
+    for tp, cp, group, contract in tp4_and_tp2cp2_contracts(rank, case["real"], case["padded"], case["tiles"], case["temperature"]):
         rows = torch.tensor(contract.token_indices, dtype=torch.int64)
         local = case["x"][rows, contract.vocab_start:contract.vocab_end].contiguous().requires_grad_(True)
         res = VocabParallelLogprob()(local, case["targets"][rows], case["active"][rows], contract, group=group,

@@ -15,18 +15,17 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from rl_engine import spec_numpy
 from rl_engine.distributed.mesh import init_mesh
 from rl_engine.logprob.api import selected_logprob
-from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.logprob.contract import LogprobContractError
 from rl_engine.logprob.fused_cpu import FusedCpuLogprob, kernel_unavailable
 from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
 from rl_engine.temperature import TemperatureError, inverse_temperature, rn32
 from rl_engine.tensorio import tensor_bytes
 
-from _byte_cases import _contract, _inputs, _run
+from _byte_cases import _contract, _inputs, _run, tp4_and_tp2cp2_contracts
 from _multiproc import run_workers
 
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
@@ -131,16 +130,9 @@ def test_the_result_is_the_logprob_of_the_scaled_logits() -> None:
 def _tp_worker(rank: int, case: dict) -> dict:
     """Rank ``rank`` of TP=4 (and of TP=2 x CP=2, zigzag): its outputs and gradient at ``T = 0.7``."""
     init_mesh(tp=4, cp=1, timeout_s=60)
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     x, targets, active = case["x"], case["targets"], case["active"]
     out = {}
-    for tp, cp, group in ((4, 1, dist.group.WORLD), (2, 2, pairs[rank // 2])):
-        cp_rank, tp_rank = divmod(rank, tp)
-        contract = LogprobContract(real_vocab_size=case["real"], padded_vocab_size=case["padded"],
-                                   num_vocab_tiles=case["tiles"], num_sequences=2, seq_len=4, tp_world_size=tp,
-                                   tp_rank=tp_rank, cp_world_size=cp, cp_rank=cp_rank,
-                                   cp_layout="zigzag" if cp > 1 else "contiguous", logits_dtype="bf16",
-                                   temperature=0.7)
+    for tp, cp, group, contract in tp4_and_tp2cp2_contracts(rank, case["real"], case["padded"], case["tiles"], 0.7):
         rows = torch.tensor(contract.token_indices, dtype=torch.int64)
         local = x[rows, contract.vocab_start:contract.vocab_end].contiguous().requires_grad_(True)
         res = VocabParallelLogprob()(local, targets[rows], active[rows], contract, group=group, compute_entropy=True)
