@@ -62,7 +62,7 @@ from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.rundir import LOGS, PLAN, Run, Topology
 from rl_engine.tables import BENCH_PHASES, DEVICE_DIST_BACKENDS, EAGER_BACKEND, SCHEMA_VERSION, TRITON_BACKEND
 from rl_engine.verb_parsers import gpu_smoke_parser as build_parser
-from rl_engine.workflow import WorkflowConfigError, case_values, load_config, parse_topologies
+from rl_engine.workflow import WorkflowConfigError, case_values, config_topologies, load_config
 
 FIELDS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256",
           "candidate_grad_sha256")
@@ -104,7 +104,7 @@ def campaign_backends(config: dict[str, Any], device: str, requested: str | None
 
 
 def _fitting(config: dict[str, Any], max_ranks: int | None) -> tuple[list[tuple[int, int]], list[str]]:
-    pairs = [(t.tp, t.cp) for t in parse_topologies(config["topologies"])]
+    pairs = [(t.tp, t.cp) for t in config_topologies(config)]
     if max_ranks is None:
         return pairs, []
     fit = [(tp, cp) for tp, cp in pairs if tp * cp <= max_ranks]

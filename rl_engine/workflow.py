@@ -41,7 +41,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from rl_engine import jsonio, schemas
-from rl_engine.campaign import case as campaign_case
 from rl_engine.campaign.case import (
     TOPOLOGY_FIELDS,
     Case,
@@ -49,22 +48,21 @@ from rl_engine.campaign.case import (
     case_document,
     case_problems,
     check_topology,
+    config_case_fields,
+    config_key_of,
     matrix_problem,
+    parse_topologies,
 )
-from rl_engine.campaign.casename import NOGIT, RunName, case_hash, parity_identity, resolved_case
+from rl_engine.campaign.casename import NOGIT, RunName, parity_identity
 from rl_engine.campaign.nodes import NodeLayout, fitting_ranks_per_node, layout_problem
 from rl_engine.distributed.bounds import BoundsError, auto_vocab_tiles
 from rl_engine.record.gitstate import GitStateError, read_git_state
 from rl_engine.record.sources import source_digest  # noqa: F401 (the Snakefile's: the sources rule's param)
 from rl_engine.rundir import Stage, Topology, run_stages, stages, topology_rule_files  # noqa: F401 (the Snakefile's)
-from rl_engine.tables import DEVICE_DIST_BACKENDS
 
 RUNTIME_MARGIN_MIN = 5  # a topology job's Slurm time limit beyond topology_timeout_s
 MEM_MB_PER_RANK = 2000  # a topology job's memory per node: this per rank on the node, plus the launchers'
 MEM_MB_LAUNCH = 1000
-# Case fields held under another config key (atol/rtol: tolerances.<dtype>.atol/rtol).
-# Case field -> the config key that holds it, where the names differ (campaign.case.CONFIG_FIELDS)
-CONFIG_KEYS = {"dist_backend": "device", **{field: key for key, field in campaign_case.CONFIG_FIELDS if key != field}}
 
 
 class WorkflowConfigError(ValueError):
@@ -140,10 +138,12 @@ def _non_finite(value: Any) -> list[tuple[str, float]]:
     return [(_key(path), leaf) for path, leaf in jsonio.find_leaves(value, jsonio.is_non_finite_float)]
 
 
-def parse_topologies(items: list[str]) -> list[Topology]:
-    """The config's ``topologies`` (``"<tp>x<cp>"`` strings), parsed by the runner's parser."""
+def config_topologies(config: Mapping[str, Any]) -> list[Topology]:
+    """The config's ``topologies`` (``"<tp>x<cp>"`` strings) as run-directory topologies, parsed by
+    the case's parser (:func:`rl_engine.campaign.case.parse_topologies`)."""
+    items = config["topologies"]
     try:
-        return [Topology(tp, cp) for tp, cp in campaign_case.parse_topologies(items)]
+        return [Topology(tp, cp) for tp, cp in parse_topologies(items)]
     except CaseError as exc:
         raise WorkflowConfigError(f"config key 'topologies' has value {items!r}: {exc}") from None
 
@@ -265,30 +265,9 @@ def stage_flags(config: dict[str, Any]) -> dict[str, bool]:
 
 
 def case_values(config: dict[str, Any], origin: Origin = Origin()) -> dict[str, Any]:
-    """The runner's :class:`Case` fields as the plan rule passes them (tolerances of the dtype;
-    ``capture`` only on a capture: :func:`config_capture`)."""
-    capture = config_capture(config, origin)
-    tolerance = config["tolerances"].get(config["dtype"], {})
-    optional = campaign_case.OPTIONAL_FIELDS
-    return {
-        **{field: config[key] for key, field in campaign_case.CONFIG_FIELDS if field not in optional},
-        "dist_backend": DEVICE_DIST_BACKENDS.get(config["device"], ""),
-        "atol": tolerance.get("atol"),
-        "rtol": tolerance.get("rtol"),
-        **({} if capture is None else {"capture": capture}),
-        # absent at 1 (Case's default): a case without a temperature hashes as before it existed
-        **({"temperature": float(config["temperature"])} if config.get("temperature", 1) != 1 else {}),
-    }
-
-
-def _config_key(field: str, config: dict[str, Any]) -> tuple[str, Any]:
-    """The config key that holds a Case field, and its value there."""
-    if field in ("atol", "rtol"):
-        return f"tolerances.{config['dtype']}.{field}", config["tolerances"][config["dtype"]][field]
-    if field == "capture":
-        return "inputs.capture", config["inputs"]["capture"]
-    key = CONFIG_KEYS.get(field, field)
-    return key, config[key]
+    """The :class:`Case` fields of a schema-valid config (:func:`rl_engine.campaign.case.config_case_fields`),
+    with the record of its capture (:func:`config_capture`: the file is read here)."""
+    return config_case_fields(config, config_capture(config, origin))
 
 
 REGRESSION_ROOT = "tests"  # the focused regression runs test files of the checkout's tests/ only
@@ -337,9 +316,9 @@ def _campaign_problems(config: dict[str, Any], origin: Origin) -> list[str]:
         broken.add(case_field)
         if case_field in ("atol", "rtol") and not has_tolerance:
             continue  # already reported: the whole entry is missing
-        key, value = _config_key(case_field, config)
+        key, value = config_key_of(case_field, config)
         problems.append(f"{origin.describe(key, value)}: {message}")
-    pairs = parse_topologies(config["topologies"])
+    pairs = config_topologies(config)
     if not broken & set(TOPOLOGY_FIELDS):  # the topology rules need those fields valid
         for index, topo in enumerate(pairs):
             try:
@@ -440,7 +419,7 @@ def resolve_auto_tiles(config: dict[str, Any], origin: Origin = Origin()) -> Non
     count itself: ``auto`` and the count it resolves to are the same run."""
     if config.get("num_vocab_tiles") != "auto":
         return
-    max_tp = max(t.tp for t in parse_topologies(config["topologies"]))
+    max_tp = max(t.tp for t in config_topologies(config))
     try:
         config["num_vocab_tiles"] = auto_vocab_tiles(config["padded_vocab"], max_tp)
     except BoundsError as exc:
@@ -500,11 +479,11 @@ def load_config(path: str | Path) -> dict[str, Any]:
 
 
 def config_case_hash(config: dict[str, Any]) -> str:
-    """The case hash (:mod:`rl_engine.campaign.casename`) of a checked config (a capture's path does not
-    count; a ``parity:`` section's captures and options do, by hash)."""
+    """The case hash (:meth:`rl_engine.campaign.case.Case.run_hash`) of a checked config (a capture's
+    path does not count; a ``parity:`` section's captures and options do, by hash)."""
     regression = config["regression"]
-    return case_hash(resolved_case(case_values(config), config["topologies"], regression["tests"],
-                                   regression.get("pytest_args", []), config_parity(config)))
+    return Case.from_config(config, config_capture(config)).run_hash(config["topologies"], regression["tests"],
+                                                regression.get("pytest_args", []), config_parity(config))
 
 
 def run_name(config: dict[str, Any], repo: str | Path) -> str:
@@ -527,8 +506,8 @@ def run_name(config: dict[str, Any], repo: str | Path) -> str:
 
 def config_case(config: dict[str, Any]) -> dict[str, Any]:
     """The case file's JSON of a checked config: what the case rule writes to case.json."""
-    topologies = tuple((t.tp, t.cp) for t in parse_topologies(config["topologies"]))
-    return case_document(Case(**case_values(config)), topologies)
+    topologies = tuple((t.tp, t.cp) for t in config_topologies(config))
+    return case_document(Case.from_config(config, config_capture(config)), topologies)
 
 
 # ----- GPU accounting ----------------------------------------------------------------------
@@ -599,7 +578,7 @@ def provide_gpus(workflow: Any, config: dict[str, Any]) -> int | None:
         f"{topology_gpus('cuda', topo.tp, topo.cp)} GPUs (one per rank) but {provided} are provided ({source}); "
         "Snakemake would scale the claim down and start ranks without a GPU: drop the topology, run on a node "
         "with that many GPUs, or set --resources gpus=N for a cluster"
-        for index, topo in enumerate(parse_topologies(config["topologies"]))
+        for index, topo in enumerate(config_topologies(config))
         if topology_gpus("cuda", topo.tp, topo.cp) > provided
     ]
     if problems:

@@ -260,7 +260,7 @@ def test_a_parity_section_is_a_stage_named_by_its_captures_hashes_and_absent_cha
 
     import yaml
 
-    from rl_engine.campaign.casename import case_hash, resolved_case
+    from rl_engine.campaign.case import case_hash
     from rl_engine.workflow import case_values, check_config, config_case_hash, stage_flags
 
     config = check_config(_parity_config(tmp_path))
@@ -279,8 +279,8 @@ def test_a_parity_section_is_a_stage_named_by_its_captures_hashes_and_absent_cha
     default = check_config(yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text()))
     assert stage_flags(default) == {"capture": False, "parity": False}
     regression = default["regression"]
-    assert config_case_hash(default) == case_hash(resolved_case(case_values(default), default["topologies"],
-                                                                regression["tests"], regression["pytest_args"]))
+    assert config_case_hash(default) == case_hash(case_values(default), default["topologies"],
+                                                  regression["tests"], regression["pytest_args"])
 
 
 @pytest.mark.parametrize("change, named", [
@@ -366,7 +366,7 @@ def capture_archive(capture_run, tmp_path_factory: pytest.TempPathFactory) -> di
     import shutil
 
     from rl_engine import jsonio
-    from rl_engine.campaign.casename import RunName, case_hash, evidence_resolved_case
+    from rl_engine.campaign.casename import RunName, evidence_case_hash
     from rl_engine.rundir import CAPTURE
 
     from _capture_case import write_trainer_side
@@ -388,8 +388,8 @@ def capture_archive(capture_run, tmp_path_factory: pytest.TempPathFactory) -> di
     for verb, out in (("validate", "validation.json"), ("crosscheck", "crosscheck.json"), ("summary", "SUMMARY.md")):
         assert cli.main([verb, "--run-dir", str(run_dir), "--output", str(run_dir / out)]) == 0, verb
     git = jsonio.load(run_dir / "environment.json")["git"]
-    digest = case_hash(evidence_resolved_case(jsonio.load(run_dir / "plan.json"), jsonio.load(run_dir / "regression.json"),
-                                              jsonio.load(run_dir / "parity.json")))
+    digest = evidence_case_hash(jsonio.load(run_dir / "plan.json"), jsonio.load(run_dir / "regression.json"),
+                                jsonio.load(run_dir / "parity.json"))
     name = RunName("capture", git.get("short_commit") or "nogit", git.get("dirty") is True, digest)
     archive = base / "out" / f"{name}.tar.gz"
     assert _pack(run_dir, archive) == 0

@@ -132,32 +132,103 @@ def test_snakefile_case_json_is_the_config_case() -> None:
     assert [f"{tp}x{cp}" for tp, cp in topologies] == config["topologies"]
 
 
-def _contracts_from_a_case(source: str) -> list[str]:
-    """Calls of ``LogprobContract(...)`` whose arguments read a case (``case.x``, ``case["x"]``)."""
+# What only the case module may name: the config-key table, the resolved case, the capture
+# fields the hash leaves out, the one config key whose case field has another name.
+CASE_OWNED_NAMES = ("CONFIG_FIELDS", "OPTIONAL_FIELDS", "resolved_case", "CAPTURE_INFO_KEYS", "FLOAT_FIELDS")
+CASE_OWNED_LITERALS = ("pg_timeout_s",)
+
+
+def _derived_outside_the_case(source: str, module: str) -> list[str]:
+    """What a module other than ``campaign/case.py`` derives from a case itself: a
+    ``LogprobContract(...)`` whose arguments read a case (``case.x``, ``case["x"]``), a name of
+    :data:`CASE_OWNED_NAMES`, a literal of :data:`CASE_OWNED_LITERALS`, or the input recipe called
+    outside ``campaign/captured.py`` (the recipe-or-capture branch)."""
     import ast
 
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "LogprobContract":
+        if isinstance(node, ast.Call):
+            name = getattr(node.func, "id", getattr(node.func, "attr", None))
             args = [ast.unparse(a) for a in node.args] + [ast.unparse(k.value) for k in node.keywords]
-            if any(a.startswith(("case.", "case[")) or "case." in a for a in args):
-                found.append(ast.unparse(node)[:120])
+            if name == "LogprobContract" and any(a.startswith(("case.", "case[")) or "case." in a for a in args):
+                found.append(f"contract: {ast.unparse(node)[:100]}")
+            if ast.unparse(node.func) == "inputs.make_inputs" and module != "campaign/captured.py":
+                found.append("the input recipe called outside campaign.captured")
+        elif isinstance(node, ast.ImportFrom) and node.module == "rl_engine.campaign.inputs":
+            found += [f"imports {a.name}" for a in node.names if a.name == "make_inputs"]
+        if isinstance(node, (ast.Name, ast.Attribute, ast.alias)):
+            name = getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None)
+            if name in CASE_OWNED_NAMES:
+                found.append(f"names {name}")
+        elif isinstance(node, ast.Constant) and node.value in CASE_OWNED_LITERALS:
+            found.append(f"the config key {node.value!r}")
     return found
 
 
 def test_only_the_case_turns_a_case_into_a_contract_and_maps_config_keys() -> None:
-    """``Case.contract`` is the one place a case becomes a ``LogprobContract`` (the runner's ranks,
-    verify's replays and the GPU smoke call it), and ``case.CONFIG_FIELDS`` the one mapping between
-    config keys and case fields (the workflow and SUMMARY.md's reproduce.yaml read it)."""
+    """``campaign/case.py`` owns what a case determines: ``Case.contract`` is the one place a case
+    becomes a ``LogprobContract`` (the runner's ranks, verify's replays, the GPU smoke),
+    ``CONFIG_FIELDS`` the one mapping between config keys and case fields (``Case.from_config``,
+    ``config_key_of``, ``record_config``: the workflow and SUMMARY.md's reproduce.yaml), the case
+    hash is built there only, and the recipe-or-capture branch of a case's inputs is
+    ``campaign/captured.py``'s (``Case.inputs``, ``Case.rank_inputs``)."""
     root = REPO / "rl_engine"
-    offenders = {str(p.relative_to(root)): found for p in root.rglob("*.py")
-                 if p != root / "campaign" / "case.py" and (found := _contracts_from_a_case(p.read_text()))}
+    offenders = {}
+    for path in root.rglob("*.py"):
+        module = path.relative_to(root).as_posix()
+        if module != "campaign/case.py" and (found := _derived_outside_the_case(path.read_text(), module)):
+            offenders[module] = found
     assert offenders == {}
-    assert _contracts_from_a_case("c = LogprobContract(real_vocab_size=case.real_vocab, seq_len=4)")  # control
-    mapped = {p.relative_to(root).as_posix() for p in root.rglob("*.py") if '"pg_timeout_s", "timeout_s"' in p.read_text()
-              or "(\"pg_timeout_s\", \"timeout_s\")" in p.read_text()}
-    assert mapped == {"campaign/case.py"}
+    controls = {  # each way a second owner would come back
+        "c = LogprobContract(real_vocab_size=case.real_vocab, seq_len=4)": "contract",
+        "keys = {k: f for k, f in CONFIG_FIELDS}": "names CONFIG_FIELDS",
+        "from rl_engine.campaign.case import resolved_case": "names resolved_case",
+        "timeout = config['pg_timeout_s']": "the config key",
+        "x = inputs.make_inputs(case)": "the input recipe",
+        "from rl_engine.campaign.inputs import make_inputs": "imports make_inputs",
+    }
+    for snippet, what in controls.items():
+        assert any(what in f for f in _derived_outside_the_case(snippet, "campaign/run.py")), snippet
     case = Case.create(**SMALL, temperature=0.7)
     contract = case.contract(2, 2, 1, 0)
     assert (contract.tp_world_size, contract.tp_rank, contract.cp_world_size, contract.temperature) == (2, 1, 2, 0.7)
     assert contract.num_sequences == case.batch and contract.seq_len == case.seq
+
+
+def test_the_run_name_and_verify_hash_the_case_through_one_builder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workflow's run name (from the config) and verify's check of it (from the evidence) call
+    the case module's one hash builder; the default config's case hash is the one every run of it
+    has carried (a change of the builder that moved it would rename every run and fail every
+    archive's run-name check)."""
+    from rl_engine.campaign import casename
+
+    config = wfconfig.load_config(REPO / "config.yaml")
+    assert wfconfig.config_case_hash(config) == "c7d2b29e"
+    calls: list[str] = []
+    real = casemod.case_hash
+    monkeypatch.setattr(casemod, "case_hash", lambda *a, **k: calls.append("hash") or real(*a, **k))
+    named = wfconfig.config_case_hash(config)
+    assert calls == ["hash"]
+    document = wfconfig.config_case(config)
+    plan = {"case": document["case"], "topologies": document["topologies"]}
+    tests = config["regression"]["tests"]
+    regression = {"tests": tests, "command": " ".join(["python -m pytest -q -rs", *tests, "--junitxml=j.xml"])}
+    assert config["regression"]["pytest_args"] == []
+    assert casename.evidence_case_hash(plan, regression) == named
+    assert calls == ["hash", "hash"]
+
+
+def test_a_case_goes_to_its_config_keys_and_back() -> None:
+    """``Case.from_config`` and ``Case.to_config`` are inverses over the config keys they share
+    (the default config, and a case with a temperature, which is absent from a case at 1)."""
+    config = wfconfig.load_config(REPO / "config.yaml")
+    for temperature in (1, 0.7):
+        given = {**config, "temperature": temperature}
+        case = Case.from_config(given)
+        back = case.to_config([(1, 1), (2, 1)])
+        assert {k: given[k] for k, _ in casemod.CONFIG_FIELDS if k in back} == {k: back[k] for k, _ in casemod.CONFIG_FIELDS if k in back}
+        assert ("temperature" in back) == (temperature != 1)
+        assert back["tolerances"] == {config["dtype"]: config["tolerances"][config["dtype"]]}
+        assert Case.from_config({**config, **back}) == case
+        assert casemod.config_key_of("timeout_s", given) == ("pg_timeout_s", config["pg_timeout_s"])
+        assert casemod.config_key_of("dist_backend", given) == ("device", config["device"])

@@ -473,7 +473,7 @@ def test_summary_has_the_reproduction_section_and_every_skip_reason(good_run: Pa
     from snakemake.utils import update_config
 
     from rl_engine import workflow as wfconfig
-    from rl_engine.campaign.casename import case_hash, evidence_resolved_case
+    from rl_engine.campaign.casename import evidence_case_hash
 
     text = (good_run / "SUMMARY.md").read_text()
     env, plan = jsonio.load(good_run / "environment.json"), jsonio.load(good_run / "plan.json")
@@ -496,7 +496,7 @@ def test_summary_has_the_reproduction_section_and_every_skip_reason(good_run: Pa
     reproduce = yaml.safe_load("\n".join(line[4:] for line in block.splitlines()))
     config = yaml.safe_load((Path(__file__).resolve().parent.parent / "config.yaml").read_text())
     update_config(config, reproduce)
-    assert wfconfig.config_case_hash(config) == case_hash(evidence_resolved_case(plan, reg))
+    assert wfconfig.config_case_hash(config) == evidence_case_hash(plan, reg)
     # negative controls: no skip, and an unreadable JUnit XML, say so instead of a table
     (run / "pytest-junit.xml").write_text(
         (run / "pytest-junit.xml").read_text().replace('skipped="1"', 'skipped="0"').split("<testcase", 1)[0]

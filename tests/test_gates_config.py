@@ -20,7 +20,7 @@ import yaml
 
 from rl_engine import workflow as wfconfig
 from rl_engine.campaign import case as campaign
-from rl_engine.campaign.casename import RunName, RunNameError, case_hash, evidence_resolved_case, pytest_args_of
+from rl_engine.campaign.casename import RunName, RunNameError, evidence_case_hash, pytest_args_of
 from rl_engine.campaign.plan import build_plan
 from rl_engine.campaign.plan import main as plan_main
 from rl_engine.record import environment
@@ -374,9 +374,9 @@ def test_case_hash_of_the_evidence_is_the_hash_of_the_config(tmp_path: Path) -> 
     plan = json.loads(json.dumps(plan))  # as read back from disk
     command = "python -m pytest -q -rs tests/a.py tests/b.py -x -k 'a b' --junitxml=results/r/pytest-junit.xml"
     regression = {"tests": ["tests/a.py", "tests/b.py"], "command": command}
-    assert case_hash(evidence_resolved_case(plan, regression)) == wfconfig.config_case_hash(config)
+    assert evidence_case_hash(plan, regression) == wfconfig.config_case_hash(config)
     regression["command"] = command.replace(" -x", "")
-    assert case_hash(evidence_resolved_case(plan, regression)) != wfconfig.config_case_hash(config)
+    assert evidence_case_hash(plan, regression) != wfconfig.config_case_hash(config)
     with pytest.raises(RunNameError, match="is not 'python -m pytest -q -rs <tests> \\[args\\]"):
         pytest_args_of({"tests": ["tests/a.py"], "command": "pytest tests/a.py"})
 

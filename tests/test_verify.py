@@ -20,13 +20,13 @@ from typing import Any, Callable
 
 import pytest
 
-from rl_engine import jsonio, schemas
-from rl_engine.campaign.casename import RunName, case_hash, evidence_resolved_case
+from rl_engine import jsonio
+from rl_engine.campaign.casename import RunName, evidence_case_hash
 from rl_engine.evidence import archive, safe_tar, summary, verify
 from rl_engine.logprob.comparison import default_tolerance
 from rl_engine.rundir import Run
 
-from _archive_util import Entry, Good, Sandbox, make_sandbox
+from _archive_util import Entry, Good, Sandbox, file_entry, make_sandbox, resummed, run_verify, write_archive
 from _evidence_run import pack
 
 
@@ -40,19 +40,6 @@ def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Sandbox:
     return make_sandbox(tmp_path, monkeypatch)
 
 
-def run_verify(path: Path, box: Sandbox, capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, str, dict[str, Any]]:
-    out = box.root / "verify.json"
-    out.unlink(missing_ok=True)
-    code = verify.main([str(path), "--json", str(out), *flags])
-    captured = capsys.readouterr()
-    assert list(box.tmp.iterdir()) == [], "verify left files in its temporary directory"
-    assert list(box.cwd.iterdir()) == [], "verify wrote into the working directory"
-    result = jsonio.load(out)
-    assert schemas.errors(result, "verify") == []
-    assert result["passed"] is (code == 0)
-    return code, captured.out + captured.err, result
-
-
 def status(result: dict[str, Any]) -> dict[str, str]:
     return {c["name"]: c["status"] for c in result["checks"]}
 
@@ -60,26 +47,6 @@ def status(result: dict[str, Any]) -> dict[str, str]:
 def problems(result: dict[str, Any], name: str) -> str:
     check = [c for c in result["checks"] if c["name"] == name][0]
     return "\n".join([check["detail"], *check["problems"]])
-
-
-def write_archive(path: Path, entries: list[Entry], sidecar: bool = True) -> Path:
-    buffer = io.BytesIO()
-    with gzip.GzipFile(filename="", mode="wb", fileobj=buffer, mtime=0) as gz:
-        with tarfile.open(fileobj=gz, mode="w|", format=tarfile.GNU_FORMAT) as tar:  # type: ignore[call-overload]
-            for info, data in entries:
-                tar.addfile(info, None if data is None else io.BytesIO(data))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(buffer.getvalue())
-    if sidecar:
-        path.with_name(path.name + ".sha256").write_text(f"{jsonio.sha256_bytes(buffer.getvalue())}  {path.name}\n")
-    return path
-
-
-def file_entry(name: str, data: bytes) -> Entry:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    info.mode = 0o644
-    return info, data
 
 
 def special_entry(name: str, kind: bytes, linkname: str = "") -> Entry:
@@ -99,13 +66,6 @@ def edited(good: Good, changes: dict[str, Callable[[bytes], bytes]], resum: bool
             info = file_entry(info.name, data)[0]
         out.append((info, data))
     return resummed(good, out) if resum else out
-
-
-def resummed(good: Good, entries: list[Entry]) -> list[Entry]:
-    sums_name = f"{good.name}/{archive.SUMS}"
-    files = [(i.name[len(good.name) + 1:], d) for i, d in entries if d is not None and i.name != sums_name]
-    text = archive.sums_text(files).encode()
-    return [file_entry(i.name, text) if i.name == sums_name else (i, d) for i, d in entries]
 
 
 def resummarised(good: Good, entries: list[Entry], work: Path) -> list[Entry]:
@@ -178,7 +138,7 @@ def evidence_name(good: Good, campaign: str = "c", **changes: Any) -> RunName:
     plan = jsonio.loads(good.data("plan.json").decode())
     regression = jsonio.loads(good.data("regression.json").decode())
     parts = {"campaign": campaign, "commit": git["short_commit"], "dirty": git["dirty"] is True,
-             "case": case_hash(evidence_resolved_case(plan, regression))}
+             "case": evidence_case_hash(plan, regression)}
     parts.update(changes)
     return RunName(**parts)
 

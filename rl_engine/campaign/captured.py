@@ -31,6 +31,7 @@ import torch
 from rl_engine import jsonio
 from rl_engine.campaign import inputs  # inputs.make_inputs looked up at call time (a test spies on it)
 from rl_engine.capture.format import CaptureError, Header, read_capture, read_header
+from rl_engine.capture.shard import rank_inputs
 from rl_engine.rundir import CAPTURE
 from rl_engine.verb_parsers import copy_capture_parser
 
@@ -140,6 +141,19 @@ def case_inputs(case: Mapping[str, Any], path: str | os.PathLike[str] | None = N
     return inputs.make_inputs(case) if record is None else full_capture(record, path)
 
 
+def case_rank_inputs(case: Mapping[str, Any], contract: Any, path: str | os.PathLike[str] | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One rank's ``(logits, targets, active)`` under ``contract``: the recipe's rows and columns of
+    :func:`case_inputs` (FP32), or only this rank's tokens and columns read from the capture (in
+    its dtype; :func:`rl_engine.capture.shard.rank_inputs`, after the caller checked its hash)."""
+    record = case.get("capture")
+    if record is not None:
+        return rank_inputs(record["path"] if path is None else path, contract)
+    logits_fp32, targets, active = inputs.make_inputs(case)
+    rows = torch.tensor(contract.token_indices, dtype=torch.int64)
+    return logits_fp32[rows, contract.vocab_start : contract.vocab_end], targets[rows], active[rows]
+
+
 def replay_source(record: Mapping[str, Any], root: str | os.PathLike[str],
                   given: str | os.PathLike[str] | None) -> Path:
     """The capture ``verify --recompute`` replays from: ``given`` (``--capture PATH``), else the
@@ -219,5 +233,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["capture_record", "case_inputs", "check_file", "check_header", "copy_capture", "file_sha256", "full_capture", "main",
-           "replay_source"]
+__all__ = ["capture_record", "case_inputs", "case_rank_inputs", "check_file", "check_header", "copy_capture", "file_sha256",
+           "full_capture", "main", "replay_source"]

@@ -15,6 +15,8 @@ the workflow's resolved config becomes, and what the plan is built from
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import math
 import os
 import sys
@@ -282,6 +284,112 @@ OPTIONAL_FIELDS: frozenset[str] = frozenset({"temperature"})
 TOPOLOGY_FIELDS: tuple[str, ...] = ("padded_vocab", "num_vocab_tiles", "seq", "cp_layout")
 
 
+def config_case_fields(config: Mapping[str, Any], capture: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A schema-valid config's :class:`Case` fields, before any case rule (the workflow reports each
+    broken rule under its config key, :func:`config_key_of`): dist_backend from the device, atol and
+    rtol from the dtype's ``tolerances`` entry (None where it has none), ``capture`` only on a
+    capture (the record the workflow built from ``inputs.capture``), ``temperature`` only when it is
+    not 1 (a case without one hashes as it did before temperatures existed)."""
+    tolerance = config["tolerances"].get(config["dtype"], {})
+    return {
+        **{field: config[key] for key, field in CONFIG_FIELDS if field not in OPTIONAL_FIELDS},
+        "dist_backend": DEVICE_DIST_BACKENDS.get(config["device"], ""),
+        "atol": tolerance.get("atol"),
+        "rtol": tolerance.get("rtol"),
+        **({} if capture is None else {"capture": dict(capture)}),
+        **({"temperature": float(config["temperature"])} if config.get("temperature", 1) != 1 else {}),
+    }
+
+
+def config_key_of(field: str, config: Mapping[str, Any]) -> tuple[str, Any]:
+    """The config key that holds a :class:`Case` field (dotted where nested), and its value there."""
+    if field in ("atol", "rtol"):
+        return f"tolerances.{config['dtype']}.{field}", config["tolerances"][config["dtype"]][field]
+    if field == "capture":
+        return "inputs.capture", config["inputs"]["capture"]
+    key = "device" if field == "dist_backend" else {f: k for k, f in CONFIG_FIELDS}.get(field, field)
+    return key, config[key]
+
+
+def record_config(record: Mapping[str, Any], topologies: Sequence[Any] = ()) -> dict[str, Any]:
+    """The config keys of a case record (a plan's ``case``, read from evidence that may be hostile:
+    a missing field is None) and its ``topologies`` (``(tp, cp)`` pairs): the inverse of
+    :func:`config_case_fields`, for SUMMARY.md's reproduce.yaml. In this order: the case's keys,
+    ``topologies``, ``tolerances``, then ``inputs`` on a capture (its recorded path, for a reviewer
+    to replace by their copy's: it is not in the case hash)."""
+    config: dict[str, Any] = {key: record.get(field) for key, field in CONFIG_FIELDS
+                              if field in record or field not in OPTIONAL_FIELDS}
+    config["topologies"] = [f"{tp}x{cp}" for tp, cp in topologies]
+    config["tolerances"] = {record.get("dtype"): {"atol": record.get("atol"), "rtol": record.get("rtol")}}
+    capture = record.get("capture")
+    if isinstance(capture, Mapping):
+        config["inputs"] = {"capture": capture.get("path"), "archive": capture.get("archive")}
+    return config
+
+
+# ----- the case hash ---------------------------------------------------------------------------
+# A run's name ends in the case hash (rl_engine.campaign.casename): the first CASE_HASH_CHARS hex
+# digits of the SHA-256 of the resolved case, every value that determines the run's evidence.
+CASE_HASH_CHARS = 8
+CAPTURE_INFO_KEYS = ("path",)  # of a case's capture record: recorded, not part of the case's identity
+
+
+class CaseHashError(ValueError):
+    """A resolved case that is not strict JSON: it cannot be hashed."""
+
+
+def _topology_label(item: Any) -> str:
+    if isinstance(item, str):
+        return item
+    if isinstance(item, Mapping):
+        return f"{item.get('tp')}x{item.get('cp')}"
+    tp, cp = item
+    return f"{tp}x{cp}"
+
+
+def resolved_case(case: Mapping[str, Any], topologies: Sequence[Any], tests: Sequence[str],
+                  pytest_args: Sequence[str], parity: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The values that determine a run's evidence, in one canonical JSON-ready object.
+
+    ``case``: a case record (:meth:`Case.to_dict`, or a plan's ``case`` read back from evidence);
+    its float fields as floats (``logit_scale: 1`` in a config and ``1.0`` in plan.json are one
+    case) and a capture record without :data:`CAPTURE_INFO_KEYS` (the same bytes at another path
+    are the same case). ``topologies``: ``"<tp>x<cp>"`` strings, ``(tp, cp)`` pairs or plan
+    entries, in plan order; ``tests``/``pytest_args``: the focused regression's; ``parity``:
+    :func:`rl_engine.campaign.casename.parity_identity`, or None for a run without a parity stage
+    (then no key is added, so such a run keeps its name).
+    """
+    normalized: dict[str, Any] = {}
+    for key in sorted(case):
+        value = case[key]
+        if key in FLOAT_FIELDS and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = float(value)
+        if key == "capture" and isinstance(value, Mapping):
+            value = {k: v for k, v in value.items() if k not in CAPTURE_INFO_KEYS}
+        normalized[key] = value
+    resolved = {
+        "case": normalized,
+        "topologies": [_topology_label(t) for t in topologies],
+        "regression": {"tests": list(tests), "pytest_args": list(pytest_args)},
+    }
+    if parity is not None:
+        resolved["parity"] = dict(parity)
+    return resolved
+
+
+def case_hash(case: Mapping[str, Any], topologies: Sequence[Any], tests: Sequence[str],
+              pytest_args: Sequence[str], parity: Mapping[str, Any] | None = None) -> str:
+    """The case hash of a run: the first :data:`CASE_HASH_CHARS` hex digits of the SHA-256 of the
+    canonical JSON of :func:`resolved_case` (the workflow names a run with it from the config,
+    ``verify`` recomputes it from the evidence)."""
+    resolved = resolved_case(case, topologies, tests, pytest_args, parity)
+    try:
+        text = json.dumps(resolved, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise CaseHashError(f"the resolved case is not strict JSON: {exc}") from None
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:CASE_HASH_CHARS]
+
+
 def check_topology(
     tp: int, cp: int, *, padded_vocab: int, num_vocab_tiles: int, seq: int, cp_layout: str
 ) -> None:
@@ -390,6 +498,36 @@ class Case:
         """Every reason a ``tp x cp`` run of this case cannot be made, before anything starts."""
         check_topology(tp, cp, **{name: getattr(self, name) for name in TOPOLOGY_FIELDS})
 
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], capture: Mapping[str, Any] | None = None) -> "Case":
+        """The case of a checked config (:func:`config_case_fields`; ``capture``: the record of its
+        ``inputs.capture``, which the workflow builds from the file)."""
+        return cls(**config_case_fields(config, capture))
+
+    def to_config(self, topologies: Sequence[Any] = ()) -> dict[str, Any]:
+        """The config keys of this case over ``topologies`` (:func:`record_config`)."""
+        return record_config(self.to_dict(), topologies)
+
+    def run_hash(self, topologies: Sequence[Any], tests: Sequence[str], pytest_args: Sequence[str],
+                 parity: Mapping[str, Any] | None = None) -> str:
+        """:func:`case_hash` of a run of this case over ``topologies`` with this focused regression."""
+        return case_hash(self.to_dict(), topologies, tests, pytest_args, parity)
+
+    def inputs(self, path: str | os.PathLike[str] | None = None) -> Any:
+        """The whole case's ``(FP32 logits, targets, active)``: the input recipe's, or the capture's
+        (at ``path``, default the recorded one) after its hash (:func:`rl_engine.campaign.captured.case_inputs`)."""
+        from rl_engine.campaign.captured import case_inputs  # imports torch: not at parse time
+
+        return case_inputs(self.to_dict(), path)
+
+    def rank_inputs(self, contract: Any) -> Any:
+        """One rank's ``(logits, targets, active)`` under its ``contract`` (:meth:`contract`): the
+        recipe's rows and columns, or only that rank's part of the capture
+        (:func:`rl_engine.campaign.captured.case_rank_inputs`)."""
+        from rl_engine.campaign.captured import case_rank_inputs  # imports torch: not at parse time
+
+        return case_rank_inputs(self.to_dict(), contract)
+
 
 def record_contract(record: Mapping[str, Any], tp: int = 1, cp: int = 1, tp_rank: int = 0, cp_rank: int = 0, *,
                     num_sequences: int | None = None, seq_len: int | None = None) -> Any:
@@ -486,8 +624,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = [
+    "CAPTURE_INFO_KEYS",
+    "CASE_HASH_CHARS",
+    "CONFIG_FIELDS",
     "Case",
     "CaseError",
+    "CaseHashError",
+    "case_hash",
+    "config_case_fields",
+    "config_key_of",
+    "record_config",
+    "record_contract",
+    "resolved_case",
     "case_document",
     "case_from_document",
     "capture_problems",

@@ -1,44 +1,36 @@
-"""Run names: ``<campaign>-<short commit>[-dirty]-case-<case hash>``, and the case hash itself.
+"""Run names: ``<campaign>-<short commit>[-dirty]-case-<case hash>``.
 
 A run directory ``results/<name>/`` and its archive ``results/<name>.tar.gz`` are named by what
 determines their evidence, so two campaigns never share a directory or an archive:
 
 * the campaign (config ``campaign``), the short commit of the tested tree and ``-dirty`` when
   the tree had changes (or ``nogit`` when no git state could be read);
-* :func:`case_hash`: the first :data:`CASE_HASH_CHARS` hex digits of the SHA-256 of the
-  *resolved case* (:func:`resolved_case`): every field of the plan's ``case`` (device, dist
-  backend, dtype, backend, vocabulary, tiles, shapes, seed, CP layout, logit scale, tolerances,
-  threads per rank, process-group timeout), the topologies in plan order, and the focused
-  regression's test files and extra pytest arguments. On a capture, the case's ``capture``
-  record counts without its ``path``: the same bytes (SHA-256, size, shape, metadata, whether
-  the archive holds them) at another path are the same case, so moving the file keeps the run
-  name (the path stays in the evidence, for information and for the ranks to find the file).
-  With a ``parity:`` section, :func:`parity_identity` (both captures' SHA-256 and the verb's
-  options, no paths) counts too; without one nothing is added, so a run without parity keeps
-  the name it had before parity existed.
+* the case hash, which the case module owns (:func:`rl_engine.campaign.case.case_hash`, built
+  from the config by :meth:`~rl_engine.campaign.case.Case.run_hash`): every field of the plan's
+  ``case``, the topologies in plan order, and the focused regression's test files and extra
+  pytest arguments. On a capture, the case's ``capture`` record counts without its ``path``: the
+  same bytes at another path are the same case, so moving the file keeps the run name. With a
+  ``parity:`` section, :func:`parity_identity` (both captures' SHA-256 and the verb's options, no
+  paths) counts too; without one nothing is added, so a run without parity keeps its name.
 
-Everything in the resolved case is recorded in the evidence (``plan.json``'s ``case`` and
-``topologies``, ``regression.json``'s ``tests`` and ``command``), so the hash can be computed
-again from an archive (:func:`evidence_resolved_case`), and ``verify`` checks that the name an
-archive carries is the name of its evidence. What does not change the evidence (the campaign's
-wall-clock limits ``topology_timeout_s`` and ``regression.timeout_s``) is not part of it, so a
-rerun with a longer limit completes the same run.
+Everything the hash covers is recorded in the evidence (``plan.json``'s ``case`` and
+``topologies``, ``regression.json``'s ``tests`` and ``command``, ``parity.json``), so the hash
+can be computed again from an archive (:func:`evidence_case_hash`), and ``verify`` checks that
+the name an archive carries is the name of its evidence. What does not change the evidence (the
+campaign's wall-clock limits ``topology_timeout_s`` and ``regression.timeout_s``) is not part of
+it, so a rerun with a longer limit completes the same run.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 import shlex
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
-# Case fields that are floats: an integer in the config (logit_scale: 1) and the float in
-# plan.json (1.0) are the same case.
-from rl_engine.campaign.case import FLOAT_FIELDS
+from rl_engine.campaign import case as case_module  # case_module.case_hash: the one builder (a test spies on it)
+from rl_engine.campaign.case import CASE_HASH_CHARS, CaseHashError
 
-CASE_HASH_CHARS = 8
 NOGIT = "nogit"
 NAME = re.compile(
     r"^(?P<campaign>.+)-(?P<commit>[0-9a-f]{7,40}|nogit)(?P<dirty>-dirty)?-case-(?P<case>[0-9a-f]{%d})$"
@@ -85,18 +77,6 @@ class RunName:
         return cls(match["campaign"], match["commit"], match["dirty"] is not None, match["case"])
 
 
-def _topology_label(item: Any) -> str:
-    if isinstance(item, str):
-        return item
-    if isinstance(item, Mapping):
-        return f"{item.get('tp')}x{item.get('cp')}"
-    tp, cp = item
-    return f"{tp}x{cp}"
-
-
-CAPTURE_INFO_KEYS = ("path",)  # of a case's capture record: recorded, not part of the case's identity
-
-
 def parity_identity(rollout_sha256: Any, trainer_sha256: Any, ratio_bounds: Any, num_vocab_tiles: Any,
                     backend: Any) -> dict[str, Any]:
     """What a parity stage compares and how (no paths): its part of the resolved case."""
@@ -115,42 +95,6 @@ def report_parity_identity(report: Any) -> dict[str, Any] | None:
     ratio = report.get("importance_ratio") if isinstance(report.get("importance_ratio"), Mapping) else {}
     return parity_identity(sides[0].get("sha256"), sides[1].get("sha256"), ratio.get("bounds"),
                            report.get("num_vocab_tiles"), report.get("backend"))
-
-
-def resolved_case(case: Mapping[str, Any], topologies: Sequence[Any], tests: Sequence[str],
-                  pytest_args: Sequence[str], parity: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The values that determine a run's evidence, in one canonical JSON-ready object.
-
-    ``case``: the plan's case (the runner's :class:`~rl_engine.campaign.case.Case` fields; a
-    capture record without :data:`CAPTURE_INFO_KEYS`); ``topologies``: ``"<tp>x<cp>"`` strings,
-    ``(tp, cp)`` pairs or plan entries, in plan order; ``parity``: :func:`parity_identity`, or
-    None for a run without a parity stage (then no key is added).
-    """
-    normalized: dict[str, Any] = {}
-    for key in sorted(case):
-        value = case[key]
-        if key in FLOAT_FIELDS and isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = float(value)
-        if key == "capture" and isinstance(value, Mapping):
-            value = {k: v for k, v in value.items() if k not in CAPTURE_INFO_KEYS}
-        normalized[key] = value
-    resolved = {
-        "case": normalized,
-        "topologies": [_topology_label(t) for t in topologies],
-        "regression": {"tests": list(tests), "pytest_args": list(pytest_args)},
-    }
-    if parity is not None:
-        resolved["parity"] = dict(parity)
-    return resolved
-
-
-def case_hash(resolved: Mapping[str, Any]) -> str:
-    """First :data:`CASE_HASH_CHARS` hex digits of the SHA-256 of the canonical JSON of ``resolved``."""
-    try:
-        text = json.dumps(resolved, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise RunNameError(f"the resolved case is not strict JSON: {exc}") from None
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:CASE_HASH_CHARS]
 
 
 def pytest_args_of(regression: Mapping[str, Any]) -> list[str]:
@@ -174,20 +118,23 @@ def pytest_args_of(regression: Mapping[str, Any]) -> list[str]:
     return argv[head:-1]
 
 
-def evidence_resolved_case(plan: Mapping[str, Any], regression: Mapping[str, Any],
-                           parity: Any = None) -> dict[str, Any]:
-    """:func:`resolved_case` computed from ``plan.json`` and ``regression.json`` (and ``parity.json``'s
-    JSON when the run holds one: pass it as ``parity``)."""
+def evidence_case_hash(plan: Mapping[str, Any], regression: Mapping[str, Any], parity: Any = None) -> str:
+    """The case hash (:func:`rl_engine.campaign.case.case_hash`) of the evidence: ``plan.json``'s case
+    and topologies, ``regression.json``'s tests and extra pytest arguments, and ``parity.json``'s
+    identity when the run holds one (pass its JSON as ``parity``). What cannot be read is refused
+    (:class:`RunNameError`), never guessed."""
     case, entries = plan.get("case"), plan.get("topologies")
     if not isinstance(case, Mapping) or not isinstance(entries, list):
         raise RunNameError("plan.json: case and topologies must be an object and a list")
     identity = None if parity is None else report_parity_identity(parity)
     if parity is not None and identity is None:
         raise RunNameError("parity.json: must be an object (the parity stage's report)")
-    return resolved_case(case, entries, regression.get("tests") or [], pytest_args_of(regression), identity)
+    try:
+        return case_module.case_hash(case, entries, regression.get("tests") or [], pytest_args_of(regression), identity)
+    except CaseHashError as exc:
+        raise RunNameError(str(exc)) from None
 
 
 __all__ = [
-    "CAPTURE_INFO_KEYS", "CASE_HASH_CHARS", "NOGIT", "RunName", "RunNameError", "case_hash", "evidence_resolved_case",
-    "parity_identity", "pytest_args_of", "report_parity_identity", "resolved_case",
+    "NOGIT", "RunName", "RunNameError", "evidence_case_hash", "parity_identity", "pytest_args_of", "report_parity_identity",
 ]

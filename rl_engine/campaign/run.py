@@ -50,10 +50,10 @@ import torch
 import torch.distributed as dist
 
 from rl_engine import jsonio, schemas
-from rl_engine.campaign.captured import case_inputs, check_file
+from rl_engine.campaign.captured import check_file
 from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.faults import Fault, FaultError, fault_from_env
-from rl_engine.campaign.inputs import inputs_sha256, make_inputs
+from rl_engine.campaign.inputs import inputs_sha256
 from rl_engine.campaign.nodes import node_name
 from rl_engine.campaign.plan import (
     EXIT_FAILED,
@@ -65,7 +65,6 @@ from rl_engine.campaign.plan import (
     report_path,
 )
 from rl_engine.capture.format import CaptureError
-from rl_engine.capture.shard import rank_inputs
 from rl_engine.distributed.mesh import LaunchEnv, MeshError, destroy, init_mesh
 from rl_engine.logprob.comparison import ComparisonError, drift_failures, oracle_drift
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
@@ -95,13 +94,7 @@ def compute_rank(
     """This rank's local results (CPU tensors) and provenance, ready to gather on rank 0."""
     contract = rank_contract(case, tp, cp, tp_rank, cp_rank)
     selected = dispatch(case.backend, contract, device.type)
-    if case.capture is None:
-        logits_fp32, targets, active = make_inputs(case)
-        rows = torch.tensor(contract.token_indices, dtype=torch.int64)
-        local = logits_fp32[rows, contract.vocab_start : contract.vocab_end]
-        targets, active = targets[rows], active[rows]
-    else:  # this rank's tokens and columns of the capture only (run_topology checked its hash)
-        local, targets, active = rank_inputs(case.capture["path"], contract)
+    local, targets, active = case.rank_inputs(contract)  # on a capture, run_topology checked its hash
     local = local.to(device=device, dtype=contract.torch_dtype).contiguous().requires_grad_(True)
     start = time.perf_counter()
     out = selected.op(
@@ -291,7 +284,7 @@ def build_report(
     tp_failures = tp_replication_failures(results)
     failures = _backend_failures(case, results) + tp_failures
     tensors = assemble(results, case)
-    logits_fp32, targets, active = case_inputs(case.to_dict())
+    logits_fp32, targets, active = case.inputs()
     if fault is not None and fault.kind == "perturb" and fault.applies(tp, cp):
         perturb(tensors["logp"], logits_fp32, targets, active, case)
     drift = oracle_drift(tensors["logp"], tensors["lse"], logits_fp32, targets, active,

@@ -40,7 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rl_engine import jsonio
-from rl_engine.campaign.case import CONFIG_FIELDS, OPTIONAL_FIELDS
+from rl_engine.campaign.case import record_config
 from rl_engine.campaign.casename import RunNameError, pytest_args_of
 from rl_engine.campaign.plan import RUNNER_MODULE
 from rl_engine.evidence.spec_doc import SPEC_DOC
@@ -218,20 +218,16 @@ REPRODUCE_CONFIG = "reproduce.yaml"
 
 def reproduce_config(ev: Evidence) -> str:
     """A config file (YAML) that, over the repository's config.yaml, is this run's case."""
-    case = ev.plan.get("case", {})
-    config: dict[str, Any] = {key: case.get(field) for key, field in CONFIG_FIELDS
-                              if field in case or field not in OPTIONAL_FIELDS}
-    config["topologies"] = [f"{p.tp}x{p.cp}" for p in ev.planned]
-    config["tolerances"] = {case.get("dtype"): {"atol": case.get("atol"), "rtol": case.get("rtol")}}
+    config = record_config(ev.plan.get("case", {}), [(p.tp, p.cp) for p in ev.planned])
+    inputs = config.pop("inputs", None)  # after the regression, as reproduce.yaml has always listed them
     regression: dict[str, Any] = {"tests": list(ev.regression.get("tests") or [])}
     try:
         regression["pytest_args"] = pytest_args_of(ev.regression)
     except RunNameError as exc:
         regression["pytest_args"] = f"unknown: {exc}"
     config["regression"] = regression
-    capture = case.get("capture")
-    if isinstance(capture, dict):  # the recorded path: put your copy's path there (it is not in the case hash)
-        config["inputs"] = {"capture": capture.get("path"), "archive": capture.get("archive")}
+    if inputs is not None:
+        config["inputs"] = inputs
     if ev.parity is not None:
         config["parity"] = parity_config(ev.parity)
     return yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=1000)

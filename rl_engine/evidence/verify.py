@@ -96,7 +96,7 @@ if TYPE_CHECKING:  # annotations only: torch is imported on --recompute alone
     import torch
 
 from rl_engine import jsonio, schemas
-from rl_engine.campaign.casename import NOGIT, RunName, RunNameError, case_hash, evidence_resolved_case
+from rl_engine.campaign.casename import NOGIT, RunName, RunNameError, evidence_case_hash
 from rl_engine.evidence.acceptance import check_tensor_files
 from rl_engine.evidence.archive import SCHEMA_DIR, SUFFIX, SUMS, reviewing_text
 from rl_engine.evidence.crosscheck import crosscheck_run
@@ -338,7 +338,7 @@ def check_run_name(run: Run, top: str) -> Check:
     elif name.commit != NOGIT:
         problems.append(f"the name says commit {name.commit} but {ENVIRONMENT} records no git state")
     try:
-        digest = case_hash(evidence_resolved_case(plan, regression, run.parity if run.has_parity else None))
+        digest = evidence_case_hash(plan, regression, run.parity if run.has_parity else None)
     except RunNameError as exc:
         problems.append(f"the case hash cannot be computed from the evidence: {exc}")
     else:

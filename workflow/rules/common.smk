@@ -5,8 +5,8 @@
 from rl_engine.workflow import (
     check_capture_location,
     config_case,
+    config_topologies,
     parity_settings,
-    parse_topologies,
     report_closing_labels,
     report_crosscheck_labels,
     report_parity_labels,
@@ -25,7 +25,7 @@ RUN = f"results/{RUN_NAME}"
 # environment (rl_engine/record/reuse.py): a new case copies them instead of capturing and testing again
 REUSE_DIR = "results/.reuse"
 check_capture_location(config, RUN)  # before any job: a capture inside RUN would be taken for an output
-TOPOLOGIES = parse_topologies(config["topologies"])
+TOPOLOGIES = config_topologies(config)
 # The case file's JSON (case rule): the one thing of the config that the plan and the runs read.
 CASE_JSON = json.dumps(config_case(config), sort_keys=True, allow_nan=False, separators=(",", ":"))
 
