@@ -1,5 +1,7 @@
 """Read from the source: a run's file names are built only in
-``rl_engine/rundir.py``, and the stage list is written there only.
+``rl_engine/rundir/names.py``, and the stage list is written there only. The rest of the
+``rundir`` package (``load.py``, which reads a run, and the ``__init__.py`` facade) is scanned
+like every other module.
 
 "Built" means a path made from a name: ``run / "plan.json"``, ``os.path.join(d, "case.json")``,
 ``Path("x.json")``, ``p.with_name("tp1-cp1.json")``, an f-string ``f"{run}/plan.json"`` or
@@ -20,10 +22,11 @@ from pathlib import Path
 import pytest
 
 from rl_engine import rundir
+from rl_engine.rundir import names as owner_module
 
 REPO = Path(__file__).resolve().parent.parent
-OWNER = REPO / "rl_engine" / "rundir.py"
-NAMES = sorted({value for key, value in vars(rundir).items() if key.isupper() and isinstance(value, str)
+OWNER = REPO / "rl_engine" / "rundir" / "names.py"  # the one module that builds run file names and lists the stages
+NAMES = sorted({value for key, value in vars(owner_module).items() if key.isupper() and isinstance(value, str)
                 and re.search(r"\.(json|f32|md|log|safetensors|png|xml|txt|sha256|gz)$", value)})
 TENSOR_SUFFIXES = tuple(name[len("tp1-cp1"):] for name in rundir.Topology(1, 1).tensors.values())  # ".logp.f32", ...
 STEM = re.compile(r"tp(\d+|\{\})-cp(\d+|\{\})")
@@ -131,3 +134,13 @@ STAGES = ["environment", "regression", "case", "plan"]
     assert stage_lists(snippet) == [(11, ["environment", "regression", "case", "plan"])]
     assert {"plan.json", "case.json", "SUMMARY.md", "capture.safetensors"} <= set(NAMES)  # the names are rundir's
     assert {"case", "capture", "parity", "validation", "verify_archive"} <= STAGE_NAMES
+
+
+def test_the_owner_is_the_module_that_lists_the_stages_negative_control() -> None:
+    """The one file left out of the scan is the names module, which the checks would fail (it lists
+    stages); the rest of the rundir package is scanned like every other module."""
+    assert Path(owner_module.__file__).resolve() == OWNER
+    assert stage_lists(OWNER.read_text(encoding="utf-8")) != []
+    package = REPO / "rl_engine" / "rundir"
+    assert {package / "__init__.py", package / "load.py"} <= set(PY_FILES)
+    assert OWNER not in PY_FILES
