@@ -76,7 +76,8 @@ def _prints(op: VocabParallelLogprob, x: torch.Tensor, leaf: torch.Tensor, targe
 
 @pytest.mark.parametrize("backend", list(OPS))
 def test_logits_whose_storage_was_shrunk_are_refused_naming_the_bytes(backend: str) -> None:
-    """Before: the fused backend returned LSE 4.5e27 and NaN rows; eager a bare RuntimeError."""
+    """Unchecked, the fused backend reads past the shrunk storage (an LSE of 4.5e27 and NaN rows) and
+    eager raises a bare RuntimeError; both must refuse, naming the bytes."""
     x, targets, active = _inputs()
     x.untyped_storage().resize_(64)
     with pytest.raises(LogprobContractError) as info:
@@ -96,7 +97,7 @@ def test_targets_or_mask_whose_storage_was_shrunk_are_refused(name: str) -> None
 
 @pytest.mark.parametrize("backend", list(OPS))
 def test_saved_logits_shrunk_before_backward_are_refused(backend: str) -> None:
-    """Before: the fused backward read freed memory and returned a garbage gradient."""
+    """Unchecked, the fused backward reads freed memory and returns a garbage gradient."""
     x, targets, active = _inputs()
     leaf = x.clone().requires_grad_(True)
     out = OPS[backend]()(leaf, targets, active, _contract())
@@ -135,7 +136,7 @@ CRASH = textwrap.dedent(
 
 @pytest.mark.parametrize("stage", ["forward", "backward"])
 def test_shrunk_storage_of_a_4_mib_tensor_is_refused_instead_of_a_segfault(stage: str) -> None:
-    """Before: SIGSEGV (exit -11) in both stages at 1024 x 1024 fp32 (4 MiB freed to 64 bytes)."""
+    """Unchecked, both stages die of SIGSEGV (exit -11) at 1024 x 1024 fp32 (4 MiB freed to 64 bytes)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", CRASH, stage], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
@@ -162,8 +163,8 @@ def test_a_view_inside_its_storage_is_accepted_and_its_bytes_are_the_copy_s() ->
 @pytest.mark.parametrize("backend", list(OPS))
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_a_negative_view_gives_the_bytes_of_its_negated_copy(dtype: str, backend: str) -> None:
-    """Before: the fused kernel read the un-negated memory (bf16, fp16, fp32), and so did the
-    eager backend in fp16 (torch 2.13's fp16 -> fp32 ``copy_`` drops the neg bit)."""
+    """A negative view's memory holds the un-negated values: a kernel reading it directly, or the
+    eager backend in fp16 (torch 2.13's fp16 -> fp32 ``copy_`` drops the neg bit), gets other bytes."""
     x, targets, active = _inputs()
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     leaf = (-x).to(torch_dtype).requires_grad_(True)
@@ -215,8 +216,9 @@ NO_STORAGE = {
 @pytest.mark.parametrize("backend", list(OPS))
 @pytest.mark.parametrize("kind", list(NO_STORAGE))
 def test_tensors_without_real_storage_are_refused_saying_so(kind: str, backend: str) -> None:
-    """Before: fused said "bad arguments, or an instruction set this CPU lacks" (zero, fake);
-    eager computed on the zero tensor; meta logits were refused for their device only."""
+    """A zero-storage, fake or meta tensor is refused by name: the fused kernel would report "bad
+    arguments, or an instruction set this CPU lacks", eager would compute on the zero tensor, and
+    meta logits would be refused for their device only."""
     make, needle = NO_STORAGE[kind]
     x = make()
     _, targets, active = _inputs()
@@ -242,7 +244,8 @@ LAYOUTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 @pytest.mark.parametrize("backend", list(OPS))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_non_strided_logits_are_refused_in_the_checks(layout: str, backend: str) -> None:
-    """Before: NotImplementedError/RuntimeError from inside the forward, after the agreement."""
+    """Refused before the agreement: inside the forward they raise NotImplementedError/RuntimeError
+    on one rank while the others wait in a collective."""
     x, targets, active = _inputs()
     with pytest.raises(LogprobContractError) as info:
         OPS[backend]()(LAYOUTS[layout](x), targets, active, _contract())
@@ -355,7 +358,7 @@ def test_a_negative_view_on_one_tp_rank_gives_both_ranks_the_right_bytes(
     (-3, "threads=-3 must be >= 1"),
 ])
 def test_threads_is_validated_when_the_op_is_built(threads: Any, needle: str) -> None:
-    """Before: 10**10 was truncated by ctypes; 2.5 raised a ctypes error at the call."""
+    """ctypes would truncate 10**10 and raise its own error on 2.5 at the call: check at construction."""
     with pytest.raises(LogprobContractError) as info:
         FusedCpuLogprob(threads=threads)
     message = str(info.value)
@@ -373,7 +376,8 @@ def test_the_thread_bound_is_accepted_and_gives_the_same_bytes() -> None:
 def test_an_instruction_set_the_cpu_lacks_is_refused_when_the_op_is_built(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Before: accepted at construction; the kernel refused (status 1) after the agreement."""
+    """An instruction set the CPU lacks is refused at construction, not by the kernel (status 1) after
+    the agreement."""
     monkeypatch.setattr(fused_cpu.FusedKernel, "selected_isa", lambda self, isa=0: -1)
     with pytest.raises(LogprobContractError, match="isa='avx2' is not supported by this CPU"):
         FusedCpuLogprob(isa="avx2")

@@ -253,7 +253,8 @@ def _fresh_op_worker(rank: int) -> dict[str, Any]:
 
 
 def test_a_fresh_op_on_one_rank_makes_the_same_collectives() -> None:
-    """Before: the fresh op's cached-preflight all-gather paired with the peer's exchange (abort)."""
+    """A fresh op on one rank and a used one on the other make the same collectives: a cached
+    preflight that skipped its all-gather on one side would pair it with the peer's exchange (abort)."""
     kept, fresh = run_workers(_fresh_op_worker, 2, timeout_s=120)
     assert kept["prints"] == fresh["prints"]
     assert kept["calls"] == fresh["calls"]

@@ -228,7 +228,7 @@ def small() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LogprobContract]:
 def test_chunk_rows_of_the_wrong_type_is_our_error_naming_the_field(
     small: Any, value: Any, needle: str
 ) -> None:
-    """Before: 2.5, True and "4" gave a bare TypeError from deep inside the chunk loop."""
+    """2.5, True and "4" are refused by name, not by a bare TypeError from deep inside the chunk loop."""
     logits, targets, active, contract = small
     with pytest.raises(LogprobContractError, match=re.escape(needle)):
         VocabParallelLogprob()(logits, targets, active, contract, chunk_rows=value)
@@ -247,8 +247,8 @@ def test_flags_must_be_booleans(small: Any, name: str, value: Any) -> None:
 def test_create_graph_gradient_raises_when_differentiated_instead_of_dropping_the_penalty(
     small: Any,
 ) -> None:
-    """Before: the create_graph gradient had no graph, so a gradient penalty added to the loss
-    contributed nothing, silently. Now differentiating it raises, naming create_graph."""
+    """A create_graph gradient without a graph would make a gradient penalty added to the loss
+    contribute nothing, silently: differentiating it raises, naming create_graph."""
     logits, targets, active, contract = small
     x = logits.float().clone().requires_grad_(True)
     c32 = LogprobContract(1000, 1024, 16, 1, 8, logits_dtype="fp32")

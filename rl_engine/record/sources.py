@@ -1,8 +1,8 @@
 """The engine's source digest: the one input through which an edited engine source reruns the jobs
 that run the engine.
 
-The workflow's jobs used to declare every ``rl_engine/*.py`` as an input, so each job printed
-about 70 file names. Now the ``sources`` rule writes ``results/logs/<run>-sources.sha256``
+Declaring every ``rl_engine/*.py`` as a job's input would print about 70 file names per job; instead
+the ``sources`` rule writes ``results/logs/<run>-sources.sha256``
 (``sha256sum -c`` format, one line per source file) and the regression, plan and topology rules
 depend on that one file. The rule's ``params`` carry the digest computed when the Snakefile is
 parsed (:func:`source_digest`), so Snakemake's params trigger reruns it, and through the rewritten

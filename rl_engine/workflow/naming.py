@@ -21,8 +21,8 @@ def config_case_hash(config: dict[str, Any]) -> str:
     """The case hash (:meth:`rl_engine.campaign.case.Case.run_hash`) of a checked config (a capture's
     path does not count; a ``parity:`` section's captures and options do, by hash)."""
     regression = config["regression"]
-    return Case.from_config(config, config_capture(config)).run_hash(config["topologies"], regression["tests"],
-                                                regression.get("pytest_args", []), config_parity(config))
+    case = Case.from_config(config, config_capture(config))
+    return case.run_hash(config["topologies"], regression["tests"], regression.get("pytest_args", []), config_parity(config))
 
 
 def run_name(config: dict[str, Any], repo: str | Path) -> str:
