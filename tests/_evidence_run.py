@@ -19,12 +19,11 @@ from rl_engine import cli, schemas
 from rl_engine.campaign import plan
 from rl_engine.campaign.case import case_document
 
+from _case_argv import case_argv
+
 # real 1000 < padded 1024 (so padding columns exist), 8 tiles, 16 tokens of which 10 active
-CASE_FLAGS = [
-    "--device", "cpu", "--dtype", "bf16", "--backend", "pytorch-vocab-parallel-logp-ws2",
-    "--real-vocab", "1000", "--padded-vocab", "1024", "--num-vocab-tiles", "8",
-    "--batch", "2", "--seq", "8", "--prompt-tokens", "3", "--seed", "7",
-]
+CASE_FLAGS = case_argv(device="cpu", dtype="bf16", backend="pytorch-vocab-parallel-logp-ws2", real_vocab=1000,
+                       padded_vocab=1024, num_vocab_tiles=8, batch=2, seq=8, prompt_tokens=3, seed=7)
 TOPOLOGIES = ("1x1", "2x2")  # CP=2 and TP=2 against the single-rank reference
 TINY_TESTS = '''
 import pytest

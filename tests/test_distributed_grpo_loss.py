@@ -22,10 +22,9 @@ from rl_engine.distributed.mesh import init_mesh
 from rl_engine.grpo import GRPOContract, GRPOContractError, GRPOLoss
 from rl_engine.tensorio import fingerprint, tensor_bytes
 
+from _grpo_inputs import GROUP, PADDED_VOCAB, REAL_VOCAB, SEQ_LEN, SEQS, TILES, grpo_inputs
 from _multiproc import run_workers
 
-SEQS, SEQ_LEN, GROUP = 8, 16, 4
-REAL_VOCAB, PADDED_VOCAB, TILES = 500, 512, 8
 SEED = 20240611
 
 TOKEN_K3: dict[str, Any] = {
@@ -79,29 +78,6 @@ TOPOLOGIES: dict[int, list[tuple[int, int, int, str]]] = {
     8: [(2, 2, 2, "zigzag"), (4, 2, 1, "contiguous"), (1, 2, 4, "zigzag"),
         (8, 1, 1, "contiguous"), (2, 1, 4, "contiguous")],
 }
-
-
-def make_inputs() -> dict[str, torch.Tensor]:
-    """Global inputs in global token order (row ``s * SEQ_LEN + p``)."""
-    gen = torch.Generator().manual_seed(SEED)
-    tokens = SEQS * SEQ_LEN
-    logits = 2.0 * torch.randn(tokens, PADDED_VOCAB, generator=gen)
-    ref = logits + 0.3 * torch.randn(tokens, PADDED_VOCAB, generator=gen)
-    actions = torch.randint(0, REAL_VOCAB, (tokens,), generator=gen)
-    position = torch.arange(SEQ_LEN).repeat(SEQS)
-    prompt = torch.randint(2, 7, (SEQS,), generator=gen).repeat_interleave(SEQ_LEN)
-    length = torch.randint(9, SEQ_LEN + 1, (SEQS,), generator=gen).repeat_interleave(SEQ_LEN)
-    active = (position >= prompt) & (position < length)
-    actions = torch.where(active, actions, torch.full_like(actions, -100))
-    safe = torch.where(active, actions, torch.zeros_like(actions))
-    current = torch.log_softmax(logits[:, :REAL_VOCAB], dim=-1).gather(1, safe[:, None])[:, 0]
-    old = current + 0.25 * torch.randn(tokens, generator=gen)
-    old = torch.where(active, old, torch.full_like(old, float("nan")))  # ignored rows
-    rewards = torch.randint(0, 3, (SEQS,), generator=gen).to(torch.float32)
-    rewards[4:8] = torch.tensor([1.0, 1.0, 1.0, 1.0])  # a group of equal rewards
-    advantages = torch.randn(SEQS, generator=gen)  # a trainer's own estimate, not the group's
-    return {"logits": logits, "ref": ref, "actions": actions, "active": active,
-            "old": old, "rewards": rewards, "advantages": advantages}
 
 
 def build_contract(
@@ -246,7 +222,9 @@ def negative_worker(rank: int, data: dict[str, torch.Tensor]) -> dict[str, Any]:
 # ----- the parent side -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def data() -> dict[str, torch.Tensor]:
-    return make_inputs()
+    """Global inputs in global token order: ragged responses, NaN old log-probabilities on ignored
+    rows (never read), a group of equal rewards, and trainer-given advantages beside the rewards."""
+    return grpo_inputs(SEED, ragged=True, ignored_old=float("nan"), equal_group=True, advantages=True)
 
 
 @pytest.fixture(scope="module")

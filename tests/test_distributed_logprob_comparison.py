@@ -45,16 +45,15 @@ from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.tables import DEFAULT_TOPOLOGIES
 from rl_engine.tensorio import fingerprint
 
+from _case_argv import case_argv
 from _multiproc import run_workers
+from _procs import mentioning
 
-FLAGS = [
-    "--device", "cpu", "--dtype", "bf16", "--backend", BACKEND_ID, "--real-vocab", "1000",
-    "--padded-vocab", "1024", "--num-vocab-tiles", "8", "--batch", "2", "--seq", "16",
-    "--prompt-tokens", "8", "--seed", "123",
-]
-CASE = dict(device="cpu", dtype="bf16", backend=BACKEND_ID, real_vocab=1000, padded_vocab=1024,
-            num_vocab_tiles=8, batch=2, seq=16, prompt_tokens=8, seed=123, cp_layout="contiguous",
-            logit_scale=1.0, threads_per_rank=1)
+# the case flags of the guide's plan command, and the case they name (with the defaults they leave out)
+FLAG_VALUES: dict[str, Any] = dict(device="cpu", dtype="bf16", backend=BACKEND_ID, real_vocab=1000, padded_vocab=1024,
+                                   num_vocab_tiles=8, batch=2, seq=16, prompt_tokens=8, seed=123)
+FLAGS = case_argv(**FLAG_VALUES)
+CASE = dict(**FLAG_VALUES, cp_layout="contiguous", logit_scale=1.0, threads_per_rank=1)
 FP_KEYS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256", "candidate_grad_sha256")
 CPU = torch.device("cpu")
 GUIDE_SCRIPT = Path(__file__).resolve().parents[1] / "rl_engine" / "testing" / "distributed_logprob_comparison.py"
@@ -62,14 +61,6 @@ GUIDE_SCRIPT = Path(__file__).resolve().parents[1] / "rl_engine" / "testing" / "
 
 def _case(**overrides: Any) -> Case:
     return Case.create(**{**CASE, "dist_backend": None, "atol": None, "rtol": None, **overrides})
-
-
-def _with(flags: list[str], **values: str) -> list[str]:
-    out = list(flags)
-    for key, value in values.items():
-        flag = "--" + key.replace("_", "-")
-        out[out.index(flag) + 1] = value
-    return out
 
 
 def _plan(tmp_path: Path, *extra: str, flags: list[str] = FLAGS) -> tuple[int, Path]:
@@ -185,7 +176,7 @@ REFUSALS = [
 @pytest.mark.parametrize(("changed", "extra", "message"), REFUSALS, ids=[r[2][:40] for r in REFUSALS])
 def test_plan_time_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str], changed: dict[str, str],
                             extra: tuple[str, ...], message: str) -> None:
-    rc, output = _plan(tmp_path, *extra, flags=_with(FLAGS, **changed))
+    rc, output = _plan(tmp_path, *extra, flags=case_argv(**{**FLAG_VALUES, **changed}))
     assert rc == 2
     assert message in capsys.readouterr().err
     assert not output.exists()
@@ -507,18 +498,6 @@ def test_torchrun_world_size_disagreeing_with_tp_cp_is_rejected(tmp_path: Path) 
     assert not output.exists()
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if text in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                    found.append(int(proc.name))
-            except OSError:
-                continue
-    return found
-
-
 @pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 def test_launch_time_limit_kills_the_group_and_leaves_no_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
@@ -530,7 +509,7 @@ def test_launch_time_limit_kills_the_group_and_leaves_no_outputs(tmp_path: Path,
     assert _launch(plan_path, 1, 2, 12, tmp_path / "log") == 124
     assert "exceeded --timeout-s=12" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log", "plan.json"]
-    assert _processes_mentioning(str(tmp_path / "tp1-cp2.json")) == []
+    assert mentioning(str(tmp_path / "tp1-cp2.json")) == {}
 
 
 def test_launch_refuses_unplanned_topology_and_bad_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -233,3 +233,19 @@ def test_no_code_or_test_cites_a_tracker_issue_number() -> None:
              for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
              if pattern.search(line)]
     assert files and found == []
+
+
+HISTORY = re.compile(r"(^|\s|\"\"\"|#)Before:|\b(it|they|jobs?|this|that|the code|we) used to\b|\bNow (it|they|the [a-z]+) [a-z]+s\b")
+
+
+def test_docstrings_say_why_not_history() -> None:
+    """A docstring or comment says why the code is as it is, not what it was ("Before: ...",
+    "... used to ...", "Now it ..."): a reader of a clone has only the code in front of them."""
+    root = Path(__file__).resolve().parents[1]
+    files = [p for d in ("rl_engine", "tests", "workflow") for p in (root / d).rglob("*.py")]
+    found = [f"{p.relative_to(root)}:{n}" for p in files if p.name != "test_docs.py"
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if HISTORY.search(line)]
+    assert files and found == []
+    for control in ('    """Before: the kernel crashed."""', "    # Before: unchecked", "The jobs used to declare every file",
+                    "Now it raises, naming the flag"):
+        assert HISTORY.search(control), control

@@ -22,6 +22,8 @@ from rl_engine import cli
 from rl_engine.campaign.replay import replay_candidate
 from rl_engine.rundir import Run
 
+from _case_argv import case_argv
+
 pytestmark = pytest.mark.slow
 
 EAGER = "pytorch-vocab-parallel-logp-ws2"
@@ -36,12 +38,7 @@ FIELDS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sh
 
 
 def _flags(backend: str, layout: str) -> list[str]:
-    return ["--device", "cpu", "--dtype", CASE["dtype"], "--backend", backend,
-            "--real-vocab", str(CASE["real_vocab"]), "--padded-vocab", str(CASE["padded_vocab"]),
-            "--num-vocab-tiles", str(CASE["num_vocab_tiles"]), "--batch", str(CASE["batch"]),
-            "--seq", str(CASE["seq"]), "--prompt-tokens", str(CASE["prompt_tokens"]),
-            "--seed", str(CASE["seed"]), "--logit-scale", str(CASE["logit_scale"]),
-            "--cp-layout", layout]
+    return case_argv(device="cpu", backend=backend, **CASE, cp_layout=layout)
 
 
 def _campaign(run_dir: Path, backend: str, layout: str, topologies: tuple[str, ...]) -> dict[str, dict]:

@@ -31,9 +31,9 @@ from typing import Any
 import pytest
 
 from rl_engine import jsonio, schemas
-from rl_engine.evidence import archive, verify
+from rl_engine.evidence import archive
 
-from _archive_util import Entry, Good, make_sandbox
+from _archive_util import Entry, Good, file_entry, make_sandbox, resummed, run_verify, write_archive
 from _archive_util import Sandbox as Box
 
 
@@ -47,46 +47,9 @@ def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Box:
     return make_sandbox(tmp_path, monkeypatch)
 
 
-def file_entry(name: str, data: bytes) -> Entry:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    info.mode = 0o644
-    return info, data
-
-
-def with_sums(good: Good, entries: list[Entry]) -> list[Entry]:
-    """``entries`` with SHA256SUMS recomputed over their files (a tamperer covering the tracks)."""
-    sums = f"{good.name}/{archive.SUMS}"
-    files = [(i.name[len(good.name) + 1:], d) for i, d in entries if d is not None and i.name != sums]
-    text = archive.sums_text(files).encode()
-    return [file_entry(i.name, text) if i.name == sums else (i, d) for i, d in entries]
-
-
 def write(box: Box, good: Good, entries: list[Entry], fmt: int = tarfile.GNU_FORMAT, tail: bytes = b"") -> Path:
-    buffer = io.BytesIO()
-    with gzip.GzipFile(filename="", mode="wb", fileobj=buffer, mtime=0) as gz:
-        with tarfile.open(fileobj=gz, mode="w|", format=fmt) as tar:  # type: ignore[call-overload]
-            for info, data in entries:
-                tar.addfile(info, None if data is None else io.BytesIO(data))
-    data = buffer.getvalue() + tail
-    path = box.root / "in" / good.archive.name
-    path.parent.mkdir(exist_ok=True)
-    path.write_bytes(data)
-    path.with_name(path.name + ".sha256").write_text(f"{jsonio.sha256_bytes(data)}  {path.name}\n")
-    return path
-
-
-def run_verify(path: Path, box: Box, capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, dict[str, Any]]:
-    out = box.root / "verify.json"
-    out.unlink(missing_ok=True)
-    code = verify.main([str(path), "--json", str(out), *flags])
-    capsys.readouterr()
-    assert list(box.tmp.iterdir()) == [], "verify left files in its temporary directory"
-    assert list(box.cwd.iterdir()) == [], "verify wrote into the working directory"
-    result = jsonio.load(out)
-    assert schemas.errors(result, "verify") == []
-    assert result["passed"] is (code == 0)
-    return code, result
+    """``entries`` under the good archive's name in ``box``'s ``in/``, with a correct ``.sha256``."""
+    return write_archive(box.root / "in" / good.archive.name, entries, fmt=fmt, tail=tail)
 
 
 def row(result: dict[str, Any], name: str) -> tuple[str, str]:
@@ -97,7 +60,7 @@ def row(result: dict[str, Any], name: str) -> tuple[str, str]:
 def test_rebuilt_good_archive_verifies(good: Good, box: Box, capsys: pytest.CaptureFixture[str]) -> None:
     """Negative control: the entries re-packed by this module's writer (GNU and PAX) verify."""
     for fmt in (tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
-        code, result = run_verify(write(box, good, list(good.entries), fmt=fmt), box, capsys)
+        code, _, result = run_verify(write(box, good, list(good.entries), fmt=fmt), box, capsys)
         assert code == 0, result["failures"]
 
 
@@ -135,7 +98,7 @@ def test_unsafe_member_hidden_in_header_extensions(good: Good, box: Box, capsys:
         info.name = f"{good.name}/..\\..\\attack-target"
     entries = list(good.entries)
     entries.insert(len(entries) // 2, (info, data))
-    code, result = run_verify(write(box, good, entries, fmt=fmt), box, capsys)
+    code, _, result = run_verify(write(box, good, entries, fmt=fmt), box, capsys)
     status, text = row(result, "safe extraction")
     assert code == 1 and status == "FAIL"
     assert reason in text, text
@@ -153,7 +116,7 @@ def test_second_tar_hidden_after_the_end_marker(good: Good, box: Box, capsys: py
         info, data = file_entry(f"{good.name}/tp2-cp2.json", b'{"passed": true}')
         tar.addfile(info, io.BytesIO(data))
     path = write(box, good, list(good.entries), tail=gzip.compress(hidden.getvalue(), mtime=0))
-    code, result = run_verify(path, box, capsys)
+    code, _, result = run_verify(path, box, capsys)
     status, text = row(result, "safe extraction")
     assert code == 1 and status == "FAIL" and "data after the tar end-of-archive marker" in text
 
@@ -163,11 +126,11 @@ def test_bomb_of_trailing_zeros_after_the_end_marker(good: Good, box: Box, capsy
     zeros = gzip.compress(bytes(64 << 20), mtime=0)
     path = write(box, good, list(good.entries), tail=zeros)
     assert path.stat().st_size < good.archive.stat().st_size + (1 << 20)
-    code, result = run_verify(path, box, capsys, "--max-total-mib", "4")
+    code, _, result = run_verify(path, box, capsys, "--max-total-mib", "4")
     status, text = row(result, "safe extraction")
     assert code == 1 and status == "FAIL"
     assert "refused as a possible decompression bomb" in text, text
-    code, _ = run_verify(write(box, good, list(good.entries)), box, capsys, "--max-total-mib", "4")
+    code, _, _ = run_verify(write(box, good, list(good.entries)), box, capsys, "--max-total-mib", "4")
     assert code == 0  # control: the same limits accept the archive without the trailing bomb
 
 
@@ -188,7 +151,7 @@ def test_unsafe_or_malformed_sha256sums_line(good: Good, box: Box, capsys: pytes
     sums = f"{good.name}/{archive.SUMS}"
     text = good.data(archive.SUMS).decode() + line.format(digest=jsonio.sha256_bytes(good.data("plan.json")))
     entries = [file_entry(sums, text.encode()) if i.name == sums else (i, d) for i, d in good.entries]
-    code, result = run_verify(write(box, good, entries), box, capsys)
+    code, _, result = run_verify(write(box, good, entries), box, capsys)
     status, detail = row(result, "SHA256SUMS")
     assert code == 1 and status == "FAIL" and reason in detail, detail
 
@@ -197,7 +160,7 @@ def test_sidecar_naming_another_archive(good: Good, box: Box, capsys: pytest.Cap
     path = write(box, good, list(good.entries))
     digest = jsonio.sha256_bytes(path.read_bytes())
     path.with_name(path.name + ".sha256").write_text(f"{digest}  other-run.tar.gz\n")
-    code, result = run_verify(path, box, capsys)
+    code, _, result = run_verify(path, box, capsys)
     status, detail = row(result, "outer checksum")
     assert code == 1 and status == "FAIL"
     assert f"names 'other-run.tar.gz', not {good.archive.name!r}" in detail
@@ -209,8 +172,8 @@ def test_sidecar_naming_another_archive(good: Good, box: Box, capsys: pytest.Cap
 def test_topology_removed_with_sums_recomputed(good: Good, box: Box, capsys: pytest.CaptureFixture[str]) -> None:
     """The TP=2 x CP=2 report and tensors are dropped and SHA256SUMS recomputed: the plan still
     promises that topology, so its absence is named."""
-    entries = with_sums(good, [(i, d) for i, d in good.entries if "/tp2-cp2." not in i.name])
-    code, result = run_verify(write(box, good, entries), box, capsys)
+    entries = resummed(good, [(i, d) for i, d in good.entries if "/tp2-cp2." not in i.name])
+    code, _, result = run_verify(write(box, good, entries), box, capsys)
     assert code == 1
     assert row(result, "SHA256SUMS")[0] == "PASS"  # the manifest was made consistent...
     status, detail = row(result, "JSON schemas (shipped)")  # ...the plan was not
@@ -225,14 +188,14 @@ def test_unplanned_report_added_with_sums_recomputed(good: Good, box: Box, capsy
     report.update(passed=False, fallback=True)
     added = [file_entry(f"{good.name}/tp8-cp1.json", json.dumps(report).encode()),
              file_entry(f"{good.name}/tp8-cp1.logp.f32", bytes(64))]
-    code, result = run_verify(write(box, good, with_sums(good, list(good.entries) + added)), box, capsys)
+    code, _, result = run_verify(write(box, good, resummed(good, list(good.entries) + added)), box, capsys)
     assert code == 1
     assert row(result, "SHA256SUMS")[0] == "PASS"
     status, detail = row(result, "report acceptance")
     assert status == "FAIL"
     assert "tp8-cp1.json: (file): topology tp8-cp1 is not in plan.json" in detail
     assert "tp8-cp1.logp.f32: (file): topology tp8-cp1 is not in plan.json" in detail
-    code, _ = run_verify(write(box, good, with_sums(good, list(good.entries))), box, capsys)
+    code, _, _ = run_verify(write(box, good, resummed(good, list(good.entries))), box, capsys)
     assert code == 0  # control: recomputing SHA256SUMS alone changes nothing
 
 

@@ -33,6 +33,7 @@ import pytest
 
 from rl_engine import jsonio
 
+from _procs import mentioning
 from _workflow_util import (
     SHORT_REGRESSION,
     SMALL_VOCAB,
@@ -178,21 +179,6 @@ def wait_for(condition: Callable[[], bool], proc: subprocess.Popen[Any], what: s
         if time.monotonic() > deadline:
             pytest.fail(f"{what} did not happen within {limit_s} s")
         time.sleep(0.05)
-
-
-def processes_mentioning(needle: str) -> list[str]:
-    """Command lines of live processes that contain ``needle``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if needle in cmdline:
-            found.append(cmdline)
-    return found
 
 
 def mtimes(paths: list[Path]) -> dict[str, int]:
@@ -475,4 +461,4 @@ def test_hanging_rank_fails_the_rule_at_its_time_limit(wf: Workflow) -> None:
     control = snakemake(wf.repo, str(wf.report("tp1-cp2").relative_to(wf.repo)), env=env, timeout=600)
     assert control.returncode == 0, text_of(control)[-4000:]
     assert jsonio.load(wf.report("tp1-cp2"))["passed"] is True
-    assert processes_mentioning(str(wf.report("tp2-cp1"))) == []  # the hung rank is gone too
+    assert mentioning(str(wf.report("tp2-cp1"))) == {}  # the hung rank is gone too

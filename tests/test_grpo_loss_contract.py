@@ -22,8 +22,9 @@ from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.registry import BackendUnavailableError, dispatch
 from rl_engine.tensorio import fingerprint, tensor_bytes
 
-SEQS, SEQ_LEN, GROUP = 8, 16, 4
-REAL_VOCAB, PADDED_VOCAB, TILES = 500, 512, 8
+from _grpo_inputs import GROUP, PADDED_VOCAB, REAL_VOCAB, SEQ_LEN, SEQS, TILES, grpo_inputs
+
+SEED = 7
 LOGPROB = {"real_vocab_size": REAL_VOCAB, "padded_vocab_size": PADDED_VOCAB,
            "num_vocab_tiles": TILES, "logits_dtype": "fp32"}
 
@@ -40,25 +41,6 @@ def make_contract(**overrides: Any) -> GRPOContract:
     logprob.update(overrides.pop("logprob", {}))
     kwargs.update(overrides)
     return GRPOContract.build(logprob=logprob, **kwargs)
-
-
-def make_inputs(seed: int = 7, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    tokens = SEQS * SEQ_LEN
-    logits = (2.0 * torch.randn(tokens, PADDED_VOCAB, generator=gen)).to(dtype)
-    ref = (logits.float() + 0.3 * torch.randn(tokens, PADDED_VOCAB, generator=gen)).to(dtype)
-    actions = torch.randint(0, REAL_VOCAB, (tokens,), generator=gen)
-    position = torch.arange(SEQ_LEN).repeat(SEQS)
-    prompt = torch.randint(2, 7, (SEQS,), generator=gen).repeat_interleave(SEQ_LEN)
-    active = position >= prompt
-    actions = torch.where(active, actions, torch.full_like(actions, -100))
-    safe = torch.where(active, actions, torch.zeros_like(actions))
-    current = torch.log_softmax(logits.float()[:, :REAL_VOCAB], -1).gather(1, safe[:, None])[:, 0]
-    old = torch.where(active, current + 0.25 * torch.randn(tokens, generator=gen),
-                      torch.zeros_like(current))
-    rewards = torch.randint(0, 3, (SEQS,), generator=gen).to(torch.float32)
-    return {"logits": logits, "ref": ref, "actions": actions, "active": active, "old": old,
-            "rewards": rewards}
 
 
 def run_loss(contract: GRPOContract, data: dict[str, torch.Tensor], with_ref: bool = True,
@@ -301,7 +283,7 @@ def test_rank_local_fields_do_not_enter_the_fingerprint() -> None:
 # ----- the loss in one process ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def data() -> dict[str, torch.Tensor]:
-    return make_inputs()
+    return grpo_inputs(SEED)
 
 
 @pytest.mark.parametrize("estimator", ["k3", "k1"])
@@ -425,7 +407,7 @@ def test_agrees_with_independent_single_process_grpo(name: str, data: dict[str, 
 
 
 def test_bf16_logits_gradient_agrees_within_bf16_rounding() -> None:
-    data = make_inputs(seed=11, dtype=torch.bfloat16)
+    data = grpo_inputs(11, torch.bfloat16)
     contract = make_contract(beta=0.05, logprob={"logits_dtype": "bf16"})
     out, grad = run_loss(contract, data)
     ref = oracle_grpo(data, group_size=GROUP, eps_low=0.2, eps_high=0.2,
@@ -564,7 +546,7 @@ def test_sequence_stats_are_consistent(data: dict[str, torch.Tensor]) -> None:
 def test_advantages_given_as_computed_give_the_same_bytes_and_others_change_them() -> None:
     """``advantages=`` is used as given: the group's own advantages, passed in, give the bytes of
     the rewards path (loss, gradient, statistics); other advantages give other bytes."""
-    contract, data = make_contract(), make_inputs()
+    contract, data = make_contract(), grpo_inputs(SEED)
     ref, ref_grad = run_loss(contract, data)
     logits = data["logits"].clone().requires_grad_()
     out = GRPOLoss()(logits, data["actions"], data["old"], data["rewards"], data["active"], contract,
@@ -587,7 +569,7 @@ def test_advantages_given_as_computed_give_the_same_bytes_and_others_change_them
      "advantages[2]=inf (global sequence 2) is not finite; fix the advantage estimate"),
 ])
 def test_bad_advantages_are_refused_by_name(advantages: Any, needle: str) -> None:
-    data = make_inputs()
+    data = grpo_inputs(SEED)
     with pytest.raises(GRPOContractError, match=re.escape(needle)):
         GRPOLoss()(data["logits"], data["actions"], data["old"], data["rewards"], data["active"],
                    make_contract(), ref_logits=data["ref"], advantages=advantages)

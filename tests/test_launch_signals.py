@@ -19,35 +19,16 @@ import sys
 import time
 from pathlib import Path
 
-from rl_engine import cli, jsonio
-from rl_engine.campaign import proctree
-from rl_engine.campaign.proctree import alive, descendants, stop_tree
-from rl_engine.logprob.vocab_parallel import BACKEND_ID
+from rl_engine import cli, jsonio, proctree
+from rl_engine.proctree import alive, descendants, stop_tree
+
+from _case_argv import TINY
+from _procs import mentioning
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = [
-    "--device", "cpu", "--dtype", "bf16", "--backend", BACKEND_ID, "--real-vocab", "60",
-    "--padded-vocab", "64", "--num-vocab-tiles", "4", "--batch", "2", "--seq", "8",
-    "--prompt-tokens", "4", "--seed", "7", "--timeout-s", "120",
-]
 SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 STARTUP_LIMIT_S = 240.0  # a failure bound for slow machines, not a measured claim
 EXIT_LIMIT_S = 120.0
-
-
-def _mentioning(text: str) -> list[int]:
-    """Live (non-zombie) processes whose command line contains ``text``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline and alive(int(entry.name)):
-            found.append(int(entry.name))
-    return found
 
 
 def _plan(run: Path) -> Path:
@@ -82,11 +63,11 @@ def test_signalled_launch_kills_torchrun_and_its_ranks_and_leaves_no_outputs(tmp
         for sig, run in runs.items():
             runner = _runner_of(run)
             # torchrun and its two ranks all carry the runner and the plan in their command lines
-            while len(_mentioning(runner)) < 3:
+            while len(mentioning(runner)) < 3:
                 assert procs[sig].poll() is None, procs[sig].communicate()[0].decode()
                 assert time.monotonic() < deadline, f"{sig.name}: torchrun and 2 ranks never appeared"
                 time.sleep(0.2)
-            watched[sig] = sorted(set(_mentioning(runner)) | {pid for pid, _ in descendants(procs[sig].pid)})
+            watched[sig] = sorted(set(mentioning(runner)) | {pid for pid, _ in descendants(procs[sig].pid)})
             assert len(watched[sig]) >= 3, watched[sig]
         for sig, proc in procs.items():
             proc.send_signal(sig)
@@ -95,7 +76,7 @@ def test_signalled_launch_kills_torchrun_and_its_ranks_and_leaves_no_outputs(tmp
             run = runs[sig]
             assert proc.returncode == 128 + sig, (sig.name, proc.returncode, out)
             assert [pid for pid in watched[sig] if alive(pid)] == [], sig.name
-            assert _mentioning(_runner_of(run)) == [], sig.name
+            assert mentioning(_runner_of(run)) == {}, sig.name
             assert sorted(p.name for p in run.iterdir()) == ["launch.log", "plan.json"], sig.name
             assert f"received {sig.name}" in out and "outputs removed" in out, out
         # negative control on the same evidence: the plan still names the output that is now absent
@@ -106,7 +87,7 @@ def test_signalled_launch_kills_torchrun_and_its_ranks_and_leaves_no_outputs(tmp
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-            for pid in _mentioning(_runner_of(runs[sig])):
+            for pid in mentioning(_runner_of(runs[sig])):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

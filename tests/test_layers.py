@@ -28,7 +28,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "rl_engine"
 LAYERS: dict[str, int] = {
     "tables": 0, "validators": 0, "jsonio": 0, "schemas": 0, "tensorio": 0, "spec_numpy": 0, "rundir": 0, "__init__": 0,
-    "temperature": 0, "verb_parsers": 0,
+    "temperature": 0, "verb_parsers": 0, "proctree": 0,
     "logprob": 1, "distributed": 1,
     "grpo": 2, "capture": 2, "integrations": 2,
     "campaign": 3, "record": 3,

@@ -22,7 +22,6 @@ from rl_engine.campaign import faults, nodes
 from rl_engine.campaign.nodes import NodeLayout, NodeLayoutError
 from rl_engine.campaign.plan import runner_args
 from rl_engine.evidence import summary
-from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.workflow import (
     RUNTIME_MARGIN_MIN,
     WorkflowConfigError,
@@ -31,13 +30,8 @@ from rl_engine.workflow import (
     topology_resources,
 )
 
+from _case_argv import TINY
 from _workflow_util import REPO, SMALL_VOCAB
-
-TINY = [
-    "--device", "cpu", "--dtype", "bf16", "--backend", BACKEND_ID, "--real-vocab", "60",
-    "--padded-vocab", "64", "--num-vocab-tiles", "4", "--batch", "2", "--seq", "8",
-    "--prompt-tokens", "4", "--seed", "7", "--timeout-s", "120",
-]
 
 
 def config(**overrides: Any) -> dict[str, Any]:

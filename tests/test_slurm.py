@@ -45,8 +45,10 @@ from typing import Any, Iterator
 import pytest
 
 from rl_engine import cli, jsonio
-from rl_engine.logprob.vocab_parallel import BACKEND_ID
+from rl_engine.proctree import descendants
 
+from _case_argv import TINY
+from _procs import environ, mentioning, parent
 from _workflow_util import (
     CONFIG,
     SHORT_REGRESSION,
@@ -75,11 +77,6 @@ FAST_POLL = ("--slurm-init-seconds-before-status-checks", "2")
 RUN_LIMIT_S = 900.0  # a failure bound for slow machines, not a measured claim
 STARTUP_LIMIT_S = 300.0  # likewise
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TINY = [
-    "--device", "cpu", "--dtype", "bf16", "--backend", BACKEND_ID, "--real-vocab", "60",
-    "--padded-vocab", "64", "--num-vocab-tiles", "4", "--batch", "2", "--seq", "8",
-    "--prompt-tokens", "4", "--seed", "7", "--timeout-s", "120",
-]
 
 
 def _cluster_problem() -> str | None:
@@ -293,20 +290,20 @@ def test_time_limit_and_stop_signal_kill_every_nodes_tree(shared_cluster: None, 
     procs = {"limit": _salloc_launch(runs["limit"], plans["limit"], 40, "hang:2x2:node2/0"),
              "sigterm": _salloc_launch(runs["sigterm"], plans["sigterm"], 600, "hang:2x2:node2/0")}
     deadline = time.monotonic() + STARTUP_LIMIT_S
-    ranks: list[str] = []
+    ranks: dict[int, str] = {}
     while time.monotonic() < deadline:  # both nodes' ranks of the second run are up
-        ranks = _processes_mentioning(f"-m rl_engine.campaign.run {plans['sigterm']}")
-        runners = [p for p in ranks if "torch.distributed.run" not in p]  # the ranks, not their torchruns
+        ranks = mentioning(f"-m rl_engine.campaign.run {plans['sigterm']}")
+        runners = [c for c in ranks.values() if "torch.distributed.run" not in c]  # the ranks, not their torchruns
         if len(runners) == 4:
             break
         assert procs["sigterm"].poll() is None, procs["sigterm"].communicate()[0]
         time.sleep(0.5)
     else:
         pytest.fail(f"the 2x2 ranks did not start: {ranks}")
-    outer = [p for p in _processes_mentioning(str(plans["sigterm"]))
-             if " launch " in p and "--rdzv-endpoint" not in p and "salloc" not in p]
+    outer = {pid: c for pid, c in mentioning(str(plans["sigterm"])).items()
+             if " launch " in c and "--rdzv-endpoint" not in c and "salloc" not in c}
     assert len(outer) == 1, outer
-    os.kill(int(outer[0].split(":")[0]), signal.SIGTERM)
+    os.kill(next(iter(outer)), signal.SIGTERM)
     codes = {name: proc.wait(timeout=STARTUP_LIMIT_S) for name, proc in procs.items()}
     logs = {name: (run / "launch.log").read_text() for name, run in runs.items()}
     assert codes == {"limit": 124, "sigterm": 128 + signal.SIGTERM}, (codes, logs)
@@ -317,37 +314,7 @@ def test_time_limit_and_stop_signal_kill_every_nodes_tree(shared_cluster: None, 
             assert re.search(rf"error: topology 2x2, node {node} \(node rank [01] of 2\): received SIGUSR1; "
                              "its torchrun and ranks were killed", text), (name, node, text[-3000:])
         assert not list(runs[name].glob("tp2-cp2*")), name  # no partial report
-        assert _processes_mentioning(str(runs[name])) == [], name
-
-
-def _pid_of(text: str) -> int:
-    return int(text.split(":", 1)[0])
-
-
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-
-
-def _tree(root: int) -> list[int]:
-    """``root`` and every live descendant."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, [])
-    return found
+        assert mentioning(str(runs[name])) == {}, name
 
 
 def test_a_dead_node_fails_the_launch_and_leaves_nothing(exclusive_cluster: None, tmp_path: Path) -> None:
@@ -360,24 +327,24 @@ def test_a_dead_node_fails_the_launch_and_leaves_nothing(exclusive_cluster: None
     proc = _salloc_launch(tmp_path, plan, 600, "hang:2x2:node2/0")
     try:
         deadline = time.monotonic() + STARTUP_LIMIT_S
-        parts: list[str] = []
+        parts: dict[int, str] = {}
         while time.monotonic() < deadline:
-            runners = [p for p in _processes_mentioning(f"-m rl_engine.campaign.run {plan}")
-                       if "torch.distributed.run" not in p]  # the ranks, not their torchruns
-            parts = [p for p in _processes_mentioning(str(plan)) if "--rdzv-endpoint" in p
-                     and " launch " in p and not p.split(": ", 1)[1].startswith("srun")]  # each node's launch
+            runners = [c for c in mentioning(f"-m rl_engine.campaign.run {plan}").values()
+                       if "torch.distributed.run" not in c]  # the ranks, not their torchruns
+            parts = {pid: c for pid, c in mentioning(str(plan)).items() if "--rdzv-endpoint" in c
+                     and " launch " in c and not c.startswith("srun")}  # each node's launch
             if len(runners) == 4 and len(parts) == 2:
                 break
             assert proc.poll() is None, proc.communicate()[0]
             time.sleep(0.5)
         else:
             pytest.fail(f"the 2x2 ranks did not start: {parts}")
-        node2 = [_pid_of(p) for p in parts if _environ(_pid_of(p)).get("SLURMD_NODENAME") == "node2"]
+        node2 = [pid for pid in parts if environ(pid).get("SLURMD_NODENAME") == "node2"]
         assert len(node2) == 1, parts
-        stepd = int(Path(f"/proc/{node2[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        slurmd = [_pid_of(p) for p in _processes_mentioning("slurmd -N node2") if "slurmd" in p.split(": ", 1)[1][:7]]
+        stepd = parent(node2[0])
+        slurmd = [pid for pid, c in mentioning("slurmd -N node2").items() if "slurmd" in c[:7]]
         assert len(slurmd) == 1, slurmd
-        for pid in [*slurmd, *_tree(stepd)]:
+        for pid in [*slurmd, stepd, *(child for child, _ in descendants(stepd))]:
             os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=STARTUP_LIMIT_S)
         log = (tmp_path / "launch.log").read_text() + out  # launch's own messages go to stderr
@@ -387,7 +354,7 @@ def test_a_dead_node_fails_the_launch_and_leaves_nothing(exclusive_cluster: None
         assert re.search(r"node node1 \(node rank 0 of 2\): (torchrun exited with|received SIGTERM; its torchrun "
                          r"and ranks were killed)", log), log[-3000:]
         assert not list(tmp_path.glob("tp2-cp2*"))
-        assert _processes_mentioning(str(tmp_path)) == []
+        assert mentioning(str(tmp_path)) == {}
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -398,31 +365,15 @@ def test_a_dead_node_fails_the_launch_and_leaves_nothing(exclusive_cluster: None
     assert _cluster_problem() is None
 
 
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if text in cmdline and state not in ("Z", "X"):
-            found.append(f"{entry.name}: {cmdline}")
-    return found
-
-
 def test_nothing_is_left_behind(campaign: dict[str, Any]) -> None:
     """Runs last: the queue is empty and no launch, torchrun, rank or job step of the runs is alive."""
     # this copy's jobs: the campaign's (submitted from its repository) and the salloc launches
     # (from the checkout); a second copy of the suite on the same test cluster has its own
     repo = campaign["repo"]
     assert queued_jobs(repo, REPO_ROOT) == []
-    assert _processes_mentioning(str(repo)) == []
+    assert mentioning(str(repo)) == {}
     # a multi-node launch's rendezvous id, in a process Slurm started for one of this copy's
     # jobs (the suite's other worker may run multi-node launches of its own, outside Slurm)
     ours = {_field(line, "JobId") for line in slurm_jobs(repo) + slurm_jobs(REPO_ROOT)}
     assert ours, "no job of the campaign is known to slurmctld (MinJobAge keeps them 900 s)"
-    assert [p for p in _processes_mentioning("--rdzv-id=rl-engine-")
-            if _environ(_pid_of(p)).get("SLURM_JOB_ID") in ours] == []
+    assert [pid for pid in mentioning("--rdzv-id=rl-engine-") if environ(pid).get("SLURM_JOB_ID") in ours] == []

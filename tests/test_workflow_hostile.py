@@ -25,8 +25,10 @@ from pathlib import Path
 
 import pytest
 
+from rl_engine.proctree import alive
 from rl_engine.record.regression import KILL_GRACE_S
 
+from _procs import parent
 from _workflow_util import SMALL_VOCAB, copy_repo, env_for, run_name_of, snakemake, snakemake_cmd, write_config
 
 pytestmark = pytest.mark.slow  # end to end: snakemake runs (in the full suite, not the quick loop)
@@ -37,8 +39,9 @@ SLEEP_S = 30
 
 
 def test_pytest_args_reach_pytest_whole_and_run_nothing_in_the_shell(tmp_path: Path) -> None:
-    """Before: ``touch`` ran, ``-k 'probe or sleeps'`` was split, and ``--timeout-s`` and the log
-    redirect were commented out (pytest ran its 30 s test to the end, the rule passed)."""
+    """pytest_args reach pytest as separate words, never through a shell: otherwise ``touch`` would
+    run, ``-k 'probe or sleeps'`` would be split, and a ``#`` would comment out ``--timeout-s`` and
+    the log redirect (pytest would run its 30 s test to the end and the rule would pass)."""
     repo = copy_repo(tmp_path)
     argv_file, marks = tmp_path / "argv.json", [tmp_path / f"ran{i}" for i in range(3)]
     (repo / PROBE).write_text(
@@ -116,18 +119,6 @@ def archive_stage(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return repo, target
 
 
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
 def _start(repo: Path, target: str, marker: Path, sleep_s: float, log: Path) -> subprocess.Popen[bytes]:
     marker.unlink(missing_ok=True)
     for left in (repo / target, repo / f"{target}.sha256"):  # from an earlier test
@@ -143,7 +134,7 @@ def _kill_group(proc: subprocess.Popen[bytes], archive: int) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    if archive and _alive(archive):
+    if archive and alive(archive):
         os.kill(archive, signal.SIGKILL)
 
 
@@ -159,8 +150,9 @@ def _archive_pid(proc: subprocess.Popen[bytes], marker: Path, log: Path) -> int:
 def test_a_sigkill_of_the_archive_job_leaves_no_archive_process_and_no_archive(
     archive_stage: tuple[Path, str], tmp_path: Path
 ) -> None:
-    """Before: the job's process was ``bash -c '...; python -m rl_engine archive ...'``; SIGKILL
-    killed bash, the archive process went on, and its archive appeared after the job had failed."""
+    """The archive job's process is the archive process itself: were it ``bash -c '...; python -m
+    rl_engine archive ...'``, SIGKILL would kill bash, the archive process would go on, and its
+    archive would appear after the job had failed."""
     repo, target = archive_stage
     marker, log = tmp_path / "started", tmp_path / "snakemake.log"
     proc = _start(repo, target, marker, ARCHIVE_SLEEP_S, log)
@@ -168,14 +160,14 @@ def test_a_sigkill_of_the_archive_job_leaves_no_archive_process_and_no_archive(
     try:
         archive = _archive_pid(proc, marker, log)
         job = archive  # the job's process: the child of snakemake the archive process descends from
-        while _parent(job) != proc.pid:
-            job = _parent(job)
+        while parent(job) != proc.pid:
+            job = parent(job)
             assert job > 1, "the archive process does not descend from snakemake"
         os.kill(job, signal.SIGKILL)
         killed = time.monotonic()
         rc = proc.wait(timeout=120)
         time.sleep(max(0.0, killed + ARCHIVE_SLEEP_S + 2 - time.monotonic()))  # past the archive's write
-        left = _alive(archive)
+        left = alive(archive)
     finally:
         _kill_group(proc, archive)
     text = log.read_text()
@@ -198,9 +190,9 @@ def test_a_killed_snakemake_leaves_a_lock_that_unlock_clears_and_the_rerun_compl
         os.killpg(proc.pid, signal.SIGKILL)  # snakemake and its jobs: they share its process group
         proc.wait(timeout=60)
         deadline = time.monotonic() + 10
-        while _alive(archive) and time.monotonic() < deadline:
+        while alive(archive) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(archive)
+        assert not alive(archive)
     finally:
         _kill_group(proc, archive)
     env = env_for(repo, {"FAKE_ARCHIVE_MARKER": str(marker), "FAKE_ARCHIVE_SLEEP": "0"})

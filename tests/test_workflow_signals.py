@@ -29,6 +29,7 @@ from rl_engine import workflow
 from rl_engine.record.regression import KILL_GRACE_S
 from rl_engine.workflow import WorkflowConfigError
 
+from _procs import mentioning
 from _workflow_util import REPO, SMALL_VOCAB, copy_repo, env_for, run_name_of, snakemake_cmd, write_config
 
 pytestmark = pytest.mark.slow  # end to end: snakemake runs (in the full suite, not the quick loop)
@@ -49,21 +50,6 @@ if os.environ.get("FAKE_GPUS"):
 '''
 
 
-def processes_mentioning(needle: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in cmdline and state not in ("Z", "X"):
-            found.append(int(entry.name))
-    return found
-
-
 def test_ctrl_c_reaches_the_regression_job_at_once(tmp_path: Path) -> None:
     repo = copy_repo(tmp_path)
     (repo / SLEEPING_TEST).write_text(f"import time\n\n\ndef test_sleeps():\n    time.sleep({SLEEP_S})\n")
@@ -75,7 +61,7 @@ def test_ctrl_c_reaches_the_regression_job_at_once(tmp_path: Path) -> None:
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not [p for p in processes_mentioning(SLEEPING_TEST) if p != proc.pid]:
+        while not [p for p in mentioning(SLEEPING_TEST) if p != proc.pid]:
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "pytest did not start"
             time.sleep(0.2)
@@ -90,18 +76,18 @@ def test_ctrl_c_reaches_the_regression_job_at_once(tmp_path: Path) -> None:
         # the regression verb stops pytest and waits for it (KILL_GRACE_S); on a loaded machine the
         # last exits can trail snakemake's by a moment: poll for a bounded time, not one snapshot
         gone_by = time.monotonic() + 30.0
-        while (lingering := processes_mentioning(SLEEPING_TEST)) and time.monotonic() < gone_by:
+        while (lingering := mentioning(SLEEPING_TEST)) and time.monotonic() < gone_by:
             time.sleep(0.2)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        for pid in processes_mentioning(SLEEPING_TEST):
+        for pid in mentioning(SLEEPING_TEST):
             os.kill(pid, signal.SIGKILL)
     text = log.read_text()
     print(f"snakemake ended {elapsed:.1f} s after Ctrl-C")
     assert elapsed < INTERRUPT_LIMIT_S, (elapsed, text[-3000:])
-    assert lingering == [], (lingering, text[-3000:])
+    assert lingering == {}, (lingering, text[-3000:])
     assert proc.returncode != 0
     assert not (repo / target).exists()
 
@@ -121,7 +107,7 @@ def test_regression_time_limit_stops_pytest_and_what_it_started(tmp_path: Path) 
     assert "regression: pytest exceeded --timeout-s=3; it and every process it started were killed" in done.stderr
     assert elapsed < 3 + KILL_GRACE_S + 20, elapsed
     assert not (out / "regression.json").exists()
-    assert processes_mentioning(f"time.sleep({SLEEP_S})") == []
+    assert mentioning(f"time.sleep({SLEEP_S})") == {}
     bad = subprocess.run([sys.executable, "-m", "rl_engine", "regression", "--output-dir", str(out), "--tests",
                           str(sleeping), "--timeout-s", "0"], env=env_for(REPO), capture_output=True, text=True)
     assert bad.returncode == 2 and "--timeout-s=0.0 must be > 0 (config regression.timeout_s)" in bad.stderr

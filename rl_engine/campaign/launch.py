@@ -18,7 +18,7 @@ and 2 is taken from the artifacts: a readable report with ``passed=false`` is 1.
 starting, the topology's report and raw tensors are removed, and after any outcome other
 than 0 or 1 they are removed again, so a failure never leaves a stale or partial output.
 ``torchrun`` starts every rank in a session of its own, so stopping means the whole tree
-(:func:`rl_engine.campaign.proctree.stop_tree`), not only torchrun's process group.
+(:func:`rl_engine.proctree.stop_tree`), not only torchrun's process group.
 
 Topologies that span nodes (``--ranks-per-node R`` below the topology's ranks; see
 :mod:`rl_engine.campaign.nodes`) run only inside a Slurm job of that many nodes. ``launch``
@@ -66,7 +66,7 @@ from rl_engine.campaign.plan import (
     remove_outputs,
     report_path,
 )
-from rl_engine.campaign.proctree import (
+from rl_engine.proctree import (
     EXIT_TIMEOUT,
     KILL_GRACE_S,
     STOP_SIGNALS,

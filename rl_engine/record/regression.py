@@ -8,7 +8,7 @@ from the JUnit XML: ``passed``, ``failed``, ``skipped``, ``errors``, ``total``, 
 command, the test files, pytest's exit code and the duration.
 
 pytest runs in a process group of its own, and this verb stops it and everything it started
-(:func:`rl_engine.campaign.proctree.stop_tree`, as ``launch`` does for torchrun) when it gets
+(:func:`rl_engine.proctree.stop_tree`, as ``launch`` does for torchrun) when it gets
 SIGINT, SIGTERM or SIGHUP (Ctrl-C in the terminal, a cancelled Snakemake job) and when
 ``--timeout-s`` passes; then it writes no ``regression.json`` and exits ``128 + N`` or ``124``.
 The workflow used GNU ``timeout``, which put itself and pytest in their own process group, out
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_engine import jsonio, schemas
-from rl_engine.campaign.proctree import EXIT_TIMEOUT, KILL_GRACE_S, StopSignals, stop_tree, supervise
+from rl_engine.proctree import EXIT_TIMEOUT, KILL_GRACE_S, StopSignals, stop_tree, supervise
 from rl_engine.record import reuse
 from rl_engine.rundir import JUNIT, PYTEST_LOG, REGRESSION
 from rl_engine.tables import SCHEMA_VERSION
