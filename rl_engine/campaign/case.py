@@ -1,15 +1,24 @@
-"""One campaign case: every parameter and every rule about them, torch-free.
+"""One campaign case: every parameter, every rule about them, and every fact derived from them.
 
 A :class:`Case` holds every input parameter of a run except the topology; it refuses to exist
 while any rule of :func:`case_problems` is broken. :func:`check_topology` holds every rule that
 makes a ``TP x CP`` run of a case impossible, :func:`check_matrix` the rule for a matrix of
-topologies. The constant sets and defaults are in :mod:`rl_engine.tables`. Everything
-reads these: the workflow's config check (at parse time), the plan, every rank before any
-collective, the input recipe, acceptance, the summary and verify.
+topologies. The constant sets and defaults are in :mod:`rl_engine.tables`.
+
+This module is the one owner of what a case determines (``tests/test_case.py`` reads every other
+module for a second one; ``docs/design.md`` draws who calls what):
+
+- its config keys, both ways: :data:`CONFIG_FIELDS`, :meth:`Case.from_config`,
+  :func:`config_key_of` (the key an error names), :func:`record_config` (SUMMARY.md's reproduce.yaml);
+- a rank's contract: :meth:`Case.contract` (:func:`record_contract` for a record verify replays);
+- the resolved case and its hash, which names the run: :func:`resolved_case`, :func:`case_hash`,
+  :meth:`Case.run_hash`;
+- its inputs: :meth:`Case.inputs` and :meth:`Case.rank_inputs` (the recipe-or-capture branch is
+  :mod:`rl_engine.campaign.captured`'s, which imports torch).
 
 The case file (``case.json``, ``schemas/case.schema.json``) is a case with its topologies: what
 the workflow's resolved config becomes, and what the plan is built from
-(:func:`case_document`, :func:`load_case_file`).
+(:func:`case_document`, :func:`load_case_file`). Torch-free at import.
 """
 
 from __future__ import annotations
