@@ -136,6 +136,7 @@ def test_snakefile_case_json_is_the_config_case() -> None:
 # fields the hash leaves out, the one config key whose case field has another name.
 CASE_OWNED_NAMES = ("CONFIG_FIELDS", "OPTIONAL_FIELDS", "resolved_case", "CAPTURE_INFO_KEYS", "FLOAT_FIELDS")
 CASE_OWNED_LITERALS = ("pg_timeout_s",)
+RECIPE_CALLS = ("inputs.make_inputs", "inputs.make_input_part")
 
 
 def _derived_outside_the_case(source: str, module: str) -> list[str]:
@@ -152,10 +153,10 @@ def _derived_outside_the_case(source: str, module: str) -> list[str]:
             args = [ast.unparse(a) for a in node.args] + [ast.unparse(k.value) for k in node.keywords]
             if name == "LogprobContract" and any(a.startswith(("case.", "case[")) or "case." in a for a in args):
                 found.append(f"contract: {ast.unparse(node)[:100]}")
-            if ast.unparse(node.func) == "inputs.make_inputs" and module != "campaign/captured.py":
+            if ast.unparse(node.func) in RECIPE_CALLS and module != "campaign/captured.py":
                 found.append("the input recipe called outside campaign.captured")
         elif isinstance(node, ast.ImportFrom) and node.module == "rl_engine.campaign.inputs":
-            found += [f"imports {a.name}" for a in node.names if a.name == "make_inputs"]
+            found += [f"imports {a.name}" for a in node.names if a.name in ("make_inputs", "make_input_part")]
         if isinstance(node, (ast.Name, ast.Attribute, ast.alias)):
             name = getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None)
             if name in CASE_OWNED_NAMES:
@@ -186,6 +187,7 @@ def test_only_the_case_turns_a_case_into_a_contract_and_maps_config_keys() -> No
         "timeout = config['pg_timeout_s']": "the config key",
         "x = inputs.make_inputs(case)": "the input recipe",
         "from rl_engine.campaign.inputs import make_inputs": "imports make_inputs",
+        "x = inputs.make_input_part(case, rows, 0, 64)": "the input recipe",
     }
     for snippet, what in controls.items():
         assert any(what in f for f in _derived_outside_the_case(snippet, "campaign/run.py")), snippet

@@ -102,6 +102,31 @@ def test_inputs_follow_the_documented_recipe() -> None:
     assert fingerprint(scaled[:, :1000]) == fingerprint(logits[:, :1000] * 2.0)
 
 
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_a_rank_makes_only_its_part_of_the_inputs_with_the_bytes_of_the_whole(layout: str) -> None:
+    """Each rank of every default topology makes its tokens and columns alone (the runner's
+    ``Case.rank_inputs``), and gets the bytes of the same slice of the whole case's inputs; padding
+    columns included (real 1000 of 1024, so the last TP shard straddles the boundary)."""
+    from rl_engine.campaign.inputs import InputSpecError, make_input_part
+
+    case = Case.create(**{**CASE, "cp_layout": layout})
+    whole = make_inputs(case.to_dict())
+    for tp, cp in DEFAULT_TOPOLOGIES:
+        for tp_rank in range(tp):
+            for cp_rank in range(cp):
+                contract = case.contract(tp, cp, tp_rank, cp_rank)
+                part = case.rank_inputs(contract)
+                rows = torch.tensor(contract.token_indices, dtype=torch.int64)
+                want = (whole[0][rows, contract.vocab_start:contract.vocab_end], whole[1][rows], whole[2][rows])
+                assert [t.numpy().tobytes() for t in part] == [t.contiguous().numpy().tobytes() for t in want], \
+                    (tp, cp, tp_rank, cp_rank)
+                assert [t.dtype for t in part] == [torch.float32, torch.int64, torch.bool]
+    for rows, start, stop in (([32], 0, 8), ([0], 8, 4), ([0], 0, 1025), ([-1], 0, 8)):
+        with pytest.raises(InputSpecError, match="to take a part of these inputs"):
+            make_input_part(case.to_dict(), rows, start, stop)
+
+
 # ----- plan -------------------------------------------------------------------------------
 def test_plan_default_matrix_order_and_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, output = _plan(tmp_path)

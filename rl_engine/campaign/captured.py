@@ -143,15 +143,14 @@ def case_inputs(case: Mapping[str, Any], path: str | os.PathLike[str] | None = N
 
 def case_rank_inputs(case: Mapping[str, Any], contract: Any, path: str | os.PathLike[str] | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One rank's ``(logits, targets, active)`` under ``contract``: the recipe's rows and columns of
-    :func:`case_inputs` (FP32), or only this rank's tokens and columns read from the capture (in
-    its dtype; :func:`rl_engine.capture.shard.rank_inputs`, after the caller checked its hash)."""
+    """One rank's ``(logits, targets, active)`` under ``contract``: only this rank's tokens and columns,
+    made by the recipe (FP32, :func:`rl_engine.campaign.inputs.make_input_part`: the bytes of the same
+    slice of :func:`case_inputs`) or read from the capture (in its dtype;
+    :func:`rl_engine.capture.shard.rank_inputs`, after the caller checked its hash)."""
     record = case.get("capture")
     if record is not None:
         return rank_inputs(record["path"] if path is None else path, contract)
-    logits_fp32, targets, active = inputs.make_inputs(case)
-    rows = torch.tensor(contract.token_indices, dtype=torch.int64)
-    return logits_fp32[rows, contract.vocab_start : contract.vocab_end], targets[rows], active[rows]
+    return inputs.make_input_part(case, contract.token_indices, contract.vocab_start, contract.vocab_end)
 
 
 def replay_source(record: Mapping[str, Any], root: str | os.PathLike[str],

@@ -25,7 +25,7 @@ logits, int64 targets, bool mask; SHA-256 of their little-endian bytes).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -120,21 +120,35 @@ def make_inputs(case: Mapping[str, Any] | Any) -> tuple[torch.Tensor, torch.Tens
     instruction set. See the module docstring for the exact recipe.
     """
     spec = InputSpec.from_case(case)
+    return make_input_part(spec, range(spec.num_tokens), 0, spec.padded_vocab)
+
+
+def make_input_part(case: Mapping[str, Any] | Any, rows: Sequence[int], vocab_start: int, vocab_end: int,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``rows`` (global token indices, in that order) and columns ``[vocab_start, vocab_end)`` of
+    :func:`make_inputs`, made alone: every element is a hash of its own index, so a rank makes only
+    its tokens and columns and gets the bytes of the same slice of the whole (no rank regenerates
+    the whole case for its part). ``(logits_fp32 [rows, columns], targets [rows], active [rows])``."""
+    spec = InputSpec.from_case(case)
     n, vocab = spec.num_tokens, spec.padded_vocab
+    index_rows = np.asarray(list(rows), dtype=np.int64)
+    if not 0 <= vocab_start <= vocab_end <= vocab or (index_rows.size and not (
+            0 <= int(index_rows.min()) and int(index_rows.max()) < n)):
+        raise InputSpecError(f"rows in [0, {n}) and 0 <= vocab_start={vocab_start} <= vocab_end={vocab_end} <= "
+                             f"padded_vocab={vocab} are needed to take a part of these inputs")
+    width = vocab_end - vocab_start
     scale = np.float32(spec.logit_scale)
-    logits = np.empty((n, vocab), dtype=np.float32)
-    block = max(1, _ROW_BLOCK_ELEMENTS // vocab)
-    columns = np.arange(vocab, dtype=np.uint64)
-    for start in range(0, n, block):
-        stop = min(n, start + block)
-        rows = np.arange(start, stop, dtype=np.uint64)[:, None]
-        index = rows * np.uint64(vocab) + columns
+    logits = np.empty((index_rows.size, width), dtype=np.float32)
+    block = max(1, _ROW_BLOCK_ELEMENTS // max(1, width))
+    columns = np.arange(vocab_start, vocab_end, dtype=np.uint64)
+    for start in range(0, index_rows.size, block):
+        stop = min(index_rows.size, start + block)
+        index = index_rows[start:stop, None].astype(np.uint64) * np.uint64(vocab) + columns
         logits[start:stop] = _bell(_splitmix64(spec.seed, index)) * scale
-    logits[:, spec.real_vocab :] = np.float32(PADDING_LOGIT)
-    target_hash = _splitmix64(spec.seed, np.arange(n, dtype=np.uint64) + np.uint64(_TARGET_BASE))
+    logits[:, max(0, min(width, spec.real_vocab - vocab_start)):] = np.float32(PADDING_LOGIT)
+    target_hash = _splitmix64(spec.seed, index_rows.astype(np.uint64) + np.uint64(_TARGET_BASE))
     targets = (target_hash % np.uint64(spec.real_vocab)).astype(np.int64)
-    positions = torch.arange(n, dtype=torch.int64) % spec.seq
-    active = positions >= spec.prompt_tokens
+    active = torch.from_numpy(index_rows % spec.seq) >= spec.prompt_tokens
     return torch.from_numpy(logits), torch.from_numpy(targets), active
 
 
@@ -150,4 +164,4 @@ def inputs_sha256(
     return {"logits": fingerprint(logits), "targets": fingerprint(targets), "mask": fingerprint(active)}
 
 
-__all__ = ["PADDING_LOGIT", "InputSpec", "InputSpecError", "inputs_sha256", "make_inputs"]
+__all__ = ["PADDING_LOGIT", "InputSpec", "InputSpecError", "inputs_sha256", "make_input_part", "make_inputs"]
