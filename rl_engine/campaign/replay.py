@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 import torch
 
 from rl_engine import spec_numpy
-from rl_engine.campaign.captured import case_inputs
+from rl_engine.campaign.captured import case_inputs, replay_source
 from rl_engine.campaign.case import record_contract
+from rl_engine.campaign.inputs import inputs_sha256
 from rl_engine.logprob.portable import SPEC_VERSION
 from rl_engine.logprob.registry import dispatch
 from rl_engine.rundir import TENSOR_NAMES
@@ -56,6 +58,24 @@ REFERENCE_BACKEND = "pytorch-vocab-parallel-logp-ws2"
 
 class ReplayError(ValueError):
     """A report's arithmetic version that this installation cannot replay."""
+
+
+def case_source(case: Mapping[str, Any], root: str | os.PathLike[str],
+                given: str | os.PathLike[str] | None = None) -> Path | None:
+    """The capture a report's case replays from (None: the input recipe): ``given`` (``verify
+    --capture``) or the archive's copy, each checked against the recorded SHA-256
+    (:func:`rl_engine.campaign.captured.replay_source`)."""
+    record = case.get("capture")
+    return None if record is None else replay_source(record, root, given)
+
+
+def regenerate_inputs(case: Mapping[str, Any], root: str | os.PathLike[str],
+                      given: str | os.PathLike[str] | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, str]]:
+    """A report's case's whole inputs as ``verify --recompute`` regenerates them (the recipe, or the
+    capture of :func:`case_source`), with their ``inputs_sha256``."""
+    logits, targets, active = case_inputs(case, case_source(case, root, given))
+    return logits, targets, active, inputs_sha256(logits, targets, active)
 
 
 def replay_candidate(case: Mapping[str, Any], backend: str | None = None,
@@ -118,4 +138,4 @@ def replay_numpy(case: Mapping[str, Any], spec: str, capture: str | os.PathLike[
     return Replay(tensors, grad_t)
 
 
-__all__ = ["Replay", "ReplayError", "replay_candidate", "replay_numpy"]
+__all__ = ["Replay", "ReplayError", "case_source", "regenerate_inputs", "replay_candidate", "replay_numpy"]

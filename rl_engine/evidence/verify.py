@@ -524,12 +524,11 @@ def _recompute_rows(input_problems: list[str], drift_problems: list[str], report
 
 def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | None = None) -> tuple[Check, Check]:
     """Regenerate inputs from each report's case (or read its capture: ``--capture`` or the
-    archive's copy, :func:`rl_engine.campaign.captured.replay_source`) and recompute drift from
+    archive's copy: :func:`rl_engine.campaign.replay.regenerate_inputs`) and recompute drift from
     the raw tensors."""
     import torch
 
-    from rl_engine.campaign.captured import case_inputs, replay_source
-    from rl_engine.campaign.inputs import inputs_sha256
+    from rl_engine.campaign.replay import regenerate_inputs
     from rl_engine.logprob.comparison import oracle_drift
 
     planned, msg = _planned(run)
@@ -550,10 +549,7 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
             key = _case_key(case)
             try:
                 if key not in cache:
-                    source = (None if case.get("capture") is None
-                              else replay_source(case["capture"], run.root, capture))
-                    logits, targets, active = case_inputs(case, source)
-                    cache[key] = (logits, targets, active, inputs_sha256(logits, targets, active))
+                    cache[key] = regenerate_inputs(case, run.root, capture)
                 logits, targets, active, hashes = cache[key]
             except (ValueError, TypeError) as exc:
                 input_problems.append(f"{item.file}: case: cannot regenerate inputs ({exc})")
@@ -651,8 +647,7 @@ def replay(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | None =
     """Recompute the candidate at TP=1 and require byte equality with every topology."""
     import torch
 
-    from rl_engine.campaign.captured import replay_source
-    from rl_engine.campaign.replay import ARITH_BACKENDS, REFERENCE_BACKEND, replay_candidate
+    from rl_engine.campaign.replay import ARITH_BACKENDS, REFERENCE_BACKEND, case_source, replay_candidate
     from rl_engine.rundir import TENSOR_NAMES
     from rl_engine.tensorio import tensor_bytes
 
@@ -677,9 +672,7 @@ def replay(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | None =
                 # reference: no compiled kernel needed here, and the strictest comparison;
                 # a report of an earlier arithmetic version, by that version's NumPy implementation
                 by = REFERENCE_BACKEND if case.get("backend") in ARITH_BACKENDS else None
-                source = (None if case.get("capture") is None
-                          else replay_source(case["capture"], run.root, capture))
-                cache[key] = replay_candidate(case, backend=by, capture=source,
+                cache[key] = replay_candidate(case, backend=by, capture=case_source(case, run.root, capture),
                                               spec=spec if isinstance(spec, str) else "")
             again = cache[key]
             for tensor in TENSOR_NAMES:
