@@ -234,3 +234,17 @@ def test_a_case_goes_to_its_config_keys_and_back() -> None:
         assert Case.from_config({**config, **back}) == case
         assert casemod.config_key_of("timeout_s", given) == ("pg_timeout_s", config["pg_timeout_s"])
         assert casemod.config_key_of("dist_backend", given) == ("device", config["device"])
+
+
+def test_reproduce_config_keys_come_in_the_order_summaries_have_always_rendered() -> None:
+    """``record_config`` lists the case's keys, topologies, tolerances, the regression, then a
+    capture's inputs: SUMMARY.md's reproduce.yaml, which verify re-renders byte for byte from an
+    archive, depends on this order."""
+    capture = {"path": "/data/c.safetensors", "sha256": "0" * 64, "size": 10, "tokens": 32, "vocab": 1024,
+               "dtype": "bf16", "metadata": {}, "archive": False}
+    record = {**Case.create(**SMALL).to_dict(), "capture": capture}
+    config = casemod.record_config(record, [(1, 1), (2, 1)], {"tests": ["tests/test_case.py"], "pytest_args": []})
+    assert list(config)[-4:] == ["topologies", "tolerances", "regression", "inputs"]
+    assert config["inputs"] == {"capture": "/data/c.safetensors", "archive": False}
+    assert config["pg_timeout_s"] == record["timeout_s"] and "timeout_s" not in config
+    assert list(casemod.record_config(Case.create(**SMALL).to_dict(), [(1, 1)]))[-2:] == ["topologies", "tolerances"]

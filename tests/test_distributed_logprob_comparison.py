@@ -104,14 +104,18 @@ def test_inputs_follow_the_documented_recipe() -> None:
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_a_rank_makes_only_its_part_of_the_inputs_with_the_bytes_of_the_whole(layout: str) -> None:
+def test_a_rank_makes_only_its_part_of_the_inputs_with_the_bytes_of_the_whole(
+        layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rank of every default topology makes its tokens and columns alone (the runner's
-    ``Case.rank_inputs``), and gets the bytes of the same slice of the whole case's inputs; padding
-    columns included (real 1000 of 1024, so the last TP shard straddles the boundary)."""
+    ``Case.rank_inputs``: the whole recipe is never made for a rank's part), and gets the bytes of
+    the same slice of the whole case's inputs; padding columns included (real 1000 of 1024, so the
+    last TP shard straddles the boundary)."""
+    from rl_engine.campaign import inputs
     from rl_engine.campaign.inputs import InputSpecError, make_input_part
 
     case = Case.create(**{**CASE, "cp_layout": layout})
     whole = make_inputs(case.to_dict())
+    monkeypatch.setattr(inputs, "make_inputs", lambda *a, **k: pytest.fail("a rank made the whole recipe"))
     for tp, cp in DEFAULT_TOPOLOGIES:
         for tp_rank in range(tp):
             for cp_rank in range(cp):

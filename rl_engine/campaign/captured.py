@@ -141,15 +141,14 @@ def case_inputs(case: Mapping[str, Any], path: str | os.PathLike[str] | None = N
     return inputs.make_inputs(case) if record is None else full_capture(record, path)
 
 
-def case_rank_inputs(case: Mapping[str, Any], contract: Any, path: str | os.PathLike[str] | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def case_rank_inputs(case: Mapping[str, Any], contract: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One rank's ``(logits, targets, active)`` under ``contract``: only this rank's tokens and columns,
     made by the recipe (FP32, :func:`rl_engine.campaign.inputs.make_input_part`: the bytes of the same
     slice of :func:`case_inputs`) or read from the capture (in its dtype;
     :func:`rl_engine.capture.shard.rank_inputs`, after the caller checked its hash)."""
     record = case.get("capture")
     if record is not None:
-        return rank_inputs(record["path"] if path is None else path, contract)
+        return rank_inputs(record["path"], contract)
     return inputs.make_input_part(case, contract.token_indices, contract.vocab_start, contract.vocab_end)
 
 

@@ -320,16 +320,20 @@ def config_key_of(field: str, config: Mapping[str, Any]) -> tuple[str, Any]:
     return key, config[key]
 
 
-def record_config(record: Mapping[str, Any], topologies: Sequence[Any] = ()) -> dict[str, Any]:
+def record_config(record: Mapping[str, Any], topologies: Sequence[Any] = (),
+                  regression: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The config keys of a case record (a plan's ``case``, read from evidence that may be hostile:
-    a missing field is None) and its ``topologies`` (``(tp, cp)`` pairs): the inverse of
-    :func:`config_case_fields`, for SUMMARY.md's reproduce.yaml. In this order: the case's keys,
-    ``topologies``, ``tolerances``, then ``inputs`` on a capture (its recorded path, for a reviewer
-    to replace by their copy's: it is not in the case hash)."""
+    a missing field is None), its ``topologies`` (``(tp, cp)`` pairs) and, when given, the focused
+    ``regression`` section: the inverse of :func:`config_case_fields`, for SUMMARY.md's
+    reproduce.yaml. In this order: the case's keys, ``topologies``, ``tolerances``, ``regression``,
+    then ``inputs`` on a capture (its recorded path, for a reviewer to replace by their copy's: it
+    is not in the case hash)."""
     config: dict[str, Any] = {key: record.get(field) for key, field in CONFIG_FIELDS
                               if field in record or field not in OPTIONAL_FIELDS}
     config["topologies"] = [f"{tp}x{cp}" for tp, cp in topologies]
     config["tolerances"] = {record.get("dtype"): {"atol": record.get("atol"), "rtol": record.get("rtol")}}
+    if regression is not None:
+        config["regression"] = dict(regression)
     capture = record.get("capture")
     if isinstance(capture, Mapping):
         config["inputs"] = {"capture": capture.get("path"), "archive": capture.get("archive")}
@@ -522,12 +526,12 @@ class Case:
         """:func:`case_hash` of a run of this case over ``topologies`` with this focused regression."""
         return case_hash(self.to_dict(), topologies, tests, pytest_args, parity)
 
-    def inputs(self, path: str | os.PathLike[str] | None = None) -> Any:
-        """The whole case's ``(FP32 logits, targets, active)``: the input recipe's, or the capture's
-        (at ``path``, default the recorded one) after its hash (:func:`rl_engine.campaign.captured.case_inputs`)."""
+    def inputs(self) -> Any:
+        """The whole case's ``(FP32 logits, targets, active)``: the input recipe's, or the capture's at its
+        recorded path after its hash (:func:`rl_engine.campaign.captured.case_inputs`)."""
         from rl_engine.campaign.captured import case_inputs  # imports torch: not at parse time
 
-        return case_inputs(self.to_dict(), path)
+        return case_inputs(self.to_dict())
 
     def rank_inputs(self, contract: Any) -> Any:
         """One rank's ``(logits, targets, active)`` under its ``contract`` (:meth:`contract`): the

@@ -120,10 +120,10 @@ def make_inputs(case: Mapping[str, Any] | Any) -> tuple[torch.Tensor, torch.Tens
     instruction set. See the module docstring for the exact recipe.
     """
     spec = InputSpec.from_case(case)
-    return make_input_part(spec, range(spec.num_tokens), 0, spec.padded_vocab)
+    return make_input_part(spec, np.arange(spec.num_tokens), 0, spec.padded_vocab)
 
 
-def make_input_part(case: Mapping[str, Any] | Any, rows: Sequence[int], vocab_start: int, vocab_end: int,
+def make_input_part(case: Mapping[str, Any] | Any, rows: Sequence[int] | np.ndarray, vocab_start: int, vocab_end: int,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows ``rows`` (global token indices, in that order) and columns ``[vocab_start, vocab_end)`` of
     :func:`make_inputs`, made alone: every element is a hash of its own index, so a rank makes only
@@ -131,7 +131,7 @@ def make_input_part(case: Mapping[str, Any] | Any, rows: Sequence[int], vocab_st
     the whole case for its part). ``(logits_fp32 [rows, columns], targets [rows], active [rows])``."""
     spec = InputSpec.from_case(case)
     n, vocab = spec.num_tokens, spec.padded_vocab
-    index_rows = np.asarray(list(rows), dtype=np.int64)
+    index_rows = np.asarray(rows, dtype=np.int64)
     if not 0 <= vocab_start <= vocab_end <= vocab or (index_rows.size and not (
             0 <= int(index_rows.min()) and int(index_rows.max()) < n)):
         raise InputSpecError(f"rows in [0, {n}) and 0 <= vocab_start={vocab_start} <= vocab_end={vocab_end} <= "

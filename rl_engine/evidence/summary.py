@@ -218,16 +218,12 @@ REPRODUCE_CONFIG = "reproduce.yaml"
 
 def reproduce_config(ev: Evidence) -> str:
     """A config file (YAML) that, over the repository's config.yaml, is this run's case."""
-    config = record_config(ev.plan.get("case", {}), [(p.tp, p.cp) for p in ev.planned])
-    inputs = config.pop("inputs", None)  # after the regression, as reproduce.yaml has always listed them
     regression: dict[str, Any] = {"tests": list(ev.regression.get("tests") or [])}
     try:
         regression["pytest_args"] = pytest_args_of(ev.regression)
     except RunNameError as exc:
         regression["pytest_args"] = f"unknown: {exc}"
-    config["regression"] = regression
-    if inputs is not None:
-        config["inputs"] = inputs
+    config = record_config(ev.plan.get("case", {}), [(p.tp, p.cp) for p in ev.planned], regression)
     if ev.parity is not None:
         config["parity"] = parity_config(ev.parity)
     return yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=1000)
