@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs to stdout; the report is the only output
 
 
 def main() -> None:
@@ -31,7 +32,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--output", help="also write the report (JSON) to this file")
     args = parser.parse_args()
     import torch
     from vllm import SamplingParams
@@ -95,7 +97,10 @@ def main() -> None:
         "per_row_ms": {"capture_extra": 1e3 * (med["capture"] - med["vllm"]) / rows,
                        "raw_logits_mode_extra": 1e3 * (raw_s - med["vllm"]) / rows},
     }
-    print(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1, allow_nan=False)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":
