@@ -36,11 +36,11 @@ def main() -> None:
     parser.add_argument("--output", help="also write the report (JSON) to this file")
     args = parser.parse_args()
     import torch
+    import vllm_rollout as ex
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.v1.sample.sampler import Sampler
 
-    import vllm_rollout as ex
     from rl_engine.integrations import vllm as rv
     from rl_engine.logprob import selected_logprob
 

@@ -19,6 +19,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -26,7 +28,6 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 def returned(outputs) -> dict:
     """vLLM's returned sampled-token logprobs: ids [rows, 3] and values [rows, 3] (sampled first)."""
-    import torch
 
     ids, values = [], []
     for out in outputs:
@@ -37,9 +38,8 @@ def returned(outputs) -> dict:
     return {"ids": torch.tensor(ids, dtype=torch.int64), "values": torch.tensor(values, dtype=torch.float32)}
 
 
-def raw_rows(outputs) -> "torch.Tensor":
+def raw_rows(outputs) -> torch.Tensor:
     """The full raw logits rows vLLM returned (prompt rows, then sampled rows, per request)."""
-    import torch
 
     rows = []
     for out in outputs:
@@ -50,8 +50,7 @@ def raw_rows(outputs) -> "torch.Tensor":
     return torch.stack(rows)
 
 
-def _dense(entry) -> "torch.Tensor":
-    import torch
+def _dense(entry) -> torch.Tensor:
 
     row = torch.full((len(entry),), float("nan"), dtype=torch.float32)
     for k, v in entry.items():
@@ -60,11 +59,11 @@ def _dense(entry) -> "torch.Tensor":
 
 
 def main(out: Path) -> None:
+    import vllm_rollout as ex
     from safetensors.torch import save_file
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    import vllm_rollout as ex
     from rl_engine.capture import write_capture
     from rl_engine.integrations import vllm as rv
 

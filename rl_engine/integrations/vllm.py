@@ -46,6 +46,7 @@ from rl_engine.capture.format import DTYPE_NAMES, Capture, CaptureError, build_m
 SUPPORTED_VERSIONS = ("0.32",)
 LOGPROB_MODES = (None, "raw", "processed")
 _STATE = "_rl_engine_vllm"
+_ABSENT = object()
 # vLLM's own threshold: a request with temperature below it is sampled greedily, and its processed
 # logprobs are those of the raw logits (vllm/v1/sample/sampler.py, _SAMPLING_EPS).
 GREEDY_EPS = 1e-5
@@ -202,19 +203,23 @@ class _Recorder:
                 return recorder.on_prompt_gather(token_ids, out)
             return out
 
-        self._saved = (original_forward, original_prompt, original_logits, original_gather)
-        sampler.forward = types.MethodType(forward, sampler)
+        targets = [(sampler, "forward", types.MethodType(forward, sampler))]
         if self.options.prompt_rows or self.options.logprobs is not None:
-            runner._get_prompt_logprobs_dict = prompt_logprobs
-            runner.model.compute_logits = compute_logits
-            sampler.gather_logprobs = gather_logprobs
+            targets += [(runner, "_get_prompt_logprobs_dict", prompt_logprobs),
+                        (runner.model, "compute_logits", compute_logits), (sampler, "gather_logprobs", gather_logprobs)]
+        # what each wrapped attribute was on the instance itself (usually nothing: a class method)
+        self._saved = [(obj, name, vars(obj).get(name, _ABSENT)) for obj, name, _ in targets]
+        for obj, name, wrapper in targets:
+            setattr(obj, name, wrapper)
 
     def uninstall(self) -> None:
-        sampler, runner = self.runner.sampler, self.runner
-        for obj, name in ((sampler, "forward"), (runner, "_get_prompt_logprobs_dict"),
-                          (runner.model, "compute_logits"), (sampler, "gather_logprobs")):
-            if name in vars(obj):
+        """Put every wrapped attribute back as it was on its instance."""
+        for obj, name, before in self._saved:
+            if before is _ABSENT:
                 delattr(obj, name)
+            else:
+                setattr(obj, name, before)
+        self._saved = []
 
     # the sampled rows ------------------------------------------------------------------------
     def on_sample(self, logits: torch.Tensor, metadata: Any, output: Any) -> None:
