@@ -1,7 +1,7 @@
 """Focused regression: the guide's step 1 with machine-readable counts.
 
 ``python -m rl_engine regression --output-dir RUN --tests FILE... [--pytest-arg ARG]... [--timeout-s S]``
-runs ``sys.executable -m pytest -q -rs -p rl_engine.record.suite_imports ... FILE...
+runs ``sys.executable -m pytest -q -rs -p rl_engine.record.suite_imports FILE... [ARG]...
 --junitxml=RUN/pytest-junit.xml`` as a subprocess, writes its combined output to
 ``RUN/pytest-focused.log`` (and echoes it), and writes ``RUN/regression.json``
 (``schemas/regression.schema.json``) with the counts parsed from the JUnit XML: ``passed``,
@@ -131,11 +131,12 @@ def _copy_output(source: Any, handle: Any, progress: Any = None) -> None:
             progress.flush()
 
 
-def _run_pytest(argv: list[str], log: Path, timeout_s: float | None, progress: Any = None) -> int:
+def _run_pytest(argv: list[str], log: Path, timeout_s: float | None, progress: Any = None,
+                env: dict[str, str] | None = None) -> int:
     """pytest's exit code; :class:`RegressionStopped` after stopping it on a signal or the time limit."""
     with open(log, "w", encoding="utf-8") as handle, StopSignals() as stops:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                                start_new_session=True)
+                                start_new_session=True, env=env)
         copier = threading.Thread(target=_copy_output, args=(proc.stdout, handle, progress), daemon=True)
         copier.start()
         ended = supervise(proc, timeout_s, stops, lambda: stop_tree(proc, KILL_GRACE_S))
@@ -164,11 +165,11 @@ def run(output_dir: Path, tests: list[str], pytest_args: list[str],
         stale.unlink(missing_ok=True)
     imports = Path(tempfile.mkdtemp(prefix="rl_engine-imports-"))
     try:
-        argv = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", suite_imports.PLUGIN,
-                f"{suite_imports.OPTION}={imports}", *tests, *pytest_args, f"--junitxml={junit}"]
+        argv = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", suite_imports.PLUGIN, *tests, *pytest_args,
+                f"--junitxml={junit}"]
         shown = ["python", *argv[1:]]
         start = time.monotonic()
-        code = _run_pytest(argv, log, timeout_s, progress)
+        code = _run_pytest(argv, log, timeout_s, progress, {**os.environ, suite_imports.ENV_DIR: str(imports)})
         duration = time.monotonic() - start
         imported = suite_imports.collect(imports)
     finally:

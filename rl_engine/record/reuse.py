@@ -71,8 +71,9 @@ KEY_ENV_PREFIXES = ("RL_ENGINE_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", 
                     "PYTEST_", "PYTHON", "LD_", "MALLOC_")
 KEY_ENV_NAMES = frozenset({"PATH", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                            "LOCAL_WORLD_SIZE", "LANG", "LC_ALL", "LC_CTYPE", "LC_NUMERIC", "TZ"})
-# set by pytest in the process that calls the verb in-process (a test): not an input of the suite
-KEY_ENV_IGNORED = frozenset({"PYTEST_CURRENT_TEST"})
+# set by pytest in the process that calls the verb in-process (a test), and by an outer regression verb
+# for its pytest (rl_engine.record.suite_imports, a temporary directory): not inputs of the suite
+KEY_ENV_IGNORED = frozenset({"PYTEST_CURRENT_TEST", "RL_ENGINE_SUITE_IMPORTS_DIR"})
 
 
 def _digest(value: Any) -> str:

@@ -29,20 +29,14 @@ from typing import Any
 from rl_engine.record.reuse import file_sha256
 
 PLUGIN = "rl_engine.record.suite_imports"
-OPTION = "--rl-engine-imports-dir"
+ENV_DIR = "RL_ENGINE_SUITE_IMPORTS_DIR"
 PREFIX = "imports-"
 MAPS = Path("/proc/self/maps")
 SHARED_OBJECT = re.compile(r"\.so(\.[0-9A-Za-z_]+)*$")
 
 
-def pytest_addoption(parser: Any) -> None:
-    parser.addoption(OPTION, dest="rl_engine_imports_dir", default=None, metavar="DIR",
-                     help="write DIR/imports-<pid>.json: every file this pytest process loaded, with its SHA-256 "
-                          "(rl_engine.record.suite_imports; the regression verb reads it)")
-
-
 def pytest_unconfigure(config: Any) -> None:
-    folder = config.getoption("rl_engine_imports_dir", default=None)
+    folder = os.environ.get(ENV_DIR)
     if folder:
         write(Path(folder))
 
@@ -99,4 +93,4 @@ def collect(folder: Path) -> list[dict[str, str]] | None:
     return [{"path": name, "sha256": digest} for name, digest in sorted(pairs)]
 
 
-__all__ = ["OPTION", "PLUGIN", "collect", "loaded_files", "write"]
+__all__ = ["ENV_DIR", "PLUGIN", "collect", "loaded_files", "write"]
