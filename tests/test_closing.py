@@ -195,8 +195,8 @@ def test_the_optional_capture_and_parity_stages_are_named_when_they_fail(tmp_pat
 
 
 def test_the_closing_table_says_which_stages_were_reused_and_from_which_run(tmp_path: Path) -> None:
-    """Issue 41 row 5: a focused suite copied from an earlier run looked like one that ran; the
-    table names the run it came from, when and its commit, and says so of a stage that ran."""
+    """A focused suite copied from an earlier run must not look like one that ran: the table names
+    the run it came from, when and its commit, and says so of a stage that ran."""
     run = lay_out(tmp_path / "results")
     origin = {"key": "c" * 64, "from_run": "camp-abc1234-case-99999999", "captured_utc": "2025-01-02T03:04:05Z",
               "from_commit": "abc1234" + "0" * 33}

@@ -3,9 +3,9 @@
 A new case is a new run directory; its environment and regression stages copy an earlier run's
 files when the key of what the stage depends on is the same, and say so in their JSON, their
 output and SUMMARY.md. Each test changes one thing the key covers and sees the stage run again;
-the scratch projects reproduce issue 41's holes (a rebuilt extension with its source reverted, a
-root conftest.py, an environment variable, a driver upgrade), each of which reused a stale pass or
-capture before.
+the scratch projects play what a key that misses it would get wrong (a rebuilt extension with its
+source reverted, a root conftest.py, an environment variable, a driver upgrade): a stale pass or
+capture reused.
 """
 
 from __future__ import annotations
@@ -109,9 +109,9 @@ def _build_kernel(root: Path, value: int) -> None:
 
 def test_a_kernel_rebuilt_from_altered_source_then_reverted_runs_the_suite_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 41 row 2: the built object is ignored by git and the source is back to its committed
-    bytes (``git status`` empty), so neither the checkout's files nor the static key change; the
-    suite's pytest loaded that object, whose bytes did change: the suite runs again and fails."""
+    """The built object is ignored by git and the source is back to its committed bytes (``git
+    status`` empty), so neither the checkout's files nor the static key change; the suite's pytest
+    loaded that object, whose bytes did change: the suite runs again and fails."""
     monkeypatch.chdir(tmp_path)
     _build_kernel(tmp_path, 1)
     (tmp_path / ".gitignore").write_text("*.so\nresults/\n__pycache__/\n.pytest_cache/\n")
@@ -137,9 +137,9 @@ def test_a_kernel_rebuilt_from_altered_source_then_reverted_runs_the_suite_again
 
 def test_a_project_variable_or_a_root_conftest_runs_the_suite_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 41 rows 2 and 3: an environment variable of the project, and a root conftest.py that
-    changes the arithmetic (as ``torch.set_flush_denormal`` would; here the decimal context's
-    precision), each make a fresh run fail; the reuse must see them."""
+    """An environment variable of the project, and a root conftest.py that changes the arithmetic
+    (as ``torch.set_flush_denormal`` would; here the decimal context's precision), each make a
+    fresh run fail; the reuse must see them."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("RL_ENGINE_SCALE", raising=False)
     tests = _suite(tmp_path, "import os\nfrom decimal import Decimal\n\n\ndef test_scale():\n"
@@ -294,8 +294,8 @@ def test_the_environment_capture_is_reused_until_the_git_status_changes(
 
 def test_a_driver_or_toolkit_upgrade_captures_and_tests_again(
         tmp_path: Path, repo: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 41 row 4: the NVIDIA driver and nvcc are in environment.json, so in both keys; the
-    upgraded machine's capture names the new driver, in the record and in environment.txt."""
+    """The NVIDIA driver and nvcc are in environment.json, so in both keys; the upgraded machine's
+    capture names the new driver, in the record and in environment.txt."""
     tools = tmp_path / "bin"
     monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
     cache = tmp_path / ".reuse"

@@ -188,9 +188,9 @@ def test_run_name_must_name_the_evidence(good: Good, sandbox: Sandbox, tmp_path:
 
 def test_a_reused_stage_is_named_in_the_table_and_the_json(good: Good, sandbox: Sandbox, tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 41 row 5: a focused suite copied from an earlier run (rl_engine.record.reuse) read
-    "tests ran, none failed" exactly as a suite that ran; the row, a note and --json now say from
-    which run, when and at which commit."""
+    """A focused suite copied from an earlier run (rl_engine.record.reuse) must not read "tests ran"
+    as a suite that ran for the archive: the row, a note and --json say from which run, when and at
+    which commit."""
     commit = jsonio.loads(good.data("environment.json").decode())["git"]["commit"]
     origin = {"key": "c" * 64, "from_run": "rl-engine-logprob-earlier-case-0123abcd",
               "captured_utc": "2025-01-02T03:04:05Z", "from_commit": commit}

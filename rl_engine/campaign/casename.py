@@ -103,8 +103,9 @@ def pytest_args_of(regression: Mapping[str, Any]) -> list[str]:
     """The extra pytest arguments recorded in ``regression.json``'s ``command``.
 
     The regression verb writes ``python -m pytest -q -rs -p rl_engine.record.suite_imports <tests>
-    <extra args> --junitxml=<file>`` (without ``-p ...`` before it recorded what the suite loaded);
-    anything else is refused (:class:`RunNameError`), never guessed.
+    <extra args> --junitxml=<file>`` (a record written without that plugin has no ``-p ...``); the
+    plugin records what the suite loaded and is no argument of the case. Anything else is refused
+    (:class:`RunNameError`), never guessed.
     """
     command, tests = regression.get("command"), regression.get("tests")
     if not isinstance(command, str) or not isinstance(tests, list):
