@@ -133,6 +133,8 @@ def test_a_kernel_rebuilt_from_altered_source_then_reverted_runs_the_suite_again
     assert code == 1 and third["failed"] == 1 and "reused" not in third, out
     assert "not reusing the pass of run first" in out and built in out, out
     assert not list((tmp_path / "results" / ".reuse").glob("regression-*"))  # the stale pass is dropped
+    _build_kernel(tmp_path, 1)  # the object rebuilt from the committed source: a new pass is stored and reused
+    assert run("rebuilt")[0] == 0 and run("again")[1]["reused"]["from_run"] == "rebuilt"
 
 
 def test_a_project_variable_or_a_root_conftest_runs_the_suite_again(
