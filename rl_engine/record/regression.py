@@ -223,7 +223,7 @@ def _reuse(reuse_dir: Path, key: str, origin: dict[str, Any], output_dir: Path, 
     cached = reuse.entry(reuse_dir, "regression", key)
     output_dir.mkdir(parents=True, exist_ok=True)
     for name in (PYTEST_LOG, JUNIT):
-        (output_dir / name).write_bytes((cached / name).read_bytes())
+        jsonio.atomic_write_bytes(output_dir / name, (cached / name).read_bytes())
     result = {**jsonio.load(cached / REGRESSION), reuse.REUSED: reuse.reused_record(origin)}
     schemas.write_validated(output_dir / REGRESSION, result, "regression")
     line = (f"regression: reused the focused suite's pass of {reuse.reused_text(result[reuse.REUSED])}: "
