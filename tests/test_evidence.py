@@ -95,6 +95,7 @@ def test_environment_records_commands_and_absent_tools(tmp_path: Path, monkeypat
     # a commit of this repository (others may commit meanwhile, so not compared with HEAD now)
     subprocess.run([git, "cat-file", "-e", env["git"]["commit"] + "^{commit}"], cwd=repo, check=True)
     assert env["tools"] == {"nvidia_smi": False, "nvcc": False}
+    assert env["nvidia"] == {"driver_version": None, "gpus": [], "nvcc_path": None, "nvcc_version": None}
     assert env["torch"]["gloo_available"] is True
     assert env["packages"]["jsonschema"] and env["packages"]["rich"]
     text = (tmp_path / "out" / "environment.txt").read_text()
@@ -205,7 +206,8 @@ def test_every_evidence_writer_validates_before_writing(verb: str, run: Path, tm
     out = tmp_path / "out"
     if verb == "env":
         env = {**jsonio.load(run / "environment.json"), "schema_version": "2"}
-        monkeypatch.setattr(environment, "capture", lambda repo, timeout_s: (env, "raw"))
+        monkeypatch.setattr(environment, "probe", lambda repo, timeout_s: env)
+        monkeypatch.setattr(environment, "raw_text", lambda repo, timeout_s: "raw")
         code, written = environment.main(["--output-dir", str(out)]), out / "environment.json"
     elif verb == "regression":
         monkeypatch.setattr(regression, "SCHEMA_VERSION", "2")

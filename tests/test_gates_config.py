@@ -377,7 +377,14 @@ def test_case_hash_of_the_evidence_is_the_hash_of_the_config(tmp_path: Path) -> 
     assert evidence_case_hash(plan, regression) == wfconfig.config_case_hash(config)
     regression["command"] = command.replace(" -x", "")
     assert evidence_case_hash(plan, regression) != wfconfig.config_case_hash(config)
-    with pytest.raises(RunNameError, match="is not 'python -m pytest -q -rs <tests> \\[args\\]"):
+    # the verb's own plugin (rl_engine.record.suite_imports) is not an argument of the case
+    regression["command"] = command.replace("-rs ", "-rs -p rl_engine.record.suite_imports ")
+    assert evidence_case_hash(plan, regression) == wfconfig.config_case_hash(config)
+    regression["command"] = command.replace("-rs ", "-rs -p other.plugin ")  # any other plugin is the case's
+    with pytest.raises(RunNameError):
+        evidence_case_hash(plan, regression)
+    with pytest.raises(RunNameError, match="is not 'python -m pytest -q -rs \\[-p rl_engine.record.suite_imports\\] "
+                                           "<tests> \\[args\\]"):
         pytest_args_of({"tests": ["tests/a.py"], "command": "pytest tests/a.py"})
 
 

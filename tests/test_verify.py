@@ -104,13 +104,16 @@ def test_good_archive_verifies_with_recompute(good: Good, sandbox: Sandbox, caps
         "cross-topology fingerprints": "PASS", "recorded gates": "PASS", "SUMMARY.md": "PASS", "tolerances": "PASS",
         "arithmetic spec": "PASS", "inputs regenerated": "PASS", "oracle drift recomputed": "PASS",
         "candidate replayed": "PASS", "schemas vs this rl_engine": "note",
-        "tested": "note", "run name": "note",
+        "tested": "note", "run name": "note", "reuse": "note",
     }
     assert "VERIFIED" in text and "2 topologies bitwise identical" in text
     reg = jsonio.loads(good.data("regression.json").decode())
     assert reg["passed"] > 0
     assert problems(result, "focused regression") == (
-        f"tests ran, none failed: {reg['passed']} passed, {reg['skipped']} skipped")  # the counts
+        f"tests ran for this archive, none failed: {reg['passed']} passed, {reg['skipped']} skipped")  # the counts
+    assert result["reused"] == {"environment": None, "regression": None}
+    assert problems(result, "reuse") == ("the environment capture ran for this archive; "
+                                         "the focused suite ran for this archive")
     assert "byte-identical to the summary rendered again" in problems(result, "SUMMARY.md")
 
 
@@ -182,6 +185,32 @@ def test_run_name_must_name_the_evidence(good: Good, sandbox: Sandbox, tmp_path:
         code, text, result = run_verify(path, sandbox, capsys)
         assert code == 1 and status(result)["run name"] == "FAIL", text
         assert expected in problems(result, "run name"), problems(result, "run name")
+
+def test_a_reused_stage_is_named_in_the_table_and_the_json(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A focused suite copied from an earlier run (rl_engine.record.reuse) must not read "tests ran"
+    as a suite that ran for the archive: the row, a note and --json say from which run, when and at
+    which commit."""
+    commit = jsonio.loads(good.data("environment.json").decode())["git"]["commit"]
+    origin = {"key": "c" * 64, "from_run": "rl-engine-logprob-earlier-case-0123abcd",
+              "captured_utc": "2025-01-02T03:04:05Z", "from_commit": commit}
+
+    def reused(doc: dict[str, Any]) -> None:
+        doc["reused"] = origin
+
+    entries = resummarised(good, edited(good, {"regression.json": edit_json(reused)}, resum=False), tmp_path / "w")
+    code, text, result = run_verify(write_archive(tmp_path / good.archive.name, entries), sandbox, capsys)
+    assert code == 0, text  # a reuse is not a failure; it is said
+    reg = jsonio.loads(good.data("regression.json").decode())
+    assert status(result)["focused regression"] == "PASS"
+    assert problems(result, "focused regression") == (
+        f"REUSED, not run for this archive: the pass of run {origin['from_run']} (captured 2025-01-02T03:04:05Z, "
+        f"commit {commit[:12]}), none failed: {reg['passed']} passed, {reg['skipped']} skipped")
+    assert result["reused"] == {"environment": None, "regression": origin}
+    assert problems(result, "reuse") == (f"the environment capture ran for this archive; the focused suite REUSED from "
+                                         f"run {origin['from_run']} (captured 2025-01-02T03:04:05Z, commit {commit[:12]})")
+    assert "REUSED" in text and origin["from_run"] in text  # the printed table
+
 
 def test_verify_json_is_validated_before_it_is_written(good: Good, sandbox: Sandbox, capsys: pytest.CaptureFixture[str],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
