@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -47,6 +46,7 @@ from rl_engine.tables import (
     LOGIT_SCALE_BOUNDS,
     MAX_CP,
     MAX_LOGIT_ELEMENTS,
+    MAX_PG_TIMEOUT_S,
     MAX_SEED,
     MAX_THREADS_PER_RANK,
     MAX_TOKENS,
@@ -56,7 +56,7 @@ from rl_engine.tables import (
     TRITON_MODE_ENV,
 )
 from rl_engine.temperature import TemperatureError, inverse_temperature
-from rl_engine.validators import choice_problem, int_problem, require
+from rl_engine.validators import choice_problem, int_problem, real_problem, require
 
 
 class CaseError(ValueError):
@@ -73,8 +73,9 @@ def case_devices(backend: str) -> tuple[str, ...]:
 
 
 def _number_problem(name: str, value: Any, positive: bool) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return f"{name}={value!r} must be a finite number"
+    problem = real_problem(name, value)
+    if problem is not None:
+        return problem
     if value < 0 or (positive and value == 0):
         return f"{name}={value!r} must be {'> 0' if positive else '>= 0'}"
     return None
@@ -196,6 +197,9 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
     for name, positive in (("logit_scale", True), ("atol", False), ("rtol", False), ("timeout_s", True)):
         if name in values:
             add(name, _number_problem(name, values[name], positive))
+    if has("timeout_s") and values["timeout_s"] > MAX_PG_TIMEOUT_S:
+        add("timeout_s", f"timeout_s={values['timeout_s']!r} exceeds {MAX_PG_TIMEOUT_S:g} s, the longest process-group "
+                         "timeout (torch holds it in int64 nanoseconds); use a timeout of at most 1e9 s")
     if has("logit_scale"):
         dtype = values["dtype"] if has("dtype") else "fp32"  # the recipe's own logits are FP32
         bound = LOGIT_SCALE_BOUNDS[dtype] if dtype in LOGIT_SCALE_BOUNDS else None
@@ -306,7 +310,8 @@ def config_case_fields(config: Mapping[str, Any], capture: Mapping[str, Any] | N
         "atol": tolerance.get("atol"),
         "rtol": tolerance.get("rtol"),
         **({} if capture is None else {"capture": dict(capture)}),
-        **({"temperature": float(config["temperature"])} if config.get("temperature", 1) != 1 else {}),
+        # as given: the case's rules check it (Case makes it a float only once they pass)
+        **({"temperature": config["temperature"]} if config.get("temperature", 1) != 1 else {}),
     }
 
 
