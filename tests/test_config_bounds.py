@@ -121,7 +121,7 @@ def test_a_test_file_linked_out_of_tests_is_refused(tmp_path: Path) -> None:
     assert "leads out of tests/ (through a symbolic link)" in problems[0]
 
 
-# ----- numbers beyond binary64 (issue 41, row 11) ----------------------------------------------
+# ----- numbers beyond binary64 ----------------------------------------------------------------------
 # ``10**400`` is a YAML integer the schema's "type: number" passes; ``float()`` and ``math.isfinite``
 # of it raise a bare ``OverflowError``. check-config and ``snakemake -n`` died with it (exit 1), and
 # ``selected_logprob(temperature=10**400)`` too. One check refuses it in a config (check_config, before

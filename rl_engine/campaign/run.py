@@ -66,7 +66,7 @@ from rl_engine.campaign.plan import (
 )
 from rl_engine.capture.format import CaptureError
 from rl_engine.distributed.mesh import LaunchEnv, MeshError, destroy, init_mesh
-from rl_engine.logprob.comparison import ComparisonError, drift_failures, oracle_drift
+from rl_engine.logprob.comparison import ComparisonError, drift_failures
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import fp32_oracle
 from rl_engine.logprob.portable import SPEC_VERSION
@@ -287,8 +287,7 @@ def build_report(
     logits_fp32, targets, active = case.inputs()
     if fault is not None and fault.kind == "perturb" and fault.applies(tp, cp):
         perturb(tensors["logp"], logits_fp32, targets, active, case)
-    drift = oracle_drift(tensors["logp"], tensors["lse"], logits_fp32, targets, active,
-                         case.real_vocab, case.dtype, case.atol, case.rtol, case.temperature)
+    drift = case.drift(tensors["logp"], tensors["lse"], logits_fp32, targets, active)
     failures += drift_failures(drift)
     timings = {**timings, "oracle_s": time.perf_counter() - start}
     n = case.batch * case.seq
