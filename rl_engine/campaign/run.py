@@ -54,6 +54,7 @@ from rl_engine.campaign.captured import check_file
 from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.faults import Fault, FaultError, fault_from_env
 from rl_engine.campaign.inputs import inputs_sha256
+from rl_engine.campaign.mask import MASK_FIELD, pack_mask
 from rl_engine.campaign.nodes import node_name
 from rl_engine.campaign.plan import (
     EXIT_FAILED,
@@ -312,6 +313,8 @@ def build_report(
             for name in TENSOR_NAMES
         },
         "inputs_sha256": inputs_sha256(logits_fp32, targets, active),
+        # a capture's mask is its own (no rule of the case's integers gives it): recorded for acceptance
+        **({MASK_FIELD: pack_mask(active.numpy())} if case.capture is not None else {}),
         "environment": _environment_section(case, tp, cp),
         "topology": _topology_section(case, tp, cp, results),
         "reduction": _reduction_section(case, rank0),
