@@ -60,6 +60,10 @@ LOGIT_SCALE_BOUNDS: dict[str, float] = {
 }
 DEFAULT_TOPOLOGIES: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2))
 DEFAULT_PG_TIMEOUT_S = 120.0  # process-group timeout: a lost rank fails the collective
+# The longest process-group timeout (about 31.7 years): torch holds it in int64 nanoseconds (a
+# store timeout of 8.64e13 s wraps to a negative one) and datetime.timedelta ends at 999999999 days
+# (1e15 s fails every rank's init_mesh with an OverflowError).
+MAX_PG_TIMEOUT_S = 1e9
 
 # The benchmark's paths and phases (python -m rl_engine bench; rl_engine.benchmark.config says what each is).
 BENCH_PATHS: tuple[str, ...] = ("candidate", "fused", "triton", "naive", "floor", "lm_head", "fused_lm_head")

@@ -35,6 +35,19 @@ def tiny_capture(seed: int = 5) -> Capture:
     return Capture(logits, targets, active, None, meta)
 
 
+def ragged_capture(prompts: tuple[int, ...] = (2, 5), seed: int = 5) -> Capture:
+    """:func:`tiny_capture`'s logits with prompts of ``prompts`` tokens (one per sequence): a mask no
+    ``prompt_tokens`` describes, as a trainer's batch of prompts of different lengths has."""
+    base = tiny_capture(seed)
+    position = torch.arange(BATCH * SEQ) % SEQ
+    active = position >= torch.tensor(prompts).repeat_interleave(SEQ)
+    gen = torch.Generator().manual_seed(seed + 1)
+    targets = torch.where(active, torch.randint(0, VOCAB, (BATCH * SEQ,), generator=gen), torch.tensor(-100))
+    meta = build_metadata(engine="test", engine_version="0", model="seeded-randn", dtype="bf16",
+                          notes=f"tests/_capture_case.py seed {seed}, prompts {list(prompts)}")
+    return Capture(base.logits, targets, active, None, meta)
+
+
 def write_tiny_capture(path: Path, seed: int = 5) -> Path:
     write_capture(path, tiny_capture(seed))
     return path

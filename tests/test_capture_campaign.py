@@ -672,3 +672,62 @@ def test_a_capture_and_parity_config_runs_through_snakemake_to_a_verified_archiv
     lint = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--configfile", CONFIG],
                           cwd=repo, env=env_for(repo), capture_output=True, text=True, timeout=300)
     assert "Congratulations, your workflow is in a good condition!" in lint.stdout + lint.stderr, lint.stdout[-3000:]
+
+
+# ----- a capture whose prompts differ in length ------------------------------------------------
+@pytest.mark.slow  # two torchrun topologies and the real verbs end to end
+def test_a_capture_with_ragged_prompts_runs_to_a_verified_archive(tmp_path: Path) -> None:
+    """Prompts of 2 and 5 tokens in one batch (the case says ``prompt_tokens: 3``, which shapes nothing
+    on a capture): the campaign ran both topologies and then failed validation ("token 2 is inactive (a
+    prompt token) but holds ..."), acceptance having taken the mask from ``prompt_tokens``. Each report
+    records the capture's mask (``active_mask``), acceptance reads it, and the run goes through every
+    verb to an archive ``verify --recompute --capture`` passes (the archive does not hold the capture:
+    plain acceptance needs nothing but the evidence). A report whose mask is the ``prompt_tokens`` rule's,
+    or is missing, fails naming ``active_mask``."""
+    import numpy as np
+
+    from rl_engine import jsonio
+    from rl_engine.campaign.mask import pack_mask, recipe_active
+    from rl_engine.capture import write_capture
+    from rl_engine.evidence.acceptance import check_report
+
+    from _capture_case import ragged_capture
+    from _evidence_run import PYTEST_ARGS, TINY_TESTS, pack
+
+    capture = ragged_capture((2, 5))
+    path = tmp_path / "captures" / "ragged.safetensors"
+    path.parent.mkdir()
+    write_capture(path, capture)
+    run_dir = tmp_path / "rl-engine-test-run"
+    (run_dir / "logs").mkdir(parents=True)
+    write_case_file(run_dir / "case.json", capture_case(path), ((1, 1), (2, 2)))
+    assert cli.main(["plan", "--case", str(run_dir / "case.json"), "--output", str(run_dir / "plan.json")]) == 0
+    for topology in ("1x1", "2x2"):
+        assert _launch(run_dir / "plan.json", topology) == 0, (run_dir / "logs").joinpath(
+            f"tp{topology[0]}-cp{topology[2]}.log").read_text(errors="replace")[-3000:]
+    report = jsonio.load(run_dir / "tp2-cp2.json")
+    assert report["active_mask"] == pack_mask(capture.active.numpy())
+    assert report["drift"]["fp32_oracle"]["dlogp"]["count"] == int(capture.active.sum()) == 9  # not 2 * (8 - 3)
+    assert cli.main(["env", "--output-dir", str(run_dir), "--repo", str(Path(__file__).resolve().parents[1])]) == 0
+    tiny = tmp_path / "focused" / "test_tiny_focused.py"
+    tiny.parent.mkdir()
+    tiny.write_text(TINY_TESTS, encoding="utf-8")
+    assert cli.main(["regression", "--output-dir", str(run_dir), "--tests", str(tiny), *PYTEST_ARGS]) == 0
+    for verb, out in (("validate", "validation.json"), ("crosscheck", "crosscheck.json"), ("summary", "SUMMARY.md")):
+        assert cli.main([verb, "--run-dir", str(run_dir), "--output", str(run_dir / out)]) == 0, verb
+    archive = tmp_path / "out" / f"{run_dir.name}.tar.gz"
+    assert pack(run_dir, archive) == 0
+    code, checks = _verify(archive, tmp_path, "--recompute", "--capture", str(path))
+    assert code == 0, {n: c["problems"] for n, c in checks.items() if c["status"] == "FAIL"}
+    for row in ("report acceptance", "inputs regenerated", "oracle drift recomputed", "candidate replayed"):
+        assert checks[row]["status"] == "PASS", (row, checks[row])
+    # negative controls: the prompt_tokens rule's mask (hashing to another mask), and no mask
+    rule = recipe_active(np.arange(16), 8, 3)
+    for change, needle in ((pack_mask(rule), "not to inputs_sha256.mask"), (None, "missing: a case on a capture")):
+        forged = dict(report)
+        if change is None:
+            del forged["active_mask"]
+        else:
+            forged["active_mask"] = change
+        found = [str(f) for f in check_report(forged, "tp2-cp2.json", run_dir)]
+        assert any(f.startswith("tp2-cp2.json: active_mask: ") and needle in f for f in found), found

@@ -909,9 +909,12 @@ def _f32(*values: float) -> bytes:
 
 def test_tensor_value_checks_unit() -> None:
     """What the arithmetic guarantees of the raw files (seq 4, 1 prompt token: tokens 0 and 4 inactive)."""
+    import numpy as np
+
+    from rl_engine.campaign.mask import recipe_active
     from rl_engine.evidence.acceptance import check_tensor_values
 
-    case = {"seq": 4, "prompt_tokens": 1}
+    case = recipe_active(np.arange(8), 4, 1)  # the mask the case's inputs have
     good_logp = _f32(0.0, -1.5, 0.0, -float("inf"), 0.0, -0.25, -7.0, -1e-30)  # +0 allowed on active tokens too
     assert check_tensor_values("logp", good_logp, case, "r.json") == []
     assert check_tensor_values("lse", _f32(float("nan"), 7.0, -3.0, 1e30, float("inf"), 6.9, 7.1, 7.2), case,

@@ -144,6 +144,22 @@ def test_bad_inputs_are_refused_by_name(change: Any, needle: str) -> None:
         selected_logprob_from_hidden(*_inputs(torch.bfloat16), real_vocab_size=REAL, chunk_tokens=0)
 
 
+@pytest.mark.parametrize("change, keywords, needle", [
+    (lambda h, w, t: (h[..., :0], w[:, :0], t), {}, "have hidden_size 0: the logits would be sums of nothing"),
+    (lambda h, w, t: (h, w, t), {"group": 1}, "group=1 is not a torch.distributed ProcessGroup; pass the TP group"),
+    (lambda h, w, t: (h, w, t), {"group": "tp"}, "group='tp' is not a torch.distributed ProcessGroup"),
+    (lambda h, w, t: (h, w, t), {"temperature": 10**400},
+     "temperature=100000000000... (an integer of 401 digits) is outside [2**-64, 2**64]"),
+])
+def test_arguments_that_raised_bare_python_errors_are_refused_by_name(change: Any, keywords: dict[str, Any],
+                                                                      needle: str) -> None:
+    """``group=1`` was an ``AttributeError``, a hidden size of 0 a reshape ``RuntimeError`` and
+    ``temperature=10**400`` an ``OverflowError``: each is the domain's error naming the argument,
+    the value and the fix, before anything is computed."""
+    with pytest.raises(LogprobContractError, match=re.escape(needle)):
+        selected_logprob_from_hidden(*change(*_inputs(torch.bfloat16)), real_vocab_size=REAL, **keywords)
+
+
 def _tp_head_worker(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 

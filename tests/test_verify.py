@@ -117,6 +117,28 @@ def test_good_archive_verifies_with_recompute(good: Good, sandbox: Sandbox, caps
     assert "byte-identical to the summary rendered again" in problems(result, "SUMMARY.md")
 
 
+@pytest.mark.slow  # two torchrun topologies and the real verbs end to end
+def test_a_campaign_at_a_temperature_verifies_with_recompute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """An honest campaign at T = 0.7 (the tiny run's case with ``--temperature 0.7``, 1x1 and 2x2) is
+    VERIFIED with ``--recompute``: verify recomputes the oracle drift at the case's temperature
+    (``campaign.case.record_oracle_drift``, the runner's own), where its second spelling of the oracle's
+    arguments left it out and failed "drift.fp32_oracle.lse.passed: reported True, recomputed False"."""
+    from _evidence_run import CASE_FLAGS, build_run
+
+    run = build_run(tmp_path / "rl-engine-test-run", tmp_path / "focused", [*CASE_FLAGS, "--temperature", "0.7"])
+    report = jsonio.load(run / "tp2-cp2.json")
+    assert report["case"]["temperature"] == 0.7 and report["passed"]
+    assert report["drift"]["fp32_oracle"]["lse"]["max_abs"] < 0.01  # the oracle at 0.7: the candidate is close
+    archived = tmp_path / "out" / f"{run.name}.tar.gz"
+    assert pack(run, archived) == 0
+    capsys.readouterr()
+    (tmp_path / "box").mkdir()
+    code, text, result = run_verify(archived, make_sandbox(tmp_path / "box", monkeypatch), capsys, "--recompute")
+    assert code == 0, text
+    for row in ("report acceptance", "inputs regenerated", "oracle drift recomputed", "candidate replayed"):
+        assert status(result)[row] == "PASS", (row, problems(result, row))
+
 
 def renamed(good: Good, name: str, entries: list[Entry] | None = None) -> list[Entry]:
     """The archive's entries under another top folder, REVIEWING.md written for that name as the archive
@@ -632,8 +654,8 @@ def test_one_ulp_forgery_rebuilt_with_the_projects_verbs_is_caught_only_by_the_r
     import torch
 
     from rl_engine import cli
+    from rl_engine.campaign.case import record_oracle_drift
     from rl_engine.campaign.inputs import make_inputs
-    from rl_engine.logprob.comparison import oracle_drift
     from rl_engine.tensorio import fingerprint, read_raw_f32, write_raw
 
     work = tmp_path / "forge"
@@ -657,9 +679,7 @@ def test_one_ulp_forgery_rebuilt_with_the_projects_verbs_is_caught_only_by_the_r
         assert digest == fingerprint(logp)
         report["tensors"]["logp"]["sha256"] = digest
         report["bitwise_fingerprints"]["candidate_logp_sha256"] = digest
-        case = report["case"]
-        report["drift"] = oracle_drift(logp, lse, logits, targets, active, case["real_vocab"], case["dtype"],
-                                       case["atol"], case["rtol"])
+        report["drift"] = record_oracle_drift(report["case"], logp, lse, logits, targets, active)
         jsonio.write_json(run / f"{label}.json", report)
     assert cli.main(["validate", "--run-dir", str(run), "--output", str(run / "validation.json")]) == 0
     assert cli.main(["crosscheck", "--run-dir", str(run), "--output", str(run / "crosscheck.json")]) == 0

@@ -572,8 +572,8 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
     the raw tensors."""
     import torch
 
+    from rl_engine.campaign.case import record_oracle_drift
     from rl_engine.campaign.replay import regenerate_inputs
-    from rl_engine.logprob.comparison import oracle_drift
 
     planned, msg = _planned(run)
     msg = msg or replay_bound(run, planned, max_logits)
@@ -621,8 +621,7 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
                                       f"the case has {n} tokens")
                 continue
             torch.set_num_threads(case.get("threads_per_rank", 1))  # bounded by replay_bound
-            drift = oracle_drift(logp, lse, logits, targets, active, case["real_vocab"], case["dtype"],
-                                 case["atol"], case["rtol"])
+            drift = record_oracle_drift(case, logp, lse, logits, targets, active)  # the runner's oracle
             for oracle, quantities in drift.items():
                 for quantity, stats in quantities.items():
                     reported = (report.get("drift") or {}).get(oracle, {}).get(quantity)

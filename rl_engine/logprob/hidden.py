@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.api import DTYPE_NAMES, resolve_vocab_tiles, trainer_inputs
@@ -166,6 +167,14 @@ def selected_logprob_from_hidden(
         raise LogprobContractError(
             f"hidden.shape={tuple(hidden.shape)} and weight.shape={tuple(weight.shape)} must be "
             "[tokens or batch, seq, hidden_size] and [vocab, hidden_size] with one hidden_size")
+    if hidden.shape[-1] == 0:
+        raise LogprobContractError(
+            f"hidden.shape={tuple(hidden.shape)} and weight.shape={tuple(weight.shape)} have hidden_size 0: the "
+            "logits would be sums of nothing; pass the model's last hidden state and its lm_head weight")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise LogprobContractError(
+            f"group={group!r} is not a torch.distributed ProcessGroup; pass the TP group of a vocabulary-sharded "
+            "lm_head (e.g. mesh.tp_group), or None for a whole lm_head")
     if hidden.dtype != weight.dtype or hidden.device != weight.device:
         raise LogprobContractError(
             f"hidden ({hidden.dtype}, {hidden.device}) and weight ({weight.dtype}, {weight.device}) must "

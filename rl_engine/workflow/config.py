@@ -41,6 +41,7 @@ from rl_engine.campaign.casename import parity_identity
 from rl_engine.campaign.nodes import fitting_ranks_per_node, layout_problem
 from rl_engine.distributed.bounds import BoundsError, auto_vocab_tiles
 from rl_engine.rundir import Topology
+from rl_engine.validators import finite_float, shown
 
 
 class WorkflowConfigError(ValueError):
@@ -65,7 +66,7 @@ class Origin:
 
     def describe(self, key: str, value: Any) -> str:
         """``config key 'K' has value V``, plus where V came from when it was ``--config``."""
-        text = f"config key {key!r} has value {value!r}"
+        text = f"config key {key!r} has value {shown(value)}"
         if self.from_cli(key):
             top = self.top(key)
             text += f" (given with --config {top}=...; "
@@ -111,9 +112,22 @@ def _schema_message(error: Any, origin: Origin) -> str:
     return f"{origin.describe(key, error.instance)}: {error.message}; {origin.fix(key)}"
 
 
-def _non_finite(value: Any) -> list[tuple[str, float]]:
-    """Key paths of NaN/infinite numbers (YAML ``.nan``/``.inf``; the schema's bounds pass NaN)."""
-    return [(_key(path), leaf) for path, leaf in jsonio.find_leaves(value, jsonio.is_non_finite_float)]
+def _not_a_float(value: Any) -> bool:
+    """A number of the config with no finite binary64 value: NaN or an infinity (YAML ``.nan``/``.inf``;
+    the schema's bounds pass NaN), or an integer beyond binary64's range (``10**400``: the schema
+    passes it, and every later ``float()`` or ``math.isfinite`` of it raises a bare ``OverflowError``)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and finite_float(value) is None
+
+
+def _non_finite(value: Any) -> list[tuple[str, Any]]:
+    """Key paths and values of the numbers of :func:`_not_a_float`."""
+    return [(_key(path), leaf) for path, leaf in jsonio.find_leaves(value, _not_a_float)]
+
+
+def _not_finite_why(value: Any) -> str:
+    if isinstance(value, int):
+        return "not a finite number: an integer beyond binary64's range (about 1.8e308) has no float value"
+    return "not a finite number"
 
 
 def config_topologies(config: Mapping[str, Any]) -> list[Topology]:
@@ -336,12 +350,12 @@ def check_config(config: dict[str, Any], origin: Origin = Origin()) -> dict[str,
     found = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if found:
         raise WorkflowConfigError(_schema_message(found[0], origin))
-    resolve_auto_tiles(config, origin)
-    bad_numbers = _non_finite(config)
+    bad_numbers = _non_finite(config)  # before anything converts a number of the config to a float
     if bad_numbers:
         raise WorkflowConfigError("; ".join(
-            f"{origin.describe(key, value)}: not a finite number; use a finite value" for key, value in bad_numbers
+            f"{origin.describe(key, value)}: {_not_finite_why(value)}; use a finite value" for key, value in bad_numbers
         ))
+    resolve_auto_tiles(config, origin)
     problems = _campaign_problems(config, origin)
     try:
         config_parity(config, origin)
