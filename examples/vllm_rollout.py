@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 PROMPT_LENGTHS = (5, 11, 8)
-MAX_TOKENS = 8
+MAX_TOKENS = 9  # 12 + 19 + 16 = 48 rows with the prompts above: 2 sequences of 24 for CP = 2 (zigzag)
 TEMPERATURE = 0.7
 
 

@@ -16,7 +16,6 @@ passes."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,9 @@ from rl_engine.campaign.captured import capture_record, check_file
 from rl_engine.campaign.case import Case, CaseError, case_document, write_case_file
 from rl_engine.capture import CaptureError
 
-from _capture_case import CASE_FIELDS, capture_case, write_tiny_capture
+from _capture_case import CASE_FIELDS, campaign_to_archive, capture_case, write_tiny_capture
+from _capture_case import launch_topology as _launch
+from _capture_case import verify_archive as _verify
 
 TOPOLOGIES = ("1x1", "2x1", "2x2")
 FIELDS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256",
@@ -80,16 +81,6 @@ def test_check_file_refuses_other_bytes_naming_the_recorded_hash(tmp_path: Path)
     other = write_tiny_capture(tmp_path / "other.safetensors", seed=6)  # same size, other values
     with pytest.raises(CaptureError, match=f"not that of the case's capture \\(sha256 {record['sha256']}"):
         check_file(record, other)
-
-
-def _launch(plan: Path, topology: str) -> int:
-    tp, cp = topology.split("x")
-    env = {k: v for k, v in os.environ.items() if k != "RL_ENGINE_FAULT"}
-    done = subprocess.run(
-        [sys.executable, "-m", "rl_engine", "launch", "--plan", str(plan), "--tp", tp, "--cp", cp,
-         "--timeout-s", "120", "--log", str(plan.parent / "logs" / f"tp{tp}-cp{cp}.log")],
-        env=env, capture_output=True, text=True, timeout=180, check=False)
-    return done.returncode
 
 
 @pytest.fixture(scope="module")
@@ -396,15 +387,6 @@ def capture_archive(capture_run, tmp_path_factory: pytest.TempPathFactory) -> di
     return {"archive": archive, "run": run_dir, "capture": path, "trainer": trainer}
 
 
-def _verify(archive: Path, tmp_path: Path, *flags: str) -> tuple[int, dict[str, dict]]:
-    from rl_engine import jsonio
-    from rl_engine.evidence import verify
-
-    out = tmp_path / "verify.json"
-    code = verify.main([str(archive), "--json", str(out), *flags])
-    return code, {c["name"]: c for c in jsonio.load(out)["checks"]}
-
-
 def _text(check: dict) -> str:
     return "\n".join([check["detail"], *check["problems"]])
 
@@ -692,31 +674,15 @@ def test_a_capture_with_ragged_prompts_runs_to_a_verified_archive(tmp_path: Path
     from rl_engine.evidence.acceptance import check_report
 
     from _capture_case import ragged_capture
-    from _evidence_run import PYTEST_ARGS, TINY_TESTS, pack
 
     capture = ragged_capture((2, 5))
     path = tmp_path / "captures" / "ragged.safetensors"
     path.parent.mkdir()
     write_capture(path, capture)
-    run_dir = tmp_path / "rl-engine-test-run"
-    (run_dir / "logs").mkdir(parents=True)
-    write_case_file(run_dir / "case.json", capture_case(path), ((1, 1), (2, 2)))
-    assert cli.main(["plan", "--case", str(run_dir / "case.json"), "--output", str(run_dir / "plan.json")]) == 0
-    for topology in ("1x1", "2x2"):
-        assert _launch(run_dir / "plan.json", topology) == 0, (run_dir / "logs").joinpath(
-            f"tp{topology[0]}-cp{topology[2]}.log").read_text(errors="replace")[-3000:]
+    run_dir, archive = campaign_to_archive(tmp_path, capture_case(path), ("1x1", "2x2"))
     report = jsonio.load(run_dir / "tp2-cp2.json")
     assert report["active_mask"] == pack_mask(capture.active.numpy())
     assert report["drift"]["fp32_oracle"]["dlogp"]["count"] == int(capture.active.sum()) == 9  # not 2 * (8 - 3)
-    assert cli.main(["env", "--output-dir", str(run_dir), "--repo", str(Path(__file__).resolve().parents[1])]) == 0
-    tiny = tmp_path / "focused" / "test_tiny_focused.py"
-    tiny.parent.mkdir()
-    tiny.write_text(TINY_TESTS, encoding="utf-8")
-    assert cli.main(["regression", "--output-dir", str(run_dir), "--tests", str(tiny), *PYTEST_ARGS]) == 0
-    for verb, out in (("validate", "validation.json"), ("crosscheck", "crosscheck.json"), ("summary", "SUMMARY.md")):
-        assert cli.main([verb, "--run-dir", str(run_dir), "--output", str(run_dir / out)]) == 0, verb
-    archive = tmp_path / "out" / f"{run_dir.name}.tar.gz"
-    assert pack(run_dir, archive) == 0
     code, checks = _verify(archive, tmp_path, "--recompute", "--capture", str(path))
     assert code == 0, {n: c["problems"] for n, c in checks.items() if c["status"] == "FAIL"}
     for row in ("report acceptance", "inputs regenerated", "oracle drift recomputed", "candidate replayed"):

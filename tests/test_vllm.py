@@ -12,6 +12,8 @@ environment and checks, as bytes:
 - the example's ragged rollout (prompts of 5, 11 and 8 tokens) goes through ``parity`` with its
   defaults against a transformers capture of the same tokens; with our logprob returned, the
   engine's reported logprob is ours bit for bit (section 4 of the report);
+- the same ragged capture runs through the TP x CP campaign (1x1, 2x2 zigzag) to an archive that
+  ``verify --recompute`` passes;
 - a processed-logprob request with top_k is refused, naming top_k.
 
 Without vLLM's environment the module is skipped, saying so; under CI (``CI=true``) it fails instead,
@@ -121,7 +123,7 @@ def test_a_ragged_vllm_rollout_goes_through_parity_with_the_defaults(driven: Pat
     code = cli.main(["parity", str(rollout), str(trainer), "--output-dir", str(tmp_path / "p")])
     report = jsonio.load(tmp_path / "p" / "parity.json")
     assert code == 1 and report["verdict"] == "different"  # vLLM's GEMMs and attention are its own
-    assert report["targets_and_mask"]["identical"] and report["targets_and_mask"]["active_tokens"] == 24
+    assert report["targets_and_mask"]["identical"] and report["targets_and_mask"]["active_tokens"] == 27
     assert report["our_logprob"]["control"]["bitwise_equal"]
     assert report["engine_vs_ours"]["rollout"] is not None and report["engine_vs_ours"]["trainer"] is None
 
@@ -135,3 +137,22 @@ def test_a_ragged_vllm_rollout_goes_through_parity_with_the_defaults(driven: Pat
 def test_processed_logprobs_with_top_k_are_refused_naming_it(driven: Path) -> None:
     message = (driven / "refused.txt").read_text()
     assert "VLLMIntegrationError" in message and "top_k" in message
+
+
+def test_a_ragged_vllm_capture_runs_the_campaign_to_a_verified_archive(driven: Path, tmp_path: Path) -> None:
+    from rl_engine.campaign.mask import pack_mask
+
+    from _capture_case import campaign_to_archive, capture_case, verify_archive
+
+    rollout = driven / "rollout.safetensors"
+    cap = read_capture(rollout)
+    assert cap.num_tokens == 48 and int(cap.active.sum()) == 27
+    case = capture_case(rollout, real_vocab=4096, padded_vocab=4096, num_vocab_tiles=8, batch=2, seq=24,
+                        cp_layout="zigzag")
+    run_dir, archive = campaign_to_archive(tmp_path, case, ("1x1", "2x2"))
+    report = jsonio.load(run_dir / "tp2-cp2.json")
+    assert report["active_mask"] == pack_mask(cap.active.numpy())
+    code, checks = verify_archive(archive, tmp_path, "--recompute", "--capture", str(rollout))
+    assert code == 0, {n: c["problems"] for n, c in checks.items() if c["status"] == "FAIL"}
+    for row in ("report acceptance", "inputs regenerated", "oracle drift recomputed", "candidate replayed"):
+        assert checks[row]["status"] == "PASS", (row, checks[row])
