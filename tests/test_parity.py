@@ -328,3 +328,64 @@ def test_the_worked_example_of_docs_capture_md_runs(tmp_path: Path, monkeypatch:
     config = {**yaml.safe_load((root / "config.yaml").read_text()), **overrides}
     monkeypatch.chdir(root)  # where snakemake runs (the focused tests' paths)
     assert stage_flags(check_config(config)) == {"capture": True, "parity": True}
+
+
+def test_the_default_tile_count_is_the_api_s_auto_rule_so_our_in_engine_logprob_compares_bitwise(
+        caps: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The verb's, the options' and the workflow's default ``num_vocab_tiles`` is ``selected_logprob``'s own
+    default (read from its signature: this fails the day they diverge), resolved by the API's resolver: a
+    rollout that reports ``selected_logprob(logits, targets, active)`` with every default is bitwise equal
+    to ours in section 4. Negative control: one tile (the verb's old default) gives other bytes there."""
+    import inspect
+
+    from rl_engine.campaign.casename import report_parity_identity
+    from rl_engine.logprob import selected_logprob
+    from rl_engine.logprob.api import resolve_vocab_tiles
+    from rl_engine.verb_parsers import parity_parser
+    from rl_engine.workflow.config import PARITY_DEFAULTS, config_parity
+
+    api_default = inspect.signature(selected_logprob).parameters["num_vocab_tiles"].default
+    assert parity_parser().parse_args(["r", "t", "--output-dir", "o"]).num_vocab_tiles == api_default
+    assert ParityOptions().num_vocab_tiles == api_default == PARITY_DEFAULTS["num_vocab_tiles"]
+    rollout = read_capture(caps["rollout"])
+    reported = selected_logprob(rollout.logits, rollout.targets, rollout.active).selected_logp
+    path = tmp_path / "in-engine.safetensors"
+    write_capture(path, Capture(rollout.logits, rollout.targets, rollout.active, reported, rollout.metadata))
+    code, report = _parity(path, caps["trainer"], tmp_path / "auto")
+    assert code == 1 and report is not None
+    engine = report["engine_vs_ours"]["rollout"]
+    assert engine["bitwise_equal"] and engine["tokens_differing"] == 0
+    on = [d for d, a in zip(engine["per_token"]["diff"], report["targets_and_mask"]["per_token"]["active"]) if a]
+    assert _f32(on) == bytes(4 * len(on))  # +0.0 on every active token, as bytes
+    expected = resolve_vocab_tiles(api_default, rollout.vocab)
+    assert report["num_vocab_tiles"] == expected["resolved"] == 8  # 4096 columns at max_tp 8: tiles of 512
+    assert report["num_vocab_tiles_rule"] == {"requested": "auto", "rule": expected["rule"], "max_tp": 8}
+    assert "│ 4 rollout engine vs ours │ bitwise equal" in capsys.readouterr().out
+    # the workflow's case hash holds the count parity.json records, so verify computes the same name
+    section = {"rollout": str(path), "trainer": str(caps["trainer"])}
+    identity = config_parity({"parity": section})
+    assert identity == report_parity_identity(report) == config_parity({"parity": {**section, "num_vocab_tiles": 8}})
+    # negative control: another tile count gives other bytes on some tokens
+    code, one = _parity(path, caps["trainer"], tmp_path / "one", "--num-vocab-tiles", "1")
+    assert code == 1 and one is not None and one["num_vocab_tiles_rule"]["rule"] == "given"
+    assert not one["engine_vs_ours"]["rollout"]["bitwise_equal"] and one["engine_vs_ours"]["rollout"]["tokens_differing"] > 0
+
+
+def test_auto_tiles_without_a_count_for_the_vocabulary_is_refused_naming_the_option(tmp_path: Path) -> None:
+    """50257 columns have no count under the auto rule: refused (exit 2, nothing written) naming
+    --num-vocab-tiles; an explicit count that divides them is accepted (the control)."""
+    from rl_engine.capture import build_metadata
+    from rl_engine.capture.parity import ParityError, check_pair
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = 50257
+    logits = torch.randn(2, vocab, generator=gen).to(torch.bfloat16)
+    cap = Capture(logits, torch.tensor([1, 2]), torch.tensor([True, True]), None,
+                  build_metadata(engine="e", engine_version="1", model="m", dtype="bf16"))
+    path = tmp_path / "c.safetensors"
+    write_capture(path, cap)
+    with pytest.raises(ParityError, match=r"num_vocab_tiles: .*50257.*--num-vocab-tiles N"):
+        check_pair(path, path, ParityOptions())
+    assert check_pair(path, path, ParityOptions(num_vocab_tiles=1)) == 1
+    code, _ = _parity(path, path, tmp_path / "out")
+    assert code == 2 and not (tmp_path / "out").exists()

@@ -39,8 +39,9 @@ import torch
 
 from rl_engine import jsonio, schemas
 from rl_engine.capture.format import Capture, CaptureError, read_capture, read_header, read_tokens
-from rl_engine.distributed.bounds import BoundsError, tile_width
+from rl_engine.distributed.bounds import AUTO_TILES, BoundsError, tile_width
 from rl_engine.logprob import portable
+from rl_engine.logprob.api import resolve_vocab_tiles
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.rundir import PARITY_JSON, PARITY_PNG
 from rl_engine.tables import AUTO, BACKEND_DEVICES, EAGER_BACKEND, PARITY_RATIO_BOUNDS, SCHEMA_VERSION
@@ -62,13 +63,19 @@ class ParityError(ValueError):
 
 @dataclass(frozen=True)
 class ParityOptions:
+    """The verb's options. ``num_vocab_tiles`` defaults to ``auto``, resolved for the captures'
+    vocabulary by the API's own resolver (:func:`rl_engine.logprob.api.resolve_vocab_tiles`, the
+    rule ``selected_logprob`` applies by default): an engine that reports our logprob computed with
+    the API's defaults gets the same bytes here, so its section 4 reads "bitwise equal"."""
+
     backend: str = EAGER_BACKEND
-    num_vocab_tiles: int = 1
+    num_vocab_tiles: int | str = AUTO_TILES
     ratio_bounds: tuple[float, float] = DEFAULT_RATIO_BOUNDS
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_vocab_tiles, int) or self.num_vocab_tiles < 1:
-            raise ParityError(f"--num-vocab-tiles={self.num_vocab_tiles!r} must be a positive "
+        tiles = self.num_vocab_tiles
+        if tiles != AUTO_TILES and (isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1):
+            raise ParityError(f"--num-vocab-tiles={tiles!r} must be {AUTO_TILES!r} or a positive "
                               "integer that divides the vocabulary")
         low, high = self.ratio_bounds
         if not (math.isfinite(low) and math.isfinite(high) and 0 < low < 1 < high):
@@ -96,10 +103,25 @@ def _check_backend(backend: str) -> None:
                           f"runs here, and auto is not a name): one of {cpu}")
 
 
-def check_pair(rollout: Path, trainer: Path, options: ParityOptions) -> None:
+def vocab_tiles(vocab: int, options: ParityOptions) -> dict[str, Any]:
+    """The tile count our logprob uses on captures of ``vocab`` columns, as
+    :func:`rl_engine.logprob.api.resolve_vocab_tiles` gives it (``requested``, ``resolved``,
+    ``rule``, ``max_tp``): ``auto`` is the API's default rule at its default ``max_tp``; an explicit
+    count must divide the vocabulary. :class:`ParityError` names the option and the fix."""
+    try:
+        tiles = resolve_vocab_tiles(options.num_vocab_tiles, vocab)
+        tile_width(vocab, tiles["resolved"])
+    except (BoundsError, LogprobContractError) as exc:
+        raise ParityError(f"num_vocab_tiles: {exc} (the captures have {vocab} columns; pass "
+                          "--num-vocab-tiles N with N dividing them, e.g. 1)") from None
+    return tiles
+
+
+def check_pair(rollout: Path, trainer: Path, options: ParityOptions) -> int:
     """Every refusal of :func:`run` that needs no logits: each file a capture (header checked), the
-    same tokens, targets and mask (section 1), a tile count that divides the vocabulary, and a
-    backend registered for the CPU. Raises :class:`ParityError` naming the side and the fix."""
+    same tokens, targets and mask (section 1), a tile count that divides the vocabulary (``auto``
+    resolved as the API resolves it), and a backend registered for the CPU. Raises
+    :class:`ParityError` naming the side and the fix; returns the tile count the verb will use."""
     _check_backend(options.backend)
     sides = []
     for side, path in zip(SIDES, (rollout, trainer)):
@@ -110,10 +132,7 @@ def check_pair(rollout: Path, trainer: Path, options: ParityOptions) -> None:
             raise ParityError(f"{side} capture: {exc}") from None
         sides.append(Tokens(header.num_tokens, header.vocab, targets, active))
     check_same_tokens(*sides)
-    try:
-        tile_width(sides[0].vocab, options.num_vocab_tiles)
-    except BoundsError as exc:
-        raise ParityError(f"num_vocab_tiles: {exc}") from None
+    return int(vocab_tiles(sides[0].vocab, options)["resolved"])
 
 
 def _mean(values: list[float]) -> float | None:
@@ -149,10 +168,11 @@ def our_logprob(capture: Capture, options: ParityOptions, order: torch.Tensor | 
     logits, targets, active = capture.logits, capture.targets, capture.active
     if order is not None:
         logits, targets, active = logits[order], targets[order], active[order]
+    tiles = vocab_tiles(capture.vocab, options)["resolved"]
     try:
         contract = LogprobContract(
             real_vocab_size=capture.vocab, padded_vocab_size=capture.vocab,
-            num_vocab_tiles=options.num_vocab_tiles, num_sequences=1,
+            num_vocab_tiles=tiles, num_sequences=1,
             seq_len=capture.num_tokens, logits_dtype=capture.logits_dtype,
         )
         chosen = dispatch(options.backend, contract, "cpu")
@@ -322,12 +342,14 @@ def build_report(rollout_path: Path, trainer_path: Path, options: ParityOptions)
             raise ParityError(f"{side} capture: {exc}") from None
     sections = compute(caps["rollout"], caps["trainer"], options)
     equal = sections["our_logprob"]["bitwise_equal"] and sections["our_logprob"]["control"]["bitwise_equal"]
+    tiles = vocab_tiles(caps["rollout"].vocab, options)
     return {
         "schema_version": SCHEMA_VERSION,
         "verdict": "bitwise_equal" if equal else "different",
         "captures": {side: _side_record(p, caps[side])
                      for side, p in zip(SIDES, (rollout_path, trainer_path))},
-        "backend": options.backend, "num_vocab_tiles": options.num_vocab_tiles,
+        "backend": options.backend, "num_vocab_tiles": tiles["resolved"],
+        "num_vocab_tiles_rule": {"requested": tiles["requested"], "rule": tiles["rule"], "max_tp": tiles["max_tp"]},
         "arithmetic_spec": portable.SPEC_VERSION, "mean_method": MEAN_METHOD,
         **sections,
     }
@@ -519,4 +541,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["Panel", "ParityError", "ParityOptions", "Tokens", "build_report", "check_pair", "check_same_tokens", "compute",
-           "figure_panels", "headline", "main", "run"]
+           "figure_panels", "headline", "main", "run", "vocab_tiles"]

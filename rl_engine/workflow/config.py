@@ -39,7 +39,7 @@ from rl_engine.campaign.case import (
 )
 from rl_engine.campaign.casename import parity_identity
 from rl_engine.campaign.nodes import fitting_ranks_per_node, layout_problem
-from rl_engine.distributed.bounds import BoundsError, auto_vocab_tiles
+from rl_engine.distributed.bounds import AUTO_TILES, BoundsError, auto_vocab_tiles
 from rl_engine.rundir import Topology
 
 
@@ -182,39 +182,42 @@ def _file_state(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 
 # ----- the parity stage (config ``parity:``) ------------------------------------------------------
-PARITY_DEFAULTS: dict[str, Any] = {"ratio_bounds": [0.8, 1.2], "num_vocab_tiles": 1,
+PARITY_DEFAULTS: dict[str, Any] = {"ratio_bounds": [0.8, 1.2], "num_vocab_tiles": AUTO_TILES,
                                    "backend": "pytorch-vocab-parallel-logp-ws2"}
 
 
 def parity_settings(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``parity:`` section with its defaults filled (what the parity rule passes the verb), or None."""
+    """The ``parity:`` section with its defaults filled (what the parity rule passes the verb), or None.
+    ``num_vocab_tiles`` defaults to ``auto``, the verb's default (the API's rule)."""
     section = config.get("parity")
     return None if section is None else {**PARITY_DEFAULTS, **section}
 
 
 @functools.lru_cache(maxsize=8)
-def _parity_check(rollout: str, trainer: str, bounds: tuple[float, float], tiles: int, backend: str,
-                  states: tuple[int, ...]) -> tuple[str, str, str]:
-    """``(problem, rollout sha256, trainer sha256)`` of a parity section, once per file state in a
-    process (it reads both captures' headers, targets and masks, and hashes both files)."""
+def _parity_check(rollout: str, trainer: str, bounds: tuple[float, float], tiles: int | str, backend: str,
+                  states: tuple[int, ...]) -> tuple[str, str, str, int]:
+    """``(problem, rollout sha256, trainer sha256, tile count)`` of a parity section, once per file
+    state in a process (it reads both captures' headers, targets and masks, and hashes both files);
+    the tile count is ``auto`` resolved for the captures' vocabulary, as the verb resolves it."""
     from rl_engine.campaign.captured import file_sha256  # imports torch
     from rl_engine.capture.parity import ParityError, ParityOptions, check_pair
 
     try:
-        check_pair(Path(rollout), Path(trainer), ParityOptions(backend, tiles, bounds))
-        return "", file_sha256(rollout), file_sha256(trainer)
+        resolved = check_pair(Path(rollout), Path(trainer), ParityOptions(backend, tiles, bounds))
+        return "", file_sha256(rollout), file_sha256(trainer), resolved
     except (ParityError, OSError) as exc:
-        return str(exc), "", ""
+        return str(exc), "", "", 0
 
 
 def config_parity(config: dict[str, Any], origin: Origin = Origin()) -> dict[str, Any] | None:
     """The parity stage's part of the case hash (:func:`rl_engine.campaign.casename.parity_identity`:
-    both captures' SHA-256 and the verb's options), or None without a ``parity:`` section.
+    both captures' SHA-256 and the verb's options, ``auto`` tiles as the count they resolve to, which
+    parity.json records), or None without a ``parity:`` section.
 
     Refuses, naming the key, the value and the fix, what the parity verb would refuse without
     reading logits: a missing file or one that is not a capture, two captures of different tokens,
-    targets or masks, a tile count that does not divide the vocabulary, bounds outside
-    ``0 < LOW < 1 < HIGH``, or a backend that does not run on the CPU.
+    targets or masks, a tile count that does not divide the vocabulary (or ``auto`` with no count
+    for it), bounds outside ``0 < LOW < 1 < HIGH``, or a backend that does not run on the CPU.
     """
     settings = parity_settings(config)
     if settings is None:
@@ -227,12 +230,13 @@ def config_parity(config: dict[str, Any], origin: Origin = Origin()) -> dict[str
                                   f"{origin.fix(f'parity.{side}')}")
     bounds = tuple(float(b) for b in settings["ratio_bounds"])
     states = (*_file_state(settings["rollout"]), *_file_state(settings["trainer"]))
-    problem, rollout_sha, trainer_sha = _parity_check(str(settings["rollout"]), str(settings["trainer"]), bounds,
-                                                      settings["num_vocab_tiles"], settings["backend"], states)
+    problem, rollout_sha, trainer_sha, tiles = _parity_check(
+        str(settings["rollout"]), str(settings["trainer"]), bounds, settings["num_vocab_tiles"], settings["backend"],
+        states)
     if problem:
         raise WorkflowConfigError(f"{origin.describe('parity', config['parity'])}: the parity stage would refuse "
                                   f"these captures: {problem}; {origin.fix('parity')}")
-    return parity_identity(rollout_sha, trainer_sha, list(bounds), settings["num_vocab_tiles"], settings["backend"])
+    return parity_identity(rollout_sha, trainer_sha, list(bounds), tiles, settings["backend"])
 
 
 def stage_flags(config: dict[str, Any]) -> dict[str, bool]:
