@@ -358,7 +358,9 @@ def build_report(rollout_path: Path, trainer_path: Path, options: ParityOptions)
 @dataclass(frozen=True)
 class Panel:
     """One panel of parity.png: per-token values of the active tokens, the exact zeros counted apart
-    (they are not in the histogram), the tokens whose value is not finite, and lines to mark."""
+    (they are not in the histogram), the tokens whose value is not finite, and lines to mark.
+    ``log_scale``: the histogram's bins and axis are logarithmic (the values are then positive), so
+    values many decades apart, or all within 1e-5 of each other near 0, each get their own bins."""
 
     title: str
     xlabel: str
@@ -367,11 +369,20 @@ class Panel:
     non_finite: int
     active: int
     marks: tuple[float, ...] = ()  # vertical lines (the ratio's truncation bounds)
+    log_scale: bool = False
+    zero_label: str = "exactly 0"  # what a value counted in ``zeros`` is, in the note's words
+
+    def __post_init__(self) -> None:
+        if self.log_scale and any(not v > 0 for v in self.values):
+            raise ValueError(f"Panel {self.title!r}: a log-scale histogram needs positive values "
+                             "(count the zeros apart)")
 
     def note(self) -> str:
         """What the panel's annotation says: the counts a reviewer reads at a glance."""
-        parts = [] if self.zeros < 0 else [f"exactly 0: {self.zeros} of {self.active} active tokens "
+        parts = [] if self.zeros < 0 else [f"{self.zero_label}: {self.zeros} of {self.active} active tokens "
                                            f"({100.0 * self.zeros / self.active:.1f}%), not in the histogram"]
+        if self.log_scale and self.values:
+            parts.append(f"smallest {_g(min(self.values))}, largest {_g(max(self.values))}")
         if self.non_finite:
             parts.append(f"not finite: {self.non_finite}")
         if self.marks:
@@ -383,7 +394,9 @@ class Panel:
 def figure_panels(report: dict[str, Any]) -> list[Panel]:
     """The panels of parity.png, every number from the report (parity.json): our logprob difference
     (trainer - rollout), the logits' largest difference per token, our importance ratio with its
-    truncation bounds, and each engine's reported logprob against ours where the capture has one."""
+    truncation bounds, the same ratio's distance from 1 on a log scale (ratios within 1e-5 of 1 are
+    one bar on the linear panel, whose axis spans the bounds; here each decade has its bins), and each
+    engine's reported logprob against ours where the capture has one."""
     act = report["targets_and_mask"]["per_token"]["active"]
     active = sum(1 for on in act if on)
 
@@ -402,6 +415,10 @@ def figure_panels(report: dict[str, Any]) -> list[Panel]:
     finite = tuple(r for r in on if r is not None)
     panels.append(Panel("importance ratio (ours): exp(logp_trainer - logp_rollout)", "ratio", finite, -1,
                         len(on) - len(finite), active, tuple(ratio["bounds"])))
+    # |r - 1| in binary64 is exact for a binary32 r in [0.5, 2] (Sterbenz), the ratios a parity run shows
+    panels.append(Panel("importance ratio (ours): |ratio - 1|, log scale", "|ratio - 1|",
+                        tuple(abs(r - 1.0) for r in finite if r != 1.0), sum(1 for r in finite if r == 1.0),
+                        len(on) - len(finite), active, log_scale=True, zero_label="exactly 1"))
     for side in SIDES:
         stats = report["engine_vs_ours"][side]
         if stats is not None:
@@ -410,26 +427,63 @@ def figure_panels(report: dict[str, Any]) -> list[Panel]:
     return panels
 
 
+HEADLINE_TOKENS = 6  # token indices the title names before "..."
+
+
+def _token_list(indices: list[int]) -> str:
+    shown = ", ".join(str(i) for i in indices[:HEADLINE_TOKENS])
+    return f"token{'s' if len(indices) > 1 else ''} {shown}{', ...' if len(indices) > HEADLINE_TOKENS else ''}"
+
+
 def headline(report: dict[str, Any]) -> str:
-    """The figure's title: the verdict and the main finding, equal logits giving equal logprob bytes."""
+    """The figure's title: the verdict, on how many active tokens our logprob is bitwise equal, and
+    what is true of the logits rows: which active tokens have bitwise equal rows (none, or their
+    first indices) and whether our logprob bytes are equal on all of them or differ on some (named).
+    With no equal row there is nothing to attribute, and the title says so instead of a vacuous yes."""
     act = report["targets_and_mask"]["per_token"]["active"]
     ours, logits = report["our_logprob"], report["logits"]["per_token"]["columns_differing"]
     active = sum(1 for on in act if on)
     equal_logp = sum(1 for on, eq in zip(act, ours["per_token"]["bitwise_equal"]) if on and eq)
-    equal_rows = sum(1 for on, cols in zip(act, logits) if on and cols == 0)
-    attributed = "yes" if ours["from_logits_only"] else "NO"
-    return (f"parity: {report['verdict']}; our logprob bitwise equal on {equal_logp} of {active} active tokens\n"
-            f"logits rows bitwise equal on {equal_rows}; equal logits give equal logprob bytes: {attributed}")
+    rows = [i for i, (on, cols) in enumerate(zip(act, logits)) if on and cols == 0]
+    first = f"parity: {report['verdict']}; our logprob bitwise equal on {equal_logp} of {active} active tokens"
+    if not rows:
+        return (f"{first}\nlogits rows bitwise equal on 0 of {active} active tokens: no token where equal logits "
+                "could give equal logprob bytes")
+    where = f"logits rows bitwise equal on {len(rows)} of {active} active tokens ({_token_list(rows)})"
+    unexplained = list(ours["tokens_equal_logits_different_logp"])
+    if not unexplained:
+        return f"{first}\n{where}; our logprob bytes are equal on all {len(rows)}"
+    return (f"{first}\n{where}; our logprob bytes DIFFER on {len(unexplained)} of them "
+            f"({_token_list(unexplained)})")
 
 
 FIGURE_COLUMNS = 2
 PANEL_SIZE_IN = (6.4, 4.2)  # inches; at 100 dpi each panel is 640 x 420 pixels
 FIGURE_DPI = 100
+HISTOGRAM_BINS = 50
 
 
-def render_png(report: dict[str, Any]) -> bytes:
-    """parity.png (matplotlib's Agg canvas, no pyplot): :func:`figure_panels` on a grid, two
-    panels a row, each a histogram of its values with its exact zeros counted apart and its
+def _histogram(ax: Any, panel: Panel) -> None:
+    """The panel's histogram on ``ax``: linear bins over the values' range, or logarithmic bins and
+    axis for a log-scale panel; one distinct value gets an explicit range around it."""
+    distinct = sorted(set(panel.values))
+    if panel.log_scale:
+        import numpy as np
+
+        low, high = (distinct[0] / 2, distinct[0] * 2) if len(distinct) == 1 else (distinct[0], distinct[-1])
+        edges = np.geomspace(low, high, min(HISTOGRAM_BINS, max(len(distinct), 2)) + 1)
+        ax.hist(panel.values, bins=edges, color="tab:blue")
+        ax.set_xscale("log")
+        return
+    # one distinct value: an explicit range around it (numpy's +-0.5 vanishes at 3e38)
+    span = None if len(distinct) > 1 else (distinct[0] - max(abs(distinct[0]) * 1e-3, 0.5),
+                                          distinct[0] + max(abs(distinct[0]) * 1e-3, 0.5))
+    ax.hist(panel.values, bins=min(HISTOGRAM_BINS, len(distinct)), range=span, color="tab:blue")
+
+
+def build_figure(report: dict[str, Any]) -> Any:
+    """parity.png's matplotlib ``Figure`` (Agg canvas, no pyplot): :func:`figure_panels` on a grid,
+    two panels a row, each a histogram of its values with its exact zeros counted apart and its
     counts written on it, in type a reviewer reads at the size the figure is shown."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -443,11 +497,7 @@ def render_png(report: dict[str, Any]) -> bytes:
     for i, panel in enumerate(panels, start=1):
         ax = fig.add_subplot(rows, FIGURE_COLUMNS, i)
         if panel.values:
-            distinct = sorted(set(panel.values))
-            # one distinct value: an explicit range around it (numpy's +-0.5 vanishes at 3e38)
-            span = None if len(distinct) > 1 else (distinct[0] - max(abs(distinct[0]) * 1e-3, 0.5),
-                                                  distinct[0] + max(abs(distinct[0]) * 1e-3, 0.5))
-            ax.hist(panel.values, bins=min(50, len(distinct)), range=span, color="tab:blue")
+            _histogram(ax, panel)
         else:
             ax.text(0.5, 0.5, "no value to plot", transform=ax.transAxes, ha="center", fontsize=12)
         ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # headroom for the counts written at the top
@@ -463,8 +513,13 @@ def render_png(report: dict[str, Any]) -> bytes:
             ax.text(0.02, 0.97, note, transform=ax.transAxes, va="top", ha="left", fontsize=10,
                     bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85})
     fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return fig
+
+
+def render_png(report: dict[str, Any]) -> bytes:
+    """parity.png: :func:`build_figure` as PNG bytes (no Software tag)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=FIGURE_DPI, metadata={"Software": None})
+    build_figure(report).savefig(buf, format="png", dpi=FIGURE_DPI, metadata={"Software": None})
     return buf.getvalue()
 
 
@@ -540,5 +595,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(args.difference_exit_code)
 
 
-__all__ = ["Panel", "ParityError", "ParityOptions", "Tokens", "build_report", "check_pair", "check_same_tokens", "compute",
-           "figure_panels", "headline", "main", "run", "vocab_tiles"]
+__all__ = ["Panel", "ParityError", "ParityOptions", "Tokens", "build_figure", "build_report", "check_pair",
+           "check_same_tokens", "compute", "figure_panels", "headline", "main", "run", "vocab_tiles"]
