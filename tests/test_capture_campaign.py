@@ -310,6 +310,43 @@ def test_a_bad_parity_section_is_refused_before_any_job_naming_key_value_and_fix
     assert "fix" in str(info.value) or "remove or rename" in str(info.value)
 
 
+@pytest.mark.parametrize("key", ["parity.rollout", "parity.trainer", "inputs.capture", "regression.tests"])
+@pytest.mark.parametrize("name", ["</script><img src=x onerror=alert(1)>.safetensors", "cap\x1b]0;x\x07.safetensors",
+                                  "cap\u202eorsnetefas.safetensors"], ids=["html", "escape-sequence", "bidi"])
+def test_a_path_holding_html_or_control_characters_is_refused_by_check_config(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str, name: str) -> None:
+    """A path the config names with '<', '>' or a control character (before: ``caps/</script><img src=x
+    onerror=...>.safetensors`` passed check-config and ``snakemake --report``'s HTML held a live
+    ``<img onerror>``) is refused by ``python -m rl_engine check-config`` (exit 2), which is the check
+    the Snakefile runs at parse time, before any job: the message names the key, the value, the
+    character and the fix, though the file exists and is a good capture. Control: the same capture under
+    a plain name passes."""
+    import yaml
+
+    from rl_engine.workflow.config import main
+
+    folder = tmp_path / "caps"
+    folder.mkdir()
+    hostile = write_tiny_capture(folder / name)
+    config = _parity_config(tmp_path)
+    top, _, sub = key.partition(".")
+    if top == "regression":
+        config["regression"]["tests"] = [*config["regression"]["tests"], f"tests/{name}"]
+    else:
+        config[top][sub] = str(hostile)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    shown_key = f"{key}[{len(config['regression']['tests']) - 1}]" if top == "regression" else key
+    bad = next(ch for ch in name if ch in "<>" or ord(ch) < 0x20 or 0x202a <= ord(ch) <= 0x202e)
+    assert f"config key {shown_key!r} has value " in err and f"the path holds {bad!r} (U+{ord(bad):04X})" in err, err
+    assert "rename the file, or link it, to a name without them; fix the value in config.yaml" in err
+    clean = _parity_config(tmp_path / "clean")
+    path.write_text(yaml.safe_dump(clean), encoding="utf-8")
+    assert main([str(path)]) == 0, capsys.readouterr().err
+
+
 # ----- rank 0 hashes the capture once ------------------------------------------------------------
 def _hashes_of_one_rank(rank: int, plan: str, tp: int, cp: int) -> tuple[int, list[str]]:
     """One rank of ``tp x cp`` in this worker process, counting every time the capture is hashed."""

@@ -41,6 +41,7 @@ from rl_engine.campaign.casename import parity_identity
 from rl_engine.campaign.nodes import fitting_ranks_per_node, layout_problem
 from rl_engine.distributed.bounds import AUTO_TILES, BoundsError, auto_vocab_tiles
 from rl_engine.rundir import Topology
+from rl_engine.tables import UNPRINTABLE_CLASS
 
 
 class WorkflowConfigError(ValueError):
@@ -239,6 +240,37 @@ def config_parity(config: dict[str, Any], origin: Origin = Origin()) -> dict[str
     return parity_identity(rollout_sha, trainer_sha, list(bounds), tiles, settings["backend"])
 
 
+# ----- the paths the config names ------------------------------------------------------------------
+# '<' and '>' would open a tag where the path reaches HTML (snakemake --report's page embeds the
+# rules' inputs: a capture named caps/</script><img src=x onerror=...>.safetensors ran there as
+# script), and a control character or bidirectional override would reach a terminal or SUMMARY.md
+# as a sequence; a file name needs neither.
+UNSAFE_PATH = re.compile(f"[<>{UNPRINTABLE_CLASS}]")
+
+
+def path_problems(config: dict[str, Any], origin: Origin = Origin()) -> list[str]:
+    """One message per path of a schema-valid config (``inputs.capture``, ``parity.rollout``,
+    ``parity.trainer``, ``regression.tests[i]``) holding ``<``, ``>``, a control character or a
+    bidirectional override, naming the key, the value, the character and the fix; checked before
+    any of those files is read."""
+    named: list[tuple[str, Any]] = [(f"regression.tests[{i}]", t) for i, t in enumerate(config["regression"]["tests"])]
+    if config.get("inputs") is not None:
+        named.append(("inputs.capture", config["inputs"]["capture"]))
+    if config.get("parity") is not None:
+        named += [(f"parity.{side}", config["parity"][side]) for side in ("rollout", "trainer")]
+    problems = []
+    for key, value in named:
+        bad = UNSAFE_PATH.search(str(value))
+        if bad:
+            problems.append(
+                f"{origin.describe(key, value)}: the path holds {bad.group()!r} (U+{ord(bad.group()):04X}) at "
+                f"position {bad.start()}; '<', '>' and control characters are refused in the paths a config "
+                "names, since a path reaches snakemake --report's HTML page (where '<' opens a tag, e.g. a "
+                "script) and SUMMARY.md and the terminal: rename the file, or link it, to a name without "
+                f"them; {origin.fix(key)}")
+    return problems
+
+
 def stage_flags(config: dict[str, Any]) -> dict[str, bool]:
     """The optional stages a checked config asks for (:func:`rl_engine.rundir.stages`' keywords):
     ``capture`` (``inputs.archive: true``) and ``parity`` (a ``parity:`` section)."""
@@ -340,6 +372,9 @@ def check_config(config: dict[str, Any], origin: Origin = Origin()) -> dict[str,
     found = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if found:
         raise WorkflowConfigError(_schema_message(found[0], origin))
+    unsafe = path_problems(config, origin)
+    if unsafe:
+        raise WorkflowConfigError("; ".join(unsafe))
     resolve_auto_tiles(config, origin)
     bad_numbers = _non_finite(config)
     if bad_numbers:
