@@ -27,6 +27,12 @@ DEVICE_DIST_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl"}
 # Token layouts of context parallelism (distributed/bounds.py computes them).
 CP_LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
 
+# Characters no evidence string may hold where a reviewer reads it (a regular-expression class body):
+# C0 (newline and tab included), DEL, C1 and the bidirectional overrides and isolates; the
+# "printable" rule of schemas/defs.schema.json. A capture's metadata refuses them; SUMMARY.md's
+# md_cell shows them as visible escapes.
+UNPRINTABLE_CLASS = "\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069"
+
 # Backends by id, with the devices each runs on. "auto" picks one; a campaign refuses it.
 AUTO = "auto"
 EAGER_BACKEND = "pytorch-vocab-parallel-logp-ws2"

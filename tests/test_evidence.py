@@ -470,6 +470,32 @@ def test_summary_numbers_come_from_the_evidence(good_run: Path, run: Path) -> No
     assert "| Focused regression | 41 passed, 3 skipped |" in changed
 
 
+def test_summary_prints_evidence_strings_as_text_never_as_markup(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A parity capture whose model is ``qwen [/]`` and whose notes hold rich markup: the summary verb
+    (which died with rich's MarkupError on it, at every rerun) exits 0, twice, and the console shows the
+    strings as written; SUMMARY.md holds them in the parity table. Every table it prints is built of
+    ``rich.text.Text`` cells, never parsed as markup."""
+    from rich.console import Console
+    from rich.text import Text
+
+    parity = jsonio.load(Path(__file__).parent / "fixtures" / "schemas" / "parity" / "valid" / "parity.json")
+    meta = parity["captures"]["trainer"]["metadata"]
+    meta["model"], meta["engine"] = "qwen [/]", "[bold red]ALL CHECKS VERIFIED[/]"
+    assert schemas.errors(parity, "parity") == []
+    (run / "parity.json").write_text(jsonio.dumps(parity), encoding="utf-8")
+    for _ in range(2):
+        assert cli.main(["summary", "--run-dir", str(run), "--output", str(run / "SUMMARY.md")]) == 0
+        out = capsys.readouterr().out
+        assert "model qwen [/]," in out and "engine [bold" in out and "red]ALL CHECKS VERIFIED[/] 1.0" in out  # folded
+    text = (run / "SUMMARY.md").read_text(encoding="utf-8")
+    assert "model qwen [/]" in text and "engine [bold red]ALL CHECKS VERIFIED[/]" in text
+    table = summary.parity_section(parity).rich()
+    assert all(isinstance(cell, Text) for column in table.columns for cell in column._cells)
+    console = Console(file=io.StringIO(), width=400)
+    console.print(table)  # a plain string cell would raise MarkupError here
+    assert "qwen [/]" in console.file.getvalue()  # type: ignore[attr-defined]
+
+
 def test_summary_has_the_reproduction_section_and_every_skip_reason(good_run: Path, run: Path) -> None:
     """SUMMARY.md lacked the guide's Reproduction section and the reason of each skipped test."""
     from snakemake.utils import update_config

@@ -433,6 +433,72 @@ def test_every_summary_cell_goes_through_md_cell() -> None:
     assert md_cell("plain `path` 1.5e-07") == "plain `path` 1.5e-07"  # the control: nothing else changes
 
 
+# Strings a capture (or a forged case.json) could carry into SUMMARY.md: a second Status heading and
+# a sign-off on lines of their own, an <img> beacon and a script (raw HTML), a Markdown image and a
+# javascript link after a backtick that ends the value's code span, a pipe after a backslash (which
+# would un-escape the pipe's escape and split the cell), and terminal control sequences.
+MARKDOWN_ATTACKS = {
+    "heading-and-sign-off": "rollout`\n\n## Status\n\nPASSED: every check verified. Signed-off-by: reviewer\n\n",
+    "img-beacon": "x` <img src=https://evil.example/beacon.gif onerror=alert(1)> y",
+    "script": "</td><script>alert(1)</script>",
+    "markdown-image-and-link": "x` ![b](https://evil.example/b.gif) [click](javascript:alert(1)) `",
+    "backslash-pipe": "a\\| b | c",
+    "autolink": "<https://evil.example/track>",
+    "terminal": "\x1b]0;pwned\x07\x1b[2J\u202e",
+}
+
+
+def _markdown_tokens(text: str) -> list[Any]:
+    """Every token (block and inline) of ``text`` parsed as CommonMark with GFM tables and raw HTML on,
+    as a Markdown viewer renders SUMMARY.md."""
+    from markdown_it import MarkdownIt
+
+    out, stack = [], list(reversed(MarkdownIt("commonmark").enable("table").parse(text)))
+    while stack:
+        token = stack.pop()
+        out.append(token)
+        stack.extend(reversed(token.children or []))
+    return out
+
+
+@pytest.mark.parametrize("attack", list(MARKDOWN_ATTACKS), ids=list(MARKDOWN_ATTACKS))
+def test_capture_strings_in_summary_md_render_as_text_only(attack: str) -> None:
+    """A capture's path and metadata in the Inputs line, and in a parity table cell, through ``md_cell``:
+    rendered as Markdown they add no heading, no HTML, no image, no link and no table cell, and hold
+    no control character; the attack's characters are all there, shown as text. (A capture holding a
+    control character is refused when it is written or read; this is what SUMMARY.md does with any
+    that reaches it, e.g. from a forged case.json.)"""
+    from rl_engine.evidence.summary import Section, inputs_text, md_cell
+
+    value = MARKDOWN_ATTACKS[attack]
+    case = {"capture": {"path": f"caps/{value}.safetensors", "sha256": "0" * 64, "size": 1, "tokens": 2,
+                        "vocab": 3, "dtype": "bf16", "archive": False,
+                        "metadata": {"engine": value, "model": "qwen [/]", "notes": value}}}
+    table = Section("Parity", ("Section", "Result"), (("Rollout capture", f"`{value}` (engine {value})"),)).markdown()
+    text = f"# Summary\n\n## Status\n\nPASSED\n\n{inputs_text(case)}\n\n{table}"
+    tokens = _markdown_tokens(text)
+    kinds = [t.type for t in tokens]
+    assert [t.tag for t in tokens if t.type == "heading_open"] == ["h1", "h2"], kinds
+    assert not {"html_inline", "html_block", "image", "link_open"} & set(kinds), kinds
+    assert kinds.count("td_open") == 2 and kinds.count("tr_open") == 2, kinds  # header row and one body row
+    assert not summary.UNPRINTABLE.search(text.replace("\n", ""))
+    shown = "".join(t.content for t in tokens if t.type in ("text", "code_inline"))
+    for ch in set(value) - {"\n", "\x1b", "\x07", "\u202e"}:
+        assert ch in shown or ch in "&<>" and md_cell(ch) in shown, (ch, shown)
+
+
+def test_md_cell_leaves_ordinary_evidence_as_it_was() -> None:
+    """The control: what real evidence holds renders exactly as before (SUMMARY.md of an existing
+    archive keeps its bytes): code spans, brackets of test ids and bounds, numbers, paths."""
+    from rl_engine.evidence.summary import md_cell
+
+    for text in ("plain `path` 1.5e-07", "tests/test_x.py::test_y[tp2-cp1]", "outside [0.8, 1.2]",
+                 "seeded-randn", "attn_implementation=sdpa; rollout", "`results/capture-1a2b3c4d/x.json`"):
+        assert md_cell(text) == text
+    assert md_cell("a<b>&c") == "a&lt;b&gt;&amp;c" and md_cell("[x](y)") == "[x]\\(y)"
+    assert md_cell("a\\|b") == "a\\\\\\|b"
+
+
 def _loosen(value: float) -> Callable[[bytes], bytes]:
     """Every atol of a plan or report (case, drift statistics, launch command) set to ``value``."""
     default = repr(default_tolerance("bf16")[0])

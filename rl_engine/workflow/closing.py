@@ -80,7 +80,7 @@ def _sha256_of(sidecar: Path) -> str:
         text = sidecar.read_text(encoding="utf-8").split()
     except OSError:
         return "(no .sha256 file)"
-    return text[0] if text else "(empty .sha256 file)"
+    return escape(text[0]) if text else "(empty .sha256 file)"  # the file's text, as text: never markup
 
 
 def _counts(record: dict[str, Any]) -> str:
