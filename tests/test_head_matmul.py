@@ -11,7 +11,12 @@ control: another order of the same sum (k reversed) gives other bytes.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -126,3 +131,18 @@ def test_the_product_is_chosen_by_name_and_nothing_falls_back() -> None:
         fixed_logits(torch.ones(2, 3), torch.ones(4, 3, dtype=torch.bfloat16))
     with pytest.raises(LogprobContractError, match=re.escape("threads=0 must be an integer in [1, 256]")):
         fixed_logits(torch.ones(2, 3), torch.ones(4, 3), threads=0)
+
+
+def test_a_checkout_without_the_built_product_is_named_by_the_regression_verb(tmp_path: Path) -> None:
+    """``regression`` runs nothing in a checkout whose ``_head_gemm`` is not built, naming it and the fix
+    (the fused kernel's case is ``tests/test_evidence.py``'s); this checkout has both built."""
+    source = Path(spec_numpy.__file__).resolve().parents[1]
+    checkout = tmp_path / "other-checkout"
+    shutil.copytree(source / "rl_engine", checkout / "rl_engine",
+                    ignore=shutil.ignore_patterns("_head_gemm*.so", "_head_gemm*.pyd", "__pycache__"))
+    probe = "from rl_engine.record.regression import unbuilt_kernel; print(unbuilt_kernel())"
+    for root, want in ((checkout, "the fused head's fixed-order product is not built in this checkout"),
+                       (source, "None")):
+        run = subprocess.run([sys.executable, "-c", probe], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and run.stdout.startswith(want), run.stdout + run.stderr
