@@ -6,7 +6,9 @@
 One process, interleaved repeats, medians and ratios from the same run: the product of one chunk
 (``chunk_tokens`` rows of ``hidden`` by the whole weight) by :func:`fixed_logits` and by
 ``hidden @ weight.T``; then ``selected_logprob_from_hidden`` forward and forward+backward with
-``matmul="fixed"`` and ``matmul="library"`` (every token active, 256 tokens per chunk).
+``matmul="fixed"`` and ``matmul="library"`` (every token active, 256 tokens per chunk). First,
+``differing_fraction``: how many logits change their bytes when the same product is made in
+chunks of rows or in TP shards of the weight (bytes compared as integers, so NaN and -0 count).
 """
 
 from __future__ import annotations
@@ -73,6 +75,33 @@ def _measure(args: argparse.Namespace, dtype: Any) -> dict[str, dict[str, float]
     return rows
 
 
+def _invariance(args: argparse.Namespace, dtype: Any) -> dict[str, dict[str, float]]:
+    """Per product, the fraction of the logits of 256 rows by 4096 weight rows whose bytes change
+    when the rows are multiplied in chunks of 1, 7 or 64, or the weight in TP shards of 2, 4, 8."""
+    import torch
+
+    from rl_engine.logprob.head_matmul import fixed_logits
+
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(256, args.hidden_size, generator=gen).to(dtype)
+    weight = (torch.randn(4096, args.hidden_size, generator=gen) * 0.02).to(dtype)
+    products = {"fixed": fixed_logits, "library": lambda h, w: h @ w.T}
+    found = {}
+    for name, product in products.items():
+        whole = product(hidden, weight)
+        row = {}
+        bits = torch.int16 if dtype != torch.float32 else torch.int32
+        for chunk in (1, 7, 64):
+            parts = torch.cat([product(hidden[i:i + chunk], weight) for i in range(0, 256, chunk)])
+            row[f"rows_in_chunks_of_{chunk}"] = float((parts.view(bits) != whole.view(bits)).float().mean())
+        for tp in (2, 4, 8):
+            width = 4096 // tp
+            shards = torch.cat([product(hidden, weight[r * width:(r + 1) * width]) for r in range(tp)], dim=1)
+            row[f"tp_{tp}_shards"] = float((shards.view(bits) != whole.view(bits)).float().mean())
+        found[name] = row
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=512)
@@ -89,6 +118,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     report: dict[str, Any] = {"config": vars(args), "torch": torch.__version__,
+                              "differing_fraction": {name: _invariance(args, dtypes[name]) for name in args.dtypes},
                               "rows": {name: _measure(args, dtypes[name]) for name in args.dtypes}}
     text = json.dumps(report, indent=2, allow_nan=False)
     print(text)

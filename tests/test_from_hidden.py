@@ -325,6 +325,25 @@ def _ranks_worker(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         found["disagree"] = str(exc)
     found["fsdp"] = _fsdp(rank, mesh)
     found["tp_plan"] = _tp_plan(rank, mesh)
+    found["refused"] = _refusals(mesh, weight, hidden, ids)
+    return found
+
+
+def _refusals(mesh: Any, weight: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor) -> list[str | None]:
+    """DTensor weights the head does not take: replicated, sharded on the hidden dimension, on a
+    two-dimensional mesh; each refused naming the placement or the mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    square = init_device_mesh("cpu", (1, 2))
+    found: list[str | None] = []
+    for bad in (distribute_tensor(weight, mesh, [Replicate()]), distribute_tensor(weight, mesh, [Shard(1)]),
+                distribute_tensor(weight, square, [Replicate(), Shard(0)])):
+        try:
+            selected_logprob_from_hidden(hidden, bad, ids, real_vocab_size=REAL)
+            found.append(None)
+        except LogprobContractError as exc:
+            found.append(str(exc))
     return found
 
 
@@ -399,3 +418,12 @@ def test_a_colwise_parallel_lm_head_takes_the_tp_path_with_the_one_rank_bytes(ra
         assert plan["grad_type"] == "DTensor"
         torch.testing.assert_close(plan["grad"], w.grad[rank * rows:(rank + 1) * rows], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(plan["grad_hidden"], h.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_dtensor_weights_the_head_does_not_take_are_refused_naming_them(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        replicated, hidden_sharded, square = r["refused"]
+        assert replicated is not None and "placements [Replicate()]" in replicated and "weight.to_local()" in replicated
+        assert "every rank of the DP group stops" in replicated  # both ranks, before the gather
+        assert hidden_sharded is not None and "placements [Shard(dim=1)]" in hidden_sharded and "Shard(0)" in hidden_sharded
+        assert square is not None and "on a 2-dimensional mesh" in square

@@ -247,7 +247,8 @@ def selected_logprob_from_hidden(
         names = AGREED_FIELDS if group is not None else ()
         verdict = None if failure is None else str(failure)
         agree(CallRecord(CALL, verdict, tuple((name, fields.get(name, UNKNOWN)) for name in names)),
-              together, record_device(hidden), hints={"active": "Give every TP rank the same targets and mask."})
+              together, record_device(hidden), role="TP" if group is not None else "DP",
+              hints={"active": "Give every TP rank the same targets and mask."})
     elif failure is not None:
         raise failure
     with torch.autocast(hidden.device.type, enabled=False):
