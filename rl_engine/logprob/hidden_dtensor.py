@@ -25,6 +25,7 @@ that is not the mesh's.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,20 +37,20 @@ WEIGHT_GRAD_REDUCES = ("mean", "sum")
 
 
 def is_dtensor(value: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(value, DTensor)
+    """Whether ``value`` is a DTensor, without importing DTensor's package (41 MiB of resident memory the
+    first time, which a plain call would pay in its own peak memory): no DTensor exists before
+    ``torch.distributed.tensor`` is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 @dataclass(frozen=True)
 class HeadWeight:
     """The weight as the fused head will use it, resolved without a collective: the tensor given,
     the TP group (``None`` without TP), the vocabulary, this rank's rows of it, the shard bounds of
-    a DTensor's uneven split, whether :meth:`tensor` gathers it (a data-parallel DTensor), the
-    mesh group every rank of which takes part in that gather, and what the provenance records about
-    a DTensor (``None`` for a plain tensor)."""
+    a DTensor's uneven split, whether :meth:`tensor` gathers it (a data-parallel DTensor: the
+    gradient's reduction, ``None`` otherwise), and what the provenance records about a DTensor
+    (``None`` for a plain tensor)."""
 
     given: Any
     group: Any
@@ -57,7 +58,6 @@ class HeadWeight:
     rows: tuple[int, int]
     shard_bounds: tuple[tuple[int, int], ...] | None
     gather: str | None
-    mesh_group: Any
     record: dict[str, Any] | None
 
     def __post_init__(self) -> None:
@@ -137,9 +137,9 @@ def head_weight(weight: Any, group: Any, weight_grad_reduce: str) -> HeadWeight:
         tp, rank = mesh.size(0), mesh.get_local_rank(0)
         width = -(-vocab // tp)  # torch.chunk's split
         bounds = tuple((min(r * width, vocab), min((r + 1) * width, vocab)) for r in range(tp))
-        return HeadWeight(weight, mesh_group, vocab, bounds[rank], bounds, None, mesh_group,
+        return HeadWeight(weight, mesh_group, vocab, bounds[rank], bounds, None,
                           {**record, "use": "tp", "tp_rank": rank, "rows": list(bounds[rank])})
-    return HeadWeight(weight, None, vocab, (0, vocab), None, weight_grad_reduce, mesh_group,
+    return HeadWeight(weight, None, vocab, (0, vocab), None, weight_grad_reduce,
                       {**record, "use": "gathered", "weight_grad_reduce": weight_grad_reduce})
 
 
@@ -152,7 +152,7 @@ def _plain(weight: Any, group: Any) -> HeadWeight:
     tp, rank = group_geometry(group)
     rows = weight.shape[0]
     vocab = rows * tp  # the shards are equal (an even split of the padded vocabulary)
-    return HeadWeight(weight, group, vocab, (rank * rows, (rank + 1) * rows), None, None, group, None)
+    return HeadWeight(weight, group, vocab, (rank * rows, (rank + 1) * rows), None, None, None)
 
 
 __all__ = ["HeadWeight", "WEIGHT_GRAD_REDUCES", "head_weight", "is_dtensor"]
