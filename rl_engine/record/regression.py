@@ -201,21 +201,23 @@ def run(output_dir: Path, tests: list[str], pytest_args: list[str],
 
 
 def unbuilt_kernel() -> str | None:
-    """Why the focused suite cannot pass in the checkout it runs from, or None: the fused kernel's
-    compiled module (``setup.py`` builds it at ``pip install -e .``) is not beside the ``rl_engine``
-    this process imports. Run from a checkout whose package was installed from another one, the
-    suite's ``auto`` tests would otherwise fail saying that ``auto`` chose the eager backend."""
+    """Why the focused suite cannot pass in the checkout it runs from, or None: a compiled module
+    (the fused kernel, or the fused head's fixed-order logits; ``setup.py`` builds both at
+    ``pip install -e .``) is not beside the ``rl_engine`` this process imports. Run from a checkout
+    whose package was installed from another one, the suite's ``auto`` tests would otherwise fail
+    saying that ``auto`` chose the eager backend."""
     import importlib.machinery
 
     import rl_engine
 
     package = Path(rl_engine.__file__).resolve().parent
     folder = package / "logprob"
-    if any((folder / f"_fused_cpu{suffix}").is_file() for suffix in importlib.machinery.EXTENSION_SUFFIXES):
-        return None
-    return (f"the fused kernel is not built in this checkout ({package.parent}: no {folder.name}/_fused_cpu"
-            f"{importlib.machinery.EXTENSION_SUFFIXES[0]}): run `pip install -e .` here (in {package.parent}), "
-            "then run the workflow again; nothing was run")
+    for module, what in (("_fused_cpu", "the fused kernel"), ("_head_gemm", "the fused head's fixed-order product")):
+        if not any((folder / f"{module}{suffix}").is_file() for suffix in importlib.machinery.EXTENSION_SUFFIXES):
+            return (f"{what} is not built in this checkout ({package.parent}: no {folder.name}/{module}"
+                    f"{importlib.machinery.EXTENSION_SUFFIXES[0]}): run `pip install -e .` here (in {package.parent}), "
+                    "then run the workflow again; nothing was run")
+    return None
 
 
 def _reuse(reuse_dir: Path, key: str, origin: dict[str, Any], output_dir: Path, progress: Any) -> int:
