@@ -35,6 +35,8 @@ UNPRINTABLE_CLASS = "\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069"
 
 # Backends by id, with the devices each runs on. "auto" picks one; a campaign refuses it.
 AUTO = "auto"
+# num_vocab_tiles="auto": the count resolved by rl_engine.distributed.bounds.auto_vocab_tiles
+AUTO_TILES = "auto"
 EAGER_BACKEND = "pytorch-vocab-parallel-logp-ws2"
 FUSED_CPU_BACKEND = "cpu-vocab-parallel-logp-ws2"
 TRITON_BACKEND = "triton-vocab-parallel-logp-ws2"

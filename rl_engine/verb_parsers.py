@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rl_engine.distributed.bounds import AUTO_TILES
 from rl_engine.rundir import CAPTURE
-from rl_engine.tables import BENCH_PATHS, BENCH_PHASES, DTYPES, EAGER_BACKEND, PARITY_RATIO_BOUNDS
+from rl_engine.tables import AUTO_TILES, BENCH_PATHS, BENCH_PHASES, DTYPES, EAGER_BACKEND, PARITY_RATIO_BOUNDS
 
 
 def copy_capture_parser() -> argparse.ArgumentParser:
