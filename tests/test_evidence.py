@@ -29,7 +29,7 @@ from rl_engine.evidence import archive, crosscheck, summary, validation
 from rl_engine.record import environment, gitstate, regression
 from rl_engine.rundir import Finding, Run, load_json
 
-from _evidence_run import PYTEST_ARGS, TOPOLOGIES, declared_files, launch, pack, schema_files, spec_file
+from _evidence_run import PYTEST_ARGS, TOPOLOGIES, declared_files, launch, pack, schema_files, spec_file, workflow_files
 
 BAD = "tp2-cp2"  # the topology the corruptions target (the reference is tp1-cp1)
 
@@ -531,7 +531,7 @@ def _archive(run: Path, out: Path) -> int:
 
 
 def _build(run: Path, out: Path) -> archive.Built:
-    return archive.build(run, out, declared_files(run), schema_files(), spec_file())
+    return archive.build(run, out, declared_files(run), schema_files(), spec_file(), workflow_files())
 
 
 def test_archive_is_byte_reproducible_and_well_formed(good_run: Path, tmp_path: Path) -> None:
@@ -658,7 +658,8 @@ def test_archive_refuses_unsafe_run_dirs_and_names(run: Path, tmp_path: Path) ->
         _build(run, run / "self.tar.gz")
     (run / "link.json").symlink_to(run / "plan.json")
     with pytest.raises(archive.ArchiveError, match="link.json is a symbolic link"):
-        archive.build(run, tmp_path / "ok.tar.gz", [*declared_files(run), run / "link.json"], schema_files(), spec_file())
+        archive.build(run, tmp_path / "ok.tar.gz", [*declared_files(run), run / "link.json"], schema_files(), spec_file(),
+                      workflow_files())
     (run / "link.json").unlink()
     (run / ".plan.json.abc.tmp").write_text("{")  # a crashed writer's leftover: not declared, not packed
     built = _build(run, tmp_path / "ok.tar.gz")
@@ -727,8 +728,8 @@ def test_archive_refuses_a_file_list_it_cannot_pack_naming_the_file_and_the_fix(
         other.write_text(schema_list[[p.name for p in schema_list].index("report.schema.json")].read_text() + "\n")
         schema_list = [other if p.name == other.name else p for p in schema_list]
     out = tmp_path / "res" / f"{run.name}.tar.gz"
-    argv = ["archive", "--run-dir", str(run), "--output", str(out), "--spec", str(spec_file()), "--files",
-            *map(str, files)]
+    argv = ["archive", "--run-dir", str(run), "--output", str(out), "--spec", str(spec_file()),
+            "--workflow", *map(str, workflow_files()), "--files", *map(str, files)]
     if case != "no schemas":
         argv += ["--schemas", *map(str, schema_list)]
     try:
@@ -968,7 +969,7 @@ def test_archive_refuses_a_specification_of_another_version(run: Path, tmp_path:
     out = tmp_path / "res" / f"{run.name}.tar.gz"
     with pytest.raises(archive.ArchiveError, match=r"names version 'rl-engine-arith/1', but this rl_engine computes "
                                                    r"'rl-engine-arith/2'"):
-        archive.build(run, out, declared_files(run), schema_files(), other)
+        archive.build(run, out, declared_files(run), schema_files(), other, workflow_files())
     assert not out.exists()
 
 
