@@ -534,7 +534,9 @@ def _build(run: Path, out: Path) -> archive.Built:
     return archive.build(run, out, declared_files(run), schema_files(), spec_file(), workflow_files())
 
 
-def test_archive_is_byte_reproducible_and_well_formed(good_run: Path, tmp_path: Path) -> None:
+def test_archive_is_byte_reproducible_and_well_formed(good_run: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)  # unset: the default time, 0
     name = good_run.name
     first, second = tmp_path / "a" / f"{name}.tar.gz", tmp_path / "b" / f"{name}.tar.gz"
     assert _archive(good_run, first) == 0
@@ -558,8 +560,9 @@ def test_archive_is_byte_reproducible_and_well_formed(good_run: Path, tmp_path: 
     given = {p.relative_to(good_run).as_posix() for p in declared_files(good_run)}
     run_files = {p.relative_to(good_run).as_posix() for p in good_run.rglob("*") if p.is_file()}
     assert given == run_files  # the declared list is every file the run's verbs wrote...
-    assert set(files) == given | {"REVIEWING.md", "SHA256SUMS", "arithmetic.md"} | {
-        f"schemas/{p.name}" for p in schema_files()}  # ...and all
+    assert set(files) == given | {"REVIEWING.md", "SHA256SUMS", "arithmetic.md", "provenance.intoto.json",
+                                  "ro-crate-metadata.json"} | {f"schemas/{p.name}" for p in schema_files()} | {
+        f"workflow/{p.relative_to(workflow_files()[0].parent).as_posix()}" for p in workflow_files()}  # ...and all
     assert {f"schemas/{p.name}" for p in schemas.repo_schema_dir().glob("*.schema.json")} <= set(files)
     assert f"sha256sum -c {name}.tar.gz.sha256" in files["REVIEWING.md"].decode()
     reviewing = files["REVIEWING.md"].decode()
@@ -679,8 +682,9 @@ def test_archive_packs_exactly_the_given_files_and_verify_finds_all_it_needs(
     out = tmp_path / "res" / f"{run.name}.tar.gz"
     built = _build(run, out)
     given = {p.relative_to(run).as_posix() for p in declared_files(run)}
-    assert set(built.members) == given | {"REVIEWING.md", "SHA256SUMS", "arithmetic.md"} | {
-        f"schemas/{p.name}" for p in schema_files()}
+    assert set(built.members) == given | {"REVIEWING.md", "SHA256SUMS", "arithmetic.md", "provenance.intoto.json",
+                                          "ro-crate-metadata.json"} | {f"schemas/{p.name}" for p in schema_files()} | {
+        f"workflow/{p.relative_to(workflow_files()[0].parent).as_posix()}" for p in workflow_files()}
     monkeypatch.chdir(tmp_path)
     checks = verify.verify(out, recompute_drift=True)
     assert [c.name for c in checks if c.passed is False] == [], [c.to_dict() for c in checks if c.passed is False]

@@ -452,6 +452,22 @@ def sums_lines(digests: Mapping[str, str]) -> str:
     return "".join(f"{digests[rel]}  {rel}\n" for rel in sorted(digests))
 
 
+def described(run: Run, name: str, digests: Mapping[str, str], epoch: int) -> list[tuple[str, bytes]]:
+    """What describes an archive whose other files have ``digests`` (path relative to ``NAME/`` -> SHA-256), in
+    the order each needs the one before: the RO-Crate (every file by name), the in-toto statement (every file
+    before it by digest, the crate's included) and SHA256SUMS (every file but itself)."""
+    digests = dict(digests)
+    try:
+        crate_bytes = jsonio.dumps(crate.crate(run, name, [*digests, STATEMENT, SUMS], provenance.reproduce_text(run),
+                                               epoch)).encode("utf-8")
+        digests[CRATE] = _sha256(crate_bytes)
+        statement_bytes = jsonio.dumps(provenance.statement(run, name, digests, epoch)).encode("utf-8")
+    except (provenance.ProvenanceError, crate.CrateError) as exc:
+        raise ArchiveError(f"refusing to archive {run.root}: {exc}") from None
+    digests[STATEMENT] = _sha256(statement_bytes)
+    return [(CRATE, crate_bytes), (STATEMENT, statement_bytes), (SUMS, sums_lines(digests).encode("utf-8"))]
+
+
 def build(run_dir: Path, output: Path, files: Sequence[Path], schema_files: Sequence[Path], spec_file: Path,
           workflow_files: Sequence[Path], epoch: int | None = None) -> Built:
     """Check the recorded gates and the file list, then write ``output`` and ``output.sha256`` atomically.
@@ -492,16 +508,7 @@ def build(run_dir: Path, output: Path, files: Sequence[Path], schema_files: Sequ
     members: list[tuple[str, Source]] = [*packed, *shipped, (SPEC_DOC, spec), *workflow,
                                          (REVIEWING, reviewing.encode("utf-8"))]
     digests = {rel: _sha256(data) for rel, data in members}  # each file hashed once (a capture can be gigabytes)
-    try:
-        described = crate.crate(run, name, [*digests, STATEMENT, SUMS], provenance.reproduce_text(run), epoch)
-        members.append((CRATE, jsonio.dumps(described).encode("utf-8")))
-        digests[CRATE] = _sha256(members[-1][1])
-        stated = provenance.statement(run, name, digests, epoch)
-    except (provenance.ProvenanceError, crate.CrateError) as exc:
-        raise ArchiveError(f"refusing to archive {run_dir}: {exc}") from None
-    members.append((STATEMENT, jsonio.dumps(stated).encode("utf-8")))
-    digests[STATEMENT] = _sha256(members[-1][1])
-    members.append((SUMS, sums_lines(digests).encode("utf-8")))
+    members += described(run, name, digests, epoch)
     hashed: list[_HashingWriter] = []
 
     def write(handle: BinaryIO) -> None:
@@ -540,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = [
-    "ArchiveError", "Built", "Source", "archive_name", "build", "check_complete", "check_gates", "check_schemas",
+    "ArchiveError", "Built", "Source", "archive_name", "build", "check_complete", "check_gates", "check_schemas", "described",
     "given_files", "given_schemas", "given_workflow", "main", "reviewing_text", "sums_lines", "sums_text",
     "tar_gz_bytes", "write_tar_gz",
 ]
