@@ -355,6 +355,18 @@ def test_a_malformed_source_date_epoch_is_refused_before_anything_is_written(
     assert problems and f"SOURCE_DATE_EPOCH={value!r}" in problems[0]
 
 
+def test_the_workflow_refuses_a_bad_epoch_when_it_is_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``workflow/Snakefile`` calls before any job: a bad time would otherwise fail the archive at the end."""
+    from rl_engine.workflow.config import WorkflowConfigError, check_workflow_config, load_config
+
+    config = load_config(REPO / "config.yaml")
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "soon")
+    with pytest.raises(WorkflowConfigError, match=r"SOURCE_DATE_EPOCH='soon' is not a time an archive can record"):
+        check_workflow_config(config)
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    assert check_workflow_config(config) is config  # control
+
+
 def test_source_date_epoch_unit() -> None:
     assert epoch.source_date_epoch({}) == epoch.DEFAULT_EPOCH == 0
     assert epoch.source_date_epoch({"SOURCE_DATE_EPOCH": "0"}) == 0
