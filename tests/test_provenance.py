@@ -161,6 +161,18 @@ def test_the_projects_archive_verifies_with_both_rows(tiny_archive: Good, sandbo
                                                "of the archive")
 
 
+def test_verify_needs_neither_package_of_the_provenance_extra(tiny_archive: Good) -> None:
+    """A reviewer's install may lack in-toto-attestation, protobuf and rocrate: verify checks both files
+    with the shipped schemas and its own code (a fresh interpreter where importing any of them fails)."""
+    blocked = "import sys\nfor m in ('rocrate', 'in_toto_attestation', 'google', 'google.protobuf'): sys.modules[m] = None\n"
+    done = subprocess.run([sys.executable, "-c", blocked + "from rl_engine.evidence import verify\n"
+                           f"sys.exit(verify.main([{str(tiny_archive.archive)!r}]))"],
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0 and "VERIFIED" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "provenance statement │ PASS" in re.sub(r" +│", " │", done.stdout)
+
+
 # ---------------------------------------------------------------- tampered statements and crates
 def _set_digest(statement: dict[str, Any]) -> None:
     statement["subject"][0]["digest"]["sha256"] = "0" * 64

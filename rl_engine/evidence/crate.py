@@ -153,6 +153,17 @@ def stage_files(run: Run, files: Collection[str]) -> list[tuple[Stage, list[str]
     return out
 
 
+def staged_runs(run: Run, files: Collection[str]) -> list[tuple[str, str, list[str], list[str]]]:
+    """``(rule, label, read, wrote)`` of each stage run the crate describes: the run directory's stages
+    (:func:`stage_files`), then the archive's, which reads what its rule declares and writes what it adds."""
+    present = set(files)
+    staged = [(stage.rule, stage.label, read, wrote) for stage, read, wrote in stage_files(run, present)]
+    read = [rel for selector in STAGE_INPUTS["archive"] for rel in _selected(run, selector, run_stages(run.stages()), present)]
+    staged.append(("archive", "archive", [rel for rel in dict.fromkeys(read) if rel in present],
+                   [rel for rel in ARCHIVE_ADDS if rel in present]))
+    return staged
+
+
 def _library() -> tuple[Any, Any]:
     try:
         from rocrate.model.contextentity import ContextEntity
@@ -217,11 +228,7 @@ def crate(run: Run, name: str, files: Collection[str], config_text: str, epoch: 
         "@type": "PropertyValue", "name": "config", "value": config_text, "exampleOfWork": _ref(parameter),
         "description": "The config keys that give this run's case (SUMMARY.md's reproduce.yaml)"}))
 
-    staged = [(stage.rule, stage.label, read, wrote) for stage, read, wrote in stage_files(run, present)]
-    archive_read = [rel for selector in STAGE_INPUTS["archive"]
-                    for rel in _selected(run, selector, run_stages(run.stages()), present)]
-    staged.append(("archive", "archive", [rel for rel in dict.fromkeys(archive_read) if rel in entities],
-                   [rel for rel in ARCHIVE_ADDS if rel in entities]))
+    staged = staged_runs(run, present)
     rules = list(dict.fromkeys(rule for rule, _, _, _ in staged))
     tools, steps = {}, {}
     for position, rule in enumerate(rules):
@@ -394,4 +401,5 @@ def _file_problems(entities: Mapping[str, dict[str, Any]], root: Mapping[str, An
     return problems
 
 
-__all__ = ["CrateError", "PROFILES", "STAGE_INPUTS", "crate", "crate_problems", "media_type", "require", "stage_files"]
+__all__ = ["CrateError", "PROFILES", "STAGE_INPUTS", "crate", "crate_problems", "media_type", "require", "stage_files",
+           "staged_runs"]
