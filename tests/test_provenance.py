@@ -262,15 +262,43 @@ def test_a_crate_that_misses_or_adds_a_file_fails_verify(tiny_archive: Good, san
     assert row(result, "provenance statement")[0] == "PASS" and row(result, "SHA256SUMS")[0] == "PASS"
 
 
+@pytest.mark.parametrize("gone", [STATEMENT, CRATE])
 def test_an_archive_without_the_statement_or_the_crate_fails(tiny_archive: Good, sandbox: Sandbox, tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    gone = {f"{tiny_archive.name}/{STATEMENT}", f"{tiny_archive.name}/{CRATE}"}
-    entries = resummed(tiny_archive, [(i, d) for i, d in tiny_archive.entries if i.name not in gone])
+                                                              capsys: pytest.CaptureFixture[str], gone: str) -> None:
+    entries = resummed(tiny_archive, [(i, d) for i, d in tiny_archive.entries if i.name != f"{tiny_archive.name}/{gone}"])
     code, text, result = run_verify(write_archive(tmp_path / tiny_archive.archive.name, entries), sandbox, capsys)
-    assert code == 1
-    assert row(result, "provenance statement") == ("FAIL", f"{STATEMENT} is missing: the archive's builder writes it\n"
-                                                           f"{STATEMENT} is missing: the archive's builder writes it")
-    assert row(result, "RO-Crate")[0] == "FAIL" and f"{CRATE} is missing" in row(result, "RO-Crate")[1]
+    row_name = "provenance statement" if gone == STATEMENT else "RO-Crate"
+    assert code == 1 and row(result, row_name) == ("FAIL", f"{gone} is missing: the archive's builder writes it\n"
+                                                           f"{gone} is missing: the archive's builder writes it")
+    other = "RO-Crate" if gone == STATEMENT else "provenance statement"  # the other one names the missing file
+    assert row(result, other)[0] == "FAIL" and f"lists {gone}, which is not a file of the archive" in row(result, other)[1]
+
+
+def test_an_archive_from_before_the_statement_and_the_crate_verifies_with_notes(
+        tiny_archive: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An archive made before the provenance statement and the RO-Crate holds neither and no workflow files,
+    and its REVIEWING.md says nothing of them (``tests/test_arith_versions.py`` verifies such an archive as it
+    was made): both rows are notes. Stripped of both with the new REVIEWING.md left, REVIEWING.md fails."""
+    from rl_engine.evidence import archive
+
+    name = tiny_archive.name
+    gone = {f"{name}/{STATEMENT}", f"{name}/{CRATE}"}
+    kept = [(i, d) for i, d in tiny_archive.entries if i.name not in gone and not i.name.startswith(f"{name}/workflow")]
+    git = doc(tiny_archive, "environment.json")["git"]
+    older = archive.reviewing_text(name, git, tiny_archive.data("arithmetic.md"), described=False)
+    assert "provenance" not in older and "provenance" in tiny_archive.data("REVIEWING.md").decode()
+    entries = resummed(tiny_archive, [file_entry(i.name, older.encode()) if i.name == f"{name}/REVIEWING.md" else (i, d)
+                                      for i, d in kept])
+    code, text, result = run_verify(write_archive(tmp_path / "old" / tiny_archive.archive.name, entries), sandbox, capsys)
+    assert code == 0, text
+    for name_of_row in ("provenance statement", "RO-Crate"):
+        assert row(result, name_of_row) == ("note", f"the archive holds neither {STATEMENT} nor {CRATE}, as archives "
+                                                    "made before them did (its REVIEWING.md says nothing of them): not "
+                                                    "checked; every other row checks the archive")
+    stripped = resummed(tiny_archive, kept)  # negative control: the REVIEWING.md of an archive that holds them
+    code, text, result = run_verify(write_archive(tmp_path / "stripped" / tiny_archive.archive.name, stripped), sandbox,
+                                    capsys)
+    assert code == 1 and row(result, "REVIEWING.md")[0] == "FAIL"
 
 
 # ---------------------------------------------------------------- a standard validator, offline

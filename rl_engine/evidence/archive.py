@@ -202,23 +202,61 @@ _ARITHMETIC_CLAIM = {
 }
 
 
-def reviewing_text(name: str, git: dict[str, Any] | None = None, spec: bytes | None = None) -> str:
+# What REVIEWING.md says of the provenance statement and the RO-Crate, in an archive that holds them.
+# An archive made before them holds neither, and its REVIEWING.md, rendered again by verify, keeps the
+# text it was written with: the pieces below are empty for it (``described=False``).
+_DESCRIBED_CONTENTS = """, the JSON schemas (`schemas/`, draft 2020-12) the artifacts were checked
+against, and the workflow that made them (`workflow/Snakefile`, `workflow/rules/`). Two files
+describe it in formats other tools read: `provenance.intoto.json`, an in-toto Statement v1
+with the SLSA provenance v1 predicate, and `ro-crate-metadata.json`, which makes this folder a
+Workflow Run RO-Crate."""
+_PLAIN_CONTENTS = """, and the JSON schemas (`schemas/`, draft 2020-12) the artifacts were checked
+against."""
+_DESCRIBED_SECTION = r"""## The provenance statement and the RO-Crate, with other tools
+
+`provenance.intoto.json` lists every file of the bundle but itself and `SHA256SUMS` (which
+holds its digest) as a subject with its SHA-256; its predicate names the workflow, the config
+of the run (`externalParameters.config`), the tested commit (`resolvedDependencies`, digest
+`gitCommit`) and the machine (`byproducts`). It is not signed: it says what the bundle holds in
+a standard form, and proves no more than `SHA256SUMS`. Offline, with `jq` and `sha256sum`:
+
+    jq -r '.subject[] | "\(.digest.sha256)  \(.name)"' provenance.intoto.json | sha256sum -c
+
+and with the schemas shipped here (the Statement and the SLSA predicate, written from their
+specifications): `check-jsonschema --schemafile schemas/provenance.schema.json
+provenance.intoto.json`. `ro-crate-metadata.json` describes the workflow, its config, each
+stage's run (what it read and wrote) and every other file; RO-Crate tools read it (ro-crate-py:
+`python -c "from rocrate.rocrate import ROCrate; print(ROCrate('.').mainEntity)"`), and
+`check-jsonschema --schemafile schemas/ro-crate-metadata.schema.json ro-crate-metadata.json`
+checks its structure. Every time in the bundle (the tar members', the gzip header's, the
+statement's and the crate's) is the one `SOURCE_DATE_EPOCH` the archive was built under, never a
+clock reading, so the archive rebuilds byte for byte from the same run.
+
+"""
+_DESCRIBED_CHECKS = """ the provenance statement's subjects
+(every file but itself and `SHA256SUMS`, each with its SHA-256) and the RO-Crate's files
+(every file but itself),"""
+
+
+def reviewing_text(name: str, git: dict[str, Any] | None = None, spec: bytes | None = None,
+                   described: bool = True) -> str:
     """REVIEWING.md of archive ``name``; ``git`` is environment.json's git record; ``spec`` the
-    packed specification, whose version decides what the text says of the arithmetic."""
+    packed specification, whose version decides what the text says of the arithmetic; ``described``
+    whether the archive holds the provenance statement and the RO-Crate (every archive ``archive``
+    builds; one made before them holds neither, and keeps the text it was written with)."""
     from rl_engine.logprob.portable import SPEC_VERSION
 
     version = (spec_version(spec) if spec is not None else None) or SPEC_VERSION
     operations, fma, refuses = _ARITHMETIC_CLAIM.get(version, _ARITHMETIC_CLAIM[SPEC_VERSION])
+    contents = _DESCRIBED_CONTENTS if described else _PLAIN_CONTENTS
+    section = _DESCRIBED_SECTION if described else ""
+    checks = _DESCRIBED_CHECKS if described else ""
     return f"""# Reviewing {name}
 
 This bundle is the evidence of one rl_engine validation run: the environment record, the
 focused regression log and counts, the plan, one report per TP x CP topology with its raw
 float32 tensors (`*.f32`), the validation and cross-topology results, `SUMMARY.md`, the
-per-stage logs, the JSON schemas (`schemas/`, draft 2020-12) the artifacts were checked
-against, and the workflow that made them (`workflow/Snakefile`, `workflow/rules/`). Two files
-describe it in formats other tools read: `provenance.intoto.json`, an in-toto Statement v1
-with the SLSA provenance v1 predicate, and `ro-crate-metadata.json`, which makes this folder a
-Workflow Run RO-Crate.
+per-stage logs{contents}
 
 ## With `sha256sum` alone
 
@@ -235,28 +273,7 @@ The gradient is not backed by a file (it would be about 10 MB per topology):
 `bitwise_fingerprints.candidate_grad_sha256` is compared across topologies (every report
 must record the same hash), and `verify --recompute` recomputes it.
 
-## The provenance statement and the RO-Crate, with other tools
-
-`provenance.intoto.json` lists every file of the bundle but itself and `SHA256SUMS` (which
-holds its digest) as a subject with its SHA-256; its predicate names the workflow, the config
-of the run (`externalParameters.config`), the tested commit (`resolvedDependencies`, digest
-`gitCommit`) and the machine (`byproducts`). It is not signed: it says what the bundle holds in
-a standard form, and proves no more than `SHA256SUMS`. Offline, with `jq` and `sha256sum`:
-
-    jq -r '.subject[] | "\\(.digest.sha256)  \\(.name)"' provenance.intoto.json | sha256sum -c
-
-and with the schemas shipped here (the Statement and the SLSA predicate, written from their
-specifications): `check-jsonschema --schemafile schemas/provenance.schema.json
-provenance.intoto.json`. `ro-crate-metadata.json` describes the workflow, its config, each
-stage's run (what it read and wrote) and every other file; RO-Crate tools read it (ro-crate-py:
-`python -c "from rocrate.rocrate import ROCrate; print(ROCrate('.').mainEntity)"`), and
-`check-jsonschema --schemafile schemas/ro-crate-metadata.schema.json ro-crate-metadata.json`
-checks its structure. Every time
-in the bundle (the tar members', the gzip header's, the statement's and the crate's) is the one
-`SOURCE_DATE_EPOCH` the archive was built under, never a clock reading, so the archive rebuilds
-byte for byte from the same run.
-
-## The arithmetic, and replaying it
+{section}## The arithmetic, and replaying it
 
 Every report records `arithmetic_spec` (`{version}`): the candidate's logp, LSE,
 entropy and gradient are {operations}
@@ -271,9 +288,7 @@ library reduction and {fma}. Any conforming CPU or GPU computes the same bytes
     python -m rl_engine verify {name}.tar.gz --recompute  # also regenerate inputs, oracle drift, and replay the candidate
 
 The verifier checks the outer `.sha256`, every `SHA256SUMS` line with no file missing or
-extra, every JSON file against the schemas shipped here, the provenance statement's subjects
-(every file but itself and `SHA256SUMS`, each with its SHA-256) and the RO-Crate's files
-(every file but itself), the acceptance of every report
+extra, every JSON file against the schemas shipped here,{checks} the acceptance of every report
 (passed, requested == actual backend, no fallback, TP outputs replicated, finite drift within
 tolerance), each raw tensor against its fingerprint and all fingerprints across topologies.
 It renders `SUMMARY.md` again from the evidence files with the function the `summary` step

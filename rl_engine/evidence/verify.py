@@ -55,7 +55,9 @@ Runs without a GPU or network and checks, each as a row of the printed table:
     ``schemas/ro-crate-metadata.schema.json`` and an RO-Crate 1.3 by the structural rules that hold
     offline (context, flat graph of unique ids whose local references resolve, metadata
     descriptor, root data entity, the Workflow Run Crate profiles, the main workflow), and its data
-    entities are exactly the archive's files but itself (:func:`rl_engine.evidence.crate.crate_problems`);
+    entities are exactly the archive's files but itself (:func:`rl_engine.evidence.crate.crate_problems`).
+    An archive that holds neither file, as archives made before them did, gets a note on both rows
+    (and its REVIEWING.md is the text it was written with); one that holds only one fails the other;
 15. with ``--recompute``: **inputs regenerated** (``make_inputs(case)``, or on a capture the
     archive's ``capture.safetensors`` or ``--capture PATH`` after its SHA-256, hashes to the report's
     ``inputs_sha256``), **oracle drift recomputed** from the raw tensors against the FP32
@@ -92,6 +94,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 import tempfile
@@ -289,7 +292,8 @@ def check_reviewing(run: Run, top: str) -> Check:
     git = environment.get("git") if isinstance(environment, dict) else None
     spec = run.root / SPEC_DOC  # REVIEWING.md records the packed spec's version and SHA-256
     expected = reviewing_text(top, git if isinstance(git, dict) else None,
-                              spec.read_bytes() if spec.is_file() and not spec.is_symlink() else None)
+                              spec.read_bytes() if spec.is_file() and not spec.is_symlink() else None,
+                              described=_described(run))
     actual = shipped.read_bytes()
     if actual == expected.encode("utf-8"):
         return Check(REVIEWING, True, "byte-identical to the one the archive verb writes for this run")
@@ -304,6 +308,17 @@ def check_members(run: Run, files: tuple[str, ...], top: str) -> Check:
     if extra:
         return Check("archive members", False, f"{len(extra)} member(s) no rule produces", extra)
     return Check("archive members", True, f"all {len(files)} members are evidence, logs, schemas or what archive adds")
+
+
+def _described(run: Run) -> bool:
+    """The archive holds the provenance statement or the RO-Crate: every archive ``archive`` builds holds both;
+    one made before them holds neither (its REVIEWING.md says nothing of them, and their rows are notes)."""
+    return any(os.path.lexists(run.root / name) for name in (STATEMENT, CRATE))
+
+
+def _undescribed(name: str) -> Check:
+    return Check(name, None, f"the archive holds neither {STATEMENT} nor {CRATE}, as archives made before them did "
+                 "(its REVIEWING.md says nothing of them): not checked; every other row checks the archive")
 
 
 def _member_json(run: Run, name: str) -> tuple[Any, str | None]:
@@ -326,6 +341,8 @@ def check_provenance(run: Run, files: tuple[str, ...], top: str) -> Check:
     """The in-toto statement: the shipped schemas, the types, exactly the archive's files as subjects with their
     digests, and the predicate naming this run (:func:`rl_engine.evidence.provenance.statement_problems`)."""
     name = "provenance statement"
+    if not _described(run):
+        return _undescribed(name)
     doc, unreadable = _member_json(run, STATEMENT)
     if unreadable:
         return Check(name, False, unreadable, [unreadable])
@@ -341,6 +358,8 @@ def check_crate(run: Run, files: tuple[str, ...], top: str) -> Check:
     """The Workflow Run RO-Crate: the shipped schema, RO-Crate's structure, exactly the archive's files
     (:func:`rl_engine.evidence.crate.crate_problems`)."""
     name = "RO-Crate"
+    if not _described(run):
+        return _undescribed(name)
     doc, unreadable = _member_json(run, CRATE)
     if unreadable:
         return Check(name, False, unreadable, [unreadable])
