@@ -16,7 +16,8 @@ that appears in the run directory and no rule declares is not packed at all. The
   reviewer's verifier, every check, on the archive just built);
 * refuses, naming the file and the fix, a given file that is missing, not a regular file, a
   symbolic link (or under one), outside ``RUN``, or named like what the archive adds
-  (``SHA256SUMS``, ``REVIEWING.md``, ``schemas/``); a file list that lacks evidence ``verify``
+  (:data:`rl_engine.rundir.ARCHIVE_ONLY`: ``SHA256SUMS``, ``REVIEWING.md``, ``schemas/``,
+  ``arithmetic.md``, the statement, the crate, ``workflow/``); a file list that lacks evidence ``verify``
   needs (:func:`rl_engine.rundir.Run.evidence_files` and ``SUMMARY.md``: the files the
   evidence names); and schema files that are not the set ``validation.json`` records it was
   checked with (names and SHA-256: the only files hashed beyond ``SHA256SUMS``, a few KiB);
