@@ -379,6 +379,24 @@ def test_the_archive_rebuilds_byte_for_byte_under_one_epoch_and_differs_only_in_
     assert {line.split("  ", 1)[1] for line in sums_a ^ sums_c} == {CRATE, STATEMENT}
 
 
+def test_two_processes_with_other_hash_seeds_write_the_same_archive(tiny_run: Path, tmp_path: Path) -> None:
+    """Nothing of one interpreter (set order under its hash seed, a random id of the crate library) reaches
+    the bytes: the archive verb in two fresh processes, under two hash seeds, writes the same archive."""
+    from _evidence_run import declared_files, schema_files, spec_file, workflow_files
+
+    outs = []
+    for seed in ("1", "2"):
+        out = tmp_path / seed / f"{tiny_run.name}.tar.gz"
+        argv = [sys.executable, "-m", "rl_engine", "archive", "--run-dir", str(tiny_run), "--output", str(out),
+                "--spec", str(spec_file()), "--workflow", *map(str, workflow_files()),
+                "--schemas", *map(str, schema_files()), "--files", *map(str, declared_files(tiny_run))]
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO), "SOURCE_DATE_EPOCH": "1700000000"}
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, done.stderr
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.parametrize("value", ["", "1.5", "-1", "0x10", "017", " 1", "4294967296", "1e9", "١٢"])
 def test_a_malformed_source_date_epoch_is_refused_before_anything_is_written(
         tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
