@@ -20,6 +20,7 @@ import pytest
 
 from rl_engine import jsonio, schemas
 from rl_engine.evidence import archive, verify
+from rl_engine.rundir import CRATE, STATEMENT, SUMS, Run
 
 Entry = tuple[tarfile.TarInfo, bytes | None]
 
@@ -80,6 +81,24 @@ def resummed(good: Good, entries: list[Entry]) -> list[Entry]:
     files = [(i.name[len(good.name) + 1:], d) for i, d in entries if d is not None and i.name != sums_name]
     text = archive.sums_text(files).encode()
     return [file_entry(i.name, text) if i.name == sums_name else (i, d) for i, d in entries]
+
+
+def restated(name: str, entries: list[Entry], work: Path) -> list[Entry]:
+    """``entries`` with the RO-Crate, the provenance statement and SHA256SUMS made again from the entries' own
+    files by the archive verb's :func:`rl_engine.evidence.archive.described`, under the statement's
+    ``sourceDateEpoch``: a forger with the project's tools covering every track (the statement is not signed).
+    ``work`` is an empty directory the entries are written to."""
+    own = {f"{name}/{rel}": rel for rel in (CRATE, STATEMENT, SUMS)}
+    for info, data in entries:
+        if data is not None:
+            path = work / info.name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+    stated = [jsonio.loads(d.decode()) for i, d in entries if i.name == f"{name}/{STATEMENT}" and d is not None]
+    epoch = stated[0]["predicate"]["buildDefinition"]["externalParameters"]["sourceDateEpoch"] if stated else 0
+    digests = {i.name[len(name) + 1:]: jsonio.sha256_bytes(d) for i, d in entries if d is not None and i.name not in own}
+    made = dict(archive.described(Run.load(work / name), name, digests, epoch))
+    return [file_entry(i.name, made[own[i.name]]) if i.name in own else (i, d) for i, d in entries]
 
 
 def write_archive(path: Path, entries: list[Entry], sidecar: bool = True, fmt: int = tarfile.GNU_FORMAT,

@@ -101,8 +101,15 @@ def spec_file() -> Path:
     return Path(__file__).resolve().parents[1] / "docs" / "arithmetic.md"
 
 
+def workflow_files(repo: Path | None = None) -> list[Path]:
+    """The workflow's definition the archive packs (the archive rule passes it): the Snakefile and its rules."""
+    base = (repo or Path(__file__).resolve().parents[1]) / "workflow"
+    return [base / "Snakefile", *sorted((base / "rules").glob("*.smk"))]
+
+
 def pack(run_dir: Path, output: Path, files: list[Path] | None = None) -> int:
     """``python -m rl_engine archive`` of ``files`` (default: :func:`declared_files`), in-process."""
     given = declared_files(run_dir) if files is None else files
     return cli.main(["archive", "--run-dir", str(run_dir), "--output", str(output), "--spec", str(spec_file()),
+                     "--workflow", *map(str, workflow_files()),
                      "--schemas", *map(str, schema_files()), "--files", *map(str, given)])

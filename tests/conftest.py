@@ -28,7 +28,9 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_archive(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Good:
     """:func:`tiny_run` packed by the archive verb from the files the workflow's archive rule declares."""
     out = tmp_path_factory.mktemp("tiny-archive") / f"{tiny_run.name}.tar.gz"
-    assert pack(tiny_run, out) == 0
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("SOURCE_DATE_EPOCH", raising=False)  # the default time, whatever the caller's environment holds
+        assert pack(tiny_run, out) == 0
     return read_archive(out, tiny_run.name)
 
 

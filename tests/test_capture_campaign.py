@@ -386,11 +386,11 @@ def test_each_rank_hashes_the_capture_once_and_a_rewritten_file_again(tmp_path: 
 # ----- an archive that holds the capture (inputs.archive: true) and a parity report -------------
 def _pack(run_dir: Path, output: Path) -> int:
     """The archive verb on every file of the run directory (all of them made by the verbs here)."""
-    from _evidence_run import schema_files, spec_file
+    from _evidence_run import schema_files, spec_file, workflow_files
 
     files = sorted(p for p in run_dir.rglob("*") if p.is_file())
     return cli.main(["archive", "--run-dir", str(run_dir), "--output", str(output), "--spec", str(spec_file()),
-                     "--schemas", *map(str, schema_files()), "--files", *map(str, files)])
+                     "--workflow", *map(str, workflow_files()), "--schemas", *map(str, schema_files()), "--files", *map(str, files)])
 
 
 @pytest.fixture(scope="module")

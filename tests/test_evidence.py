@@ -29,7 +29,7 @@ from rl_engine.evidence import archive, crosscheck, summary, validation
 from rl_engine.record import environment, gitstate, regression
 from rl_engine.rundir import Finding, Run, load_json
 
-from _evidence_run import PYTEST_ARGS, TOPOLOGIES, declared_files, launch, pack, schema_files, spec_file
+from _evidence_run import PYTEST_ARGS, TOPOLOGIES, declared_files, launch, pack, schema_files, spec_file, workflow_files
 
 BAD = "tp2-cp2"  # the topology the corruptions target (the reference is tp1-cp1)
 
@@ -559,10 +559,12 @@ def _archive(run: Path, out: Path) -> int:
 
 
 def _build(run: Path, out: Path) -> archive.Built:
-    return archive.build(run, out, declared_files(run), schema_files(), spec_file())
+    return archive.build(run, out, declared_files(run), schema_files(), spec_file(), workflow_files())
 
 
-def test_archive_is_byte_reproducible_and_well_formed(good_run: Path, tmp_path: Path) -> None:
+def test_archive_is_byte_reproducible_and_well_formed(good_run: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)  # unset: the default time, 0
     name = good_run.name
     first, second = tmp_path / "a" / f"{name}.tar.gz", tmp_path / "b" / f"{name}.tar.gz"
     assert _archive(good_run, first) == 0
@@ -586,8 +588,9 @@ def test_archive_is_byte_reproducible_and_well_formed(good_run: Path, tmp_path: 
     given = {p.relative_to(good_run).as_posix() for p in declared_files(good_run)}
     run_files = {p.relative_to(good_run).as_posix() for p in good_run.rglob("*") if p.is_file()}
     assert given == run_files  # the declared list is every file the run's verbs wrote...
-    assert set(files) == given | {"REVIEWING.md", "SHA256SUMS", "arithmetic.md"} | {
-        f"schemas/{p.name}" for p in schema_files()}  # ...and all
+    assert set(files) == given | {"REVIEWING.md", "SHA256SUMS", "arithmetic.md", "provenance.intoto.json",
+                                  "ro-crate-metadata.json"} | {f"schemas/{p.name}" for p in schema_files()} | {
+        f"workflow/{p.relative_to(workflow_files()[0].parent).as_posix()}" for p in workflow_files()}  # ...and all
     assert {f"schemas/{p.name}" for p in schemas.repo_schema_dir().glob("*.schema.json")} <= set(files)
     assert f"sha256sum -c {name}.tar.gz.sha256" in files["REVIEWING.md"].decode()
     reviewing = files["REVIEWING.md"].decode()
@@ -686,7 +689,8 @@ def test_archive_refuses_unsafe_run_dirs_and_names(run: Path, tmp_path: Path) ->
         _build(run, run / "self.tar.gz")
     (run / "link.json").symlink_to(run / "plan.json")
     with pytest.raises(archive.ArchiveError, match="link.json is a symbolic link"):
-        archive.build(run, tmp_path / "ok.tar.gz", [*declared_files(run), run / "link.json"], schema_files(), spec_file())
+        archive.build(run, tmp_path / "ok.tar.gz", [*declared_files(run), run / "link.json"], schema_files(), spec_file(),
+                      workflow_files())
     (run / "link.json").unlink()
     (run / ".plan.json.abc.tmp").write_text("{")  # a crashed writer's leftover: not declared, not packed
     built = _build(run, tmp_path / "ok.tar.gz")
@@ -706,8 +710,9 @@ def test_archive_packs_exactly_the_given_files_and_verify_finds_all_it_needs(
     out = tmp_path / "res" / f"{run.name}.tar.gz"
     built = _build(run, out)
     given = {p.relative_to(run).as_posix() for p in declared_files(run)}
-    assert set(built.members) == given | {"REVIEWING.md", "SHA256SUMS", "arithmetic.md"} | {
-        f"schemas/{p.name}" for p in schema_files()}
+    assert set(built.members) == given | {"REVIEWING.md", "SHA256SUMS", "arithmetic.md", "provenance.intoto.json",
+                                          "ro-crate-metadata.json"} | {f"schemas/{p.name}" for p in schema_files()} | {
+        f"workflow/{p.relative_to(workflow_files()[0].parent).as_posix()}" for p in workflow_files()}
     monkeypatch.chdir(tmp_path)
     checks = verify.verify(out, recompute_drift=True)
     assert [c.name for c in checks if c.passed is False] == [], [c.to_dict() for c in checks if c.passed is False]
@@ -755,8 +760,8 @@ def test_archive_refuses_a_file_list_it_cannot_pack_naming_the_file_and_the_fix(
         other.write_text(schema_list[[p.name for p in schema_list].index("report.schema.json")].read_text() + "\n")
         schema_list = [other if p.name == other.name else p for p in schema_list]
     out = tmp_path / "res" / f"{run.name}.tar.gz"
-    argv = ["archive", "--run-dir", str(run), "--output", str(out), "--spec", str(spec_file()), "--files",
-            *map(str, files)]
+    argv = ["archive", "--run-dir", str(run), "--output", str(out), "--spec", str(spec_file()),
+            "--workflow", *map(str, workflow_files()), "--files", *map(str, files)]
     if case != "no schemas":
         argv += ["--schemas", *map(str, schema_list)]
     try:
@@ -999,7 +1004,7 @@ def test_archive_refuses_a_specification_of_another_version(run: Path, tmp_path:
     out = tmp_path / "res" / f"{run.name}.tar.gz"
     with pytest.raises(archive.ArchiveError, match=r"names version 'rl-engine-arith/1', but this rl_engine computes "
                                                    r"'rl-engine-arith/2'"):
-        archive.build(run, out, declared_files(run), schema_files(), other)
+        archive.build(run, out, declared_files(run), schema_files(), other, workflow_files())
     assert not out.exists()
 
 

@@ -258,6 +258,7 @@ def test_archive_verb_killed_mid_write_leaves_nothing_at_the_final_path(wf: Work
     marker = tmp_path / "held"
     cmd = [sys.executable, "-m", "rl_engine", "archive", "--run-dir", str(wf.run), "--output", str(out),
            "--spec", str(wf.repo / "docs" / "arithmetic.md"), "--schemas", *map(str, sorted((wf.repo / "schemas").glob("*.schema.json"))),
+           "--workflow", str(wf.repo / "workflow" / "Snakefile"), *map(str, sorted((wf.repo / "workflow" / "rules").glob("*.smk"))),
            "--files", *map(str, wf.declared())]
     proc = subprocess.Popen(cmd, cwd=wf.repo, env=hold_env(wf, hold_hook, marker, hold_archive(wf.name)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -26,7 +26,7 @@ from rl_engine.evidence import archive, safe_tar, summary, verify
 from rl_engine.logprob.comparison import default_tolerance
 from rl_engine.rundir import Run
 
-from _archive_util import Entry, Good, Sandbox, file_entry, make_sandbox, resummed, run_verify, write_archive
+from _archive_util import Entry, Good, Sandbox, file_entry, make_sandbox, restated, resummed, run_verify, write_archive
 from _evidence_run import pack
 
 
@@ -69,8 +69,8 @@ def edited(good: Good, changes: dict[str, Callable[[bytes], bytes]], resum: bool
 
 
 def resummarised(good: Good, entries: list[Entry], work: Path) -> list[Entry]:
-    """A forger's full job: SUMMARY.md and REVIEWING.md rendered again from the entries' own evidence,
-    SUMS recomputed."""
+    """A forger's full job: SUMMARY.md and REVIEWING.md rendered again from the entries' own evidence, the
+    RO-Crate, the provenance statement and SUMS made again."""
     for info, data in entries:
         if data is not None:
             path = work / info.name
@@ -79,7 +79,8 @@ def resummarised(good: Good, entries: list[Entry], work: Path) -> list[Entry]:
     git = jsonio.loads((work / good.name / "environment.json").read_text())["git"]
     again = {f"{good.name}/SUMMARY.md": summary.summary_text(Run.load(work / good.name)).encode(),
              f"{good.name}/REVIEWING.md": archive.reviewing_text(good.name, git, good.data("arithmetic.md")).encode()}
-    return resummed(good, [file_entry(i.name, again[i.name]) if i.name in again else (i, d) for i, d in entries])
+    return restated(good.name, [file_entry(i.name, again[i.name]) if i.name in again else (i, d) for i, d in entries],
+                    work)
 
 
 def edit_json(change: Callable[[dict[str, Any]], None]) -> Callable[[bytes], bytes]:
@@ -102,7 +103,8 @@ def test_good_archive_verifies_with_recompute(good: Good, sandbox: Sandbox, caps
         "archive members": "PASS", "REVIEWING.md": "PASS", "JSON schemas (shipped)": "PASS", "focused regression": "PASS",
         "report acceptance": "PASS",
         "cross-topology fingerprints": "PASS", "recorded gates": "PASS", "SUMMARY.md": "PASS", "tolerances": "PASS",
-        "arithmetic spec": "PASS", "inputs regenerated": "PASS", "oracle drift recomputed": "PASS",
+        "arithmetic spec": "PASS", "provenance statement": "PASS", "RO-Crate": "PASS",
+        "inputs regenerated": "PASS", "oracle drift recomputed": "PASS",
         "candidate replayed": "PASS", "schemas vs this rl_engine": "note",
         "tested": "note", "run name": "note", "reuse": "note",
     }
@@ -140,9 +142,10 @@ def test_a_campaign_at_a_temperature_verifies_with_recompute(tmp_path: Path, mon
         assert status(result)[row] == "PASS", (row, problems(result, row))
 
 
-def renamed(good: Good, name: str, entries: list[Entry] | None = None) -> list[Entry]:
-    """The archive's entries under another top folder, REVIEWING.md written for that name as the archive
-    verb writes it (it names the archive) and SHA256SUMS recomputed (its paths are relative)."""
+def renamed(good: Good, name: str, work: Path, entries: list[Entry] | None = None) -> list[Entry]:
+    """The archive's entries under another top folder, REVIEWING.md, the RO-Crate and the provenance statement
+    written for that name as the archive verb writes them (they name the archive) and SHA256SUMS recomputed
+    (its paths are relative); ``work`` is an empty directory."""
     git = jsonio.loads(good.data("environment.json").decode())["git"]
     out: list[Entry] = []
     for info, data in entries if entries is not None else list(good.entries):
@@ -152,9 +155,7 @@ def renamed(good: Good, name: str, entries: list[Entry] | None = None) -> list[E
         copy = tarfile.TarInfo(name + rel)
         copy.type, copy.size, copy.mode = info.type, len(data) if data is not None else info.size, info.mode
         out.append((copy, data))
-    files = [(i.name[len(name) + 1:], d) for i, d in out if d is not None and not i.name.endswith(f"/{archive.SUMS}")]
-    sums = archive.sums_text(files).encode()
-    return [file_entry(i.name, sums) if i.name == f"{name}/{archive.SUMS}" else (i, d) for i, d in out]
+    return restated(name, out, work)
 
 
 def evidence_name(good: Good, campaign: str = "c", **changes: Any) -> RunName:
@@ -193,7 +194,7 @@ def test_run_name_must_name_the_evidence(good: Good, sandbox: Sandbox, tmp_path:
                                          capsys: pytest.CaptureFixture[str]) -> None:
     """The archive's <campaign>-<commit>[-dirty]-case-<hash> is checked against environment, plan, regression."""
     right = evidence_name(good)
-    path = write_archive(tmp_path / "right" / f"{right}.tar.gz", renamed(good, str(right)))
+    path = write_archive(tmp_path / "right" / f"{right}.tar.gz", renamed(good, str(right), tmp_path / "w-right"))
     code, text, result = run_verify(path, sandbox, capsys)
     assert code == 0, text
     assert status(result)["run name"] == "PASS" and f"case {right.case} match" in problems(result, "run name")
@@ -203,7 +204,7 @@ def test_run_name_must_name_the_evidence(good: Good, sandbox: Sandbox, tmp_path:
                                          f"hash to case {right.case}: the archive is named for another campaign"),
                             (wrong_tree, f"the name says {'dirty' if wrong_tree.dirty else 'clean'} but "
                                          "environment.json records git.dirty")):
-        path = write_archive(tmp_path / str(wrong) / f"{wrong}.tar.gz", renamed(good, str(wrong)))
+        path = write_archive(tmp_path / str(wrong) / f"{wrong}.tar.gz", renamed(good, str(wrong), tmp_path / f"w-{wrong}"))
         code, text, result = run_verify(path, sandbox, capsys)
         assert code == 1 and status(result)["run name"] == "FAIL", text
         assert expected in problems(result, "run name"), problems(result, "run name")
@@ -397,9 +398,11 @@ def test_forged_summary_with_sums_recomputed_fails(good: Good, sandbox: Sandbox,
         entries = edited(good, {"SUMMARY.md": forge}, resum=True)
     else:
         entries = resummed(good, [(i, d) for i, d in good.entries if i.name != f"{good.name}/SUMMARY.md"])
+    entries = restated(good.name, entries, tmp_path / "w")  # the crate and the statement follow the forgery
     code, text, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
     assert code == 1 and status(result)["SUMMARY.md"] == "FAIL", text
-    assert status(result)["SHA256SUMS"] == "PASS"  # the manifest was recomputed: only the summary check sees it
+    # the manifest, the crate and the statement were made again: only the summary check sees it
+    assert status(result)["SHA256SUMS"] == "PASS"
     assert [c["name"] for c in result["checks"] if c["status"] == "FAIL"] == ["SUMMARY.md"]
     found = problems(result, "SUMMARY.md")
     if forgery == "number":
@@ -1171,5 +1174,6 @@ def test_verify_reads_each_evidence_file_once(good: Good, sandbox: Sandbox, caps
     assert code == 0, capsys.readouterr().out
     files = [name for name in (Path(info.name).name for info, data in good.entries if data is not None)
              if name.endswith((".json", ".f32")) and not name.endswith(".schema.json")]
-    assert len(files) == 6 + 2 + 2 * 3, files  # six documents, two reports, three tensors (logp, LSE, entropy) each
+    # six documents, two reports, three tensors (logp, LSE, entropy) each, the provenance statement and the RO-Crate
+    assert len(files) == 6 + 2 + 2 * 3 + 2, files
     assert {name: reads[name] for name in files} == dict.fromkeys(files, 1)

@@ -91,7 +91,10 @@ def test_default_campaign_builds_an_archive_that_verifies(default_run) -> None:
     # the archive packs the rule's declared inputs, and they are every file the workflow
     # wrote in the run (evidence, SUMMARY.md, every rule's log): nothing left out, nothing else
     run_files = {p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()}
-    assert {p for p in packed if not p.startswith("schemas/")} - {"SHA256SUMS", "REVIEWING.md", "arithmetic.md"} == run_files
+    added = {"SHA256SUMS", "REVIEWING.md", "arithmetic.md", "provenance.intoto.json", "ro-crate-metadata.json"}
+    assert {p for p in packed if not p.startswith(("schemas/", "workflow/"))} - added == run_files
+    assert {p for p in packed if p.startswith("workflow/")} == {  # the workflow that ran: its Snakefile and rules
+        p.relative_to(repo).as_posix() for p in [repo / "workflow" / "Snakefile", *(repo / "workflow" / "rules").glob("*.smk")]}
     with tarfile.open(archive) as tar:  # the specification the reports claim, packed as it is in the repo
         spec = tar.extractfile(f"{name}/arithmetic.md").read()  # type: ignore[union-attr]
     assert spec == (repo / "docs" / "arithmetic.md").read_bytes()

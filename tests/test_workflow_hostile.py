@@ -86,6 +86,7 @@ from pathlib import Path
 p = argparse.ArgumentParser()
 p.add_argument("--run-dir"); p.add_argument("--output")
 p.add_argument("--schemas", nargs="*"); p.add_argument("--files", nargs="*"); p.add_argument("--spec")
+p.add_argument("--workflow", nargs="*")
 a = p.parse_args()
 marker = Path(os.environ["FAKE_ARCHIVE_MARKER"])
 marker.with_suffix(".tmp").write_text(str(os.getpid()))

@@ -1,7 +1,7 @@
 """The reviewer's bundle: a byte-reproducible ``results/<name>.tar.gz`` and its ``.sha256``.
 
-``python -m rl_engine archive --run-dir RUN --output results/NAME.tar.gz --schemas SCHEMA...
---files FILE...``
+``python -m rl_engine archive --run-dir RUN --output results/NAME.tar.gz --spec ARITHMETIC_MD
+--schemas SCHEMA... --workflow SNAKEFILE RULES... --files FILE...``
 
 The archive packs the files it is given, nothing else: the workflow's ``archive`` rule declares
 every one as an input (environment, regression with its log and JUnit XML, plan, every report
@@ -16,17 +16,28 @@ that appears in the run directory and no rule declares is not packed at all. The
   reviewer's verifier, every check, on the archive just built);
 * refuses, naming the file and the fix, a given file that is missing, not a regular file, a
   symbolic link (or under one), outside ``RUN``, or named like what the archive adds
-  (``SHA256SUMS``, ``REVIEWING.md``, ``schemas/``); a file list that lacks evidence ``verify``
+  (:data:`rl_engine.rundir.ARCHIVE_ONLY`: ``SHA256SUMS``, ``REVIEWING.md``, ``schemas/``,
+  ``arithmetic.md``, the statement, the crate, ``workflow/``); a file list that lacks evidence ``verify``
   needs (:func:`rl_engine.rundir.Run.evidence_files` and ``SUMMARY.md``: the files the
   evidence names); and schema files that are not the set ``validation.json`` records it was
   checked with (names and SHA-256: the only files hashed beyond ``SHA256SUMS``, a few KiB);
 * packs, under one top folder ``NAME/``: each given file at its path relative to ``RUN``, the
-  schemas under ``NAME/schemas/``, ``NAME/REVIEWING.md`` (how to check the bundle with
-  ``sha256sum -c`` alone and with ``python -m rl_engine verify``) and ``NAME/SHA256SUMS`` in
-  ``sha256sum -c`` format over every other file, paths relative to ``NAME/``;
-* is byte-reproducible: members sorted by name, ustar format, mtime 0, uid/gid 0, empty
-  uname/gname, modes 0644 (files) and 0755 (directories), gzip header without name and with
-  mtime 0, fixed compression level;
+  schemas under ``NAME/schemas/``, the arithmetic specification as ``NAME/arithmetic.md``, the
+  workflow's definition (``--workflow``: its ``Snakefile`` and ``rules/*.smk``) under
+  ``NAME/workflow/``, ``NAME/REVIEWING.md`` (how to check the bundle with ``sha256sum -c`` alone,
+  with other tools and with ``python -m rl_engine verify``), then, in this order, the Workflow Run
+  RO-Crate ``NAME/ro-crate-metadata.json`` (:mod:`rl_engine.evidence.crate`: every file by name),
+  the in-toto statement ``NAME/provenance.intoto.json`` (:mod:`rl_engine.evidence.provenance`:
+  every file before it by SHA-256) and ``NAME/SHA256SUMS`` in ``sha256sum -c`` format over every
+  other file, paths relative to ``NAME/``. The statement and the crate are built with the
+  ``provenance`` extra's packages; without them the verb refuses before reading anything;
+* is byte-reproducible: members sorted by name, ustar format, uid/gid 0, empty uname/gname,
+  modes 0644 (files) and 0755 (directories), gzip header without name, fixed compression level,
+  and one time for everything, ``SOURCE_DATE_EPOCH`` (:mod:`rl_engine.evidence.epoch`; 0 when
+  unset): every member's mtime, the gzip header's mtime, the statement's ``startedOn`` and
+  ``finishedOn`` and the crate's ``datePublished``. The same run directory and the same
+  ``SOURCE_DATE_EPOCH`` give the same bytes; another ``SOURCE_DATE_EPOCH`` changes those times and
+  nothing else. A malformed value is refused;
 * is written atomically (temporary file in the output directory, fsync, rename), then
   ``NAME.tar.gz.sha256`` (``<hex>  NAME.tar.gz``) likewise. Stale outputs at both paths are
   removed first, so an interrupted run leaves nothing at the final path;
@@ -48,29 +59,35 @@ import os
 import re
 import sys
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Union
 
 from rl_engine import jsonio
+from rl_engine.evidence import crate, provenance
+from rl_engine.evidence.epoch import DEFAULT_EPOCH, SourceDateEpochError, source_date_epoch
 from rl_engine.evidence.spec_doc import SPEC_DOC, SPEC_SOURCE, SpecDocError, check_spec_doc, spec_record, spec_version
 from rl_engine.rundir import (
     ARCHIVE_ONLY,
     ARCHIVE_SUFFIX,
+    CRATE,
     CROSSCHECK,
     REVIEWING,
     SCHEMA_DIR,
+    STATEMENT,
     SUMMARY,
     SUMS,
     VALIDATION,
+    WORKFLOW_DIR,
+    WORKFLOW_FILE,
     Run,
 )
 
 SUFFIX = ARCHIVE_SUFFIX
 SCHEMA_SUFFIX = ".schema.json"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
-FIXED_MTIME = 0
+FIXED_MTIME = DEFAULT_EPOCH  # the members' and the gzip header's mtime when SOURCE_DATE_EPOCH is unset
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 GZIP_LEVEL = 9
@@ -186,20 +203,61 @@ _ARITHMETIC_CLAIM = {
 }
 
 
-def reviewing_text(name: str, git: dict[str, Any] | None = None, spec: bytes | None = None) -> str:
+# What REVIEWING.md says of the provenance statement and the RO-Crate, in an archive that holds them.
+# An archive made before them holds neither, and its REVIEWING.md, rendered again by verify, keeps the
+# text it was written with: the pieces below are empty for it (``described=False``).
+_DESCRIBED_CONTENTS = """, the JSON schemas (`schemas/`, draft 2020-12) the artifacts were checked
+against, and the workflow that made them (`workflow/Snakefile`, `workflow/rules/`). Two files
+describe it in formats other tools read: `provenance.intoto.json`, an in-toto Statement v1
+with the SLSA provenance v1 predicate, and `ro-crate-metadata.json`, which makes this folder a
+Workflow Run RO-Crate."""
+_PLAIN_CONTENTS = """, and the JSON schemas (`schemas/`, draft 2020-12) the artifacts were checked
+against."""
+_DESCRIBED_SECTION = r"""## The provenance statement and the RO-Crate, with other tools
+
+`provenance.intoto.json` lists every file of the bundle but itself and `SHA256SUMS` (which
+holds its digest) as a subject with its SHA-256; its predicate names the workflow, the config
+of the run (`externalParameters.config`), the tested commit (`resolvedDependencies`, digest
+`gitCommit`) and the machine (`byproducts`). It is not signed: it says what the bundle holds in
+a standard form, and proves no more than `SHA256SUMS`. Offline, with `jq` and `sha256sum`:
+
+    jq -r '.subject[] | "\(.digest.sha256)  \(.name)"' provenance.intoto.json | sha256sum -c
+
+and with the schemas shipped here (the Statement and the SLSA predicate, written from their
+specifications): `check-jsonschema --schemafile schemas/provenance.schema.json
+provenance.intoto.json`. `ro-crate-metadata.json` describes the workflow, its config, each
+stage's run (what it read and wrote) and every other file; RO-Crate tools read it (ro-crate-py:
+`python -c "from rocrate.rocrate import ROCrate; print(ROCrate('.').mainEntity)"`), and
+`check-jsonschema --schemafile schemas/ro-crate-metadata.schema.json ro-crate-metadata.json`
+checks its structure. Every time in the bundle (the tar members', the gzip header's, the
+statement's and the crate's) is the one `SOURCE_DATE_EPOCH` the archive was built under, never a
+clock reading, so the archive rebuilds byte for byte from the same run.
+
+"""
+_DESCRIBED_CHECKS = """ the provenance statement's subjects
+(every file but itself and `SHA256SUMS`, each with its SHA-256) and the RO-Crate's files
+(every file but itself),"""
+
+
+def reviewing_text(name: str, git: dict[str, Any] | None = None, spec: bytes | None = None,
+                   described: bool = True) -> str:
     """REVIEWING.md of archive ``name``; ``git`` is environment.json's git record; ``spec`` the
-    packed specification, whose version decides what the text says of the arithmetic."""
+    packed specification, whose version decides what the text says of the arithmetic; ``described``
+    whether the archive holds the provenance statement and the RO-Crate (every archive ``archive``
+    builds; one made before them holds neither, and keeps the text it was written with)."""
     from rl_engine.logprob.portable import SPEC_VERSION
 
     version = (spec_version(spec) if spec is not None else None) or SPEC_VERSION
     operations, fma, refuses = _ARITHMETIC_CLAIM.get(version, _ARITHMETIC_CLAIM[SPEC_VERSION])
+    contents = _DESCRIBED_CONTENTS if described else _PLAIN_CONTENTS
+    section = _DESCRIBED_SECTION if described else ""
+    checks = _DESCRIBED_CHECKS if described else ""
     return f"""# Reviewing {name}
 
 This bundle is the evidence of one rl_engine validation run: the environment record, the
 focused regression log and counts, the plan, one report per TP x CP topology with its raw
 float32 tensors (`*.f32`), the validation and cross-topology results, `SUMMARY.md`, the
-per-stage logs, and the JSON schemas (`schemas/`, draft 2020-12) the artifacts were checked
-against.
+per-stage logs{contents}
 
 ## With `sha256sum` alone
 
@@ -216,7 +274,7 @@ The gradient is not backed by a file (it would be about 10 MB per topology):
 `bitwise_fingerprints.candidate_grad_sha256` is compared across topologies (every report
 must record the same hash), and `verify --recompute` recomputes it.
 
-## The arithmetic, and replaying it
+{section}## The arithmetic, and replaying it
 
 Every report records `arithmetic_spec` (`{version}`): the candidate's logp, LSE,
 entropy and gradient are {operations}
@@ -231,7 +289,7 @@ library reduction and {fma}. Any conforming CPU or GPU computes the same bytes
     python -m rl_engine verify {name}.tar.gz --recompute  # also regenerate inputs, oracle drift, and replay the candidate
 
 The verifier checks the outer `.sha256`, every `SHA256SUMS` line with no file missing or
-extra, every JSON file against the schemas shipped here, the acceptance of every report
+extra, every JSON file against the schemas shipped here,{checks} the acceptance of every report
 (passed, requested == actual backend, no fallback, TP outputs replicated, finite drift within
 tolerance), each raw tensor against its fingerprint and all fingerprints across topologies.
 It renders `SUMMARY.md` again from the evidence files with the function the `summary` step
@@ -308,12 +366,38 @@ def given_schemas(schema_files: Sequence[Path]) -> list[tuple[str, bytes]]:
     return sorted(shipped.items())
 
 
-def _info(name: str, size: int, is_dir: bool) -> tarfile.TarInfo:
+def given_workflow(workflow_files: Sequence[Path]) -> list[tuple[str, Path]]:
+    """``(workflow/<path>, path)`` of the workflow's definition, sorted: its ``Snakefile`` (exactly one) and
+    rule files ``rules/<name>.smk`` beside it; refuses anything else."""
+    snakefiles = [path for path in workflow_files if path.name == "Snakefile"]
+    if len(snakefiles) != 1:
+        raise ArchiveError(f"--workflow names {len(snakefiles)} files called Snakefile; give the workflow's one "
+                           "Snakefile and its rules/*.smk (the workflow's archive rule passes them)")
+    base = Path(os.path.abspath(snakefiles[0])).parent
+    packed: dict[str, Path] = {}
+    for given in workflow_files:
+        path = Path(os.path.abspath(given))
+        try:
+            rel = f"{WORKFLOW_DIR}/{path.relative_to(base).as_posix()}"
+        except ValueError:
+            rel = ""
+        if not WORKFLOW_FILE.match(rel):
+            raise ArchiveError(f"--workflow {given} is neither the Snakefile nor a rules/<name>.smk file beside it "
+                               f"({base}); pass the workflow's Snakefile and its rule files only")
+        if given.is_symlink() or not given.is_file():
+            raise ArchiveError(f"--workflow {given} is missing (or not a regular file); pass the workflow's files")
+        if rel in packed:
+            raise ArchiveError(f"--workflow names {rel} twice")
+        packed[rel] = path
+    return sorted(packed.items())
+
+
+def _info(name: str, size: int, is_dir: bool, mtime: int) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.type = tarfile.DIRTYPE if is_dir else tarfile.REGTYPE
     info.size = 0 if is_dir else size
     info.mode = DIR_MODE if is_dir else FILE_MODE
-    info.mtime = FIXED_MTIME
+    info.mtime = mtime
     info.uid = info.gid = 0
     info.uname = info.gname = ""
     return info
@@ -334,38 +418,39 @@ class _HashingWriter:
         self.inner.flush()
 
 
-def write_tar_gz(handle: Any, name: str, files: Sequence[tuple[str, Source]]) -> None:
+def write_tar_gz(handle: Any, name: str, files: Sequence[tuple[str, Source]], mtime: int = FIXED_MTIME) -> None:
     """Write the archive of ``files`` (paths relative to ``name/``) to ``handle``: sorted, with their
-    dirs; a :data:`Source` that is a path is streamed from the file, never read whole."""
+    dirs, every mtime (members' and gzip header's) ``mtime``; a :data:`Source` that is a path is
+    streamed from the file, never read whole."""
     entries: dict[str, Source | None] = {name: None}
     for rel, data in files:
         parts = rel.split("/")
         for i in range(1, len(parts)):
             entries[f"{name}/{'/'.join(parts[:i])}"] = None
         entries[f"{name}/{rel}"] = data
-    with gzip.GzipFile(filename="", mode="wb", fileobj=handle, mtime=FIXED_MTIME, compresslevel=GZIP_LEVEL) as gz:
+    with gzip.GzipFile(filename="", mode="wb", fileobj=handle, mtime=mtime, compresslevel=GZIP_LEVEL) as gz:
         with tarfile.open(fileobj=gz, mode="w|", format=tarfile.USTAR_FORMAT) as tar:  # type: ignore[call-overload]
             for member in sorted(entries):
                 try:
-                    _add(tar, member, entries[member])
+                    _add(tar, member, entries[member], mtime)
                 except ValueError as exc:
                     raise ArchiveError(f"cannot store {member!r} in a ustar archive: {exc}") from None
 
 
-def _add(tar: tarfile.TarFile, member: str, data: Source | None) -> None:
+def _add(tar: tarfile.TarFile, member: str, data: Source | None, mtime: int) -> None:
     if data is None:
-        tar.addfile(_info(member, 0, True))
+        tar.addfile(_info(member, 0, True, mtime))
     elif isinstance(data, bytes):
-        tar.addfile(_info(member, len(data), False), io.BytesIO(data))
+        tar.addfile(_info(member, len(data), False, mtime), io.BytesIO(data))
     else:
         with open(data, "rb") as source:
-            tar.addfile(_info(member, os.fstat(source.fileno()).st_size, False), source)
+            tar.addfile(_info(member, os.fstat(source.fileno()).st_size, False, mtime), source)
 
 
-def tar_gz_bytes(name: str, files: Sequence[tuple[str, Source]]) -> bytes:
+def tar_gz_bytes(name: str, files: Sequence[tuple[str, Source]], mtime: int = FIXED_MTIME) -> bytes:
     """The archive's bytes: ``files`` (paths relative to ``name/``) sorted, with their dirs."""
     buffer = io.BytesIO()
-    write_tar_gz(buffer, name, files)
+    write_tar_gz(buffer, name, files, mtime)
     return buffer.getvalue()
 
 
@@ -375,15 +460,46 @@ def _sha256(data: Source) -> str:
 
 def sums_text(files: Sequence[tuple[str, Source]]) -> str:
     """``sha256sum -c`` lines (``<hex>  <path>``) over ``files``, sorted by path (files hashed in chunks)."""
-    return "".join(f"{_sha256(data)}  {rel}\n" for rel, data in sorted(files, key=lambda item: item[0]))
+    return sums_lines({rel: _sha256(data) for rel, data in files})
 
 
-def build(run_dir: Path, output: Path, files: Sequence[Path], schema_files: Sequence[Path], spec_file: Path) -> Built:
-    """Check the recorded gates and the file list, then write ``output`` and ``output.sha256`` atomically."""
+def sums_lines(digests: Mapping[str, str]) -> str:
+    """``sha256sum -c`` lines (``<hex>  <path>``) of ``digests`` (path -> SHA-256), sorted by path."""
+    return "".join(f"{digests[rel]}  {rel}\n" for rel in sorted(digests))
+
+
+def described(run: Run, name: str, digests: Mapping[str, str], epoch: int) -> list[tuple[str, bytes]]:
+    """What describes an archive whose other files have ``digests`` (path relative to ``NAME/`` -> SHA-256), in
+    the order each needs the one before: the RO-Crate (every file by name), the in-toto statement (every file
+    before it by digest, the crate's included) and SHA256SUMS (every file but itself)."""
+    digests = dict(digests)
+    try:
+        crate_bytes = jsonio.dumps(crate.crate(run, name, [*digests, STATEMENT, SUMS], provenance.reproduce_text(run),
+                                               epoch)).encode("utf-8")
+        digests[CRATE] = _sha256(crate_bytes)
+        statement_bytes = jsonio.dumps(provenance.statement(run, name, digests, epoch)).encode("utf-8")
+    except (provenance.ProvenanceError, crate.CrateError) as exc:
+        raise ArchiveError(f"refusing to archive {run.root}: {exc}") from None
+    digests[STATEMENT] = _sha256(statement_bytes)
+    return [(CRATE, crate_bytes), (STATEMENT, statement_bytes), (SUMS, sums_lines(digests).encode("utf-8"))]
+
+
+def build(run_dir: Path, output: Path, files: Sequence[Path], schema_files: Sequence[Path], spec_file: Path,
+          workflow_files: Sequence[Path], epoch: int | None = None) -> Built:
+    """Check the recorded gates and the file list, then write ``output`` and ``output.sha256`` atomically.
+
+    ``epoch`` is the archive's one time (:mod:`rl_engine.evidence.epoch`); None reads ``SOURCE_DATE_EPOCH``.
+    """
     name = archive_name(output)
     sidecar = output.with_name(output.name + ".sha256")
     for stale in (output, sidecar):
         stale.unlink(missing_ok=True)
+    try:
+        epoch = source_date_epoch() if epoch is None else source_date_epoch({"SOURCE_DATE_EPOCH": str(epoch)})
+        provenance.require()
+        crate.require()
+    except (SourceDateEpochError, provenance.ProvenanceError, crate.CrateError) as exc:
+        raise ArchiveError(str(exc)) from None
     if not run_dir.is_dir():
         raise ArchiveError(f"--run-dir {run_dir} is not a directory")
     if output.resolve().is_relative_to(run_dir.resolve()):
@@ -394,6 +510,7 @@ def build(run_dir: Path, output: Path, files: Sequence[Path], schema_files: Sequ
     check_complete(run, {rel for rel, _ in packed})
     shipped = given_schemas(schema_files)
     check_schemas(run, shipped)
+    workflow = given_workflow(workflow_files)
     environment = run.environment  # in the list: check_complete passed
     git = environment.get("git") if isinstance(environment, dict) else None
     from rl_engine.logprob.portable import SPEC_VERSION
@@ -404,13 +521,15 @@ def build(run_dir: Path, output: Path, files: Sequence[Path], schema_files: Sequ
     except SpecDocError as exc:
         raise ArchiveError(str(exc)) from None
     reviewing = reviewing_text(name, git if isinstance(git, dict) else None, spec)
-    members: list[tuple[str, Source]] = [*packed, *shipped, (SPEC_DOC, spec), (REVIEWING, reviewing.encode("utf-8"))]
-    members.append((SUMS, sums_text(members).encode("utf-8")))
+    members: list[tuple[str, Source]] = [*packed, *shipped, (SPEC_DOC, spec), *workflow,
+                                         (REVIEWING, reviewing.encode("utf-8"))]
+    digests = {rel: _sha256(data) for rel, data in members}  # each file hashed once (a capture can be gigabytes)
+    members += described(run, name, digests, epoch)
     hashed: list[_HashingWriter] = []
 
     def write(handle: BinaryIO) -> None:
         hashed.append(_HashingWriter(handle))
-        write_tar_gz(hashed[0], name, members)
+        write_tar_gz(hashed[0], name, members, epoch)
 
     output.parent.mkdir(parents=True, exist_ok=True)
     jsonio.atomic_write_stream(output, write)
@@ -430,9 +549,12 @@ def main(argv: list[str] | None = None) -> int:
                              "its declared inputs); nothing else of the run directory is packed")
     parser.add_argument("--spec", required=True, type=Path, metavar="ARITHMETIC_MD",
                         help=f"the arithmetic specification the reports claim ({SPEC_SOURCE}), packed as {SPEC_DOC}")
+    parser.add_argument("--workflow", required=True, nargs="+", type=Path, metavar="WORKFLOW_FILE",
+                        help="the workflow's definition, packed under workflow/: its Snakefile and rules/*.smk "
+                             "(the RO-Crate's main entity)")
     args = parser.parse_args(argv)
     try:
-        built = build(args.run_dir, args.output, args.files, args.schemas, args.spec)
+        built = build(args.run_dir, args.output, args.files, args.schemas, args.spec, args.workflow)
     except (ArchiveError, OSError) as exc:
         print(f"archive: {exc}", file=sys.stderr)
         return 1
@@ -441,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = [
-    "ArchiveError", "Built", "Source", "archive_name", "build", "check_complete", "check_gates", "check_schemas",
-    "given_files", "given_schemas", "main", "reviewing_text", "sums_text", "tar_gz_bytes", "write_tar_gz",
+    "ArchiveError", "Built", "Source", "archive_name", "build", "check_complete", "check_gates", "check_schemas", "described",
+    "given_files", "given_schemas", "given_workflow", "main", "reviewing_text", "sums_lines", "sums_text",
+    "tar_gz_bytes", "write_tar_gz",
 ]

@@ -47,7 +47,20 @@ Runs without a GPU or network and checks, each as a row of the printed table:
     one), and the archive packs that version's specification as ``arithmetic.md`` (its first
     line names the version; REVIEWING.md records its version and SHA-256,
     :mod:`rl_engine.evidence.spec_doc`);
-13. with ``--recompute``: **inputs regenerated** (``make_inputs(case)``, or on a capture the
+13. **provenance statement**: ``provenance.intoto.json`` is strict JSON valid against the shipped
+    ``schemas/provenance.schema.json`` (the in-toto Statement v1 with the SLSA provenance v1
+    predicate), its ``_type`` and ``predicateType`` are those two, its subjects are exactly the
+    archive's files but itself and ``SHA256SUMS``, each with the file's SHA-256, and its predicate
+    names this archive (``invocationId``), the commit ``environment.json`` records and the times of
+    its ``sourceDateEpoch`` (:func:`rl_engine.evidence.provenance.statement_problems`);
+14. **RO-Crate**: ``ro-crate-metadata.json`` is strict JSON valid against the shipped
+    ``schemas/ro-crate-metadata.schema.json`` and an RO-Crate 1.3 by the structural rules that hold
+    offline (context, flat graph of unique ids whose local references resolve, metadata
+    descriptor, root data entity, the Workflow Run Crate profiles, the main workflow), and its data
+    entities are exactly the archive's files but itself (:func:`rl_engine.evidence.crate.crate_problems`).
+    An archive that holds neither file, as archives made before them did, gets a note on both rows
+    (and its REVIEWING.md is the text it was written with); one that holds only one fails the other;
+15. with ``--recompute``: **inputs regenerated** (``make_inputs(case)``, or on a capture the
     archive's ``capture.safetensors`` or ``--capture PATH`` after its SHA-256, hashes to the report's
     ``inputs_sha256``), **oracle drift recomputed** from the raw tensors against the FP32
     and FP64 oracles, equal to the reported statistics within :data:`RECOMPUTE_TOL` and within
@@ -88,6 +101,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 import tempfile
@@ -106,8 +120,10 @@ from rl_engine import jsonio, schemas
 from rl_engine.campaign.casename import NOGIT, RunName, RunNameError, evidence_case_hash
 from rl_engine.evidence.acceptance import check_tensor_files
 from rl_engine.evidence.archive import SCHEMA_DIR, SUFFIX, SUMS, reviewing_text
+from rl_engine.evidence.crate import crate_problems
 from rl_engine.evidence.crosscheck import crosscheck_run
 from rl_engine.evidence.members import unexpected_members
+from rl_engine.evidence.provenance import statement_problems
 from rl_engine.evidence.safe_tar import MIB, Extracted, Limits, UnsafeArchiveError, safe_extract
 from rl_engine.evidence.spec_doc import SPEC_DOC, spec_problems
 from rl_engine.evidence.summary import UNPRINTABLE, SummaryError, regression_text, summary_text
@@ -115,11 +131,13 @@ from rl_engine.evidence.terminal import terminal_text
 from rl_engine.evidence.validation import validate_run
 from rl_engine.record import reuse
 from rl_engine.rundir import (
+    CRATE,
     ENVIRONMENT,
     PARITY_JSON,
     PLAN,
     REGRESSION,
     REVIEWING,
+    STATEMENT,
     SUMMARY,
     VALIDATION,
     Finding,
@@ -318,7 +336,8 @@ def check_reviewing(run: Run, top: str) -> Check:
     git = environment.get("git") if isinstance(environment, dict) else None
     spec = run.root / SPEC_DOC  # REVIEWING.md records the packed spec's version and SHA-256
     expected = reviewing_text(top, git if isinstance(git, dict) else None,
-                              spec.read_bytes() if spec.is_file() and not spec.is_symlink() else None)
+                              spec.read_bytes() if spec.is_file() and not spec.is_symlink() else None,
+                              described=_described(run))
     actual = shipped.read_bytes()
     if actual == expected.encode("utf-8"):
         return Check(REVIEWING, True, "byte-identical to the one the archive verb writes for this run")
@@ -335,6 +354,63 @@ def check_members(run: Run, files: tuple[str, ...], top: str) -> Check:
     return Check("archive members", True, f"all {len(files)} members are evidence, logs, schemas or what archive adds")
 
 
+def _described(run: Run) -> bool:
+    """The archive holds the provenance statement or the RO-Crate: every archive ``archive`` builds holds both;
+    one made before them holds neither (its REVIEWING.md says nothing of them, and their rows are notes)."""
+    return any(os.path.lexists(run.root / name) for name in (STATEMENT, CRATE))
+
+
+def _undescribed(name: str) -> Check:
+    return Check(name, None, f"the archive holds neither {STATEMENT} nor {CRATE}, as archives made before them did "
+                 "(its REVIEWING.md says nothing of them): not checked; every other row checks the archive")
+
+
+def _member_json(run: Run, name: str) -> tuple[Any, str | None]:
+    """An archive-added JSON member, parsed strictly from the bytes the run reads once, or why it cannot be."""
+    path = run.root / name
+    if path.is_symlink() or not path.is_file():
+        return None, f"{name} is missing: the archive's builder writes it"
+    try:
+        return jsonio.loads(run.file_bytes(path).decode("utf-8")), None
+    except (ValueError, UnicodeDecodeError) as exc:
+        return None, f"{name} is not strict JSON: {exc}"
+
+
+def _member_digests(run: Run, files: tuple[str, ...], top: str) -> dict[str, str]:
+    """Every member's SHA-256 by its path relative to the top folder (hashed once, with SHA256SUMS's check)."""
+    return {f[len(top) + 1:]: run.sha256(run.root / f[len(top) + 1:]) for f in files}
+
+
+def check_provenance(run: Run, files: tuple[str, ...], top: str) -> Check:
+    """The in-toto statement: the shipped schemas, the types, exactly the archive's files as subjects with their
+    digests, and the predicate naming this run (:func:`rl_engine.evidence.provenance.statement_problems`)."""
+    name = "provenance statement"
+    if not _described(run):
+        return _undescribed(name)
+    doc, unreadable = _member_json(run, STATEMENT)
+    if unreadable:
+        return Check(name, False, unreadable, [unreadable])
+    digests = _member_digests(run, files, top)
+    problems = statement_problems(doc, run, top, digests, run.root / SCHEMA_DIR)
+    if problems:
+        return Check(name, False, f"{len(problems)} problem(s)", problems)
+    return Check(name, True, f"in-toto Statement v1 with SLSA provenance v1: {len(doc['subject'])} subjects, every "
+                 f"file but {STATEMENT} and {SUMS}, each with its SHA-256")
+
+
+def check_crate(run: Run, files: tuple[str, ...], top: str) -> Check:
+    """The Workflow Run RO-Crate: the shipped schema, RO-Crate's structure, exactly the archive's files
+    (:func:`rl_engine.evidence.crate.crate_problems`)."""
+    name = "RO-Crate"
+    if not _described(run):
+        return _undescribed(name)
+    doc, unreadable = _member_json(run, CRATE)
+    if unreadable:
+        return Check(name, False, unreadable, [unreadable])
+    problems = crate_problems(doc, [f[len(top) + 1:] for f in files], run.root / SCHEMA_DIR)
+    if problems:
+        return Check(name, False, f"{len(problems)} problem(s)", problems)
+    return Check(name, True, f"a Workflow Run RO-Crate listing all {len(files) - 1} other files of the archive")
 
 
 def _tested(run: Run) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -798,7 +874,7 @@ def _guarded(names: tuple[str, ...], run: Any) -> list[Check]:
 
 def _checks_of_extracted(extracted: Extracted, recompute_drift: bool, accept_looser: bool,
                          max_replay_logits: int = MAX_REPLAY_LOGITS, capture: Path | None = None) -> list[Check]:
-    """The tested commit and case, the run name, then checks 4-12 on an extracted archive (module docstring).
+    """The tested commit and case, the run name, then checks 4-14 on an extracted archive (module docstring).
 
     Each check runs on its own: one that stops on damaged content is a failed row, the others still run.
     """
@@ -819,6 +895,8 @@ def _checks_of_extracted(extracted: Extracted, recompute_drift: bool, accept_loo
     checks += _guarded(("SUMMARY.md",), lambda: check_summary(run))
     checks += _guarded(("tolerances",), lambda: check_tolerances(run, accept_looser))
     checks += _guarded(("arithmetic spec",), lambda: check_arithmetic_spec(run))
+    checks += _guarded(("provenance statement",), lambda: check_provenance(run, extracted.files, top))
+    checks += _guarded(("RO-Crate",), lambda: check_crate(run, extracted.files, top))
     if recompute_drift:
         checks += _guarded(("inputs regenerated", "oracle drift recomputed"),
                            lambda: recompute(run, max_replay_logits, capture))

@@ -34,6 +34,7 @@ from rl_engine.rundir.names import (
     ARCHIVE_SUFFIX,  # noqa: F401 (public, outside __all__)
     CAPTURE,
     CASE,
+    CRATE,
     CROSSCHECK,
     ENVIRONMENT,
     ENVIRONMENT_TEXT,
@@ -49,12 +50,15 @@ from rl_engine.rundir.names import (
     SCHEMA_DIR,
     SOURCES_SUFFIX,
     SPEC_DOC,
+    STATEMENT,
     STEM,
     SUMMARY,
     SUMS,
     TENSOR_NAMES,
     TOPOLOGY_FILE,  # noqa: F401 (public, outside __all__)
     VALIDATION,
+    WORKFLOW_DIR,
+    WORKFLOW_FILE,
     Stage,
     Topology,
     inside,
@@ -66,8 +70,9 @@ from rl_engine.rundir.names import (
 
 __all__ = [
     "ARCHIVE_ONLY", "CAPTURE", "OPTIONAL_DOCUMENTS", "PARITY_JSON", "PARITY_PNG", "SOURCES_SUFFIX", "SPEC_DOC", "CASE",
-    "CROSSCHECK", "ENVIRONMENT", "ENVIRONMENT_TEXT", "Finding", "JUNIT", "PLAN",
-    "PYTEST_LOG", "PlannedReport", "REGRESSION", "REVIEWING", "Run", "SCHEMA_DIR", "SUMMARY", "SUMS", "Stage",
-    "STEM", "TENSOR_NAMES", "Topology", "topology_rule_files", "VALIDATION", "field_path", "get", "inside", "is_number", "load_json",
+    "CRATE", "CROSSCHECK", "ENVIRONMENT", "ENVIRONMENT_TEXT", "Finding", "JUNIT", "PLAN",
+    "PYTEST_LOG", "PlannedReport", "REGRESSION", "REVIEWING", "Run", "SCHEMA_DIR", "STATEMENT", "SUMMARY", "SUMS", "Stage",
+    "STEM", "TENSOR_NAMES", "Topology", "topology_rule_files", "VALIDATION", "WORKFLOW_DIR",
+    "WORKFLOW_FILE", "field_path", "get", "inside", "is_number", "load_json",
     "non_finite_numbers", "planned_reports", "report_tensors", "run_stages", "stages",
 ]

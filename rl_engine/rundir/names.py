@@ -8,7 +8,8 @@ topology with its raw ``tp<T>-cp<C>.<name>.f32`` tensors, ``validation.json``,
 asks for them, ``capture.safetensors`` (the case's captured file, ``inputs.archive: true``) and
 ``parity.json`` with ``parity.png`` (a ``parity:`` section); an extracted
 archive's top folder also holds :data:`ARCHIVE_ONLY` (``SHA256SUMS``, ``REVIEWING.md``,
-``schemas/``), which ``archive`` adds. Beside the run directory lie the archive
+``schemas/``, ``arithmetic.md``, ``provenance.intoto.json``, ``ro-crate-metadata.json`` and the
+workflow's definition under ``workflow/``), which ``archive`` adds. Beside the run directory lie the archive
 (``results/<name>.tar.gz`` and its ``.sha256``), the verifier's ``results/<name>.verify.json``
 and those two stages' logs under ``results/logs/``.
 
@@ -48,7 +49,12 @@ SUMS = "SHA256SUMS"
 REVIEWING = "REVIEWING.md"
 SCHEMA_DIR = "schemas"
 SPEC_DOC = "arithmetic.md"  # the arithmetic specification the archive packs (rl_engine.evidence.spec_doc)
-ARCHIVE_ONLY: frozenset[str] = frozenset({SUMS, REVIEWING, SCHEMA_DIR, SPEC_DOC})
+STATEMENT = "provenance.intoto.json"  # the in-toto statement with the SLSA provenance predicate (evidence.provenance)
+CRATE = "ro-crate-metadata.json"  # the Workflow Run RO-Crate's metadata file (evidence.crate)
+WORKFLOW_DIR = "workflow"  # the workflow's definition the archive packs: the Snakefile and its rules
+ARCHIVE_ONLY: frozenset[str] = frozenset({SUMS, REVIEWING, SCHEMA_DIR, SPEC_DOC, STATEMENT, CRATE, WORKFLOW_DIR})
+# a packed file of the workflow's definition: workflow/Snakefile and workflow/rules/<rule file>.smk
+WORKFLOW_FILE = re.compile(r"^workflow/(Snakefile|rules/[A-Za-z0-9_-]+\.smk)$")
 SOURCES_SUFFIX = "-sources.sha256"  # results/logs/<name>-sources.sha256: the engine's source digest file
 ARCHIVE_SUFFIX = ".tar.gz"
 

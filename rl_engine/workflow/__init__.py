@@ -29,10 +29,12 @@ from rl_engine.workflow.closing import (
     report_parity_labels,
 )
 from rl_engine.workflow.config import (
+    ARCHIVE_PACKAGES,
     PARITY_DEFAULTS,
     REGRESSION_ROOT,
     Origin,
     WorkflowConfigError,
+    archive_problems,
     case_values,
     check_capture_location,
     check_config,
@@ -71,6 +73,8 @@ from rl_engine.workflow.resources import (
 )
 
 __all__ = [
+    "ARCHIVE_PACKAGES",
+    "archive_problems",
     "Closing",
     "GPUS",
     "LOG_TAIL_LINES",

@@ -7,7 +7,8 @@ case file the case rule writes, so a config that passes here cannot fail at plan
 here imports torch at import time or builds a command. Every error names the config key, the
 value and the fix, and says when the value came from ``--config`` rather than the config file
 (:class:`Origin`). :func:`check_workflow_config` adds what only this machine can answer (CUDA for
-``device: cuda``). ``python -m rl_engine check-config`` is :func:`main`.
+``device: cuda``; a ``SOURCE_DATE_EPOCH`` the archive can record and the packages it is written
+with). ``python -m rl_engine check-config`` is :func:`main`.
 """
 
 from __future__ import annotations
@@ -438,10 +439,43 @@ def machine_problems(config: dict[str, Any], origin: Origin = Origin()) -> list[
     return []
 
 
+# The packages the archive verb builds the provenance statement and the RO-Crate with (pyproject's
+# provenance extra), by the module each provides.
+ARCHIVE_PACKAGES = {"in_toto_attestation": "in-toto-attestation", "google.protobuf": "protobuf", "rocrate": "rocrate"}
+
+
+def archive_problems(environ: Mapping[str, str] | None = None) -> list[str]:
+    """What would stop the archive at the end of the workflow, said before any job: a malformed
+    ``SOURCE_DATE_EPOCH`` (:mod:`rl_engine.evidence.epoch`) or a package of the ``provenance`` extra that
+    is not installed (looked up, not imported: every parse of the Snakefile pays for this check)."""
+    import importlib.util
+
+    from rl_engine.evidence.epoch import SourceDateEpochError, source_date_epoch
+
+    problems = []
+    try:
+        source_date_epoch(environ)
+    except SourceDateEpochError as exc:
+        problems.append(str(exc))
+    missing = []
+    for module, package in ARCHIVE_PACKAGES.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:  # a parent package that is missing
+            found = False
+        if not found:
+            missing.append(package)
+    if missing:
+        problems.append(f"the archive writes its provenance statement and RO-Crate with {', '.join(missing)}, not "
+                        "installed here; install them: pip install -e '.[provenance]' (the test extra brings them)")
+    return problems
+
+
 def check_workflow_config(config: dict[str, Any], origin: Origin = Origin()) -> dict[str, Any]:
-    """:func:`check_config`, then :func:`machine_problems`: what ``workflow/Snakefile`` calls."""
+    """:func:`check_config`, then :func:`machine_problems` and :func:`archive_problems`: what
+    ``workflow/Snakefile`` calls."""
     check_config(config, origin)
-    problems = machine_problems(config, origin)
+    problems = machine_problems(config, origin) + archive_problems()
     if problems:
         raise WorkflowConfigError("; ".join(problems))
     return config

@@ -1,6 +1,9 @@
 # The archive packs exactly its declared inputs (the run's evidence, the rules' logs, the
-# schemas; the archived capture and the parity report when the config asks for them), so Snakemake decides what is stale: an edited report or tensor reruns the gates, the
-# summary and the archive; a file no rule declares is never packed. The archive's own logs live
+# schemas, the workflow's Snakefile and rules; the archived capture and the parity report when the
+# config asks for them), so Snakemake decides what is stale: an edited report or tensor reruns the
+# gates, the summary and the archive; a file no rule declares is never packed. Its times come from
+# SOURCE_DATE_EPOCH (0 when unset): Snakemake does not rerun the archive when only that changes, so
+# delete the archive to rebuild it under another one. The archive's own logs live
 # outside the run directory. Each rule `exec`s its verb: the process Snakemake starts is the verb
 # itself, so a SIGKILL of the job kills the archive writer, which no shell wrapper outlives.
 
@@ -21,6 +24,7 @@ rule archive:
         logs=STAGE_LOGS,
         schemas=SCHEMAS,
         spec="docs/arithmetic.md",
+        workflow=WORKFLOW_FILES,
     output:
         archive=stage_output("archive", 0),
         checksum=stage_output("archive", 1),
@@ -32,8 +36,8 @@ rule archive:
         "../envs/rl_engine.yaml"
     shell:
         "exec python -m rl_engine archive --run-dir {params.run:q} --output {output.archive:q} --spec {input.spec:q} "
-        "--schemas {input.schemas:q} --files {input.environment:q} {input.regression:q} {input.case:q} {input.plan:q} "
-        "{input.reports:q} {input.tensors:q} {input.validation:q} {input.crosscheck:q} {input.summary:q} "
+        "--workflow {input.workflow:q} --schemas {input.schemas:q} --files {input.environment:q} {input.regression:q} "
+        "{input.case:q} {input.plan:q} {input.reports:q} {input.tensors:q} {input.validation:q} {input.crosscheck:q} {input.summary:q} "
         "{input.capture:q} {input.parity:q} {input.logs:q} > {log:q} 2>&1"
 
 

@@ -51,6 +51,9 @@ PARITY_OUTPUTS = [str(p) for p in STAGE_OF["parity"].outputs] if "parity" in STA
 STAGE_LOGS = [str(stage.log) for stage in run_stages(STAGES)]
 # What the gate validates against; the archive ships the same files (and validation.json records their hashes).
 SCHEMAS = sorted(str(p.relative_to(REPO)) for p in Path(REPO, "schemas").glob("*.schema.json"))
+# The workflow's definition the archive packs under workflow/ (the RO-Crate's main entity and its rules).
+WORKFLOW_FILES = [str(Path(workflow.basedir, "Snakefile").relative_to(REPO)),
+                  *sorted(str(p.relative_to(REPO)) for p in Path(workflow.basedir, "rules").glob("*.smk"))]
 
 
 def stage_output(rule, index=0):
