@@ -14,6 +14,9 @@ on the policy and the reference model (nothing else of TRL changes):
     trainer = RLEngineGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...),
                                   train_dataset=dataset, processing_class=tokenizer)
 
+Under DeepSpeed ZeRO-3 the LM head's weight is read inside TRL's own ``maybe_gather_lm_head_ctx``, in
+the forward and again in the backward that makes the chunks' logits again, as TRL's head reads it.
+
 The head computes in its weight's dtype, autocast or not (``cast_lm_head_to_fp32``: float32):
 the arithmetic needs the logits' dtype fixed. What is refused, naming the setting: an LM head with a
 bias, a model whose config scales or caps
@@ -45,6 +48,49 @@ def _scaling_problem(config: Any) -> str | None:
             return (f"the model's config sets {name}={value!r}: its logits are scaled or capped before the "
                     "softmax, a step the arithmetic does not specify; use TRL's own head for this model")
     return None
+
+
+def _gather_lm_head(weight: torch.Tensor) -> Any:
+    """TRL's ``maybe_gather_lm_head_ctx``: under DeepSpeed ZeRO-3 the LM head's weight is partitioned
+    (``numel`` 0 outside its module's forward) and a fused head reads it without calling the module, so
+    it is gathered for the read; a null context without ZeRO-3 or when the weight is gathered already."""
+    from trl.trainer import utils
+
+    return utils.maybe_gather_lm_head_ctx(weight)
+
+
+def _gather_in_backward(out: Any, weight: torch.Tensor) -> None:
+    """Enter :func:`_gather_lm_head` again around the backward of the autograd node that computed
+    ``out`` (the first custom ``Function`` node behind its outputs): it makes each chunk's logits again
+    from the weight, as TRL's own head does inside its backward. Nothing to do when no output needs a
+    gradient."""
+    roots = [t.grad_fn for t in (out.selected_logp, out.entropy) if t is not None and t.grad_fn is not None]
+    if not roots:
+        return
+    node, seen, queue = None, set(), list(roots)
+    while queue and node is None:
+        current = queue.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, torch.autograd.function.BackwardCFunction):
+            node = current
+        else:
+            queue.extend(edge[0] for edge in current.next_functions)
+    if node is None:
+        raise LogprobContractError("rl_engine's head found no autograd node of selected_logprob_from_hidden behind "
+                                   "its outputs, so it cannot gather a ZeRO-3 weight for the backward")
+    held: list[Any] = []
+
+    def enter(_grad_outputs: Any) -> None:
+        held.append(_gather_lm_head(weight))
+        held[-1].__enter__()
+
+    def leave(_grad_inputs: Any, _grad_outputs: Any) -> None:
+        held.pop().__exit__(None, None, None)
+
+    node.register_prehook(enter)
+    node.register_hook(leave)
 
 
 def add_rl_engine_lm_head(model: Any, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
@@ -93,16 +139,18 @@ def add_rl_engine_lm_head(model: Any, temperature: float = 1.0, cast_lm_head_to_
         weight = lm_head.weight
         hidden, targets = hidden.to(weight.device), targets.to(weight.device)
         if cast_lm_head_to_fp32:
-            hidden, weight = hidden.float(), weight.float()
+            hidden = hidden.float()
         elif hidden.dtype != weight.dtype:
             hidden = hidden.to(weight.dtype)  # the logits' dtype is the head weight's
         mask = targets != -100
         # autocast would change the chunks' matmul dtype under the contract's feet: the head computes
-        # in its weight's dtype (float32 with cast_lm_head_to_fp32)
-        with torch.autocast(hidden.device.type, enabled=False):
-            out = selected_logprob_from_hidden(hidden, weight, targets, num_vocab_tiles=num_vocab_tiles,
-                                               temperature=temperature, compute_entropy=want_entropy,
-                                               chunk_tokens=chunk_tokens, backend=backend)
+        # in its weight's dtype (float32 with cast_lm_head_to_fp32). ZeRO-3 partitions the weight: it is
+        # read inside TRL's own gather, here and in the backward that makes the chunks' logits again.
+        with torch.autocast(hidden.device.type, enabled=False), _gather_lm_head(weight):
+            out = selected_logprob_from_hidden(hidden, weight.float() if cast_lm_head_to_fp32 else weight, targets,
+                                               num_vocab_tiles=num_vocab_tiles, temperature=temperature,
+                                               compute_entropy=want_entropy, chunk_tokens=chunk_tokens, backend=backend)
+        _gather_in_backward(out, weight)
         log_probs = out.selected_logp  # 0 on -100 labels (inactive rows)
         entropy = out.entropy.masked_fill(~mask, 0.0) if want_entropy else None
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
