@@ -30,6 +30,10 @@ VERBS: dict[str, tuple[str, str]] = {
 }
 
 
+# what the `workflow` extra of pyproject.toml installs, by module (referencing comes with jsonschema)
+WORKFLOW_MODULES = ("snakemake", "jsonschema", "referencing", "rich", "yaml")
+
+
 def usage() -> str:
     width = max(len(v) for v in VERBS)
     lines = ["usage: python -m rl_engine <verb> [args...]", "", "verbs:"]
@@ -55,9 +59,14 @@ def main(argv: list[str] | None = None) -> int:
                 PARSERS[verb]().parse_args(rest)
             except SystemExit as exc:  # argparse printed the help (0) or a usage error (2)
                 return exc.code if isinstance(exc.code, int) else 2
-    module = importlib.import_module(VERBS[verb][0])
     try:
-        return int(module.main(rest))
+        return int(importlib.import_module(VERBS[verb][0]).main(rest))
+    except ModuleNotFoundError as exc:  # `pip install rl_engine` is the op alone: the verbs need the workflow extra
+        if (exc.name or "").split(".")[0] not in WORKFLOW_MODULES:
+            raise
+        print(f"{verb}: {exc}: the verbs need rl_engine's workflow extra (pip install 'rl_engine[workflow]')",
+              file=sys.stderr)
+        return 2
     except OSError as exc:  # a file the verb was pointed at cannot be read or written: the message, no traceback
         # 2, as for every refusal: 1 is each verb's "the evidence shows a difference or a failure"
         print(f"{verb}: {exc}", file=sys.stderr)

@@ -14,10 +14,12 @@ cd "$(dirname "$0")/.."
 out="${1:-gpu-wheels}"
 py="${2:-3.12}"
 tag="cp${py/./}"
-# the [project] dependencies of pyproject.toml, less torch (the GPU machine's CUDA build stays)
+# the [project] dependencies of pyproject.toml and its workflow extra (the smoke runs a campaign), less
+# torch (the GPU machine's CUDA build stays)
 mapfile -t deps < <(python - <<'PY'
 import tomllib
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+deps = project["dependencies"] + project["optional-dependencies"]["workflow"]
 print("\n".join(d for d in deps if not d.replace(" ", "").startswith("torch")))
 PY
 )

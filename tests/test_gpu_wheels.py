@@ -1,7 +1,7 @@
 """``scripts/gpu-wheels.sh``: the wheels a GPU machine without network needs for the smoke.
 
-Quick: the script's commands (``DRY_RUN=1``) fetch every ``[project]`` dependency but torch,
-with the constraints file, plus setuptools for the offline build and this commit as a source
+Quick: the script's commands (``DRY_RUN=1``) fetch every ``[project]`` dependency but torch, and
+the workflow extra's, with the constraints file, plus setuptools for the offline build and this commit as a source
 archive. Opt-in (``RL_ENGINE_FETCH_TESTS=1``: it fetches about 50 MB, 4 minutes here): the script
 really runs for Python 3.12, and the folder it writes resolves every dependency for Python 3.12
 with no index at all (what the offline ``pip install --no-index``
@@ -24,7 +24,8 @@ SCRIPT = REPO / "scripts" / "gpu-wheels.sh"
 
 
 def _deps() -> list[str]:
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + project["optional-dependencies"]["workflow"]  # the smoke runs a campaign
     return [d for d in deps if not d.startswith("torch")]
 
 

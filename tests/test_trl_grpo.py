@@ -250,3 +250,32 @@ def test_the_documented_recipes_run_as_written(tmp_path: Path, capsys: pytest.Ca
     assert scope["trainer"].state.global_step == 1
     exec(compile(_doc_block("<!-- run by tests/test_trl_grpo.py (verl) -->"), "docs/trainer.md", "exec"), {})
     assert "torch.Size([2, 5]) torch.Size([2, 5])" in capsys.readouterr().out
+
+
+def test_grpo_with_trl_s_default_bf16_gives_trl_s_rewards_and_losses(tmp_path: Path) -> None:
+    """GRPOConfig's default ``bf16=True`` (left unset here): on the CPU too, accelerate runs the steps
+    under ``torch.autocast("cpu", dtype=torch.bfloat16)``, the parameters staying float32. Five steps of
+    TRL's own head and of ours: the same rewards step by step and the losses within 1e-4."""
+    from rl_engine.integrations.trl import RLEngineGRPOTrainer
+
+    def train(trainer_class: type, root: Path) -> list[dict[str, float]]:
+        prompts = [f"w{3 * i} w{3 * i + 1} w{5 * i + 2}" for i in range(8)]
+        config = trl.GRPOConfig(output_dir=str(root), per_device_train_batch_size=4, num_generations=4,
+                                max_completion_length=6, max_steps=5, learning_rate=1e-2, logging_steps=1,
+                                report_to="none", use_cpu=True, temperature=0.7, seed=0, beta=0.04,
+                                save_strategy="no", disable_tqdm=True, shuffle_dataset=False)
+        assert config.bf16 and not config.fp16  # TRL's default
+        trainer = trainer_class(model=_saved_model(tmp_path), reward_funcs=_reward, args=config,
+                                train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+                                processing_class=_tokenizer())
+        assert trainer.accelerator.mixed_precision == "bf16"
+        trainer.train()
+        return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+    theirs, ours = train(trl.GRPOTrainer, tmp_path / "trl"), train(RLEngineGRPOTrainer, tmp_path / "ours")
+    print("bf16 rewards and losses (TRL, ours):", [(a["reward"], b["reward"], a["loss"], b["loss"])
+                                                   for a, b in zip(theirs, ours)])
+    assert len(theirs) == len(ours) == 5, (theirs, ours)
+    for step, (a, b) in enumerate(zip(theirs, ours)):
+        assert a["reward"] == b["reward"], (step, a["reward"], b["reward"])
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"])), (step, a["loss"], b["loss"])

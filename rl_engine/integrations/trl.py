@@ -18,8 +18,11 @@ A mixture-of-experts model keeps its load-balancing loss as with TRL's head: rou
 call or the config asks for them, ``aux_loss`` and ``loss + router_aux_loss_coef * aux_loss`` (TRL's
 GRPO stacks each micro-batch's ``aux_loss``: a head returning None stopped ``train()``).
 
-The head computes in its weight's dtype, autocast or not (``cast_lm_head_to_fp32``: float32):
-the arithmetic needs the logits' dtype fixed. What is refused, naming the setting: an LM head with a
+Under DeepSpeed ZeRO-3 the LM head's weight is read inside TRL's own ``maybe_gather_lm_head_ctx``, in
+the forward and again in the backward that makes the chunks' logits again, as TRL's head reads it.
+
+The head computes in its weight's dtype, or under autocast in autocast's dtype as the model's own
+head does (``cast_lm_head_to_fp32``: float32, autocast off). What is refused, naming the setting: an LM head with a
 bias, a model whose config scales or caps
 its logits (``final_logit_softcapping``, ``logit_scale`` and its relatives: the arithmetic would
 need that step specified first), and per-token outputs other than ``log_probs`` and ``entropy``.
@@ -27,6 +30,7 @@ need that step specified first), and per-token outputs other than ``log_probs`` 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from typing import Any
@@ -73,9 +77,53 @@ def router_aux_loss(model: Any, text_config: Any, router_logits: Any, attention_
                                     attention_mask)
 
 
+def _gather_lm_head(weight: torch.Tensor) -> Any:
+    """TRL's ``maybe_gather_lm_head_ctx``: under DeepSpeed ZeRO-3 the LM head's weight is partitioned
+    (``numel`` 0 outside its module's forward) and a fused head reads it without calling the module, so
+    it is gathered for the read; a null context without ZeRO-3 or when the weight is gathered already."""
+    from trl.trainer import utils
+
+    return utils.maybe_gather_lm_head_ctx(weight)
+
+
+def _gather_in_backward(out: Any, weight: torch.Tensor) -> None:
+    """Enter :func:`_gather_lm_head` again around the backward of the autograd node that computed
+    ``out`` (the first custom ``Function`` node behind its outputs): it makes each chunk's logits again
+    from the weight, as TRL's own head does inside its backward. Nothing to do when no output needs a
+    gradient."""
+    roots = [t.grad_fn for t in (out.selected_logp, out.entropy) if t is not None and t.grad_fn is not None]
+    if not roots:
+        return
+    node, seen, queue = None, set(), list(roots)
+    while queue and node is None:
+        current = queue.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, torch.autograd.function.BackwardCFunction):
+            node = current
+        else:
+            queue.extend(edge[0] for edge in current.next_functions)
+    if node is None:
+        raise LogprobContractError("rl_engine's head found no autograd node of selected_logprob_from_hidden behind "
+                                   "its outputs, so it cannot gather a ZeRO-3 weight for the backward")
+    held: list[Any] = []
+
+    def enter(_grad_outputs: Any) -> None:
+        held.append(_gather_lm_head(weight))
+        held[-1].__enter__()
+
+    def leave(_grad_inputs: Any, _grad_outputs: Any) -> None:
+        held.pop().__exit__(None, None, None)
+
+    node.register_prehook(enter)
+    node.register_hook(leave)
+
+
 def add_rl_engine_lm_head(model: Any, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
                           outputs: tuple[str, ...] = ("log_probs",), *, num_vocab_tiles: int | str = "auto",
-                          chunk_tokens: int = DEFAULT_CHUNK_TOKENS, backend: str = "auto") -> None:
+                          chunk_tokens: int = DEFAULT_CHUNK_TOKENS, backend: str = "auto",
+                          grad_weight_fp32: bool = True, matmul: str = "auto") -> None:
     """Patch ``model`` as ``trl.trainer.utils.add_fused_lm_head`` does, computing with rl_engine.
 
     ``model(..., labels=labels, fused_lm_head=True)`` then returns TRL's ``FusedCausalLMOutput``:
@@ -85,8 +133,9 @@ def add_rl_engine_lm_head(model: Any, temperature: float = 1.0, cast_lm_head_to_
     is kept as TRL's head keeps it: router logits are asked of the backbone when the call or the
     model's config (``output_router_logits``) asks, and then ``aux_loss`` is :func:`router_aux_loss`
     and ``loss`` adds ``router_aux_loss_coef * aux_loss``. Without ``fused_lm_head`` the model's
-    forward is the one it had (generation is unchanged). ``num_vocab_tiles``, ``chunk_tokens`` and
-    ``backend`` are :func:`selected_logprob_from_hidden`'s."""
+    forward is the one it had (generation is unchanged). ``num_vocab_tiles``, ``chunk_tokens``,
+    ``backend``, ``grad_weight_fp32`` (default True: the weight's gradient summed in binary32, at TRL's
+    accuracy) and ``matmul`` are :func:`selected_logprob_from_hidden`'s."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     unknown = [name for name in outputs if name not in SUPPORTED_OUTPUTS]
@@ -123,17 +172,23 @@ def add_rl_engine_lm_head(model: Any, temperature: float = 1.0, cast_lm_head_to_
                                        "TRL's own head for this model")
         weight = lm_head.weight
         hidden, targets = hidden.to(weight.device), targets.to(weight.device)
+        autocasting = torch.is_autocast_enabled(hidden.device.type)
         if cast_lm_head_to_fp32:
-            hidden, weight = hidden.float(), weight.float()
-        elif hidden.dtype != weight.dtype:
+            hidden = hidden.float()
+        elif hidden.dtype != weight.dtype and not autocasting:
             hidden = hidden.to(weight.dtype)  # the logits' dtype is the head weight's
         mask = targets != -100
-        # autocast would change the chunks' matmul dtype under the contract's feet: the head computes
-        # in its weight's dtype (float32 with cast_lm_head_to_fp32)
-        with torch.autocast(hidden.device.type, enabled=False):
-            out = selected_logprob_from_hidden(hidden, weight, targets, num_vocab_tiles=num_vocab_tiles,
-                                               temperature=temperature, compute_entropy=want_entropy,
-                                               chunk_tokens=chunk_tokens, backend=backend)
+        # Under autocast (GRPOConfig's default bf16=True) the logits are made in autocast's dtype, as the
+        # model's own head and TRL's make them; cast_lm_head_to_fp32 computes in float32 with autocast off.
+        # ZeRO-3 partitions the weight: it is read inside TRL's own gather, here and in the backward that
+        # makes the chunks' logits again.
+        precision = torch.autocast(hidden.device.type, enabled=False) if cast_lm_head_to_fp32 else contextlib.nullcontext()
+        with precision, _gather_lm_head(weight):
+            out = selected_logprob_from_hidden(hidden, weight.float() if cast_lm_head_to_fp32 else weight, targets,
+                                               num_vocab_tiles=num_vocab_tiles, temperature=temperature,
+                                               compute_entropy=want_entropy, chunk_tokens=chunk_tokens, backend=backend,
+                                               grad_weight_fp32=grad_weight_fp32, matmul=matmul)
+        _gather_in_backward(out, weight)
         log_probs = out.selected_logp  # 0 on -100 labels (inactive rows)
         entropy = out.entropy.masked_fill(~mask, 0.0) if want_entropy else None
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
