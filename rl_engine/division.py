@@ -2,8 +2,8 @@
 
 Section 6 step 0 of ``docs/arithmetic.md`` divides every logit by ``T32`` (``RN32(x / T32)``,
 an IEEE division) and section 7 divides the gradient by it. A correctly rounded ``div.rn.f32``
-costs about fifteen instructions per element on an NVIDIA GPU (a reciprocal approximation, its
-refinement, a range check and a call to a slow path); the Triton kernels compute the same
+costs about a dozen instructions per element on an NVIDIA GPU (a reciprocal approximation, its
+refinement, a range check and a branch around a call to a slow path); the Triton kernels compute the same
 quotient with Markstein's correction instead, from ``r = RN32(1 / T32)`` computed once on the
 host::
 

@@ -5,12 +5,13 @@ Written with IEEE-754 basic operations and the fused multiply-adds the specifica
 
 * :func:`forward_partials_kernel`: one program (one warp) per (row, tile). The tile is read in
   chunks of 128 columns, column ``c`` in lane ``c % 128`` of the chunk: a first pass takes the
-  lanes' maxima (and minima, for validation), a second computes ``E(x - shift)`` and adds it
+  lanes' maxima (and minima, for validation and a temperature), a second computes ``E(x - shift)`` and adds it
   into the 128 lane sums in column order (section 4's ``G``; the entropy's ``G*`` adds
   ``fma(e, max(y, LO), lane)``); the 128 lane sums are then folded by ``F``. The chunk loops are
   unrolled (a tile of up to ``MAX_UNROLL`` chunks), so every thread runs the same straight
   code and the loads of the second pass are the first pass's registers.
-* :func:`backward_kernel`: one program per (row, block of columns), no branch: ``E(x - lse)``
+* :func:`backward_kernel`: one program per (row, block of columns), no branch (with a temperature,
+  one the whole program takes alike: the guard of the division by ``T32``): ``E(x - lse)``
   (the general form: ``lse`` is an input) times ``coef``, the ``coef == 0`` override, canonical NaN, padding zeros, the one rounding of
   section 8. Launched over the whole blocks without masks, and once more, masked, over the
   last partial block.
