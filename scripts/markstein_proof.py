@@ -15,8 +15,9 @@ fp32 (per temperature): two steps on all 2**23 binary32 significands A against t
 B, and how many one step alone gets wrong. Two steps are exact for every T32 by Markstein's theorem
 (docs/arithmetic.md); this checks the listed ones exhaustively.
 
-values (per temperature): every finite bf16 and binary16 value, and every binary32 value of the
-binades where the domain ends (the quotient, a residual or an estimate leaves the normal range):
+values (per temperature): every finite bf16 and binary16 value, and every positive binary32 value of
+the subnormals and of the binades where the domain ends (the quotient, a residual or an estimate
+leaves the normal range; negative values mirror them, the sequence being odd in x):
 the sequence equals the quotient on the domain, and how often it does not outside it, which is
 why the kernels divide with the IEEE division there.
 
@@ -104,9 +105,7 @@ def values(t32: float) -> int:
     fp16 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(F32)
     cases = (("bf16", bf16, 1), ("fp16", fp16, 1), ("fp32 edge binades", _edge_binades(t32), 2))
     for name, x, steps in cases:
-        x = x[np.isfinite(x)]
-        if name.startswith("fp32"):
-            x = np.concatenate([x, np.negative(x)])
+        x = x[np.isfinite(x)]  # the binary32 binades positive only: the sequence is odd in x (RN is symmetric)
         with np.errstate(over="ignore", invalid="ignore"):
             want = np.divide(x, F32(t32)).view(np.uint32)
             got = division.markstein(x, t32, steps).view(np.uint32)

@@ -279,6 +279,17 @@ $__internal_0_slowpath:
     assert unguarded.path_instructions == unguarded.longest_instructions == 4
 
 
+def test_the_roofline_command_refuses_a_temperature_the_arithmetic_refuses(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--temperature`` is checked as every temperature is (binary32 value in ``[2**-64, 2**64]``):
+    exit 2 naming it, before anything compiles or is written."""
+    for bad in ("0", "-0.7", "nan", "1e30"):
+        with pytest.raises(SystemExit) as info:
+            triton_aot.main(["--roofline", "--output-dir", str(tmp_path / "out"), "--temperature", bad])
+        assert info.value.code == 2 and "--temperature" in capsys.readouterr().err, bad
+    assert not (tmp_path / "out").exists()
+
+
 # the roofline targets (instructions per column forward and backward, forward and forward+backward over
 # the H100 floor): without a temperature, and with one (section 6 step 0's division: Markstein's
 # sequence, 3 instructions per column forward in bf16, 8 backward, and the guard; measured 26.2, 42.4,
