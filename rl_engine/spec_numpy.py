@@ -22,6 +22,7 @@ Public API::
     backward(logits, dtype, targets, active, lse, grad_logp, grad_lse, real_vocab, num_tiles, spec=SPEC_VERSION)
     make_inputs(batch, seq, prompt_tokens, real_vocab, padded_vocab, seed, logit_scale)
     canon_nan(x), round_bf16(x), round_f16(x)
+    head_logits(hidden, weight, dtype)   # section 12: the fused head's logits
     measure_ulp()        # also: python -m rl_engine.spec_numpy --measure
 
 bfloat16 values are carried as their uint16 bit patterns (NumPy has no bfloat16 type).
@@ -335,6 +336,22 @@ def _round_to(g: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         return round_bf16(g)
     return round_f16(g)
+
+
+# ------------------------------------------------------------------------------------
+# Section 12: the fused head's logits
+# ------------------------------------------------------------------------------------
+def head_logits(hidden, weight, dtype: str) -> np.ndarray:
+    """``[rows, cols]`` logits of ``hidden`` ``[rows, H]`` and ``weight`` ``[cols, H]`` (section 12):
+    per element ``s = +0``, then ``s = fma32(h[k], w[k], s)`` for ``k = 0 .. H-1``, then the one
+    rounding of section 8 to ``dtype`` (bf16 as uint16 bits, as :func:`to_f32` takes them)."""
+    h, w = to_f32(hidden, dtype), to_f32(weight, dtype)
+    if h.ndim != 2 or w.ndim != 2 or h.shape[1] != w.shape[1]:
+        raise ValueError(f"hidden {h.shape} and weight {w.shape} must be [rows, H] and [cols, H]")
+    s = np.zeros((h.shape[0], w.shape[0]), F32)
+    for k in range(h.shape[1]):
+        s = fma32(h[:, k, None], w[None, :, k], s)
+    return _round_to(s, dtype)
 
 
 # ------------------------------------------------------------------------------------

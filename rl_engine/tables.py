@@ -27,8 +27,16 @@ DEVICE_DIST_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl"}
 # Token layouts of context parallelism (distributed/bounds.py computes them).
 CP_LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
 
+# Characters no evidence string may hold where a reviewer reads it (a regular-expression class body):
+# C0 (newline and tab included), DEL, C1 and the bidirectional overrides and isolates; the
+# "printable" rule of schemas/defs.schema.json. A capture's metadata refuses them; SUMMARY.md's
+# md_cell shows them as visible escapes.
+UNPRINTABLE_CLASS = "\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069"
+
 # Backends by id, with the devices each runs on. "auto" picks one; a campaign refuses it.
 AUTO = "auto"
+# num_vocab_tiles="auto": the count resolved by rl_engine.distributed.bounds.auto_vocab_tiles
+AUTO_TILES = "auto"
 EAGER_BACKEND = "pytorch-vocab-parallel-logp-ws2"
 FUSED_CPU_BACKEND = "cpu-vocab-parallel-logp-ws2"
 TRITON_BACKEND = "triton-vocab-parallel-logp-ws2"
@@ -60,6 +68,10 @@ LOGIT_SCALE_BOUNDS: dict[str, float] = {
 }
 DEFAULT_TOPOLOGIES: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2))
 DEFAULT_PG_TIMEOUT_S = 120.0  # process-group timeout: a lost rank fails the collective
+# The longest process-group timeout (about 31.7 years): torch holds it in int64 nanoseconds (a
+# store timeout of 8.64e13 s wraps to a negative one) and datetime.timedelta ends at 999999999 days
+# (1e15 s fails every rank's init_mesh with an OverflowError).
+MAX_PG_TIMEOUT_S = 1e9
 
 # The benchmark's paths and phases (python -m rl_engine bench; rl_engine.benchmark.config says what each is).
 BENCH_PATHS: tuple[str, ...] = ("candidate", "fused", "triton", "naive", "floor", "lm_head", "fused_lm_head")

@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 import struct
 
+from rl_engine.validators import shown
+
 # T32 must lie in [2**-64, 2**64]: T32 and 1/T32 are then normal binary32 numbers.
 MIN_TEMPERATURE = 2.0 ** -64
 MAX_TEMPERATURE = 2.0 ** 64
@@ -50,7 +52,11 @@ def temperature32(temperature: object, field: str = "temperature") -> float:
     rounding lies outside ``[2**-64, 2**64]``."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TemperatureError(f"{field} must be a number, got {temperature!r}; pass a float such as 0.7")
-    value = float(temperature)
+    try:
+        value = float(temperature)
+    except OverflowError:  # an integer beyond binary64 (10**400): far outside the range below
+        raise TemperatureError(f"{field}={shown(temperature)} is outside [2**-64, 2**64] (an integer beyond "
+                               "binary64's range); pass a temperature > 0 such as 0.7") from None
     if not math.isfinite(value):
         raise TemperatureError(f"{field}={temperature!r} must be finite; pass a temperature > 0 such as 0.7")
     try:

@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from rl_engine.rundir import CAPTURE
-from rl_engine.tables import BENCH_PATHS, BENCH_PHASES, DTYPES, EAGER_BACKEND, PARITY_RATIO_BOUNDS
+from rl_engine.tables import AUTO_TILES, BENCH_PATHS, BENCH_PHASES, DTYPES, EAGER_BACKEND, PARITY_RATIO_BOUNDS
 
 
 def copy_capture_parser() -> argparse.ArgumentParser:
@@ -77,6 +77,17 @@ def bench_parser() -> argparse.ArgumentParser:
 
 
 
+def vocab_tiles_argument(text: str) -> int | str:
+    """``--num-vocab-tiles``: ``auto`` (kept as the name, resolved by the verb as the API resolves
+    it) or an integer (the verb checks that it divides the vocabulary)."""
+    if text == AUTO_TILES:
+        return AUTO_TILES
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither {AUTO_TILES!r} nor an integer") from None
+
+
 def parity_parser() -> argparse.ArgumentParser:
     """``parity`` (rl_engine.capture.parity)."""
     p = argparse.ArgumentParser(
@@ -89,7 +100,10 @@ def parity_parser() -> argparse.ArgumentParser:
     p.add_argument("trainer", type=Path, help="the trainer's capture of the same tokens")
     p.add_argument("--output-dir", type=Path, required=True)
     p.add_argument("--backend", default=EAGER_BACKEND, help="our logprob's backend (explicit id)")
-    p.add_argument("--num-vocab-tiles", type=int, default=1)
+    p.add_argument("--num-vocab-tiles", type=vocab_tiles_argument, default=AUTO_TILES,
+                   help="tiles of our logprob (default auto: the count selected_logprob's default rule gives for "
+                        "the captures' vocabulary, so an engine reporting our logprob with the API's defaults "
+                        "compares bitwise; or an integer dividing the vocabulary)")
     p.add_argument("--ratio-bounds", type=float, nargs=2, default=list(PARITY_RATIO_BOUNDS),
                         metavar=("LOW", "HIGH"))
     p.add_argument("--difference-exit-code", type=int, choices=(0, 1), default=1,

@@ -6,13 +6,16 @@ three positions of each sequence inactive with target -100 (as a trainer masks a
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rl_engine.campaign.captured import capture_record
-from rl_engine.campaign.case import Case
+from rl_engine.campaign.case import Case, write_case_file
 from rl_engine.capture import Capture, build_metadata, write_capture
 
 BATCH, SEQ, VOCAB, TILES = 2, 8, 64, 4
@@ -35,6 +38,19 @@ def tiny_capture(seed: int = 5) -> Capture:
     return Capture(logits, targets, active, None, meta)
 
 
+def ragged_capture(prompts: tuple[int, ...] = (2, 5), seed: int = 5) -> Capture:
+    """:func:`tiny_capture`'s logits with prompts of ``prompts`` tokens (one per sequence): a mask no
+    ``prompt_tokens`` describes, as a trainer's batch of prompts of different lengths has."""
+    base = tiny_capture(seed)
+    position = torch.arange(BATCH * SEQ) % SEQ
+    active = position >= torch.tensor(prompts).repeat_interleave(SEQ)
+    gen = torch.Generator().manual_seed(seed + 1)
+    targets = torch.where(active, torch.randint(0, VOCAB, (BATCH * SEQ,), generator=gen), torch.tensor(-100))
+    meta = build_metadata(engine="test", engine_version="0", model="seeded-randn", dtype="bf16",
+                          notes=f"tests/_capture_case.py seed {seed}, prompts {list(prompts)}")
+    return Capture(base.logits, targets, active, None, meta)
+
+
 def write_tiny_capture(path: Path, seed: int = 5) -> Path:
     write_capture(path, tiny_capture(seed))
     return path
@@ -52,3 +68,51 @@ def write_trainer_side(path: Path, seed: int = 5, scale: float = 1.001) -> Path:
 
 def capture_case(path: Path, archive: bool = False, **changes: Any) -> Case:
     return Case.create(**{**CASE_FIELDS, **changes}, capture=capture_record(path, archive))
+
+
+def launch_topology(plan: Path, topology: str) -> int:
+    """``python -m rl_engine launch`` of one topology (``"TPxCP"``) of ``plan``; its exit code."""
+    tp, cp = topology.split("x")
+    env = {k: v for k, v in os.environ.items() if k != "RL_ENGINE_FAULT"}
+    done = subprocess.run(
+        [sys.executable, "-m", "rl_engine", "launch", "--plan", str(plan), "--tp", tp, "--cp", cp,
+         "--timeout-s", "120", "--log", str(plan.parent / "logs" / f"tp{tp}-cp{cp}.log")],
+        env=env, capture_output=True, text=True, timeout=180, check=False)
+    return done.returncode
+
+
+def verify_archive(archive: Path, tmp_path: Path, *flags: str) -> tuple[int, dict[str, dict]]:
+    """``verify`` of ``archive`` with ``flags``: its exit code and its checks by name."""
+    from rl_engine import jsonio
+    from rl_engine.evidence import verify
+
+    out = tmp_path / "verify.json"
+    code = verify.main([str(archive), "--json", str(out), *flags])
+    return code, {c["name"]: c for c in jsonio.load(out)["checks"]}
+
+
+def campaign_to_archive(tmp_path: Path, case: Case, topologies: tuple[str, ...]) -> tuple[Path, Path]:
+    """``case`` through every verb (plan, each topology's launch, env, a one-test regression, validate,
+    crosscheck, summary, archive): the run directory and the archive. Asserts each verb's success."""
+    from rl_engine import cli
+
+    from _evidence_run import PYTEST_ARGS, TINY_TESTS, pack
+
+    run_dir = tmp_path / "rl-engine-test-run"
+    (run_dir / "logs").mkdir(parents=True)
+    write_case_file(run_dir / "case.json", case, tuple(tuple(int(x) for x in t.split("x")) for t in topologies))
+    assert cli.main(["plan", "--case", str(run_dir / "case.json"), "--output", str(run_dir / "plan.json")]) == 0
+    for topology in topologies:
+        tp, cp = topology.split("x")
+        assert launch_topology(run_dir / "plan.json", topology) == 0, (run_dir / "logs").joinpath(
+            f"tp{tp}-cp{cp}.log").read_text(errors="replace")[-3000:]
+    assert cli.main(["env", "--output-dir", str(run_dir), "--repo", str(Path(__file__).resolve().parents[1])]) == 0
+    tiny = tmp_path / "focused" / "test_tiny_focused.py"
+    tiny.parent.mkdir()
+    tiny.write_text(TINY_TESTS, encoding="utf-8")
+    assert cli.main(["regression", "--output-dir", str(run_dir), "--tests", str(tiny), *PYTEST_ARGS]) == 0
+    for verb, out in (("validate", "validation.json"), ("crosscheck", "crosscheck.json"), ("summary", "SUMMARY.md")):
+        assert cli.main([verb, "--run-dir", str(run_dir), "--output", str(run_dir / out)]) == 0, verb
+    archive = tmp_path / "out" / f"{run_dir.name}.tar.gz"
+    assert pack(run_dir, archive) == 0
+    return run_dir, archive

@@ -58,10 +58,11 @@ def logs(run_dir: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted((run_dir / "logs").glob("*")))
 
 
-def build_run(run_dir: Path, tests_dir: Path) -> Path:
-    """A complete, passing run directory (up to SUMMARY.md), like the workflow makes."""
+def build_run(run_dir: Path, tests_dir: Path, case_flags: list[str] = CASE_FLAGS) -> Path:
+    """A complete, passing run directory (up to SUMMARY.md), like the workflow makes, of the case
+    ``case_flags`` (``plan``'s flags) over :data:`TOPOLOGIES`."""
     (run_dir / "logs").mkdir(parents=True)
-    args = plan.build_parser().parse_args([*CASE_FLAGS, "--topologies", ",".join(TOPOLOGIES), "--output", "-"])
+    args = plan.build_parser().parse_args([*case_flags, "--topologies", ",".join(TOPOLOGIES), "--output", "-"])
     document = case_document(*plan.case_from_args(args))
     assert cli.main(["case", "--json", json.dumps(document), "--output", str(run_dir / "case.json")]) == 0
     assert cli.main(["plan", "--case", str(run_dir / "case.json"), "--output", str(run_dir / "plan.json")]) == 0

@@ -1,5 +1,6 @@
-"""A tiny transformers causal LM built from a config (fixed seed, nothing downloaded) and the
-two captures of one token batch that the capture and parity tests compare."""
+"""Tiny transformers causal LMs built from a config (fixed seed, nothing downloaded): a Llama and the
+two captures of one token batch that the capture and parity tests compare, and a Qwen2-MoE (a
+router, experts and a load-balancing loss) for the trainer integration's tests."""
 
 from __future__ import annotations
 
@@ -23,6 +24,23 @@ def tiny_model() -> torch.nn.Module:
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
+
+
+def tiny_moe(vocab: int = 256, router_aux_loss_coef: float = 0.01) -> torch.nn.Module:
+    """A Qwen2-MoE of 2 layers, 4 experts (2 per token) and a shared expert, whose config asks for its
+    router logits (``output_router_logits``), so its own forward adds the load-balancing loss."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        output_router_logits=True, router_aux_loss_coef=router_aux_loss_coef, pad_token_id=0, eos_token_id=1,
+        bos_token_id=1,
+    )
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(config)
 
 
 def sequences() -> list[torch.Tensor]:

@@ -16,7 +16,6 @@ passes."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,9 @@ from rl_engine.campaign.captured import capture_record, check_file
 from rl_engine.campaign.case import Case, CaseError, case_document, write_case_file
 from rl_engine.capture import CaptureError
 
-from _capture_case import CASE_FIELDS, capture_case, write_tiny_capture
+from _capture_case import CASE_FIELDS, campaign_to_archive, capture_case, write_tiny_capture
+from _capture_case import launch_topology as _launch
+from _capture_case import verify_archive as _verify
 
 TOPOLOGIES = ("1x1", "2x1", "2x2")
 FIELDS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256",
@@ -82,32 +83,27 @@ def test_check_file_refuses_other_bytes_naming_the_recorded_hash(tmp_path: Path)
         check_file(record, other)
 
 
-def _launch(plan: Path, topology: str) -> int:
-    tp, cp = topology.split("x")
-    env = {k: v for k, v in os.environ.items() if k != "RL_ENGINE_FAULT"}
-    done = subprocess.run(
-        [sys.executable, "-m", "rl_engine", "launch", "--plan", str(plan), "--tp", tp, "--cp", cp,
-         "--timeout-s", "120", "--log", str(plan.parent / "logs" / f"tp{tp}-cp{cp}.log")],
-        env=env, capture_output=True, text=True, timeout=180, check=False)
-    return done.returncode
-
-
-@pytest.fixture(scope="module")
-def capture_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, dict]]:
-    run_dir = tmp_path_factory.mktemp("capture-campaign")
-    (run_dir / "logs").mkdir()
-    path = write_tiny_capture(tmp_path_factory.mktemp("captures") / "rollout.safetensors")  # outside the run
+def _campaign(run_dir: Path, path: Path, topologies: tuple[str, ...] = TOPOLOGIES) -> dict[str, dict]:
+    """The case (``archive: true``) of the capture at ``path``, planned and every topology launched."""
+    (run_dir / "logs").mkdir(parents=True)
     write_case_file(run_dir / "case.json", capture_case(path, archive=True),  # inputs.archive: true
-                    tuple(tuple(int(x) for x in t.split("x")) for t in TOPOLOGIES))
+                    tuple(tuple(int(x) for x in t.split("x")) for t in topologies))
     assert cli.main(["plan", "--case", str(run_dir / "case.json"), "--output", str(run_dir / "plan.json")]) == 0
     reports = {}
-    for topology in TOPOLOGIES:
+    for topology in topologies:
         code = _launch(run_dir / "plan.json", topology)
         tp, cp = topology.split("x")
         log = run_dir / "logs" / f"tp{tp}-cp{cp}.log"
         assert code == 0, log.read_text(errors="replace")[-3000:]
         reports[topology] = json.loads((run_dir / f"tp{tp}-cp{cp}.json").read_text())
-    return run_dir, path, reports
+    return reports
+
+
+@pytest.fixture(scope="module")
+def capture_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, dict]]:
+    run_dir = tmp_path_factory.mktemp("capture-campaign")
+    path = write_tiny_capture(tmp_path_factory.mktemp("captures") / "rollout.safetensors")  # outside the run
+    return run_dir, path, _campaign(run_dir, path)
 
 
 @pytest.mark.slow
@@ -305,6 +301,43 @@ def test_a_bad_parity_section_is_refused_before_any_job_naming_key_value_and_fix
     assert "fix" in str(info.value) or "remove or rename" in str(info.value)
 
 
+@pytest.mark.parametrize("key", ["parity.rollout", "parity.trainer", "inputs.capture", "regression.tests"])
+@pytest.mark.parametrize("name", ["</script><img src=x onerror=alert(1)>.safetensors", "cap\x1b]0;x\x07.safetensors",
+                                  "cap\u202eorsnetefas.safetensors"], ids=["html", "escape-sequence", "bidi"])
+def test_a_path_holding_html_or_control_characters_is_refused_by_check_config(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str, name: str) -> None:
+    """A path the config names with '<', '>' or a control character (before: ``caps/</script><img src=x
+    onerror=...>.safetensors`` passed check-config and ``snakemake --report``'s HTML held a live
+    ``<img onerror>``) is refused by ``python -m rl_engine check-config`` (exit 2), which is the check
+    the Snakefile runs at parse time, before any job: the message names the key, the value, the
+    character and the fix, though the file exists and is a good capture. Control: the same capture under
+    a plain name passes."""
+    import yaml
+
+    from rl_engine.workflow.config import main
+
+    folder = tmp_path / "caps"
+    folder.mkdir()
+    hostile = write_tiny_capture(folder / name)
+    config = _parity_config(tmp_path)
+    top, _, sub = key.partition(".")
+    if top == "regression":
+        config["regression"]["tests"] = [*config["regression"]["tests"], f"tests/{name}"]
+    else:
+        config[top][sub] = str(hostile)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    shown_key = f"{key}[{len(config['regression']['tests']) - 1}]" if top == "regression" else key
+    bad = next(ch for ch in name if ch in "<>" or ord(ch) < 0x20 or 0x202a <= ord(ch) <= 0x202e)
+    assert f"config key {shown_key!r} has value " in err and f"the path holds {bad!r} (U+{ord(bad):04X})" in err, err
+    assert "rename the file, or link it, to a name without them; fix the value in config.yaml" in err
+    clean = _parity_config(tmp_path / "clean")
+    path.write_text(yaml.safe_dump(clean), encoding="utf-8")
+    assert main([str(path)]) == 0, capsys.readouterr().err
+
+
 # ----- rank 0 hashes the capture once ------------------------------------------------------------
 def _hashes_of_one_rank(rank: int, plan: str, tp: int, cp: int) -> tuple[int, list[str]]:
     """One rank of ``tp x cp`` in this worker process, counting every time the capture is hashed."""
@@ -365,24 +398,30 @@ def capture_archive(capture_run, tmp_path_factory: pytest.TempPathFactory) -> di
     """:func:`capture_run` completed by the real verbs, with a parity stage, archived under its run name."""
     import shutil
 
-    from rl_engine import jsonio
-    from rl_engine.campaign.casename import RunName, evidence_case_hash
-    from rl_engine.rundir import CAPTURE
-
     from _capture_case import write_trainer_side
-    from _evidence_run import PYTEST_ARGS, TINY_TESTS
 
     source, path, _ = capture_run
     base = tmp_path_factory.mktemp("capture-archive")
     run_dir = base / "run"
     shutil.copytree(source, run_dir)
+    return _complete(run_dir, base, path, write_trainer_side(base / "trainer.safetensors"))
+
+
+def _complete(run_dir: Path, base: Path, path: Path, trainer: Path) -> dict[str, Path]:
+    """A launched capture campaign in ``run_dir`` (:func:`_campaign` of ``path``) completed by the real
+    verbs, with a parity stage against ``trainer``, archived under its run name in ``base / "out"``."""
+    from rl_engine import jsonio
+    from rl_engine.campaign.casename import RunName, evidence_case_hash
+    from rl_engine.rundir import CAPTURE
+
+    from _evidence_run import PYTEST_ARGS, TINY_TESTS
+
     assert cli.main(["copy-capture", "--case", str(run_dir / "case.json"), "--output", str(run_dir / CAPTURE)]) == 0
     assert cli.main(["env", "--output-dir", str(run_dir), "--repo", str(Path(__file__).resolve().parents[1])]) == 0
     tiny = base / "focused" / "test_tiny_focused.py"
     tiny.parent.mkdir()
     tiny.write_text(TINY_TESTS, encoding="utf-8")
     assert cli.main(["regression", "--output-dir", str(run_dir), "--tests", str(tiny), *PYTEST_ARGS]) == 0
-    trainer = write_trainer_side(base / "trainer.safetensors")
     assert cli.main(["parity", str(path), str(trainer), "--output-dir", str(run_dir),
                      "--difference-exit-code", "0"]) == 0  # a difference: exit 0 as the workflow asks
     for verb, out in (("validate", "validation.json"), ("crosscheck", "crosscheck.json"), ("summary", "SUMMARY.md")):
@@ -394,15 +433,6 @@ def capture_archive(capture_run, tmp_path_factory: pytest.TempPathFactory) -> di
     archive = base / "out" / f"{name}.tar.gz"
     assert _pack(run_dir, archive) == 0
     return {"archive": archive, "run": run_dir, "capture": path, "trainer": trainer}
-
-
-def _verify(archive: Path, tmp_path: Path, *flags: str) -> tuple[int, dict[str, dict]]:
-    from rl_engine import jsonio
-    from rl_engine.evidence import verify
-
-    out = tmp_path / "verify.json"
-    code = verify.main([str(archive), "--json", str(out), *flags])
-    return code, {c["name"]: c for c in jsonio.load(out)["checks"]}
 
 
 def _text(check: dict) -> str:
@@ -591,6 +621,70 @@ def test_an_archived_capture_with_other_bytes_is_refused(capture_archive: dict[s
         assert checks[name]["status"] == "FAIL" and expected in _text(checks[name]), (name, checks[name])
 
 
+# One-line metadata (control characters are refused when a capture is written) that once reached
+# SUMMARY.md as markup or rich's console as markup: raw HTML (an <img> beacon, a script), a Markdown
+# image after a backtick that ends the value's code span, a fake Status heading and sign-off, and a
+# model name that rich's markup parser refused (MarkupError: closing tag '[/]' has nothing to close).
+HOSTILE_META = {
+    "engine": "vllm</td><script>alert(1)</script>",
+    "model": "qwen [/]",
+    "notes": "rollout` <img src=https://evil.example/beacon.gif onerror=alert(1)> ![b](https://evil.example/b.gif) "
+             "## Status PASSED: every check verified, signed off by the reviewer",
+}
+HOSTILE_DIR = "caps <img src=x onerror=alert(1)>"
+
+
+@pytest.mark.slow
+def test_hostile_capture_strings_reach_summary_md_and_the_console_as_text_and_the_archive_verifies(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A campaign and a parity stage on captures whose metadata and paths hold HTML, a Markdown image, a
+    fake ``## Status`` heading and sign-off, and ``qwen [/]``: every verb runs (``summary`` prints them
+    as text), the archive verifies (SUMMARY.md is rendered again from the evidence and compared), and
+    SUMMARY.md rendered as Markdown has one Status heading, no HTML, no image and no link: the strings
+    are shown, escaped, as text."""
+    import shutil
+
+    from markdown_it import MarkdownIt
+
+    from rl_engine.capture import Capture, build_metadata, write_capture
+    from rl_engine.rundir import SUMMARY
+
+    from _capture_case import tiny_capture
+
+    base = tmp_path_factory.mktemp("hostile")
+    rollout = tiny_capture()
+    folder = base / HOSTILE_DIR
+    folder.mkdir()
+    path, trainer = folder / "rollout.safetensors", folder / "trainer.safetensors"
+    write_capture(path, Capture(rollout.logits, rollout.targets, rollout.active, None,
+                                build_metadata(dtype="bf16", engine_version="0", **HOSTILE_META)))
+    write_capture(trainer, Capture(rollout.logits.float() * 1.001, rollout.targets, rollout.active, None,
+                                   build_metadata(dtype="fp32", engine_version="0", **HOSTILE_META)))
+    run_dir = base / "run"
+    _campaign(run_dir, path, ("1x1", "2x1"))
+    done = _complete(run_dir, base, path, trainer)
+    code, checks = _verify(done["archive"], base)
+    assert code == 0 and checks["SUMMARY.md"]["status"] == "PASS", [
+        (n, c["status"], _text(c)) for n, c in checks.items() if c["status"] not in ("PASS", "note")]
+    assert all(c["status"] in ("PASS", "note") for c in checks.values())
+    text = (run_dir / SUMMARY).read_text(encoding="utf-8")
+    assert "&lt;img src=https://evil.example/beacon.gif onerror=alert(1)&gt;" in text and "qwen [/]" in text
+    shutil.rmtree(folder)  # the captures are archived; nothing below reads them
+
+    tokens, stack = [], list(reversed(MarkdownIt("commonmark").enable("table").parse(text)))
+    while stack:
+        token = stack.pop()
+        tokens.append(token)
+        stack.extend(reversed(token.children or []))
+    headings = [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open"]
+    assert headings.count("Status") == 1, headings
+    kinds = {t.type for t in tokens}
+    assert not {"html_inline", "html_block", "image", "link_open"} & kinds, kinds
+    shown = "".join(t.content for t in tokens if t.type in ("text", "code_inline"))
+    assert "<img src=https://evil.example/beacon.gif onerror=alert(1)>" in shown  # as text, for the reviewer
+    assert "engine vllm</td><script>alert(1)</script> 0, model qwen [/]" in shown
+
+
 @pytest.mark.slow
 def test_a_capture_and_parity_config_runs_through_snakemake_to_a_verified_archive(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -672,3 +766,46 @@ def test_a_capture_and_parity_config_runs_through_snakemake_to_a_verified_archiv
     lint = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--configfile", CONFIG],
                           cwd=repo, env=env_for(repo), capture_output=True, text=True, timeout=300)
     assert "Congratulations, your workflow is in a good condition!" in lint.stdout + lint.stderr, lint.stdout[-3000:]
+
+
+# ----- a capture whose prompts differ in length ------------------------------------------------
+@pytest.mark.slow  # two torchrun topologies and the real verbs end to end
+def test_a_capture_with_ragged_prompts_runs_to_a_verified_archive(tmp_path: Path) -> None:
+    """Prompts of 2 and 5 tokens in one batch (the case says ``prompt_tokens: 3``, which shapes nothing
+    on a capture): the campaign ran both topologies and then failed validation ("token 2 is inactive (a
+    prompt token) but holds ..."), acceptance having taken the mask from ``prompt_tokens``. Each report
+    records the capture's mask (``active_mask``), acceptance reads it, and the run goes through every
+    verb to an archive ``verify --recompute --capture`` passes (the archive does not hold the capture:
+    plain acceptance needs nothing but the evidence). A report whose mask is the ``prompt_tokens`` rule's,
+    or is missing, fails naming ``active_mask``."""
+    import numpy as np
+
+    from rl_engine import jsonio
+    from rl_engine.campaign.mask import pack_mask, recipe_active
+    from rl_engine.capture import write_capture
+    from rl_engine.evidence.acceptance import check_report
+
+    from _capture_case import ragged_capture
+
+    capture = ragged_capture((2, 5))
+    path = tmp_path / "captures" / "ragged.safetensors"
+    path.parent.mkdir()
+    write_capture(path, capture)
+    run_dir, archive = campaign_to_archive(tmp_path, capture_case(path), ("1x1", "2x2"))
+    report = jsonio.load(run_dir / "tp2-cp2.json")
+    assert report["active_mask"] == pack_mask(capture.active.numpy())
+    assert report["drift"]["fp32_oracle"]["dlogp"]["count"] == int(capture.active.sum()) == 9  # not 2 * (8 - 3)
+    code, checks = _verify(archive, tmp_path, "--recompute", "--capture", str(path))
+    assert code == 0, {n: c["problems"] for n, c in checks.items() if c["status"] == "FAIL"}
+    for row in ("report acceptance", "inputs regenerated", "oracle drift recomputed", "candidate replayed"):
+        assert checks[row]["status"] == "PASS", (row, checks[row])
+    # negative controls: the prompt_tokens rule's mask (hashing to another mask), and no mask
+    rule = recipe_active(np.arange(16), 8, 3)
+    for change, needle in ((pack_mask(rule), "not to inputs_sha256.mask"), (None, "missing: a case on a capture")):
+        forged = dict(report)
+        if change is None:
+            del forged["active_mask"]
+        else:
+            forged["active_mask"] = change
+        found = [str(f) for f in check_report(forged, "tp2-cp2.json", run_dir)]
+        assert any(f.startswith("tp2-cp2.json: active_mask: ") and needle in f for f in found), found

@@ -137,13 +137,18 @@ def test_snakefile_case_json_is_the_config_case() -> None:
 CASE_OWNED_NAMES = ("CONFIG_FIELDS", "OPTIONAL_FIELDS", "resolved_case", "CAPTURE_INFO_KEYS", "FLOAT_FIELDS")
 CASE_OWNED_LITERALS = ("pg_timeout_s",)
 RECIPE_CALLS = ("inputs.make_inputs", "inputs.make_input_part")
+# The oracle's drift reads the case's real vocabulary, dtype, tolerance and temperature: only the
+# case calls it with a case's values (record_oracle_drift); comparison.py defines it and its TP=1
+# harness (no case) passes its own arguments.
+ORACLE_DRIFT_MODULES = ("campaign/case.py", "logprob/comparison.py")
 
 
 def _derived_outside_the_case(source: str, module: str) -> list[str]:
     """What a module other than ``campaign/case.py`` derives from a case itself: a
     ``LogprobContract(...)`` whose arguments read a case (``case.x``, ``case["x"]``), a name of
     :data:`CASE_OWNED_NAMES`, a literal of :data:`CASE_OWNED_LITERALS`, or the input recipe called
-    outside ``campaign/captured.py`` (the recipe-or-capture branch)."""
+    outside ``campaign/captured.py`` (the recipe-or-capture branch), or the oracle's drift called or
+    imported outside :data:`ORACLE_DRIFT_MODULES` (its case arguments spelled out a second time)."""
     import ast
 
     found = []
@@ -155,8 +160,12 @@ def _derived_outside_the_case(source: str, module: str) -> list[str]:
                 found.append(f"contract: {ast.unparse(node)[:100]}")
             if ast.unparse(node.func) in RECIPE_CALLS and module != "campaign/captured.py":
                 found.append("the input recipe called outside campaign.captured")
+            if name == "oracle_drift" and module not in ORACLE_DRIFT_MODULES:
+                found.append(f"the oracle's case arguments: {ast.unparse(node)[:100]}")
         elif isinstance(node, ast.ImportFrom) and node.module == "rl_engine.campaign.inputs":
             found += [f"imports {a.name}" for a in node.names if a.name in ("make_inputs", "make_input_part")]
+        elif isinstance(node, ast.ImportFrom) and module not in ORACLE_DRIFT_MODULES:
+            found += [f"imports {a.name}" for a in node.names if a.name == "oracle_drift"]
         if isinstance(node, (ast.Name, ast.Attribute, ast.alias)):
             name = getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None)
             if name in CASE_OWNED_NAMES:
@@ -170,7 +179,8 @@ def test_only_the_case_turns_a_case_into_a_contract_and_maps_config_keys() -> No
     """``campaign/case.py`` owns what a case determines: ``Case.contract`` is the one place a case
     becomes a ``LogprobContract`` (the runner's ranks, verify's replays, the GPU smoke),
     ``CONFIG_FIELDS`` the one mapping between config keys and case fields (``Case.from_config``,
-    ``config_key_of``, ``record_config``: the workflow and SUMMARY.md's reproduce.yaml), the case
+    ``config_key_of``, ``record_config``: the workflow and SUMMARY.md's reproduce.yaml), the oracle's
+    case arguments are read there only (``record_oracle_drift``: the runner and verify), the case
     hash is built there only, and the recipe-or-capture branch of a case's inputs is
     ``campaign/captured.py``'s (``Case.inputs``, ``Case.rank_inputs``)."""
     root = REPO / "rl_engine"
@@ -188,13 +198,39 @@ def test_only_the_case_turns_a_case_into_a_contract_and_maps_config_keys() -> No
         "x = inputs.make_inputs(case)": "the input recipe",
         "from rl_engine.campaign.inputs import make_inputs": "imports make_inputs",
         "x = inputs.make_input_part(case, rows, 0, 64)": "the input recipe",
+        # the two spellings that judged a T = 0.7 campaign by two oracles
+        "d = oracle_drift(lp, lse, x, t, a, case.real_vocab, case.dtype, case.atol, case.rtol, case.temperature)":
+            "the oracle's case arguments",
+        "d = oracle_drift(lp, lse, x, t, a, case['real_vocab'], case['dtype'], case['atol'], case['rtol'])":
+            "the oracle's case arguments",
+        "from rl_engine.logprob.comparison import oracle_drift": "imports oracle_drift",
     }
     for snippet, what in controls.items():
         assert any(what in f for f in _derived_outside_the_case(snippet, "campaign/run.py")), snippet
+    assert _derived_outside_the_case("d = comparison.oracle_drift(lp, lse, x, t, a, 60, 'bf16', 0.05, 0.0)",
+                                     "logprob/comparison.py") == []  # its own module and TP=1 harness
     case = Case.create(**SMALL, temperature=0.7)
     contract = case.contract(2, 2, 1, 0)
     assert (contract.tp_world_size, contract.tp_rank, contract.cp_world_size, contract.temperature) == (2, 1, 2, 0.7)
     assert contract.num_sequences == case.batch and contract.seq_len == case.seq
+
+
+def test_the_oracle_of_a_case_is_at_its_temperature_for_the_runner_and_verify_alike() -> None:
+    """``Case.drift`` (the runner) and ``record_oracle_drift`` of the report's case (``verify
+    --recompute``) are one function of the case: the candidate at T = 0.7 is within tolerance of the
+    oracle at 0.7; the oracle without the temperature (what verify's own spelling computed: LSE drift
+    0.535, "reported True, recomputed False") is not, and the record's temperature is what moves it."""
+    from rl_engine.campaign.replay import replay_candidate
+
+    case = Case.create(**SMALL, temperature=0.7)
+    replay = replay_candidate(case.to_dict())
+    logits, targets, active = case.inputs()
+    args = (replay.tensors["logp"], replay.tensors["lse"], logits, targets, active)
+    drift = case.drift(*args)
+    assert drift == casemod.record_oracle_drift(json.loads(json.dumps(case.to_dict())), *args)  # as read back
+    assert all(stats["passed"] for stats in drift["fp32_oracle"].values()), drift["fp32_oracle"]
+    cold = casemod.record_oracle_drift({k: v for k, v in case.to_dict().items() if k != "temperature"}, *args)
+    assert cold["fp32_oracle"]["lse"]["passed"] is False and cold["fp32_oracle"]["lse"]["max_abs"] > 0.1
 
 
 def test_the_run_name_and_verify_hash_the_case_through_one_builder(monkeypatch: pytest.MonkeyPatch) -> None:

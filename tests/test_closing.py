@@ -192,3 +192,28 @@ def test_the_optional_capture_and_parity_stages_are_named_when_they_fail(tmp_pat
         assert "FAILED at parity" not in closing(run, STEMS, succeeded=False).verdict
     complete = lay_out(tmp_path / "all" / "results", **flags)
     assert closing(complete, STEMS, succeeded=True, **flags).verdict == VERIFIED
+
+
+def test_the_closing_table_says_which_stages_were_reused_and_from_which_run(tmp_path: Path) -> None:
+    """A focused suite copied from an earlier run must not look like one that ran: the table names
+    the run it came from, when and its commit, and says so of a stage that ran."""
+    run = lay_out(tmp_path / "results")
+    origin = {"key": "c" * 64, "from_run": "camp-abc1234-case-99999999", "captured_utc": "2025-01-02T03:04:05Z",
+              "from_commit": "abc1234" + "0" * 33}
+    jsonio.write_json(run / "environment.json", {"git": {"commit": origin["from_commit"]}})
+    jsonio.write_json(run / "regression.json", {"passed": 305, "skipped": 2, "failed": 0, "errors": 0, "reused": origin})
+    result = closing(run, STEMS, succeeded=True)
+    assert result.verdict == VERIFIED
+    assert rows(result)["Environment capture"] == "captured for this run directory"
+    assert rows(result)["Focused suite"] == ("[bold yellow]REUSED[/], not run for this case: copied from run "
+                                             "camp-abc1234-case-99999999 (captured 2025-01-02T03:04:05Z, commit "
+                                             "abc123400000): 305 passed, 2 skipped")
+    out = io.StringIO()
+    print_closing(run, STEMS, succeeded=True, console=Console(file=out, width=300))
+    assert "REUSED, not run for this case: copied from run camp-abc1234-case-99999999" in out.getvalue()
+    jsonio.write_json(run / "regression.json", {"passed": 305, "skipped": 2, "failed": 0, "errors": 0})
+    jsonio.write_json(run / "environment.json", {"git": {}, "reused": {**origin, "from_commit": None}})
+    assert rows(closing(run, STEMS, succeeded=True))["Focused suite"] == "ran for this run directory: 305 passed, 2 skipped"
+    assert rows(closing(run, STEMS, succeeded=True))["Environment capture"] == (
+        "[bold yellow]REUSED[/], not run for this case: copied from run camp-abc1234-case-99999999 "
+        "(captured 2025-01-02T03:04:05Z, no git commit)")

@@ -11,6 +11,7 @@ the input recipe (the seed's range, the largest logit the recipe can make).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +119,84 @@ def test_a_test_file_linked_out_of_tests_is_refused(tmp_path: Path) -> None:
     problems = regression_problems(config, Origin(), root=tmp_path)
     assert len(problems) == 1 and "'regression.tests[1]'" in problems[0], problems
     assert "leads out of tests/ (through a symbolic link)" in problems[0]
+
+
+# ----- numbers beyond binary64 ----------------------------------------------------------------------
+# ``10**400`` is a YAML integer the schema's "type: number" passes; ``float()`` and ``math.isfinite``
+# of it raise a bare ``OverflowError``. check-config and ``snakemake -n`` died with it (exit 1), and
+# ``selected_logprob(temperature=10**400)`` too. One check refuses it in a config (check_config, before
+# any number of the config is converted), one rule in a case (its number rule), one in the temperature.
+HUGE = 10**400
+HUGE_SHOWN = "100000000000... (an integer of 401 digits)"
+HUGE_KEYS: dict[str, dict[str, Any]] = {
+    "temperature": {"temperature": HUGE},
+    "logit_scale": {"logit_scale": HUGE},
+    "pg_timeout_s": {"pg_timeout_s": HUGE},
+    "tolerances.bf16.atol": {"tolerances": {"bf16": {"atol": HUGE, "rtol": 0.0}}},
+    "tolerances.bf16.rtol": {"tolerances": {"bf16": {"atol": 0.05, "rtol": HUGE}}},
+    "topology_timeout_s": {"topology_timeout_s": HUGE},
+    "seed": {"seed": HUGE},
+    "ratio_bounds": {"parity": {"rollout": "r.safetensors", "trainer": "t.safetensors", "ratio_bounds": [0.8, HUGE]}},
+}
+
+
+@pytest.mark.parametrize("key", sorted(HUGE_KEYS))
+def test_an_integer_beyond_binary64_is_refused_naming_the_key_and_check_config_exits_2(
+        key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from rl_engine.workflow.config import main as check_config_main
+
+    monkeypatch.chdir(REPO)
+    config = {**base(), **HUGE_KEYS[key]}
+    named = "parity.ratio_bounds.1" if key == "ratio_bounds" else key
+    expected = (f"config key {named!r} has value {HUGE_SHOWN}: not a finite number: an integer beyond binary64's "
+                "range (about 1.8e308) has no float value; use a finite value")
+    with pytest.raises(WorkflowConfigError) as raised:
+        check_config(config)
+    assert expected in str(raised.value), str(raised.value)
+    path = tmp_path / "huge.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    assert check_config_main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err and "OverflowError" not in err
+
+
+def test_a_case_refuses_numbers_beyond_binary64_by_its_own_rules() -> None:
+    """Without the config's check (a case built by the API, ``plan`` or a case file), each float field's
+    rule names it; ``timeout_s`` is bounded by what torch holds (1e15 s was finite, and failed every
+    rank's ``init_mesh`` with an OverflowError), and the bound itself passes."""
+    from rl_engine.campaign.case import Case, CaseError, case_problems
+    from rl_engine.tables import MAX_PG_TIMEOUT_S
+
+    for field in ("logit_scale", "atol", "rtol", "timeout_s", "temperature"):
+        problems = case_problems({field: HUGE})
+        assert [f for f, _ in problems] == [field] and HUGE_SHOWN in problems[0][1], problems
+    fields = dict(device="cpu", dtype="bf16", backend="pytorch-vocab-parallel-logp-ws2", real_vocab=60,
+                  padded_vocab=64, num_vocab_tiles=4, batch=2, seq=8, prompt_tokens=4, seed=7)
+    with pytest.raises(CaseError, match=r"timeout_s=1000000000000000.0 exceeds 1e\+09 s, the longest process-group timeout"):
+        Case.create(**fields, timeout_s=1e15)
+    assert Case.create(**fields, timeout_s=MAX_PG_TIMEOUT_S).timeout_s == MAX_PG_TIMEOUT_S  # control
+
+
+def test_the_api_refuses_numbers_beyond_binary64_with_its_own_errors() -> None:
+    """The API path's conversions of a caller's number: the temperature of ``selected_logprob`` (was an
+    OverflowError), the comparison harness's tolerance, a GRPO coefficient and ``init_mesh``'s timeout."""
+    from rl_engine.distributed.mesh import MeshError, init_mesh
+    from rl_engine.grpo.contract import GRPOContract, GRPOContractError
+    from rl_engine.logprob.api import selected_logprob
+    from rl_engine.logprob.comparison import ComparisonError, compare_single_rank
+    from rl_engine.logprob.contract import LogprobContractError
+    from rl_engine.temperature import TemperatureError, inverse_temperature
+
+    logits, targets = torch.zeros(4, 16), torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(LogprobContractError, match=re.escape(f"temperature={HUGE_SHOWN} is outside [2**-64, 2**64]")):
+        selected_logprob(logits, targets, num_vocab_tiles=1, temperature=HUGE)
+    with pytest.raises(TemperatureError, match=re.escape("is outside [2**-64, 2**64]")):
+        inverse_temperature(-HUGE)
+    with pytest.raises(ComparisonError, match=re.escape(f"atol={HUGE_SHOWN} must be a finite number")):
+        compare_single_rank(logits, targets, torch.ones(4, dtype=torch.bool), real_vocab=16, num_vocab_tiles=1,
+                            dtype="fp32", backend="pytorch-vocab-parallel-logp-ws2", atol=HUGE)
+    with pytest.raises(GRPOContractError, match=re.escape(f"beta={HUGE_SHOWN} must be finite (an integer beyond")):
+        GRPOContract.build(logprob={"real_vocab_size": 16, "padded_vocab_size": 16, "num_vocab_tiles": 1},
+                           num_sequences=2, seq_len=4, group_size=2, beta=HUGE)
+    with pytest.raises(MeshError, match=re.escape(f"timeout_s={HUGE_SHOWN} must be a number > 0 and <= 1e+09 s")):
+        init_mesh(tp=1, timeout_s=HUGE, environ={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})

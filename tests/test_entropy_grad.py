@@ -161,8 +161,9 @@ def test_the_entropy_gradient_is_the_same_bytes_at_every_tp_and_cp_degree() -> N
 
 
 def test_the_fused_head_and_a_compiled_step_carry_the_entropy_gradient() -> None:
-    """``selected_logprob_from_hidden`` (one chunk: the materialised product's bits) and a
-    ``torch.compile(fullgraph=True)`` step give the eager call's gradient of logp + entropy."""
+    """``selected_logprob_from_hidden`` (the library's product in one chunk, the weight's gradient in its
+    dtype: the materialised path's bits) and a ``torch.compile(fullgraph=True)`` step give the eager
+    call's gradient of logp + entropy."""
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(12, 32, generator=g).to(torch.bfloat16)
     weight = (torch.randn(256, 32, generator=g) * 0.3).to(torch.bfloat16)
@@ -174,8 +175,8 @@ def test_the_fused_head_and_a_compiled_step_carry_the_entropy_gradient() -> None
     h, wt = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     loss(selected_logprob(h @ wt.T, ids, real_vocab_size=250, compute_entropy=True)).backward()
     h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    loss(selected_logprob_from_hidden(h2, w2, ids, real_vocab_size=250, compute_entropy=True,
-                                      chunk_tokens=64)).backward()
+    loss(selected_logprob_from_hidden(h2, w2, ids, real_vocab_size=250, compute_entropy=True, chunk_tokens=64,
+                                      matmul="library", grad_weight_fp32=False)).backward()
     assert tensor_bytes(h2.grad) == tensor_bytes(h.grad) and tensor_bytes(w2.grad) == tensor_bytes(wt.grad)
 
     torch._dynamo.reset()

@@ -95,6 +95,7 @@ def test_environment_records_commands_and_absent_tools(tmp_path: Path, monkeypat
     # a commit of this repository (others may commit meanwhile, so not compared with HEAD now)
     subprocess.run([git, "cat-file", "-e", env["git"]["commit"] + "^{commit}"], cwd=repo, check=True)
     assert env["tools"] == {"nvidia_smi": False, "nvcc": False}
+    assert env["nvidia"] == {"driver_version": None, "gpus": [], "nvcc_path": None, "nvcc_version": None}
     assert env["torch"]["gloo_available"] is True
     assert env["packages"]["jsonschema"] and env["packages"]["rich"]
     text = (tmp_path / "out" / "environment.txt").read_text()
@@ -205,7 +206,8 @@ def test_every_evidence_writer_validates_before_writing(verb: str, run: Path, tm
     out = tmp_path / "out"
     if verb == "env":
         env = {**jsonio.load(run / "environment.json"), "schema_version": "2"}
-        monkeypatch.setattr(environment, "capture", lambda repo, timeout_s: (env, "raw"))
+        monkeypatch.setattr(environment, "probe", lambda repo, timeout_s: env)
+        monkeypatch.setattr(environment, "raw_text", lambda repo, timeout_s: "raw")
         code, written = environment.main(["--output-dir", str(out)]), out / "environment.json"
     elif verb == "regression":
         monkeypatch.setattr(regression, "SCHEMA_VERSION", "2")
@@ -466,6 +468,32 @@ def test_summary_numbers_come_from_the_evidence(good_run: Path, run: Path) -> No
     host = socket.gethostname()  # the runs here ran on this machine: one node per topology
     assert f"| 2 | 2 | 4 | 1: {host} | 1.2300e-02 |" in changed and "0.0123" in changed
     assert "| Focused regression | 41 passed, 3 skipped |" in changed
+
+
+def test_summary_prints_evidence_strings_as_text_never_as_markup(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A parity capture whose model is ``qwen [/]`` and whose notes hold rich markup: the summary verb
+    (which died with rich's MarkupError on it, at every rerun) exits 0, twice, and the console shows the
+    strings as written; SUMMARY.md holds them in the parity table. Every table it prints is built of
+    ``rich.text.Text`` cells, never parsed as markup."""
+    from rich.console import Console
+    from rich.text import Text
+
+    parity = jsonio.load(Path(__file__).parent / "fixtures" / "schemas" / "parity" / "valid" / "parity.json")
+    meta = parity["captures"]["trainer"]["metadata"]
+    meta["model"], meta["engine"] = "qwen [/]", "[bold red]ALL CHECKS VERIFIED[/]"
+    assert schemas.errors(parity, "parity") == []
+    (run / "parity.json").write_text(jsonio.dumps(parity), encoding="utf-8")
+    for _ in range(2):
+        assert cli.main(["summary", "--run-dir", str(run), "--output", str(run / "SUMMARY.md")]) == 0
+        out = capsys.readouterr().out
+        assert "model qwen [/]," in out and "engine [bold" in out and "red]ALL CHECKS VERIFIED[/] 1.0" in out  # folded
+    text = (run / "SUMMARY.md").read_text(encoding="utf-8")
+    assert "model qwen [/]" in text and "engine [bold red]ALL CHECKS VERIFIED[/]" in text
+    table = summary.parity_section(parity).rich()
+    assert all(isinstance(cell, Text) for column in table.columns for cell in column._cells)
+    console = Console(file=io.StringIO(), width=400)
+    console.print(table)  # a plain string cell would raise MarkupError here
+    assert "qwen [/]" in console.file.getvalue()  # type: ignore[attr-defined]
 
 
 def test_summary_has_the_reproduction_section_and_every_skip_reason(good_run: Path, run: Path) -> None:
@@ -907,9 +935,12 @@ def _f32(*values: float) -> bytes:
 
 def test_tensor_value_checks_unit() -> None:
     """What the arithmetic guarantees of the raw files (seq 4, 1 prompt token: tokens 0 and 4 inactive)."""
+    import numpy as np
+
+    from rl_engine.campaign.mask import recipe_active
     from rl_engine.evidence.acceptance import check_tensor_values
 
-    case = {"seq": 4, "prompt_tokens": 1}
+    case = recipe_active(np.arange(8), 4, 1)  # the mask the case's inputs have
     good_logp = _f32(0.0, -1.5, 0.0, -float("inf"), 0.0, -0.25, -7.0, -1e-30)  # +0 allowed on active tokens too
     assert check_tensor_values("logp", good_logp, case, "r.json") == []
     assert check_tensor_values("lse", _f32(float("nan"), 7.0, -3.0, 1e30, float("inf"), 6.9, 7.1, 7.2), case,

@@ -377,7 +377,14 @@ def test_case_hash_of_the_evidence_is_the_hash_of_the_config(tmp_path: Path) -> 
     assert evidence_case_hash(plan, regression) == wfconfig.config_case_hash(config)
     regression["command"] = command.replace(" -x", "")
     assert evidence_case_hash(plan, regression) != wfconfig.config_case_hash(config)
-    with pytest.raises(RunNameError, match="is not 'python -m pytest -q -rs <tests> \\[args\\]"):
+    # the verb's own plugin (rl_engine.record.suite_imports) is not an argument of the case
+    regression["command"] = command.replace("-rs ", "-rs -p rl_engine.record.suite_imports ")
+    assert evidence_case_hash(plan, regression) == wfconfig.config_case_hash(config)
+    regression["command"] = command.replace("-rs ", "-rs -p other.plugin ")  # any other plugin is the case's
+    with pytest.raises(RunNameError):
+        evidence_case_hash(plan, regression)
+    with pytest.raises(RunNameError, match="is not 'python -m pytest -q -rs \\[-p rl_engine.record.suite_imports\\] "
+                                           "<tests> \\[args\\]"):
         pytest_args_of({"tests": ["tests/a.py"], "command": "pytest tests/a.py"})
 
 
@@ -445,6 +452,12 @@ DRY_RUNS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
                ("config key 'seed' has value 1180591620717411303424", "config key 'logit_scale' has value 1e+39",
                 "config key 'seq' has value 1099511627776", "config key 'regression.tests[0]' has value "
                 "'../../../../etc/passwd'")),
+    # 400-digit integers pass the schema; float() of them was an OverflowError traceback
+    "beyond-binary64": ({"temperature": 10**400, "logit_scale": 10**400, "pg_timeout_s": 10**400,
+                         **tolerance("bf16", 10**400, 0.0)},
+                        tuple(f"config key {key!r} has value 100000000000... (an integer of 401 digits): not a finite "
+                              "number: an integer beyond binary64's range" for key in
+                              ("temperature", "logit_scale", "pg_timeout_s", "tolerances.bf16.atol"))),
     "single-topology": ({"topologies": ["1x1"]},
                         ("config key 'topologies' has value ['1x1']", "the cross-topology check compares at least 2")),
 }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import threading
 from pathlib import Path
@@ -309,3 +310,40 @@ def test_parity_on_overflowing_values_writes_the_report_and_counts_them(tmp_path
         assert ours["non_finite"] == tokens and ours["max_abs_diff"] is None and ours["mean_diff"] is None
         assert ours["rollout_logp"].count(None) == tokens
         assert jsonio.load(tmp_path / "out" / "parity.json")["our_logprob"]["non_finite"] == tokens
+
+
+# ------------------------------------------------------------------ metadata: printable text only
+@pytest.mark.parametrize("char", ["\x1b", "\x07", "\n", "\t", "\x9b", "\u202e"],
+                         ids=["ESC", "BEL", "newline", "tab", "C1-CSI", "bidi-override"])
+def test_control_characters_in_capture_metadata_are_refused_at_write_and_at_read(
+        char: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A capture's ``notes`` (or any metadata value) holding ESC, BEL, a newline, a tab, a C1 control or a
+    bidirectional override (each once reached SUMMARY.md raw: a second ``## Status`` heading, or an ESC
+    that made the project's own archive fail verify): refused when the capture is built or written,
+    and, for a file written by another tool, when it is read (the header check every reader runs),
+    naming the key, the code point and its position; the parity verb then exits 2 with nothing
+    written. Control: the same notes with the character written as the text ``\\x1b`` is accepted."""
+    from safetensors.torch import save_file
+
+    from rl_engine.capture import Capture, write_capture
+
+    cap = tiny_capture()
+    notes = f"rollout{char}\n## Status" if char != "\n" else "rollout\n\n## Status\n\nPASSED, signed: reviewer"
+    code_point = f"U+{ord(char):04X}"
+    pattern = re.escape(code_point)
+    for key in ("notes", "model"):
+        with pytest.raises(CaptureError, match=f"metadata {key} holds the control or bidirectional character {pattern} at position 7"):
+            Capture(cap.logits, cap.targets, cap.active, None, {**cap.metadata, key: notes})
+    path = tmp_path / "other-tool.safetensors"
+    save_file({"logits": cap.logits, "targets": cap.targets, "active": cap.active}, str(path),
+              metadata={**cap.metadata, "notes": notes})
+    with pytest.raises(CaptureError, match=f"metadata notes holds the control or bidirectional character {pattern}"):
+        read_header(path)
+    with pytest.raises(CaptureError, match=pattern):
+        read_capture(path)
+    out = tmp_path / "out"
+    assert cli.main(["parity", str(path), str(path), "--output-dir", str(out)]) == 2 and not out.exists()
+    assert f"metadata notes holds the control or bidirectional character {code_point}" in capsys.readouterr().err
+    good = tmp_path / "good.safetensors"
+    write_capture(good, Capture(cap.logits, cap.targets, cap.active, None, {**cap.metadata, "notes": "rollout\\x1b"}))
+    assert read_header(good).metadata["notes"] == "rollout\\x1b"

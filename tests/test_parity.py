@@ -122,8 +122,10 @@ def test_the_parity_figure_counts_exact_zeros_apart_from_parity_json(caps: dict[
     ratio = report["importance_ratio"]["ours"]["per_token"]
     low, high = report["importance_ratio"]["bounds"]
     panels = parity.figure_panels(json.loads((tmp_path / "out" / "parity.json").read_text()))
-    assert [p.title.split(":")[0] for p in panels] == ["our logprob", "logits", "importance ratio (ours)"]
-    ours, logits, ratios = panels
+    assert [p.title.split(":")[0] for p in panels] == ["our logprob", "logits"] + ["importance ratio (ours)"] * 2
+    ours, logits, ratios, near_one = panels
+    assert near_one.log_scale and near_one.zeros == sum(1 for i in on if ratio[i] == 1.0)
+    assert sorted(near_one.values) == sorted(abs(ratio[i] - 1) for i in on if ratio[i] != 1.0)
     zeros = sum(1 for i in on if logp_diff[i] == 0)
     assert 0 < zeros < len(on) and ours.zeros == zeros and ours.active == len(on)
     assert sorted(ours.values) == sorted(logp_diff[i] for i in on if logp_diff[i] != 0)  # zeros not in the histogram
@@ -134,7 +136,10 @@ def test_the_parity_figure_counts_exact_zeros_apart_from_parity_json(caps: dict[
     assert f"outside [{low:.3g}, {high:.3g}]: {outside} of {len(on)}" in ratios.note()
     assert f"exactly 0: {zeros} of {len(on)} active tokens" in ours.note()
     assert f"bitwise equal on {zeros} of {len(on)} active tokens" in parity.headline(report)
-    assert "equal logits give equal logprob bytes: yes" in parity.headline(report)
+    equal_rows = [i for i in on if report["logits"]["per_token"]["columns_differing"][i] == 0]
+    assert (f"logits rows bitwise equal on {len(equal_rows)} of {len(on)} active tokens (tokens "
+            f"{', '.join(str(i) for i in equal_rows[:6])}, ...); our logprob bytes are equal on all "
+            f"{len(equal_rows)}") in parity.headline(report)
     png = (tmp_path / "out" / "parity.png").read_bytes()
     width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk
     assert png[12:16] == b"IHDR" and width == 1280 and height >= 800, (width, height)
@@ -328,3 +333,136 @@ def test_the_worked_example_of_docs_capture_md_runs(tmp_path: Path, monkeypatch:
     config = {**yaml.safe_load((root / "config.yaml").read_text()), **overrides}
     monkeypatch.chdir(root)  # where snakemake runs (the focused tests' paths)
     assert stage_flags(check_config(config)) == {"capture": True, "parity": True}
+
+
+def test_the_default_tile_count_is_the_api_s_auto_rule_so_our_in_engine_logprob_compares_bitwise(
+        caps: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The verb's, the options' and the workflow's default ``num_vocab_tiles`` is ``selected_logprob``'s own
+    default (read from its signature: this fails the day they diverge), resolved by the API's resolver: a
+    rollout that reports ``selected_logprob(logits, targets, active)`` with every default is bitwise equal
+    to ours in section 4. Negative control: one tile (the verb's old default) gives other bytes there."""
+    import inspect
+
+    from rl_engine.campaign.casename import report_parity_identity
+    from rl_engine.logprob import selected_logprob
+    from rl_engine.logprob.api import resolve_vocab_tiles
+    from rl_engine.verb_parsers import parity_parser
+    from rl_engine.workflow.config import PARITY_DEFAULTS, config_parity
+
+    api_default = inspect.signature(selected_logprob).parameters["num_vocab_tiles"].default
+    assert parity_parser().parse_args(["r", "t", "--output-dir", "o"]).num_vocab_tiles == api_default
+    assert ParityOptions().num_vocab_tiles == api_default == PARITY_DEFAULTS["num_vocab_tiles"]
+    rollout = read_capture(caps["rollout"])
+    reported = selected_logprob(rollout.logits, rollout.targets, rollout.active).selected_logp
+    path = tmp_path / "in-engine.safetensors"
+    write_capture(path, Capture(rollout.logits, rollout.targets, rollout.active, reported, rollout.metadata))
+    code, report = _parity(path, caps["trainer"], tmp_path / "auto")
+    assert code == 1 and report is not None
+    engine = report["engine_vs_ours"]["rollout"]
+    assert engine["bitwise_equal"] and engine["tokens_differing"] == 0
+    on = [d for d, a in zip(engine["per_token"]["diff"], report["targets_and_mask"]["per_token"]["active"]) if a]
+    assert _f32(on) == bytes(4 * len(on))  # +0.0 on every active token, as bytes
+    expected = resolve_vocab_tiles(api_default, rollout.vocab)
+    assert report["num_vocab_tiles"] == expected["resolved"] == 8  # 4096 columns at max_tp 8: tiles of 512
+    assert report["num_vocab_tiles_rule"] == {"requested": "auto", "rule": expected["rule"], "max_tp": 8}
+    assert "│ 4 rollout engine vs ours │ bitwise equal" in capsys.readouterr().out
+    # the workflow's case hash holds the count parity.json records, so verify computes the same name
+    section = {"rollout": str(path), "trainer": str(caps["trainer"])}
+    identity = config_parity({"parity": section})
+    assert identity == report_parity_identity(report) == config_parity({"parity": {**section, "num_vocab_tiles": 8}})
+    # negative control: another tile count gives other bytes on some tokens
+    code, one = _parity(path, caps["trainer"], tmp_path / "one", "--num-vocab-tiles", "1")
+    assert code == 1 and one is not None and one["num_vocab_tiles_rule"]["rule"] == "given"
+    assert not one["engine_vs_ours"]["rollout"]["bitwise_equal"] and one["engine_vs_ours"]["rollout"]["tokens_differing"] > 0
+
+
+def test_auto_tiles_without_a_count_for_the_vocabulary_is_refused_naming_the_option(tmp_path: Path) -> None:
+    """50257 columns have no count under the auto rule: refused (exit 2, nothing written) naming
+    --num-vocab-tiles; an explicit count that divides them is accepted (the control)."""
+    from rl_engine.capture import build_metadata
+    from rl_engine.capture.parity import ParityError, check_pair
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = 50257
+    logits = torch.randn(2, vocab, generator=gen).to(torch.bfloat16)
+    cap = Capture(logits, torch.tensor([1, 2]), torch.tensor([True, True]), None,
+                  build_metadata(engine="e", engine_version="1", model="m", dtype="bf16"))
+    path = tmp_path / "c.safetensors"
+    write_capture(path, cap)
+    with pytest.raises(ParityError, match=r"num_vocab_tiles: .*50257.*--num-vocab-tiles N"):
+        check_pair(path, path, ParityOptions())
+    assert check_pair(path, path, ParityOptions(num_vocab_tiles=1)) == 1
+    code, _ = _parity(path, path, tmp_path / "out")
+    assert code == 2 and not (tmp_path / "out").exists()
+
+
+def _near_one_report(caps: dict[str, Path], tmp_path: Path) -> dict[str, Any]:
+    """A real report whose ratios (and our logprob differences) are then set to values all within 1e-5
+    of 1 (their logarithms): 1 exactly, and 1 + k * 2^-23 and 1 - k * 2^-24 for k up to 60 (3.6e-6)."""
+    _, report = _parity(caps["rollout"], caps["trainer"], tmp_path)
+    assert report is not None
+    act = report["targets_and_mask"]["per_token"]["active"]
+    ratios = []
+    for i, on in enumerate(act):
+        k = 3 * i if on else 0
+        value = 1.0 if i % 5 == 0 else (1.0 + k * 2.0**-23 if i % 2 else 1.0 - k * 2.0**-24)
+        ratios.append(value)
+    report["importance_ratio"]["ours"]["per_token"] = ratios
+    assert all(abs(r - 1) < 1e-5 for r in ratios) and len({r for r, a in zip(ratios, act) if a}) > 10
+    return report
+
+
+def test_ratios_within_1e_5_of_1_are_visible_on_the_log_scale_panel(caps: dict[str, Path], tmp_path: Path) -> None:
+    """parity.png's |ratio - 1| panel spreads ratios that are all within 1e-5 of 1 over most of its width
+    (log bins and axis), where the linear ratio panel, whose axis spans the bounds [0.8, 1.2], draws them
+    all inside one pixel (the negative control that shows why the panel exists); the exact ones are
+    counted apart, and every bar's count comes from the report."""
+    report = _near_one_report(caps, tmp_path)
+    act = report["targets_and_mask"]["per_token"]["active"]
+    ratios = [r for r, a in zip(report["importance_ratio"]["ours"]["per_token"], act) if a]
+    fig = parity.build_figure(report)
+    linear_ax, log_ax = fig.axes[2], fig.axes[3]
+    assert log_ax.get_xscale() == "log" and linear_ax.get_xscale() == "linear"
+    assert "|ratio - 1|" in log_ax.get_title()
+    fig.canvas.draw()
+
+    def pixels(ax: Any, low: float, high: float) -> float:
+        return float(ax.transData.transform((high, 0))[0] - ax.transData.transform((low, 0))[0])
+
+    deviations = [abs(r - 1) for r in ratios if r != 1.0]
+    assert pixels(linear_ax, min(ratios), max(ratios)) < 1.0  # one pixel: invisible as a spread
+    assert pixels(log_ax, min(deviations), max(deviations)) > 0.5 * log_ax.bbox.width
+    bars = [p.get_height() for p in log_ax.patches]
+    assert sum(bars) == len(deviations) and sum(1 for h in bars if h) > 3
+    exact = sum(1 for r in ratios if r == 1.0)
+    texts = " ".join(t.get_text() for t in log_ax.texts)
+    assert exact > 0 and f"exactly 1: {exact} of {len(ratios)} active tokens" in texts
+    assert f"largest {max(deviations):.3g}" in texts
+    png = parity.render_png(report)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_title_says_which_rows_had_equal_logits_and_whether_they_gave_equal_bytes(
+        caps: dict[str, Path], tmp_path: Path) -> None:
+    """No equal logits row (bf16 against fp32 logits): the title says so and claims nothing about equal
+    logits giving equal bytes; the sentence of the old title, a vacuous "yes", is gone in every case.
+    Some equal rows with equal bytes: named, "equal on all". An equal row whose bytes differ (the
+    report edited to say so): named, "DIFFER"."""
+    _, none_equal = _parity(caps["rollout"], caps["trainer32"], tmp_path / "a")
+    assert none_equal is not None and none_equal["our_logprob"]["from_logits_only"]  # vacuously true
+    active = none_equal["targets_and_mask"]["active_tokens"]
+    title = parity.headline(none_equal)
+    assert title.endswith(f"logits rows bitwise equal on 0 of {active} active tokens: no token where equal "
+                          "logits could give equal logprob bytes")
+    _, same = _parity(caps["rollout"], caps["rollout"], tmp_path / "b")
+    assert same is not None
+    act = same["targets_and_mask"]["per_token"]["active"]
+    on = [i for i, a in enumerate(act) if a]
+    assert parity.headline(same).endswith(f"bitwise equal on {len(on)} of {len(on)} active tokens (tokens "
+                                          f"{', '.join(map(str, on[:6]))}, ...); our logprob bytes are equal "
+                                          f"on all {len(on)}")
+    same["our_logprob"]["from_logits_only"] = False
+    same["our_logprob"]["tokens_equal_logits_different_logp"] = [on[1]]
+    assert parity.headline(same).endswith(f"; our logprob bytes DIFFER on 1 of them (token {on[1]})")
+    for report in (none_equal, same):
+        assert "equal logits give equal logprob bytes" not in parity.headline(report)

@@ -297,6 +297,27 @@ def test_the_roofline_command_refuses_a_temperature_the_arithmetic_refuses(
 ROOFLINE_TARGETS = {1.0: (25, 35, 1.25, 1.25), 0.7: (27, 44, 1.35, 1.2)}
 
 
+def test_roofline_output_dir_that_is_a_file_is_refused_naming_it(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``--roofline --output-dir FILE`` (or a directory under a file) ended in a FileExistsError traceback:
+    now a usage error (exit 2) naming the option, the path and the fix, before anything is compiled;
+    ``roofline()`` itself raises :class:`AotError` with the same message."""
+    existing = tmp_path / "roofline.json"
+    existing.write_text("{}")
+    for given in (existing, existing / "sub"):
+        with pytest.raises(SystemExit) as stopped:
+            triton_aot.main(["--roofline", "--output-dir", str(given)])
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--output-dir {given}: a file, not a directory, is at that path or above it" in err, err
+        assert "(it is made when missing)" in err and "Traceback" not in err
+        with pytest.raises(triton_aot.AotError, match=f"--output-dir {given}: a file, not a directory"):
+            triton_aot.roofline(given)
+    assert existing.read_text() == "{}"  # untouched
+    made = triton_aot.output_directory(tmp_path / "new" / "dir")  # control: a missing directory is made
+    assert made.is_dir()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_the_roofline_of_the_launched_kernels_meets_the_targets(tmp_path: Path, temperature: float) -> None:

@@ -4,12 +4,13 @@ A tiny Qwen2 built from a config and a word-level tokenizer built in memory (not
 on the CPU: three GRPO steps with TRL's own fused head, then three with ours, from the same seed.
 The rewards are equal step by step (the same completions were sampled), the losses agree to the
 rounding of two arithmetics, and our per-token logprobs do not depend on how the batch is split.
+A tiny Qwen2-MoE (tests/_tiny_lm.py) trains the same way, its router loss kept as TRL's head keeps it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ import torch
 from rl_engine.logprob import selected_logprob
 from rl_engine.logprob.contract import LogprobContractError
 from rl_engine.tensorio import tensor_bytes
+
+from _tiny_lm import tiny_moe
 
 trl = pytest.importorskip("trl", reason="the trl extra is not installed (pip install -e '.[test]' installs it)")
 datasets = pytest.importorskip("datasets")
@@ -49,22 +52,23 @@ def _reward(completions: list[str], **_: Any) -> list[float]:
     return [float(sum(word.endswith(("1", "3", "5", "7", "9")) for word in text.split())) for text in completions]
 
 
-def _saved_model(root: Path) -> str:
+def _saved_model(root: Path, build: Callable[[], Any] = _model, name: str = "tiny-qwen2") -> str:
     """The tiny model saved to a local directory: TRL builds the reference model (beta > 0) from
     the policy's path, so the policy is given as that path (read offline, nothing downloaded)."""
-    path = root / "tiny-qwen2"
+    path = root / name
     if not path.exists():
-        _model().save_pretrained(path)
+        build().save_pretrained(path)
     return str(path)
 
 
-def _train(trainer_class: type, tmp_path: Path) -> tuple[list[dict[str, float]], Any]:
+def _train(trainer_class: type, tmp_path: Path, model: str | None = None,
+           steps: int = 3) -> tuple[list[dict[str, float]], Any]:
     prompts = [f"w{3 * i} w{3 * i + 1} w{5 * i + 2}" for i in range(8)]
     config = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                            max_completion_length=6, max_steps=3, learning_rate=1e-2, logging_steps=1,
+                            max_completion_length=6, max_steps=steps, learning_rate=1e-2, logging_steps=1,
                             report_to="none", use_cpu=True, bf16=False, temperature=0.7, seed=0, beta=0.04,
                             save_strategy="no", disable_tqdm=True, shuffle_dataset=False)
-    trainer = trainer_class(model=_saved_model(tmp_path.parent), reward_funcs=_reward, args=config,
+    trainer = trainer_class(model=model or _saved_model(tmp_path.parent), reward_funcs=_reward, args=config,
                             train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
                             processing_class=_tokenizer())
     trainer.train()
@@ -135,6 +139,80 @@ def test_the_head_is_the_materialised_logprob_at_the_temperature() -> None:
         ref = selected_logprob(logits, labels[:, 1:], temperature=0.7, compute_entropy=True)
     assert tensor_bytes(out.log_probs) == tensor_bytes(ref.selected_logp)
     assert tensor_bytes(out.entropy) == tensor_bytes(ref.entropy.masked_fill(labels[:, 1:] == -100, 0.0))
+
+
+def _moe_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, VOCAB, (3, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding: the router loss counts only attended tokens
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :4] = -100  # the prompt is not scored
+    return ids, mask, labels
+
+
+def test_the_head_keeps_an_moe_s_router_loss_as_trl_s_head_and_the_model_s_forward_do() -> None:
+    """A tiny Qwen2-MoE whose config asks for its router logits: our head's ``aux_loss`` is TRL's head's
+    and the model's own forward's, byte for byte; our ``loss`` is minus our mean logprob plus
+    ``router_aux_loss_coef * aux_loss`` (exactly) and agrees with TRL's to the rounding of the two
+    logprob arithmetics; the router's weights get a gradient from it. Control: a model whose config
+    does not ask (and a call that does not) gets ``aux_loss=None`` from both heads."""
+    import copy
+
+    from trl.trainer.utils import add_fused_lm_head
+
+    from rl_engine.integrations.trl import add_rl_engine_lm_head
+
+    model = tiny_moe(VOCAB)
+    ids, mask, labels = _moe_batch()
+    own = model(input_ids=ids, attention_mask=mask)
+    theirs, ours = copy.deepcopy(model), copy.deepcopy(model)
+    add_fused_lm_head(theirs)
+    add_rl_engine_lm_head(ours)
+    a = theirs(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    b = ours(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    assert a.aux_loss is not None and b.aux_loss is not None and own.aux_loss is not None
+    assert tensor_bytes(b.aux_loss.detach()) == tensor_bytes(a.aux_loss.detach()) == tensor_bytes(own.aux_loss.detach())
+    coef = model.config.router_aux_loss_coef
+    ce = -b.log_probs.sum() / (labels[:, 1:] != -100).sum()
+    assert tensor_bytes((ce + coef * b.aux_loss).detach()) == tensor_bytes(b.loss.detach())
+    assert abs(float(a.loss) - float(b.loss)) <= 1e-4 * abs(float(a.loss)), (float(a.loss), float(b.loss))
+    assert abs(coef * float(b.aux_loss)) > 1e-3  # the router loss is a visible part of the loss
+    print("loss (TRL, ours), aux:", float(a.loss), float(b.loss), float(b.aux_loss))
+    b.aux_loss.backward()
+    gate = ours.model.layers[0].mlp.gate.weight
+    assert gate.grad is not None and bool((gate.grad != 0).any())
+    # control: the router loss only where it is asked for
+    dense = tiny_moe(VOCAB)
+    dense.config.output_router_logits = False
+    plain_theirs, plain_ours = copy.deepcopy(dense), copy.deepcopy(dense)
+    add_fused_lm_head(plain_theirs)
+    add_rl_engine_lm_head(plain_ours)
+    for head in (plain_theirs, plain_ours):
+        assert head(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).aux_loss is None
+    asked = plain_ours(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, output_router_logits=True)
+    assert tensor_bytes(asked.aux_loss.detach()) == tensor_bytes(b.aux_loss.detach())
+
+
+def test_grpo_trains_a_tiny_moe_with_trl_s_router_loss(tmp_path: Path) -> None:
+    """``RLEngineGRPOTrainer.train()`` on a tiny Qwen2-MoE (it raised ``TypeError: expected Tensor as
+    element 0`` when the head dropped the router loss): two GRPO steps with TRL's head and with ours
+    from the same seed give the same rewards, the same logged router loss at the first step (the same
+    weights, the same completions: equal floats), and losses that agree to the logprob rounding."""
+    from rl_engine.integrations.trl import RLEngineGRPOTrainer
+
+    path = _saved_model(tmp_path, lambda: tiny_moe(VOCAB), "tiny-qwen2-moe")
+    theirs, _ = _train(trl.GRPOTrainer, tmp_path / "trl", path, steps=2)
+    ours, trainer = _train(RLEngineGRPOTrainer, tmp_path / "ours", path, steps=2)
+    assert len(theirs) == len(ours) == 2, (theirs, ours)
+    assert "add_rl_engine_lm_head" in trainer.model.forward.__func__.__code__.co_qualname
+    assert trainer.aux_loss_enabled
+    assert ours[0]["aux_loss"] == theirs[0]["aux_loss"] > 0, (theirs[0], ours[0])
+    for step, (a, b) in enumerate(zip(theirs, ours)):
+        assert a["reward"] == b["reward"], (step, a, b)
+        assert abs(a["aux_loss"] - b["aux_loss"]) <= 1e-4 * a["aux_loss"], (step, a["aux_loss"], b["aux_loss"])
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"])), (step, a["loss"], b["loss"])
+    print("MoE rewards, aux and losses (TRL, ours):",
+          [(a["reward"], a["aux_loss"], b["aux_loss"], a["loss"], b["loss"]) for a, b in zip(theirs, ours)])
 
 
 def test_verl_drop_ins_have_verl_s_signatures_and_our_bytes() -> None:

@@ -104,15 +104,40 @@ def test_good_archive_verifies_with_recompute(good: Good, sandbox: Sandbox, caps
         "cross-topology fingerprints": "PASS", "recorded gates": "PASS", "SUMMARY.md": "PASS", "tolerances": "PASS",
         "arithmetic spec": "PASS", "inputs regenerated": "PASS", "oracle drift recomputed": "PASS",
         "candidate replayed": "PASS", "schemas vs this rl_engine": "note",
-        "tested": "note", "run name": "note",
+        "tested": "note", "run name": "note", "reuse": "note",
     }
     assert "VERIFIED" in text and "2 topologies bitwise identical" in text
     reg = jsonio.loads(good.data("regression.json").decode())
     assert reg["passed"] > 0
     assert problems(result, "focused regression") == (
-        f"tests ran, none failed: {reg['passed']} passed, {reg['skipped']} skipped")  # the counts
+        f"tests ran for this archive, none failed: {reg['passed']} passed, {reg['skipped']} skipped")  # the counts
+    assert result["reused"] == {"environment": None, "regression": None}
+    assert problems(result, "reuse") == ("the environment capture ran for this archive; "
+                                         "the focused suite ran for this archive")
     assert "byte-identical to the summary rendered again" in problems(result, "SUMMARY.md")
 
+
+@pytest.mark.slow  # two torchrun topologies and the real verbs end to end
+def test_a_campaign_at_a_temperature_verifies_with_recompute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """An honest campaign at T = 0.7 (the tiny run's case with ``--temperature 0.7``, 1x1 and 2x2) is
+    VERIFIED with ``--recompute``: verify recomputes the oracle drift at the case's temperature
+    (``campaign.case.record_oracle_drift``, the runner's own), where its second spelling of the oracle's
+    arguments left it out and failed "drift.fp32_oracle.lse.passed: reported True, recomputed False"."""
+    from _evidence_run import CASE_FLAGS, build_run
+
+    run = build_run(tmp_path / "rl-engine-test-run", tmp_path / "focused", [*CASE_FLAGS, "--temperature", "0.7"])
+    report = jsonio.load(run / "tp2-cp2.json")
+    assert report["case"]["temperature"] == 0.7 and report["passed"]
+    assert report["drift"]["fp32_oracle"]["lse"]["max_abs"] < 0.01  # the oracle at 0.7: the candidate is close
+    archived = tmp_path / "out" / f"{run.name}.tar.gz"
+    assert pack(run, archived) == 0
+    capsys.readouterr()
+    (tmp_path / "box").mkdir()
+    code, text, result = run_verify(archived, make_sandbox(tmp_path / "box", monkeypatch), capsys, "--recompute")
+    assert code == 0, text
+    for row in ("report acceptance", "inputs regenerated", "oracle drift recomputed", "candidate replayed"):
+        assert status(result)[row] == "PASS", (row, problems(result, row))
 
 
 def renamed(good: Good, name: str, entries: list[Entry] | None = None) -> list[Entry]:
@@ -182,6 +207,32 @@ def test_run_name_must_name_the_evidence(good: Good, sandbox: Sandbox, tmp_path:
         code, text, result = run_verify(path, sandbox, capsys)
         assert code == 1 and status(result)["run name"] == "FAIL", text
         assert expected in problems(result, "run name"), problems(result, "run name")
+
+def test_a_reused_stage_is_named_in_the_table_and_the_json(good: Good, sandbox: Sandbox, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A focused suite copied from an earlier run (rl_engine.record.reuse) must not read "tests ran"
+    as a suite that ran for the archive: the row, a note and --json say from which run, when and at
+    which commit."""
+    commit = jsonio.loads(good.data("environment.json").decode())["git"]["commit"]
+    origin = {"key": "c" * 64, "from_run": "rl-engine-logprob-earlier-case-0123abcd",
+              "captured_utc": "2025-01-02T03:04:05Z", "from_commit": commit}
+
+    def reused(doc: dict[str, Any]) -> None:
+        doc["reused"] = origin
+
+    entries = resummarised(good, edited(good, {"regression.json": edit_json(reused)}, resum=False), tmp_path / "w")
+    code, text, result = run_verify(write_archive(tmp_path / good.archive.name, entries), sandbox, capsys)
+    assert code == 0, text  # a reuse is not a failure; it is said
+    reg = jsonio.loads(good.data("regression.json").decode())
+    assert status(result)["focused regression"] == "PASS"
+    assert problems(result, "focused regression") == (
+        f"REUSED, not run for this archive: the pass of run {origin['from_run']} (captured 2025-01-02T03:04:05Z, "
+        f"commit {commit[:12]}), none failed: {reg['passed']} passed, {reg['skipped']} skipped")
+    assert result["reused"] == {"environment": None, "regression": origin}
+    assert problems(result, "reuse") == (f"the environment capture ran for this archive; the focused suite REUSED from "
+                                         f"run {origin['from_run']} (captured 2025-01-02T03:04:05Z, commit {commit[:12]})")
+    assert "REUSED" in text and origin["from_run"] in text  # the printed table
+
 
 def test_verify_json_is_validated_before_it_is_written(good: Good, sandbox: Sandbox, capsys: pytest.CaptureFixture[str],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -380,6 +431,72 @@ def test_every_summary_cell_goes_through_md_cell() -> None:
     table = Section("t", ("a", "b"), ((hostile, "ok"),)).markdown()
     assert table.count("\n") == 3 and cell in table  # header, rule, one row: the newline did not end the row
     assert md_cell("plain `path` 1.5e-07") == "plain `path` 1.5e-07"  # the control: nothing else changes
+
+
+# Strings a capture (or a forged case.json) could carry into SUMMARY.md: a second Status heading and
+# a sign-off on lines of their own, an <img> beacon and a script (raw HTML), a Markdown image and a
+# javascript link after a backtick that ends the value's code span, a pipe after a backslash (which
+# would un-escape the pipe's escape and split the cell), and terminal control sequences.
+MARKDOWN_ATTACKS = {
+    "heading-and-sign-off": "rollout`\n\n## Status\n\nPASSED: every check verified. Signed-off-by: reviewer\n\n",
+    "img-beacon": "x` <img src=https://evil.example/beacon.gif onerror=alert(1)> y",
+    "script": "</td><script>alert(1)</script>",
+    "markdown-image-and-link": "x` ![b](https://evil.example/b.gif) [click](javascript:alert(1)) `",
+    "backslash-pipe": "a\\| b | c",
+    "autolink": "<https://evil.example/track>",
+    "terminal": "\x1b]0;pwned\x07\x1b[2J\u202e",
+}
+
+
+def _markdown_tokens(text: str) -> list[Any]:
+    """Every token (block and inline) of ``text`` parsed as CommonMark with GFM tables and raw HTML on,
+    as a Markdown viewer renders SUMMARY.md."""
+    from markdown_it import MarkdownIt
+
+    out, stack = [], list(reversed(MarkdownIt("commonmark").enable("table").parse(text)))
+    while stack:
+        token = stack.pop()
+        out.append(token)
+        stack.extend(reversed(token.children or []))
+    return out
+
+
+@pytest.mark.parametrize("attack", list(MARKDOWN_ATTACKS), ids=list(MARKDOWN_ATTACKS))
+def test_capture_strings_in_summary_md_render_as_text_only(attack: str) -> None:
+    """A capture's path and metadata in the Inputs line, and in a parity table cell, through ``md_cell``:
+    rendered as Markdown they add no heading, no HTML, no image, no link and no table cell, and hold
+    no control character; the attack's characters are all there, shown as text. (A capture holding a
+    control character is refused when it is written or read; this is what SUMMARY.md does with any
+    that reaches it, e.g. from a forged case.json.)"""
+    from rl_engine.evidence.summary import Section, inputs_text, md_cell
+
+    value = MARKDOWN_ATTACKS[attack]
+    case = {"capture": {"path": f"caps/{value}.safetensors", "sha256": "0" * 64, "size": 1, "tokens": 2,
+                        "vocab": 3, "dtype": "bf16", "archive": False,
+                        "metadata": {"engine": value, "model": "qwen [/]", "notes": value}}}
+    table = Section("Parity", ("Section", "Result"), (("Rollout capture", f"`{value}` (engine {value})"),)).markdown()
+    text = f"# Summary\n\n## Status\n\nPASSED\n\n{inputs_text(case)}\n\n{table}"
+    tokens = _markdown_tokens(text)
+    kinds = [t.type for t in tokens]
+    assert [t.tag for t in tokens if t.type == "heading_open"] == ["h1", "h2"], kinds
+    assert not {"html_inline", "html_block", "image", "link_open"} & set(kinds), kinds
+    assert kinds.count("td_open") == 2 and kinds.count("tr_open") == 2, kinds  # header row and one body row
+    assert not summary.UNPRINTABLE.search(text.replace("\n", ""))
+    shown = "".join(t.content for t in tokens if t.type in ("text", "code_inline"))
+    for ch in set(value) - {"\n", "\x1b", "\x07", "\u202e"}:
+        assert ch in shown or ch in "&<>" and md_cell(ch) in shown, (ch, shown)
+
+
+def test_md_cell_leaves_ordinary_evidence_as_it_was() -> None:
+    """The control: what real evidence holds renders exactly as before (SUMMARY.md of an existing
+    archive keeps its bytes): code spans, brackets of test ids and bounds, numbers, paths."""
+    from rl_engine.evidence.summary import md_cell
+
+    for text in ("plain `path` 1.5e-07", "tests/test_x.py::test_y[tp2-cp1]", "outside [0.8, 1.2]",
+                 "seeded-randn", "attn_implementation=sdpa; rollout", "`results/capture-1a2b3c4d/x.json`"):
+        assert md_cell(text) == text
+    assert md_cell("a<b>&c") == "a&lt;b&gt;&amp;c" and md_cell("[x](y)") == "[x]\\(y)"
+    assert md_cell("a\\|b") == "a\\\\\\|b"
 
 
 def _loosen(value: float) -> Callable[[bytes], bytes]:
@@ -603,8 +720,8 @@ def test_one_ulp_forgery_rebuilt_with_the_projects_verbs_is_caught_only_by_the_r
     import torch
 
     from rl_engine import cli
+    from rl_engine.campaign.case import record_oracle_drift
     from rl_engine.campaign.inputs import make_inputs
-    from rl_engine.logprob.comparison import oracle_drift
     from rl_engine.tensorio import fingerprint, read_raw_f32, write_raw
 
     work = tmp_path / "forge"
@@ -628,9 +745,7 @@ def test_one_ulp_forgery_rebuilt_with_the_projects_verbs_is_caught_only_by_the_r
         assert digest == fingerprint(logp)
         report["tensors"]["logp"]["sha256"] = digest
         report["bitwise_fingerprints"]["candidate_logp_sha256"] = digest
-        case = report["case"]
-        report["drift"] = oracle_drift(logp, lse, logits, targets, active, case["real_vocab"], case["dtype"],
-                                       case["atol"], case["rtol"])
+        report["drift"] = record_oracle_drift(report["case"], logp, lse, logits, targets, active)
         jsonio.write_json(run / f"{label}.json", report)
     assert cli.main(["validate", "--run-dir", str(run), "--output", str(run / "validation.json")]) == 0
     assert cli.main(["crosscheck", "--run-dir", str(run), "--output", str(run / "crosscheck.json")]) == 0

@@ -11,6 +11,8 @@ module for a second one; ``docs/design.md`` draws who calls what):
 - its config keys, both ways: :data:`CONFIG_FIELDS`, :meth:`Case.from_config`,
   :func:`config_key_of` (the key an error names), :func:`record_config` (SUMMARY.md's reproduce.yaml);
 - a rank's contract: :meth:`Case.contract` (:func:`record_contract` for a record verify replays);
+- the oracle's case arguments: :meth:`Case.drift` (:func:`record_oracle_drift` for a record
+  verify recomputes);
 - the resolved case and its hash, which names the run: :func:`resolved_case`, :func:`case_hash`,
   :meth:`Case.run_hash`;
 - its inputs: :meth:`Case.inputs` and :meth:`Case.rank_inputs` (the recipe-or-capture branch is
@@ -26,7 +28,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -47,6 +48,7 @@ from rl_engine.tables import (
     LOGIT_SCALE_BOUNDS,
     MAX_CP,
     MAX_LOGIT_ELEMENTS,
+    MAX_PG_TIMEOUT_S,
     MAX_SEED,
     MAX_THREADS_PER_RANK,
     MAX_TOKENS,
@@ -56,7 +58,7 @@ from rl_engine.tables import (
     TRITON_MODE_ENV,
 )
 from rl_engine.temperature import TemperatureError, temperature32
-from rl_engine.validators import choice_problem, int_problem, require
+from rl_engine.validators import choice_problem, int_problem, real_problem, require
 
 
 class CaseError(ValueError):
@@ -73,8 +75,9 @@ def case_devices(backend: str) -> tuple[str, ...]:
 
 
 def _number_problem(name: str, value: Any, positive: bool) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return f"{name}={value!r} must be a finite number"
+    problem = real_problem(name, value)
+    if problem is not None:
+        return problem
     if value < 0 or (positive and value == 0):
         return f"{name}={value!r} must be {'> 0' if positive else '>= 0'}"
     return None
@@ -196,6 +199,9 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
     for name, positive in (("logit_scale", True), ("atol", False), ("rtol", False), ("timeout_s", True)):
         if name in values:
             add(name, _number_problem(name, values[name], positive))
+    if has("timeout_s") and values["timeout_s"] > MAX_PG_TIMEOUT_S:
+        add("timeout_s", f"timeout_s={values['timeout_s']!r} exceeds {MAX_PG_TIMEOUT_S:g} s, the longest process-group "
+                         "timeout (torch holds it in int64 nanoseconds); use a timeout of at most 1e9 s")
     if has("logit_scale"):
         dtype = values["dtype"] if has("dtype") else "fp32"  # the recipe's own logits are FP32
         bound = LOGIT_SCALE_BOUNDS[dtype] if dtype in LOGIT_SCALE_BOUNDS else None
@@ -306,7 +312,8 @@ def config_case_fields(config: Mapping[str, Any], capture: Mapping[str, Any] | N
         "atol": tolerance.get("atol"),
         "rtol": tolerance.get("rtol"),
         **({} if capture is None else {"capture": dict(capture)}),
-        **({"temperature": float(config["temperature"])} if config.get("temperature", 1) != 1 else {}),
+        # as given: the case's rules check it (Case makes it a float only once they pass)
+        **({"temperature": config["temperature"]} if config.get("temperature", 1) != 1 else {}),
     }
 
 
@@ -507,6 +514,10 @@ class Case:
         ranks, verify's replays, the GPU smoke's timing shape with ``num_sequences``/``seq_len``)."""
         return record_contract(self.to_dict(), tp, cp, tp_rank, cp_rank, num_sequences=num_sequences, seq_len=seq_len)
 
+    def drift(self, logp: Any, lse: Any, logits_fp32: Any, targets: Any, active: Any) -> dict[str, Any]:
+        """The report's ``drift`` of this case's candidate (:func:`record_oracle_drift`)."""
+        return record_oracle_drift(self.to_dict(), logp, lse, logits_fp32, targets, active)
+
     def check_topology(self, tp: int, cp: int) -> None:
         """Every reason a ``tp x cp`` run of this case cannot be made, before anything starts."""
         check_topology(tp, cp, **{name: getattr(self, name) for name in TOPOLOGY_FIELDS})
@@ -558,6 +569,19 @@ def record_contract(record: Mapping[str, Any], tp: int = 1, cp: int = 1, tp_rank
         cp_layout=str(record.get("cp_layout", "contiguous")), logits_dtype=str(record["dtype"]),
         temperature=float(record.get("temperature", 1.0)),
     )
+
+
+def record_oracle_drift(record: Mapping[str, Any], logp: Any, lse: Any, logits_fp32: Any, targets: Any,
+                        active: Any) -> dict[str, Any]:
+    """The report's ``drift`` of a case record's candidate ``logp``/``lse`` against both oracles on the
+    case's whole inputs (:func:`rl_engine.logprob.comparison.oracle_drift`): the one place the oracle's
+    case arguments are read from a case (real vocabulary, dtype, tolerance, temperature), for the
+    runner's report (:meth:`Case.drift`) and ``verify --recompute`` (a record from an archive), so
+    the two cannot judge one case by two oracles."""
+    from rl_engine.logprob.comparison import oracle_drift  # imports torch: not at parse time
+
+    return oracle_drift(logp, lse, logits_fp32, targets, active, record["real_vocab"], record["dtype"],
+                        record["atol"], record["rtol"], record.get("temperature", 1.0))
 
 
 def case_document(case: Case, topologies: Sequence[tuple[int, int]]) -> dict[str, Any]:
@@ -648,6 +672,7 @@ __all__ = [
     "config_key_of",
     "record_config",
     "record_contract",
+    "record_oracle_drift",
     "resolved_case",
     "case_document",
     "case_from_document",

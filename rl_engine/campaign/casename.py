@@ -30,6 +30,7 @@ from typing import Any, Mapping
 
 from rl_engine.campaign import case as case_module  # case_module.case_hash: the one builder (a test spies on it)
 from rl_engine.campaign.case import CASE_HASH_CHARS, CaseHashError
+from rl_engine.record.suite_imports import PLUGIN as SUITE_IMPORTS_PLUGIN
 
 NOGIT = "nogit"
 NAME = re.compile(
@@ -38,6 +39,7 @@ NAME = re.compile(
 )
 # regression.json's command: python -m pytest -q -rs <tests...> <pytest args...> --junitxml=<file>
 PYTEST_PREFIX = ("python", "-m", "pytest", "-q", "-rs")
+SUITE_PLUGIN = ("-p", SUITE_IMPORTS_PLUGIN)  # the verb's own plugin (what the suite loaded), not an extra argument
 JUNIT_FLAG = "--junitxml="
 
 
@@ -100,8 +102,10 @@ def report_parity_identity(report: Any) -> dict[str, Any] | None:
 def pytest_args_of(regression: Mapping[str, Any]) -> list[str]:
     """The extra pytest arguments recorded in ``regression.json``'s ``command``.
 
-    The regression verb writes ``python -m pytest -q -rs <tests> <extra args> --junitxml=<file>``;
-    anything else is refused (:class:`RunNameError`), never guessed.
+    The regression verb writes ``python -m pytest -q -rs -p rl_engine.record.suite_imports <tests>
+    <extra args> --junitxml=<file>`` (a record written without that plugin has no ``-p ...``); the
+    plugin records what the suite loaded and is no argument of the case. Anything else is refused
+    (:class:`RunNameError`), never guessed.
     """
     command, tests = regression.get("command"), regression.get("tests")
     if not isinstance(command, str) or not isinstance(tests, list):
@@ -110,11 +114,15 @@ def pytest_args_of(regression: Mapping[str, Any]) -> list[str]:
         argv = shlex.split(command)
     except ValueError as exc:
         raise RunNameError(f"regression.json: command: not a shell command ({exc})") from None
-    head = len(PYTEST_PREFIX) + len(tests)
-    if (tuple(argv[: len(PYTEST_PREFIX)]) != PYTEST_PREFIX or argv[len(PYTEST_PREFIX):head] != tests
+    start = len(PYTEST_PREFIX)
+    if tuple(argv[start:start + len(SUITE_PLUGIN)]) == SUITE_PLUGIN:
+        start += len(SUITE_PLUGIN)
+    head = start + len(tests)
+    if (tuple(argv[: len(PYTEST_PREFIX)]) != PYTEST_PREFIX or argv[start:head] != tests
             or len(argv) <= head or not argv[-1].startswith(JUNIT_FLAG)):
-        raise RunNameError("regression.json: command is not 'python -m pytest -q -rs <tests> [args] "
-                           f"--junitxml=<file>' as the regression verb writes it: {command!r}")
+        raise RunNameError("regression.json: command is not 'python -m pytest -q -rs [-p "
+                           f"{SUITE_IMPORTS_PLUGIN}] <tests> [args] --junitxml=<file>' as the regression verb "
+                           f"writes it: {command!r}")
     return argv[head:-1]
 
 

@@ -9,7 +9,7 @@ scaled by two rounded multiplications::
     logit[i] = (f32(z0 + z1 + z2 + z3 - 131070) * 0x1.bb67aep-16) * f32(logit_scale)
     target[row] = splitmix64(... i = 2**62 + row ...) mod real_vocab
     logits[:, real_vocab:] = PADDING_LOGIT          # padding columns, never counted
-    active = (arange(batch * seq) % seq) >= prompt_tokens
+    active = (arange(batch * seq) % seq) >= prompt_tokens    # rl_engine.campaign.mask.recipe_active
 
 No library random generator is involved: ``torch.randn`` gives other bytes under its AVX2
 kernel than under its scalar one, which would make the evidence unreplayable elsewhere.
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from rl_engine.campaign.case import case_problems
+from rl_engine.campaign.mask import recipe_active
 from rl_engine.tensorio import fingerprint
 
 PADDING_LOGIT = 100.0
@@ -148,7 +149,7 @@ def make_input_part(case: Mapping[str, Any] | Any, rows: Sequence[int] | np.ndar
     logits[:, max(0, min(width, spec.real_vocab - vocab_start)):] = np.float32(PADDING_LOGIT)
     target_hash = _splitmix64(spec.seed, index_rows.astype(np.uint64) + np.uint64(_TARGET_BASE))
     targets = (target_hash % np.uint64(spec.real_vocab)).astype(np.int64)
-    active = torch.from_numpy(index_rows % spec.seq) >= spec.prompt_tokens
+    active = torch.from_numpy(recipe_active(index_rows, spec.seq, spec.prompt_tokens))
     return torch.from_numpy(logits), torch.from_numpy(targets), active
 
 

@@ -54,6 +54,7 @@ from rl_engine.campaign.captured import check_file
 from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.faults import Fault, FaultError, fault_from_env
 from rl_engine.campaign.inputs import inputs_sha256
+from rl_engine.campaign.mask import MASK_FIELD, pack_mask
 from rl_engine.campaign.nodes import node_name
 from rl_engine.campaign.plan import (
     EXIT_FAILED,
@@ -66,7 +67,7 @@ from rl_engine.campaign.plan import (
 )
 from rl_engine.capture.format import CaptureError
 from rl_engine.distributed.mesh import LaunchEnv, MeshError, destroy, init_mesh
-from rl_engine.logprob.comparison import ComparisonError, drift_failures, oracle_drift
+from rl_engine.logprob.comparison import ComparisonError, drift_failures
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import fp32_oracle
 from rl_engine.logprob.portable import SPEC_VERSION
@@ -287,8 +288,7 @@ def build_report(
     logits_fp32, targets, active = case.inputs()
     if fault is not None and fault.kind == "perturb" and fault.applies(tp, cp):
         perturb(tensors["logp"], logits_fp32, targets, active, case)
-    drift = oracle_drift(tensors["logp"], tensors["lse"], logits_fp32, targets, active,
-                         case.real_vocab, case.dtype, case.atol, case.rtol, case.temperature)
+    drift = case.drift(tensors["logp"], tensors["lse"], logits_fp32, targets, active)
     failures += drift_failures(drift)
     timings = {**timings, "oracle_s": time.perf_counter() - start}
     n = case.batch * case.seq
@@ -313,6 +313,8 @@ def build_report(
             for name in TENSOR_NAMES
         },
         "inputs_sha256": inputs_sha256(logits_fp32, targets, active),
+        # a capture's mask is its own (no rule of the case's integers gives it): recorded for acceptance
+        **({MASK_FIELD: pack_mask(active.numpy())} if case.capture is not None else {}),
         "environment": _environment_section(case, tp, cp),
         "topology": _topology_section(case, tp, cp, results),
         "reduction": _reduction_section(case, rank0),

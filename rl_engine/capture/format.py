@@ -10,7 +10,10 @@ A capture is a safetensors file (``docs/capture.md``) holding
 
 and, in the header's ``__metadata__`` (strings only, as safetensors requires), ``format``
 (:data:`FORMAT`), ``engine``, ``engine_version``, ``model``, ``dtype`` (the logits' dtype
-name), ``tp`` (the engine's TP degree, a positive decimal) and ``notes`` (free text).
+name), ``tp`` (the engine's TP degree, a positive decimal) and ``notes`` (free text). Every
+metadata value is one line of printable text: a control character (ESC, BEL, newline, tab, C1)
+or a bidirectional override is refused when a capture is built or written and when a file is
+read, since the values reach SUMMARY.md and a reviewer's terminal.
 
 :func:`read_capture` checks the file before any tensor is used: the header is parsed and
 checked here (sizes, offsets, dtypes, shapes), so a truncated or padded file is refused with
@@ -25,6 +28,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Mapping
@@ -32,6 +36,7 @@ from typing import Any, BinaryIO, Mapping
 import torch
 
 from rl_engine import jsonio
+from rl_engine.tables import UNPRINTABLE_CLASS
 
 FORMAT = "rl-engine-capture/1"
 LOGITS = "logits"
@@ -53,6 +58,7 @@ DTYPE_NAMES = {v: k for k, v in {"bf16": torch.bfloat16, "fp16": torch.float16,
                                  "fp32": torch.float32}.items()}
 _EXPECTED_ST = {TARGETS: "I64", ACTIVE: "BOOL", REPORTED: "F32"}
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own cap on the JSON header
+_UNPRINTABLE = re.compile(f"[{UNPRINTABLE_CLASS}]")  # refused in every metadata value, at write and read
 
 
 class CaptureError(ValueError):
@@ -106,6 +112,13 @@ def _check_metadata(metadata: Mapping[str, Any], logits_dtype: str, where: str) 
     for key, value in meta.items():
         if not isinstance(value, str):
             raise CaptureError(f"{where}: metadata {key}={value!r} must be a string")
+        bad = _UNPRINTABLE.search(value)
+        if bad:
+            raise CaptureError(f"{where}: metadata {key} holds the control or bidirectional character "
+                               f"U+{ord(bad.group()):04X} at position {bad.start()} ({value[:80]!r}); capture "
+                               "metadata is one line of printable text, since it reaches SUMMARY.md and a "
+                               "reviewer's terminal: remove it (no ESC, BEL, newline or tab; write an escape "
+                               "such as '\\x1b' as text if you must name one)")
     if meta["format"] != FORMAT:
         raise CaptureError(f"{where}: metadata format={meta['format']!r} is not {FORMAT!r}; "
                            "this reader knows only that format")

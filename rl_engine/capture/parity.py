@@ -39,8 +39,9 @@ import torch
 
 from rl_engine import jsonio, schemas
 from rl_engine.capture.format import Capture, CaptureError, read_capture, read_header, read_tokens
-from rl_engine.distributed.bounds import BoundsError, tile_width
+from rl_engine.distributed.bounds import AUTO_TILES, BoundsError, tile_width
 from rl_engine.logprob import portable
+from rl_engine.logprob.api import resolve_vocab_tiles
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.rundir import PARITY_JSON, PARITY_PNG
 from rl_engine.tables import AUTO, BACKEND_DEVICES, EAGER_BACKEND, PARITY_RATIO_BOUNDS, SCHEMA_VERSION
@@ -62,13 +63,19 @@ class ParityError(ValueError):
 
 @dataclass(frozen=True)
 class ParityOptions:
+    """The verb's options. ``num_vocab_tiles`` defaults to ``auto``, resolved for the captures'
+    vocabulary by the API's own resolver (:func:`rl_engine.logprob.api.resolve_vocab_tiles`, the
+    rule ``selected_logprob`` applies by default): an engine that reports our logprob computed with
+    the API's defaults gets the same bytes here, so its section 4 reads "bitwise equal"."""
+
     backend: str = EAGER_BACKEND
-    num_vocab_tiles: int = 1
+    num_vocab_tiles: int | str = AUTO_TILES
     ratio_bounds: tuple[float, float] = DEFAULT_RATIO_BOUNDS
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_vocab_tiles, int) or self.num_vocab_tiles < 1:
-            raise ParityError(f"--num-vocab-tiles={self.num_vocab_tiles!r} must be a positive "
+        tiles = self.num_vocab_tiles
+        if tiles != AUTO_TILES and (isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1):
+            raise ParityError(f"--num-vocab-tiles={tiles!r} must be {AUTO_TILES!r} or a positive "
                               "integer that divides the vocabulary")
         low, high = self.ratio_bounds
         if not (math.isfinite(low) and math.isfinite(high) and 0 < low < 1 < high):
@@ -96,10 +103,25 @@ def _check_backend(backend: str) -> None:
                           f"runs here, and auto is not a name): one of {cpu}")
 
 
-def check_pair(rollout: Path, trainer: Path, options: ParityOptions) -> None:
+def vocab_tiles(vocab: int, options: ParityOptions) -> dict[str, Any]:
+    """The tile count our logprob uses on captures of ``vocab`` columns, as
+    :func:`rl_engine.logprob.api.resolve_vocab_tiles` gives it (``requested``, ``resolved``,
+    ``rule``, ``max_tp``): ``auto`` is the API's default rule at its default ``max_tp``; an explicit
+    count must divide the vocabulary. :class:`ParityError` names the option and the fix."""
+    try:
+        tiles = resolve_vocab_tiles(options.num_vocab_tiles, vocab)
+        tile_width(vocab, tiles["resolved"])
+    except (BoundsError, LogprobContractError) as exc:
+        raise ParityError(f"num_vocab_tiles: {exc} (the captures have {vocab} columns; pass "
+                          "--num-vocab-tiles N with N dividing them, e.g. 1)") from None
+    return tiles
+
+
+def check_pair(rollout: Path, trainer: Path, options: ParityOptions) -> int:
     """Every refusal of :func:`run` that needs no logits: each file a capture (header checked), the
-    same tokens, targets and mask (section 1), a tile count that divides the vocabulary, and a
-    backend registered for the CPU. Raises :class:`ParityError` naming the side and the fix."""
+    same tokens, targets and mask (section 1), a tile count that divides the vocabulary (``auto``
+    resolved as the API resolves it), and a backend registered for the CPU. Raises
+    :class:`ParityError` naming the side and the fix; returns the tile count the verb will use."""
     _check_backend(options.backend)
     sides = []
     for side, path in zip(SIDES, (rollout, trainer)):
@@ -110,10 +132,7 @@ def check_pair(rollout: Path, trainer: Path, options: ParityOptions) -> None:
             raise ParityError(f"{side} capture: {exc}") from None
         sides.append(Tokens(header.num_tokens, header.vocab, targets, active))
     check_same_tokens(*sides)
-    try:
-        tile_width(sides[0].vocab, options.num_vocab_tiles)
-    except BoundsError as exc:
-        raise ParityError(f"num_vocab_tiles: {exc}") from None
+    return int(vocab_tiles(sides[0].vocab, options)["resolved"])
 
 
 def _mean(values: list[float]) -> float | None:
@@ -149,10 +168,11 @@ def our_logprob(capture: Capture, options: ParityOptions, order: torch.Tensor | 
     logits, targets, active = capture.logits, capture.targets, capture.active
     if order is not None:
         logits, targets, active = logits[order], targets[order], active[order]
+    tiles = vocab_tiles(capture.vocab, options)["resolved"]
     try:
         contract = LogprobContract(
             real_vocab_size=capture.vocab, padded_vocab_size=capture.vocab,
-            num_vocab_tiles=options.num_vocab_tiles, num_sequences=1,
+            num_vocab_tiles=tiles, num_sequences=1,
             seq_len=capture.num_tokens, logits_dtype=capture.logits_dtype,
         )
         chosen = dispatch(options.backend, contract, "cpu")
@@ -322,12 +342,14 @@ def build_report(rollout_path: Path, trainer_path: Path, options: ParityOptions)
             raise ParityError(f"{side} capture: {exc}") from None
     sections = compute(caps["rollout"], caps["trainer"], options)
     equal = sections["our_logprob"]["bitwise_equal"] and sections["our_logprob"]["control"]["bitwise_equal"]
+    tiles = vocab_tiles(caps["rollout"].vocab, options)
     return {
         "schema_version": SCHEMA_VERSION,
         "verdict": "bitwise_equal" if equal else "different",
         "captures": {side: _side_record(p, caps[side])
                      for side, p in zip(SIDES, (rollout_path, trainer_path))},
-        "backend": options.backend, "num_vocab_tiles": options.num_vocab_tiles,
+        "backend": options.backend, "num_vocab_tiles": tiles["resolved"],
+        "num_vocab_tiles_rule": {"requested": tiles["requested"], "rule": tiles["rule"], "max_tp": tiles["max_tp"]},
         "arithmetic_spec": portable.SPEC_VERSION, "mean_method": MEAN_METHOD,
         **sections,
     }
@@ -336,7 +358,9 @@ def build_report(rollout_path: Path, trainer_path: Path, options: ParityOptions)
 @dataclass(frozen=True)
 class Panel:
     """One panel of parity.png: per-token values of the active tokens, the exact zeros counted apart
-    (they are not in the histogram), the tokens whose value is not finite, and lines to mark."""
+    (they are not in the histogram), the tokens whose value is not finite, and lines to mark.
+    ``log_scale``: the histogram's bins and axis are logarithmic (the values are then positive), so
+    values many decades apart, or all within 1e-5 of each other near 0, each get their own bins."""
 
     title: str
     xlabel: str
@@ -345,11 +369,20 @@ class Panel:
     non_finite: int
     active: int
     marks: tuple[float, ...] = ()  # vertical lines (the ratio's truncation bounds)
+    log_scale: bool = False
+    zero_label: str = "exactly 0"  # what a value counted in ``zeros`` is, in the note's words
+
+    def __post_init__(self) -> None:
+        if self.log_scale and any(not v > 0 for v in self.values):
+            raise ValueError(f"Panel {self.title!r}: a log-scale histogram needs positive values "
+                             "(count the zeros apart)")
 
     def note(self) -> str:
         """What the panel's annotation says: the counts a reviewer reads at a glance."""
-        parts = [] if self.zeros < 0 else [f"exactly 0: {self.zeros} of {self.active} active tokens "
+        parts = [] if self.zeros < 0 else [f"{self.zero_label}: {self.zeros} of {self.active} active tokens "
                                            f"({100.0 * self.zeros / self.active:.1f}%), not in the histogram"]
+        if self.log_scale and self.values:
+            parts.append(f"smallest {_g(min(self.values))}, largest {_g(max(self.values))}")
         if self.non_finite:
             parts.append(f"not finite: {self.non_finite}")
         if self.marks:
@@ -361,7 +394,9 @@ class Panel:
 def figure_panels(report: dict[str, Any]) -> list[Panel]:
     """The panels of parity.png, every number from the report (parity.json): our logprob difference
     (trainer - rollout), the logits' largest difference per token, our importance ratio with its
-    truncation bounds, and each engine's reported logprob against ours where the capture has one."""
+    truncation bounds, the same ratio's distance from 1 on a log scale (ratios within 1e-5 of 1 are
+    one bar on the linear panel, whose axis spans the bounds; here each decade has its bins), and each
+    engine's reported logprob against ours where the capture has one."""
     act = report["targets_and_mask"]["per_token"]["active"]
     active = sum(1 for on in act if on)
 
@@ -380,6 +415,10 @@ def figure_panels(report: dict[str, Any]) -> list[Panel]:
     finite = tuple(r for r in on if r is not None)
     panels.append(Panel("importance ratio (ours): exp(logp_trainer - logp_rollout)", "ratio", finite, -1,
                         len(on) - len(finite), active, tuple(ratio["bounds"])))
+    # |r - 1| in binary64 is exact for a binary32 r in [0.5, 2] (Sterbenz), the ratios a parity run shows
+    panels.append(Panel("importance ratio (ours): |ratio - 1|, log scale", "|ratio - 1|",
+                        tuple(abs(r - 1.0) for r in finite if r != 1.0), sum(1 for r in finite if r == 1.0),
+                        len(on) - len(finite), active, log_scale=True, zero_label="exactly 1"))
     for side in SIDES:
         stats = report["engine_vs_ours"][side]
         if stats is not None:
@@ -388,26 +427,63 @@ def figure_panels(report: dict[str, Any]) -> list[Panel]:
     return panels
 
 
+HEADLINE_TOKENS = 6  # token indices the title names before "..."
+
+
+def _token_list(indices: list[int]) -> str:
+    shown = ", ".join(str(i) for i in indices[:HEADLINE_TOKENS])
+    return f"token{'s' if len(indices) > 1 else ''} {shown}{', ...' if len(indices) > HEADLINE_TOKENS else ''}"
+
+
 def headline(report: dict[str, Any]) -> str:
-    """The figure's title: the verdict and the main finding, equal logits giving equal logprob bytes."""
+    """The figure's title: the verdict, on how many active tokens our logprob is bitwise equal, and
+    what is true of the logits rows: which active tokens have bitwise equal rows (none, or their
+    first indices) and whether our logprob bytes are equal on all of them or differ on some (named).
+    With no equal row there is nothing to attribute, and the title says so instead of a vacuous yes."""
     act = report["targets_and_mask"]["per_token"]["active"]
     ours, logits = report["our_logprob"], report["logits"]["per_token"]["columns_differing"]
     active = sum(1 for on in act if on)
     equal_logp = sum(1 for on, eq in zip(act, ours["per_token"]["bitwise_equal"]) if on and eq)
-    equal_rows = sum(1 for on, cols in zip(act, logits) if on and cols == 0)
-    attributed = "yes" if ours["from_logits_only"] else "NO"
-    return (f"parity: {report['verdict']}; our logprob bitwise equal on {equal_logp} of {active} active tokens\n"
-            f"logits rows bitwise equal on {equal_rows}; equal logits give equal logprob bytes: {attributed}")
+    rows = [i for i, (on, cols) in enumerate(zip(act, logits)) if on and cols == 0]
+    first = f"parity: {report['verdict']}; our logprob bitwise equal on {equal_logp} of {active} active tokens"
+    if not rows:
+        return (f"{first}\nlogits rows bitwise equal on 0 of {active} active tokens: no token where equal logits "
+                "could give equal logprob bytes")
+    where = f"logits rows bitwise equal on {len(rows)} of {active} active tokens ({_token_list(rows)})"
+    unexplained = list(ours["tokens_equal_logits_different_logp"])
+    if not unexplained:
+        return f"{first}\n{where}; our logprob bytes are equal on all {len(rows)}"
+    return (f"{first}\n{where}; our logprob bytes DIFFER on {len(unexplained)} of them "
+            f"({_token_list(unexplained)})")
 
 
 FIGURE_COLUMNS = 2
 PANEL_SIZE_IN = (6.4, 4.2)  # inches; at 100 dpi each panel is 640 x 420 pixels
 FIGURE_DPI = 100
+HISTOGRAM_BINS = 50
 
 
-def render_png(report: dict[str, Any]) -> bytes:
-    """parity.png (matplotlib's Agg canvas, no pyplot): :func:`figure_panels` on a grid, two
-    panels a row, each a histogram of its values with its exact zeros counted apart and its
+def _histogram(ax: Any, panel: Panel) -> None:
+    """The panel's histogram on ``ax``: linear bins over the values' range, or logarithmic bins and
+    axis for a log-scale panel; one distinct value gets an explicit range around it."""
+    distinct = sorted(set(panel.values))
+    if panel.log_scale:
+        import numpy as np
+
+        low, high = (distinct[0] / 2, distinct[0] * 2) if len(distinct) == 1 else (distinct[0], distinct[-1])
+        edges = np.geomspace(low, high, min(HISTOGRAM_BINS, max(len(distinct), 2)) + 1)
+        ax.hist(panel.values, bins=edges, color="tab:blue")
+        ax.set_xscale("log")
+        return
+    # one distinct value: an explicit range around it (numpy's +-0.5 vanishes at 3e38)
+    span = None if len(distinct) > 1 else (distinct[0] - max(abs(distinct[0]) * 1e-3, 0.5),
+                                          distinct[0] + max(abs(distinct[0]) * 1e-3, 0.5))
+    ax.hist(panel.values, bins=min(HISTOGRAM_BINS, len(distinct)), range=span, color="tab:blue")
+
+
+def build_figure(report: dict[str, Any]) -> Any:
+    """parity.png's matplotlib ``Figure`` (Agg canvas, no pyplot): :func:`figure_panels` on a grid,
+    two panels a row, each a histogram of its values with its exact zeros counted apart and its
     counts written on it, in type a reviewer reads at the size the figure is shown."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -421,11 +497,7 @@ def render_png(report: dict[str, Any]) -> bytes:
     for i, panel in enumerate(panels, start=1):
         ax = fig.add_subplot(rows, FIGURE_COLUMNS, i)
         if panel.values:
-            distinct = sorted(set(panel.values))
-            # one distinct value: an explicit range around it (numpy's +-0.5 vanishes at 3e38)
-            span = None if len(distinct) > 1 else (distinct[0] - max(abs(distinct[0]) * 1e-3, 0.5),
-                                                  distinct[0] + max(abs(distinct[0]) * 1e-3, 0.5))
-            ax.hist(panel.values, bins=min(50, len(distinct)), range=span, color="tab:blue")
+            _histogram(ax, panel)
         else:
             ax.text(0.5, 0.5, "no value to plot", transform=ax.transAxes, ha="center", fontsize=12)
         ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # headroom for the counts written at the top
@@ -441,8 +513,13 @@ def render_png(report: dict[str, Any]) -> bytes:
             ax.text(0.02, 0.97, note, transform=ax.transAxes, va="top", ha="left", fontsize=10,
                     bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85})
     fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return fig
+
+
+def render_png(report: dict[str, Any]) -> bytes:
+    """parity.png: :func:`build_figure` as PNG bytes (no Software tag)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=FIGURE_DPI, metadata={"Software": None})
+    build_figure(report).savefig(buf, format="png", dpi=FIGURE_DPI, metadata={"Software": None})
     return buf.getvalue()
 
 
@@ -518,5 +595,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(args.difference_exit_code)
 
 
-__all__ = ["Panel", "ParityError", "ParityOptions", "Tokens", "build_report", "check_pair", "check_same_tokens", "compute",
-           "figure_panels", "headline", "main", "run"]
+__all__ = ["Panel", "ParityError", "ParityOptions", "Tokens", "build_figure", "build_report", "check_pair",
+           "check_same_tokens", "compute", "figure_panels", "headline", "main", "run", "vocab_tiles"]

@@ -6,6 +6,7 @@ same bounds from the same integers.
 
 from __future__ import annotations
 
+from rl_engine.tables import AUTO_TILES as AUTO_TILES  # re-exported: the API and the case import it from here
 from rl_engine.tables import CP_LAYOUTS
 
 
@@ -28,7 +29,6 @@ def tile_width(padded_vocab: int, num_vocab_tiles: int) -> int:
     return padded_vocab // num_vocab_tiles
 
 
-AUTO_TILES = "auto"
 AUTO_MAX_TILE_WIDTH = 4096  # columns: a bf16 tile in 8 KiB, its binary32 upcast in 16 KiB (a core's L1)
 AUTO_MIN_TILE_WIDTH = 128  # columns: one column per lane of the 128-lane sums (docs/arithmetic.md)
 AUTO_TILES_RULE = (f"the smallest multiple of max_tp that divides the padded vocabulary with tiles of at most "

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from rl_engine.distributed.bounds import CP_LAYOUTS
-from rl_engine.tables import DEFAULT_PG_TIMEOUT_S, DEVICE_DIST_BACKENDS
+from rl_engine.tables import DEFAULT_PG_TIMEOUT_S, DEVICE_DIST_BACKENDS, MAX_PG_TIMEOUT_S
+from rl_engine.validators import finite_float, shown
 
 
 class MeshError(RuntimeError):
@@ -192,8 +193,9 @@ def init_mesh(
     launch = LaunchEnv.from_environ(environ)
     dims = ParallelDims(dp=dp, cp=cp, tp=tp, world_size=launch.world_size)
     backend = check_device(device)
-    if timeout_s <= 0:
-        raise MeshError(f"timeout_s={timeout_s} must be > 0")
+    if finite_float(timeout_s) is None or not 0 < timeout_s <= MAX_PG_TIMEOUT_S:
+        raise MeshError(f"timeout_s={shown(timeout_s)} must be a number > 0 and <= {MAX_PG_TIMEOUT_S:g} s (torch "
+                        "holds the process group's timeout in int64 nanoseconds); give e.g. 120")
     if device == "cuda":
         torch.cuda.set_device(launch.local_rank)
         torch_device = torch.device("cuda", launch.local_rank)

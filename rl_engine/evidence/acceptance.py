@@ -18,7 +18,10 @@ call it, so the gate and the replay cannot disagree. A report is accepted only w
 * the raw tensors hold what the arithmetic guarantees (:func:`check_tensor_values`, cheap: one
   pass over ``batch * seq`` values): ``logp`` is exactly ``+0`` on every inactive (prompt) token
   and ``<= 0`` (never NaN) on every active one, and ``lse`` is finite on every active token. So
-  logp, LSE and entropy files swapped, fingerprints swapped to match, are refused without a replay;
+  logp, LSE and entropy files swapped, fingerprints swapped to match, are refused without a replay.
+  Which tokens are active is the case's inputs' (:func:`rl_engine.campaign.mask.report_active`): the
+  input recipe's rule of ``prompt_tokens``, or a capture's own mask, which its report records
+  (``active_mask``, hashing to ``inputs_sha256.mask``); the FP32 ``dlogp`` count is that mask's;
 * when the plan is given: the report's case, case id and launch command are the plan's.
 
 Every finding names the report and the field.
@@ -34,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from rl_engine.campaign.mask import MASK_FIELD, report_active
 from rl_engine.jsonio import sha256_bytes, sha256_file
 from rl_engine.rundir import TENSOR_NAMES, Finding, PlannedReport, field_path, get, inside, is_number, non_finite_numbers
 from rl_engine.tables import GATING_ORACLE, ORACLES, TORCH_DTYPE_NAMES
@@ -72,7 +76,7 @@ def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def check_tensor_values(name: str, data: bytes, case: Any, where: str) -> list[Finding]:
+def check_tensor_values(name: str, data: bytes, active: np.ndarray | None, where: str) -> list[Finding]:
     """What ``docs/arithmetic.md`` guarantees of a raw tensor's values, whatever the logits.
 
     ``logp = x_target - LSE`` with ``LSE = B + L(S)``, ``S >= 1`` (the row's maximum contributes
@@ -80,14 +84,14 @@ def check_tensor_values(name: str, data: bytes, case: Any, where: str) -> list[F
     NaN: the candidate refuses an active row with a non-finite real logit), and ``logp = +0`` on an
     inactive one; ``LSE`` of an active row is finite. Nothing is claimed of the entropy: rounding can
     make a near-one-hot row's entropy a little negative, and extreme logits can overflow it.
+    ``active`` is the case's mask (:func:`rl_engine.campaign.mask.report_active`: the recipe's rule or
+    a capture's own mask); None when the report cannot say, which :func:`check_report` names.
     """
-    if name not in ("logp", "lse") or not isinstance(case, dict):
+    if name not in ("logp", "lse") or active is None:
         return []
-    seq, prompt = case.get("seq"), case.get("prompt_tokens")
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (seq, prompt)) or seq < 1:
-        return []  # the schema and the shape checks name a bad case
     values = np.frombuffer(data, dtype="<f4")
-    active = (np.arange(values.size) % seq) >= prompt
+    if values.size != active.size:
+        return []  # the shape checks name a file of another size
     field = f"tensors.{name}"
     found = []
     if name == "logp":
@@ -126,7 +130,7 @@ def check_tensor_files(report: Any, where: str, report_dir: Path,
     found: list[Finding] = []
     _, fingerprints = get(report, ("bitwise_fingerprints",))
     _, fp_shape = get(report, ("bitwise_fingerprints", "shape"))
-    _, case = get(report, ("case",))
+    active, _ = report_active(report)  # None: check_report names why
     for name, fp_key in TENSOR_FINGERPRINTS.items():
         base = ("tensors", name)
         ok, entry = get(report, base)
@@ -150,7 +154,7 @@ def check_tensor_files(report: Any, where: str, report_dir: Path,
         elif not file.exists():
             found.append(Finding(where, field_path(base + ("path",)), f"raw tensor file {rel} is missing"))
         else:
-            file_sha = _check_tensor_bytes(found, where, (name, rel, base), file, shape, fp_shape, case, read)
+            file_sha = _check_tensor_bytes(found, where, (name, rel, base), file, shape, fp_shape, active, read)
             if file_sha != recorded:
                 found.append(Finding(where, field_path(base + ("sha256",)), f"{recorded} but sha256 of {rel} is {file_sha}"))
             if file_sha != fingerprint:
@@ -160,7 +164,7 @@ def check_tensor_files(report: Any, where: str, report_dir: Path,
 
 
 def _check_tensor_bytes(found: list[Finding], where: str, named: tuple[str, str, tuple[str, ...]], file: Path,
-                        shape: Any, fp_shape: Any, case: Any, read: Callable[[Path], bytes]) -> str:
+                        shape: Any, fp_shape: Any, active: np.ndarray | None, read: Callable[[Path], bytes]) -> str:
     """The SHA-256 of one raw tensor file, with a finding when its size is not its shape's. A file of
     the right size is read once (``read``), then hashed and value-checked from those same bytes; any
     other is only hashed, as a stream."""
@@ -178,7 +182,7 @@ def _check_tensor_bytes(found: list[Finding], where: str, named: tuple[str, str,
         found.append(Finding(where, field_path(base + ("path",)), f"{rel} holds {len(data)} bytes; shape {shape} "
                              f"float32 needs {expected}"))
     elif shape == fp_shape:
-        found += check_tensor_values(name, data, case, where)
+        found += check_tensor_values(name, data, active, where)
     return sha256_bytes(data)
 
 
@@ -191,17 +195,15 @@ def _expect(found: list[Finding], where: str, report: Any, parts: tuple[str | in
     return value
 
 
-def _check_drift(found: list[Finding], where: str, report: Any, case: dict[str, Any]) -> None:
+def _check_drift(found: list[Finding], where: str, report: Any, case: dict[str, Any],
+                 active: np.ndarray | None) -> None:
     ok, drift = get(report, ("drift",))
     if not ok or not isinstance(drift, dict):
         found.append(Finding(where, "drift", "missing: drift statistics against the oracles are required"))
         return
     for path in non_finite_numbers({"drift": drift}):
         found.append(Finding(where, path, "is not a finite number"))
-    batch, seq, prompt = case.get("batch"), case.get("seq"), case.get("prompt_tokens")
-    counts = {}
-    if all(isinstance(v, int) for v in (batch, seq, prompt)):
-        counts = {"lse": batch * seq, "dlogp": batch * max(seq - prompt, 0)}
+    counts = {} if active is None else {"lse": int(active.size), "dlogp": int(active.sum())}
     atol, rtol = case.get("atol"), case.get("rtol")
     for oracle in ORACLES:
         for quantity in QUANTITIES:
@@ -344,7 +346,10 @@ def check_report(
 
     _check_topology(found, where, report, case, requested)
     _check_fingerprints(found, where, report, case)
-    _check_drift(found, where, report, case)
+    active, why = report_active(report)  # the recipe's rule, or a capture's recorded mask
+    if why is not None:
+        found.append(Finding(where, MASK_FIELD, why))
+    _check_drift(found, where, report, case, active)
     found += check_tensor_files(report, where, report_dir, read)[1]
     _check_against_plan(found, where, report, case, planned, plan)
     return found

@@ -38,12 +38,14 @@ from typing import Any
 import yaml
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from rl_engine import jsonio
 from rl_engine.campaign.case import record_config
 from rl_engine.campaign.casename import RunNameError, pytest_args_of
 from rl_engine.campaign.plan import RUNNER_MODULE
 from rl_engine.evidence.spec_doc import SPEC_DOC
+from rl_engine.evidence.terminal import terminal_text
 from rl_engine.rundir import (
     CASE,
     CROSSCHECK,
@@ -57,6 +59,7 @@ from rl_engine.rundir import (
     PlannedReport,
     Run,
 )
+from rl_engine.tables import UNPRINTABLE_CLASS
 
 
 class SummaryError(ValueError):
@@ -77,17 +80,29 @@ class Evidence:
 
 # C0 (newline and tab included), DEL, C1 and the bidirectional overrides: what defs.schema.json's
 # "printable" refuses. In a Markdown table cell each is shown as a visible escape instead.
-UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+UNPRINTABLE = re.compile(f"[{UNPRINTABLE_CLASS}]")
+# What a string from the evidence could turn into markup: a backslash (it would escape what follows,
+# e.g. the pipe's escape), the HTML specials (a tag such as <img src=...> or <script>, an autolink)
+# and "](" (the middle of an inline link or image, ![..](url)). Headings, lists and link reference
+# definitions need a line of their own, which the control escapes already rule out.
+_MARKUP = {"\\": "\\\\", "&": "&amp;", "<": "&lt;", ">": "&gt;", "](": "]\\(", "|": "\\|"}
+_MARKUP_RE = re.compile("|".join(re.escape(k) for k in _MARKUP))
 
 
 def md_cell(text: str) -> str:
-    """One table cell of SUMMARY.md, whatever the evidence held: every control character (a raw ESC
-    sequence, a newline that would end the row) and bidirectional override becomes a visible
-    ``\\xNN`` or ``\\uNNNN`` escape, and ``|`` is escaped, so a string from the evidence cannot leave
-    its cell or reach a reviewer's terminal as a command. The one function SUMMARY.md's cells go through."""
-    text = UNPRINTABLE.sub(lambda m: (f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
-                                       else f"\\u{ord(m.group()):04x}"), text)
-    return text.replace("|", "\\|")
+    """A string from the evidence as SUMMARY.md holds it (a table cell, or a value in a sentence or
+    a code span), whatever it held: no markup can come of it. A backslash is doubled, ``&``, ``<``,
+    ``>`` become HTML entities (no tag, no autolink), ``](`` becomes ``]\\(`` (no inline link or
+    image), ``|`` is escaped (the cell is not split), and every control character (a raw ESC
+    sequence, a newline that would end the row or start a heading) and bidirectional override
+    becomes a visible ``\\xNN`` or ``\\uNNNN`` escape, so a string from the evidence cannot leave its
+    cell or line, load anything, or reach a reviewer's terminal as a command. Backticks are kept
+    (cells hold code spans); one in a value can end its span, and then meets only escaped text.
+    Anything else is unchanged, so ordinary evidence renders as it did. The one function every
+    evidence string of SUMMARY.md goes through."""
+    text = _MARKUP_RE.sub(lambda m: _MARKUP[m.group()], text)
+    return UNPRINTABLE.sub(lambda m: (f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                                      else f"\\u{ord(m.group()):04x}"), text)
 
 
 @dataclass(frozen=True)
@@ -105,11 +120,14 @@ class Section:
         return "\n".join([head, rule, *body]) + "\n"
 
     def rich(self) -> Table:
-        table = Table(title=self.title, title_justify="left")
+        """The table for the console: every cell a ``rich.text.Text`` (shown as written, never parsed
+        as markup, so an evidence string such as a model named ``qwen [/]`` cannot raise MarkupError
+        or style the table), its control characters shown as visible escapes."""
+        table = Table(title=Text(self.title), title_justify="left")
         for column in self.columns:
-            table.add_column(column, overflow="fold")
+            table.add_column(Text(column), overflow="fold")
         for row in self.rows:
-            table.add_row(*row)
+            table.add_row(*(Text(terminal_text(cell)) for cell in row))
         return table
 
 
@@ -263,13 +281,13 @@ def reproduction(ev: Evidence) -> str:
     git = ev.environment.get("git", {})
     commit = git.get("commit")
     if git.get("available") is True:
-        where = (f"Tested commit `{commit}` (branch `{git.get('branch')}`). "
+        where = (f"Tested commit `{md_cell(str(commit))}` (branch `{md_cell(str(git.get('branch')))}`). "
                  + ("The working tree was DIRTY: it had changes that no commit holds, so the commands below at that "
                     "commit run the committed code, not exactly the tested code." if git.get("dirty") else
                     "The working tree was clean."))
         checkout = [f"git checkout {commit}", f'test "$(git rev-parse HEAD)" = "{commit}"']
     else:
-        where = (f"No git state was recorded ({git.get('reason')}): the tested code is not named by a commit; run "
+        where = (f"No git state was recorded ({md_cell(str(git.get('reason')))}): the tested code is not named by a commit; run "
                  "the commands below in a copy of the tested source tree.")
         checkout = []
     plan_cmd = ["python", "-m", "rl_engine", "plan", "--case", _beside_plan(ev, CASE), "--output", _beside_plan(ev, PLAN)]
@@ -480,8 +498,8 @@ def parity_text(ev: Evidence, secs: dict[str, Section]) -> list[str]:
         return []
     return ["## Parity: rollout versus trainer", "",
             f"`python -m rl_engine parity` on two captures of the same tokens ({PARITY_JSON}, backend "
-            f"{ev.parity.get('backend')}, {ev.parity.get('num_vocab_tiles')} vocabulary tiles, "
-            f"{ev.parity.get('arithmetic_spec')}); the histogram of the per-token differences is `{PARITY_PNG}`. "
+            f"{md_cell(str(ev.parity.get('backend')))}, {md_cell(str(ev.parity.get('num_vocab_tiles')))} vocabulary "
+            f"tiles, {md_cell(str(ev.parity.get('arithmetic_spec')))}); the histogram of the per-token differences is `{PARITY_PNG}`. "
             "A difference is a finding of this report, not a failure of the run.", "",
             secs["parity"].markdown()]
 
@@ -493,12 +511,13 @@ def inputs_text(case: dict[str, Any]) -> str:
         return ("Inputs: the input recipe (docs/arithmetic.md section 10), regenerable from the case's "
                 "integers.")
     meta = capture.get("metadata") if isinstance(capture.get("metadata"), dict) else {}
-    described = ", ".join(f"{key} `{meta[key]}`" for key in sorted(meta))
+    described = ", ".join(f"{md_cell(str(key))} `{md_cell(str(meta[key]))}`" for key in sorted(meta))
     held = ("the archive holds it (`inputs.archive: true`)" if capture.get("archive") is True
             else "the archive does not hold it (`verify --recompute` needs `--capture PATH`)")
-    return (f"Inputs: the capture `{capture.get('path')}`, SHA-256 `{capture.get('sha256')}`, "
-            f"{capture.get('size')} bytes, {capture.get('tokens')} tokens x {capture.get('vocab')} "
-            f"{capture.get('dtype')} columns; its metadata: {described}; {held}. The capture's mask "
+    path, sha, size, tokens, vocab, dtype = (md_cell(str(capture.get(k))) for k in
+                                             ("path", "sha256", "size", "tokens", "vocab", "dtype"))
+    return (f"Inputs: the capture `{path}`, SHA-256 `{sha}`, {size} bytes, {tokens} tokens x {vocab} "
+            f"{dtype} columns; its metadata: {described}; {held}. The capture's mask "
             "is the active tokens (prompt tokens, seed and logit scale do not shape its inputs).")
 
 
@@ -529,7 +548,7 @@ def render(ev: Evidence, run: Run) -> tuple[str, dict[str, Section]]:
         "",
         status,
         "",
-        f"Tested commit: `{git.get('commit')}` (branch `{git.get('branch')}`, "
+        f"Tested commit: `{md_cell(str(git.get('commit')))}` (branch `{md_cell(str(git.get('branch')))}`, "
         f"{'dirty working tree' if git.get('dirty') else 'clean working tree'})",
         "",
         f"Case: {case_line}",
@@ -633,9 +652,11 @@ def main(argv: list[str] | None = None) -> int:
     text, secs = render(ev, run)
     jsonio.atomic_write_text(args.output, text)
     console = Console(width=160)
-    console.print(f"[bold]{'PASSED' if status_passed(ev) else 'FAILED'}[/bold]: {ev.plan.get('case_id')}")
+    # evidence strings (the case id, the output path) as text: Text objects are never parsed as markup
+    console.print(Text.assemble(("PASSED" if status_passed(ev) else "FAILED", "bold"),
+                                f": {terminal_text(str(ev.plan.get('case_id')))}"))
     for key in ("matrix", "topology", "fingerprints", "parity", "hardware"):
         if key in secs:
             console.print(secs[key].rich())
-    console.print(f"wrote {args.output}")
+    console.print(Text(f"wrote {terminal_text(str(args.output))}"))
     return 0

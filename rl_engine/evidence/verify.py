@@ -21,7 +21,9 @@ Runs without a GPU or network and checks, each as a row of the printed table:
 5. **JSON schemas**: every JSON artifact against the schemas shipped inside the archive
    (``NAME/schemas/``), strict JSON (no NaN/Infinity literals), ``parity.json`` too when the run
    has a parity stage;
-6. **focused regression**: tests ran and none failed (the row gives the passed and skipped counts);
+6. **focused regression**: tests ran and none failed (the row gives the passed and skipped counts,
+   and says when the pass was not run for this archive but reused from an earlier run: which run,
+   when and at which commit, from ``regression.json``'s ``reused``);
 7. **report acceptance**: :func:`rl_engine.evidence.acceptance.check_report` on every planned
    report (the same function the workflow's gate used), including each raw tensor's SHA-256
    against its recorded hash and fingerprint and its values against what the arithmetic
@@ -70,6 +72,11 @@ must name the evidence: the commit and dirty flag of ``environment.json`` and th
 :mod:`rl_engine.campaign.casename`; a name without a
 case hash, from before per-case names, is a note).
 
+A note row, **reuse**, says whether the environment capture and the focused suite ran for this
+archive or were reused from an earlier run (:mod:`rl_engine.record.reuse`: the run, when, its
+commit); ``--json`` records the same as ``reused`` (``{"environment": ..., "regression": ...}``,
+each null when the stage ran for this archive).
+
 A note row says whether the shipped schemas are byte-identical to this installation's (a
 difference is reported, not failed: an older archive may carry older schemas; the semantic
 checks above do not depend on the schemas). Exit 0 only when every check holds; 1 otherwise;
@@ -84,7 +91,7 @@ import math
 import re
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -106,6 +113,7 @@ from rl_engine.evidence.spec_doc import SPEC_DOC, spec_problems
 from rl_engine.evidence.summary import UNPRINTABLE, SummaryError, regression_text, summary_text
 from rl_engine.evidence.terminal import terminal_text
 from rl_engine.evidence.validation import validate_run
+from rl_engine.record import reuse
 from rl_engine.rundir import (
     ENVIRONMENT,
     PARITY_JSON,
@@ -141,6 +149,7 @@ class Check:
     passed: bool | None  # None: a note that does not decide the outcome
     detail: str
     problems: tuple[str, ...] = ()
+    facts: dict[str, Any] | None = field(default=None, compare=False)  # a note's data for --json (the reuse row's)
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.detail, str):
@@ -154,11 +163,46 @@ class Check:
         return {"name": self.name, "status": self.status(), "detail": self.detail, "problems": list(self.problems)}
 
 
+REUSE_ROW = "reuse"
+REUSED_STAGES = (("environment", "the environment capture"), ("regression", "the focused suite"))
+
+
 def regression_detail(run: Run) -> str:
-    """The regression row's detail when it passes: the counts, as SUMMARY.md gives them."""
+    """The regression row's detail when it passes: the counts, as SUMMARY.md gives them, and whether
+    the suite ran for this archive or its pass was reused from an earlier run."""
     reg = run.regression
     counts = regression_text(reg) if isinstance(reg, dict) else "no readable counts"
-    return f"tests ran, none failed: {counts}"
+    if isinstance(reg, dict) and reuse.REUSED in reg:
+        return (f"REUSED, not run for this archive: the pass of {reuse.reused_text(reg[reuse.REUSED])}, "
+                f"none failed: {counts}")
+    return f"tests ran for this archive, none failed: {counts}"
+
+
+def _reused_fact(record: Any) -> dict[str, Any]:
+    """A ``reused`` record as verify.json holds it (strings escaped: it comes from the archive)."""
+    if not isinstance(record, dict):
+        return {"from_run": terminal_text(repr(record)), "captured_utc": "", "from_commit": None, "key": ""}
+    commit = record.get("from_commit")
+    return {"from_run": terminal_text(str(record.get("from_run"))),
+            "captured_utc": terminal_text(str(record.get("captured_utc"))),
+            "from_commit": None if commit is None else terminal_text(str(commit)),
+            "key": terminal_text(str(record.get("key")))}
+
+
+def reuse_note(run: Run) -> Check:
+    """The reuse row: which stages ran for this archive and which were copied from which earlier run."""
+    documents = {"environment": run.environment, "regression": run.regression}
+    facts: dict[str, Any] = {}
+    parts = []
+    for stage, what in REUSED_STAGES:
+        doc = documents[stage]
+        if isinstance(doc, dict) and reuse.REUSED in doc:
+            facts[stage] = _reused_fact(doc[reuse.REUSED])
+            parts.append(f"{what} REUSED from {reuse.reused_text(doc[reuse.REUSED])}")
+        else:
+            facts[stage] = None
+            parts.append(f"{what} ran for this archive" if isinstance(doc, dict) else f"{what}: no readable record")
+    return Check(REUSE_ROW, None, "; ".join(parts), facts=facts)
 
 
 def _from_findings(name: str, found: list[Finding], ok_detail: str) -> Check:
@@ -528,8 +572,8 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
     the raw tensors."""
     import torch
 
+    from rl_engine.campaign.case import record_oracle_drift
     from rl_engine.campaign.replay import regenerate_inputs
-    from rl_engine.logprob.comparison import oracle_drift
 
     planned, msg = _planned(run)
     msg = msg or replay_bound(run, planned, max_logits)
@@ -577,8 +621,7 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
                                       f"the case has {n} tokens")
                 continue
             torch.set_num_threads(case.get("threads_per_rank", 1))  # bounded by replay_bound
-            drift = oracle_drift(logp, lse, logits, targets, active, case["real_vocab"], case["dtype"],
-                                 case["atol"], case["rtol"])
+            drift = record_oracle_drift(case, logp, lse, logits, targets, active)  # the runner's oracle
             for oracle, quantities in drift.items():
                 for quantity, stats in quantities.items():
                     reported = (report.get("drift") or {}).get(oracle, {}).get(quantity)
@@ -764,6 +807,7 @@ def _checks_of_extracted(extracted: Extracted, recompute_drift: bool, accept_loo
     shipped = root / SCHEMA_DIR
     gated = ("JSON schemas (shipped)", "focused regression", "report acceptance", "recorded gates")
     checks = [*_guarded(("tested",), lambda: tested_note(run)),
+              *_guarded((REUSE_ROW,), lambda: reuse_note(run)),
               *_guarded(("run name",), lambda: check_run_name(run, top)),
               *_guarded(("SHA256SUMS",), lambda: check_sums(run, extracted.files, top)),
               *_guarded(("archive members",), lambda: check_members(run, extracted.files, top)),
@@ -880,6 +924,7 @@ def main(argv: list[str] | None = None) -> int:
                     accept_looser_tolerance=args.accept_looser_tolerance, max_replay_logits=args.max_replay_logits,
                     capture=args.capture)
     passed = all(c.passed is not False for c in checks) and any(c.name == "recorded gates" for c in checks)
+    reused = next((c.facts for c in checks if c.name == REUSE_ROW and c.facts is not None), None)
     failures = [f"{c.name}: {p}" for c in checks if c.passed is False for p in (c.problems or [c.detail])]
     if args.json is not None:  # written before anything is printed: the record never depends on the terminal
         try:
@@ -888,6 +933,7 @@ def main(argv: list[str] | None = None) -> int:
                 "archive": args.archive.name,
                 "recompute": args.recompute,
                 "passed": passed,
+                "reused": reused,
                 "checks": [c.to_dict() for c in checks],
                 "failures": failures,
             }, "verify")

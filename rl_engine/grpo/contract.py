@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from rl_engine.distributed.bounds import token_indices
 from rl_engine.distributed.mesh import ParallelDims
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
-from rl_engine.validators import choice_problem, int_problem, require
+from rl_engine.validators import choice_problem, finite_float, int_problem, require, shown
 
 ADVANTAGE_MODES: tuple[str, ...] = ("group_mean_std", "group_mean")
 KL_ESTIMATORS: tuple[str, ...] = ("k3", "k1")
@@ -64,9 +63,10 @@ def _require_real(name: str, value: Any) -> float:
         raise GRPOContractError(
             f"{name}={value!r} must be a real number (got {type(value).__name__})"
         )
-    number = float(value)
-    if not math.isfinite(number):
-        raise GRPOContractError(f"{name}={value!r} must be finite")
+    number = finite_float(value)  # None for NaN, an infinity and an integer beyond binary64 (10**400)
+    if number is None:
+        beyond = " (an integer beyond binary64's range, about 1.8e308, has no float value)" if isinstance(value, int) else ""
+        raise GRPOContractError(f"{name}={shown(value)} must be finite{beyond}")
     return number
 
 

@@ -14,6 +14,10 @@ on the policy and the reference model (nothing else of TRL changes):
     trainer = RLEngineGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...),
                                   train_dataset=dataset, processing_class=tokenizer)
 
+A mixture-of-experts model keeps its load-balancing loss as with TRL's head: router logits when the
+call or the config asks for them, ``aux_loss`` and ``loss + router_aux_loss_coef * aux_loss`` (TRL's
+GRPO stacks each micro-batch's ``aux_loss``: a head returning None stopped ``train()``).
+
 The head computes in its weight's dtype, autocast or not (``cast_lm_head_to_fp32``: float32):
 the arithmetic needs the logits' dtype fixed. What is refused, naming the setting: an LM head with a
 bias, a model whose config scales or caps
@@ -47,6 +51,28 @@ def _scaling_problem(config: Any) -> str | None:
     return None
 
 
+def router_aux_loss(model: Any, text_config: Any, router_logits: Any, attention_mask: Any) -> torch.Tensor:
+    """An MoE's load-balancing loss from the backbone's router logits, as the model's own forward and
+    TRL's fused head compute it: transformers' ``load_balancing_loss_func`` (Mixtral's, which every MoE
+    family shares through transformers' modular files) with the model's expert count and top-k (the
+    attributes its forward reads, else its config's) and the attention mask (None when padding-free)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    counts = {}
+    for name in ("num_experts", "num_experts_per_tok"):
+        value = getattr(model, name, getattr(text_config, name, None))
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise LogprobContractError(f"the model asks for its router logits (output_router_logits) but neither it "
+                                       f"nor its config has a positive integer {name} (found {value!r}); the "
+                                       "load-balancing loss needs it: use TRL's own head for this model")
+        counts[name] = value
+    if router_logits is None:
+        raise LogprobContractError("the backbone returned no router_logits although output_router_logits was asked "
+                                   "for; the load-balancing loss needs them: use TRL's own head for this model")
+    return load_balancing_loss_func(router_logits, counts["num_experts"], counts["num_experts_per_tok"],
+                                    attention_mask)
+
+
 def add_rl_engine_lm_head(model: Any, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
                           outputs: tuple[str, ...] = ("log_probs",), *, num_vocab_tiles: int | str = "auto",
                           chunk_tokens: int = DEFAULT_CHUNK_TOKENS, backend: str = "auto") -> None:
@@ -55,7 +81,10 @@ def add_rl_engine_lm_head(model: Any, temperature: float = 1.0, cast_lm_head_to_
     ``model(..., labels=labels, fused_lm_head=True)`` then returns TRL's ``FusedCausalLMOutput``:
     ``log_probs`` (0 where the next-token label is -100), ``entropy`` (when asked for in
     ``outputs``; 0 there too) and ``loss`` (minus the mean log-prob), from the backbone's last
-    hidden state and the LM head's weight, at ``temperature``. Without ``fused_lm_head`` the model's
+    hidden state and the LM head's weight, at ``temperature``. A mixture-of-experts model's router loss
+    is kept as TRL's head keeps it: router logits are asked of the backbone when the call or the
+    model's config (``output_router_logits``) asks, and then ``aux_loss`` is :func:`router_aux_loss`
+    and ``loss`` adds ``router_aux_loss_coef * aux_loss``. Without ``fused_lm_head`` the model's
     forward is the one it had (generation is unchanged). ``num_vocab_tiles``, ``chunk_tokens`` and
     ``backend`` are :func:`selected_logprob_from_hidden`'s."""
     from trl.trainer.utils import FusedCausalLMOutput
@@ -81,6 +110,8 @@ def add_rl_engine_lm_head(model: Any, temperature: float = 1.0, cast_lm_head_to_
                     kwargs[name] = value
             return original_forward(*args, **kwargs)
         kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):  # an MoE whose config asks for its router loss
+            kwargs.setdefault("output_router_logits", True)
         backbone = self.base_model(*args, **kwargs)
         if shift_labels is None:
             hidden, targets = backbone.last_hidden_state[:, :-1], labels[:, 1:]
@@ -106,7 +137,11 @@ def add_rl_engine_lm_head(model: Any, temperature: float = 1.0, cast_lm_head_to_
         log_probs = out.selected_logp  # 0 on -100 labels (inactive rows)
         entropy = out.entropy.masked_fill(~mask, 0.0) if want_entropy else None
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
-        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask)
+        aux_loss = None
+        if kwargs.get("output_router_logits"):
+            aux_loss = router_aux_loss(self, text_config, backbone.router_logits, kwargs.get("attention_mask"))
+            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask, aux_loss=aux_loss)
 
     model.forward = types.MethodType(_forward, model)
 
@@ -139,4 +174,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["add_rl_engine_lm_head", "rl_engine_trainer"]  # and RLEngineGRPOTrainer, made on first use
+__all__ = ["add_rl_engine_lm_head", "rl_engine_trainer", "router_aux_loss"]  # and RLEngineGRPOTrainer, made on first use

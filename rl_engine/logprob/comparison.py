@@ -21,7 +21,6 @@ error), candidate forward and backward, both oracles, fingerprints, a strict-JSO
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -31,6 +30,7 @@ from rl_engine.logprob.oracle import fp32_oracle, fp64_oracle
 from rl_engine.logprob.registry import Dispatch, dispatch
 from rl_engine.tables import DEFAULT_TOLERANCES, GATING_ORACLE
 from rl_engine.tensorio import DTYPE_NAMES, fingerprint
+from rl_engine.validators import real_problem
 
 REL_FLOOR = float(torch.finfo(torch.float32).tiny)
 
@@ -48,7 +48,10 @@ def default_tolerance(dtype: str) -> tuple[float, float]:
 
 def _check_tolerance(atol: float, rtol: float) -> None:
     for name, value in (("atol", atol), ("rtol", rtol)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        problem = real_problem(name, value)
+        if problem is not None:
+            raise ComparisonError(f"{problem}; give a tolerance >= 0")
+        if value < 0:
             raise ComparisonError(f"{name}={value!r} must be a finite number >= 0")
 
 

@@ -1,90 +1,80 @@
 """The logprob from the last hidden state and the lm_head weight, without the whole logits.
 
 ``selected_logprob_from_hidden(hidden, weight, targets, ...)`` is what a fused lm_head computes
-(TRL's ``fused_lm_head``, Liger's chunked losses): the logits of ``chunk_tokens`` tokens at a
-time, ``hidden[rows] @ weight.T`` in the inputs' dtype, go through the logprob op and are
-dropped; the backward makes each chunk's logits again, takes the op's gradient to them (one
-rounding to their dtype, as the op's own backward) and turns it into the gradients of ``hidden``
-(``grad_logits @ weight``, row by row) and ``weight`` (``grad_logits.T @ hidden`` added chunk by
-chunk into the weight's gradient: in the weight's dtype by default, one rounding per chunk, as
-Liger's chunked losses do; with ``grad_weight_fp32=True`` in binary32, rounded once at the end,
-at the cost of a binary32 copy of the weight).
+(TRL's ``fused_lm_head``, Liger's chunked losses): the logits of ``chunk_tokens`` active tokens at
+a time go through the logprob op and are dropped; the backward makes each chunk's logits again,
+takes the op's gradient to them and turns it into the gradients of ``hidden`` and ``weight``
+(:mod:`rl_engine.logprob.hidden_chunks`).
 
-The bits. The logprob, LSE and entropy are the op's arithmetic (``docs/arithmetic.md``) on each
-chunk's logits, so they are the bytes of :func:`rl_engine.logprob.api.selected_logprob` on
-``hidden @ weight.T`` wherever the matmul gives each row the bits it gives that row in the whole
-product (row invariance: measured on the CPU in ``tests/test_from_hidden.py``; a GEMM that picks
-its blocking from the row count may not have it). The logits' own bits are the matmul's: the
-arithmetic's guarantees start at them. ``hidden``'s gradient is, by the same property, the
-materialised path's; ``weight``'s is a sum over tokens in another order (chunk by chunk), so it
-equals the materialised one only to within rounding (bitwise with one chunk).
+The bits. The logits are the fixed-order product of :mod:`rl_engine.logprob.head_matmul` on the
+CPU (``matmul="auto"``; ``docs/arithmetic.md`` section 12): a logit's bits depend on its row of
+``hidden`` and its row of ``weight`` alone, so the logprob, LSE and entropy of a token are the same
+bytes at any chunk size, whichever other tokens are in the batch or active, at any TP degree (a
+shard's columns are the same products) and thread count. With ``matmul="library"`` (and on a GPU,
+where no fixed-order kernel is written) the logits are ``torch.matmul``'s, the model's own head's
+bits, and those promises hold only where that GEMM happens to give a row the same bits whatever
+else is multiplied with it. Only active rows are computed; inactive rows get ``+0`` logprob, LSE
+and entropy (no logits are made for them, so they have no LSE) and a ``+0`` gradient row.
 
-Under TP (``group=``): ``weight`` is this rank's shard of the vocabulary, ``[padded_vocab / TP,
-hidden_size]`` (an even split, as ``ColwiseParallel``/Megatron's column-parallel lm_head hold it),
-``hidden`` is whole on every rank; each chunk's logits are the rank's columns and go through the TP
-op (the same bytes as TP=1 on the concatenated shards' logits: the arithmetic does not depend on
-the TP degree). ``weight``'s gradient is the shard's. ``hidden``'s gradient is the rank's partial
-product ``grad_logits_shard @ weight_shard``; with ``hidden_grad="all_reduce"`` (the default under
-TP) the ranks' partials are summed by one all-reduce over ``group`` per backward, the gradient of
-the whole lm_head (its bits are that sum's: a column-parallel head's input gradient is a sum over
-ranks in any framework, not a TP-invariant quantity); ``hidden_grad="partial"`` leaves the sum to a
-framework that reduces it already (Megatron's ``copy_to_tensor_model_parallel_region``).
+Under autocast (``torch.autocast(device, dtype)`` enabled on ``hidden``'s device, as TRL's
+``bf16=True`` runs the model) the logits are made as autocast makes the model's own head's: both
+operands cast to the autocast dtype, the logits in that dtype; then the op's arithmetic. The
+gradients come back in the inputs' own dtypes.
+
+The weight's gradient: the chunks' ``grad_logits.T @ hidden`` added in binary32 and rounded once
+to the weight's dtype (``grad_weight_fp32=True``, the default: one binary32 copy of the weight's
+gradient while the backward runs), or added in the compute dtype with one rounding per chunk
+(``False``: Liger's chunked losses; measured at 4096 and 16384 bf16 tokens, 4.8e-3 and 9.4e-3
+relative error against float64, where the default has 1.66e-3, the bf16 rounding of the exact value).
+
+Under TP (``group=``): ``weight`` is this rank's shard of the vocabulary (an even split, as
+``ColwiseParallel``/Megatron's column-parallel lm_head holds it), ``hidden`` is whole on every rank;
+each chunk's logits are the rank's columns and go through the TP op. ``weight``'s gradient is the
+shard's; ``hidden``'s is the rank's partial product, summed over the group by one all-reduce per
+backward with ``hidden_grad="all_reduce"`` (the default under TP: its bits are that sum's), or left
+to a framework that reduces it already (``"partial"``: Megatron's
+``copy_to_tensor_model_parallel_region``). Every TP rank agrees on the active rows first (one small
+all-gather), so the ranks cut the same chunks. A DTensor weight (FSDP2, a TP plan) is resolved by
+:mod:`rl_engine.logprob.hidden_dtensor`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rl_engine.distributed.mesh import group_geometry
+from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device, tensor_digest
 from rl_engine.logprob.api import DTYPE_NAMES, resolve_vocab_tiles, trainer_inputs
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.logprob.head_matmul import choose_matmul
+from rl_engine.logprob.hidden_chunks import HeadPlan, active_rows, backward_chunks, forward_chunks
+from rl_engine.logprob.hidden_dtensor import HeadWeight, head_weight, is_dtensor
 from rl_engine.logprob.registry import dispatch
-from rl_engine.logprob.vocab_parallel import LogprobOutput, vocab_parallel_backward
+from rl_engine.logprob.vocab_parallel import LogprobOutput
 from rl_engine.tables import AUTO, MAX_TP
 
 DEFAULT_CHUNK_TOKENS = 256
-
-
 HIDDEN_GRADS = ("all_reduce", "partial")
-
-
-def _chunk_contract(contract: LogprobContract, rows: int) -> LogprobContract:
-    return LogprobContract(
-        real_vocab_size=contract.real_vocab_size, padded_vocab_size=contract.padded_vocab_size,
-        num_vocab_tiles=contract.num_vocab_tiles, num_sequences=1, seq_len=rows,
-        tp_world_size=contract.tp_world_size, tp_rank=contract.tp_rank,
-        logits_dtype=contract.logits_dtype, ignore_index=contract.ignore_index, temperature=contract.temperature)
+CALL = "selected_logprob_from_hidden"
+AGREED_FIELDS = ("tokens", "active", "chunk_tokens", "matmul", "hidden_grad")
 
 
 class _FromHidden(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-        active: torch.Tensor, contract: LogprobContract, op: Any, chunk_tokens: int,
-        compute_entropy: bool, validate: bool, grad_weight_fp32: bool, group: Any, reduce_hidden: bool,
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
+        plan: HeadPlan,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        tokens = hidden.shape[0]
-        logp = hidden.new_empty(tokens, dtype=torch.float32)
-        lse = torch.empty_like(logp)
-        entropy = torch.empty_like(logp) if compute_entropy else hidden.new_empty(0, dtype=torch.float32)
-        for start in range(0, tokens, chunk_tokens):
-            end = min(start + chunk_tokens, tokens)
-            logits = hidden[start:end] @ weight.T
-            out = op(logits, targets[start:end], active[start:end], _chunk_contract(contract, end - start),
-                     group=group, compute_entropy=compute_entropy, validate=validate)
-            logp[start:end] = out.selected_logp
-            lse[start:end] = out.lse
-            if compute_entropy:
-                entropy[start:end] = out.entropy
-            del logits, out
-        ctx.save_for_backward(hidden, weight, targets, active, lse, entropy)
-        ctx.contract, ctx.op, ctx.chunk_tokens = contract, op, chunk_tokens
-        ctx.grad_weight_fp32 = grad_weight_fp32
-        ctx.group, ctx.reduce_hidden = group, reduce_hidden
+        compute = weight if weight.dtype == plan.compute_dtype else weight.detach().to(plan.compute_dtype)
+        logp, lse, entropy = forward_chunks(hidden, compute, targets, rows, plan)
+        ctx.save_for_backward(hidden, compute, targets, rows, lse, entropy)
+        ctx.plan, ctx.weight_dtype = plan, weight.dtype
         ctx.set_materialize_grads(False)  # an output the loss does not use gives None, not zeros
-        if not compute_entropy:
+        if not plan.compute_entropy:
             ctx.mark_non_differentiable(entropy)
         return logp, lse, entropy
 
@@ -93,40 +83,115 @@ class _FromHidden(torch.autograd.Function):
         ctx: Any, grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None,
         grad_entropy: torch.Tensor | None,
     ) -> tuple[Any, ...]:
-        hidden, weight, targets, active, lse, entropy = ctx.saved_tensors
-        if entropy.shape != lse.shape:
+        hidden, compute, targets, rows, lse, entropy = ctx.saved_tensors
+        if not ctx.plan.compute_entropy:
             grad_entropy = None
-        contract, op, chunk = ctx.contract, ctx.op, ctx.chunk_tokens
-        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        accumulate = torch.float32 if ctx.grad_weight_fp32 else weight.dtype
-        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if want_weight else None
-        with torch.no_grad():
-            for start in range(0, hidden.shape[0], chunk):
-                end = min(start + chunk, hidden.shape[0])
-                rows = slice(start, end)
-                logits = hidden[rows] @ weight.T
-                part = _chunk_contract(contract, end - start)
-                grad_logits = vocab_parallel_backward(
-                    logits, targets[rows], active[rows], lse[rows],
-                    None if grad_logp is None else grad_logp[rows],
-                    None if grad_lse is None else grad_lse[rows], part,
-                    op.default_chunk_rows(part, logits.device), op.engine(),
-                    None if grad_entropy is None else grad_entropy[rows], entropy[rows] if grad_entropy is not None else None)
-                del logits
-                if grad_hidden is not None:
-                    grad_hidden[rows] = grad_logits @ weight
-                if grad_weight is not None and ctx.grad_weight_fp32:
-                    grad_weight.addmm_(grad_logits.T.float(), hidden[rows].float())
-                elif grad_weight is not None:
-                    grad_weight.addmm_(grad_logits.T, hidden[rows])
-                del grad_logits
-        if grad_hidden is not None and ctx.reduce_hidden:
-            import torch.distributed as dist
+        grad_hidden, grad_weight = backward_chunks(
+            hidden, compute, targets, rows, lse, entropy, grad_logp, grad_lse, grad_entropy, ctx.plan,
+            ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None
 
-            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.group)  # the ranks' partial products
-        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None, None, None, None, None, None, None, None, None, None)
+
+def compute_dtype_of(hidden: torch.Tensor) -> tuple[torch.dtype, str | None]:
+    """The logits' dtype: autocast's where it is enabled on ``hidden``'s device, else the inputs'."""
+    device = hidden.device.type
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return dtype, DTYPE_NAMES.get(dtype, str(dtype))
+    return hidden.dtype, None
+
+
+def _check_inputs(hidden: Any, weight: torch.Tensor, compute_dtype: torch.dtype | None, autocast: str | None,
+                  grad_weight_fp32: Any, hidden_grad: str, chunk_tokens: Any) -> None:
+    for name, tensor in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in DTYPE_NAMES:
+            got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise LogprobContractError(f"{name} must be a bf16, fp16 or fp32 tensor, got {got}")
+    if hidden.dim() not in (2, 3) or hidden.shape[-1] != weight.shape[1]:
+        raise LogprobContractError(
+            f"hidden.shape={tuple(hidden.shape)} and weight.shape={tuple(weight.shape)} must be "
+            "[tokens or batch, seq, hidden_size] and [vocab, hidden_size] with one hidden_size")
+    if hidden.shape[-1] == 0:
+        raise LogprobContractError(
+            f"hidden.shape={tuple(hidden.shape)} and weight.shape={tuple(weight.shape)} have hidden_size 0: the "
+            "logits would be sums of nothing; pass the model's last hidden state and its lm_head weight")
+    if (autocast is None and hidden.dtype != weight.dtype) or hidden.device != weight.device:
+        raise LogprobContractError(
+            f"hidden ({hidden.dtype}, {hidden.device}) and weight ({weight.dtype}, {weight.device}) must "
+            "share a dtype (the logits') and a device; cast one of them (under autocast the logits take "
+            "autocast's dtype)")
+    if compute_dtype not in DTYPE_NAMES:
+        raise LogprobContractError(f"autocast's dtype {compute_dtype} is not one of {list(DTYPE_NAMES)}")
+    if not isinstance(grad_weight_fp32, bool):
+        raise LogprobContractError(f"grad_weight_fp32={grad_weight_fp32!r} must be True or False")
+    if hidden_grad not in HIDDEN_GRADS:
+        raise LogprobContractError(f"hidden_grad={hidden_grad!r} must be one of {HIDDEN_GRADS}")
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise LogprobContractError(f"chunk_tokens={chunk_tokens!r} must be a positive integer (default "
+                                   f"{DEFAULT_CHUNK_TOKENS})")
+
+
+def _agreement_group(weight: Any, group: Any) -> Any:
+    """The group whose ranks must make this call together: the TP group, or a data-parallel
+    DTensor weight's mesh (its gather pairs every rank of it); ``None`` when there is none."""
+    if group is not None:
+        return group
+    if is_dtensor(weight) and weight.device_mesh.ndim == 1:
+        return weight.device_mesh.get_group(0)
+    return None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked call: its plan, the weight as resolved, the flat targets and active mask, the token
+    count, the shape of the per-token outputs, and the provenance of the choices made."""
+
+    plan: HeadPlan
+    weight: HeadWeight
+    targets: torch.Tensor
+    active: torch.Tensor
+    tokens: int
+    lead: tuple[int, ...]
+    provenance: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        if self.targets.shape != (self.tokens,) or self.active.shape != (self.tokens,):
+            raise LogprobContractError(f"targets {tuple(self.targets.shape)} and active {tuple(self.active.shape)} "
+                                       f"must hold one value per token ({self.tokens})")
+
+
+def prepare(hidden: Any, resolved: HeadWeight, targets: Any, active: Any, *, num_vocab_tiles: int | str,
+            real_vocab_size: int | None, compute_entropy: bool, validate: bool, chunk_tokens: int, backend: str,
+            ignore_index: int, max_tp: int, grad_weight_fp32: bool, temperature: float, hidden_grad: str,
+            matmul: str, compute_dtype: torch.dtype | None, autocast: str | None) -> Prepared:
+    """Every local check of a call, and its plan (no collective; raises LogprobContractError)."""
+    meta = resolved.meta
+    _check_inputs(hidden, meta, compute_dtype, autocast, grad_weight_fp32, hidden_grad, chunk_tokens)
+    lead = tuple(hidden.shape[:-1])
+    targets, active = trainer_inputs(targets, active, lead, ignore_index)
+    group = resolved.group
+    tp, tp_rank = group_geometry(group)
+    tiles = resolve_vocab_tiles(num_vocab_tiles, resolved.vocab, max_tp)
+    tokens = hidden.reshape(-1, hidden.shape[-1]).shape[0]
+    contract = LogprobContract(
+        real_vocab_size=resolved.vocab if real_vocab_size is None else real_vocab_size,
+        padded_vocab_size=resolved.vocab, num_vocab_tiles=tiles["resolved"], num_sequences=1, seq_len=tokens,
+        tp_world_size=tp, tp_rank=tp_rank, vocab_shard_bounds=resolved.shard_bounds,
+        logits_dtype=DTYPE_NAMES[compute_dtype], ignore_index=ignore_index, temperature=temperature)
+    if (contract.vocab_start, contract.vocab_end) != resolved.rows:
+        raise LogprobContractError(
+            f"weight.shape[0]={meta.shape[0]} is not this rank's share of the vocabulary {resolved.vocab} split "
+            f"into {tp} tile-aligned shards ({contract.vocab_end - contract.vocab_start} rows); shard the lm_head "
+            "evenly")
+    choice = choose_matmul(matmul, hidden.device)
+    chosen = dispatch(backend, contract, hidden.device.type)
+    plan = HeadPlan(contract, chosen.op, chunk_tokens, compute_entropy, validate, choice, compute_dtype,
+                    grad_weight_fp32, group, tp > 1 and hidden_grad == "all_reduce")
+    provenance = {**chosen.provenance(), "num_vocab_tiles": tiles, "chunk_tokens": chunk_tokens,
+                  "matmul": choice.record(), "autocast": autocast, "grad_weight_fp32": grad_weight_fp32}
+    if resolved.record is not None:
+        provenance["dtensor_weight"] = resolved.record
+    return Prepared(plan, resolved, targets.reshape(-1), active.reshape(-1), tokens, lead, provenance)
 
 
 def selected_logprob_from_hidden(
@@ -143,62 +208,65 @@ def selected_logprob_from_hidden(
     backend: str = AUTO,
     ignore_index: int = -100,
     max_tp: int = MAX_TP,
-    grad_weight_fp32: bool = False,
+    grad_weight_fp32: bool = True,
     temperature: float = 1.0,
     group: Any = None,
     hidden_grad: str = "all_reduce",
+    matmul: str = "auto",
+    weight_grad_reduce: str = "mean",
 ) -> LogprobOutput:
-    """Selected-token logprob of ``hidden @ weight.T`` made ``chunk_tokens`` tokens at a time.
+    """Selected-token logprob of ``hidden @ weight.T`` made ``chunk_tokens`` active tokens at a time.
 
     ``hidden`` is ``[tokens, hidden_size]`` or ``[batch, seq, hidden_size]``, ``weight``
     ``[vocab, hidden_size]`` (the lm_head's; its rows past ``real_vocab_size`` are padding), both
-    in bf16, fp16 or fp32 and of one dtype (the logits' dtype); ``targets``, ``active``,
-    ``num_vocab_tiles``, ``ignore_index``, ``backend`` and ``temperature`` as in
-    :func:`rl_engine.logprob.api.selected_logprob`. The whole ``[tokens, vocab]`` logits never
-    exist: at most ``chunk_tokens`` rows of them, and of their gradient. Differentiable to
-    ``hidden`` and ``weight``. See the module docstring for the bits.
+    in bf16, fp16 or fp32 and of one dtype (the logits'; under autocast, autocast's dtype is);
+    ``targets``, ``active``, ``num_vocab_tiles``, ``ignore_index``, ``backend`` and ``temperature`` as
+    in :func:`rl_engine.logprob.api.selected_logprob`. The whole ``[tokens, vocab]`` logits never
+    exist: at most ``chunk_tokens`` rows of them, and of their gradient. Differentiable to ``hidden``
+    and ``weight``. ``matmul``: ``"auto"`` (the fixed-order product on the CPU, the library's
+    elsewhere), ``"fixed"`` or ``"library"``. ``weight`` may be a DTensor: sharded for data
+    parallelism (FSDP2, ``group=None``) it is gathered and its gradient reduced over its mesh
+    (``weight_grad_reduce``: ``"mean"`` or ``"sum"``); sharded on the vocabulary over the TP mesh
+    whose group is ``group`` it is the rank's shard. See the module docstring for the bits.
     """
-    for name, tensor in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in DTYPE_NAMES:
-            got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise LogprobContractError(f"{name} must be a bf16, fp16 or fp32 tensor, got {got}")
-    if hidden.dim() not in (2, 3) or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+    if group is not None and not isinstance(group, dist.ProcessGroup):
         raise LogprobContractError(
-            f"hidden.shape={tuple(hidden.shape)} and weight.shape={tuple(weight.shape)} must be "
-            "[tokens or batch, seq, hidden_size] and [vocab, hidden_size] with one hidden_size")
-    if hidden.dtype != weight.dtype or hidden.device != weight.device:
-        raise LogprobContractError(
-            f"hidden ({hidden.dtype}, {hidden.device}) and weight ({weight.dtype}, {weight.device}) must "
-            "share a dtype (the logits') and a device; cast one of them")
-    if not isinstance(grad_weight_fp32, bool):
-        raise LogprobContractError(f"grad_weight_fp32={grad_weight_fp32!r} must be True or False")
-    if hidden_grad not in HIDDEN_GRADS:
-        raise LogprobContractError(f"hidden_grad={hidden_grad!r} must be one of {HIDDEN_GRADS}")
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise LogprobContractError(f"chunk_tokens={chunk_tokens!r} must be a positive integer (default "
-                                   f"{DEFAULT_CHUNK_TOKENS})")
-    lead = tuple(hidden.shape[:-1])
-    targets, active = trainer_inputs(targets, active, lead, ignore_index)
-    tp, tp_rank = group_geometry(group)
-    vocab = weight.shape[0] * tp  # the shards are equal (an even split of the padded vocabulary)
-    tiles = resolve_vocab_tiles(num_vocab_tiles, vocab, max_tp)
-    tokens = hidden.reshape(-1, hidden.shape[-1]).shape[0]
-    contract = LogprobContract(
-        real_vocab_size=vocab if real_vocab_size is None else real_vocab_size, padded_vocab_size=vocab,
-        num_vocab_tiles=tiles["resolved"], num_sequences=1, seq_len=tokens, tp_world_size=tp, tp_rank=tp_rank,
-        logits_dtype=DTYPE_NAMES[hidden.dtype], ignore_index=ignore_index, temperature=temperature)
-    if contract.vocab_end - contract.vocab_start != weight.shape[0]:
-        raise LogprobContractError(
-            f"weight.shape[0]={weight.shape[0]} is not this rank's share of the vocabulary {vocab} split into "
-            f"{tp} tile-aligned shards ({contract.vocab_end - contract.vocab_start} rows); shard the lm_head evenly")
-    chosen = dispatch(backend, contract, hidden.device.type)
-    logp, lse, entropy = _FromHidden.apply(
-        hidden.reshape(tokens, -1), weight, targets.reshape(-1), active.reshape(-1), contract, chosen.op,
-        chunk_tokens, compute_entropy, validate, grad_weight_fp32, group, tp > 1 and hidden_grad == "all_reduce")
-    return LogprobOutput(
-        logp.reshape(lead), lse.reshape(lead), entropy.reshape(lead) if compute_entropy else None,
-        {**chosen.provenance(), "num_vocab_tiles": tiles, "chunk_tokens": chunk_tokens},
-    )
+            f"group={group!r} is not a torch.distributed ProcessGroup; pass the TP group of a vocabulary-sharded "
+            "lm_head (e.g. mesh.tp_group), or None for a whole lm_head")
+    options = dict(num_vocab_tiles=num_vocab_tiles, real_vocab_size=real_vocab_size,
+                   compute_entropy=compute_entropy, validate=validate, chunk_tokens=chunk_tokens, backend=backend,
+                   ignore_index=ignore_index, max_tp=max_tp, grad_weight_fp32=grad_weight_fp32,
+                   temperature=temperature, hidden_grad=hidden_grad, matmul=matmul)
+    if torch.compiler.is_compiling() and group is None and not is_dtensor(weight) and not is_dtensor(hidden):
+        from rl_engine.logprob.compiled_head import compiled_from_hidden
+
+        return compiled_from_hidden(hidden, weight, targets, active, **options)
+    together = _agreement_group(weight, group)
+    failure: LogprobContractError | None = None
+    fields: dict[str, str] = {}
+    try:  # local checks record a verdict: under TP or a DTensor's mesh every rank raises it together
+        resolved = head_weight(weight, group, weight_grad_reduce)
+        compute_dtype, autocast = compute_dtype_of(hidden) if isinstance(hidden, torch.Tensor) else (None, None)
+        call = prepare(hidden, resolved, targets, active, compute_dtype=compute_dtype, autocast=autocast, **options)
+        if call.plan.group is not None:  # the TP ranks cut the same chunks only if they agree on the active rows
+            fields = {"tokens": str(call.tokens), "active": tensor_digest(call.active),
+                      "chunk_tokens": str(chunk_tokens), "matmul": call.plan.matmul.used, "hidden_grad": hidden_grad}
+    except LogprobContractError as exc:
+        failure = exc
+    if group_geometry(together)[0] > 1:
+        names = AGREED_FIELDS if group is not None else ()
+        verdict = None if failure is None else str(failure)
+        agree(CallRecord(CALL, verdict, tuple((name, fields.get(name, UNKNOWN)) for name in names)),
+              together, record_device(hidden), role="TP" if group is not None else "DP",
+              hints={"active": "Give every TP rank the same targets and mask."})
+    elif failure is not None:
+        raise failure
+    with torch.autocast(hidden.device.type, enabled=False):
+        logp, lse, entropy = _FromHidden.apply(hidden.reshape(call.tokens, -1), call.weight.tensor(), call.targets,
+                                               active_rows(call.active), call.plan)
+    lead = call.lead
+    return LogprobOutput(logp.reshape(lead), lse.reshape(lead), entropy.reshape(lead) if compute_entropy else None,
+                         call.provenance)
 
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "selected_logprob_from_hidden"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "Prepared", "compute_dtype_of", "prepare", "selected_logprob_from_hidden"]

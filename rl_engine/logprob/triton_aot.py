@@ -516,6 +516,20 @@ def _kernel_seconds(sass: Sass, threads: int, programs: int, model: dict[str, An
     return slots * threads * programs / rate
 
 
+def output_directory(output_dir: Path) -> Path:
+    """``output_dir`` made (with its parents) if missing; :class:`AotError` naming ``--output-dir`` when a
+    file stands where it or a parent must be, or it cannot be made."""
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise AotError(f"--output-dir {output_dir}: a file, not a directory, is at that path or above it; give "
+                       "a directory for roofline.json and the cubins (it is made when missing)") from None
+    except OSError as exc:
+        raise AotError(f"--output-dir {output_dir}: cannot be made ({exc.strerror}); give a directory you can "
+                       "write") from None
+    return output_dir
+
+
 def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_ROWS,
              case: tuple[int, int, int] = CASES[0][1:], dtype: torch.dtype = torch.bfloat16,
              temperature: float = 1.0) -> dict[str, Any]:
@@ -525,9 +539,9 @@ def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_R
     kernels with section 6 step 0's division). Instructions per column and times are those of each
     kernel's fast path (:class:`Sass`): the executed count of every tile and block that needs no
     IEEE division, which without a temperature is every instruction but the trailing trap."""
+    output_directory(output_dir)  # before triton is imported or anything compiled
     import triton
 
-    output_dir.mkdir(parents=True, exist_ok=True)
     kernels = load_kernels("compiled")
     real, padded, tiles = case
     launches = case_launches(rows, real, padded, tiles, dtype, True, True, temperature)
@@ -613,7 +627,8 @@ def main(argv: list[str]) -> int:
 
         try:
             temperature32(args.temperature, "--temperature")
-        except TemperatureError as exc:
+            output_directory(args.output_dir)
+        except (TemperatureError, AotError) as exc:
             parser.error(str(exc))
         doc = roofline(args.output_dir, temperature=args.temperature)
         schemas.write_validated(args.output_dir / "roofline.json", doc, "roofline")

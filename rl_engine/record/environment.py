@@ -7,13 +7,21 @@
   a tracked file changed or an untracked source file is not ignored; the number of untracked
   files is recorded, and the untracked data files, which leave the tree clean, are listed), Python,
   torch and its CUDA build, CUDA availability, GPU count and names,
-  NCCL and gloo availability, CPU model and count, hostname, platform and the versions of
-  snakemake, jsonschema, rich, numpy, pyyaml and rl_engine;
+  NCCL and gloo availability, CPU model and count, hostname, platform, the versions of
+  snakemake, jsonschema, rich, numpy, pyyaml and rl_engine, and ``nvidia``: the NVIDIA driver's
+  version, each GPU's index, name, UUID, PCI bus, VBIOS and memory (``nvidia-smi --query-gpu``),
+  and the CUDA toolkit's ``nvcc`` (its path and release line);
 * ``RUN/environment.txt``: the raw output of the guide's commands (``git rev-parse HEAD``,
   ``git log -1 --oneline``, ``git branch --show-current``, ``python --version``, the torch
   one-liner, ``nvidia-smi``, ``nvcc --version``), each run with a short timeout. A missing
   tool (no ``nvidia-smi`` on a CPU machine) is recorded as absent, not a failure; so is a
   repository that is not a git checkout (``git.available`` false).
+
+With ``--reuse-dir`` the record is made first (:func:`probe`) and its hash is the cache key
+(:func:`rl_engine.record.reuse.environment_key`): when an earlier capture has the same record,
+``environment.json`` is this probe's record with ``reused`` (the earlier run, when, its commit) and
+``environment.txt`` is copied from that capture, so only the raw commands' output is not taken
+again (``nvidia-smi``'s utilisation and temperature are the earlier ones).
 
 Exit 0 when both files are written; 1 when ``environment.json`` would not match its schema
 (then nothing is written); 2 on a bad argument.
@@ -157,8 +165,61 @@ def _torch() -> dict[str, Any]:
     }
 
 
-def capture(repo: Path, timeout_s: float) -> tuple[dict[str, Any], str]:
-    """``environment.json``'s content and ``environment.txt``'s text."""
+NVIDIA_GPU_QUERY = "index,name,uuid,pci.bus_id,vbios_version,memory.total"
+MAX_TOOL_LINES = 64  # GPUs listed, nvcc lines kept
+
+
+def _lines(result: CommandResult) -> list[str] | None:
+    """The non-empty output lines of a tool that ran and exited 0 (escaped, at most MAX_TOOL_LINES); else None."""
+    if not result.present or result.exit_code != 0:
+        return None
+    return [printable_path(line.strip()) for line in result.output.splitlines() if line.strip()][:MAX_TOOL_LINES]
+
+
+def _nvidia(repo: Path, timeout_s: float) -> dict[str, Any]:
+    """environment.json's ``nvidia`` record: the driver's version, its GPUs (index, name, UUID, PCI bus,
+    VBIOS, memory) and the CUDA toolkit's compiler (``nvcc`` on PATH: where, and its release line).
+
+    Stable fields only (``nvidia-smi``'s utilisation and temperature are in environment.txt alone), so
+    the record, and the reuse keys made from it, change when the driver, a GPU or the toolkit does."""
+    driver = _lines(run_command(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                repo, timeout_s))
+    gpus = _lines(run_command(["nvidia-smi", f"--query-gpu={NVIDIA_GPU_QUERY}", "--format=csv,noheader"],
+                              repo, timeout_s))
+    nvcc_path = shutil.which("nvcc")
+    nvcc = _lines(run_command(["nvcc", "--version"], repo, timeout_s))
+    release = [line for line in nvcc or [] if line.startswith(("Cuda compilation tools", "Build "))] or nvcc
+    return {
+        "driver_version": ", ".join(sorted(set(driver))) if driver else None,
+        "gpus": gpus or [],
+        "nvcc_path": printable_path(nvcc_path) if nvcc_path else None,
+        "nvcc_version": "; ".join(release) if release else None,
+    }
+
+
+def probe(repo: Path, timeout_s: float) -> dict[str, Any]:
+    """``environment.json``'s content: everything the capture records, no raw tool output.
+
+    The reuse keys are made from this record (:func:`rl_engine.record.reuse.environment_key`), so
+    every field it gains is in them without a second list to keep in step."""
+    nvidia = _nvidia(repo, timeout_s)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "git": _git(repo, timeout_s),
+        "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
+                   "executable": sys.executable},
+        "torch": _torch(),
+        "cpu": {"model": cpu_model(), "count": os.cpu_count() or 1},
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "packages": {name: _version(name) for name in PACKAGES},
+        "tools": {"nvidia_smi": nvidia["driver_version"] is not None, "nvcc": nvidia["nvcc_version"] is not None},
+        "nvidia": nvidia,
+    }
+
+
+def raw_text(repo: Path, timeout_s: float) -> str:
+    """``environment.txt``: the guide's commands and their raw output."""
     py = sys.executable
     commands = [
         run_command(["git", "rev-parse", "HEAD"], repo, timeout_s),
@@ -169,24 +230,12 @@ def capture(repo: Path, timeout_s: float) -> tuple[dict[str, Any], str]:
         run_command(["nvidia-smi"], repo, timeout_s),
         run_command(["nvcc", "--version"], repo, timeout_s),
     ]
-    tools = {
-        "nvidia_smi": commands[5].present and commands[5].exit_code == 0,
-        "nvcc": commands[6].present and commands[6].exit_code == 0,
-    }
-    env = {
-        "schema_version": SCHEMA_VERSION,
-        "git": _git(repo, timeout_s),
-        "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
-                   "executable": py},
-        "torch": _torch(),
-        "cpu": {"model": cpu_model(), "count": os.cpu_count() or 1},
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "packages": {name: _version(name) for name in PACKAGES},
-        "tools": tools,
-    }
-    text = "\n".join(c.text() for c in commands)
-    return env, text
+    return "\n".join(c.text() for c in commands)
+
+
+def capture(repo: Path, timeout_s: float) -> tuple[dict[str, Any], str]:
+    """``environment.json``'s content and ``environment.txt``'s text."""
+    return probe(repo, timeout_s), raw_text(repo, timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,23 +244,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repo", type=Path, default=Path.cwd(), help="git checkout to describe (default: cwd)")
     parser.add_argument("--timeout-s", type=float, default=20.0, help="per-command time limit in seconds (default 20)")
     parser.add_argument("--reuse-dir", type=Path, default=None,
-                        help="cache of earlier captures (rl_engine.record.reuse): copy the one whose key (commit, git "
-                             "status, Python, packages, host, CPU, GPUs) is this environment's, else capture and store")
+                        help="cache of earlier captures (rl_engine.record.reuse): when this environment's record "
+                             "(everything environment.json holds: commit, git status, Python, torch, packages, host, "
+                             "CPU, GPUs, driver, nvcc) is a cached capture's, copy its environment.txt, else capture "
+                             "and store")
     args = parser.parse_args(argv)
     if args.timeout_s <= 0:
         parser.error(f"--timeout-s must be > 0, got {args.timeout_s}")
     if not args.repo.is_dir():
         parser.error(f"--repo {args.repo} is not a directory")
-    key = reuse.environment_key(args.repo) if args.reuse_dir is not None else ""
+    repo = args.repo.resolve()
+    env = probe(repo, args.timeout_s)
+    key = reuse.environment_key(env) if args.reuse_dir is not None else ""
     origin = reuse.lookup(args.reuse_dir, "environment", key, [ENVIRONMENT, ENVIRONMENT_TEXT])
-    if origin is not None:
-        cached = reuse.entry(args.reuse_dir, "environment", key)
-        env = {**jsonio.load(cached / ENVIRONMENT), reuse.REUSED: reuse.reused_record(origin)}
+    cached = reuse.entry(args.reuse_dir, "environment", key) if origin is not None else None
+    if cached is not None and reuse.without_reused(jsonio.load(cached / ENVIRONMENT)) != env:
+        cached = None  # an entry whose record is not this probe's (edited by hand): capture again
+    if cached is not None:
+        assert origin is not None
+        env = {**env, reuse.REUSED: reuse.reused_record(origin)}
         text = (cached / ENVIRONMENT_TEXT).read_text(encoding="utf-8")
-        print(f"environment: reused the capture of run {origin['run']} ({origin['captured_utc']}): same commit, "
-              f"git status, Python, packages, host, CPU and GPUs (key {key[:16]}; {cached})")
+        print(f"environment: reused the capture of run {origin['run']} ({origin['captured_utc']}): the same record "
+              f"(commit, git status, Python, torch, packages, host, CPU, GPUs, driver, nvcc: key {key[:16]}); "
+              f"environment.txt copied from {cached}")
     else:
-        env, text = capture(args.repo.resolve(), args.timeout_s)
+        text = raw_text(repo, args.timeout_s)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     try:
         schemas.write_validated(args.output_dir / ENVIRONMENT, env, "environment")
@@ -219,10 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"env: {exc}", file=sys.stderr)
         return 1
     jsonio.atomic_write_text(args.output_dir / ENVIRONMENT_TEXT, text)
-    if origin is None:
+    if cached is None:
         reuse.store(args.reuse_dir, "environment", key, {ENVIRONMENT: args.output_dir / ENVIRONMENT,
                                                           ENVIRONMENT_TEXT: args.output_dir / ENVIRONMENT_TEXT},
-                    args.output_dir.name)
+                    args.output_dir.name, env["git"]["commit"])
     git = env["git"]
     print(f"environment: commit {git['commit']} ({'dirty' if git['dirty'] else 'clean'}), "
           f"python {env['python']['version']}, torch {env['torch']['version']}, "

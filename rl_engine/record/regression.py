@@ -1,11 +1,14 @@
 """Focused regression: the guide's step 1 with machine-readable counts.
 
 ``python -m rl_engine regression --output-dir RUN --tests FILE... [--pytest-arg ARG]... [--timeout-s S]``
-runs ``sys.executable -m pytest -q -rs FILE... --junitxml=RUN/pytest-junit.xml`` as a
-subprocess, writes its combined output to ``RUN/pytest-focused.log`` (and echoes it), and
-writes ``RUN/regression.json`` (``schemas/regression.schema.json``) with the counts parsed
-from the JUnit XML: ``passed``, ``failed``, ``skipped``, ``errors``, ``total``, plus the
-command, the test files, pytest's exit code and the duration.
+runs ``sys.executable -m pytest -q -rs -p rl_engine.record.suite_imports FILE... [ARG]...
+--junitxml=RUN/pytest-junit.xml`` as a subprocess, writes its combined output to
+``RUN/pytest-focused.log`` (and echoes it), and writes ``RUN/regression.json``
+(``schemas/regression.schema.json``) with the counts parsed from the JUnit XML: ``passed``,
+``failed``, ``skipped``, ``errors``, ``total``, plus the command, the test files, pytest's exit
+code, the duration and ``imported``: every file the pytest processes loaded, with its SHA-256
+(:mod:`rl_engine.record.suite_imports`), which ``--reuse-dir`` checks before it reuses a pass
+(:mod:`rl_engine.record.reuse`).
 
 pytest runs in a process group of its own, and this verb stops it and everything it started
 (:func:`rl_engine.proctree.stop_tree`, as ``launch`` does for torchrun) when it gets
@@ -29,9 +32,11 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -41,9 +46,11 @@ from typing import Any
 
 from rl_engine import jsonio, schemas
 from rl_engine.proctree import EXIT_TIMEOUT, KILL_GRACE_S, StopSignals, stop_tree, supervise
-from rl_engine.record import reuse
+from rl_engine.record import environment, reuse, suite_imports
 from rl_engine.rundir import JUNIT, PYTEST_LOG, REGRESSION
 from rl_engine.tables import SCHEMA_VERSION
+
+PROBE_TIMEOUT_S = 20.0  # per tool of the environment probe the regression key is made from
 
 
 class RegressionStopped(RuntimeError):
@@ -124,11 +131,12 @@ def _copy_output(source: Any, handle: Any, progress: Any = None) -> None:
             progress.flush()
 
 
-def _run_pytest(argv: list[str], log: Path, timeout_s: float | None, progress: Any = None) -> int:
+def _run_pytest(argv: list[str], log: Path, timeout_s: float | None, progress: Any = None,
+                env: dict[str, str] | None = None) -> int:
     """pytest's exit code; :class:`RegressionStopped` after stopping it on a signal or the time limit."""
     with open(log, "w", encoding="utf-8") as handle, StopSignals() as stops:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                                start_new_session=True)
+                                start_new_session=True, env=env)
         copier = threading.Thread(target=_copy_output, args=(proc.stdout, handle, progress), daemon=True)
         copier.start()
         ended = supervise(proc, timeout_s, stops, lambda: stop_tree(proc, KILL_GRACE_S))
@@ -155,11 +163,17 @@ def run(output_dir: Path, tests: list[str], pytest_args: list[str],
     log = output_dir / PYTEST_LOG
     for stale in (junit, log, output_dir / REGRESSION):
         stale.unlink(missing_ok=True)
-    argv = [sys.executable, "-m", "pytest", "-q", "-rs", *tests, *pytest_args, f"--junitxml={junit}"]
-    shown = ["python", *argv[1:]]
-    start = time.monotonic()
-    code = _run_pytest(argv, log, timeout_s, progress)
-    duration = time.monotonic() - start
+    imports = Path(tempfile.mkdtemp(prefix="rl_engine-imports-"))
+    try:
+        argv = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", suite_imports.PLUGIN, *tests, *pytest_args,
+                f"--junitxml={junit}"]
+        shown = ["python", *argv[1:]]
+        start = time.monotonic()
+        code = _run_pytest(argv, log, timeout_s, progress, {**os.environ, suite_imports.ENV_DIR: str(imports)})
+        duration = time.monotonic() - start
+        imported = suite_imports.collect(imports)
+    finally:
+        shutil.rmtree(imports, ignore_errors=True)
     try:
         counts = parse_junit(junit)
         problem = None
@@ -179,6 +193,7 @@ def run(output_dir: Path, tests: list[str], pytest_args: list[str],
         "log": PYTEST_LOG,
         "junit": JUNIT if problem is None else None,
         "problem": problem,
+        "imported": imported,
     }
     schemas.write_validated(output_dir / REGRESSION, result, "regression")
     failed = problem is not None or code != 0 or counts.failed or counts.errors or counts.total == 0
@@ -186,21 +201,23 @@ def run(output_dir: Path, tests: list[str], pytest_args: list[str],
 
 
 def unbuilt_kernel() -> str | None:
-    """Why the focused suite cannot pass in the checkout it runs from, or None: the fused kernel's
-    compiled module (``setup.py`` builds it at ``pip install -e .``) is not beside the ``rl_engine``
-    this process imports. Run from a checkout whose package was installed from another one, the
-    suite's ``auto`` tests would otherwise fail saying that ``auto`` chose the eager backend."""
+    """Why the focused suite cannot pass in the checkout it runs from, or None: a compiled module
+    (the fused kernel, or the fused head's fixed-order logits; ``setup.py`` builds both at
+    ``pip install -e .``) is not beside the ``rl_engine`` this process imports. Run from a checkout
+    whose package was installed from another one, the suite's ``auto`` tests would otherwise fail
+    saying that ``auto`` chose the eager backend."""
     import importlib.machinery
 
     import rl_engine
 
     package = Path(rl_engine.__file__).resolve().parent
     folder = package / "logprob"
-    if any((folder / f"_fused_cpu{suffix}").is_file() for suffix in importlib.machinery.EXTENSION_SUFFIXES):
-        return None
-    return (f"the fused kernel is not built in this checkout ({package.parent}: no {folder.name}/_fused_cpu"
-            f"{importlib.machinery.EXTENSION_SUFFIXES[0]}): run `pip install -e .` here (in {package.parent}), "
-            "then run the workflow again; nothing was run")
+    for module, what in (("_fused_cpu", "the fused kernel"), ("_head_gemm", "the fused head's fixed-order product")):
+        if not any((folder / f"{module}{suffix}").is_file() for suffix in importlib.machinery.EXTENSION_SUFFIXES):
+            return (f"{what} is not built in this checkout ({package.parent}: no {folder.name}/{module}"
+                    f"{importlib.machinery.EXTENSION_SUFFIXES[0]}): run `pip install -e .` here (in {package.parent}), "
+                    "then run the workflow again; nothing was run")
+    return None
 
 
 def _reuse(reuse_dir: Path, key: str, origin: dict[str, Any], output_dir: Path, progress: Any) -> int:
@@ -211,13 +228,43 @@ def _reuse(reuse_dir: Path, key: str, origin: dict[str, Any], output_dir: Path, 
         jsonio.atomic_write_bytes(output_dir / name, (cached / name).read_bytes())
     result = {**jsonio.load(cached / REGRESSION), reuse.REUSED: reuse.reused_record(origin)}
     schemas.write_validated(output_dir / REGRESSION, result, "regression")
-    line = (f"regression: reused the focused suite's pass of run {origin['run']} ({origin['captured_utc']}): "
-            f"{result['passed']} passed, {result['skipped']} skipped; same package and test bytes, tests, "
-            f"arguments and environment (key {key[:16]}; {cached})")
+    line = (f"regression: reused the focused suite's pass of {reuse.reused_text(result[reuse.REUSED])}: "
+            f"{result['passed']} passed, {result['skipped']} skipped; not run again: the same package, checkout "
+            f"and test bytes, tests, arguments, environment variables and environment, and each of the "
+            f"{len(result['imported'])} files its pytest loaded unchanged (key {key[:16]}; {cached})")
     print(line)
     if progress is not None:
         print(line, file=progress, flush=True)
     return 0
+
+
+def _lookup(reuse_dir: Path | None, tests: list[str], pytest_args: list[str],
+            progress: Any) -> tuple[str, dict[str, Any] | None, str | None]:
+    """The static key, the cached pass to reuse (its ``origin.json``) or None, and this checkout's commit.
+
+    A cached pass whose suite loaded a file that has other bytes now is dropped from the cache (and
+    said so): it is not this code's pass."""
+    if reuse_dir is None:
+        return "", None, None
+    record = environment.probe(Path.cwd(), PROBE_TIMEOUT_S)
+    key = reuse.regression_key(Path.cwd(), tests, pytest_args, record)
+    origin = reuse.lookup(reuse_dir, "regression", key, [REGRESSION, PYTEST_LOG, JUNIT])
+    if origin is not None:
+        try:
+            imported = jsonio.load(reuse.entry(reuse_dir, "regression", key) / REGRESSION).get("imported")
+        except (OSError, ValueError, AttributeError):
+            imported = None
+        changed = reuse.changed_imports(imported)
+        if changed:
+            line = (f"regression: not reusing the pass of {reuse.reused_text(reuse.reused_record(origin))}: "
+                    f"{len(changed)} file(s) its pytest loaded differ now ({'; '.join(changed[:3])}"
+                    f"{'; ...' if len(changed) > 3 else ''}); the cached pass is dropped and the suite runs")
+            print(line)
+            if progress is not None:
+                print(line, file=progress, flush=True)
+            reuse.discard(reuse_dir, "regression", key)
+            origin = None
+    return key, origin, record["git"]["commit"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,8 +276,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="wall-clock limit: stop pytest and what it started, exit 124 (default: none)")
     parser.add_argument("--reuse-dir", type=Path, default=None,
                         help="cache of earlier passing suites (rl_engine.record.reuse): copy the one whose key (the "
-                             "package's and the tests' bytes, the test list and arguments, Python, packages, host, "
-                             "CPU, GPUs) is this run's, else run pytest and store a pass")
+                             "package's bytes, built kernels included, the checkout's and the tests' bytes, pytest's "
+                             "configuration, the test list and arguments, environment variables, the environment "
+                             "record) is this run's and whose pytest loaded only files that still have the same "
+                             "bytes, else run pytest and store a pass")
     parser.add_argument("--progress-fd", type=int, default=None,
                         help="also write one line per pytest progress line, and the counts, to this open file "
                              "descriptor (the workflow passes the console's, as its log takes stdout)")
@@ -249,8 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         progress = os.fdopen(args.progress_fd, "w", closefd=False) if args.progress_fd is not None else None
     except OSError as exc:
         parser.error(f"--progress-fd={args.progress_fd} is not an open file descriptor ({exc})")
-    key = reuse.regression_key(Path.cwd(), args.tests, args.pytest_arg) if args.reuse_dir is not None else ""
-    origin = reuse.lookup(args.reuse_dir, "regression", key, [REGRESSION, PYTEST_LOG, JUNIT])
+    key, origin, commit = _lookup(args.reuse_dir, args.tests, args.pytest_arg, progress)
     if origin is not None:
         return _reuse(args.reuse_dir, key, origin, args.output_dir, progress)
     if progress is not None:
@@ -264,9 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     except RegressionStopped as exc:
         print(f"regression: {exc}", file=sys.stderr)
         return exc.code
-    if code == 0:
+    if code == 0 and result["imported"]:
         reuse.store(args.reuse_dir, "regression", key, {name: args.output_dir / name for name in
-                                                         (REGRESSION, PYTEST_LOG, JUNIT)}, args.output_dir.name)
+                                                         (REGRESSION, PYTEST_LOG, JUNIT)}, args.output_dir.name, commit)
+    elif code == 0 and args.reuse_dir is not None:
+        print("regression: the pass is not stored for reuse: pytest wrote no list of the files it loaded",
+              file=sys.stderr)
     line = (f"regression: {result['passed']} passed, {result['failed']} failed, {result['skipped']} skipped, "
             f"{result['errors']} errors (total {result['total']}, pytest exit {result['exit_code']})")
     print(line, file=sys.stderr if code else sys.stdout)

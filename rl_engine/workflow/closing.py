@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from rl_engine import jsonio
+from rl_engine.record import reuse
 from rl_engine.rundir import Stage, Topology, stages
 
 # ----- the closing table -------------------------------------------------------------------
@@ -33,7 +34,11 @@ from rl_engine.rundir import Stage, Topology, stages
 #   and names the first stage not built.
 #
 # An archive at the final path that this run did not rebuild (it is older than this run's
-# evidence, or a gate before it failed) is shown as such, never as this run's result.
+# evidence, or a gate before it failed) is shown as such, never as this run's result. The rows
+# "Environment capture" and "Focused suite" say whether those stages ran for this run directory or
+# were REUSED from an earlier run (rl_engine.record.reuse: which run, when, its commit), read from
+# the ``reused`` record of environment.json and regression.json; they are left out while a file
+# is missing or unreadable.
 # Snakemake calls no handler when there is nothing to be done and in a dry run.
 
 VERIFIED = "VERIFIED"
@@ -75,7 +80,35 @@ def _sha256_of(sidecar: Path) -> str:
         text = sidecar.read_text(encoding="utf-8").split()
     except OSError:
         return "(no .sha256 file)"
-    return text[0] if text else "(empty .sha256 file)"
+    return escape(text[0]) if text else "(empty .sha256 file)"  # the file's text, as text: never markup
+
+
+def _counts(record: dict[str, Any]) -> str:
+    text = f"{record.get('passed')} passed, {record.get('skipped')} skipped"
+    if record.get("failed") or record.get("errors"):
+        text += f", {record.get('failed')} failed, {record.get('errors')} errors"
+    return escape(text)
+
+
+def reuse_rows(environment_json: Path, regression_json: Path) -> list[tuple[str, str]]:
+    """The rows that say whether the environment capture and the focused suite ran for this run
+    directory or were reused (the module comment); none for a file that is missing or unreadable."""
+    rows = []
+    for label, path, done in (("Environment capture", environment_json, "captured for this run directory"),
+                              ("Focused suite", regression_json, "ran for this run directory")):
+        try:
+            record = jsonio.load(path)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(record, dict):
+            continue
+        counts = f": {_counts(record)}" if path == regression_json else ""
+        if reuse.REUSED in record:
+            rows.append((label, f"[bold yellow]REUSED[/], not run for this case: copied from "
+                                f"{escape(reuse.reused_text(record[reuse.REUSED]))}{counts}"))
+        else:
+            rows.append((label, f"{done}{counts}"))
+    return rows
 
 
 def closing(run: str | Path, topologies: list[Topology], succeeded: bool, *, capture: bool = False,
@@ -99,7 +132,8 @@ def closing(run: str | Path, topologies: list[Topology], succeeded: bool, *, cap
                         and verify_json.stat().st_mtime_ns >= archive.stat().st_mtime_ns)
         except (OSError, ValueError):
             verified = False
-    rows: list[tuple[str, str]] = [("Run directory", f"{run}/")]
+    rows: list[tuple[str, str]] = [("Run directory", f"{run}/"),
+                                   *reuse_rows(stage_of["environment"].outputs[0], stage_of["regression"].outputs[0])]
     if verified:
         verdict = VERIFIED
     elif first_missing is None:

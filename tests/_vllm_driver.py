@@ -1,0 +1,106 @@
+"""Runs in vLLM's own environment (scripts/vllm-cpu-env.sh), called by tests/test_vllm.py.
+
+``python tests/_vllm_driver.py OUT`` makes the tiny Qwen2 of examples/vllm_rollout.py and writes,
+into OUT, what the tests check in rl_engine's environment:
+
+- ``A``: vLLM with ``logprobs_mode="raw_logits"``: our capture (prompt rows included) and the full
+  raw logits vLLM itself returned for the same rows (``logprobs=-1``, ``prompt_logprobs=-1``);
+- ``B``/``C``: our logprob inside vLLM (``raw``, ``processed`` at T = 0.7): the capture and the
+  token ids and logprob values vLLM returned (the sampled token first, then the top 2);
+- ``rollout``: the example's ragged rollout (vLLM's default ``raw_logprobs``), and ``rollout-ours``,
+  the same requests with our raw logprob returned;
+- ``refused.txt``: the message of a processed-logprob request with top_k.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def returned(outputs) -> dict:
+    """vLLM's returned sampled-token logprobs: ids [rows, 3] and values [rows, 3] (sampled first)."""
+
+    ids, values = [], []
+    for out in outputs:
+        for token, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+            order = [token] + sorted(entry, key=lambda k: entry[k].rank)[:2]  # the sampled token may be one of them
+            ids.append(order)
+            values.append([entry[k].logprob for k in order])
+    return {"ids": torch.tensor(ids, dtype=torch.int64), "values": torch.tensor(values, dtype=torch.float32)}
+
+
+def raw_rows(outputs) -> torch.Tensor:
+    """The full raw logits rows vLLM returned (prompt rows, then sampled rows, per request)."""
+
+    rows = []
+    for out in outputs:
+        for entry in (out.prompt_logprobs or [])[1:]:
+            rows.append(_dense(entry))
+        for entry in out.outputs[0].logprobs:
+            rows.append(_dense(entry))
+    return torch.stack(rows)
+
+
+def _dense(entry) -> torch.Tensor:
+
+    row = torch.full((len(entry),), float("nan"), dtype=torch.float32)
+    for k, v in entry.items():
+        row[k] = v.logprob
+    return row
+
+
+def main(out: Path) -> None:
+    import vllm_rollout as ex
+    from safetensors.torch import save_file
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from rl_engine.capture import write_capture
+    from rl_engine.integrations import vllm as rv
+
+    model = out / "model"
+    ex.make_model(model)
+    llm = ex.engine(str(model), logprobs_mode="raw_logits", max_logprobs=-1)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in ex.prompts(4096)]
+    rv.install(llm, capture=True, prompt_rows=True)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.7, max_tokens=4, logprobs=-1, prompt_logprobs=-1,
+                                                seed=3, ignore_eos=True))
+    write_capture(out / "A.safetensors", rv.collect(llm, outs, model_name="tiny-qwen2"))
+    save_file({"rows": raw_rows(outs)}, str(out / "A-vllm.safetensors"))
+    for name, mode in (("B", "raw"), ("C", "processed")):
+        rv.install(llm, capture=True, logprobs=mode)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.7, max_tokens=6, logprobs=2, seed=5,
+                                                    ignore_eos=True))
+        write_capture(out / f"{name}.safetensors", rv.collect(llm, outs, model_name="tiny-qwen2"))
+        save_file(returned(outs), str(out / f"{name}-vllm.safetensors"))
+    rv.uninstall(llm)
+    del llm
+
+    llm = ex.engine(str(model))
+    params = SamplingParams(temperature=ex.TEMPERATURE, max_tokens=ex.MAX_TOKENS, logprobs=0, prompt_logprobs=0,
+                            seed=1, ignore_eos=True)
+    for name, mode in (("rollout", None), ("rollout-ours", "raw")):
+        rv.install(llm, capture=True, prompt_rows=True, logprobs=mode)
+        outs = llm.generate(prompts, params)
+        write_capture(out / f"{name}.safetensors", rv.collect(llm, outs, model_name="tiny-qwen2"))
+    rv.install(llm, capture=True, logprobs="processed")
+    try:
+        llm.generate(prompts[:1], SamplingParams(temperature=0.7, top_k=5, max_tokens=2, logprobs=0))
+        message = "not refused"
+    except Exception as exc:  # the refusal travels through vLLM's engine
+        message = f"{type(exc).__name__}: {exc}"
+    (out / "refused.txt").write_text(message)
+    (out / "done.json").write_text(json.dumps({"vllm": __import__("vllm").__version__}))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
