@@ -398,25 +398,25 @@ def _check_spec(spec: str) -> str:
     return spec
 
 
-def inverse_temperature32(temperature) -> np.float32:
-    """Section 6 step 0: ``r = RN32(1 / RN32(T))`` (one binary32 division), ``T32`` in ``[2**-64, 2**64]``."""
+def temperature32(temperature) -> np.float32:
+    """Section 6 step 0: ``T32 = RN32(T)``, which must lie in ``[2**-64, 2**64]``."""
     t32 = F32(temperature)
     if not (F32(2.0 ** -64) <= t32 <= F32(2.0 ** 64)):
         raise ValueError(f"temperature {temperature!r} outside [2**-64, 2**64] in binary32")
-    return np.divide(F32(1.0), t32)
+    return t32
 
 
 def _tempered(x: np.ndarray, temperature) -> np.ndarray:
-    """Step 0: ``x' = RN32(x * r)``; the identity (skipped) when ``r = 1``."""
-    r = inverse_temperature32(temperature)
-    return x if r == F32(1.0) else np.multiply(x, r)
+    """Step 0: ``x' = RN32(x / T32)`` (IEEE binary32 division); the identity (skipped) when ``T32 = 1``."""
+    t32 = temperature32(temperature)
+    return x if t32 == ONE else np.divide(x, t32)
 
 
 def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int,
             with_entropy: bool, spec: str = SPEC_VERSION, temperature: float = 1.0):
     """Section 6 over the full vocabulary in one process. Returns (logp, lse, entropy|None).
 
-    ``temperature`` (``/2`` only): step 0 scales every logit by ``RN32(1 / RN32(T))``."""
+    ``temperature`` (``/2`` only): step 0 divides every logit by ``T32 = RN32(T)``."""
     v1 = _check_spec(spec) == SPEC_V1
     if v1 and temperature != 1.0:
         raise ValueError(f"{SPEC_V1} has no temperature; got {temperature!r}")
@@ -478,7 +478,7 @@ def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
 
     ``grad_logp`` / ``grad_lse``: float32 [rows] or None (absent = 0). Returns uint16 bf16
     bits, np.float16 or np.float32 of the logits' shape. ``temperature``: step 0 on the logits,
-    and the gradient multiplied by ``r`` before its rounding (step 2b). ``grad_entropy`` (float32
+    and the gradient divided by ``T32`` before its rounding (step 2, the chain rule of the division). ``grad_entropy`` (float32
     [rows] or None) with the forward's ``entropy``: step 1's entropy term.
     """
     v1 = _check_spec(spec) == SPEC_V1
@@ -487,7 +487,7 @@ def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
     exp = exp32_v1 if v1 else exp32
     x_all, rows, vp, targets, active = _check_common(
         logits, dtype, targets, active, real_vocab, num_tiles)
-    r = inverse_temperature32(temperature)
+    t32 = temperature32(temperature)
     with np.errstate(over="ignore", invalid="ignore"):
         x_all = _tempered(x_all, temperature)
     lse = _f32(_as_1d(lse, rows, F32, "lse"))
@@ -524,8 +524,8 @@ def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
             tc = targets[r0:r1][act]
             base = g[ar, tc]
             g[ar, tc] = np.add(base, gl[r0:r1][act])  # 2. ... except round(0 + gl) at target
-            if r != F32(1.0):
-                g = np.multiply(g, r)  # 2b. the temperature's chain rule (+0 stays +0: r > 0)
+            if t32 != ONE:
+                g = np.divide(g, t32)  # 2. the temperature's chain rule (+0 stays +0: T32 > 0)
             g[:, real_vocab:] = ZERO  # padding columns are +0
             out[r0:r1] = _round_to(_chk(g), dtype)  # 3.
     return out

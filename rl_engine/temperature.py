@@ -1,15 +1,22 @@
 """The sampling temperature as the arithmetic uses it (docs/arithmetic.md, section 6 step 0).
 
 The caller's ``T`` (a Python float, binary64) is rounded once to binary32, ``T32 = RN32(T)``, and
-its reciprocal is one binary32 division, ``r = RN32(1 / T32)``; every logit is then multiplied by
-``r`` after the exact upcast, ``x' = RN32(f32(X) * r)``, and the gradient by ``r`` before its one
-rounding. ``T = 1`` gives ``r = 1``: the step is the identity and is skipped, so the bytes are the
-ones without a temperature.
+every logit is divided by it after the exact upcast: ``x' = RN32(f32(X) / T32)``, the correctly
+rounded binary32 quotient (an IEEE-754 basic operation). The gradient is divided by ``T32`` the
+same way before its one rounding, as autograd's chain rule of that division computes it. ``T32 = 1``
+makes the step the identity, and it is skipped: the bytes are the ones without a temperature.
 
-A multiply by ``r``, not a division by ``T32``: one instruction per element on a GPU against about
-ten for a correctly rounded division, so the arith/2 kernels keep their instruction budget at any
-temperature. ``x * r`` and ``x / T32`` differ in the last bit for some ``x`` when ``1/T32`` is not
-a power of two; both are deterministic, and this one is specified.
+A division, not a multiply by a reciprocal, because that is what the sampler does: vLLM's V1
+sampler divides its float32 logits by a float32 temperature tensor (``logits.div_(temp)``, a true
+division on every device), so the logprob computed here at ``T`` is the one of the distribution
+it samples from. ``x * RN32(1/T32)`` differs from ``x / T32`` in the last bit for about one
+logit in ten at ``T = 0.7``. (PyTorch's ``logits / T`` with a Python float ``T`` divides on the
+CPU but, on CUDA, multiplies by the float32 reciprocal: a trainer that scales its logits that way
+on a GPU computes ``x * RN32(1/T32)``, not this.)
+
+:func:`inverse_temperature` (``r = RN32(1 / T32)``) is not a step of the specification: the
+Triton kernels use it inside Markstein's correction, which gives ``RN32(x / T32)`` exactly from
+``x * r`` and two fused multiply-adds (docs/arithmetic.md, "Dividing by T32 on a GPU").
 
 Torch-free (the workflow's config check reads it). ``RN32`` of a binary64 value is
 ``struct.pack("f")`` (round to nearest even); ``RN32(RN64(1 / T32))`` is the correctly rounded
@@ -24,7 +31,7 @@ import struct
 
 from rl_engine.validators import shown
 
-# T32 must lie in [2**-64, 2**64]: T32 and r are then normal binary32 numbers, and r is finite.
+# T32 must lie in [2**-64, 2**64]: T32 and 1/T32 are then normal binary32 numbers.
 MIN_TEMPERATURE = 2.0 ** -64
 MAX_TEMPERATURE = 2.0 ** 64
 
@@ -38,8 +45,8 @@ def rn32(value: float) -> float:
     return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
-def inverse_temperature(temperature: object, field: str = "temperature") -> float:
-    """``r = RN32(1 / RN32(T))``, exactly representable in binary32; 1.0 for ``T = 1``.
+def temperature32(temperature: object, field: str = "temperature") -> float:
+    """``T32 = RN32(T)``, the divisor of section 6 step 0; 1.0 means no temperature.
 
     Refuses (naming ``field``) a bool, a non-number, NaN, an infinity, and a ``T`` whose binary32
     rounding lies outside ``[2**-64, 2**64]``."""
@@ -60,7 +67,14 @@ def inverse_temperature(temperature: object, field: str = "temperature") -> floa
         raise TemperatureError(f"{field}={temperature!r} is outside [2**-64, 2**64] in binary32 "
                                "(the arithmetic needs T > 0 whose binary32 value and reciprocal are normal); "
                                "pass 1.0 for the logits as they are")
-    return rn32(1.0 / t32)
+    return t32
 
 
-__all__ = ["MAX_TEMPERATURE", "MIN_TEMPERATURE", "TemperatureError", "inverse_temperature", "rn32"]
+def inverse_temperature(temperature: object, field: str = "temperature") -> float:
+    """``r = RN32(1 / T32)``, exactly representable in binary32, for Markstein's division on a GPU
+    (not a step of the specification); 1.0 for ``T32 = 1``. Refuses what :func:`temperature32` does."""
+    return rn32(1.0 / temperature32(temperature, field))
+
+
+__all__ = ["MAX_TEMPERATURE", "MIN_TEMPERATURE", "TemperatureError", "inverse_temperature", "rn32",
+           "temperature32"]

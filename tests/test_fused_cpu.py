@@ -255,6 +255,18 @@ def test_baseline_avx2_and_avx512_kernels_give_the_same_bytes(dtype: str, shape:
         assert _run(FusedCpuLogprob(isa=isa), x, targets, active, contract, True) == eager, isa
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_every_kernel_variant_divides_by_the_temperature_with_the_eager_bytes(dtype: str) -> None:
+    """With a temperature every variant (baseline, AVX2, AVX-512: the division's vector and scalar
+    paths) gives the eager backend's bytes, forward and gradient."""
+    real, padded, tiles = 997, 1001, 7
+    x, targets, active = _inputs(dtype, real, padded, 11, seed=12)
+    contract = _contract(dtype, real, padded, tiles, 11, temperature=0.7)
+    eager = _run(VocabParallelLogprob(), x, targets, active, contract, True)
+    for isa in _isas() + ["auto"]:
+        assert _run(FusedCpuLogprob(isa=isa), x, targets, active, contract, True) == eager, isa
+
+
 def test_an_instruction_set_the_cpu_lacks_is_refused() -> None:
     kernel = fused_cpu.load_kernel()
     missing = [n for n in ("avx2", "avx512") if kernel.selected_isa(fused_cpu.ISA_NAMES[n]) < 0]
@@ -391,6 +403,26 @@ def test_each_variant_fma_is_the_correctly_rounded_one(isa: str) -> None:
 
 
 @pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
+def test_each_variant_divides_by_the_temperature_as_ieee_division(isa: str) -> None:
+    """Section 6 step 0 in C (``x / T32``, the hook's op 3, vectors and the scalar tail): the
+    correctly rounded quotient, NumPy's, on random bit patterns (NaN, infinities and subnormals
+    among them) and every bf16 value, at several temperatures; the multiply by ``RN32(1/T32)``
+    differs (negative control)."""
+    if isa not in _isas():
+        pytest.skip(f"this CPU lacks {isa}")
+    rng = np.random.default_rng(41)
+    x = np.concatenate([rng.integers(0, 1 << 32, 200003, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                        (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)])
+    for t in (0.7, 0.3, 1.1, 2.7, 1e-10, 2.0 ** 64):
+        t32 = np.float32(t)
+        with np.errstate(all="ignore"):
+            want, mul = np.divide(x, t32), np.multiply(x, np.divide(np.float32(1), t32))
+        ours = _elementwise(3, isa, x, np.full_like(x, t32))
+        assert _same_bits(ours, want), t
+        assert t == 2.0 ** 64 or not _same_bits(ours, mul), t  # 1/2**64 is exact: there they agree
+
+
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
 def test_a_written_multiply_add_rounds_twice_in_every_variant(isa: str) -> None:
     """No contraction: ``a * b + c`` written in the kernel's source is a multiply then an add,
     also in the variants compiled for the FMA instruction (-ffp-contract=off)."""
@@ -493,9 +525,9 @@ def test_a_stale_kernel_abi_is_refused(
     assert real is not None and real.origin is not None
     copy = tmp_path / "copy.so"
     shutil.copy(real.origin, copy)
-    assert fused_cpu.ABI_VERSION == 3  # the rl-engine-arith/2 kernel with the temperature (/1: 1, /2 before it: 2)
+    assert fused_cpu.ABI_VERSION == 4  # /2 dividing by T32 (/1: 1, /2 before the temperature: 2, multiplying by r: 3)
     monkeypatch.setattr(fused_cpu, "ABI_VERSION", 999)
-    with pytest.raises(fused_cpu.FusedKernelError, match="kernel ABI 3, this code needs 999"):
+    with pytest.raises(fused_cpu.FusedKernelError, match="kernel ABI 4, this code needs 999"):
         fused_cpu.load_kernel()
 
 

@@ -1,16 +1,20 @@
 """The temperature in the arithmetic (docs/arithmetic.md section 6 step 0, section 7 step 2).
 
-``T`` is rounded once to binary32, ``r = RN32(1 / T32)``, every logit becomes ``RN32(f32(X) * r)``
-and the gradient is multiplied by ``r`` before its one rounding. Every implementation (NumPy,
+``T`` is rounded once to binary32 (``T32``), every logit becomes ``RN32(f32(X) / T32)`` (the IEEE
+division, as vLLM's sampler divides) and the gradient is divided by ``T32`` before its one
+rounding, as autograd's chain rule of that division computes it. Every implementation (NumPy,
 eager, fused C, Triton under its interpreter) gives the same bytes at a temperature other than 1,
-at every TP degree; ``T = 1`` gives exactly the bytes without a temperature; the result is the
-logprob of the logits scaled by ``r`` (so the scaling is really applied), and it is refused where
-it cannot be represented.
+at every TP degree; ``T = 1`` gives exactly the bytes without a temperature; the result is, byte for
+byte, ``selected_logprob(X.float() / T32)`` at no temperature, and the gradient autograd's through
+that division (so the division is what is applied, and not the multiply by ``RN32(1/T32)``); the
+Triton kernels' guarded fast path gives the same bytes on the inputs that take each of its
+branches; and a temperature is refused where it cannot be represented.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +26,8 @@ from rl_engine.logprob.api import selected_logprob
 from rl_engine.logprob.contract import LogprobContractError
 from rl_engine.logprob.fused_cpu import FusedCpuLogprob, kernel_unavailable
 from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
-from rl_engine.temperature import TemperatureError, inverse_temperature, rn32
+from rl_engine.tables import TRITON_MODE_ENV
+from rl_engine.temperature import TemperatureError, inverse_temperature, rn32, temperature32
 from rl_engine.tensorio import tensor_bytes
 
 from _byte_cases import _contract, _inputs, _run, tp4_and_tp2cp2_contracts
@@ -34,13 +39,22 @@ NUMPY_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 OUTPUTS = ("logp", "lse", "entropy", "grad")
 
 
-def test_the_reciprocal_is_one_binary32_division_of_the_rounded_temperature() -> None:
-    assert inverse_temperature(1.0) == 1.0 and inverse_temperature(1) == 1.0
+def test_the_divisor_is_the_temperature_rounded_once_to_binary32() -> None:
+    assert temperature32(1.0) == 1.0 and temperature32(1) == 1.0
+    assert temperature32(0.7) == float(np.float32(0.7)) == rn32(0.7) != 0.7
+    assert temperature32(1 + 1e-9) == 1.0  # rounds to 1: no temperature
+    # r, the Triton kernels' reciprocal for Markstein's division (not a step of the specification)
     assert inverse_temperature(0.5) == 2.0 and inverse_temperature(2.0) == 0.5
-    t32 = np.float32(0.7)
-    assert inverse_temperature(0.7) == float(np.float32(1.0) / t32) == rn32(1.0 / rn32(0.7))
+    assert inverse_temperature(0.7) == float(np.float32(1.0) / np.float32(0.7)) == rn32(1.0 / rn32(0.7))
     assert inverse_temperature(1.1) != rn32(1.0 / 1.1)  # T is rounded to binary32 first, then divided
+    contract = _contract("bf16", 10, 16, 4, 2, temperature=0.7)
+    assert contract.temperature32 == rn32(0.7) and contract.tempered
+    assert not _contract("bf16", 10, 16, 4, 2, temperature=1 + 1e-9).tempered
+    below_one = float(np.nextafter(np.float32(1), np.float32(0)))  # the binary32 next to 1 is a temperature
+    assert _contract("bf16", 10, 16, 4, 2, temperature=below_one).tempered and inverse_temperature(below_one) != 1.0
     for bad in (0.0, -0.7, float("nan"), float("inf"), 1e-30, 1e30, True, "0.7", None):
+        with pytest.raises(TemperatureError, match="temperature"):
+            temperature32(bad)
         with pytest.raises(TemperatureError, match="temperature"):
             inverse_temperature(bad)
     with pytest.raises(LogprobContractError, match="temperature=0"):
@@ -108,23 +122,131 @@ def test_temperature_one_is_exactly_the_bytes_without_one_and_another_is_not(dty
     assert all(warm[k] != plain[k] for k in OUTPUTS)  # negative control: the step is applied
 
 
-def test_the_result_is_the_logprob_of_the_scaled_logits() -> None:
-    """At ``T = 0.5`` (``r = 2``, exact in every dtype) the bytes equal the call without a
-    temperature on logits doubled beforehand (fp32: the doubling is exact), gradient included
-    after the chain rule's factor 2 (also exact)."""
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(4, 64, generator=g) * 2
-    targets = torch.randint(0, 64, (4,), generator=g)
-    warm_x = x.clone().requires_grad_(True)
-    warm = selected_logprob(warm_x, targets, num_vocab_tiles=4, temperature=0.5, compute_entropy=True)
-    warm.selected_logp.sum().backward()
-    doubled = (x * 2).requires_grad_(True)
-    plain = selected_logprob(doubled, targets, num_vocab_tiles=4, compute_entropy=True)
-    plain.selected_logp.sum().backward()
-    for a, b in ((warm.selected_logp, plain.selected_logp), (warm.lse, plain.lse), (warm.entropy, plain.entropy)):
-        assert a.detach().numpy().tobytes() == b.detach().numpy().tobytes()
-    assert warm_x.grad.numpy().tobytes() == (doubled.grad * 2).numpy().tobytes()
-    assert warm.provenance is not None
+ENGINE_NAMES = ("eager", "fused", "triton")
+
+
+def _call(engine: str, x: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[dict[str, bytes], torch.Tensor]:
+    """``selected_logprob`` of ``x`` (one rank) on ``engine``: its outputs' bytes and the gradient of
+    ``logp . w + lse . v`` (fixed weights) to ``x``."""
+    if engine == "triton":
+        pytest.importorskip("triton")
+    backend = {"eager": "pytorch-vocab-parallel-logp-ws2", "fused": "cpu-vocab-parallel-logp-ws2",
+               "triton": "triton-vocab-parallel-logp-ws2"}[engine]
+    leaf = x.detach().clone().requires_grad_(True)
+    out = selected_logprob(leaf, targets, num_vocab_tiles=4, temperature=temperature, compute_entropy=True,
+                           backend=backend)
+    g = torch.Generator().manual_seed(4)
+    w, v = torch.randn(targets.shape, generator=g), torch.randn(targets.shape, generator=g)
+    (grad,) = torch.autograd.grad((out.selected_logp, out.lse), leaf, (w, v))
+    return {"logp": tensor_bytes(out.selected_logp), "lse": tensor_bytes(out.lse),
+            "entropy": tensor_bytes(out.entropy)}, grad
+
+
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_a_temperature_is_the_division_of_the_upcast_logits_gradient_included(
+        dtype: str, engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``selected_logprob(x, temperature=T)`` gives the bytes of ``selected_logprob(x.float() / T32)``
+    (logp, LSE, entropy), and its gradient to ``x`` is autograd's through ``x.float() / T32`` (the
+    ``DivBackward`` of a binary32 division on the CPU, then ``.float()``'s backward, the rounding to
+    ``x``'s dtype). Negative control: the logits multiplied by ``RN32(1/T32)`` give other bytes."""
+    monkeypatch.setenv(TRITON_MODE_ENV, "interpreter")  # the Triton backend on CPU tensors
+    g = torch.Generator().manual_seed(13)
+    x = (torch.randn(6, 256, generator=g) * 3).to({"bf16": torch.bfloat16, "fp16": torch.float16,
+                                                  "fp32": torch.float32}[dtype])
+    targets = torch.randint(0, 256, (6,), generator=g)
+    for temperature in (0.7, 1.3, 0.3):
+        t32 = torch.tensor(temperature32(temperature), dtype=torch.float32)
+        ours, grad = _call(engine, x, targets, temperature)
+        leaf = x.detach().clone().requires_grad_(True)
+        divided = leaf.float() / t32  # autograd's division (DivBackward0) and .float() (ToCopyBackward0)
+        theirs, _ = _call(engine, divided.detach(), targets, 1.0)
+        assert ours == theirs, (engine, dtype, temperature)
+        out = selected_logprob(divided, targets, num_vocab_tiles=4, compute_entropy=True,
+                               backend="pytorch-vocab-parallel-logp-ws2")
+        gg = torch.Generator().manual_seed(4)
+        w, v = torch.randn(targets.shape, generator=gg), torch.randn(targets.shape, generator=gg)
+        (autograd,) = torch.autograd.grad((out.selected_logp, out.lse), leaf, (w, v))
+        assert grad.dtype == autograd.dtype == x.dtype
+        assert tensor_bytes(grad) == tensor_bytes(autograd), (engine, dtype, temperature)
+        # negative control: the multiply by RN32(1/T32) (this arithmetic before, and PyTorch's CUDA x / T)
+        scaled, _ = _call(engine, (x.float() * inverse_temperature(temperature)).detach(), targets, 1.0)
+        assert scaled != ours, (engine, dtype, temperature)
+
+
+def _edge_inputs(dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows that take each branch of the Triton kernels' choice between Markstein's sequence and
+    the IEEE division (docs/arithmetic.md, "Dividing by T32 on a GPU"), and the upstream gradients:
+    0: real -inf logits among ordinary ones; 1: logits below the division's domain and a tiny
+    maximum (the tile's shift is below the guard's bound); 2, 4, 6: ordinary rows (the fast path);
+    3: logits whose quotient overflows to -inf at T = 0.25; 5: an ordinary row whose gradient is
+    scaled to tiny values (below the domain: subnormal quotients); 7: a row whose gradient is scaled
+    up to overflow at T = 0.25. Rows 0, 1, 3 are inactive (validation refuses non-finite logits
+    there only)."""
+    real, padded, rows = 300, 320, 8
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(rows, padded, generator=g) * 3
+    x[:, real:] = 100.0
+    x[0, 10:40] = float("-inf")
+    tiny = torch.from_numpy(((np.arange(real, dtype=np.uint32) * 9973 % 0x01000000) | 0x00400000).view(np.float32))
+    x[1, :real] = torch.where(torch.arange(real) % 2 == 0, tiny, -tiny)  # |x| < 2**-125: below the domain
+    x[3, 50:60] = -3.0e38  # / 0.25: -inf
+    x = x.to(DTYPES_TORCH[dtype])
+    targets = torch.randint(0, real, (rows,), generator=g)
+    active = torch.ones(rows, dtype=torch.bool)
+    active[[0, 1, 3]] = False
+    w_logp, w_lse = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
+    w_lse[5], w_logp[5] = 3e-37, 1e-38  # coef * p below the domain, quotients subnormal
+    w_lse[7], w_logp[7] = 3e38, -3e38  # coef * p / 0.25 overflows
+    return x, targets, active, w_logp, w_lse
+
+
+DTYPES_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _edge_run(op: VocabParallelLogprob, x: torch.Tensor, targets: torch.Tensor, active: torch.Tensor,
+              w_logp: torch.Tensor, w_lse: torch.Tensor, contract: Any) -> dict[str, bytes]:
+    leaf = x.clone().requires_grad_(True)
+    out = op(leaf, targets, active, contract, compute_entropy=True)
+    (grad,) = torch.autograd.grad((out.selected_logp, out.lse), leaf, (w_logp, w_lse))
+    return {"logp": tensor_bytes(out.selected_logp), "lse": tensor_bytes(out.lse),
+            "entropy": tensor_bytes(out.entropy), "grad": tensor_bytes(grad)}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_triton_kernels_guard_takes_the_ieee_division_where_markstein_is_not_exact(
+        dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every implementation gives NumPy's bytes on rows built to take each branch of the Triton
+    kernels' guard (:func:`_edge_inputs`). Controls on the Triton kernels (interpreter): with the
+    guard forced on everywhere (the IEEE division for every tile and block) the bytes are the same;
+    with it off (Markstein's sequence everywhere) they differ, in the forward and in the gradient;
+    and with the reciprocal perturbed (``r * (1 + 2**-5)``: the sequence's steps no longer reach the
+    quotient) they differ too, so the ordinary rows do run the sequence."""
+    pytest.importorskip("triton")
+    from rl_engine.logprob import triton_backend
+
+    temperature, tiles = 0.25, 4
+    x, targets, active, w_logp, w_lse = _edge_inputs(dtype)
+    contract = _contract(dtype, 300, 320, tiles, 8, temperature=temperature)
+    arr = x.view(torch.int16).numpy().view(np.uint16) if dtype == "bf16" else x.numpy()
+    logp, lse, ent = spec_numpy.forward(arr, NUMPY_DTYPES[dtype], targets.numpy(), active.numpy(), 300, tiles,
+                                        True, temperature=temperature)
+    grad = spec_numpy.backward(arr, NUMPY_DTYPES[dtype], targets.numpy(), active.numpy(), lse, w_logp.numpy(),
+                               w_lse.numpy(), 300, tiles, temperature=temperature)
+    want = {"logp": logp.tobytes(), "lse": lse.tobytes(), "entropy": ent.tobytes(), "grad": grad.tobytes()}
+    for name, op in _engines().items():
+        assert _edge_run(op, x, targets, active, w_logp, w_lse, contract) == want, name
+    triton = _engines()["triton"]
+    real_args = triton_backend.division_args
+    t32, r = temperature32(temperature), inverse_temperature(temperature)
+    monkeypatch.setattr(triton_backend, "division_args", lambda t: (t32, r, 0.0, 2**40, float("inf")))
+    assert _edge_run(triton, x, targets, active, w_logp, w_lse, contract) == want  # IEEE everywhere
+    monkeypatch.setattr(triton_backend, "division_args", lambda t: (t32, r, float("inf"), 0, 0.0))
+    off = _edge_run(triton, x, targets, active, w_logp, w_lse, contract)
+    assert off["lse"] != want["lse"] and off["grad"] != want["grad"], {k: off[k] == want[k] for k in off}
+    nudged = float(np.float32(r) * np.float32(1 + 2.0 ** -5))
+    monkeypatch.setattr(triton_backend, "division_args", lambda t: (*real_args(t)[:1], nudged, *real_args(t)[2:]))
+    assert _edge_run(triton, x, targets, active, w_logp, w_lse, contract)["lse"] != want["lse"]
 
 
 def _tp_worker(rank: int, case: dict) -> dict:

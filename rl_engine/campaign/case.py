@@ -57,7 +57,7 @@ from rl_engine.tables import (
     SCHEMA_VERSION,
     TRITON_MODE_ENV,
 )
-from rl_engine.temperature import TemperatureError, inverse_temperature
+from rl_engine.temperature import TemperatureError, temperature32
 from rl_engine.validators import choice_problem, int_problem, real_problem, require
 
 
@@ -212,7 +212,7 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
                 f"finite value); use logit_scale <= {bound:.6g}")
     if "temperature" in values:
         try:
-            inverse_temperature(values["temperature"])
+            temperature32(values["temperature"])
         except TemperatureError as exc:
             add("temperature", str(exc))
     if has("cp_layout"):

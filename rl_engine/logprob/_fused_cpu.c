@@ -161,7 +161,7 @@ typedef struct {
     int dtype;
     int64_t rows, row_stride, local_vocab, tile_width, real_local;
     float *m, *s, *t, *row_min; /* t, row_min may be NULL */
-    float r;                    /* the temperature's r (section 6 step 0); 1: no multiply */
+    float t32;                  /* the temperature's T32 (section 6 step 0); 1: no division */
 } fwd_args;
 
 typedef struct {
@@ -171,7 +171,7 @@ typedef struct {
     const float *lse, *coef, *target_add;
     const int64_t *target_col;
     void *grad; /* [rows, local_vocab] contiguous, dtype of the logits */
-    float r;    /* the temperature's r: x * r before E, the gradient * r before its rounding */
+    float t32;  /* the temperature's T32: x / T32 before E, the gradient / T32 before its rounding */
     const float *g_ent, *mb; /* the entropy gradient and Mb = LSE - H per row; both NULL without one */
 } bwd_args;
 
@@ -332,29 +332,29 @@ static int run_split(int kind, int isa, const void *args, int64_t rows, int thre
 __attribute__((visibility("default"))) int rle_forward_partials(
     const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t local_vocab,
     int64_t tile_width, int64_t real_local, float *m, float *s, float *t, float *row_min,
-    float r, int threads, int isa) {
+    float t32, int threads, int isa) {
     if (logits == NULL || m == NULL || s == NULL || tile_width < 1 || local_vocab < 1 ||
         local_vocab % tile_width != 0 || dtype < DT_F32 || dtype > DT_F16 || rows < 0 ||
-        row_stride < local_vocab || real_local < 0 || real_local > local_vocab || !(r > 0.0f) ||
-        r == __builtin_inff())
+        row_stride < local_vocab || real_local < 0 || real_local > local_vocab || !(t32 > 0.0f) ||
+        t32 == __builtin_inff())
         return RLE_BAD_ARG;
     fwd_args a = {logits, dtype, rows, row_stride, local_vocab, tile_width, real_local,
-                  m, s, t, row_min, r};
+                  m, s, t, row_min, t32};
     return run_split(0, isa, &a, rows, threads);
 }
 
 __attribute__((visibility("default"))) int rle_backward(
     const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t local_vocab,
     int64_t real_local, const float *lse, const float *coef, const int64_t *target_col,
-    const float *target_add, void *grad, float r, const float *g_ent, const float *mb, int threads,
+    const float *target_add, void *grad, float t32, const float *g_ent, const float *mb, int threads,
     int isa) {
     if (logits == NULL || grad == NULL || lse == NULL || coef == NULL || target_col == NULL ||
         target_add == NULL || local_vocab < 1 || dtype < DT_F32 || dtype > DT_F16 || rows < 0 ||
-        row_stride < local_vocab || real_local < 0 || real_local > local_vocab || !(r > 0.0f) ||
-        r == __builtin_inff() || (g_ent == NULL) != (mb == NULL))
+        row_stride < local_vocab || real_local < 0 || real_local > local_vocab || !(t32 > 0.0f) ||
+        t32 == __builtin_inff() || (g_ent == NULL) != (mb == NULL))
         return RLE_BAD_ARG;
     bwd_args a = {logits, dtype, rows, row_stride, local_vocab, real_local,
-                  lse, coef, target_add, target_col, grad, r, g_ent, mb};
+                  lse, coef, target_add, target_col, grad, t32, g_ent, mb};
     return run_split(1, isa, &a, rows, threads);
 }
 
@@ -362,13 +362,14 @@ __attribute__((visibility("default"))) int rle_backward(
 
 /* out[i] = op(a[i], b[i], c[i]) in the variant `isa` selects (resolved as the kernels' isa=):
  * op 0 fma(a, b, c), op 1 a * b + c as written (two roundings), op 2 E(a) (the general form;
- * b and c unused, may be NULL). Returns RLE_BAD_ARG for an unknown op or an unsupported isa. */
+ * b and c unused, may be NULL), op 3 a / b (the temperature's division; c unused, may be NULL).
+ * Returns RLE_BAD_ARG for an unknown op or an unsupported isa. */
 __attribute__((visibility("default"))) int rle_elementwise_array(int op, const float *a,
                                                                  const float *b, const float *c,
                                                                  float *out, int64_t n, int isa) {
     int chosen = resolve_isa(isa);
-    if (chosen < 0 || op < 0 || op > 2 || n < 0 || a == NULL || out == NULL ||
-        (op < 2 && (b == NULL || c == NULL)))
+    if (chosen < 0 || op < 0 || op > 3 || n < 0 || a == NULL || out == NULL ||
+        (op < 2 && (b == NULL || c == NULL)) || (op == 3 && b == NULL))
         return RLE_BAD_ARG;
 #if RLE_X86
     if (chosen == ISA_AVX512) elementwise_avx512(op, a, b, c, out, n);
@@ -394,7 +395,7 @@ __attribute__((visibility("default"))) void rle_upcast_f16_array(const uint16_t 
     for (int64_t i = 0; i < n; i++) out[i] = upcast(x, DT_F16, i);
 }
 
-__attribute__((visibility("default"))) int rle_abi_version(void) { return 3; }
+__attribute__((visibility("default"))) int rle_abi_version(void) { return 4; }
 
 __attribute__((visibility("default"))) int rle_selected_isa(int isa) { return resolve_isa(isa); }
 

@@ -314,17 +314,17 @@ static __attribute__((noinline)) void RLE_NAME(fwd_rows)(const fwd_args *a, int6
             float mn;
             float mx = RLE_NAME(tile_upcast_max)(rowp, a->dtype, c0, nreal, wv, x,
                                                  a->row_min != NULL, &mn);
-            if (a->r != 1.0f) {
-                /* section 6 step 0: x = x * r. r > 0 and rounding is monotone, so the max and
-                 * min of the products are the products of the max and min (NaN ignored as
-                 * before; -inf stays -inf). */
-                const VF vr = VS(a->r);
+            if (a->t32 != 1.0f) {
+                /* section 6 step 0: x = x / T32, the IEEE division (vector and scalar alike).
+                 * T32 > 0 and rounding is monotone, so the max and min of the quotients are the
+                 * quotients of the max and min (NaN ignored as before; -inf stays -inf). */
+                const VF vt = VS(a->t32);
                 int64_t c = 0;
                 for (; c + LANES <= nreal; c += LANES)
-                    RLE_NAME(vstore)(x + c, RLE_NAME(vload)(x + c) * vr);
-                for (; c < nreal; c++) x[c] = x[c] * a->r;
-                mx = mx * a->r;
-                mn = mn * a->r;
+                    RLE_NAME(vstore)(x + c, RLE_NAME(vload)(x + c) / vt);
+                for (; c < nreal; c++) x[c] = x[c] / a->t32;
+                mx = mx / a->t32;
+                mn = mn / a->t32;
             }
             if (nreal > 0) rmin = mn < rmin ? mn : rmin;
             /* Section 6 steps 1-2 take m = NaN when a column is NaN; here the shift comes from
@@ -370,9 +370,9 @@ AI void RLE_NAME(store_one)(void *out, int dtype, int64_t c, float g) {
     else ((uint16_t *)out)[c] = round_f16(g);
 }
 
-/* Section 7 steps 1-2 for one column, in the general form: a temperature (r != 1) and an entropy
- * term (ge != 0): x = f32(X) * r; p = E(x - lse); g = coef * p; g = g + (ge * p) * (mb - x) where
- * p != 0; at the target g + gl; then g * r. Scalar code on one vector lane of vexp (the E of the
+/* Section 7 steps 1-2 for one column, in the general form: a temperature (T32 != 1) and an
+ * entropy term (ge != 0): x = f32(X) / T32; p = E(x - lse); g = coef * p; g = g + (ge * p) * (mb - x)
+ * where p != 0; at the target g + gl; then g / T32. Scalar code on one vector lane of vexp (the E of the
  * vector paths). */
 AI float RLE_NAME(grad_general)(float x, float lse, float coef, float ge, float mb) {
     const VF p = RLE_NAME(vexp)(VS(x) - VS(lse));
@@ -382,9 +382,9 @@ AI float RLE_NAME(grad_general)(float x, float lse, float coef, float ge, float 
 }
 
 /* Section 7 step 1 for one column (the target column): the vector operations on one lane. */
-AI float RLE_NAME(grad_one)(const char *rowp, int dtype, int64_t c, float lse, float coef, float r,
+AI float RLE_NAME(grad_one)(const char *rowp, int dtype, int64_t c, float lse, float coef, float t32,
                             float ge, float mb) {
-    const float x = r != 1.0f ? upcast(rowp, dtype, c) * r : upcast(rowp, dtype, c);
+    const float x = t32 != 1.0f ? upcast(rowp, dtype, c) / t32 : upcast(rowp, dtype, c);
     return RLE_NAME(grad_general)(x, lse, coef, ge, mb);
 }
 
@@ -393,13 +393,13 @@ AI float RLE_NAME(grad_one)(const char *rowp, int dtype, int64_t c, float lse, f
  * grad_general lane by lane (each an IEEE operation, so a lane's bits are grad_general's). */
 static __attribute__((noinline)) void RLE_NAME(bwd_row_general)(const char *rowp, int dtype, char *out,
                                                                  int64_t R, float lse, float coef,
-                                                                 float r, float ge, float mb) {
-    const VF vlse = VS(lse), vcoef = VS(coef), vr = VS(r), vge = VS(ge), vmb = VS(mb);
+                                                                 float t32, float ge, float mb) {
+    const VF vlse = VS(lse), vcoef = VS(coef), vt = VS(t32), vge = VS(ge), vmb = VS(mb);
     float xs[LANES], ps[LANES], gs[LANES], hs[LANES];
     for (int64_t c = 0; c < R; c += LANES) {
         for (int l = 0; l < LANES; l++) xs[l] = c + l < R ? upcast(rowp, dtype, c + l) : 0.0f;
         VF x = RLE_NAME(vload)(xs);
-        if (r != 1.0f) x = x * vr;
+        if (t32 != 1.0f) x = x / vt;
         const VF p = RLE_NAME(vexp)(x - vlse);
         const VF g = vcoef * p;
         RLE_NAME(vstore)(gs, g);
@@ -409,7 +409,7 @@ static __attribute__((noinline)) void RLE_NAME(bwd_row_general)(const char *rowp
             for (int l = 0; l < LANES; l++) gs[l] = ps[l] != 0.0f ? hs[l] : gs[l];
         }
         for (int64_t k = c; k < R && k < c + LANES; k++)
-            RLE_NAME(store_one)(out, dtype, k, r != 1.0f ? gs[k - c] * r : gs[k - c]);
+            RLE_NAME(store_one)(out, dtype, k, t32 != 1.0f ? gs[k - c] / t32 : gs[k - c]);
     }
 }
 
@@ -424,18 +424,18 @@ static __attribute__((noinline)) void RLE_NAME(bwd_rows)(const bwd_args *a, int6
         const float coef = a->coef[row];
         const float lse = a->lse[row];
         const int64_t tc = a->target_col[row];
-        const float r = a->r;
+        const float t32 = a->t32;
         const float ge = a->g_ent != NULL ? a->g_ent[row] : 0.0f;
         const float mb = a->mb != NULL ? a->mb[row] : 0.0f;
         if (coef == 0.0f && ge == 0.0f) {
-            /* section 7 override: +0 everywhere, round((+0 + gl) * r) at the owned target */
+            /* section 7 override: +0 everywhere, round((+0 + gl) / T32) at the owned target */
             memset(out, 0, (size_t)V * esz);
             const float g = a->target_add[row] + 0.0f;
-            if (tc >= 0 && tc < R) RLE_NAME(store_one)(out, dtype, tc, r != 1.0f ? g * r : g);
+            if (tc >= 0 && tc < R) RLE_NAME(store_one)(out, dtype, tc, t32 != 1.0f ? g / t32 : g);
             continue;
         }
-        if (r != 1.0f || ge != 0.0f) { /* a temperature (section 6 step 0) or an entropy term */
-            RLE_NAME(bwd_row_general)(rowp, dtype, out, R, lse, coef, r, ge, mb);
+        if (t32 != 1.0f || ge != 0.0f) { /* a temperature (section 6 step 0) or an entropy term */
+            RLE_NAME(bwd_row_general)(rowp, dtype, out, R, lse, coef, t32, ge, mb);
         } else {
             const VF vlse = VS(lse), vcoef = VS(coef);
             int64_t c = 0;
@@ -469,10 +469,10 @@ static __attribute__((noinline)) void RLE_NAME(bwd_rows)(const bwd_args *a, int6
             }
         }
         if (tc >= 0 && tc < R) {
-            /* step 2: the same operations for the one column, then + gl, times r, rounded once */
-            float g = RLE_NAME(grad_one)(rowp, dtype, tc, lse, coef, r, ge, mb);
+            /* step 2: the same operations for the one column, then + gl, / T32, rounded once */
+            float g = RLE_NAME(grad_one)(rowp, dtype, tc, lse, coef, t32, ge, mb);
             g = g + a->target_add[row];
-            RLE_NAME(store_one)(out, dtype, tc, r != 1.0f ? g * r : g);
+            RLE_NAME(store_one)(out, dtype, tc, t32 != 1.0f ? g / t32 : g);
         }
         if (R < V) memset(out + (size_t)R * esz, 0, (size_t)(V - R) * esz);
     }
@@ -482,7 +482,7 @@ static __attribute__((noinline)) void RLE_NAME(bwd_rows)(const bwd_args *a, int6
 
 /* out[i] = op(a[i], b[i], c[i]) for op 0: fma(a, b, c) (RLE_VFMA), 1: a * b + c as two
  * roundings (written that way; a contracting compiler would make it an fma), 2: E(a) (the
- * general form). Whole vectors, then one vector on a zero-padded copy of the tail. */
+ * general form), 3: a / b (the vector division of the temperature). Whole vectors, then one vector on a zero-padded copy of the tail. */
 static __attribute__((noinline)) void RLE_NAME(elementwise)(int op, const float *a, const float *b,
                                                               const float *c, float *out,
                                                               int64_t n) {
@@ -498,6 +498,7 @@ static __attribute__((noinline)) void RLE_NAME(elementwise)(int op, const float 
         VF vr;
         if (op == 0) vr = RLE_VFMA(va, vb, vc);
         else if (op == 1) vr = va * vb + vc;
+        else if (op == 3) vr = va / vb;
         else vr = RLE_NAME(vexp)(va);
         RLE_NAME(vstore)(r, vr);
         memcpy(out + i, r, (size_t)m * sizeof(float));

@@ -109,8 +109,10 @@ def selected_logprob(
 
     ``temperature`` (default 1.0): the logprob, LSE, entropy and gradient of the distribution at
     temperature ``T``, computed inside the arithmetic (docs/arithmetic.md section 6 step 0: every
-    logit times ``r = RN32(1 / RN32(T))`` after its exact upcast, the gradient times ``r``), so no
-    divided copy of the logits is made; ``1.0`` gives exactly the bytes without a temperature.
+    logit divided by ``T32 = RN32(T)`` after its exact upcast, the gradient divided by ``T32``: the
+    bytes of ``selected_logprob(logits.float() / T32)`` and autograd's gradient through that
+    division), so no divided copy of the logits is made; ``1.0`` gives exactly the bytes without a
+    temperature.
 
     ``logits`` may be a DTensor sharded on the vocabulary (``Shard(-1)`` on one mesh dimension,
     ``Replicate`` on any other: loss parallel, a ``ColwiseParallel`` lm_head with

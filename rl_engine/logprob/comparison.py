@@ -132,7 +132,7 @@ def oracle_drift(
 
     FP32 oracle: the unrounded FP32 logits. FP64 oracle: the logits rounded to ``dtype``
     (what the candidate saw), computed in FP64. With a ``temperature`` both see the logits
-    divided by ``T`` in binary64 (the distribution the candidate's ``x * r`` approximates).
+    divided by ``T`` in binary64 (the distribution the candidate's ``x / T32`` approximates).
     """
     if dtype not in LOGITS_DTYPES:
         raise ComparisonError(f"dtype={dtype!r} is unknown; use one of {list(LOGITS_DTYPES)}")

@@ -28,7 +28,7 @@ from rl_engine.distributed.bounds import (
     token_indices,
 )
 from rl_engine.tables import DTYPES, MAX_TP, TORCH_DTYPE_NAMES
-from rl_engine.temperature import TemperatureError, inverse_temperature
+from rl_engine.temperature import TemperatureError, inverse_temperature, temperature32
 from rl_engine.validators import choice_problem, int_problem, require
 
 LOGITS_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, TORCH_DTYPE_NAMES[name]) for name in DTYPES}
@@ -114,7 +114,7 @@ class LogprobContract:
         _require_int("cp_world_size", self.cp_world_size, 1)
         _require_int("cp_rank", self.cp_rank, 0)
         try:
-            inverse_temperature(self.temperature)
+            temperature32(self.temperature)
         except TemperatureError as exc:
             raise LogprobContractError(str(exc)) from None
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
@@ -311,12 +311,23 @@ class LogprobContract:
             "accumulation_dtype": self.accumulation_dtype,
             "output_dtype": self.output_dtype,
             # only when not 1: the dict (and every fingerprint of it) of a call without a temperature is unchanged
-            **({"temperature": float(self.temperature)} if self.inverse_temperature != 1.0 else {}),
+            **({"temperature": float(self.temperature)} if self.tempered else {}),
         }
 
     @property
+    def temperature32(self) -> float:
+        """``T32 = RN32(temperature)``, the divisor of section 6 step 0; 1.0 without a temperature."""
+        return temperature32(self.temperature)
+
+    @property
+    def tempered(self) -> bool:
+        """Whether section 6 step 0 divides (``T32 != 1``); without it the step is skipped."""
+        return self.temperature32 != 1.0
+
+    @property
     def inverse_temperature(self) -> float:
-        """``r = RN32(1 / RN32(temperature))`` (section 6 step 0); 1.0 without a temperature."""
+        """``r = RN32(1 / T32)``: not a step of the specification, the Triton kernels' reciprocal for
+        Markstein's exact division (docs/arithmetic.md section 6 step 0); 1.0 without a temperature."""
         return inverse_temperature(self.temperature)
 
     def cross_rank_fingerprint(self) -> str:

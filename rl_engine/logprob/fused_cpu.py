@@ -48,7 +48,7 @@ from rl_engine.tables import FUSED_CPU_BACKEND
 
 FUSED_CPU_ID = FUSED_CPU_BACKEND
 MODULE = "rl_engine.logprob._fused_cpu"
-ABI_VERSION = 3
+ABI_VERSION = 4
 ISA_AUTO, ISA_BASELINE, ISA_AVX2, ISA_AVX512 = 0, 1, 2, 3
 ISA_NAMES = {"auto": ISA_AUTO, "baseline": ISA_BASELINE, "avx2": ISA_AVX2, "avx512": ISA_AVX512}
 MAX_THREADS = 256  # the size of the kernel's job table (run_split in _fused_cpu.c)
@@ -225,7 +225,7 @@ def fused_partials(
         status = kernel.lib.rle_forward_partials(
             x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), contract.local_vocab_size,
             width, real_local, m.data_ptr(), s.data_ptr(), _ptr(t), _ptr(row_min),
-            contract.inverse_temperature, _threads(threads), ISA_NAMES[isa],
+            contract.temperature32, _threads(threads), ISA_NAMES[isa],
         )
         kernel.check(status, "forward")
     finite = rows_finite(m, row_min, width, real_local) if row_min is not None else None
@@ -255,7 +255,7 @@ def fused_backward(
         status = kernel.lib.rle_backward(
             x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), local_vocab,
             terms.real_local, lse_c.data_ptr(), coef.data_ptr(), col.data_ptr(),
-            add.data_ptr(), grad.data_ptr(), terms.inv_t, _ptr(g_ent), _ptr(mb), _threads(threads),
+            add.data_ptr(), grad.data_ptr(), terms.t32, _ptr(g_ent), _ptr(mb), _threads(threads),
             ISA_NAMES[isa],
         )
         kernel.check(status, "backward")

@@ -225,7 +225,7 @@ class ChunkWorkspace:
         real_local: int,
         with_entropy: bool,
         device: torch.device,
-        inv_t: float = 1.0,
+        t32: float = 1.0,
     ) -> None:
         if local_vocab % tile_width:
             raise ValueError(f"local_vocab={local_vocab} is not a multiple of tile_width={tile_width}")
@@ -235,7 +235,9 @@ class ChunkWorkspace:
         self.tiles = local_vocab // tile_width
         self.real_local = real_local
         self.with_entropy = with_entropy
-        self.inv_t = inv_t  # section 6 step 0: x' = x * r after the upcast (skipped when r = 1)
+        # section 6 step 0: x' = x / T32 after the upcast (skipped when T32 = 1); a float32 tensor on
+        # the device, so that CUDA divides too (a Python float divisor is a reciprocal multiply there)
+        self.divisor = temperature_divisor(t32, device)
         self.buf = torch.empty(chunk_rows, local_vocab, dtype=torch.float32, device=device)
         self.exp_buf = torch.empty_like(self.buf)
         self.shift = torch.empty(chunk_rows, self.tiles, dtype=torch.float32, device=device)
@@ -283,8 +285,8 @@ class ChunkWorkspace:
         """
         v = self.views(chunk.shape[0])
         v.buf.copy_(chunk)
-        if self.inv_t != 1.0:
-            v.buf.mul_(self.inv_t)  # binary32 multiply by r (exactly representable in binary32)
+        if self.divisor is not None:
+            v.buf.div_(self.divisor)  # binary32 division by T32 (IEEE, correctly rounded)
         if row_min_out is not None and self.real_local > 0:
             torch.amin(v.real, dim=1, out=row_min_out)
         if v.padding is not None:
@@ -306,9 +308,10 @@ class ChunkWorkspace:
 class GradWorkspace:
     """Reusable FP32 chunk buffer (and exp scratch) of one backward call."""
 
-    def __init__(self, chunk_rows: int, local_vocab: int, device: torch.device) -> None:
+    def __init__(self, chunk_rows: int, local_vocab: int, device: torch.device, t32: float = 1.0) -> None:
         self.buf = torch.empty(chunk_rows, local_vocab, dtype=torch.float32, device=device)
         self.scratch = ExpScratch((chunk_rows, local_vocab), device)
+        self.divisor = temperature_divisor(t32, device)  # T32 (section 6 step 0, section 7 step 2)
 
     def softmax_times(
         self,
@@ -318,13 +321,12 @@ class GradWorkspace:
         target_col: torch.Tensor,
         target_add: torch.Tensor,
         out: torch.Tensor,
-        inv_t: float = 1.0,
         g_ent: torch.Tensor | None = None,
         mb: torch.Tensor | None = None,
     ) -> None:
-        """``out = coef * E(x - lse)``, plus ``target_add`` at ``target_col`` in FP32, times ``inv_t``
-        (the temperature's ``r``, skipped when 1), NaN made canonical, rounded once to ``out``'s
-        dtype (``docs/arithmetic.md`` sections 7-8; ``x`` is the chunk scaled by ``r``).
+        """``out = coef * E(x - lse)``, plus ``target_add`` at ``target_col`` in FP32, divided by
+        the workspace's ``T32`` (the temperature, skipped when 1), NaN made canonical, rounded once to
+        ``out``'s dtype (``docs/arithmetic.md`` sections 7-8; ``x`` is the chunk divided by ``T32``).
 
         Adding ``-0.0`` is the identity for every FP32 value, so rows that own no target
         carry ``-0.0`` in ``target_add`` and keep their bits. ``scatter_add_`` adds exactly
@@ -334,8 +336,9 @@ class GradWorkspace:
         buf = self.buf[:rows]
         sc = self.scratch.rows(rows)
         buf.copy_(chunk)
-        if inv_t != 1.0:
-            buf.mul_(inv_t)  # section 6 step 0
+        divisor = self.divisor
+        if divisor is not None:
+            buf.div_(divisor)  # section 6 step 0
         x = buf.clone() if g_ent is not None else None  # the entropy term reads x after E overwrote buf
         buf.sub_(lse.unsqueeze(1))
         exp_into(buf, buf, sc)
@@ -349,10 +352,20 @@ class GradWorkspace:
         else:
             buf.mul_(coef.unsqueeze(1))
         buf.scatter_add_(1, target_col.unsqueeze(1), target_add.unsqueeze(1))
-        if inv_t != 1.0:
-            buf.mul_(inv_t)  # section 7 step 2: the chain rule of the multiply by r
+        if divisor is not None:
+            buf.div_(divisor)  # section 7 step 2: the chain rule of the division by T32
         canonical_nan_(buf, sc.mask)
         round_into(buf, out, sc.ka)
+
+
+def temperature_divisor(t32: float, device: torch.device) -> torch.Tensor | None:
+    """``T32`` as a 0-dim binary32 tensor on ``device`` (None for ``T32 = 1``: no division).
+
+    Dividing by a tensor on the device is a true division everywhere; dividing by a Python float
+    is one on the CPU (tested bytewise) but, on CUDA, a multiply by ``RN32(1 / T32)``."""
+    if t32 == 1.0:
+        return None
+    return torch.tensor(t32, dtype=torch.float32, device=device)
 
 
 def rows_finite(

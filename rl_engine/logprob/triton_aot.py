@@ -43,6 +43,7 @@ paper model from the compiled SASS, not a measurement.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import re
 import subprocess
@@ -78,6 +79,11 @@ ROOFLINE_ROWS = 8192
 # docs/arithmetic.md: fused multiply-adds per column: E has 9 (step 2, two of step 4, six of
 # step 5), the entropy's G* one more; the backward's E 9
 FMA_PER_COLUMN = {"forward": 9, "forward_entropy": 10, "backward": 9}
+# With a temperature, Markstein's division adds two per step (rl_engine.division.STEPS: one step for a
+# bf16 or binary16 logit, two for a binary32 logit and for the gradient), and the guard's IEEE path
+# repeats the forward's second pass and the backward's E (the IEEE division itself is one div.rn)
+MARKSTEIN_FMA_PER_STEP = 2
+TEMPERED_PROBE = 0.7  # the temperature of the tempered variants (any other than 1 compiles alike)
 
 _TORCH_TYPES = {torch.float32: "*fp32", torch.int16: "*i16", torch.int32: "*i32",
                 torch.int8: "*i8", torch.int64: "*i64"}
@@ -174,8 +180,11 @@ def launch_part(launch: Launch) -> str:
 
 
 def launch_variants(arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_ROWS,
-                    cases: tuple[tuple[str, int, int, int], ...] = CASES) -> list[Variant]:
-    """Every (case, dtype, flags) launch the backend makes, specialized for ``arch`` as at launch."""
+                    cases: tuple[tuple[str, int, int, int], ...] = CASES, tempered: bool = False) -> list[Variant]:
+    """Every (case, dtype, flags) launch the backend makes, specialized for ``arch`` as at launch
+    (``tempered``: the kernels of a temperature, :data:`TEMPERED_PROBE`, named with a ``-tempered``
+    suffix; a temperature's value is not specialized, only whether there is one)."""
+    temperature = TEMPERED_PROBE if tempered else 1.0
     from triton.backends.compiler import GPUTarget
 
     kernels = load_kernels("compiled")
@@ -184,7 +193,7 @@ def launch_variants(arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_ROWS,
     for case, real, padded, tiles in cases:
         for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
             for entropy, validate in ((True, True), (False, False)):
-                launches = case_launches(rows, real, padded, tiles, dtype, entropy, validate)
+                launches = case_launches(rows, real, padded, tiles, dtype, entropy, validate, temperature)
                 groups = [("forward", launches["forward"])]
                 if entropy:  # the backward does not depend on the forward's flags
                     groups.append(("backward", launches["backward"]))
@@ -193,8 +202,9 @@ def launch_variants(arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_ROWS,
                         fn = getattr(kernels, launch.kernel)
                         sig, cx, attrs = launch_specialization(fn, launch, target)
                         flags = f"-entropy{int(entropy)}-validate{int(validate)}" if phase == "forward" else ""
-                        out.append(Variant(f"{phase}-{case}-{dtype_name}{flags}{launch_part(launch)}", launch.kernel, sig, cx,
-                                           attrs, launch.warps, launch.grid, rows * padded))
+                        suffix = "-tempered" if tempered else ""
+                        out.append(Variant(f"{phase}-{case}-{dtype_name}{flags}{launch_part(launch)}{suffix}",
+                                           launch.kernel, sig, cx, attrs, launch.warps, launch.grid, rows * padded))
     return out
 
 
@@ -240,11 +250,13 @@ def _launch_index() -> dict[str, Launch]:
         for case, real, padded, tiles in CASES:
             for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
                 for entropy, validate in ((True, True), (False, False)):
-                    launches = case_launches(ROOFLINE_ROWS, real, padded, tiles, dtype, entropy, validate)
-                    flags = f"-entropy{int(entropy)}-validate{int(validate)}"
-                    _LAUNCHES[f"forward-{case}-{dtype_name}{flags}"] = launches["forward"][0]
-                    for launch in launches["backward"]:
-                        _LAUNCHES[f"backward-{case}-{dtype_name}{launch_part(launch)}"] = launch
+                    for temperature, suffix in ((1.0, ""), (TEMPERED_PROBE, "-tempered")):
+                        launches = case_launches(ROOFLINE_ROWS, real, padded, tiles, dtype, entropy, validate,
+                                                 temperature)
+                        flags = f"-entropy{int(entropy)}-validate{int(validate)}"
+                        _LAUNCHES[f"forward-{case}-{dtype_name}{flags}{suffix}"] = launches["forward"][0]
+                        for launch in launches["backward"]:
+                            _LAUNCHES[f"backward-{case}-{dtype_name}{launch_part(launch)}{suffix}"] = launch
     return _LAUNCHES
 
 
@@ -317,19 +329,26 @@ def nvidia_tool(name: str) -> Path:
 
 @dataclass(frozen=True)
 class Sass:
-    """What one cubin runs: its instructions (NOPs left out) and resources."""
+    """What one cubin runs: its instructions (NOPs left out) and resources, and the instructions
+    a thread executes on the kernel's shortest path from entry to exit (its fast path: with a
+    temperature, the tiles and blocks that need no IEEE division, each division's own fast path)
+    and on its longest (every branch taken, every division's slow-path call made)."""
 
     opcodes: dict[str, int]
-    instructions: int  # per thread, static (= executed when the code has no loop)
+    instructions: int  # per thread, static
     registers: int
     local_bytes: int  # local memory per thread: spills (and stack)
     shared_bytes: int
     loops: bool  # a branch back to an earlier instruction (the trailing self-branch trap excluded)
+    path_opcodes: dict[str, int]  # executed on the shortest path (the static ones when the code loops)
+    path_instructions: int
+    longest_instructions: int  # executed on the longest path (static when the code loops)
 
 
-_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)\s*([^;]*);")
-_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
-_BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)\s*([^;]*);")
+_LABEL = re.compile(r"^\s*([.$][\w.$]+):")
+_BRANCH_TARGET = re.compile(r"`\(([.$][\w.$]+)\)")
+_PREDICATE_OPERAND = re.compile(r"^!?U?P[T0-9]+\s*,")
 
 
 def read_sass(cubin: bytes) -> Sass:
@@ -347,12 +366,85 @@ def read_sass(cubin: bytes) -> Sass:
     return parse_sass(text, usage)
 
 
+@dataclass(frozen=True)
+class _Instruction:
+    address: int
+    op: str
+    guarded: bool  # @P / @!P: it may not execute
+    operands: str
+
+
+def _paths(code: list[_Instruction], labels: dict[str, int]) -> tuple[collections.Counter[str], int]:
+    """The opcodes on the shortest path from the first instruction to an unguarded ``EXIT``, and the
+    length of the longest, in a code whose branches all go forward. A ``CALL`` costs its callee's
+    path to ``RET``; a conditional branch (a guard or a predicate operand) may go either way; the
+    trailing self-branch trap ends a path."""
+    index = {inst.address: i for i, inst in enumerate(code)}
+    end = len(code)
+
+    def target(inst: _Instruction) -> int:
+        found = _BRANCH_TARGET.search(inst.operands)
+        if found is None or found.group(1) not in labels:
+            raise AotError(f"SASS branch without a known target: {inst.op} {inst.operands}")
+        return index.get(labels[found.group(1)], end)
+
+    nxt: list[list[int]] = []
+    callee: list[int | None] = []
+    for i, inst in enumerate(code):
+        cal = None
+        if inst.op in ("BRA", "BRX", "JMP"):
+            t = target(inst)
+            conditional = inst.guarded or bool(_PREDICATE_OPERAND.match(inst.operands))
+            succ = [] if t == i else ([i + 1, t] if conditional else [t])
+        elif inst.op == "EXIT" or inst.op == "RET":  # a guarded one is taken as not exiting:
+            succ = [i + 1] if inst.guarded else []  # every program of the launches has work
+        elif inst.op == "CALL":
+            succ, cal = [i + 1], target(inst)
+        else:
+            succ = [i + 1]
+        nxt.append([s for s in succ if s <= end])
+        callee.append(cal)
+    short = [0] * (end + 1)
+    long = [0] * (end + 1)
+    best: list[int | None] = [None] * (end + 1)
+    for i in range(end - 1, -1, -1):
+        extra_short = extra_long = 0
+        if callee[i] is not None:
+            c = callee[i]
+            assert c is not None and c > i
+            extra_short, extra_long = short[c], long[c]
+        options = nxt[i]
+        if options:
+            pick = min(options, key=lambda s: short[s])
+            best[i] = pick
+            short[i] = 1 + extra_short + short[pick]
+            long[i] = 1 + extra_long + max(long[s] for s in options)
+        else:
+            short[i], long[i] = 1, 1
+    ops: collections.Counter[str] = collections.Counter()
+
+    def walk(i: int) -> None:
+        while i < end:
+            ops[code[i].op] += 1
+            c = callee[i]
+            if c is not None:
+                walk(c)
+            nb = best[i]
+            if nb is None:
+                return
+            i = nb
+
+    walk(0)
+    return ops, long[0] if code else 0
+
+
 def parse_sass(text: str, usage: str) -> Sass:
     """:class:`Sass` from ``nvdisasm -c`` text and ``cuobjdump --dump-resource-usage`` text."""
     ops: collections.Counter[str] = collections.Counter()
     labels: dict[str, int] = {}
     pending: list[str] = []
     branches: list[tuple[int, str]] = []
+    code: list[_Instruction] = []
     for line in text.splitlines():
         label = _LABEL.match(line)
         if label:
@@ -361,23 +453,35 @@ def parse_sass(text: str, usage: str) -> Sass:
         match = _SASS_LINE.search(line)
         if not match:
             continue
-        address, op, operands = int(match.group(1), 16), match.group(2), match.group(4)
+        address, guard, op, operands = int(match.group(1), 16), match.group(2), match.group(3), match.group(5)
         for name in pending:
             labels[name] = address
         pending = []
         if op == "NOP":
             continue
         ops[op] += 1
+        code.append(_Instruction(address, op, guard is not None, operands.strip()))
         target = _BRANCH_TARGET.search(operands)
         if op in ("BRA", "BRX", "JMP") and target:
             branches.append((address, target.group(1)))
+    # an instruction a label names that is a NOP: the label goes to the next real instruction
+    real = [inst.address for inst in code]
+    for name, address in list(labels.items()):
+        at = bisect.bisect_left(real, address)
+        labels[name] = real[at] if at < len(real) else address
     loops = any(labels.get(target, address + 1) < address for address, target in branches)
     resources = dict(re.findall(r"\b(REG|SHARED|LOCAL|STACK):(\d+)", usage))
     if "REG" not in resources:
         raise AotError(f"cuobjdump printed no resource usage: {usage[:200]!r}")
-    return Sass(dict(sorted(ops.items())), sum(ops.values()), int(resources["REG"]),
+    static = dict(sorted(ops.items()))
+    if loops:
+        path_ops, longest = static, sum(ops.values())
+    else:
+        found, longest = _paths(code, labels)
+        path_ops = dict(sorted(found.items()))
+    return Sass(static, sum(ops.values()), int(resources["REG"]),
                 int(resources.get("LOCAL", 0)) + int(resources.get("STACK", 0)), int(resources.get("SHARED", 0)),
-                loops)
+                loops, path_ops, sum(path_ops.values()), longest)
 
 
 # ------------------------------------------------------------------------------------ roofline
@@ -404,11 +508,11 @@ MODEL: dict[str, Any] = {
 
 
 def _kernel_seconds(sass: Sass, threads: int, programs: int, model: dict[str, Any]) -> float:
-    """Issue-bound and pipe-bound time of one launch (the larger)."""
+    """Issue-bound and pipe-bound time of one launch (the larger), on its fast path."""
     rate = model["sms"] * model["schedulers_per_sm"] * model["threads_per_warp"] * model["clock_hz"]
-    half = sum(n for op, n in sass.opcodes.items() if op in model["half_rate"])
-    quarter = sum(n for op, n in sass.opcodes.items() if op in model["quarter_rate"])
-    slots = max(sass.instructions, 2 * half, 4 * quarter)
+    half = sum(n for op, n in sass.path_opcodes.items() if op in model["half_rate"])
+    quarter = sum(n for op, n in sass.path_opcodes.items() if op in model["quarter_rate"])
+    slots = max(sass.path_instructions, 2 * half, 4 * quarter)
     return slots * threads * programs / rate
 
 
@@ -432,7 +536,9 @@ def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_R
     """Compile the launches of one case (default: the default case, bf16, 8192 x 151936, 64
     tiles, entropy and validation on, no temperature) for ``arch``, write each cubin into
     ``output_dir`` and return the roofline document (``temperature`` other than 1 compiles the
-    kernels with section 6 step 0's multiply)."""
+    kernels with section 6 step 0's division). Instructions per column and times are those of each
+    kernel's fast path (:class:`Sass`): the executed count of every tile and block that needs no
+    IEEE division, which without a temperature is every instruction but the trailing trap."""
     output_directory(output_dir)  # before triton is imported or anything compiled
     import triton
 
@@ -460,12 +566,13 @@ def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_R
             programs = 1
             for g in launch.grid:
                 programs *= g
-            share = sass.instructions * threads * programs / columns
+            share = sass.path_instructions * threads * programs / columns
             per_column[phase] += share
             seconds[phase] += _kernel_seconds(sass, threads, programs, MODEL)
             entries.append({
                 "name": name, "kernel": launch.kernel, "cubin": cubin, "arch": f"sm_{arch}",
-                "sass_per_thread": sass.instructions, "threads_per_program": threads, "programs": programs,
+                "sass_per_thread": sass.instructions, "path_per_thread": sass.path_instructions,
+                "longest_path_per_thread": sass.longest_instructions, "threads_per_program": threads, "programs": programs,
                 "registers": sass.registers, "local_bytes": sass.local_bytes, "shared_bytes": sass.shared_bytes,
                 "loops": sass.loops, "instructions_per_column": round(share, 3),
                 "fma_per_thread": sass.opcodes.get("FFMA", 0), "opcodes": sass.opcodes,
@@ -509,20 +616,25 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--roofline", action="store_true", help="write roofline.json and the cubins into --output-dir")
     parser.add_argument("--output-dir", type=Path, default=None)
     parser.add_argument("--all", action="store_true", help="check every launch variant's PTX (default: the default case's bf16)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="the roofline's temperature (default 1: none; docs/arithmetic.md section 6 step 0)")
     args = parser.parse_args(argv)
     if args.roofline:
         if args.output_dir is None:
             parser.error("--roofline needs --output-dir DIR")
         from rl_engine import schemas
+        from rl_engine.temperature import TemperatureError, temperature32
 
         try:
+            temperature32(args.temperature, "--temperature")
             output_directory(args.output_dir)
-        except AotError as exc:
+        except (TemperatureError, AotError) as exc:
             parser.error(str(exc))
-        doc = roofline(args.output_dir)
+        doc = roofline(args.output_dir, temperature=args.temperature)
         schemas.write_validated(args.output_dir / "roofline.json", doc, "roofline")
         for k in doc["kernels"]:
-            print(f"{k['name']}: {k['sass_per_thread']} SASS/thread x {k['threads_per_program']} threads x "
+            print(f"{k['name']}: {k['path_per_thread']} SASS/thread on the fast path ({k['sass_per_thread']} static, "
+                  f"{k['longest_path_per_thread']} on the longest) x {k['threads_per_program']} threads x "
                   f"{k['programs']} programs, {k['instructions_per_column']} per column, {k['registers']} registers, "
                   f"local {k['local_bytes']} B, loops {k['loops']}")
         print(f"per column: {doc['instructions_per_column']}")

@@ -30,7 +30,9 @@ Fail closed: without Triton, without CUDA (compiled mode), or when a kernel does
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
+import struct
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -40,6 +42,7 @@ from typing import Any
 
 import torch
 
+from rl_engine.division import kernel_bounds
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.vocab_parallel import (
     BackwardTerms,
@@ -48,6 +51,7 @@ from rl_engine.logprob.vocab_parallel import (
     real_local_columns,
 )
 from rl_engine.tables import TRITON_BACKEND, TRITON_MODE_ENV
+from rl_engine.temperature import inverse_temperature
 
 TRITON_ID = TRITON_BACKEND
 MODES: tuple[str, ...] = ("compiled", "interpreter")
@@ -215,6 +219,16 @@ class Launch:
         _launch(getattr(kernels, self.kernel), self.grid, self.args, self.meta, self.warps)
 
 
+def division_args(t32: float) -> tuple[float, float, float, int, float]:
+    """``(T32, r, hi, lo_key, shift_min)``, the kernels' arguments for the division by ``T32``
+    (:func:`rl_engine.division.kernel_bounds`; ``lo_key = 2 * bits(lo) - 2``, the backward's
+    integer key of the smallest magnitude in the domain); neutral without a temperature."""
+    if t32 == 1.0:
+        return 1.0, 1.0, math.inf, 0, 0.0
+    hi, lo, shift_min = kernel_bounds(t32)
+    return t32, inverse_temperature(t32), hi, 2 * struct.unpack("<I", struct.pack("<f", lo))[0] - 2, shift_min
+
+
 def forward_launch(
     x: torch.Tensor, contract: LogprobContract, m: torch.Tensor, s: torch.Tensor,
     t: torch.Tensor | None, bad: torch.Tensor | None, with_entropy: bool, validate: bool,
@@ -224,11 +238,13 @@ def forward_launch(
     width = contract.tile_width
     tiles = contract.local_vocab_size // width
     real_local = real_local_columns(contract)
-    inv_t = contract.inverse_temperature
-    args = (x, m, s, t if t is not None else m, bad if bad is not None else m, x.stride(0), real_local, inv_t)
+    tempered = contract.tempered
+    t32, inv_t, hi, _, shift_min = division_args(contract.temperature32)
+    args = (x, m, s, t if t is not None else m, bad if bad is not None else m, x.stride(0), real_local,
+            t32, inv_t, hi, shift_min)
     meta = {"TILES": tiles, "WIDTH": width, "DTYPE": _DTYPE_CODES[logits_dtype],
             "WITH_ENTROPY": with_entropy, "VALIDATE": validate,
-            "PADDED": real_local < contract.local_vocab_size, "TEMPERED": inv_t != 1.0}
+            "PADDED": real_local < contract.local_vocab_size, "TEMPERED": tempered}
     return Launch("forward_partials_kernel", (x.shape[0] * tiles,), args, meta, FORWARD_WARPS)
 
 
@@ -249,18 +265,19 @@ def backward_launches(
     gent = terms.g_ent.float().contiguous() if entropy_grad else lse  # (unread without ENTROPY_GRAD)
     mb = terms.mb.float().contiguous() if entropy_grad else lse
     common = (x, lse, coef, out, gent, mb, x.stride(0), local_vocab, terms.real_local)
-    tempered = terms.inv_t != 1.0
+    tempered = terms.t32 != 1.0
+    divide = division_args(terms.t32)
     if whole:
-        found.append(Launch("backward_kernel", (rows * whole,), common + (0, terms.inv_t),
+        found.append(Launch("backward_kernel", (rows * whole,), common + (0, *divide),
                             {"BLOCKS": whole, "BLOCK": BACKWARD_BLOCK, "DTYPE": dtype, "MASKED": False,
                              "PADDED": padded, "TEMPERED": tempered, "ENTROPY_GRAD": entropy_grad}, BACKWARD_WARPS))
     if rest:
-        found.append(Launch("backward_kernel", (rows,), common + (whole * BACKWARD_BLOCK, terms.inv_t),
+        found.append(Launch("backward_kernel", (rows,), common + (whole * BACKWARD_BLOCK, *divide),
                             {"BLOCKS": 1, "BLOCK": next_pow2(rest), "DTYPE": dtype, "MASKED": True,
                              "PADDED": padded, "TEMPERED": tempered, "ENTROPY_GRAD": entropy_grad}, BACKWARD_WARPS))
     target = (x, lse, coef, terms.target_col.to(torch.int64).contiguous(),
               terms.target_add.float().contiguous(), out, gent, mb, rows, x.stride(0), local_vocab,
-              terms.real_local, terms.inv_t)
+              terms.real_local, terms.t32)
     found.append(Launch("backward_target_kernel", (-(-rows // TARGET_ROWS),), target,
                         {"ROWS": TARGET_ROWS, "DTYPE": dtype, "TEMPERED": tempered, "ENTROPY_GRAD": entropy_grad},
                         TARGET_WARPS))
@@ -315,6 +332,20 @@ def triton_exp(y: torch.Tensor, mode: str = "compiled") -> torch.Tensor:
     n = src.numel()
     if n:
         Launch("exp_kernel", (-(-n // EXP_BLOCK),), (src, out, n), {"BLOCK": EXP_BLOCK}, 4).run(k)
+    return out
+
+
+def triton_divide(x: torch.Tensor, t32: float, dtype: torch.dtype, markstein: bool = True,
+                  mode: str = "compiled") -> torch.Tensor:
+    """``x / T32`` of a binary32 tensor by :func:`divide_kernel`: Markstein's sequence for a logit of
+    ``dtype`` (one step for bf16 and binary16, two for binary32), or the IEEE division."""
+    k = load_kernels(mode)
+    src = x.detach().contiguous()
+    out = torch.empty_like(src)
+    n = src.numel()
+    if n:
+        Launch("divide_kernel", (-(-n // EXP_BLOCK),), (src, out, n, t32, inverse_temperature(t32)),
+               {"BLOCK": EXP_BLOCK, "DTYPE": _DTYPE_CODES[dtype], "DIVIDE": 1 if markstein else 2}, 4).run(k)
     return out
 
 

@@ -5,12 +5,13 @@ Written with IEEE-754 basic operations and the fused multiply-adds the specifica
 
 * :func:`forward_partials_kernel`: one program (one warp) per (row, tile). The tile is read in
   chunks of 128 columns, column ``c`` in lane ``c % 128`` of the chunk: a first pass takes the
-  lanes' maxima (and minima, for validation), a second computes ``E(x - shift)`` and adds it
+  lanes' maxima (and minima, for validation and a temperature), a second computes ``E(x - shift)`` and adds it
   into the 128 lane sums in column order (section 4's ``G``; the entropy's ``G*`` adds
   ``fma(e, max(y, LO), lane)``); the 128 lane sums are then folded by ``F``. The chunk loops are
   unrolled (a tile of up to ``MAX_UNROLL`` chunks), so every thread runs the same straight
   code and the loads of the second pass are the first pass's registers.
-* :func:`backward_kernel`: one program per (row, block of columns), no branch: ``E(x - lse)``
+* :func:`backward_kernel`: one program per (row, block of columns), no branch (with a temperature,
+  one the whole program takes alike: the guard of the division by ``T32``): ``E(x - lse)``
   (the general form: ``lse`` is an input) times ``coef``, the ``coef == 0`` override, canonical NaN, padding zeros, the one rounding of
   section 8. Launched over the whole blocks without masks, and once more, masked, over the
   last partial block.
@@ -21,7 +22,9 @@ Written with IEEE-754 basic operations and the fused multiply-adds the specifica
   others on the same stream, so it overwrites that column's value: no per-column compare in
   the main kernel.
 
-No ``tl.exp``, ``tl.log``, libdevice or division is used. Reductions: a max or min over the
+No ``tl.exp``, ``tl.log`` or libdevice is used, and no division but the temperature's ``x / T32``
+(``docs/arithmetic.md`` section 6 step 0, section 7 step 2): :func:`markstein`'s fused
+multiply-adds where they are exact, ``tl.div_rn`` (the IEEE division) elsewhere. Reductions: a max or min over the
 128 lanes is ``tl.reduce`` with Triton's max or min (a maximum does not depend on grouping;
 NaN is tracked apart, so a NaN lane gives a NaN maximum whichever way the reduction's NaN rule
 goes, in the compiled kernel and under the interpreter alike); a sum is only ever a reduction
@@ -78,6 +81,9 @@ POS_INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)
 DT_F32: tl.constexpr = tl.constexpr(0)
 DT_BF16: tl.constexpr = tl.constexpr(1)
 DT_F16: tl.constexpr = tl.constexpr(2)
+DIV_NONE: tl.constexpr = tl.constexpr(0)  # no temperature: step 0 is skipped
+DIV_MARKSTEIN: tl.constexpr = tl.constexpr(1)  # x / T32 by Markstein's correction (its domain)
+DIV_IEEE: tl.constexpr = tl.constexpr(2)  # x / T32 by the IEEE division (div.rn)
 LANES: tl.constexpr = tl.constexpr(128)  # L of the lane sum G (section 4)
 LANE_LEVELS: tl.constexpr = tl.constexpr(7)  # log2(LANES): the levels of F over the lanes
 MAX_UNROLL: tl.constexpr = tl.constexpr(32)  # chunks of a tile unrolled (a wider tile loops)
@@ -159,19 +165,37 @@ def lane_fold(v):
 
 
 @device
-def scaled(raw, inv_t, DTYPE: tl.constexpr, TEMPERED: tl.constexpr):
-    """Section 6 step 0: the exact upcast, then ``x * r`` (one binary32 multiply) when ``TEMPERED``;
-    without a temperature the kernel has no multiply at all."""
+def markstein(x, t32, inv_t, DTYPE: tl.constexpr):
+    """``RN32(x / T32)`` on the division's domain (rl_engine/division.py): ``q = x * r``, then per
+    step ``e = fma(q, T32, -x)``, ``q = fma(-e, r, q)``; one step for bf16 and binary16 logits, two
+    for binary32 values. ``x = -0`` gives ``-0``."""
+    q = x * inv_t
+    e = tl.fma(q, t32, -x)
+    q = tl.fma(-e, inv_t, q)
+    if DTYPE == DT_F32:
+        e = tl.fma(q, t32, -x)
+        q = tl.fma(-e, inv_t, q)
+    return q
+
+
+@device
+def scaled(raw, t32, inv_t, DTYPE: tl.constexpr, DIVIDE: tl.constexpr):
+    """Section 6 step 0: the exact upcast, then ``x / T32`` by :func:`markstein` (``DIVIDE ==
+    DIV_MARKSTEIN``, where every value lies in its domain or cannot change a result) or by the IEEE
+    division (``DIV_IEEE``); without a temperature (``DIV_NONE``) no operation at all."""
     x = upcast(raw, DTYPE)
-    if TEMPERED:
-        x = x * inv_t
+    if DIVIDE == DIV_MARKSTEIN:
+        x = markstein(x, t32, inv_t, DTYPE)
+    elif DIVIDE == DIV_IEEE:
+        x = tl.div_rn(x, t32)
     return x
 
 
 @device
-def chunk(base, col0, lane, real_left, inv_t, DTYPE: tl.constexpr, VALID: tl.constexpr, PADDED: tl.constexpr,
-          TEMPERED: tl.constexpr):
-    """The binary32 logits of the tile's columns ``col0 + lane`` (scaled by ``r``, step 0):
+def chunk(base, col0, lane, real_left, t32, inv_t, DTYPE: tl.constexpr, VALID: tl.constexpr, PADDED: tl.constexpr,
+          DIVIDE: tl.constexpr):
+    """The binary32 logits of the tile's columns ``col0 + lane`` (divided by ``T32`` as ``DIVIDE``
+    says, step 0):
     ``(x, xmin)``, where ``x`` is ``-inf`` past the tile's ``VALID`` columns of this chunk and
     (``PADDED``) on padding columns, and ``xmin`` is ``x`` with ``+inf`` there (what the
     validation minimum reads)."""
@@ -180,23 +204,24 @@ def chunk(base, col0, lane, real_left, inv_t, DTYPE: tl.constexpr, VALID: tl.con
     cols = col0 + lane
     if PADDED:
         real = (lane < VALID) & (cols < real_left)
-        x = tl.where(real, scaled(tl.load(base + cols, mask=real, other=0), inv_t, DTYPE, TEMPERED), neg_inf)
+        x = tl.where(real, scaled(tl.load(base + cols, mask=real, other=0), t32, inv_t, DTYPE, DIVIDE), neg_inf)
         xmin = tl.where(real, x, pos_inf)
     elif VALID < LANES:
         inside = lane < VALID
-        x = tl.where(inside, scaled(tl.load(base + cols, mask=inside, other=0), inv_t, DTYPE, TEMPERED), neg_inf)
+        x = tl.where(inside, scaled(tl.load(base + cols, mask=inside, other=0), t32, inv_t, DTYPE, DIVIDE), neg_inf)
         xmin = tl.where(inside, x, pos_inf)
     else:
-        x = scaled(tl.load(base + cols), inv_t, DTYPE, TEMPERED)
+        x = scaled(tl.load(base + cols), t32, inv_t, DTYPE, DIVIDE)
         xmin = x
     return x, xmin
 
 
 @device
-def extremes(base, col0, lane, real_left, mx, mn, inv_t, DTYPE: tl.constexpr, VALID: tl.constexpr,
-             PADDED: tl.constexpr, VALIDATE: tl.constexpr, TEMPERED: tl.constexpr):
-    """The first pass over one chunk: the lanes' maxima (NaN propagates) and minima."""
-    x, xmin = chunk(base, col0, lane, real_left, inv_t, DTYPE, VALID, PADDED, TEMPERED)
+def extremes(base, col0, lane, real_left, mx, mn, DTYPE: tl.constexpr, VALID: tl.constexpr,
+             PADDED: tl.constexpr, VALIDATE: tl.constexpr):
+    """The first pass over one chunk: the lanes' maxima (NaN propagates) and minima, of the logits
+    as they are (a temperature divides the tile's maximum and minimum once, after the pass)."""
+    x, xmin = chunk(base, col0, lane, real_left, 1.0, 1.0, DTYPE, VALID, PADDED, DIV_NONE)
     mx = tl.maximum(mx, x, propagate_nan=tl.PropagateNan.ALL)
     if VALIDATE:
         mn = tl.minimum(mn, xmin)
@@ -204,10 +229,10 @@ def extremes(base, col0, lane, real_left, mx, mn, inv_t, DTYPE: tl.constexpr, VA
 
 
 @device
-def lane_terms(base, col0, lane, real_left, sh, s, t, inv_t, DTYPE: tl.constexpr, VALID: tl.constexpr,
-               PADDED: tl.constexpr, WITH_ENTROPY: tl.constexpr, TEMPERED: tl.constexpr):
+def lane_terms(base, col0, lane, real_left, sh, s, t, t32, inv_t, DTYPE: tl.constexpr, VALID: tl.constexpr,
+               PADDED: tl.constexpr, WITH_ENTROPY: tl.constexpr, DIVIDE: tl.constexpr):
     """The second pass over one chunk (section 6 steps 3-4): ``s += E(y)``, ``t = fma(E(y), yc, t)``."""
-    x, _ = chunk(base, col0, lane, real_left, inv_t, DTYPE, VALID, PADDED, TEMPERED)
+    x, _ = chunk(base, col0, lane, real_left, t32, inv_t, DTYPE, VALID, PADDED, DIVIDE)
     e, yc = spec_exp_forward(x - sh)
     s = s + e
     if WITH_ENTROPY:
@@ -215,15 +240,44 @@ def lane_terms(base, col0, lane, real_left, sh, s, t, inv_t, DTYPE: tl.constexpr
     return s, t
 
 
+@device
+def pass_two(base, lane, real_left, sh, t32, inv_t, DTYPE: tl.constexpr, FULL: tl.constexpr, REST: tl.constexpr,
+             PADDED: tl.constexpr, WITH_ENTROPY: tl.constexpr, DIVIDE: tl.constexpr):
+    """Section 6 steps 3-4 over the tile: the 128 lane sums ``s`` and ``t``, each lane in column order."""
+    s = tl.full((LANES,), 0.0, tl.float32)
+    t = tl.full((LANES,), 0.0, tl.float32)
+    if FULL <= MAX_UNROLL:
+        for k in tl.static_range(FULL):
+            s, t = lane_terms(base, k * LANES, lane, real_left, sh, s, t, t32, inv_t, DTYPE, LANES, PADDED,
+                              WITH_ENTROPY, DIVIDE)
+    else:
+        for k in range(FULL):
+            s, t = lane_terms(base, k * LANES, lane, real_left, sh, s, t, t32, inv_t, DTYPE, LANES, PADDED,
+                              WITH_ENTROPY, DIVIDE)
+    if REST > 0:
+        s, t = lane_terms(base, FULL * LANES, lane, real_left, sh, s, t, t32, inv_t, DTYPE, REST, PADDED,
+                          WITH_ENTROPY, DIVIDE)
+    return s, t
+
+
 @kernel
 def forward_partials_kernel(
     x_ptr, m_ptr, s_ptr, t_ptr, bad_ptr,
-    row_stride, real_local, inv_t,
+    row_stride, real_local, t32, inv_t, hi_x, sh_min,
     TILES: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr,
     WITH_ENTROPY: tl.constexpr, VALIDATE: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr,
 ):
     """Section 6 steps 1-4 for the tile ``pid % TILES`` of row ``pid // TILES`` (a constant
-    divisor: integer multiply and shift, no division sequence)."""
+    divisor: integer multiply and shift, no division sequence).
+
+    With a temperature (``TEMPERED``): the first pass reads the logits as they are, and the tile's
+    maximum and minimum are divided by ``T32`` once (IEEE division: ``x -> RN32(x / T32)`` is
+    monotone, so they are the maximum and minimum of the quotients). The second pass divides every
+    column by :func:`markstein`; a tile that holds a real logit of magnitude ``>= hi_x`` (an
+    infinity, or a quotient that could overflow) or whose maximum's magnitude is below ``sh_min`` (a
+    logit below the division's domain could then change ``y``) computes its sums again with the
+    IEEE division, a branch every thread of the program takes alike (docs/arithmetic.md,
+    "Dividing by T32 on a GPU")."""
     FULL: tl.constexpr = WIDTH // LANES
     REST: tl.constexpr = WIDTH - FULL * LANES
     pid = tl.program_id(0)
@@ -234,41 +288,44 @@ def forward_partials_kernel(
     lane = tl.arange(0, LANES)
     mx = tl.full((LANES,), NEG_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
     mn = tl.full((LANES,), POS_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    MINIMA: tl.constexpr = VALIDATE or TEMPERED
     # 1. the lanes' maxima (a max does not depend on grouping)
     if FULL <= MAX_UNROLL:
         for k in tl.static_range(FULL):
-            mx, mn = extremes(base, k * LANES, lane, real_left, mx, mn, inv_t, DTYPE, LANES, PADDED, VALIDATE, TEMPERED)
+            mx, mn = extremes(base, k * LANES, lane, real_left, mx, mn, DTYPE, LANES, PADDED, MINIMA)
     else:
         for k in range(FULL):
-            mx, mn = extremes(base, k * LANES, lane, real_left, mx, mn, inv_t, DTYPE, LANES, PADDED, VALIDATE, TEMPERED)
+            mx, mn = extremes(base, k * LANES, lane, real_left, mx, mn, DTYPE, LANES, PADDED, MINIMA)
     if REST > 0:
-        mx, mn = extremes(base, FULL * LANES, lane, real_left, mx, mn, inv_t, DTYPE, REST, PADDED, VALIDATE, TEMPERED)
+        mx, mn = extremes(base, FULL * LANES, lane, real_left, mx, mn, DTYPE, REST, PADDED, MINIMA)
     lane_nan = mx != mx
     nan = tl.reduce(lane_nan.to(tl.int32), 0, MAX)
     m = tl.reduce(tl.where(lane_nan, float("-inf"), mx), 0, MAX)
+    if MINIMA:
+        low = tl.reduce(tl.where(lane_nan, 0.0, mn), 0, MIN)
+    if TEMPERED:  # step 0 on the maximum and minimum: exact, and once per tile
+        exotic = (m >= hi_x) | (low <= -hi_x)
+        m = tl.div_rn(m, t32)
+        low = tl.div_rn(low, t32)
+        exotic = exotic | (tl.abs(m) < sh_min)
     m = tl.where(nan > 0, float("nan"), m) + tl.full((1,), 0.0, tl.float32)  # m + 0: one sign for zero
     sh = tl.where(m == float("-inf"), 0.0, m)  # 2.
     # 3.-4. the lane sums, each lane in column order
-    s = tl.full((LANES,), 0.0, tl.float32)
-    t = tl.full((LANES,), 0.0, tl.float32)
-    if FULL <= MAX_UNROLL:
-        for k in tl.static_range(FULL):
-            s, t = lane_terms(base, k * LANES, lane, real_left, sh, s, t, inv_t, DTYPE, LANES, PADDED, WITH_ENTROPY,
-                                  TEMPERED)
+    if TEMPERED:  # Markstein's straight after the first pass (its loads are the first pass's registers) ...
+        s, t = pass_two(base, lane, real_left, sh, t32, inv_t, DTYPE, FULL, REST, PADDED, WITH_ENTROPY,
+                        DIV_MARKSTEIN)
+        if exotic:  # ... and again with the IEEE division where it may not be exact (rare)
+            s, t = pass_two(base, lane, real_left, sh, t32, inv_t, DTYPE, FULL, REST, PADDED, WITH_ENTROPY,
+                            DIV_IEEE)
     else:
-        for k in range(FULL):
-            s, t = lane_terms(base, k * LANES, lane, real_left, sh, s, t, inv_t, DTYPE, LANES, PADDED, WITH_ENTROPY,
-                                  TEMPERED)
-    if REST > 0:
-        s, t = lane_terms(base, FULL * LANES, lane, real_left, sh, s, t, inv_t, DTYPE, REST, PADDED, WITH_ENTROPY,
-                          TEMPERED)
+        s, t = pass_two(base, lane, real_left, sh, t32, inv_t, DTYPE, FULL, REST, PADDED, WITH_ENTROPY, DIV_NONE)
     out = row * TILES + tile + tl.arange(0, 1)
     tl.store(m_ptr + out, m)
     tl.store(s_ptr + out, lane_fold(s))
     if WITH_ENTROPY:
         tl.store(t_ptr + out, lane_fold(t))
     if VALIDATE:  # a real column that is NaN or infinite
-        low = tl.reduce(tl.where(lane_nan, 0.0, mn), 0, MIN) + tl.full((1,), 0.0, tl.float32)
+        low = low + tl.full((1,), 0.0, tl.float32)
         bad = (m != m) | (m == float("inf")) | (low == float("-inf"))
         tl.store(bad_ptr + out, bad.to(tl.int8))
 
@@ -313,15 +370,37 @@ def store_rounded(ptr, g, mask, DTYPE: tl.constexpr, MASKED: tl.constexpr):
         tl.store(ptr, value)
 
 
+@device
+def column_grad(raw, lse, coef, ge, mb, t32, inv_t, DTYPE: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
+                DIVIDE: tl.constexpr):
+    """Section 7 step 1 for the loaded columns ``raw``, whose logits are divided by ``T32`` (step 0)
+    as ``DIVIDE`` says: the gradient before the temperature's chain rule, the override, the padding
+    and the rounding."""
+    x = scaled(raw, t32, inv_t, DTYPE, DIVIDE)
+    p = spec_exp(x - lse)
+    g = coef * p  # 1. (any lse: the general form)
+    if ENTROPY_GRAD:  # 1. the entropy term where g_ent != 0 and p != 0
+        term = g + (ge * p) * (mb - x)
+        g = tl.where(ge != 0.0, tl.where(p != 0.0, term, g), g)
+    return g
+
+
 @kernel
 def backward_kernel(
     x_ptr, lse_ptr, coef_ptr, g_ptr, gent_ptr, mb_ptr,
-    row_stride, local_vocab, real_local, col0, inv_t,
+    row_stride, local_vocab, real_local, col0, t32, inv_t, hi_x, lo_key, sh_min,
     BLOCKS: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
     MASKED: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
 ):
     """Section 7 (and 8) for columns ``col0 + [b * BLOCK, (b + 1) * BLOCK)`` of row
-    ``pid // BLOCKS``, every column but the target term (:func:`backward_target_kernel`)."""
+    ``pid // BLOCKS``, every column but the target term (:func:`backward_target_kernel`).
+
+    With a temperature (``TEMPERED``) both divisions by ``T32`` (the logit's, step 0, and the
+    gradient's, step 2) are :func:`markstein`'s; the block is computed again with the IEEE division
+    when a logit or a gradient of it has a magnitude ``>= hi_x`` (an infinity, or a quotient that
+    could overflow), a non-zero gradient one below the domain (``lo_key`` is ``2 * bits(lo) - 2``), or the
+    row's ``lse`` (or, with the entropy term, ``Mb``) one below ``sh_min`` (a logit below the
+    domain could then change ``x - lse`` or ``Mb - x``): a branch the whole program takes alike."""
     pid = tl.program_id(0)
     row = (pid // BLOCKS).to(tl.int64)
     cols = col0 + (pid % BLOCKS) * BLOCK + tl.arange(0, BLOCK)
@@ -332,18 +411,27 @@ def backward_kernel(
         raw = tl.load(x_ptr + row * row_stride + cols, mask=inside, other=0)
     else:
         raw = tl.load(x_ptr + row * row_stride + cols)
-    x = scaled(raw, inv_t, DTYPE, TEMPERED)
-    p = spec_exp(x - lse)
-    g = coef * p  # 1. (any lse: the general form)
-    if ENTROPY_GRAD:  # 1. the entropy term where g_ent != 0 and p != 0
+    if ENTROPY_GRAD:
         ge = tl.load(gent_ptr + row)
-        term = g + (ge * p) * (tl.load(mb_ptr + row) - x)
-        g = tl.where(ge != 0.0, tl.where(p != 0.0, term, g), g)
+        mb = tl.load(mb_ptr + row)
         zero = ((coef == 0.0).to(tl.int32) * (ge == 0.0).to(tl.int32)) != 0
     else:
+        ge = 0.0
+        mb = 0.0
         zero = coef == 0.0
     if TEMPERED:
-        g = g * inv_t  # 2. the temperature's chain rule
+        g = column_grad(raw, lse, coef, ge, mb, t32, inv_t, DTYPE, ENTROPY_GRAD, DIV_MARKSTEIN)
+        big = tl.reduce(tl.maximum(tl.abs(upcast(raw, DTYPE)), tl.abs(g)), 0, MAX)
+        key = (g.to(tl.uint32, bitcast=True) << 1) - 2  # 2 |g| - 2 in the bits; +-0: the largest key
+        small = tl.reduce(key, 0, MIN)
+        exotic = (big >= hi_x) | (small.to(tl.int64) < lo_key) | (tl.abs(lse) < sh_min)
+        if ENTROPY_GRAD:
+            exotic = exotic | ((ge != 0.0) & (tl.abs(mb) < sh_min))
+        g = markstein(g, t32, inv_t, DT_F32)  # 2. the temperature's chain rule, g / T32
+        if exotic:
+            g = tl.div_rn(column_grad(raw, lse, coef, ge, mb, t32, inv_t, DTYPE, ENTROPY_GRAD, DIV_IEEE), t32)
+    else:
+        g = column_grad(raw, lse, coef, ge, mb, t32, inv_t, DTYPE, ENTROPY_GRAD, DIV_NONE)
     g = tl.where(zero, 0.0, g)  # the override (+0, NaN included)
     if PADDED:
         g = tl.where(cols < real_local, g, 0.0)  # padding columns are +0
@@ -353,13 +441,14 @@ def backward_kernel(
 @kernel
 def backward_target_kernel(
     x_ptr, lse_ptr, coef_ptr, col_ptr, add_ptr, g_ptr, gent_ptr, mb_ptr,
-    rows, row_stride, local_vocab, real_local, inv_t,
+    rows, row_stride, local_vocab, real_local, t32,
     ROWS: tl.constexpr, DTYPE: tl.constexpr, TEMPERED: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
 ):
     """Section 7 step 2 for ``ROWS`` rows: the target column's value, ``coef * E(x - lse) + gl``
-    (``+0 + gl`` where ``coef == 0``), canonical NaN, rounded once; ``gl`` is ``-0`` (the
-    identity) on rows that own no target, so their column gets the main kernel's value again.
-    Padding columns are left to the main kernel's ``+0``."""
+    (``+0 + gl`` where ``coef == 0``), divided by ``T32`` with a temperature (the IEEE division:
+    one column per row), canonical NaN, rounded once; ``gl`` is ``-0`` (the identity) on rows that
+    own no target, so their column gets the main kernel's value again. Padding columns are left to
+    the main kernel's ``+0``."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     inside = r < rows
     row = r.to(tl.int64)
@@ -368,7 +457,10 @@ def backward_target_kernel(
     coef = tl.load(coef_ptr + r, mask=inside, other=0.0)
     add = tl.load(add_ptr + r, mask=inside, other=0.0)
     raw = tl.load(x_ptr + row * row_stride + col, mask=inside, other=0)
-    x = scaled(raw, inv_t, DTYPE, TEMPERED)
+    if TEMPERED:
+        x = scaled(raw, t32, 1.0, DTYPE, DIV_IEEE)
+    else:
+        x = scaled(raw, t32, 1.0, DTYPE, DIV_NONE)
     p = spec_exp(x - lse)
     g = coef * p  # 1.
     if ENTROPY_GRAD:
@@ -381,7 +473,7 @@ def backward_target_kernel(
     g = g + add  # 2.: a multiply, then an add, as written
     g = tl.where(zero, add + 0.0, g)
     if TEMPERED:
-        g = g * inv_t  # 2. the temperature's chain rule, the override's (+0 + gl) * r included
+        g = tl.div_rn(g, t32)  # 2. the temperature's chain rule, the override's (+0 + gl) / T32 included
     store_rounded(g_ptr + row * local_vocab + col, g, inside & (col < real_local), DTYPE, True)
 
 
@@ -391,3 +483,19 @@ def exp_kernel(y_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
     tl.store(out_ptr + offs, spec_exp(tl.load(y_ptr + offs, mask=inside, other=0.0)), mask=inside)
+
+
+@kernel
+def divide_kernel(x_ptr, out_ptr, n, t32, inv_t, BLOCK: tl.constexpr, DTYPE: tl.constexpr, DIVIDE: tl.constexpr):
+    """``x / T32`` of ``n`` binary32 values as section 6 step 0 divides a logit of ``DTYPE``
+    (:func:`markstein`'s steps for ``DTYPE``, or the IEEE division): the element tests' view of
+    the division the kernels run."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    x = tl.load(x_ptr + offs, mask=inside, other=0.0)
+    if DIVIDE == DIV_MARKSTEIN:
+        q = markstein(x, t32, inv_t, DTYPE)
+    else:
+        q = tl.div_rn(x, t32)
+    tl.store(out_ptr + offs, q, mask=inside)
+

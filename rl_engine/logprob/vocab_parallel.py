@@ -44,6 +44,7 @@ from rl_engine.logprob.tiles import (
     chunk_rows_for_device,
     merge_tiles,
     rows_finite,
+    temperature_divisor,
 )
 from rl_engine.tables import EAGER_BACKEND
 
@@ -208,7 +209,7 @@ def _local_partials(
         require_gradual_underflow(logits.device)  # per worker thread
         return ChunkWorkspace(
             min(chunk_rows, rows), contract.local_vocab_size, width, real_local, with_entropy,
-            logits.device, contract.inverse_temperature,
+            logits.device, contract.temperature32,
         )
 
     def work(ws: ChunkWorkspace, start: int, stop: int) -> None:
@@ -232,8 +233,9 @@ def _local_target_logit(
     owned = (local >= 0) & (local < contract.local_vocab_size)
     index = torch.where(owned, local, torch.zeros_like(local)).unsqueeze(1)
     value = logits.gather(1, index).squeeze(1).float()
-    if contract.inverse_temperature != 1.0:
-        value = value * contract.inverse_temperature  # section 6 step 0, as every engine scales its tiles
+    divisor = temperature_divisor(contract.temperature32, value.device)
+    if divisor is not None:
+        value = value / divisor  # section 6 step 0, as every engine scales its tiles
     return torch.where(owned, value, torch.zeros_like(value))
 
 
@@ -343,7 +345,7 @@ class BackwardTerms:
     target_col: torch.Tensor
     target_add: torch.Tensor
     real_local: int
-    inv_t: float = 1.0  # the temperature's r (section 6 step 0; section 7 step 2)
+    t32: float = 1.0  # the temperature's T32 (section 6 step 0; section 7 step 2)
     # the entropy gradient (section 7 step 1): g_ent per row and Mb = LSE - H; None without one
     g_ent: torch.Tensor | None = None
     mb: torch.Tensor | None = None
@@ -380,7 +382,7 @@ def backward_terms(
             raise LogprobContractError("an entropy gradient needs the forward's entropy: call with compute_entropy=True")
         g_ent = grad_entropy.float().contiguous()
         mb = (lse - entropy).contiguous()  # Mb = LSE - H, one binary32 subtraction (section 7)
-    return BackwardTerms(coef, target_col, target_add, real_local_columns(contract), contract.inverse_temperature,
+    return BackwardTerms(coef, target_col, target_add, real_local_columns(contract), contract.temperature32,
                          g_ent, mb)
 
 
@@ -399,14 +401,13 @@ def _eager_backward(
             target_col[start:stop],
             target_add[start:stop],
             grad[start:stop],
-            terms.inv_t,
             None if terms.g_ent is None else terms.g_ent[start:stop],
             None if terms.mb is None else terms.mb[start:stop],
         )
 
     def workspace() -> GradWorkspace:
         require_gradual_underflow(logits.device)  # per worker thread
-        return GradWorkspace(min(chunk_rows, rows), local_vocab, logits.device)
+        return GradWorkspace(min(chunk_rows, rows), local_vocab, logits.device, terms.t32)
 
     for_each_chunk(
         rows,
@@ -419,8 +420,9 @@ def _eager_backward(
     if zero_rows.numel():
         grad.index_fill_(0, zero_rows, 0.0)
         at_target = target_add[zero_rows] + 0.0  # +0.0 + g
-        if terms.inv_t != 1.0:
-            at_target = at_target * terms.inv_t
+        divisor = temperature_divisor(terms.t32, at_target.device)
+        if divisor is not None:
+            at_target = at_target / divisor  # (+0 + gl) / T32
         at_target = rounded(canonical_nan_(at_target), grad.dtype)
         grad[zero_rows, target_col[zero_rows]] = at_target
     if terms.real_local < local_vocab:
