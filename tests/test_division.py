@@ -101,6 +101,16 @@ def test_two_steps_on_sampled_binary32_significands() -> None:
         assert division.significand_mismatches(a, np.full_like(a, 2.0 * m), 2).size == 0, t
 
 
+@pytest.mark.slow  # about 4 s on an idle core: 2 x 2**23 significands, two steps each
+def test_two_steps_on_every_binary32_significand_at_two_temperatures() -> None:
+    """The per-temperature exhaustive check of scripts/markstein_proof.py at 0.7 and 1.3: two steps
+    on every binary32 significand ``A`` against the temperature's ``B``."""
+    a = division.significands(23)
+    for t in (0.7, 1.3):
+        m, _ = np.frexp(np.float64(F32(t)))
+        assert division.significand_mismatches(a, np.full_like(a, 2.0 * m), 2).size == 0, t
+
+
 def test_binary32_values_of_the_domain_and_its_edges() -> None:
     """Two steps on random binary32 bit patterns and on 10,000 values each side of the domain's
     ends: the quotient wherever the domain says so, and the kernels' choice everywhere."""
