@@ -36,6 +36,7 @@ from rl_engine.logprob.portable import (
     rounded,
 )
 from rl_engine.logprob.portable import exp as portable_exp
+from rl_engine.logprob.portable import log as portable_log
 from rl_engine.logprob.storage import require_readable
 from rl_engine.logprob.tiles import (
     NEG_INF,
@@ -304,14 +305,21 @@ def vocab_parallel_forward(
         # as NaN (an active row's slot is otherwise finite), so after the one exchange every
         # rank of the group raises; raising here alone would leave the peers blocked in it.
         assert finite is not None
-        target_value = torch.where(
-            active & ~finite, torch.full_like(target_value, float("nan")), target_value
-        )
+        target_value = target_value.masked_fill(active & ~finite, float("nan"))
     pieces = [m, s] + ([t] if t is not None else [])
     merged, targets_by_rank = _exchange(pieces, target_value, contract, group)
     if check:
         bad = active.unsqueeze(1) & torch.isnan(targets_by_rank)
-        if bool(bad.any()):
+        if contract.tp_world_size == 1:
+            # the targets' range check joins this one (the op's only host sync at TP = 1);
+            # the targets are read only through masks and clamps until here
+            out_of_range = active & ((targets < 0) | (targets >= contract.real_vocab_size))
+            flagged = bool((bad.squeeze(1) | out_of_range).any())
+            if flagged:
+                contract.check_targets(targets, active)  # raises with the row and the value
+        else:
+            flagged = bool(bad.any())
+        if flagged:
             row = int(bad.any(dim=1).nonzero()[0, 0])
             ranks = bad[row].nonzero().squeeze(1).tolist()
             where = f"tp_rank={ranks[0]}" if len(ranks) == 1 else f"tp_ranks={ranks}"
@@ -322,10 +330,13 @@ def vocab_parallel_forward(
             )
     m_all, s_all = merged[0], merged[1]
     t_all = merged[2] if t is not None else None
-    lse, entropy = merge_tiles(m_all, s_all, t_all, engine.exp)
-    owner = _owner_rank(targets, contract).unsqueeze(1)
-    target_logit = targets_by_rank.gather(1, owner).squeeze(1)
-    logp = torch.where(active, target_logit - lse, torch.zeros_like(lse))
+    lse, entropy = merge_tiles(m_all, s_all, t_all, engine.exp, engine.log)
+    if contract.tp_world_size == 1:
+        target_logit = target_value  # this rank owns every column
+    else:
+        owner = _owner_rank(targets, contract).unsqueeze(1)
+        target_logit = targets_by_rank.gather(1, owner).squeeze(1)
+    logp = (target_logit - lse).masked_fill_(~active, 0.0)
     for out in (logp, lse, entropy):
         if out is not None:
             canonical_nan_(out)
@@ -482,6 +493,10 @@ class LocalEngine:
         """``E`` (section 3) of a contiguous binary32 tensor, for the merge of the tile partials."""
         return portable_exp(y)
 
+    def log(self, x: torch.Tensor) -> torch.Tensor:
+        """``L`` (section 5) of a binary32 tensor, for the merge's ``L(sum)``."""
+        return portable_log(x)
+
 
 EAGER_ENGINE = LocalEngine()
 
@@ -624,9 +639,9 @@ class VocabParallelLogprob:
                 require_gradual_underflow(logits.device)
             except ArithmeticEnvironmentError as exc:
                 raise LogprobContractError(str(exc)) from None
-            if validate:
-                contract.check_targets(targets, active)
             size, _ = group_geometry(group)
+            if validate and size > 1:  # at TP = 1 the forward checks the targets in its one sync
+                contract.check_targets(targets, active)
             if size > 1:  # digests of the targets and the mask: inside the checks too
                 record = call_record(
                     contract, self.backend_id, targets, active, compute_entropy, validate, None
