@@ -367,6 +367,17 @@ def test_div_rn_is_ieee_on_nvidia_and_a_plain_division_is_not() -> None:
     assert found["forbidden"] + found["unknown"], found  # div.full.f32: not correctly rounded
 
 
+def test_the_merge_s_log_kernel_compiles_to_ieee_operations_only() -> None:
+    """``log_kernel`` (the merge's ``L``): basic operations and one ``div.rn.f32``, no ``lg2`` or
+    ``.approx``, nothing contracted (the launch's ``enable_fp_fusion=False``)."""
+    fn = load_kernels("compiled").log_kernel
+    signature = {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "L4": "fp32", "L3": "fp32", "L2": "fp32",
+                 "L1": "fp32", "BLOCK": "constexpr"}
+    found = triton_aot.ptx_findings(_compile_probe(fn, signature, {"BLOCK": 1024}, "cuda", 90, False)["ptx"])
+    assert "div.rn.f32" in found["float_ops"] and found["forbidden"] == found["unknown"] == [], found
+    assert found["fma"] == 0, found
+
+
 def test_amd_rule_tells_division_steps_from_contracted_multiply_adds() -> None:
     division = _compile_probe(_divide_probe, PROBE_SIGNATURE, {"MULADD": False, "PLAIN": False},
                         "hip", triton_aot.AMD_TARGET, False)
