@@ -672,7 +672,10 @@ def predicted_vs_measured(doc: dict[str, Any], timing_rows: list[dict[str, Any]]
                  "forward_backward": (p["forward_ms"] + p["backward_ms"], p["forward_floor_ms"] + p["backward_floor_ms"])}
     out = []
     for phase, (ms, floor_ms) in predicted.items():
-        measured = {r["path"]: r["median_s"] * 1e3 for r in timing_rows if r.get("phase") == phase and "median_s" in r}
+        # the roofline's case computes the entropy and validates: the Triton backend's "entropy"
+        # variant where the rows have one (a row without a variant: the only call of its path)
+        measured = {r["path"]: r["median_s"] * 1e3 for r in timing_rows
+                    if r.get("phase") == phase and "median_s" in r and r.get("variant") in (None, "entropy")}
         if path not in measured or "floor" not in measured:
             continue
         out.append({"phase": phase, "path": path, "predicted_ms": ms, "measured_ms": round(measured[path], 4),
