@@ -391,3 +391,25 @@ def test_amd_rule_tells_division_steps_from_contracted_multiply_adds() -> None:
     unfused = _compile_probe(_divide_probe, PROBE_SIGNATURE, {"MULADD": True, "PLAIN": False},
                        "hip", triton_aot.AMD_TARGET, False)
     assert triton_aot.amdgcn_findings(unfused["amdgcn"])["fma_outside_division"] == 0
+
+
+@pytest.mark.slow
+def test_the_roofline_variants_are_listed_with_their_own_case(tmp_path: Path) -> None:
+    """``--variants``: fp16, entropy and validation off, TP 8 and sm_100 beside the default, each its
+    own compiled kernels (no spill), its case recorded; TP 8 is rank 0's shard (an eighth of the
+    columns: the same per-column work, an eighth of the floor); no entropy and no validation is
+    less work per column than the default."""
+    names = ("default", "fp16", "no-entropy-no-validation", "tp8", "sm_100")
+    rows = {row["name"]: row for row in triton_aot.roofline_variants(tmp_path, names)}
+    assert list(rows) == list(names)
+    doc = dict(triton_aot.roofline(tmp_path / "doc"), variants=list(rows.values()))
+    schemas.write_validated(tmp_path / "roofline.json", doc, "roofline")
+    assert rows["fp16"]["dtype"] == "fp16" and rows["sm_100"]["arch"] == "sm_100" and rows["tp8"]["tp"] == 8
+    assert all(row["local_bytes"] == 0 for row in rows.values()), rows
+    base, lean = rows["default"]["instructions_per_column"], rows["no-entropy-no-validation"]["instructions_per_column"]
+    assert lean["forward"] < base["forward"] and lean["backward"] == base["backward"], (base, lean)
+    assert rows["tp8"]["padded_vocab"] == 151936 and rows["tp8"]["predicted"]["h100"]["forward_ms"] < \
+        rows["default"]["predicted"]["h100"]["forward_ms"]
+    assert (tmp_path / "tp8" / "forward.sm_90.cubin").stat().st_size > 0
+    with pytest.raises(triton_aot.AotError, match="tp=3 must divide padded_vocab=151936"):
+        triton_aot.roofline(tmp_path / "bad", tp=3)
