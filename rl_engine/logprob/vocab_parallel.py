@@ -191,9 +191,10 @@ def real_rows_finite(logits: torch.Tensor, contract: LogprobContract) -> torch.T
     """Per local row, whether every real column of this rank's shard is finite (bool ``[rows]``).
 
     The stand-alone form of the check the forward fuses into its chunk loop with
-    ``validate=True``, for callers that must agree on validity in a wider group before any
-    collective (the GRPO loss). One min/max reduction over the real columns (both propagate
-    NaN), nothing of the logits' size allocated; padding columns never count.
+    ``validate=True``, for a caller that must know before any collective (the tests' oracle). It
+    is a second read of the logits: a caller that can refuse after its own exchange passes
+    ``on_invalid="nan"`` to the op instead (the GRPO loss). One min/max reduction over the real
+    columns (both propagate NaN), nothing of the logits' size allocated; padding columns never count.
     """
     real = real_local_columns(contract)
     if real == 0:
