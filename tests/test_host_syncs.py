@@ -161,3 +161,22 @@ def test_the_joined_check_still_names_an_out_of_range_target(stubbed: list[OpCou
         count(stubbed, entropy=False, validate=True, targets=targets)
     fwd, _ = count(stubbed, entropy=False, validate=False, targets=targets)  # unvalidated: not read
     assert fwd.syncs == 0
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_the_owner_rank_builds_no_tensor_from_host_data(tp: int) -> None:
+    """At TP > 1 the target's owner is counted against the shard ends as Python integers: the
+    ranks ``searchsorted`` over a tensor of the ends gives (out-of-range targets clamped), with no
+    ``lift_fresh`` (a tensor from host data: on CUDA a pageable copy that waits for the stream)."""
+    from rl_engine.logprob.vocab_parallel import _owner_rank
+
+    contract = LogprobContract(real_vocab_size=1000, padded_vocab_size=1024, num_vocab_tiles=16, num_sequences=1,
+                               seq_len=1, tp_world_size=tp, tp_rank=0)
+    targets = torch.arange(-5, 1024 + 5)
+    with OpCounter() as ops:
+        got = _owner_rank(targets, contract)
+    assert not {"lift_fresh", "lift_fresh_copy", "_to_copy", "searchsorted"} & set(ops.ops), dict(ops.ops)
+    assert ops.syncs == 0
+    ends = torch.tensor([end for _, end in contract.vocab_shard_bounds])
+    want = torch.searchsorted(ends, targets.clamp(0, 1023), right=True).clamp(0, tp - 1)
+    assert got.numpy().tobytes() == want.numpy().tobytes()

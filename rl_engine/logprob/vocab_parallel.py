@@ -260,12 +260,16 @@ def _local_target_logit(
 
 
 def _owner_rank(targets: torch.Tensor, contract: LogprobContract) -> torch.Tensor:
+    """The TP rank whose shard holds each target (out-of-range targets clamped to the first or
+    last): the number of shard ends at or below the target. Compared with the ends as Python
+    integers, so no tensor is built from host data per call (on CUDA a ``torch.tensor(...,
+    device=...)`` copy from pageable memory waits for the stream: a hidden host sync)."""
     assert contract.vocab_shard_bounds is not None
-    ends = torch.tensor(
-        [end for _, end in contract.vocab_shard_bounds], dtype=torch.int64, device=targets.device
-    )
-    owner = torch.searchsorted(ends, targets.clamp(0, contract.padded_vocab_size - 1), right=True)
-    return owner.clamp(0, contract.tp_world_size - 1)
+    clamped = targets.clamp(0, contract.padded_vocab_size - 1)
+    owner = torch.zeros_like(clamped)
+    for _, end in contract.vocab_shard_bounds[:-1]:  # the last end is above every clamped target
+        owner += clamped >= end
+    return owner
 
 
 def _exchange(
