@@ -115,6 +115,8 @@ def test_host_work_per_call_is_pinned(stubbed: list[OpCounter], case: tuple[bool
     fwd, bwd = count(stubbed, entropy, validate, temperature)
     found = (fwd.total, fwd.syncs, bwd.total, bwd.syncs)
     assert found == PINNED[case], (found, dict(fwd.ops), dict(bwd.ops))
+    # no tensor from host data (on CUDA a pageable copy that waits for the stream)
+    assert not {"lift_fresh", "lift_fresh_copy"} & (set(fwd.ops) | set(bwd.ops)), (dict(fwd.ops), dict(bwd.ops))
 
 
 def test_no_host_sync_without_validation_and_one_with_it(stubbed: list[OpCounter]) -> None:

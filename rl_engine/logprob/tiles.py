@@ -362,10 +362,12 @@ def temperature_divisor(t32: float, device: torch.device) -> torch.Tensor | None
     """``T32`` as a 0-dim binary32 tensor on ``device`` (None for ``T32 = 1``: no division).
 
     Dividing by a tensor on the device is a true division everywhere; dividing by a Python float
-    is one on the CPU (tested bytewise) but, on CUDA, a multiply by ``RN32(1 / T32)``."""
+    is one on the CPU (tested bytewise) but, on CUDA, a multiply by ``RN32(1 / T32)``. Made by a fill
+    on the device (``T32`` is a binary32 value: exact), not copied from host memory: on CUDA a copy
+    from pageable memory waits for the stream, a host sync in every tempered call."""
     if t32 == 1.0:
         return None
-    return torch.tensor(t32, dtype=torch.float32, device=device)
+    return torch.full((), t32, dtype=torch.float32, device=device)
 
 
 def rows_finite(
