@@ -11,15 +11,23 @@
    ``cpu-vocab-parallel-logp-ws2``).
 3. Requires that every device report's four fingerprints (logp, LSE, entropy, gradient)
    equal every CPU replay's: the promise of ``docs/arithmetic.md`` (the same bytes on any
-   IEEE-754 device). Then times ``forward`` (``no_grad``) and ``forward_backward`` (median of
-   ``--repeats`` after one warm-up, device synchronised) of every backend available on the
-   device, of ``naive`` (``log_softmax(logits.float()).gather`` with autograd) and of the
-   ``floor`` (forward: ``logits.float().amax(-1)``, one read of the logits; forward+backward:
-   that and one more read of the logits with one write of a gradient in their dtype) at
-   ``--tokens`` tokens (default 8192) of the case's vocabulary and dtype, with each path's peak
-   device memory above the inputs (CUDA: ``torch.cuda.max_memory_allocated``; null on the
-   CPU) and its ratios to the floor and to naive from the same run.
-4. On cuda, the paper model beside the measurement: the roofline of the Triton backend's
+   IEEE-754 device). Then the Triton backend's bitwise table (``smoke.json``'s ``bitwise``):
+   logp, LSE, entropy and gradient of the Triton backend on the device (compiled kernels on
+   cuda; Triton's interpreter on CPU tensors with ``--cpu-only``) against the fused CPU
+   backend's bytes (the eager one where the C kernel does not load), at bf16, fp16 and fp32 and
+   T = 1 and 0.7, on ``--bitwise-tokens`` tokens of the case's vocabulary; a difference fails.
+4. Times ``forward`` (``no_grad``) and ``forward_backward`` (median of ``--repeats`` after one
+   warm-up, device synchronised, nothing freed between repeats) of every backend available on
+   the device (the Triton backend also with the entropy, and without validation), of ``naive``
+   (``log_softmax(logits.float()).gather`` with autograd), of the read ``floor`` (forward:
+   ``logits.amax(-1)`` in the logits' own dtype, a reduction that reads each byte once and
+   writes one value a row; forward+backward: that and the copy floor) and of the ``copy_floor``
+   (``out.copy_(logits)`` into a buffer made once: one read and one write of the logits' bytes,
+   what a backward that writes a gradient must at least move) at ``--tokens`` tokens (default
+   8192) of the case's vocabulary and dtype, with each path's peak device memory above the
+   inputs (CUDA: ``torch.cuda.max_memory_allocated``; null on the CPU) and its ratios to the
+   floor and to naive from the same run.
+5. On cuda, the paper model beside the measurement: the roofline of the Triton backend's
    kernels for this case at ``--tokens`` tokens, compiled for the GPU's architecture as Triton
    compiles them at launch and read from their SASS (:func:`rl_engine.logprob.triton_aot.roofline`,
    its cubins under ``<output-dir>/roofline/``), and its predicted forward and
@@ -27,8 +35,9 @@
    medians of the Triton backend and of the floor (``smoke.json``'s ``roofline``; ``null`` on
    the CPU, with the reason).
 
-``--cpu-only`` does all of it with ``device: cpu`` (gloo ranks instead of GPUs): what the
-test suite runs (``tests/test_gpu_smoke.py``). Writes ``<output-dir>/smoke.json`` (checked against
+``--cpu-only`` does all of it with ``device: cpu`` (gloo ranks instead of GPUs, the Triton
+kernels under the interpreter, no roofline): the dry run the test suite runs
+(``tests/test_gpu_smoke.py``). Writes ``<output-dir>/smoke.json`` (checked against
 ``schemas/smoke.schema.json`` first, strict JSON; a document that does not match is not written)
 and prints a summary. Exit codes: 0 every fingerprint equal; 1 a difference, a failed topology
 (named on stderr) or a document that does not match its schema; 2 the smoke cannot start (no
@@ -175,9 +184,8 @@ def time_paths(case: Case, device: torch.device, tokens: int, repeats: int) -> l
     def timed(step: Any, phase: str) -> tuple[list[float], int | None]:
         samples = []
         peak = None
-        for i in range(repeats + 1):
+        for i in range(repeats + 1):  # nothing freed between repeats: the allocator's steady state
             if cuda:
-                torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
                 base = torch.cuda.memory_allocated(device)
             sync()
@@ -198,19 +206,28 @@ def time_paths(case: Case, device: torch.device, tokens: int, repeats: int) -> l
                 peak = used if peak is None else max(peak, used)
         return samples, peak
 
-    def backend_step(op: Any) -> Any:
-        return lambda x: op(x, targets, active, contract).selected_logp
+    def backend_step(op: Any, entropy: bool, validate: bool) -> Any:
+        def step(x: torch.Tensor) -> torch.Tensor:
+            out = op(x, targets, active, contract, compute_entropy=entropy, validate=validate)
+            return out.selected_logp if out.entropy is None else out.selected_logp + out.entropy
+        return step
 
-    def floor_step(x: torch.Tensor) -> None:
-        x.detach().float().amax(dim=-1)
+    copy_out = torch.empty_like(logits)
+
+    def floor_step(x: torch.Tensor) -> None:  # one read of every byte, one value a row written
+        x.detach().amax(dim=-1)
         return None
 
-    def floor_backward_step(x: torch.Tensor) -> None:  # one read, then a read and a write
-        x.detach().float().amax(dim=-1)
-        torch.neg(x.detach())
+    def copy_step(x: torch.Tensor) -> None:  # one read and one write of every byte
+        copy_out.copy_(x.detach())
         return None
 
-    paths: list[tuple[str, Any]] = []
+    def floor_backward_step(x: torch.Tensor) -> None:  # the forward's read, then the copy
+        floor_step(x)
+        copy_step(x)
+        return None
+
+    paths: list[tuple[str, str | None, Any]] = []
     rows: list[dict[str, Any]] = []
     for backend_id in default_registry():
         try:
@@ -218,25 +235,88 @@ def time_paths(case: Case, device: torch.device, tokens: int, repeats: int) -> l
         except BackendUnavailableError as exc:
             rows.append({"path": backend_id, "skipped": str(exc)})
             continue
-        paths.append((backend_id, backend_step(op)))
-    paths.append(("naive", lambda x: _naive(x, targets, active)))
+        paths.append((backend_id, "default", backend_step(op, False, True)))
+        if backend_id == TRITON_BACKEND:  # the GPU path: the roofline's case and the fastest call too
+            paths.append((backend_id, "entropy", backend_step(op, True, True)))
+            paths.append((backend_id, "no_validation", backend_step(op, False, False)))
+    paths.append(("naive", None, lambda x: _naive(x, targets, active)))
     timed_rows: list[dict[str, Any]] = []
     for phase in PHASES:
-        for path, step in paths + [("floor", floor_step if phase == "forward" else floor_backward_step)]:
+        floors = [("floor", None, floor_step if phase == "forward" else floor_backward_step),
+                  ("copy_floor", None, copy_step)]
+        for path, variant, step in paths + floors:
             samples, peak = timed(step, phase)
             row: dict[str, Any] = {"path": path, "phase": phase, "median_s": statistics.median(samples),
                                    "times_s": samples, "peak_bytes": peak}
+            if variant is not None:
+                row["variant"] = variant
             if path in default_registry():
                 row["chunk_rows"] = chunk_rows_for_device(case.padded_vocab, device)
             timed_rows.append(row)
     for row in timed_rows:
-        same = {r["path"]: r for r in timed_rows if r["phase"] == row["phase"]}
+        same = {r["path"]: r for r in timed_rows if r["phase"] == row["phase"] and r.get("variant") in (None, "default")}
         floor, naive = same["floor"], same["naive"]
         row["time_vs_floor"] = row["median_s"] / floor["median_s"] if floor["median_s"] > 0 else None
         row["time_vs_naive"] = row["median_s"] / naive["median_s"] if naive["median_s"] > 0 else None
         row["memory_vs_naive"] = (row["peak_bytes"] / naive["peak_bytes"]
                                   if row["peak_bytes"] is not None and naive["peak_bytes"] else None)
     return rows + timed_rows
+
+
+BITWISE_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
+BITWISE_TEMPERATURES: tuple[float, ...] = (1.0, 0.7)
+BITWISE_OUTPUTS: tuple[str, ...] = ("logp", "lse", "entropy", "grad")
+
+
+def _bitwise_bytes(op: Any, logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor,
+                   contract: Any) -> dict[str, str]:
+    """SHA-256 of logp, LSE, entropy and the gradient of a fixed weighting of the three."""
+    from rl_engine.tensorio import fingerprint
+
+    x = logits.detach().clone().requires_grad_(True)
+    out = op(x, targets, active, contract, compute_entropy=True)
+    rows = x.shape[0]
+    weights = [torch.linspace(-1.0, 1.0, rows, device=x.device) * k for k in (1.0, 0.5, 0.25)]
+    (grad,) = torch.autograd.grad((out.selected_logp, out.lse, out.entropy), x, weights)
+    found = {"logp": out.selected_logp, "lse": out.lse, "entropy": out.entropy, "grad": grad}
+    return {name: fingerprint(found[name].detach().cpu()) for name in BITWISE_OUTPUTS}
+
+
+def bitwise_checks(case: Case, device: str, tokens: int) -> dict[str, Any]:
+    """The Triton backend on ``device`` against the fused CPU bytes, per dtype and temperature.
+
+    On cuda the compiled kernels; on the CPU (``--cpu-only``) the same kernel source under
+    Triton's interpreter. The reference is the fused CPU backend, or the eager one where its C
+    kernel does not load (named in ``reference``). Nothing is skipped on cuda: a Triton that
+    does not load there is a failure (``reason``)."""
+    from rl_engine.benchmark.inputs import make_inputs
+    from rl_engine.logprob.contract import LogprobContract
+    from rl_engine.logprob.triton_backend import TritonLogprob, triton_unavailable
+    from rl_engine.tables import FUSED_CPU_BACKEND
+
+    mode = "compiled" if device == "cuda" else "interpreter"
+    why = triton_unavailable(mode)
+    reference = FUSED_CPU_BACKEND if default_registry()[FUSED_CPU_BACKEND].availability() is None else EAGER_BACKEND
+    result: dict[str, Any] = {"backend": TRITON_BACKEND, "mode": mode, "reference": reference, "tokens": tokens,
+                              "rows": [], "reason": why}
+    if why is not None:
+        return result
+    op = TritonLogprob(mode=mode)
+    for dtype in BITWISE_DTYPES:
+        inputs = make_inputs(tokens, case.padded_vocab, dtype, case.seed)
+        targets = inputs.targets.clamp(max=case.real_vocab - 1)
+        for temperature in BITWISE_TEMPERATURES:
+            contract = LogprobContract(real_vocab_size=case.real_vocab, padded_vocab_size=case.padded_vocab,
+                                       num_vocab_tiles=case.num_vocab_tiles, num_sequences=1, seq_len=tokens,
+                                       logits_dtype=dtype, temperature=temperature)
+            ref_op = dispatch(reference, contract, "cpu").op
+            want = _bitwise_bytes(ref_op, inputs.logits, targets, inputs.active, contract)
+            got = _bitwise_bytes(op, inputs.logits.to(device), targets.to(device), inputs.active.to(device),
+                                 contract)
+            result["rows"].append({"dtype": dtype, "temperature": temperature, "device_sha256": got,
+                                   "reference_sha256": want,
+                                   "equal": {k: got[k] == want[k] for k in BITWISE_OUTPUTS}})
+    return result
 
 
 GPU_MODELS = {"H200": "h200", "H100": "h100"}
@@ -295,7 +375,7 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     problems: list[str] = []
     device_prints: dict[str, dict[str, dict[str, str]]] = {}
     for backend, backend_case in cases.items():
-        print(f"[1/3] campaign on {device} with {backend}: "
+        print(f"[1/4] campaign on {device} with {backend}: "
               f"{', '.join(f'{tp}x{cp}' for tp, cp in topologies)}"
               + (f" (skipped, too few devices: {', '.join(skipped)})" if skipped else ""))
         run_dir = out_dir / f"campaign-{device}-{backend}"
@@ -315,7 +395,7 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         problems += [f"{device} {backend} campaign crosscheck: {f}" for f in cross_found]
     cpu_replays_result = cpu_replays(case)
     cpu_backends = list(cpu_replays_result)
-    print(f"[2/3] the same case on the CPU (TP=1, CP=1): {', '.join(cpu_backends)}")
+    print(f"[2/4] the same case on the CPU (TP=1, CP=1): {', '.join(cpu_backends)}")
     for backend, prints_of in device_prints.items():
         for label, prints in prints_of.items():
             for backend_id, cpu in cpu_replays_result.items():
@@ -323,7 +403,21 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
                     if prints[key] != cpu[key]:
                         problems.append(f"{device} {backend} {label} {key} {prints[key]} differs from "
                                         f"the CPU replay with {backend_id}: {cpu[key]}")
-    print(f"[3/3] forward and forward+backward timing on {device} at {args.tokens} tokens")
+    print(f"[3/4] the Triton backend on {device} against the CPU bytes: {', '.join(BITWISE_DTYPES)} x "
+          f"T = {', '.join(map(str, BITWISE_TEMPERATURES))} at {args.bitwise_tokens} tokens")
+    bitwise = bitwise_checks(case, device, args.bitwise_tokens)
+    if bitwise["reason"] is not None:
+        if device == "cuda":
+            problems.append(f"bitwise: the Triton backend cannot run on cuda: {bitwise['reason']}")
+        else:
+            print(f"  skipped: {bitwise['reason']}")
+    for row in bitwise["rows"]:
+        for name, equal in row["equal"].items():
+            if not equal:
+                problems.append(f"bitwise: {TRITON_BACKEND} ({bitwise['mode']}) {row['dtype']} T={row['temperature']} "
+                                f"{name} {row['device_sha256'][name]} differs from {bitwise['reference']}'s "
+                                f"{row['reference_sha256'][name]}")
+    print(f"[4/4] forward and forward+backward timing on {device} at {args.tokens} tokens")
     timing = time_paths(case, torch.device(device), args.tokens, args.repeats)
     roofline = roofline_table(case, device, args.tokens, timing, out_dir)
     result = {
@@ -338,6 +432,7 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         "device_fingerprints": device_prints,
         "cpu_fingerprints": cpu_replays_result,
         "cpu_backends": cpu_backends,
+        "bitwise": bitwise,
         "timing": {"tokens": args.tokens, "repeats": args.repeats, "rows": timing},
         "roofline": roofline,
         "passed": not problems,
@@ -349,7 +444,7 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("tokens", "repeats", "timeout_s"):
+    for name in ("tokens", "repeats", "timeout_s", "bitwise_tokens"):
         if getattr(args, name) < 1:
             print(f"gpu-smoke: --{name.replace('_', '-')}={getattr(args, name)} must be >= 1", file=sys.stderr)
             return EXIT_CANNOT_START
@@ -372,7 +467,8 @@ def main(argv: list[str]) -> int:
             memory = "" if row["peak_bytes"] is None else f", peak {row['peak_bytes'] / 2**20:.0f} MiB"
             vs_floor = "n/a" if row["time_vs_floor"] is None else f"{row['time_vs_floor']:.2f}x"
             vs_naive = "n/a" if row["time_vs_naive"] is None else f"{row['time_vs_naive']:.2f}x"
-            print(f"  {row['phase']:<16} {row['path']:<34} {row['median_s']:.4f} s  "
+            path = row["path"] + ("" if row.get("variant") in (None, "default") else f" ({row['variant']})")
+            print(f"  {row['phase']:<16} {path:<34} {row['median_s']:.4f} s  "
                   f"({vs_floor} floor, {vs_naive} naive{memory})")
         else:
             print(f"  {row['path']:<34} skipped: {row['skipped']}")

@@ -117,7 +117,14 @@ def gpu_smoke_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rl_engine gpu-smoke",
         description="Portable bits on a GPU, in one command: the campaign on cuda, the same case on the CPU, "
-                    "identical fingerprints required, forward times per backend.")
+                    "identical fingerprints required; the Triton backend's bytes against the fused CPU bytes "
+                    "at bf16/fp16/fp32 and T = 1 and 0.7; forward and forward+backward times of every backend "
+                    "(Triton: default, with entropy, without validation), naive log_softmax(x.float()).gather, "
+                    "the read floor (amax in the logits' dtype: each byte read once) and the copy floor (one "
+                    "read and one write), as ratios to the floor, to naive and (cuda) to the roofline's "
+                    "prediction. Writes <output-dir>/smoke.json (schemas/smoke.schema.json). --cpu-only is the "
+                    "dry run: gloo ranks, the Triton kernels under the interpreter, no roofline. Exit 0 all "
+                    "bytes equal, 1 a difference or a failed topology, 2 cannot start.")
     p.add_argument("--config", default="config.yaml", help="the campaign (default config.yaml)")
     p.add_argument("--output-dir", default="results/gpu-smoke", help="where runs and smoke.json go")
     p.add_argument("--cpu-only", action="store_true", help="everything but CUDA: the campaign on the CPU")
@@ -126,6 +133,8 @@ def gpu_smoke_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ranks", type=int, default=None,
                    help="largest TP*CP to run (default: the GPU count; no limit with --cpu-only)")
     p.add_argument("--timeout-s", type=int, default=900, help="time limit of one topology")
+    p.add_argument("--bitwise-tokens", type=int, default=64,
+                   help="tokens of the Triton-vs-CPU byte comparison per dtype and temperature (default 64)")
     p.add_argument("--backends", default=None,
                    help="campaign backends, comma separated (default: on cuda the Triton and the "
                         "eager backend, on the CPU the config's)")

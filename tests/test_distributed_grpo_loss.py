@@ -183,11 +183,13 @@ def mesh_worker(
 
 def negative_worker(rank: int, data: dict[str, torch.Tensor]) -> dict[str, Any]:
     """On a 2x2x1 zigzag mesh: beta differs on the last rank; a NaN reward on one rank; a
-    sequence without active token under ``sequence_mean`` (its tokens span both CP ranks)."""
+    sequence without active token under ``sequence_mean`` (its tokens span both CP ranks); a
+    +inf in a real column of an active row of one TP rank's logits (found by the op's forward,
+    refused by every rank after the global gather)."""
     mesh = init_mesh(tp=2, cp=2, dp=1)
     case = CASES["bf16-token-k3"]
     outcome: dict[str, Any] = {}
-    for label in ("beta", "reward", "empty", "actions", "advantages"):
+    for label in ("beta", "reward", "empty", "actions", "advantages", "logits"):
         objective = dict(case["objective"])
         if label == "beta" and rank == 3:
             objective["beta"] = 0.06
@@ -206,6 +208,11 @@ def negative_worker(rank: int, data: dict[str, torch.Tensor]) -> dict[str, Any]:
             row = next(i for i in contract.global_token_indices if bool(data["active"][i]))
             actions[row] = (int(actions[row]) + 1) % REAL_VOCAB
             local["actions"] = actions
+        if label == "logits" and rank == 1:  # tp_rank 1 of cp_rank 0: a real column of its shard
+            logits = data["logits"].clone()
+            row = next(i for i in contract.global_token_indices if bool(data["active"][i]))
+            logits[row, contract.logprob.vocab_start] = float("inf")
+            local["logits"] = logits
         if label == "empty":
             active = data["active"].clone()
             active[3 * SEQ_LEN : 4 * SEQ_LEN] = False
@@ -349,6 +356,17 @@ def test_bad_input_on_one_rank_raises_on_every_rank(
         else:
             assert "ranks [2] rejected their local inputs" in reward["raised"]
         assert reward["collectives"] == [("all_gather", "torch.int64")]
+
+
+def test_non_finite_logits_on_one_tp_rank_raise_the_same_error_on_every_rank(
+    mesh_results: dict[int, list[dict[str, Any]]],
+) -> None:
+    """The op's forward flags the row (no second read of the logits); every rank raises the same
+    error after the global gather, before the objective and any backward."""
+    raised = [rank_results["negative"]["logits"]["raised"] for rank_results in mesh_results[4]]
+    assert raised[0] is not None and raised == [raised[0]] * 4, raised
+    assert "logits row " in raised[0] and "cp_rank=0" in raised[0], raised[0]
+    assert "is active and holds a non-finite value in its real columns" in raised[0], raised[0]
 
 
 def test_empty_sequence_is_rejected_on_every_rank_before_numerics(

@@ -1,11 +1,13 @@
-"""``python -m rl_engine gpu-smoke --cpu-only``: everything the GPU smoke does but CUDA.
+"""``python -m rl_engine gpu-smoke --cpu-only``: everything the GPU smoke does but CUDA (the dry run).
 
 A real run on a small config (torchrun campaigns with gloo ranks for two backends, CPU replays
 with both CPU backends, forward and forward+backward timing of every path with its ratios)
 must pass with identical fingerprints everywhere; a CPU replay
 that differs by one fingerprint makes it exit 1 naming the topology and field; without CUDA
 the GPU mode refuses to start (exit 2) instead of falling back to the CPU; smoke.json matches
-``schemas/smoke.schema.json``, and a document that does not is never written.
+``schemas/smoke.schema.json``, and a document that does not is never written. The bitwise table
+(the Triton kernels against the fused CPU bytes at bf16/fp16/fp32 and T = 1 and 0.7) runs the
+kernels under the interpreter; a kernel a few ulps off fails it (negative control).
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ def test_cpu_only_smoke_passes_with_identical_fingerprints(smoke_run) -> None:
             assert row["time_vs_naive"] == row["median_s"] / timed[("naive", phase)]["median_s"]
     skipped = {row["path"]: row["skipped"] for row in rows if "skipped" in row}
     assert "device cpu not in ['cuda']" in skipped["triton-vocab-parallel-logp-ws2"]
+    bitwise = result["bitwise"]  # the dry run of the GPU's byte table: the interpreter's kernels
+    assert bitwise["mode"] == "interpreter" and bitwise["reason"] is None and len(bitwise["rows"]) == 6
+    assert all(all(row["equal"].values()) for row in bitwise["rows"])
 
 
 @pytest.mark.slow
@@ -159,6 +164,7 @@ def test_timing_rows_have_both_phases_ratios_and_skips_on_the_cpu() -> None:
         ("cpu-vocab-parallel-logp-ws2", "forward_backward")}
     floor = next(r for r in timed if r["path"] == "floor" and r["phase"] == "forward")
     assert floor["time_vs_floor"] == 1.0 and floor["memory_vs_naive"] is None
+    assert {("copy_floor", "forward"), ("copy_floor", "forward_backward")} <= {(r["path"], r["phase"]) for r in timed}
 
 
 @pytest.mark.slow
@@ -188,3 +194,36 @@ def test_predicted_beside_measured_from_a_roofline_and_timing_rows() -> None:
     assert both["floor_predicted_ms"] == p["forward_floor_ms"] + p["backward_floor_ms"]
     assert gpu_smoke.gpu_model("NVIDIA H100 80GB HBM3") == "h100" and gpu_smoke.gpu_model("NVIDIA H200") == "h200"
     assert gpu_smoke.gpu_model("NVIDIA A100-SXM4-80GB") is None
+
+
+def test_bitwise_table_compares_the_triton_kernels_with_the_cpu_bytes_on_the_cpu() -> None:
+    """The dry run of the GPU's byte comparison: the Triton kernels under the interpreter against
+    the fused CPU backend, at bf16/fp16/fp32 and T = 1 and 0.7 (tiny shapes): every output equal."""
+    case = gpu_smoke._device_case(
+        {**yaml.safe_load((REPO / "config.yaml").read_text()), "real_vocab": 1000,
+         "padded_vocab": 1024, "num_vocab_tiles": 8}, "cpu")
+    found = gpu_smoke.bitwise_checks(case, "cpu", 4)
+    assert found["mode"] == "interpreter" and found["reason"] is None, found
+    assert [(r["dtype"], r["temperature"]) for r in found["rows"]] == [
+        (d, t) for d in ("bf16", "fp16", "fp32") for t in (1.0, 0.7)]
+    assert all(all(r["equal"].values()) for r in found["rows"]), found
+    assert len({r["device_sha256"]["grad"] for r in found["rows"]}) == 6  # every case its own bytes
+
+
+def test_a_differing_triton_byte_fails_the_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: the bitwise table sees a kernel whose ``L`` is 64 ulps off (one ulp can be
+    absorbed by the rounding of ``B + L(sum)``)."""
+    from rl_engine.logprob import triton_backend
+
+    real = triton_backend.triton_log
+
+    def off_by_64_ulps(x: torch.Tensor, mode: str = "compiled") -> torch.Tensor:
+        out = real(x, mode)
+        return (out.view(torch.int32) + 64).view(torch.float32)
+
+    monkeypatch.setattr(triton_backend, "triton_log", off_by_64_ulps)
+    case = gpu_smoke._device_case(
+        {**yaml.safe_load((REPO / "config.yaml").read_text()), "real_vocab": 1000,
+         "padded_vocab": 1024, "num_vocab_tiles": 8}, "cpu")
+    found = gpu_smoke.bitwise_checks(case, "cpu", 2)
+    assert not any(r["equal"]["lse"] for r in found["rows"])

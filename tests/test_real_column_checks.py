@@ -1,21 +1,30 @@
-"""The backend's real-column finiteness check, and the GRPO loss judging its inputs with it.
+"""The backend's real-column finiteness check, and the GRPO loss refusing non-finite logits.
 
 ``real_rows_finite`` is the stand-alone form of what the backend's forward checks with
-``validate=True``; the GRPO loss uses it (the op then runs with ``validate=False``) so every
-rank of the loss's world agrees on validity before any collective. Checked here against an
-independent oracle on the full logits for every TP shard (shards with partial and with no
-real columns), against the backend's own ``validate=True`` verdict, and through the loss:
-non-finite padding changes nothing, a non-finite real column is refused (negative control).
+``validate=True``. The GRPO loss reads the logits once: it runs the op with ``validate=True,
+on_invalid="nan"`` (the forward's own check, in the pass that reads the logits, gives an invalid
+active row a NaN logp) and refuses a NaN active logp after the global gather, where every rank
+holds it. Checked here against an independent oracle on the full logits for every TP shard
+(shards with partial and with no real columns), against the backend's own ``validate=True``
+verdict and its ``on_invalid="nan"`` rows, and through the loss: non-finite padding changes
+nothing, a non-finite real column is refused (negative control), and no aten operation of the
+loss reads the logits but the op's one-element-per-row ``gather`` of the target logit (a
+negative control puts the stand-alone check back and sees its ``aminmax``).
 """
 
 from __future__ import annotations
 
+import collections
+from typing import Any
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl_engine.grpo import GRPOContract, GRPOContractError, GRPOLoss
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.vocab_parallel import VocabParallelLogprob, real_local_columns, real_rows_finite
+from rl_engine.tables import EAGER_BACKEND, FUSED_CPU_BACKEND
 from rl_engine.tensorio import fingerprint, tensor_bytes
 
 PADDED, TILES = 512, 8
@@ -123,3 +132,75 @@ def test_grpo_ignores_non_finite_padding_and_refuses_a_non_finite_real_column() 
     quiet = data["logits"].clone()
     quiet[inactive, 3] = float("nan")  # an inactive row's values are never read into the loss
     assert _loss(contract, data, quiet) == clean
+
+
+@pytest.mark.parametrize("real", [500, 512])
+def test_on_invalid_nan_gives_exactly_the_flagged_active_rows_nan(real: int) -> None:
+    """``on_invalid="nan"``: NaN logp on the active rows the stand-alone check flags (and on an
+    out-of-range target), the bytes of ``validate=False`` elsewhere, inactive rows untouched."""
+    full = _poisoned(real, torch.float32)
+    contract = LogprobContract(real_vocab_size=real, padded_vocab_size=PADDED, num_vocab_tiles=TILES,
+                               num_sequences=1, seq_len=full.shape[0], logits_dtype="fp32")
+    targets = torch.arange(full.shape[0]) % real
+    active = torch.ones(full.shape[0], dtype=torch.bool)
+    active[1] = False  # an inactive poisoned row
+    targets[-1] = real  # the clean row with a target outside the real vocabulary
+    op = VocabParallelLogprob()
+    got = op(full, targets, active, contract, on_invalid="nan").selected_logp
+    plain = op(full, targets, active, contract, validate=False).selected_logp
+    expect = (active & ~real_rows_finite(full, contract))
+    expect[-1] = True
+    assert torch.equal(torch.isnan(got), expect) and bool(expect[:-1].any())
+    keep = ~expect
+    assert tensor_bytes(got[keep]) == tensor_bytes(plain[keep])
+    with pytest.raises(LogprobContractError, match="on_invalid='skip' must be one of"):
+        op(full, targets, active, contract, on_invalid="skip")
+
+
+class _LogitsReads(TorchDispatchMode):
+    """The aten operations given a tensor that shares the logits' storage."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.ptr = logits.untyped_storage().data_ptr()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        flat = list(args) + list((kwargs or {}).values())
+        if any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == self.ptr for a in flat):
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# views and the op's target-logit gather (one element a row); every other read is the engine's own pass
+ONE_READ_OPS = {"detach", "alias", "view", "slice", "gather", "_to_copy"}
+
+
+def _logits_reads(backend: str) -> collections.Counter[str]:
+    contract, data = _grpo_case()
+    x = data["logits"].clone().requires_grad_()
+    with _LogitsReads(x) as reads:
+        GRPOLoss(backend)(x, data["actions"], data["old"], data["rewards"], data["active"], contract)
+    return reads.ops
+
+
+@pytest.mark.parametrize("backend", [FUSED_CPU_BACKEND, EAGER_BACKEND])
+def test_grpo_reads_the_logits_once(backend: str) -> None:
+    ops = _logits_reads(backend)
+    if backend == FUSED_CPU_BACKEND:  # the C pass reads the logits outside aten
+        assert set(ops) <= ONE_READ_OPS and ops["gather"] == 1, dict(ops)
+    assert not {"aminmax", "amin", "amax", "isfinite", "min", "max"} & set(ops), dict(ops)
+
+
+def test_the_logits_read_counter_sees_a_second_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: the stand-alone check put back into the loss's local checks is seen."""
+    import rl_engine.grpo.loss as loss
+
+    real_check = loss._check_local_inputs
+
+    def with_second_pass(contract: Any, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        real_rows_finite(logits, contract.logprob)
+        return real_check(contract, logits, *args, **kwargs)
+
+    monkeypatch.setattr(loss, "_check_local_inputs", with_second_pass)
+    assert _logits_reads(FUSED_CPU_BACKEND)["aminmax"] == 1

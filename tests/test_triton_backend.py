@@ -10,7 +10,7 @@ every comparison is of bytes, never ``allclose``:
   (``-inf`` columns, signed zeros, subnormals, an all ``-inf`` row, NaN and ``+inf``);
 * per TP shard (TP = 1 to 8, a padding-only rank at TP=8) the kernels' tile partials, validity
   flags and local gradient equal the eager chunk loop's;
-* the kernels' element functions (``E``, its forward form, the binary16 upcast and rounding)
+* the kernels' element functions (``E``, its forward form, ``L``, the binary16 upcast and rounding)
   agree with the eager reference on a million probe values and every binary16;
 * negative controls: a library ``tl.exp`` in place of ``E``, or 64 lanes in place of the
   specification's 128, change the bytes;
@@ -183,6 +183,18 @@ def test_kernel_exp_is_the_eager_exp_bit_for_bit() -> None:
     fwd = out[: low.size].numpy()
     want = portable.exp(torch.from_numpy(low.copy())).numpy()
     assert bool(((fwd.view(np.uint32) == want.view(np.uint32)) | (np.isnan(fwd) & np.isnan(want))).all())
+
+
+def test_kernel_log_is_the_eager_log_bit_for_bit() -> None:
+    """``log_kernel`` (the merge's ``L(sum)``) gives ``portable.log``'s bits, NaN's included (canonical):
+    random bit patterns of every sign and class, their magnitudes, subnormals, the binade edges."""
+    rng = np.random.default_rng(1)
+    bits = rng.integers(0, 2**32, size=1 << 17, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    edges = [0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, 2.0, 0.5, 1e-45, -1e-45, 2.0**-126, 2.0**-127,
+             float.fromhex("0x1.6a09e6p+0"), float.fromhex("0x1.6a09e8p+0"), float.fromhex("0x1.fffffep+127"), 64.0]
+    x = torch.from_numpy(np.concatenate([bits, np.abs(bits), np.array(edges, dtype=np.float32)]))
+    ours = triton_backend.triton_log(x, INTERP)
+    assert ours.view(torch.int32).numpy().tobytes() == portable.log(x).view(torch.int32).numpy().tobytes()
 
 
 def test_kernel_binary16_rounding_and_upcast_are_ieee() -> None:

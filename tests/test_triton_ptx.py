@@ -367,6 +367,17 @@ def test_div_rn_is_ieee_on_nvidia_and_a_plain_division_is_not() -> None:
     assert found["forbidden"] + found["unknown"], found  # div.full.f32: not correctly rounded
 
 
+def test_the_merge_s_log_kernel_compiles_to_ieee_operations_only() -> None:
+    """``log_kernel`` (the merge's ``L``): basic operations and one ``div.rn.f32``, no ``lg2`` or
+    ``.approx``, nothing contracted (the launch's ``enable_fp_fusion=False``)."""
+    fn = load_kernels("compiled").log_kernel
+    signature = {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "L4": "fp32", "L3": "fp32", "L2": "fp32",
+                 "L1": "fp32", "BLOCK": "constexpr"}
+    found = triton_aot.ptx_findings(_compile_probe(fn, signature, {"BLOCK": 1024}, "cuda", 90, False)["ptx"])
+    assert "div.rn.f32" in found["float_ops"] and found["forbidden"] == found["unknown"] == [], found
+    assert found["fma"] == 0, found
+
+
 def test_amd_rule_tells_division_steps_from_contracted_multiply_adds() -> None:
     division = _compile_probe(_divide_probe, PROBE_SIGNATURE, {"MULADD": False, "PLAIN": False},
                         "hip", triton_aot.AMD_TARGET, False)
@@ -380,3 +391,25 @@ def test_amd_rule_tells_division_steps_from_contracted_multiply_adds() -> None:
     unfused = _compile_probe(_divide_probe, PROBE_SIGNATURE, {"MULADD": True, "PLAIN": False},
                        "hip", triton_aot.AMD_TARGET, False)
     assert triton_aot.amdgcn_findings(unfused["amdgcn"])["fma_outside_division"] == 0
+
+
+@pytest.mark.slow
+def test_the_roofline_variants_are_listed_with_their_own_case(tmp_path: Path) -> None:
+    """``--variants``: fp16, entropy and validation off, TP 8 and sm_100 beside the default, each its
+    own compiled kernels (no spill), its case recorded; TP 8 is rank 0's shard (an eighth of the
+    columns: the same per-column work, an eighth of the floor); no entropy and no validation is
+    less work per column than the default."""
+    names = ("default", "fp16", "no-entropy-no-validation", "tp8", "sm_100")
+    rows = {row["name"]: row for row in triton_aot.roofline_variants(tmp_path, names)}
+    assert list(rows) == list(names)
+    doc = dict(triton_aot.roofline(tmp_path / "doc"), variants=list(rows.values()))
+    schemas.write_validated(tmp_path / "roofline.json", doc, "roofline")
+    assert rows["fp16"]["dtype"] == "fp16" and rows["sm_100"]["arch"] == "sm_100" and rows["tp8"]["tp"] == 8
+    assert all(row["local_bytes"] == 0 for row in rows.values()), rows
+    base, lean = rows["default"]["instructions_per_column"], rows["no-entropy-no-validation"]["instructions_per_column"]
+    assert lean["forward"] < base["forward"] and lean["backward"] == base["backward"], (base, lean)
+    assert rows["tp8"]["padded_vocab"] == 151936 and rows["tp8"]["predicted"]["h100"]["forward_ms"] < \
+        rows["default"]["predicted"]["h100"]["forward_ms"]
+    assert (tmp_path / "tp8" / "forward.sm_90.cubin").stat().st_size > 0
+    with pytest.raises(triton_aot.AotError, match="tp=3 must divide padded_vocab=151936"):
+        triton_aot.roofline(tmp_path / "bad", tp=3)

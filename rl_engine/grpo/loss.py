@@ -5,12 +5,17 @@ CP-split positions, DP-split sequences), action ids, old logprobs and the active
 mask for the same rows, the DP shard's per-sequence rewards and, optionally, reference
 logits with the policy's layout. Steps:
 
-1. local checks (shapes, dtypes, finite values, action ids), then :func:`preflight` on the
-   world group: contract, backend, input validity and the (integer) active-token count of
-   every sequence agreed by every rank, or all raise; an all-inactive batch, or an empty
-   sequence under ``sequence_mean``, is rejected there too;
-2. selected logprobs through the dispatched logprob op (the reference without autograd);
+1. local checks (shapes, dtypes, finite old logprobs and rewards, action ids), then
+   :func:`preflight` on the world group: contract, backend, input validity and the (integer)
+   active-token count of every sequence agreed by every rank, or all raise; an all-inactive
+   batch, or an empty sequence under ``sequence_mean``, is rejected there too;
+2. selected logprobs through the dispatched logprob op (the reference without autograd),
+   validated with ``on_invalid="nan"``: the op's forward judges the real columns of the logits
+   in the pass that reads them (no second read of the logits) and gives an active row with a
+   non-finite real logit a NaN logp instead of raising in its TP group alone;
 3. :func:`gather_global`: every rank's rows placed in global token order (transport only);
+   every rank then holds the same NaN and raises the same error (one host sync), before the
+   objective and before any backward;
 4. the objective on the global batch (:mod:`rl_engine.grpo.objective`), identical on every
    rank and in a single process.
 
@@ -37,7 +42,6 @@ from rl_engine.grpo.objective import (
 )
 from rl_engine.logprob.contract import LogprobContractError
 from rl_engine.logprob.registry import dispatch
-from rl_engine.logprob.vocab_parallel import real_rows_finite
 from rl_engine.tables import AUTO
 
 # auto: the fastest backend on the logits' device (Triton on cuda, fused C on cpu), every one
@@ -153,18 +157,37 @@ def _check_local_inputs(
         return (
             f"beta={contract.beta} > 0 needs reference logits; pass ref_logits= or set beta=0"
         )
-    for name, tensor in (("logits", logits), ("ref_logits", ref_logits)):
-        if tensor is None:
-            continue
-        bad = active & ~real_rows_finite(tensor, lp)
-        if bool(bad.any()):
-            row = int(bad.nonzero()[0, 0])
-            return (
-                f"{name} row {row} (global token {contract.global_token_indices[row]}) is "
-                f"active and holds a non-finite value in its real columns on tp_rank="
-                f"{lp.tp_rank}; fix the producer or mark the token inactive"
-            )
-    return None
+    return None  # the logits' real columns: judged by the op's forward (_refuse_non_finite_logits)
+
+
+def _refuse_non_finite_logits(batch: Any, contract: GRPOContract) -> None:
+    """Raise, on every rank alike, when an active token's logp is NaN in the global batch.
+
+    The op (``on_invalid="nan"``) gives exactly the active rows whose real logit columns hold a
+    non-finite value a NaN logp (finite logits give a finite logp); after the global gather
+    every rank holds the same batch, so every rank raises the same error, naming the row of the
+    policy's (or else the reference's) logits, on the ranks that hold it. One host sync.
+    """
+    bad = batch.active & torch.isnan(batch.logp.detach())
+    if batch.ref_logp is not None:
+        bad = bad | (batch.active & torch.isnan(batch.ref_logp))
+    if not bool(bad.any()):
+        return
+    name, found = "logits", batch.active & torch.isnan(batch.logp.detach())
+    if not bool(found.any()):
+        name, found = "ref_logits", bad
+    token = int(found.reshape(-1).nonzero()[0, 0])
+    for rank in range(contract.world_size):
+        held = contract.rank_token_indices(rank)
+        if token in held:
+            dp_rank, cp_rank, _ = contract.coords(rank)
+            row = held.index(token)
+            break
+    raise GRPOContractError(
+        f"{name} row {row} (global token {token}; the logits of dp_rank={dp_rank}, cp_rank={cp_rank}) is "
+        f"active and holds a non-finite value in its real columns on a tp_rank of that TP group; fix the "
+        "producer or mark the token inactive"
+    )
 
 
 class GRPOLoss:
@@ -211,6 +234,7 @@ class GRPOLoss:
         )
         batch = gather_global(logp, old_logp, active, ref_logp, rewards, contract, world_group,
                               advantages)
+        _refuse_non_finite_logits(batch, contract)
         advantages = (batch.advantages if batch.advantages is not None
                       else group_advantages(batch.rewards, contract))
         terms = token_terms(
@@ -262,21 +286,21 @@ def _selected_logps(
     actions: torch.Tensor, active: torch.Tensor, tp_group: Any, chunk_rows: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The policy's selected logprobs (with their gradient) and the reference's (without)."""
-    # validate=False: the inputs were judged in _agreed_active_counts, with the backend's own
-    # real-column check, and agreed on by the whole world group (actions and mask included). The
-    # op's validate=True would make only this TP group raise (after its exchange); the CP and
-    # DP peers would then wait in gather_global until the process-group timeout. The op's
-    # own agreement step (one small all-gather in the TP group) then always passes.
+    # on_invalid="nan": the other inputs were judged in _agreed_active_counts and agreed on by
+    # the whole world group (actions and mask included); the logits' real columns are judged by
+    # the op's forward in the pass that reads them, and a bad active row comes back as a NaN logp
+    # (raising here would stop only this TP group, after its exchange, and leave the CP and DP
+    # peers waiting in gather_global). The op's own agreement step then always passes.
     logp = op(
         logits, actions, active, contract.logprob,
-        group=tp_group, validate=False, chunk_rows=chunk_rows,
+        group=tp_group, validate=True, on_invalid="nan", chunk_rows=chunk_rows,
     ).selected_logp
     ref_logp = None
     if ref_logits is not None:
         with torch.no_grad():
             ref_logp = op(
                 ref_logits.detach(), actions, active, contract.logprob,
-                group=tp_group, validate=False, chunk_rows=chunk_rows,
+                group=tp_group, validate=True, on_invalid="nan", chunk_rows=chunk_rows,
             ).selected_logp
     return logp, ref_logp
 

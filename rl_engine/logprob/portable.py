@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 SPEC_VERSION = "rl-engine-arith/2"
@@ -75,9 +76,12 @@ class ArithmeticEnvironmentError(RuntimeError):
 
 
 def flushes_subnormals() -> bool:
-    """Whether this thread's CPU arithmetic flushes subnormals (a one-element op runs inline)."""
-    tiny = torch.tensor([2.0**-140], dtype=torch.float32)
-    return bool((tiny * 1.0).item() == 0.0)
+    """Whether this thread's CPU arithmetic flushes subnormals.
+
+    A NumPy multiply on this thread: the same FTZ/DAZ state torch's CPU kernels run under, and no
+    torch tensor (nothing the op's aten count or a dispatch mode sees, no per-call allocation)."""
+    tiny = np.array([2.0**-140], dtype=np.float32)
+    return bool((tiny * np.float32(1.0))[0] == 0.0)
 
 
 def require_gradual_underflow(device: torch.device | str = "cpu") -> None:

@@ -362,10 +362,12 @@ def temperature_divisor(t32: float, device: torch.device) -> torch.Tensor | None
     """``T32`` as a 0-dim binary32 tensor on ``device`` (None for ``T32 = 1``: no division).
 
     Dividing by a tensor on the device is a true division everywhere; dividing by a Python float
-    is one on the CPU (tested bytewise) but, on CUDA, a multiply by ``RN32(1 / T32)``."""
+    is one on the CPU (tested bytewise) but, on CUDA, a multiply by ``RN32(1 / T32)``. Made by a fill
+    on the device (``T32`` is a binary32 value: exact), not copied from host memory: on CUDA a copy
+    from pageable memory waits for the stream, a host sync in every tempered call."""
     if t32 == 1.0:
         return None
-    return torch.tensor(t32, dtype=torch.float32, device=device)
+    return torch.full((), t32, dtype=torch.float32, device=device)
 
 
 def rows_finite(
@@ -393,7 +395,7 @@ ExpFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def merge_tiles(
-    m: torch.Tensor, s: torch.Tensor, t: torch.Tensor | None, exp_fn: ExpFn = exp
+    m: torch.Tensor, s: torch.Tensor, t: torch.Tensor | None, exp_fn: ExpFn = exp, log_fn: ExpFn = log
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Merge ``[rows, num_tiles]`` partials in global tile order: LSE and, if given, entropy.
 
@@ -406,21 +408,21 @@ def merge_tiles(
     rows = m.shape[0]
     block = max(1, MERGE_BLOCK_ELEMENTS // max(1, m.shape[-1]))
     if m.device.type != "cpu" or rows <= block:
-        return _merge_rows(m, s, t, exp_fn)
-    parts = [_merge_rows(m[r:r + block], s[r:r + block], None if t is None else t[r:r + block], exp_fn)
+        return _merge_rows(m, s, t, exp_fn, log_fn)
+    parts = [_merge_rows(m[r:r + block], s[r:r + block], None if t is None else t[r:r + block], exp_fn, log_fn)
              for r in range(0, rows, block)]
     lse = torch.cat([p[0] for p in parts])
     return lse, (None if t is None else torch.cat([p[1] for p in parts]))  # type: ignore[misc]
 
 
 def _merge_rows(
-    m: torch.Tensor, s: torch.Tensor, t: torch.Tensor | None, exp_fn: ExpFn
+    m: torch.Tensor, s: torch.Tensor, t: torch.Tensor | None, exp_fn: ExpFn, log_fn: ExpFn
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     big = m.amax(dim=-1, keepdim=True)
     big_shift = torch.where(big == NEG_INF, torch.zeros_like(big), big)
     weight = exp_fn((m - big_shift).contiguous())
     total = fold_sum_(s * weight)
-    lse = big_shift.squeeze(-1) + log(total)
+    lse = big_shift.squeeze(-1) + log_fn(total)
     entropy = None
     if t is not None:
         shift = torch.where(m == NEG_INF, torch.zeros_like(m), m)

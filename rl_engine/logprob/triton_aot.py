@@ -208,16 +208,18 @@ def launch_variants(arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_ROWS,
     return out
 
 
-def compile_variant(fn: Any, variant: Variant, backend: str, arch: int | str, fusion: bool) -> dict[str, Any]:
+def compile_variant(fn: Any, variant: Variant, backend: str, arch: int | str, fusion: bool,
+                    specialized: bool = False) -> dict[str, Any]:
     """``triton.compile`` of a launch for a target, no GPU needed; returns every stage (text, or
-    the binary's bytes: ``cubin``, ``hsaco``)."""
+    the binary's bytes: ``cubin``, ``hsaco``). ``specialized``: the variant is already specialized
+    for this target (the roofline's own launches)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     warp = 32 if backend == "cuda" else 64
     target = GPUTarget(backend, arch, warp)
-    if backend == "cuda" and arch == ROOFLINE_ARCH:
+    if specialized or (backend == "cuda" and arch == ROOFLINE_ARCH):
         signature, constexprs, attrs = variant.signature, variant.constexprs, variant.attrs
     else:  # the same launch, specialized for this target
         signature, constexprs, attrs = _respecialized(fn, variant, target)
@@ -532,19 +534,25 @@ def output_directory(output_dir: Path) -> Path:
 
 def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_ROWS,
              case: tuple[int, int, int] = CASES[0][1:], dtype: torch.dtype = torch.bfloat16,
-             temperature: float = 1.0) -> dict[str, Any]:
+             temperature: float = 1.0, entropy: bool = True, validate: bool = True, tp: int = 1) -> dict[str, Any]:
     """Compile the launches of one case (default: the default case, bf16, 8192 x 151936, 64
     tiles, entropy and validation on, no temperature) for ``arch``, write each cubin into
     ``output_dir`` and return the roofline document (``temperature`` other than 1 compiles the
     kernels with section 6 step 0's division). Instructions per column and times are those of each
     kernel's fast path (:class:`Sass`): the executed count of every tile and block that needs no
-    IEEE division, which without a temperature is every instruction but the trailing trap."""
+    IEEE division, which without a temperature is every instruction but the trailing trap.
+    ``entropy``/``validate``: the forward's flags; ``tp``: one rank's shard of the case (rank 0's
+    ``padded / tp`` columns and ``tiles / tp`` tiles; both must divide), the floor that rank's bytes."""
     output_directory(output_dir)  # before triton is imported or anything compiled
     import triton
 
     kernels = load_kernels("compiled")
     real, padded, tiles = case
-    launches = case_launches(rows, real, padded, tiles, dtype, True, True, temperature)
+    if tp < 1 or padded % tp or tiles % tp:
+        raise AotError(f"tp={tp} must divide padded_vocab={padded} and num_vocab_tiles={tiles}")
+    whole = {"real_vocab": real, "padded_vocab": padded, "num_vocab_tiles": tiles}
+    padded, tiles, real = padded // tp, tiles // tp, min(real, padded // tp)
+    launches = case_launches(rows, real, padded, tiles, dtype, entropy, validate, temperature)
     from triton.backends.compiler import GPUTarget
 
     target = GPUTarget("cuda", arch, 32)
@@ -558,7 +566,7 @@ def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_R
             sig, cx, attrs = launch_specialization(fn, launch, target)
             name = f"{phase}{launch_part(launch)}"
             variant = Variant(name, launch.kernel, sig, cx, attrs, launch.warps, launch.grid, columns)
-            asm = compile_variant(fn, variant, "cuda", arch, False)
+            asm = compile_variant(fn, variant, "cuda", arch, False, specialized=True)
             cubin = f"{name}.sm_{arch}.cubin"
             (output_dir / cubin).write_bytes(asm["cubin"])
             sass = read_sass(asm["cubin"])
@@ -601,9 +609,9 @@ def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_R
         "schema_version": SCHEMA_VERSION,
         "kind": "paper model from the compiled SASS (not a measurement)",
         "triton": triton.__version__,
-        "case": {"rows": rows, "real_vocab": real, "padded_vocab": padded, "num_vocab_tiles": tiles,
+        "case": {"rows": rows, **whole,
                  "dtype": {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype],
-                 "entropy": True, "validate": True, "temperature": temperature},
+                 "entropy": entropy, "validate": validate, "temperature": temperature, "tp": tp},
         "model": {**MODEL, "rows": rows, "vocab": padded, "logit_bytes": torch.empty((), dtype=dtype).element_size()},
         "kernels": entries,
         "instructions_per_column": {k: round(v, 3) for k, v in per_column.items()},
@@ -611,11 +619,50 @@ def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_R
     }
 
 
+# The variants beside the default case (python -m rl_engine.logprob.triton_aot --roofline --variants):
+# name -> roofline() arguments other than the default's
+ROOFLINE_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("default", {}),
+    ("fp16", {"dtype": torch.float16}),
+    ("fp32", {"dtype": torch.float32}),
+    ("no-entropy", {"entropy": False}),
+    ("no-validation", {"validate": False}),
+    ("no-entropy-no-validation", {"entropy": False, "validate": False}),
+    ("temperature-0.7", {"temperature": 0.7}),
+    ("tp8", {"tp": 8}),
+    ("sm_100", {"arch": 100}),
+)
+
+
+def roofline_variants(output_dir: Path, names: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    """One summary row per variant of :data:`ROOFLINE_VARIANTS` (``names``: a subset), each compiled
+    into ``output_dir/<name>/`` by :func:`roofline`: its case, instructions per column, the largest
+    registers and local memory of its kernels, and the predicted times per GPU model."""
+    rows = []
+    for name, kwargs in ROOFLINE_VARIANTS:
+        if names is not None and name not in names:
+            continue
+        doc = roofline(output_dir / name, **kwargs)
+        rows.append({
+            "name": name, "arch": f"sm_{kwargs.get('arch', ROOFLINE_ARCH)}", **doc["case"],
+            "instructions_per_column": doc["instructions_per_column"],
+            "registers": max(k["registers"] for k in doc["kernels"]),
+            "local_bytes": max(k["local_bytes"] for k in doc["kernels"]),
+            "predicted": {gpu: {key: p[key] for key in ("forward_ms", "backward_ms", "forward_over_floor",
+                                                         "forward_backward_over_floor")}
+                          for gpu, p in doc["predicted"].items()},
+        })
+    return rows
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m rl_engine.logprob.triton_aot", description=__doc__.split("\n\n")[0])
     parser.add_argument("--roofline", action="store_true", help="write roofline.json and the cubins into --output-dir")
     parser.add_argument("--output-dir", type=Path, default=None)
     parser.add_argument("--all", action="store_true", help="check every launch variant's PTX (default: the default case's bf16)")
+    parser.add_argument("--variants", action="store_true",
+                        help="with --roofline: also the variants (fp16, fp32, entropy and validation off, T = 0.7, "
+                             "TP 8, sm_100), each under --output-dir/<name>/, listed in roofline.json's variants")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="the roofline's temperature (default 1: none; docs/arithmetic.md section 6 step 0)")
     args = parser.parse_args(argv)
@@ -631,6 +678,8 @@ def main(argv: list[str]) -> int:
         except (TemperatureError, AotError) as exc:
             parser.error(str(exc))
         doc = roofline(args.output_dir, temperature=args.temperature)
+        if args.variants:
+            doc["variants"] = roofline_variants(args.output_dir)
         schemas.write_validated(args.output_dir / "roofline.json", doc, "roofline")
         for k in doc["kernels"]:
             print(f"{k['name']}: {k['path_per_thread']} SASS/thread on the fast path ({k['sass_per_thread']} static, "
@@ -641,6 +690,13 @@ def main(argv: list[str]) -> int:
         for gpu, p in doc["predicted"].items():
             print(f"{gpu}: forward {p['forward_ms']} ms ({p['forward_over_floor']}x the floor), forward+backward "
                   f"{p['forward_backward_over_floor']}x the floor")
+        for v in doc.get("variants", []):
+            h100, h200 = v["predicted"]["h100"], v["predicted"]["h200"]
+            print(f"variant {v['name']:<26} {v['arch']} {v['dtype']} tp{v['tp']} entropy={int(v['entropy'])} "
+                  f"validate={int(v['validate'])} T={v['temperature']}: per column {v['instructions_per_column']['forward']}"
+                  f" / {v['instructions_per_column']['backward']}, {v['registers']} registers, local {v['local_bytes']} B; "
+                  f"H100 {h100['forward_over_floor']}x / {h100['forward_backward_over_floor']}x, "
+                  f"H200 {h200['forward_over_floor']}x / {h200['forward_backward_over_floor']}x the floor")
         print(f"wrote {args.output_dir / 'roofline.json'}")
         return 0
     kernels = load_kernels("compiled")
@@ -672,7 +728,10 @@ def predicted_vs_measured(doc: dict[str, Any], timing_rows: list[dict[str, Any]]
                  "forward_backward": (p["forward_ms"] + p["backward_ms"], p["forward_floor_ms"] + p["backward_floor_ms"])}
     out = []
     for phase, (ms, floor_ms) in predicted.items():
-        measured = {r["path"]: r["median_s"] * 1e3 for r in timing_rows if r.get("phase") == phase and "median_s" in r}
+        # the roofline's case computes the entropy and validates: the Triton backend's "entropy"
+        # variant where the rows have one (a row without a variant: the only call of its path)
+        measured = {r["path"]: r["median_s"] * 1e3 for r in timing_rows
+                    if r.get("phase") == phase and "median_s" in r and r.get("variant") in (None, "entropy")}
         if path not in measured or "floor" not in measured:
             continue
         out.append({"phase": phase, "path": path, "predicted_ms": ms, "measured_ms": round(measured[path], 4),

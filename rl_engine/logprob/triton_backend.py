@@ -44,6 +44,7 @@ import torch
 
 from rl_engine.division import kernel_bounds
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.logprob.portable import LOG_POLY
 from rl_engine.logprob.vocab_parallel import (
     BackwardTerms,
     LocalEngine,
@@ -335,6 +336,17 @@ def triton_exp(y: torch.Tensor, mode: str = "compiled") -> torch.Tensor:
     return out
 
 
+def triton_log(x: torch.Tensor, mode: str = "compiled") -> torch.Tensor:
+    """``L(x)`` of a binary32 tensor in one launch of :func:`log_kernel` (the merge's ``L(sum)``)."""
+    k = load_kernels(mode)
+    src = x.detach().contiguous()
+    out = torch.empty_like(src)
+    n = src.numel()
+    if n:
+        Launch("log_kernel", (-(-n // EXP_BLOCK),), (src, out, n, *LOG_POLY), {"BLOCK": EXP_BLOCK}, 4).run(k)
+    return out
+
+
 def triton_divide(x: torch.Tensor, t32: float, dtype: torch.dtype, markstein: bool = True,
                   mode: str = "compiled") -> torch.Tensor:
     """``x / T32`` of a binary32 tensor by :func:`divide_kernel`: Markstein's sequence for a logit of
@@ -357,6 +369,9 @@ class TritonEngine(LocalEngine):
 
     def exp(self, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return triton_exp(y, self.mode)
+
+    def log(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return triton_log(x, self.mode)
 
     def local_partials(self, logits, contract, chunk_rows, with_entropy, validate):  # type: ignore[override]
         return triton_partials(logits, contract, with_entropy, validate, self.mode)
@@ -397,6 +412,7 @@ __all__ = [
     "mode_device",
     "triton_backward",
     "triton_mode",
+    "triton_log",
     "triton_partials",
     "triton_unavailable",
 ]

@@ -15,15 +15,16 @@ Written with IEEE-754 basic operations and the fused multiply-adds the specifica
   (the general form: ``lse`` is an input) times ``coef``, the ``coef == 0`` override, canonical NaN, padding zeros, the one rounding of
   section 8. Launched over the whole blocks without masks, and once more, masked, over the
   last partial block.
-* :func:`exp_kernel`: ``E`` of the merge's ``[rows, tiles]`` weights in one launch (the merge
-  itself is the eager backend's code).
+* :func:`exp_kernel`: ``E`` of the merge's ``[rows, tiles]`` weights in one launch, and
+  :func:`log_kernel`: ``L`` of its ``[rows]`` sums in another (the rest of the merge is the eager
+  backend's code).
 * :func:`backward_target_kernel`: the one column per row that gets the target term
   (``coef * E(x - lse) + gl``, or ``+0 + gl`` where ``coef == 0``), launched after the
   others on the same stream, so it overwrites that column's value: no per-column compare in
   the main kernel.
 
 No ``tl.exp``, ``tl.log`` or libdevice is used, and no division but the temperature's ``x / T32``
-(``docs/arithmetic.md`` section 6 step 0, section 7 step 2): :func:`markstein`'s fused
+(``docs/arithmetic.md`` section 6 step 0, section 7 step 2) and ``L``'s ``f / (f + 2)`` (section 5): :func:`markstein`'s fused
 multiply-adds where they are exact, ``tl.div_rn`` (the IEEE division) elsewhere. Reductions: a max or min over the
 128 lanes is ``tl.reduce`` with Triton's max or min (a maximum does not depend on grouping;
 NaN is tracked apart, so a NaN lane gives a NaN maximum whichever way the reduction's NaN rule
@@ -483,6 +484,52 @@ def exp_kernel(y_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
     tl.store(out_ptr + offs, spec_exp(tl.load(y_ptr + offs, mask=inside, other=0.0)), mask=inside)
+
+
+# docs/arithmetic.md section 5 (binary32 values, exact as Python floats)
+L_SQRT2: tl.constexpr = tl.constexpr(float.fromhex("0x1.6a09e6p+0"))
+L_LN2_HI: tl.constexpr = tl.constexpr(float.fromhex("0x1.62e4p-1"))
+L_LN2_LO: tl.constexpr = tl.constexpr(float.fromhex("0x1.7f7d1cp-20"))
+L_TWO23: tl.constexpr = tl.constexpr(8388608.0)
+L_MIN_NORMAL: tl.constexpr = tl.constexpr(2.0**-126)
+
+
+@device
+def spec_log(x, L4, L3, L2, L1):
+    """``L(x)`` of section 5, operation for operation as :func:`rl_engine.logprob.portable.log`
+    (the IEEE division of ``s = f / (f + 2)`` is ``tl.div_rn``); ``L4 .. L1``: its polynomial."""
+    sub = (x > 0.0) & (x < L_MIN_NORMAL)
+    xs = tl.where(sub, x * L_TWO23, x)  # exact for a positive subnormal
+    u = xs.to(tl.int32, bitcast=True)
+    e = (u >> 23) - 127 - tl.where(sub, 23, 0)
+    m = ((u & 0x007FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    big = m > L_SQRT2
+    m = tl.where(big, m * 0.5, m)
+    e = e + big.to(tl.int32)
+    f = m - 1.0
+    s = tl.div_rn(f, f + 2.0)
+    z = s * s
+    r = z * L4
+    r = (r + L3) * z
+    r = (r + L2) * z
+    r = (r + L1) * z
+    hf = (f * f) * 0.5
+    ef = e.to(tl.float32)
+    inner = (s * (hf + r)) + (ef * L_LN2_LO)
+    result = (ef * L_LN2_HI) - ((hf - inner) - f)
+    bits = result.to(tl.int32, bitcast=True)
+    bits = tl.where(x == 0.0, NEG_INF_BITS, bits)
+    bits = tl.where(x == float("inf"), POS_INF_BITS, bits)
+    bits = tl.where((x < 0.0) | (x != x), CANONICAL_NAN_BITS, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@kernel
+def log_kernel(x_ptr, out_ptr, n, L4, L3, L2, L1, BLOCK: tl.constexpr):
+    """``L`` of ``n`` binary32 values: the merge's ``L(sum)`` (section 6 step 7)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    tl.store(out_ptr + offs, spec_log(tl.load(x_ptr + offs, mask=inside, other=1.0), L4, L3, L2, L1), mask=inside)
 
 
 @kernel

@@ -36,6 +36,7 @@ from rl_engine.logprob.portable import (
     rounded,
 )
 from rl_engine.logprob.portable import exp as portable_exp
+from rl_engine.logprob.portable import log as portable_log
 from rl_engine.logprob.storage import require_readable
 from rl_engine.logprob.tiles import (
     NEG_INF,
@@ -98,11 +99,27 @@ AGREEMENT_HINTS: dict[str, str] = {
     "backend": "Dispatch the same backend id on every rank.",
     "compute_entropy": "Pass the same compute_entropy on every rank.",
     "validate": "Pass the same validate on every rank.",
+    "on_invalid": "Pass the same on_invalid on every rank.",
     "targets": "Every TP rank of a CP rank must get the same targets on its active rows "
     "(inactive rows are ignored): take them from the same batch.",
     "active": "Every TP rank of a CP rank must get the same active mask: take it from the "
     "same batch.",
 }
+
+
+# What a validated call does with an active row whose real columns hold a non-finite logit (or
+# whose target is outside the real vocabulary): raise (the op's default), or give that row a NaN
+# logp on every TP rank, with no host sync, for a caller that agrees on validity in a wider group
+# after its own exchange (the GRPO loss: every rank sees the NaN after its global gather).
+ON_INVALID: tuple[str, ...] = ("raise", "nan")
+
+
+def check_on_invalid(value: Any) -> None:
+    if not isinstance(value, str) or value not in ON_INVALID:
+        raise LogprobContractError(
+            f"on_invalid={value!r} must be one of {list(ON_INVALID)}: 'raise' (the default) refuses an "
+            "active row with a non-finite real logit; 'nan' gives it a NaN logp for the caller to refuse"
+        )
 
 
 def _flag(name: str, value: Any) -> None:
@@ -134,6 +151,7 @@ def call_record(
     compute_entropy: Any,
     validate: Any,
     verdict: str | None,
+    on_invalid: Any = "raise",
 ) -> CallRecord:
     """This rank's agreement record: its verdict and every per-call field TP peers share.
 
@@ -155,6 +173,7 @@ def call_record(
         fields.append(("cp_rank", UNKNOWN))
     for name, flag in (("compute_entropy", compute_entropy), ("validate", validate)):
         fields.append((name, json.dumps(flag) if isinstance(flag, bool) else UNKNOWN))
+    fields.append(("on_invalid", on_invalid if on_invalid in ON_INVALID else UNKNOWN))
     if verdict is None:
         effective = targets.masked_fill(~active, contract.ignore_index)
         fields += [("targets", tensor_digest(effective)), ("active", tensor_digest(active))]
@@ -172,9 +191,10 @@ def real_rows_finite(logits: torch.Tensor, contract: LogprobContract) -> torch.T
     """Per local row, whether every real column of this rank's shard is finite (bool ``[rows]``).
 
     The stand-alone form of the check the forward fuses into its chunk loop with
-    ``validate=True``, for callers that must agree on validity in a wider group before any
-    collective (the GRPO loss). One min/max reduction over the real columns (both propagate
-    NaN), nothing of the logits' size allocated; padding columns never count.
+    ``validate=True``, for a caller that must know before any collective (the tests' oracle). It
+    is a second read of the logits: a caller that can refuse after its own exchange passes
+    ``on_invalid="nan"`` to the op instead (the GRPO loss). One min/max reduction over the real
+    columns (both propagate NaN), nothing of the logits' size allocated; padding columns never count.
     """
     real = real_local_columns(contract)
     if real == 0:
@@ -240,12 +260,16 @@ def _local_target_logit(
 
 
 def _owner_rank(targets: torch.Tensor, contract: LogprobContract) -> torch.Tensor:
+    """The TP rank whose shard holds each target (out-of-range targets clamped to the first or
+    last): the number of shard ends at or below the target. Compared with the ends as Python
+    integers, so no tensor is built from host data per call (on CUDA a ``torch.tensor(...,
+    device=...)`` copy from pageable memory waits for the stream: a hidden host sync)."""
     assert contract.vocab_shard_bounds is not None
-    ends = torch.tensor(
-        [end for _, end in contract.vocab_shard_bounds], dtype=torch.int64, device=targets.device
-    )
-    owner = torch.searchsorted(ends, targets.clamp(0, contract.padded_vocab_size - 1), right=True)
-    return owner.clamp(0, contract.tp_world_size - 1)
+    clamped = targets.clamp(0, contract.padded_vocab_size - 1)
+    owner = torch.zeros_like(clamped)
+    for _, end in contract.vocab_shard_bounds[:-1]:  # the last end is above every clamped target
+        owner += clamped >= end
+    return owner
 
 
 def _exchange(
@@ -289,11 +313,13 @@ def vocab_parallel_forward(
     with_entropy: bool,
     validate: bool,
     engine: "LocalEngine | None" = None,
+    on_invalid: str = "raise",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Forward without autograd: ``(selected_logp, lse, entropy)`` in FP32 for the local rows.
 
     ``engine`` computes the local tile partials (default: the eager chunk loop); the
-    exchange, the merge and everything after are the same for every engine.
+    exchange, the merge and everything after are the same for every engine. With ``validate``
+    and ``on_invalid="nan"`` an invalid active row gets logp NaN instead of a refusal (no host sync).
     """
     engine = engine or EAGER_ENGINE
     m, s, t, finite = engine.local_partials(logits, contract, chunk_rows, with_entropy, validate)
@@ -304,14 +330,25 @@ def vocab_parallel_forward(
         # as NaN (an active row's slot is otherwise finite), so after the one exchange every
         # rank of the group raises; raising here alone would leave the peers blocked in it.
         assert finite is not None
-        target_value = torch.where(
-            active & ~finite, torch.full_like(target_value, float("nan")), target_value
-        )
+        target_value.masked_fill_(active & ~finite, float("nan"))  # a fresh tensor
     pieces = [m, s] + ([t] if t is not None else [])
     merged, targets_by_rank = _exchange(pieces, target_value, contract, group)
-    if check:
+    poisoned = None
+    if check and on_invalid == "nan":
+        out_of_range = active & ((targets < 0) | (targets >= contract.real_vocab_size))
+        poisoned = (active & torch.isnan(targets_by_rank).any(dim=1)) | out_of_range
+    elif check:
         bad = active.unsqueeze(1) & torch.isnan(targets_by_rank)
-        if bool(bad.any()):
+        if contract.tp_world_size == 1:
+            # the targets' range check joins this one (the op's only host sync at TP = 1);
+            # the targets are read only through masks and clamps until here
+            out_of_range = active & ((targets < 0) | (targets >= contract.real_vocab_size))
+            flagged = bool((bad.squeeze(1) | out_of_range).any())
+            if flagged:
+                contract.check_targets(targets, active)  # raises with the row and the value
+        else:
+            flagged = bool(bad.any())
+        if flagged:
             row = int(bad.any(dim=1).nonzero()[0, 0])
             ranks = bad[row].nonzero().squeeze(1).tolist()
             where = f"tp_rank={ranks[0]}" if len(ranks) == 1 else f"tp_ranks={ranks}"
@@ -322,10 +359,15 @@ def vocab_parallel_forward(
             )
     m_all, s_all = merged[0], merged[1]
     t_all = merged[2] if t is not None else None
-    lse, entropy = merge_tiles(m_all, s_all, t_all, engine.exp)
-    owner = _owner_rank(targets, contract).unsqueeze(1)
-    target_logit = targets_by_rank.gather(1, owner).squeeze(1)
-    logp = torch.where(active, target_logit - lse, torch.zeros_like(lse))
+    lse, entropy = merge_tiles(m_all, s_all, t_all, engine.exp, engine.log)
+    if contract.tp_world_size == 1:
+        target_logit = target_value  # this rank owns every column
+    else:
+        owner = _owner_rank(targets, contract).unsqueeze(1)
+        target_logit = targets_by_rank.gather(1, owner).squeeze(1)
+    logp = (target_logit - lse).masked_fill_(~active, 0.0)
+    if poisoned is not None:
+        logp.masked_fill_(poisoned, float("nan"))  # canonical below
     for out in (logp, lse, entropy):
         if out is not None:
             canonical_nan_(out)
@@ -482,6 +524,10 @@ class LocalEngine:
         """``E`` (section 3) of a contiguous binary32 tensor, for the merge of the tile partials."""
         return portable_exp(y)
 
+    def log(self, x: torch.Tensor) -> torch.Tensor:
+        """``L`` (section 5) of a binary32 tensor, for the merge's ``L(sum)``."""
+        return portable_log(x)
+
 
 EAGER_ENGINE = LocalEngine()
 
@@ -529,9 +575,10 @@ class _VocabParallelLogprob(torch.autograd.Function):
         with_entropy: bool,
         validate: bool,
         engine: LocalEngine,
+        on_invalid: str,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logp, lse, entropy = vocab_parallel_forward(
-            logits, targets, active, contract, group, chunk_rows, with_entropy, validate, engine
+            logits, targets, active, contract, group, chunk_rows, with_entropy, validate, engine, on_invalid
         )
         ctx.contract = contract
         ctx.chunk_rows = chunk_rows
@@ -564,7 +611,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
             )
         if create_graph and logits.requires_grad:
             grad = _FirstOrderOnly.apply(logits, [grad])
-        return grad, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None
 
 
 class VocabParallelLogprob:
@@ -601,6 +648,7 @@ class VocabParallelLogprob:
         compute_entropy: bool = False,
         validate: bool = True,
         chunk_rows: int | None = None,
+        on_invalid: str = "raise",
     ) -> LogprobOutput:
         verdict: str | None = None
         record: CallRecord | None = None
@@ -612,6 +660,7 @@ class VocabParallelLogprob:
                 )
             _flag("compute_entropy", compute_entropy)
             _flag("validate", validate)
+            check_on_invalid(on_invalid)
             check_chunk_rows(chunk_rows)
             check_group(contract, group)
             contract.check_inputs(logits, targets, active)
@@ -624,12 +673,12 @@ class VocabParallelLogprob:
                 require_gradual_underflow(logits.device)
             except ArithmeticEnvironmentError as exc:
                 raise LogprobContractError(str(exc)) from None
-            if validate:
-                contract.check_targets(targets, active)
             size, _ = group_geometry(group)
+            if validate and size > 1 and on_invalid == "raise":  # at TP = 1: in the forward's one sync
+                contract.check_targets(targets, active)
             if size > 1:  # digests of the targets and the mask: inside the checks too
                 record = call_record(
-                    contract, self.backend_id, targets, active, compute_entropy, validate, None
+                    contract, self.backend_id, targets, active, compute_entropy, validate, None, on_invalid
                 )
         except LogprobContractError as exc:
             verdict = str(exc)
@@ -641,7 +690,7 @@ class VocabParallelLogprob:
         if size > 1:
             if verdict is not None or record is None:
                 record = call_record(
-                    contract, self.backend_id, targets, active, compute_entropy, validate, verdict
+                    contract, self.backend_id, targets, active, compute_entropy, validate, verdict, on_invalid
                 )
             agree(record, group, record_device(logits), role="TP", hints=AGREEMENT_HINTS)
         elif verdict is not None:
@@ -654,7 +703,7 @@ class VocabParallelLogprob:
         logits, targets, active = (t.resolve_neg() for t in (logits, targets, active))
         logp, lse, entropy = _VocabParallelLogprob.apply(
             logits, targets, active, contract, group, int(chunk_rows), compute_entropy, validate,
-            self.engine(),
+            self.engine(), on_invalid,
         )
         return LogprobOutput(logp, lse, entropy if compute_entropy else None)
 
@@ -666,6 +715,7 @@ __all__ = [
     "LocalEngine",
     "backward_terms",
     "LogprobOutput",
+    "ON_INVALID",
     "VocabParallelLogprob",
     "call_record",
     "check_chunk_rows",
