@@ -23,14 +23,17 @@ REPO = Path(__file__).resolve().parent.parent
 _IGNORED_NAMES = shutil.ignore_patterns(
     ".git", "results", ".snakemake", "__pycache__", "*.egg-info", ".pytest_cache", "build"
 )
-# .ci/run installs the oldest supported Triton into .ci/triton-3.6 (ignored by git, about 640 MB):
-# no workflow run reads it (tests/test_triton_versions.py uses the checkout's own copy), and copying
-# it cost every copy of the repository about 5 s and 640 MB of disk.
-_CI_INSTALLS = shutil.ignore_patterns("triton-*")
+# .ci/run installs the oldest supported Triton into .ci/triton-3.6 (ignored by git, about 640 MB) and
+# builds the environments of the vLLM, DeepSpeed and op-install tests (.ci/vllm-env, a link or about
+# 3.5 GB; .ci/deepspeed-env; .ci/op-env, about 1 GB): no workflow run reads them (their tests use the
+# checkout's own), and copying them cost every copy of the repository gigabytes (7.8 GB a copy filled
+# the disk in one full run).
+_CI_INSTALLS = shutil.ignore_patterns("triton-*", "*-env")
 
 
 def _ignore(directory: str, names: list[str]) -> set[str]:
-    """``shutil.copytree``'s ignore: the names above anywhere, and ``.ci``'s installed Tritons."""
+    """``shutil.copytree``'s ignore: the names above anywhere, and ``.ci``'s installed Triton and
+    test environments."""
     ignored = set(_IGNORED_NAMES(directory, names))
     if Path(directory).resolve() == (REPO / ".ci").resolve():
         ignored |= set(_CI_INSTALLS(directory, names))
