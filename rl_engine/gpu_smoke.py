@@ -51,6 +51,7 @@ Usage on a GPU machine (CUDA build of torch installed, then ``pip install -e .``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import subprocess
 import sys
@@ -290,7 +291,6 @@ def bitwise_checks(case: Case, device: str, tokens: int) -> dict[str, Any]:
     kernel does not load (named in ``reference``). Nothing is skipped on cuda: a Triton that
     does not load there is a failure (``reason``)."""
     from rl_engine.benchmark.inputs import make_inputs
-    from rl_engine.logprob.contract import LogprobContract
     from rl_engine.logprob.triton_backend import TritonLogprob, triton_unavailable
     from rl_engine.tables import FUSED_CPU_BACKEND
 
@@ -306,9 +306,8 @@ def bitwise_checks(case: Case, device: str, tokens: int) -> dict[str, Any]:
         inputs = make_inputs(tokens, case.padded_vocab, dtype, case.seed)
         targets = inputs.targets.clamp(max=case.real_vocab - 1)
         for temperature in BITWISE_TEMPERATURES:
-            contract = LogprobContract(real_vocab_size=case.real_vocab, padded_vocab_size=case.padded_vocab,
-                                       num_vocab_tiles=case.num_vocab_tiles, num_sequences=1, seq_len=tokens,
-                                       logits_dtype=dtype, temperature=temperature)
+            contract = dataclasses.replace(case, dtype=dtype, temperature=temperature).contract(
+                num_sequences=1, seq_len=tokens)
             ref_op = dispatch(reference, contract, "cpu").op
             want = _bitwise_bytes(ref_op, inputs.logits, targets, inputs.active, contract)
             got = _bitwise_bytes(op, inputs.logits.to(device), targets.to(device), inputs.active.to(device),

@@ -26,8 +26,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKFLOW_MODULES = ("snakemake", "jsonschema", "referencing", "rich", "yaml")
-WORKFLOW_DISTRIBUTIONS = ("snakemake", "jsonschema", "rich", "pyyaml")
+WORKFLOW_MODULES = ("snakemake", "jsonschema", "referencing", "rich", "yaml", "in_toto_attestation", "rocrate")
+# the workflow extra includes the provenance extra's packages: the archive stage writes with them
+WORKFLOW_DISTRIBUTIONS = ("snakemake", "jsonschema", "rich", "pyyaml", "in-toto-attestation", "rocrate")
 OP_MODULES = ("rl_engine.logprob", "rl_engine.logprob.hidden", "rl_engine.logprob.compiled", "rl_engine.grpo",
               "rl_engine.integrations.trl", "rl_engine.integrations.verl", "rl_engine.temperature")
 
