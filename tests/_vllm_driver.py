@@ -3,13 +3,16 @@
 ``python tests/_vllm_driver.py OUT`` makes the tiny Qwen2 of examples/vllm_rollout.py and writes,
 into OUT, what the tests check in rl_engine's environment:
 
-- ``A``: vLLM with ``logprobs_mode="raw_logits"``: our capture (prompt rows included) and the full
-  raw logits vLLM itself returned for the same rows (``logprobs=-1``, ``prompt_logprobs=-1``);
+- ``A`` (bf16) and ``A32`` (float32): vLLM with ``logprobs_mode="raw_logits"``: our capture (prompt
+  rows included) and the full raw logits vLLM itself returned for the same rows (``logprobs=-1``,
+  ``prompt_logprobs=-1``);
 - ``B``/``C``: our logprob inside vLLM (``raw``, ``processed`` at T = 0.7): the capture and the
   token ids and logprob values vLLM returned (the sampled token first, then the top 2);
 - ``rollout``: the example's ragged rollout (vLLM's default ``raw_logprobs``), and ``rollout-ours``,
   the same requests with our raw logprob returned;
-- ``refused.txt``: the message of a processed-logprob request with top_k.
+- ``stopped``: a greedy rollout that stops on a token (vLLM's asynchronous scheduling samples once more);
+- ``refused.json``: the messages of what must be refused (our logprob under ``raw_logits``, missing
+  prompt rows, a processed-logprob request with top_k).
 """
 
 from __future__ import annotations
@@ -58,6 +61,15 @@ def _dense(entry) -> torch.Tensor:
     return row
 
 
+def _refusal(call) -> str:
+    """The message of the exception ``call()`` raises ("not refused" when it returns)."""
+    try:
+        call()
+    except Exception as exc:  # a worker's refusal travels through vLLM's engine
+        return f"{type(exc).__name__}: {exc}"
+    return "not refused"
+
+
 def main(out: Path) -> None:
     import vllm_rollout as ex
     from safetensors.torch import save_file
@@ -69,36 +81,51 @@ def main(out: Path) -> None:
 
     model = out / "model"
     ex.make_model(model)
-    llm = ex.engine(str(model), logprobs_mode="raw_logits", max_logprobs=-1)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in ex.prompts(4096)]
-    rv.install(llm, capture=True, prompt_rows=True)
-    outs = llm.generate(prompts, SamplingParams(temperature=0.7, max_tokens=4, logprobs=-1, prompt_logprobs=-1,
-                                                seed=3, ignore_eos=True))
-    write_capture(out / "A.safetensors", rv.collect(llm, outs, model_name="tiny-qwen2"))
-    save_file({"rows": raw_rows(outs)}, str(out / "A-vllm.safetensors"))
+    refused = {}
+    # vLLM's own raw logits (logprobs_mode="raw_logits"), bf16 and float32 models: float32 rows are the
+    # ones vLLM's sampler divides by the temperature in place
+    for name, dtype in (("A", "bfloat16"), ("A32", "float32")):
+        llm = ex.engine(str(model), logprobs_mode="raw_logits", max_logprobs=-1, dtype=dtype)
+        rv.install(llm, capture=True, prompt_rows=True)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.7, max_tokens=4, logprobs=-1, prompt_logprobs=-1,
+                                                    seed=3, ignore_eos=True))
+        write_capture(out / f"{name}.safetensors", rv.collect(llm, outs, model_name="tiny-qwen2"))
+        save_file({"rows": raw_rows(outs)}, str(out / f"{name}-vllm.safetensors"))
+        if dtype == "bfloat16":
+            refused["raw_logits_mode"] = _refusal(lambda llm=llm: rv.install(llm, logprobs="raw"))
+        rv.uninstall(llm)
+        del llm
+
+    llm = ex.engine(str(model))
     for name, mode in (("B", "raw"), ("C", "processed")):
         rv.install(llm, capture=True, logprobs=mode)
         outs = llm.generate(prompts, SamplingParams(temperature=0.7, max_tokens=6, logprobs=2, seed=5,
                                                     ignore_eos=True))
         write_capture(out / f"{name}.safetensors", rv.collect(llm, outs, model_name="tiny-qwen2"))
         save_file(returned(outs), str(out / f"{name}-vllm.safetensors"))
-    rv.uninstall(llm)
-    del llm
-
-    llm = ex.engine(str(model))
     params = SamplingParams(temperature=ex.TEMPERATURE, max_tokens=ex.MAX_TOKENS, logprobs=0, prompt_logprobs=0,
                             seed=1, ignore_eos=True)
     for name, mode in (("rollout", None), ("rollout-ours", "raw")):
         rv.install(llm, capture=True, prompt_rows=True, logprobs=mode)
         outs = llm.generate(prompts, params)
         write_capture(out / f"{name}.safetensors", rv.collect(llm, outs, model_name="tiny-qwen2"))
+    # a rollout that stops on a token (as one stops on EOS): greedy, so the stop token is known in advance
+    rv.install(llm, capture=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
+    first = llm.generate(prompts[:1], greedy)[0].outputs[0].token_ids
+    rv.collect(llm, llm.generate(prompts[:1], greedy))
+    stopped = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, logprobs=0,
+                                                       stop_token_ids=[first[2]]))
+    write_capture(out / "stopped.safetensors", rv.collect(llm, stopped, model_name="tiny-qwen2"))
+    (out / "stopped.json").write_text(json.dumps({"greedy": list(first), "stopped": list(stopped[0].outputs[0].token_ids),
+                                                  "finish_reason": stopped[0].outputs[0].finish_reason}))
+    rv.install(llm, capture=True, prompt_rows=True)
+    refused["prompt_rows"] = _refusal(lambda: rv.collect(llm, llm.generate(prompts[:1], SamplingParams(max_tokens=2))))
     rv.install(llm, capture=True, logprobs="processed")
-    try:
-        llm.generate(prompts[:1], SamplingParams(temperature=0.7, top_k=5, max_tokens=2, logprobs=0))
-        message = "not refused"
-    except Exception as exc:  # the refusal travels through vLLM's engine
-        message = f"{type(exc).__name__}: {exc}"
-    (out / "refused.txt").write_text(message)
+    refused["top_k"] = _refusal(lambda: llm.generate(prompts[:1], SamplingParams(temperature=0.7, top_k=5, max_tokens=2,
+                                                                                  logprobs=0)))
+    (out / "refused.json").write_text(json.dumps(refused))
     (out / "done.json").write_text(json.dumps({"vllm": __import__("vllm").__version__}))
 
 

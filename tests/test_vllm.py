@@ -14,7 +14,9 @@ environment and checks, as bytes:
   engine's reported logprob is ours bit for bit (section 4 of the report);
 - the same ragged capture runs through the TP x CP campaign (1x1, 2x2 zigzag) to an archive that
   ``verify --recompute`` passes;
-- a processed-logprob request with top_k is refused, naming top_k.
+- a rollout that stops on a token keeps the rows of the tokens vLLM returned;
+- what it does not model is refused by name (a processed request with top_k, our logprob under
+  ``raw_logits``, missing prompt rows).
 
 Without vLLM's environment the module is skipped, saying so; under CI (``CI=true``) it fails instead,
 since .ci/run builds that environment.
@@ -73,10 +75,15 @@ def ours(rows: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) ->
                             real_vocab_size=rows.shape[-1], temperature=temperature).selected_logp
 
 
-def test_captured_rows_are_the_raw_logits_vllm_returns(driven: Path) -> None:
-    cap = read_capture(driven / "A.safetensors")
-    theirs = load_file(str(driven / "A-vllm.safetensors"))["rows"]
-    assert cap.logits.dtype == torch.bfloat16 and cap.logits.shape == theirs.shape
+@pytest.mark.parametrize("name, dtype", [("A", torch.bfloat16), ("A32", torch.float32)])
+def test_captured_rows_are_the_raw_logits_vllm_returns(driven: Path, name: str, dtype: torch.dtype) -> None:
+    """float32 rows included: vLLM's sampler divides them by the temperature in place (its .to(float32)
+    copies nothing), so the capture keeps them before the sampler runs."""
+    cap = read_capture(driven / f"{name}.safetensors")
+    theirs = load_file(str(driven / f"{name}-vllm.safetensors"))["rows"]
+    assert cap.logits.dtype == dtype and cap.logits.shape == theirs.shape
+    # vLLM returned raw logits here, not logprobs: the capture says nothing of a reported logprob
+    assert cap.reported_logp is None
     assert _bytes(cap.logits.float()) == _bytes(theirs)
     # prompts of 5, 11 and 8 tokens with 4 generated each: the prompt rows are inactive
     assert cap.active.tolist() == sum(([False] * (n - 1) + [True] * 4 for n in (5, 11, 8)), [])
@@ -93,7 +100,10 @@ def test_vllm_returns_our_logprob_bytes(driven: Path, name: str, temperature: fl
     assert ids[:, 0].tolist() == cap.targets.tolist()
     expected = torch.stack([ours(cap.logits, ids[:, k].contiguous(), temperature) for k in range(3)], dim=1)
     assert _bytes(values) == _bytes(expected)
-    assert cap.reported_logp is not None and _bytes(cap.reported_logp) == _bytes(expected[:, 0])
+    if name == "B":  # ours at T = 1: the capture's reported_logp, what parity compares with ours
+        assert cap.reported_logp is not None and _bytes(cap.reported_logp) == _bytes(expected[:, 0])
+    else:  # at the request's temperature: not a reported logprob at T = 1, so not kept as one
+        assert cap.reported_logp is None
     # temperature is x / T: the bytes are those of the divided fp32 logits at T = 1
     t32 = torch.tensor(temperature, dtype=torch.float32)
     assert _bytes(expected[:, 0]) == _bytes(ours(cap.logits.float() / t32, cap.targets))
@@ -134,9 +144,23 @@ def test_a_ragged_vllm_rollout_goes_through_parity_with_the_defaults(driven: Pat
     assert mine["engine_vs_ours"]["rollout"]["tokens_differing"] == 0
 
 
-def test_processed_logprobs_with_top_k_are_refused_naming_it(driven: Path) -> None:
-    message = (driven / "refused.txt").read_text()
-    assert "VLLMIntegrationError" in message and "top_k" in message
+def test_what_the_integration_does_not_model_is_refused_naming_it(driven: Path) -> None:
+    refused = json.loads((driven / "refused.json").read_text())
+    assert "VLLMIntegrationError" in refused["top_k"] and "top_k=5" in refused["top_k"]
+    assert "logprobs_mode='raw_logits'" in refused["raw_logits_mode"]
+    assert "prompt_logprobs" in refused["prompt_rows"] and "no prompt rows" in refused["prompt_rows"]
+
+
+def test_a_rollout_that_stops_keeps_the_rows_of_the_returned_tokens(driven: Path) -> None:
+    """vLLM's asynchronous scheduling samples a request once more before it sees the stop; vLLM drops
+    that token, and collect drops its row (counted in the notes)."""
+    run = json.loads((driven / "stopped.json").read_text())
+    stop = run["greedy"][2]
+    assert run["finish_reason"] == "stop" and run["stopped"] == run["greedy"][:run["greedy"].index(stop) + 1]
+    cap = read_capture(driven / "stopped.safetensors")
+    assert cap.targets.tolist() == run["stopped"] and cap.num_tokens == len(run["stopped"])
+    notes = json.loads(cap.metadata["notes"])["vllm"]["requests"]
+    assert notes[0]["rows_after_stop_dropped"] in (0, 1)
 
 
 def test_a_ragged_vllm_capture_runs_the_campaign_to_a_verified_archive(driven: Path, tmp_path: Path) -> None:

@@ -72,3 +72,41 @@ def test_records_match_vllms_suffixed_request_ids_and_refuse_ambiguity() -> None
     assert rv._record_of(recorded, "2") is None
     with pytest.raises(rv.VLLMIntegrationError, match="matches several"):
         rv._record_of({"0-aaaaaaaa": 1, "0-bbbbbbbb": 2}, "0")
+
+
+@pytest.mark.parametrize("ours, mode", [("raw", "raw_logits"), ("raw", "processed_logprobs"),
+                                        ("processed", "raw_logits"), ("processed", "processed_logits")])
+def test_our_logprob_is_refused_where_vllm_returns_values_of_another_kind(ours: str, mode: str) -> None:
+    with pytest.raises(rv.VLLMIntegrationError, match=f"logprobs_mode='{mode}'"):
+        rv.Options(logprobs=ours, vllm_logprobs_mode=mode)
+
+
+@pytest.mark.parametrize("tiles", [0, -8, True, 2.5, "eight"])
+def test_a_bad_tile_count_is_refused_on_the_driver(tiles: object) -> None:
+    with pytest.raises(rv.VLLMIntegrationError, match="num_vocab_tiles="):
+        rv.Options(num_vocab_tiles=tiles)
+
+
+def _recorder(logprobs: str | None, capture: bool = True, **params: object) -> rv._Recorder:
+    defaults = dict(top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                    logit_bias=None, allowed_token_ids=None, bad_words=[], min_tokens=0, structured_outputs=None)
+    request = SimpleNamespace(sampling_params=SimpleNamespace(**{**defaults, **params}))
+    runner = SimpleNamespace(requests={"0-aaaaaaaa": request})
+    return rv._Recorder(runner, rv.Options(capture=capture, logprobs=logprobs))
+
+
+@pytest.mark.parametrize("param, value", [("top_k", 5), ("top_p", 0.9), ("min_p", 0.05), ("presence_penalty", 0.5),
+                                          ("frequency_penalty", 0.1), ("repetition_penalty", 1.1),
+                                          ("logit_bias", {3: 1.0}), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
+                                          ("min_tokens", 2)])
+def test_processed_logprobs_refuse_every_parameter_beyond_the_temperature(param: str, value: object) -> None:
+    with pytest.raises(rv.VLLMIntegrationError, match=f"sets {param}="):
+        _recorder("processed", **{param: value})._check_processing(["0-aaaaaaaa"])
+    _recorder("raw", **{param: value})._check_processing(["0-aaaaaaaa"])  # raw logprobs ignore them: accepted
+    _recorder("processed")._check_processing(["0-aaaaaaaa"])  # the control: the neutral values pass
+
+
+def test_a_capture_refuses_structured_outputs_whose_masks_are_applied_to_the_rows() -> None:
+    with pytest.raises(rv.VLLMIntegrationError, match="structured outputs"):
+        _recorder(None, structured_outputs=object())._check_processing(["0-aaaaaaaa"])
+    _recorder("raw", capture=False, structured_outputs=object())._check_processing(["0-aaaaaaaa"])

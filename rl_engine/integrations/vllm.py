@@ -45,6 +45,15 @@ from rl_engine.capture.format import DTYPE_NAMES, Capture, CaptureError, build_m
 
 SUPPORTED_VERSIONS = ("0.32",)
 LOGPROB_MODES = (None, "raw", "processed")
+# vLLM's logprobs_mode under which each of our modes replaces values of the same kind: ours "raw" are
+# logprobs at T = 1 (vLLM's raw_logprobs), ours "processed" logprobs at the request's temperature.
+LOGPROBS_MODES_FOR = {"raw": ("raw_logprobs",), "processed": ("raw_logprobs", "processed_logprobs")}
+# Sampling parameters that change the distribution vLLM samples from beyond the temperature, with the
+# value that leaves it unchanged: a processed logprob of rl_engine ignores them, so they are refused.
+PROCESSING_PARAMS = (("top_k", (0, -1, None)), ("top_p", (1.0, None)), ("min_p", (0.0, None)),
+                     ("presence_penalty", (0.0, None)), ("frequency_penalty", (0.0, None)),
+                     ("repetition_penalty", (1.0, None)), ("logit_bias", (None, {})), ("allowed_token_ids", (None, [])),
+                     ("bad_words", (None, [])), ("min_tokens", (0, None)), ("structured_outputs", (None,)))
 _STATE = "_rl_engine_vllm"
 _ABSENT = object()
 # vLLM's own threshold: a request with temperature below it is sampled greedily, and its processed
@@ -58,7 +67,8 @@ class VLLMIntegrationError(RuntimeError):
 
 @dataclass(frozen=True)
 class Options:
-    """What the worker-side recorder does; checked on the driver before anything is installed."""
+    """What the worker-side recorder does; checked on the driver before anything is installed (the
+    backend's name is checked by the first call of the op, in the worker)."""
 
     capture: bool = True
     prompt_rows: bool = False
@@ -66,6 +76,7 @@ class Options:
     num_vocab_tiles: int | str = "auto"
     backend: str = "auto"
     real_vocab_size: int | None = None
+    vllm_logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         if self.logprobs not in LOGPROB_MODES:
@@ -75,6 +86,18 @@ class Options:
         for name in ("capture", "prompt_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise VLLMIntegrationError(f"{name}={getattr(self, name)!r} must be True or False")
+        tiles = self.num_vocab_tiles
+        if tiles != "auto" and (isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1):
+            raise VLLMIntegrationError(f"num_vocab_tiles={tiles!r} must be 'auto' or a positive integer that divides "
+                                       "the vocabulary (the trainer must use the same count)")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise VLLMIntegrationError(f"backend={self.backend!r} must be a backend name or 'auto'")
+        allowed = LOGPROBS_MODES_FOR.get(self.logprobs)
+        if allowed is not None and self.vllm_logprobs_mode not in allowed:
+            raise VLLMIntegrationError(
+                f"logprobs={self.logprobs!r} with vLLM's logprobs_mode={self.vllm_logprobs_mode!r}: rl_engine would "
+                f"overwrite what vLLM returns with logprobs of another kind; create the LLM with logprobs_mode in "
+                f"{list(allowed)} (raw_logprobs is vLLM's default)")
         if not self.capture and self.logprobs is None:
             raise VLLMIntegrationError("capture=False with logprobs=None would install a wrapper that does "
                                        "nothing; ask for capture=True, logprobs='raw' or logprobs='processed'")
@@ -113,8 +136,9 @@ def _require(obj: Any, names: tuple[str, ...], where: str, version: str) -> None
     for name in names:
         if not hasattr(obj, name):
             raise VLLMIntegrationError(f"vLLM {version}: {where} has no attribute {name!r}, which "
-                                       "rl_engine.integrations.vllm wraps (a private API); this vLLM is not "
-                                       f"one it supports ({', '.join(SUPPORTED_VERSIONS)}.x)")
+                                       "rl_engine.integrations.vllm wraps (a private API of the V1 model runner); "
+                                       f"this vLLM is not one it supports ({', '.join(SUPPORTED_VERSIONS)}.x), or it "
+                                       "runs its Model Runner V2 (set VLLM_USE_V2_MODEL_RUNNER=0)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,8 +204,11 @@ class _Recorder:
         recorder = self
 
         def forward(_self: Any, logits: torch.Tensor, sampling_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+            # vLLM's sampler divides by the temperature and applies penalties in place once the rows are
+            # float32; float32 rows are not copied by its .to(float32), so keep the raw ones first
+            raw = logits.clone() if logits.dtype == torch.float32 else logits
             output = original_forward(logits, sampling_metadata, *args, **kwargs)
-            recorder.on_sample(logits, sampling_metadata, output)
+            recorder.on_sample(raw, sampling_metadata, output)
             return output
 
         def prompt_logprobs(hidden_states: torch.Tensor, num_scheduled_tokens: Any) -> Any:
@@ -233,11 +260,11 @@ class _Recorder:
         sampled = output.sampled_token_ids[:, 0].to(torch.int64)
         temps = self._temperatures(metadata, num, logits.device)
         tensors = output.logprobs_tensors
+        self._check_processing(req_ids)
         if self.options.logprobs is not None:
-            self._check_processing(metadata, req_ids)
             if tensors is not None:
                 self._replace(logits, sampled, temps, tensors)
-        reported = self._reported(tensors, sampled)
+        reported = self._reported(tensors, sampled) if self._reports_raw_logprob() else None
         if not self.options.capture:
             return
         rows = logits.detach().to("cpu", copy=True)
@@ -260,19 +287,23 @@ class _Recorder:
         temp = temp[:num].to(torch.float32)
         return torch.where(temp < GREEDY_EPS, torch.ones_like(temp), temp)
 
-    def _check_processing(self, metadata: Any, req_ids: list[str]) -> None:
-        if self.options.logprobs != "processed":
-            return
-        for name in ("top_k", "top_p"):
-            if getattr(metadata, name, None) is not None:
-                raise VLLMIntegrationError(f"a request in this batch sets {name}: processed logprobs after top-k/top-p "
-                                           "truncation are not rl_engine's yet; use logprobs='raw', or sample without "
-                                           f"{name} (requests {req_ids})")
+    def _check_processing(self, req_ids: list[str]) -> None:
+        """Refuse, naming the request and the parameter, what our logprob or capture does not model."""
         for req in req_ids:
-            params = self.runner.requests[req].sampling_params
-            if params is not None and getattr(params, "min_p", 0.0):
-                raise VLLMIntegrationError(f"request {req} sets min_p={params.min_p}: processed logprobs after min-p "
-                                           "are not rl_engine's yet; use logprobs='raw', or sample without min_p")
+            params = getattr(self.runner.requests[req], "sampling_params", None)
+            if params is None:
+                continue
+            if self.options.capture and getattr(params, "structured_outputs", None) is not None:
+                raise VLLMIntegrationError(f"request {req} uses structured outputs: vLLM masks its rows with -inf before "
+                                           "sampling, so they are not the model's logits; capture without them")
+            if self.options.logprobs != "processed":
+                continue
+            for name, neutral in PROCESSING_PARAMS:
+                value = getattr(params, name, None)
+                if value not in neutral:
+                    raise VLLMIntegrationError(
+                        f"request {req} sets {name}={value!r}: processed logprobs after it are not rl_engine's (only "
+                        f"the temperature is); use logprobs='raw', or sample without {name}")
 
     def _ours(self, logits: torch.Tensor, targets: torch.Tensor, temps: list[float]) -> torch.Tensor:
         """selected_logprob of ``logits`` rows at ``targets``, one call per distinct temperature."""
@@ -304,6 +335,12 @@ class _Recorder:
         ours = self._ours(logits.index_select(0, flat_rows), flat_ids,
                           [temps_host[i] for i in flat_rows.cpu().tolist()])
         values.copy_(ours.reshape(rows, width).to(values.dtype))
+
+    def _reports_raw_logprob(self) -> bool:
+        """Whether the values vLLM returns are logprobs at temperature 1 (what a capture's reported_logp is)."""
+        if self.options.logprobs is not None:
+            return self.options.logprobs == "raw"
+        return self.options.vllm_logprobs_mode == "raw_logprobs"
 
     @staticmethod
     def _reported(tensors: Any, sampled: torch.Tensor) -> torch.Tensor | None:
@@ -353,7 +390,7 @@ class _Recorder:
 
     # export ----------------------------------------------------------------------------------
     def export(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"__options__": dict(self.options.__dict__)}
         for req, rec in self.records.items():
             prompt = [rec.prompt[k] for k in sorted(rec.prompt)]
             out[req] = {
@@ -414,8 +451,17 @@ def install(llm: Any, *, capture: bool = True, prompt_rows: bool = False, logpro
     version = _version()
     check_version(version)
     vocab = _real_vocab(llm)
-    options = Options(capture=capture, prompt_rows=prompt_rows, logprobs=logprobs,
-                      num_vocab_tiles=num_vocab_tiles, backend=backend, real_vocab_size=vocab)
+    config = getattr(llm.llm_engine, "vllm_config", None)
+    parallel = getattr(config, "parallel_config", None)
+    if getattr(parallel, "pipeline_parallel_size", 1) != 1:
+        raise VLLMIntegrationError(f"pipeline_parallel_size={parallel.pipeline_parallel_size}: the first worker never "
+                                   "samples under pipeline parallelism; capture with pipeline_parallel_size=1")
+    if getattr(config, "use_v2_model_runner", False):
+        raise VLLMIntegrationError("vLLM runs its Model Runner V2, whose sampler rl_engine does not wrap; set "
+                                   "VLLM_USE_V2_MODEL_RUNNER=0 before creating the LLM")
+    mode = str(getattr(getattr(llm.llm_engine, "model_config", None), "logprobs_mode", "raw_logprobs"))
+    options = Options(capture=capture, prompt_rows=prompt_rows, logprobs=logprobs, num_vocab_tiles=num_vocab_tiles,
+                      backend=backend, real_vocab_size=vocab, vllm_logprobs_mode=mode)
     _rpc(llm, "install", (dict(options.__dict__), version))
 
 
@@ -457,12 +503,16 @@ def collect(llm: Any, outputs: list[Any], *, model_name: str | None = None, note
     Per request: its prompt rows when they were recorded (inactive; row ``i`` predicts prompt
     token ``i + 1``), then one active row per generated token (the row it was sampled from, the
     token as target, vLLM's returned logprob as ``reported_logp``). The rows are those of a
-    trainer's capture of ``prompt + generated`` tokens. Refused: an output whose recorded tokens
-    are not the ones vLLM returned, a request with ``n > 1``, a request with prompt rows missing
-    (when prompt rows were asked for), or different temperatures across requests with no way to
-    tell them apart in one capture (recorded in ``notes``, per request)."""
+    trainer's capture of ``prompt + generated`` tokens; each request's temperature is in ``notes``.
+    ``reported_logp`` is kept only where vLLM returned logprobs at temperature 1 (its default
+    ``raw_logprobs``, or ours with ``logprobs="raw"``). Refused: an output whose recorded tokens are not
+    the ones vLLM returned, a request with ``n > 1``, a request whose prompt rows are missing when
+    prompt rows were asked for. With vLLM's asynchronous scheduling a request that stopped (EOS, a stop
+    token) was sampled once more before the stop was seen and vLLM dropped that token: recorded rows past
+    the returned tokens are dropped too, and counted in ``notes``."""
     version = _version()
-    recorded = _rpc(llm, "collect", (clear,))[0]
+    recorded = dict(_rpc(llm, "collect", (clear,))[0])
+    options = recorded.pop("__options__", {})
     logits, targets, active, reported, per_request = [], [], [], [], []
     dtype = None
     for out in outputs:
@@ -475,10 +525,19 @@ def collect(llm: Any, outputs: list[Any], *, model_name: str | None = None, note
                                        f"install() on this LLM? recorded: {sorted(recorded)[:8]}")
         generated = list(out.outputs[0].token_ids)
         tokens = rec["tokens"].tolist()
+        extra = len(tokens) - len(generated)
+        if extra > 0 and tokens[:len(generated)] == generated:  # sampled after a stop vLLM had not yet seen
+            rec = {**rec, "logits": rec["logits"][:len(generated)], "tokens": rec["tokens"][:len(generated)],
+                   "reported": rec["reported"][:len(generated)]}
+            tokens = tokens[:len(generated)]
         if tokens != generated:
             raise VLLMIntegrationError(f"request {out.request_id}: the recorded sampled tokens {tokens[:8]}... are not "
                                        f"the ones vLLM returned {generated[:8]}...; the rows cannot be matched")
         prompt = list(out.prompt_token_ids or [])
+        if options.get("prompt_rows") and rec["prompt_logits"] is None and len(prompt) > 1:
+            raise VLLMIntegrationError(f"request {out.request_id} has no prompt rows although install(prompt_rows=True) "
+                                       "asked for them: vLLM computes them only for requests with prompt_logprobs set "
+                                       "(SamplingParams(prompt_logprobs=0))")
         if rec["prompt_logits"] is not None:
             positions = rec["prompt_positions"]
             if positions != list(range(len(prompt) - 1)):
@@ -498,7 +557,7 @@ def collect(llm: Any, outputs: list[Any], *, model_name: str | None = None, note
         dtype = rec["logits"].dtype
         per_request.append({"request_id": out.request_id, "prompt_tokens": len(prompt),
                             "generated_tokens": len(generated), "temperature": rec["temperature"],
-                            "first_token": prompt[0] if prompt else None,
+                            "first_token": prompt[0] if prompt else None, "rows_after_stop_dropped": max(extra, 0),
                             "prompt_rows": rec["prompt_logits"] is not None})
     if not per_request:
         raise VLLMIntegrationError("no outputs given: pass the list llm.generate returned")
