@@ -8,7 +8,9 @@ Runs in two environments, because vLLM pins its own packages (docs/capture.md, "
     # 2. the trainer's side (rl_engine's environment), then parity and a campaign on the capture:
     python examples/vllm_rollout.py trainer work/model work/rollout.safetensors work/trainer.safetensors
     python -m rl_engine parity work/rollout.safetensors work/trainer.safetensors --output-dir work/parity
-    snakemake --cores 8 --config inputs='{capture: work/rollout.safetensors}' batch=1 seq=<tokens> ...
+    # the campaign: config.yaml with inputs: {capture: work/rollout.safetensors}, batch: 2, seq: 24,
+    # real_vocab: 4096, padded_vocab: 4096, dtype: bf16 (docs/capture.md, "A campaign on a capture"),
+    # then snakemake --cores 8 (tests/test_vllm.py runs this campaign through the same verbs)
 
 The model is a tiny random Qwen2 (vocabulary 4096 by default; ``--vocab 151936`` for Qwen's) made
 from a config, offline; the prompts are token ids of different lengths (ragged, as in every RL
