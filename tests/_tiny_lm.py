@@ -26,6 +26,18 @@ def tiny_model() -> torch.nn.Module:
     return LlamaForCausalLM(config).eval()
 
 
+def tiny_qwen2(vocab: int = 256) -> torch.nn.Module:
+    """A float32 Qwen2 of 2 layers, hidden 32, built from a config with seed 0 (the TRL tests' policy;
+    pad 0 and eos/bos 1, the ids their WordLevel tokenizer gives those specials)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    return Qwen2ForCausalLM(config)
+
+
 def tiny_moe(vocab: int = 256, router_aux_loss_coef: float = 0.01) -> torch.nn.Module:
     """A Qwen2-MoE of 2 layers, 4 experts (2 per token) and a shared expert, whose config asks for its
     router logits (``output_router_logits``), so its own forward adds the load-balancing loss."""

@@ -19,7 +19,7 @@ from rl_engine.logprob import selected_logprob
 from rl_engine.logprob.contract import LogprobContractError
 from rl_engine.tensorio import tensor_bytes
 
-from _tiny_lm import tiny_moe
+from _tiny_lm import tiny_moe, tiny_qwen2
 
 trl = pytest.importorskip("trl", reason="the trl extra is not installed (pip install -e '.[test]' installs it)")
 datasets = pytest.importorskip("datasets")
@@ -41,11 +41,7 @@ def _tokenizer() -> Any:
 
 
 def _model() -> Any:
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    return transformers.Qwen2ForCausalLM(config)
+    return tiny_qwen2(VOCAB)
 
 
 def _reward(completions: list[str], **_: Any) -> list[float]:

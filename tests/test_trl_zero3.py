@@ -32,6 +32,8 @@ import torch
 
 from rl_engine.tensorio import tensor_bytes
 
+from _tiny_lm import tiny_qwen2
+
 trl = pytest.importorskip("trl", reason="the trl extra is not installed (pip install -e '.[test]' installs it)")
 transformers = pytest.importorskip("transformers")
 
@@ -40,11 +42,7 @@ VOCAB = 256
 
 
 def _model() -> Any:
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    return transformers.Qwen2ForCausalLM(config)
+    return tiny_qwen2(VOCAB)
 
 
 class _Partitioned:

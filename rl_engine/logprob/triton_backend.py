@@ -325,26 +325,25 @@ def triton_backward(
 EXP_BLOCK = 1024
 
 
-def triton_exp(y: torch.Tensor, mode: str = "compiled") -> torch.Tensor:
-    """``E(y)`` of a binary32 tensor in one launch of :func:`exp_kernel` (the merge's weights)."""
-    k = load_kernels(mode)
-    src = y.detach().contiguous()
-    out = torch.empty_like(src)
-    n = src.numel()
-    if n:
-        Launch("exp_kernel", (-(-n // EXP_BLOCK),), (src, out, n), {"BLOCK": EXP_BLOCK}, 4).run(k)
-    return out
-
-
-def triton_log(x: torch.Tensor, mode: str = "compiled") -> torch.Tensor:
-    """``L(x)`` of a binary32 tensor in one launch of :func:`log_kernel` (the merge's ``L(sum)``)."""
+def _elementwise(kernel: str, x: torch.Tensor, mode: str, constants: tuple[Any, ...] = ()) -> torch.Tensor:
+    """One launch of the elementwise ``kernel`` over a binary32 tensor (``BLOCK`` values a program)."""
     k = load_kernels(mode)
     src = x.detach().contiguous()
     out = torch.empty_like(src)
     n = src.numel()
     if n:
-        Launch("log_kernel", (-(-n // EXP_BLOCK),), (src, out, n, *LOG_POLY), {"BLOCK": EXP_BLOCK}, 4).run(k)
+        Launch(kernel, (-(-n // EXP_BLOCK),), (src, out, n, *constants), {"BLOCK": EXP_BLOCK}, 4).run(k)
     return out
+
+
+def triton_exp(y: torch.Tensor, mode: str = "compiled") -> torch.Tensor:
+    """``E(y)`` of a binary32 tensor in one launch of :func:`exp_kernel` (the merge's weights)."""
+    return _elementwise("exp_kernel", y, mode)
+
+
+def triton_log(x: torch.Tensor, mode: str = "compiled") -> torch.Tensor:
+    """``L(x)`` of a binary32 tensor in one launch of :func:`log_kernel` (the merge's ``L(sum)``)."""
+    return _elementwise("log_kernel", x, mode, LOG_POLY)
 
 
 def triton_divide(x: torch.Tensor, t32: float, dtype: torch.dtype, markstein: bool = True,
