@@ -99,6 +99,18 @@ def errors(instance: Any, name: str, directory: str | Path | None = None) -> lis
 MAX_ERRORS_SHOWN = 5
 
 
+
+def document_problems(doc: Any, name: str, directory: str | Path, where: str) -> list[str]:
+    """The schema ``name``'s errors of ``doc``, each prefixed with ``where`` (the member it was read
+    from), or why it could not be checked; "not a JSON object" for a document no rule below can read."""
+    try:
+        problems = [f"{where}: {error}" for error in errors(doc, name, directory)]
+    except SchemaError as exc:
+        problems = [f"{where}: cannot be checked against the shipped schema: {exc}"]
+    if not isinstance(doc, dict) and not problems:
+        problems = [f"{where}: not a JSON object"]
+    return problems
+
 def require_valid(instance: Any, name: str, directory: str | Path | None = None, what: str = "the artifact") -> None:
     """Raise :class:`ArtifactSchemaError` naming the first errors unless ``instance`` matches ``name``."""
     found = errors(instance, name, directory)

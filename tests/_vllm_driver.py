@@ -122,6 +122,11 @@ def main(out: Path) -> None:
                                                   "finish_reason": stopped[0].outputs[0].finish_reason}))
     rv.install(llm, capture=True, prompt_rows=True)
     refused["prompt_rows"] = _refusal(lambda: rv.collect(llm, llm.generate(prompts[:1], SamplingParams(max_tokens=2))))
+    rv.install(llm, capture=True)
+    # vLLM computes logprobs for a whole batch when one request asks: the gap is between batches
+    asked = llm.generate(prompts[:1], SamplingParams(max_tokens=2, logprobs=0, seed=1))
+    unasked = llm.generate(prompts[1:2], SamplingParams(max_tokens=2, seed=2))
+    refused["mixed_logprobs"] = _refusal(lambda: rv.collect(llm, asked + unasked))
     rv.install(llm, capture=True, logprobs="processed")
     refused["top_k"] = _refusal(lambda: llm.generate(prompts[:1], SamplingParams(temperature=0.7, top_k=5, max_tokens=2,
                                                                                   logprobs=0)))

@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from rl_engine import cli, jsonio
 from rl_engine.capture import read_capture
 from rl_engine.logprob import selected_logprob
+from rl_engine.tensorio import tensor_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -65,10 +66,6 @@ def driven(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().cpu().numpy().tobytes()
-
-
 def ours(rows: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """selected_logprob with the defaults the integration uses (auto tiles, auto backend)."""
     return selected_logprob(rows, targets, torch.ones(targets.shape, dtype=torch.bool),
@@ -84,31 +81,31 @@ def test_captured_rows_are_the_raw_logits_vllm_returns(driven: Path, name: str, 
     assert cap.logits.dtype == dtype and cap.logits.shape == theirs.shape
     # vLLM returned raw logits here, not logprobs: the capture says nothing of a reported logprob
     assert cap.reported_logp is None
-    assert _bytes(cap.logits.float()) == _bytes(theirs)
+    assert tensor_bytes(cap.logits.float()) == tensor_bytes(theirs)
     # prompts of 5, 11 and 8 tokens with 4 generated each: the prompt rows are inactive
     assert cap.active.tolist() == sum(([False] * (n - 1) + [True] * 4 for n in (5, 11, 8)), [])
     # the control: another request's rows are not these (the check can fail)
-    assert _bytes(cap.logits[:4].float()) != _bytes(theirs[4:8])
+    assert tensor_bytes(cap.logits[:4].float()) != tensor_bytes(theirs[4:8])
 
 
 @pytest.mark.parametrize("name, temperature", [("B", 1.0), ("C", 0.7)])
-def test_vllm_returns_our_logprob_bytes(driven: Path, name: str, temperature: float) -> None:
+def test_vllm_returns_our_logprobtensor_bytes(driven: Path, name: str, temperature: float) -> None:
     cap = read_capture(driven / f"{name}.safetensors")
     returned = load_file(str(driven / f"{name}-vllm.safetensors"))
     ids, values = returned["ids"], returned["values"]
     assert cap.active.all() and ids.shape == (cap.num_tokens, 3)
     assert ids[:, 0].tolist() == cap.targets.tolist()
     expected = torch.stack([ours(cap.logits, ids[:, k].contiguous(), temperature) for k in range(3)], dim=1)
-    assert _bytes(values) == _bytes(expected)
+    assert tensor_bytes(values) == tensor_bytes(expected)
     if name == "B":  # ours at T = 1: the capture's reported_logp, what parity compares with ours
-        assert cap.reported_logp is not None and _bytes(cap.reported_logp) == _bytes(expected[:, 0])
+        assert cap.reported_logp is not None and tensor_bytes(cap.reported_logp) == tensor_bytes(expected[:, 0])
     else:  # at the request's temperature: not a reported logprob at T = 1, so not kept as one
         assert cap.reported_logp is None
     # temperature is x / T: the bytes are those of the divided fp32 logits at T = 1
     t32 = torch.tensor(temperature, dtype=torch.float32)
-    assert _bytes(expected[:, 0]) == _bytes(ours(cap.logits.float() / t32, cap.targets))
+    assert tensor_bytes(expected[:, 0]) == tensor_bytes(ours(cap.logits.float() / t32, cap.targets))
     # the control: the other temperature gives other bytes
-    assert _bytes(expected[:, 0]) != _bytes(ours(cap.logits, cap.targets, 1.7 - temperature))
+    assert tensor_bytes(expected[:, 0]) != tensor_bytes(ours(cap.logits, cap.targets, 1.7 - temperature))
     notes = json.loads(cap.metadata["notes"])["vllm"]["requests"]
     assert {round(r["temperature"], 6) for r in notes} == {0.7}
 
@@ -149,6 +146,7 @@ def test_what_the_integration_does_not_model_is_refused_naming_it(driven: Path) 
     assert "VLLMIntegrationError" in refused["top_k"] and "top_k=5" in refused["top_k"]
     assert "logprobs_mode='raw_logits'" in refused["raw_logits_mode"]
     assert "prompt_logprobs" in refused["prompt_rows"] and "no prompt rows" in refused["prompt_rows"]
+    assert "reported logprob for some requests" in refused["mixed_logprobs"] and "logprobs=0" in refused["mixed_logprobs"]
 
 
 def test_a_rollout_that_stops_keeps_the_rows_of_the_returned_tokens(driven: Path) -> None:

@@ -85,7 +85,7 @@ def report_active(report: Any) -> tuple[np.ndarray | None, str | None]:
         if MASK_FIELD in report:
             return None, (f"present on a case of the input recipe, whose mask is its rule (the first "
                           f"prompt_tokens={prompt} positions of each sequence inactive); only a case on a capture "
-                          "records its mask")
+                          "records its mask; remove active_mask from the report (or run the campaign on the capture)")
         return recipe_active(np.arange(tokens), seq, prompt), None
     if MASK_FIELD not in report:
         return None, ("missing: a case on a capture records the capture's active mask (which tokens are active is "

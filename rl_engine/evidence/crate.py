@@ -321,12 +321,9 @@ def crate_problems(doc: Any, files: Collection[str], schema_dir: Path) -> list[s
     """Why ``doc`` (the parsed ``ro-crate-metadata.json``) is not a Workflow Run RO-Crate of an archive whose files
     (paths relative to ``NAME/``) are ``files``: every problem, each naming what is wrong."""
     where = CRATE
-    try:
-        problems = [f"{where}: {error}" for error in schemas.errors(doc, SCHEMA, schema_dir)]
-    except schemas.SchemaError as exc:
-        problems = [f"{where}: cannot be checked against the shipped schema: {exc}"]
+    problems = schemas.document_problems(doc, SCHEMA, schema_dir, where)
     if not isinstance(doc, dict):
-        return problems or [f"{where}: not a JSON object"]
+        return problems
     entities = _graph(doc, problems)
     descriptor = entities.get(CRATE, {})
     if not descriptor:

@@ -200,12 +200,9 @@ def statement_problems(doc: Any, run: Run, name: str, files: Mapping[str, str], 
     """Why ``doc`` (the parsed ``provenance.intoto.json``) is not the statement of archive ``name`` whose files
     are ``files`` (path relative to ``NAME/`` -> SHA-256): every problem, each naming what is wrong."""
     where = STATEMENT
-    try:
-        problems = [f"{where}: {error}" for error in schemas.errors(doc, SCHEMA, schema_dir)]
-    except schemas.SchemaError as exc:
-        problems = [f"{where}: cannot be checked against the shipped schema: {exc}"]
+    problems = schemas.document_problems(doc, SCHEMA, schema_dir, where)
     if not isinstance(doc, dict):
-        return problems or [f"{where}: not a JSON object"]
+        return problems
     if doc.get("_type") != STATEMENT_TYPE:
         problems.append(f"{where}: _type is {doc.get('_type')!r}, not the in-toto Statement v1 {STATEMENT_TYPE!r}")
     if doc.get("predicateType") != PREDICATE_TYPE:

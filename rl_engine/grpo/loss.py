@@ -168,12 +168,11 @@ def _refuse_non_finite_logits(batch: Any, contract: GRPOContract) -> None:
     every rank holds the same batch, so every rank raises the same error, naming the row of the
     policy's (or else the reference's) logits, on the ranks that hold it. One host sync.
     """
-    bad = batch.active & torch.isnan(batch.logp.detach())
-    if batch.ref_logp is not None:
-        bad = bad | (batch.active & torch.isnan(batch.ref_logp))
+    policy = batch.active & torch.isnan(batch.logp.detach())
+    bad = policy if batch.ref_logp is None else policy | (batch.active & torch.isnan(batch.ref_logp))
     if not bool(bad.any()):
         return
-    name, found = "logits", batch.active & torch.isnan(batch.logp.detach())
+    name, found = "logits", policy
     if not bool(found.any()):
         name, found = "ref_logits", bad
     token = int(found.reshape(-1).nonzero()[0, 0])
@@ -183,6 +182,9 @@ def _refuse_non_finite_logits(batch: Any, contract: GRPOContract) -> None:
             dp_rank, cp_rank, _ = contract.coords(rank)
             row = held.index(token)
             break
+    else:  # every global token is some rank's: a token no rank holds is a contract that does not cover the batch
+        raise GRPOContractError(f"{name}: global token {token} is held by no rank of the contract "
+                                f"(world_size={contract.world_size}); build the contract from this batch's mesh")
     raise GRPOContractError(
         f"{name} row {row} (global token {token}; the logits of dp_rank={dp_rank}, cp_rank={cp_rank}) is "
         f"active and holds a non-finite value in its real columns on a tp_rank of that TP group; fix the "

@@ -513,7 +513,7 @@ def collect(llm: Any, outputs: list[Any], *, model_name: str | None = None, note
     version = _version()
     recorded = dict(_rpc(llm, "collect", (clear,))[0])
     options = recorded.pop("__options__", {})
-    logits, targets, active, reported, per_request = [], [], [], [], []
+    logits, targets, active, reported, per_request, gen_reported = [], [], [], [], [], []
     dtype = None
     for out in outputs:
         if len(out.outputs) != 1:
@@ -554,6 +554,7 @@ def collect(llm: Any, outputs: list[Any], *, model_name: str | None = None, note
         targets.append(rec["tokens"])
         active.append(torch.ones(len(generated), dtype=torch.bool))
         reported.append(rec["reported"])
+        gen_reported.append(rec["reported"])
         dtype = rec["logits"].dtype
         per_request.append({"request_id": out.request_id, "prompt_tokens": len(prompt),
                             "generated_tokens": len(generated), "temperature": rec["temperature"],
@@ -565,7 +566,12 @@ def collect(llm: Any, outputs: list[Any], *, model_name: str | None = None, note
         raise CaptureError(f"vLLM sampled from {dtype} logits; a capture holds bf16, fp16 or fp32")
     rep = torch.cat(reported)
     act = torch.cat(active)
-    has_reported = bool(torch.isfinite(rep[act]).all())
+    finite = [bool(torch.isfinite(r).all()) for r in gen_reported]  # a request with no token has nothing to miss
+    if any(finite) and not all(finite):  # all or none: a capture's reported_logp covers every active token
+        missing = [req["request_id"] for req, ok in zip(per_request, finite) if not ok]
+        raise VLLMIntegrationError(f"vLLM returned a reported logprob for some requests but not for {missing}: "
+                                   "ask every request for logprobs=0 (or more), or none of them")
+    has_reported = all(finite)
     model, tp = _engine_info(llm)
     info = {"vllm": {"requests": per_request, "reported_logp": "returned by vLLM" if has_reported else "absent"}}
     text = json.dumps(info, sort_keys=True, separators=(",", ":"), allow_nan=False)

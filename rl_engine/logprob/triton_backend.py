@@ -325,14 +325,15 @@ def triton_backward(
 EXP_BLOCK = 1024
 
 
-def _elementwise(kernel: str, x: torch.Tensor, mode: str, constants: tuple[Any, ...] = ()) -> torch.Tensor:
+def _elementwise(kernel: str, x: torch.Tensor, mode: str, constants: tuple[Any, ...] = (),
+                 meta: dict[str, int] | None = None) -> torch.Tensor:
     """One launch of the elementwise ``kernel`` over a binary32 tensor (``BLOCK`` values a program)."""
     k = load_kernels(mode)
     src = x.detach().contiguous()
     out = torch.empty_like(src)
     n = src.numel()
     if n:
-        Launch(kernel, (-(-n // EXP_BLOCK),), (src, out, n, *constants), {"BLOCK": EXP_BLOCK}, 4).run(k)
+        Launch(kernel, (-(-n // EXP_BLOCK),), (src, out, n, *constants), {"BLOCK": EXP_BLOCK, **(meta or {})}, 4).run(k)
     return out
 
 
@@ -349,15 +350,10 @@ def triton_log(x: torch.Tensor, mode: str = "compiled") -> torch.Tensor:
 def triton_divide(x: torch.Tensor, t32: float, dtype: torch.dtype, markstein: bool = True,
                   mode: str = "compiled") -> torch.Tensor:
     """``x / T32`` of a binary32 tensor by :func:`divide_kernel`: Markstein's sequence for a logit of
-    ``dtype`` (one step for bf16 and binary16, two for binary32), or the IEEE division."""
-    k = load_kernels(mode)
-    src = x.detach().contiguous()
-    out = torch.empty_like(src)
-    n = src.numel()
-    if n:
-        Launch("divide_kernel", (-(-n // EXP_BLOCK),), (src, out, n, t32, inverse_temperature(t32)),
-               {"BLOCK": EXP_BLOCK, "DTYPE": _DTYPE_CODES[dtype], "DIVIDE": 1 if markstein else 2}, 4).run(k)
-    return out
+    ``dtype`` (one step for bf16 and binary16, two for binary32), or the IEEE division. Not on the op's
+    path (the kernels divide inline): the division's tests run the sequence through it."""
+    return _elementwise("divide_kernel", x, mode, (t32, inverse_temperature(t32)),
+                        {"DTYPE": _DTYPE_CODES[dtype], "DIVIDE": 1 if markstein else 2})
 
 
 class TritonEngine(LocalEngine):

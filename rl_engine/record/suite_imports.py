@@ -1,6 +1,7 @@
 """The files the focused suite's pytest processes loaded, with their SHA-256 (a pytest plugin).
 
-The regression verb runs pytest with ``-p rl_engine.record.suite_imports --rl-engine-imports-dir DIR``.
+The regression verb runs pytest with ``-p rl_engine.record.suite_imports`` and the folder ``DIR`` in the
+environment variable ``RL_ENGINE_SUITE_IMPORTS_DIR`` (which pytest-xdist's workers inherit).
 When a pytest process ends (``pytest_unconfigure``: the main process, and each pytest-xdist worker,
 after the session's last hook), this plugin writes ``DIR/imports-<pid>.json``: every file that
 process loaded, with its SHA-256 at that moment:

@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from rl_engine import jsonio
+from rl_engine.evidence.summary import regression_text
 from rl_engine.record import reuse
 from rl_engine.rundir import Stage, Topology, stages
 
@@ -84,10 +85,7 @@ def _sha256_of(sidecar: Path) -> str:
 
 
 def _counts(record: dict[str, Any]) -> str:
-    text = f"{record.get('passed')} passed, {record.get('skipped')} skipped"
-    if record.get("failed") or record.get("errors"):
-        text += f", {record.get('failed')} failed, {record.get('errors')} errors"
-    return escape(text)
+    return escape(regression_text(record))  # SUMMARY.md's wording of the counts, as text
 
 
 def reuse_rows(environment_json: Path, regression_json: Path) -> list[tuple[str, str]]:
