@@ -289,17 +289,23 @@ class ChunkWorkspace:
 
         ``row_min_out``, when given, receives the minimum over each row's real columns
         (a validation aid: with the tile maxima it tells whether a row is all finite).
-        ``keep`` (section 13): the columns its cut drops read as ``-inf`` after step 0.
+        ``keep`` (section 13): the columns its cut drops read as ``-inf`` after step 0; then
+        ``row_min_out`` is NaN on a row whose real maximum is not finite (the tile maxima no longer
+        show it), so that the check sees the logits as given.
         """
         v = self.views(chunk.shape[0])
         v.buf.copy_(chunk)
         if self.divisor is not None:
             v.buf.div_(self.divisor)  # binary32 division by T32 (IEEE, correctly rounded)
-        if row_min_out is not None and self.real_local > 0:
-            torch.amin(v.real, dim=1, out=row_min_out)
         if keep is not None:
             assert self.cols is not None, "build the workspace with vocab_start for a kept set"
+            if row_min_out is not None and self.real_local > 0:
+                # the check reads the logits before the cut drops any: min, or NaN when the max is not finite
+                low, high = torch.aminmax(v.real, dim=1)
+                row_min_out.copy_(torch.where(torch.isfinite(high), low, math.nan))
             v.buf.masked_fill_(keep.dropped(v.buf, self.cols), NEG_INF)
+        elif row_min_out is not None and self.real_local > 0:
+            torch.amin(v.real, dim=1, out=row_min_out)
         if v.padding is not None:
             v.padding.fill_(NEG_INF)
         torch.amax(v.tiles, dim=-1, out=m_out)

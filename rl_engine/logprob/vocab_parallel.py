@@ -257,7 +257,11 @@ def _local_partials(
         )
 
     for_each_chunk(rows, chunk_rows, workspace, work, threaded=logits.device.type == "cpu")
-    finite = rows_finite(m, row_min, width, real_local) if row_min is not None else None
+    finite = None
+    if row_min is not None and keep is not None:  # row_min is NaN where the real max is not finite
+        finite = torch.isfinite(row_min) if real_local > 0 else torch.ones(rows, dtype=torch.bool, device=logits.device)
+    elif row_min is not None:
+        finite = rows_finite(m, row_min, width, real_local)
     return m, s, t, finite
 
 
