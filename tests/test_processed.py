@@ -417,3 +417,41 @@ def test_the_documented_block_of_docs_trainer_md_runs_as_written(capsys: pytest.
     assert block is not None
     exec(compile(block.group(1), "docs/trainer.md", "exec"), {"__name__": "__main__"})
     assert "torch.Size([2, 6]) torch.Size([2, 6]) True" in capsys.readouterr().out
+
+
+# ----- the fused head: selected_logprob_from_hidden ------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_head_gives_the_op_s_processed_bytes_on_its_fixed_order_logits(dtype: torch.dtype) -> None:
+    from rl_engine.logprob import selected_logprob_from_hidden
+    from rl_engine.logprob.head_matmul import fixed_logits
+
+    hid, chunk = 64, 16
+    gen = torch.Generator().manual_seed(9)
+    hidden = torch.randn(3, 50, hid, generator=gen).to(dtype)
+    weight = (torch.randn(PADDED, hid, generator=gen) * 0.3).to(dtype)
+    ids = torch.randint(0, REAL, (3, 50), generator=gen)
+    ids[:, :3] = -100
+    top_k = torch.randint(0, 40, (3, 50), generator=gen)
+    params = dict(top_k=top_k, top_p=0.8, min_p=torch.full((3, 50), 0.01))
+
+    def loss(out: Any) -> torch.Tensor:  # the plain sum: a dropped target's -inf carries gl = 0
+        return out.selected_logp.sum() + 0.1 * out.lse.sum() - 0.05 * out.entropy.sum()
+
+    flat, flat_ids = hidden.reshape(-1, hid), ids.reshape(-1)
+    rows = (flat_ids != -100).nonzero().reshape(-1)
+    logits = fixed_logits(flat[rows], weight).requires_grad_(True)
+    ref = selected_logprob(logits, flat_ids[rows], real_vocab_size=REAL, compute_entropy=True,
+                           top_k=top_k.reshape(-1)[rows], top_p=0.8, min_p=params["min_p"].reshape(-1)[rows])
+    loss(ref).backward()
+    grad_hidden = torch.zeros_like(flat)
+    for i in range(0, rows.numel(), chunk):
+        grad_hidden[rows[i:i + chunk]] = logits.grad[i:i + chunk] @ weight
+    h = hidden.clone().requires_grad_(True)
+    out = selected_logprob_from_hidden(h, weight, ids, real_vocab_size=REAL, compute_entropy=True,
+                                       chunk_tokens=chunk, **params)
+    loss(out).backward()
+    assert not bool(out.target_kept.reshape(-1)[rows].all())  # some targets dropped
+    assert bool(out.target_kept.reshape(-1)[(flat_ids == -100).nonzero().reshape(-1)].all())
+    for name in ("selected_logp", "lse", "entropy", "target_kept"):
+        assert tensor_bytes(getattr(out, name).reshape(-1)[rows]) == tensor_bytes(getattr(ref, name)), name
+    assert tensor_bytes(h.grad) == tensor_bytes(grad_hidden.reshape(hidden.shape))
