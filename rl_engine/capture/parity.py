@@ -1,7 +1,8 @@
 """``python -m rl_engine parity ROLLOUT TRAINER --output-dir DIR``: where two engines' logprobs part.
 
 Two captures of the same tokens (``docs/capture.md``), one from the rollout engine and one from
-the trainer, are compared in five sections, each per token and in aggregate:
+the trainer, are compared in five sections (six when the rollout carries sampling parameters),
+each per token and in aggregate:
 
 1. targets and mask: must be identical, else the verb refuses naming the first differing token;
 2. logits: bitwise equal or not, tokens and columns that differ, max abs and relative difference;
@@ -674,6 +675,13 @@ def print_table(report: dict[str, Any]) -> None:
     low = "n/a" if rt["min"] is None else f"{rt['min']:.6g}"
     table.add_row("5 ratio (ours)", f"mean {mean}, min {low}, "
                   f"outside {report['importance_ratio']['bounds']}: {rt['share_outside_bounds']:.2%}")
+    pr = report.get("processed")
+    if pr is not None:
+        kept = f"{pr['target_not_kept']['count']} target(s) outside our kept set"
+        table.add_row("6 processed (rollout)", kept if not pr["engine_reported"] else
+                      f"engine vs ours: {pr['residual']['tokens_differing']} tokens differ, max abs "
+                      f"{_g(pr['residual']['max_abs'])}; fraction of the gap explained "
+                      f"{_g(pr['fraction_explained'])}; {kept}")
     Console(stderr=False, width=120).print(table)
 
 
