@@ -40,8 +40,8 @@ from rl_engine.campaign.run import (
 )
 from rl_engine.distributed.bounds import token_indices
 from rl_engine.distributed.mesh import ParallelDims
+from rl_engine.logprob.backends.eager.vocab_parallel import BACKEND_ID
 from rl_engine.logprob.comparison import ComparisonError, compare_single_rank
-from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.tables import DEFAULT_TOPOLOGIES
 from rl_engine.tensorio import fingerprint
 
@@ -300,8 +300,8 @@ def test_a_case_with_a_temperature_is_its_own_case_and_replays_from_the_evidence
     """``temperature: 0.7`` in the case: a schema-valid passing report whose case, case id and
     fingerprints carry it, whose bytes the reviewer's replay (verify --recompute's) and the NumPy
     implementation give again, and which differ from the case at 1; 1 is the case without it."""
+    from rl_engine.arith.portable import SPEC_VERSION
     from rl_engine.campaign.replay import replay_candidate, replay_numpy
-    from rl_engine.logprob.portable import SPEC_VERSION
 
     warm = _case(temperature=0.7)
     assert warm.case_id.endswith("-temp0.7") and _case(temperature=1.0).case_id == _case().case_id

@@ -2,7 +2,7 @@
 
 Per element ``s = +0``, then ``s = fma(h[k], w[k], s)`` for ``k = 0 .. H-1``, NaN canonical, one
 rounding to the dtype. Checked here: the bytes of the independent NumPy implementation
-(``rl_engine.spec_numpy.head_logits``) in every instruction-set variant and at several thread
+(``rl_engine.arith.spec_numpy.head_logits``) in every instruction-set variant and at several thread
 counts; a logit's bytes do not depend on the other rows in the call (chunks, subsets), nor on the
 columns in the call (TP shards of 1, 2, 4, 8, simulated as column slices of the weight); special
 values; the refusal of a thread that flushes subnormals; the choice of the product. Negative
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from rl_engine import spec_numpy
+from rl_engine.arith import spec_numpy
 from rl_engine.logprob.contract import LogprobContractError
 from rl_engine.logprob.head_matmul import choose_matmul, fixed_logits, selected_isa
 from rl_engine.tensorio import tensor_bytes

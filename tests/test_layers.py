@@ -3,8 +3,8 @@
 The layers, lowest first (docs/design.md has the table):
 
 0. the foundations: ``tables`` (the constant tables), ``validators``, ``jsonio``, ``schemas``, ``tensorio``,
-   ``spec_numpy``, ``division`` (the GPU's division by ``T32``, in NumPy), ``rundir`` (the run directory's
-   names), ``temperature`` (the arithmetic's ``T32``),
+   ``arith/`` (the arithmetic's reference implementations: ``spec_numpy``, ``temperature``, ``division``,
+   ``portable``, ``tiles``), ``rundir`` (the run directory's names),
    ``verb_parsers`` (the torch-free command lines of the verbs whose modules import torch);
 1. the engine: ``logprob/`` and ``distributed/``;
 2. ``grpo/`` (the loss, built on the engine), ``capture/`` (captured logits and the parity verb, built on the engine),
@@ -28,8 +28,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rl_engine"
 LAYERS: dict[str, int] = {
-    "tables": 0, "validators": 0, "jsonio": 0, "schemas": 0, "tensorio": 0, "spec_numpy": 0, "rundir": 0, "__init__": 0,
-    "temperature": 0, "division": 0, "verb_parsers": 0, "proctree": 0,
+    "tables": 0, "validators": 0, "jsonio": 0, "schemas": 0, "tensorio": 0, "arith": 0, "rundir": 0, "__init__": 0,
+    "verb_parsers": 0, "proctree": 0,
     "logprob": 1, "distributed": 1,
     "grpo": 2, "capture": 2, "integrations": 2,
     "campaign": 3, "record": 3,

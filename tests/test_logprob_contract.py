@@ -20,6 +20,7 @@ from rl_engine.distributed import bounds, mesh
 from rl_engine.distributed.mesh import LaunchEnv, MeshError, ParallelDims, init_mesh
 from rl_engine.logprob import contract as contract_module
 from rl_engine.logprob import registry
+from rl_engine.logprob.backends.eager.vocab_parallel import BACKEND_ID, VocabParallelLogprob
 from rl_engine.logprob.contract import RANK_LOCAL_FIELDS, LogprobContract, LogprobContractError
 from rl_engine.logprob.registry import (
     AUTO,
@@ -29,7 +30,6 @@ from rl_engine.logprob.registry import (
     backend_ids,
     dispatch,
 )
-from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
 from rl_engine.tables import BACKEND_DEVICES, FUSED_CPU_BACKEND, TRITON_BACKEND
 
 NO_CUDA = not torch.cuda.is_available()

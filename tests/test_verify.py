@@ -1110,8 +1110,8 @@ def test_hostile_json_is_an_ordinary_finding_and_every_other_check_runs(
 
 
 def test_the_archive_packs_the_specification_the_reports_claim(good: Good) -> None:
+    from rl_engine.arith.portable import SPEC_VERSION
     from rl_engine.evidence.spec_doc import spec_record
-    from rl_engine.logprob.portable import SPEC_VERSION
 
     spec = good.data("arithmetic.md")
     assert spec == (Path(__file__).resolve().parents[1] / "docs" / "arithmetic.md").read_bytes()

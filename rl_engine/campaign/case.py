@@ -35,6 +35,7 @@ from dataclasses import fields as dataclass_fields
 from typing import Any, Mapping, Sequence
 
 from rl_engine import jsonio, schemas
+from rl_engine.arith.temperature import TemperatureError, temperature32
 from rl_engine.distributed.bounds import BoundsError, check_cp_split, even_vocab_shards, tile_width
 from rl_engine.tables import (
     AUTO,
@@ -57,7 +58,6 @@ from rl_engine.tables import (
     SCHEMA_VERSION,
     TRITON_MODE_ENV,
 )
-from rl_engine.temperature import TemperatureError, temperature32
 from rl_engine.validators import choice_problem, int_problem, real_problem, require
 
 
@@ -456,7 +456,7 @@ class Case:
     # None: the input recipe (rl_engine.campaign.inputs); else the captured file's record
     # (rl_engine.campaign.captured.capture_record): path, sha256, size, shape, dtype, metadata
     capture: dict[str, Any] | None = None
-    # docs/arithmetic.md section 6 step 0 (rl_engine.temperature); 1.0: none
+    # docs/arithmetic.md section 6 step 0 (rl_engine.arith.temperature); 1.0: none
     temperature: float = 1.0
 
     def __post_init__(self) -> None:

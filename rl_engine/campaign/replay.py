@@ -8,8 +8,8 @@ fingerprints, the gradient's included.
 
 A report names the version of the arithmetic it was computed under (``arithmetic_spec``), and
 each version is replayed under its own rules for ever: this installation's backends compute
-:data:`rl_engine.logprob.portable.SPEC_VERSION`; an earlier version (``rl-engine-arith/1``,
-``docs/arithmetic-1.md``) is replayed by the NumPy implementation, :mod:`rl_engine.spec_numpy`,
+:data:`rl_engine.arith.portable.SPEC_VERSION`; an earlier version (``rl-engine-arith/1``,
+``docs/arithmetic-1.md``) is replayed by the NumPy implementation, :mod:`rl_engine.arith.spec_numpy`,
 which computes every version it lists in ``SPECS``.
 """
 
@@ -23,11 +23,11 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from rl_engine import spec_numpy
+from rl_engine.arith import spec_numpy
+from rl_engine.arith.portable import SPEC_VERSION
 from rl_engine.campaign.captured import case_inputs, replay_source
 from rl_engine.campaign.case import record_contract
 from rl_engine.campaign.inputs import inputs_sha256
-from rl_engine.logprob.portable import SPEC_VERSION
 from rl_engine.logprob.registry import dispatch
 from rl_engine.rundir import TENSOR_NAMES
 from rl_engine.tensorio import fingerprint
@@ -109,7 +109,7 @@ _NUMPY_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def replay_numpy(case: Mapping[str, Any], spec: str, capture: str | os.PathLike[str] | None = None) -> Replay:
-    """The candidate of ``case`` under arithmetic version ``spec``, by :mod:`rl_engine.spec_numpy`.
+    """The candidate of ``case`` under arithmetic version ``spec``, by :mod:`rl_engine.arith.spec_numpy`.
 
     The inputs are the campaign's (the recipe's FP32 logits converted to the case's dtype as the
     runner converts them, or the capture's); the forward, and the gradient of the summed selected

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from rl_engine import jsonio, schemas
+from rl_engine.arith.portable import SPEC_VERSION
 from rl_engine.campaign.captured import check_file
 from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.faults import Fault, FaultError, fault_from_env
@@ -70,7 +71,6 @@ from rl_engine.distributed.mesh import LaunchEnv, MeshError, destroy, init_mesh
 from rl_engine.logprob.comparison import ComparisonError, drift_failures
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import fp32_oracle
-from rl_engine.logprob.portable import SPEC_VERSION
 from rl_engine.logprob.registry import dispatch
 from rl_engine.rundir import TENSOR_NAMES, Topology, report_tensors
 from rl_engine.tables import SCHEMA_VERSION

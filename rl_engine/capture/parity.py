@@ -38,9 +38,9 @@ from typing import Any, Sequence
 import torch
 
 from rl_engine import jsonio, schemas
+from rl_engine.arith import portable
 from rl_engine.capture.format import Capture, CaptureError, read_capture, read_header, read_tokens
 from rl_engine.distributed.bounds import AUTO_TILES, BoundsError, tile_width
-from rl_engine.logprob import portable
 from rl_engine.logprob.api import resolve_vocab_tiles
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.rundir import PARITY_JSON, PARITY_PNG

@@ -42,8 +42,8 @@ Runs without a GPU or network and checks, each as a row of the printed table:
     config sets none). Looser tolerances fail unless ``--accept-looser-tolerance`` is given;
     then the row is a note that names them, not a pass. Tighter tolerances pass;
 12. **arithmetic spec**: every report names one and the same version of the arithmetic, one
-    this installation replays (:data:`rl_engine.spec_numpy.SPECS`: the current
-    ``docs/arithmetic.md``, :data:`rl_engine.logprob.portable.SPEC_VERSION`, and every earlier
+    this installation replays (:data:`rl_engine.arith.spec_numpy.SPECS`: the current
+    ``docs/arithmetic.md``, :data:`rl_engine.arith.portable.SPEC_VERSION`, and every earlier
     one), and the archive packs that version's specification as ``arithmetic.md`` (its first
     line names the version; REVIEWING.md records its version and SHA-256,
     :mod:`rl_engine.evidence.spec_doc`);
@@ -716,8 +716,8 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
 def check_arithmetic_spec(run: Run) -> Check:
     """Every planned report names one version of the arithmetic, one this installation replays,
     and the archive packs that version's specification."""
-    from rl_engine.logprob.portable import SPEC_VERSION
-    from rl_engine.spec_numpy import SPECS
+    from rl_engine.arith.portable import SPEC_VERSION
+    from rl_engine.arith.spec_numpy import SPECS
 
     planned, msg = _planned(run)
     if msg:

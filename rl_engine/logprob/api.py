@@ -19,10 +19,10 @@ import torch.distributed as dist
 from rl_engine.distributed.bounds import AUTO_TILES, AUTO_TILES_RULE, BoundsError, auto_vocab_tiles, token_indices
 from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device
+from rl_engine.logprob.backends.eager.vocab_parallel import LogprobOutput
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
 from rl_engine.logprob.registry import dispatch
 from rl_engine.logprob.storage import require_readable
-from rl_engine.logprob.vocab_parallel import LogprobOutput
 from rl_engine.tables import AUTO, MAX_TP
 
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in LOGITS_DTYPES.items()}

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from rl_engine.logprob.backends.eager.vocab_parallel import vocab_parallel_backward
 from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.registry import dispatch
-from rl_engine.logprob.vocab_parallel import vocab_parallel_backward
 
 OP = "rl_engine::selected_logprob"
 BACKWARD_OP = "rl_engine::selected_logprob_backward"

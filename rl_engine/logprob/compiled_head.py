@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from rl_engine.logprob.api import DTYPE_NAMES, resolve_vocab_tiles
+from rl_engine.logprob.backends.eager.vocab_parallel import LogprobOutput
 from rl_engine.logprob.hidden_chunks import active_rows, backward_chunks, forward_chunks
-from rl_engine.logprob.vocab_parallel import LogprobOutput
 
 OP = "rl_engine::selected_logprob_from_hidden"
 BACKWARD_OP = "rl_engine::selected_logprob_from_hidden_backward"

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rl_engine.arith.temperature import TemperatureError, inverse_temperature, temperature32
 from rl_engine.distributed.bounds import (
     AUTO_TILES,
     CP_LAYOUTS,
@@ -28,7 +29,6 @@ from rl_engine.distributed.bounds import (
     token_indices,
 )
 from rl_engine.tables import DTYPES, MAX_TP, TORCH_DTYPE_NAMES
-from rl_engine.temperature import TemperatureError, inverse_temperature, temperature32
 from rl_engine.validators import choice_problem, int_problem, require
 
 LOGITS_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, TORCH_DTYPE_NAMES[name]) for name in DTYPES}
@@ -100,7 +100,7 @@ class LogprobContract:
     determinism_scope: str = "cross_tp_bitwise"
     accumulation_dtype: str = ACCUMULATION_DTYPE
     output_dtype: str = OUTPUT_DTYPE
-    temperature: float = 1.0  # docs/arithmetic.md section 6 step 0 (rl_engine.temperature)
+    temperature: float = 1.0  # docs/arithmetic.md section 6 step 0 (rl_engine.arith.temperature)
     _token_indices: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

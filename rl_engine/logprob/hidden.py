@@ -49,12 +49,12 @@ import torch.distributed as dist
 from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device, tensor_digest
 from rl_engine.logprob.api import DTYPE_NAMES, resolve_vocab_tiles, trainer_inputs
+from rl_engine.logprob.backends.eager.vocab_parallel import LogprobOutput
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.head_matmul import choose_matmul
 from rl_engine.logprob.hidden_chunks import HeadPlan, active_rows, backward_chunks, forward_chunks
 from rl_engine.logprob.hidden_dtensor import HeadWeight, head_weight, is_dtensor
 from rl_engine.logprob.registry import dispatch
-from rl_engine.logprob.vocab_parallel import LogprobOutput
 from rl_engine.tables import AUTO, MAX_TP
 
 DEFAULT_CHUNK_TOKENS = 256

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from rl_engine.logprob.backends.eager.vocab_parallel import vocab_parallel_backward
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.head_matmul import MatmulChoice, head_logits
-from rl_engine.logprob.vocab_parallel import vocab_parallel_backward
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -19,16 +19,16 @@ from typing import Any, Callable
 
 import torch
 
-from rl_engine.logprob.contract import DETERMINISM_SCOPES, LogprobContract, LogprobContractError
-from rl_engine.logprob.fused_cpu import FUSED_CPU_ID, FusedCpuLogprob, kernel_unavailable
-from rl_engine.logprob.triton_backend import (
+from rl_engine.logprob.backends.eager.vocab_parallel import BACKEND_ID, VocabParallelLogprob
+from rl_engine.logprob.backends.fused_cpu.fused_cpu import FUSED_CPU_ID, FusedCpuLogprob, kernel_unavailable
+from rl_engine.logprob.backends.triton.triton_backend import (
     TRITON_ID,
     TritonLogprob,
     env_mode,
     triton_mode,
     triton_unavailable,
 )
-from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
+from rl_engine.logprob.contract import DETERMINISM_SCOPES, LogprobContract, LogprobContractError
 from rl_engine.tables import AUTO, BACKEND_DEVICES, DTYPES, INTERPRETER_DEVICES
 
 
