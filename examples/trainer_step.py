@@ -24,13 +24,9 @@ import torch
 import torch.distributed as dist
 
 from rl_engine.distributed.mesh import destroy, init_mesh
-from rl_engine.logprob import (
-    BACKEND_ID,
-    LogprobContract,
-    dispatch,
-    gather_tokens,
-    selected_logprob,
-)
+from rl_engine.logprob import LogprobContract, gather_tokens, selected_logprob
+from rl_engine.logprob.backends.eager.vocab_parallel import BACKEND_ID
+from rl_engine.logprob.registry import dispatch
 from rl_engine.tensorio import fingerprint, tensor_bytes
 
 REAL_VOCAB, PADDED_VOCAB, TILES = 1000, 1024, 16  # 24 padding columns, tiles of 64

@@ -23,6 +23,7 @@ from rl_engine.campaign.case import Case, CaseError, case_document, load_case_fi
 from rl_engine.campaign.inputs import InputSpec, InputSpecError
 from rl_engine.campaign.plan import build_plan, load_plan
 from rl_engine.campaign.plan import main as plan_main
+from rl_engine.logprob.backends.description import schema_enum
 
 REPO = Path(__file__).resolve().parents[1]
 DEFS = json.loads((REPO / "schemas" / "defs.schema.json").read_text())["$defs"]
@@ -36,7 +37,7 @@ def test_schema_enums_are_the_tables() -> None:
     assert DEFS["device"]["enum"] == list(tables.DEVICE_DIST_BACKENDS) == CONFIG_SCHEMA["device"]["enum"]
     assert DEFS["dist_backend"]["enum"] == list(tables.DEVICE_DIST_BACKENDS.values())
     assert DEFS["cp_layout"]["enum"] == list(tables.CP_LAYOUTS)
-    assert DEFS["backend_id"]["enum"] == list(tables.BACKEND_DEVICES)
+    assert DEFS["backend_id"]["enum"] == schema_enum()
     assert DEFS["tp_degree"]["maximum"] == tables.MAX_TP and DEFS["cp_degree"]["maximum"] == tables.MAX_CP
     assert CONFIG_SCHEMA["threads_per_rank"]["maximum"] == tables.MAX_THREADS_PER_RANK
     assert CONFIG_SCHEMA["topologies"]["minItems"] == tables.MIN_MATRIX_TOPOLOGIES

@@ -177,7 +177,7 @@ def test_check_config_runs_the_runners_topology_rules(monkeypatch: pytest.Monkey
 
 
 def test_check_config_runs_the_runners_case_rules(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(campaign, "BACKEND_DEVICES", {"another-backend": ("cpu",)})
+    monkeypatch.setattr(campaign, "backend_devices", lambda: {"another-backend": ("cpu",)})
     with pytest.raises(WorkflowConfigError) as raised:
         check_config(base())
     assert str(raised.value) == (

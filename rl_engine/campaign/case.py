@@ -37,15 +37,14 @@ from typing import Any, Mapping, Sequence
 from rl_engine import jsonio, schemas
 from rl_engine.arith.temperature import TemperatureError, temperature32
 from rl_engine.distributed.bounds import BoundsError, check_cp_split, even_vocab_shards, tile_width
+from rl_engine.logprob.backends.description import backend_devices, interpreter_devices
 from rl_engine.tables import (
     AUTO,
-    BACKEND_DEVICES,
     CP_LAYOUTS,
     DEFAULT_PG_TIMEOUT_S,
     DEFAULT_TOLERANCES,
     DEVICE_DIST_BACKENDS,
     DTYPES,
-    INTERPRETER_DEVICES,
     LOGIT_SCALE_BOUNDS,
     MAX_CP,
     MAX_LOGIT_ELEMENTS,
@@ -69,9 +68,10 @@ def case_devices(backend: str) -> tuple[str, ...]:
     """The devices a campaign may run ``backend`` on: its table entry, or its interpreter's
     when the user selected that mode (``RL_ENGINE_TRITON_MODE=interpreter`` for the Triton
     backend, recorded in every report's ``dispatch.mode``)."""
-    if backend in INTERPRETER_DEVICES and os.environ.get(TRITON_MODE_ENV) == "interpreter":
-        return INTERPRETER_DEVICES[backend]
-    return BACKEND_DEVICES[backend]
+    interpreted = interpreter_devices()
+    if backend in interpreted and os.environ.get(TRITON_MODE_ENV) == "interpreter":
+        return interpreted[backend]
+    return backend_devices()[backend]
 
 
 def _number_problem(name: str, value: Any, positive: bool) -> str | None:
@@ -164,9 +164,9 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
         if backend == AUTO:
             add("backend",
                 "backend='auto' is refused: a campaign validates one named backend (evidence must "
-                f"name what it tested); name it explicitly, one of {list(BACKEND_DEVICES)}")
-        elif backend not in BACKEND_DEVICES:
-            add("backend", f"backend={backend!r} is not registered; use one of {list(BACKEND_DEVICES)}")
+                f"name what it tested); name it explicitly, one of {list(backend_devices())}")
+        elif backend not in backend_devices():
+            add("backend", f"backend={backend!r} is not registered; use one of {list(backend_devices())}")
         elif has("device") and values["device"] not in case_devices(backend):
             add("backend",
                 f"backend={backend!r} does not run on device={values['device']!r} (its devices: "

@@ -766,7 +766,7 @@ def replay(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | None =
     """Recompute the candidate at TP=1 and require byte equality with every topology."""
     import torch
 
-    from rl_engine.campaign.replay import ARITH_BACKENDS, REFERENCE_BACKEND, case_source, replay_candidate
+    from rl_engine.campaign.replay import REFERENCE_BACKEND, arith_backends, case_source, replay_candidate
     from rl_engine.rundir import TENSOR_NAMES
     from rl_engine.tensorio import tensor_bytes
 
@@ -790,7 +790,7 @@ def replay(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | None =
                 # a case of any backend of the arithmetic spec is replayed by the eager
                 # reference: no compiled kernel needed here, and the strictest comparison;
                 # a report of an earlier arithmetic version, by that version's NumPy implementation
-                by = REFERENCE_BACKEND if case.get("backend") in ARITH_BACKENDS else None
+                by = REFERENCE_BACKEND if case.get("backend") in arith_backends() else None
                 cache[key] = replay_candidate(case, backend=by, capture=case_source(case, run.root, capture),
                                               spec=spec if isinstance(spec, str) else "")
             again = cache[key]

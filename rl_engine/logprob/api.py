@@ -257,6 +257,27 @@ def _compiled_call(logits: torch.Tensor, targets: Any, active: Any, lead: tuple[
     return LogprobOutput(logp, lse, entropy if compute_entropy else None, None)
 
 
+def selected_logprob_tp(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    active: torch.Tensor,
+    contract: LogprobContract,
+    mesh: Any,
+    *,
+    backend: str = AUTO,
+) -> LogprobOutput:
+    """This rank's selected-token logprob under TP x CP: its tokens (``contract.token_indices``)
+    and its vocabulary columns (``contract.vocab_start:vocab_end``) of the logits.
+
+    The backend is chosen by :func:`rl_engine.logprob.registry.dispatch` for ``mesh``'s device
+    (``backend="auto"`` records its choice; an explicit id fails closed, nothing falls back) and
+    runs over ``mesh.tp_group``; :func:`gather_tokens` over ``mesh.cp_group`` puts the tokens back
+    in the global order. ``mesh`` is :func:`rl_engine.distributed.mesh.init_mesh`'s.
+    """
+    chosen = dispatch(backend, contract, mesh.device.type)
+    return chosen.op(logits, targets, active, contract, group=mesh.tp_group)
+
+
 def resolve_vocab_tiles(num_vocab_tiles: int | str, padded_vocab: int, max_tp: int = MAX_TP) -> dict[str, Any]:
     """``{"requested", "resolved", "rule", "max_tp"}``: an explicit count as given (the contract
     checks it), or ``"auto"`` resolved by :func:`rl_engine.distributed.bounds.auto_vocab_tiles`."""
