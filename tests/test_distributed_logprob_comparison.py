@@ -24,6 +24,7 @@ import torch.distributed as dist
 from rl_engine import cli, jsonio, schemas
 from rl_engine.campaign import case as campaign
 from rl_engine.campaign import plan as planmod
+from rl_engine.campaign.captured import case_rank_inputs
 from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.faults import Fault, FaultError, fault_from_env, parse_fault
 from rl_engine.campaign.inputs import PADDING_LOGIT, inputs_sha256, make_inputs
@@ -107,7 +108,7 @@ def test_inputs_follow_the_documented_recipe() -> None:
 def test_a_rank_makes_only_its_part_of_the_inputs_with_the_bytes_of_the_whole(
         layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rank of every default topology makes its tokens and columns alone (the runner's
-    ``Case.rank_inputs``: the whole recipe is never made for a rank's part), and gets the bytes of
+    ``case_rank_inputs``: the whole recipe is never made for a rank's part), and gets the bytes of
     the same slice of the whole case's inputs; padding columns included (real 1000 of 1024, so the
     last TP shard straddles the boundary)."""
     from rl_engine.campaign import inputs
@@ -120,7 +121,7 @@ def test_a_rank_makes_only_its_part_of_the_inputs_with_the_bytes_of_the_whole(
         for tp_rank in range(tp):
             for cp_rank in range(cp):
                 contract = case.contract(tp, cp, tp_rank, cp_rank)
-                part = case.rank_inputs(contract)
+                part = case_rank_inputs(case.to_dict(), contract)
                 rows = torch.tensor(contract.token_indices, dtype=torch.int64)
                 want = (whole[0][rows, contract.vocab_start:contract.vocab_end], whole[1][rows], whole[2][rows])
                 assert [t.numpy().tobytes() for t in part] == [t.contiguous().numpy().tobytes() for t in want], \

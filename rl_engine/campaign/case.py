@@ -15,8 +15,9 @@ module for a second one; ``docs/design.md`` draws who calls what):
   verify recomputes);
 - the resolved case and its hash, which names the run: :func:`resolved_case`, :func:`case_hash`,
   :meth:`Case.run_hash`;
-- its inputs: :meth:`Case.inputs` and :meth:`Case.rank_inputs` (the recipe-or-capture branch is
-  :mod:`rl_engine.campaign.captured`'s, which imports torch).
+- not its inputs: :func:`rl_engine.campaign.captured.case_inputs` and ``case_rank_inputs`` make them
+  from the case's record (the recipe-or-capture branch imports torch, and the captured module reads
+  the case: the case importing it back would close an import circle, ``tests/test_layers.py``).
 
 The case file (``case.json``, ``schemas/case.schema.json``) is a case with its topologies: what
 the workflow's resolved config becomes, and what the plan is built from
@@ -536,21 +537,6 @@ class Case:
                  parity: Mapping[str, Any] | None = None) -> str:
         """:func:`case_hash` of a run of this case over ``topologies`` with this focused regression."""
         return case_hash(self.to_dict(), topologies, tests, pytest_args, parity)
-
-    def inputs(self) -> Any:
-        """The whole case's ``(FP32 logits, targets, active)``: the input recipe's, or the capture's at its
-        recorded path after its hash (:func:`rl_engine.campaign.captured.case_inputs`)."""
-        from rl_engine.campaign.captured import case_inputs  # imports torch: not at parse time
-
-        return case_inputs(self.to_dict())
-
-    def rank_inputs(self, contract: Any) -> Any:
-        """One rank's ``(logits, targets, active)`` under its ``contract`` (:meth:`contract`): the
-        recipe's rows and columns, or only that rank's part of the capture
-        (:func:`rl_engine.campaign.captured.case_rank_inputs`)."""
-        from rl_engine.campaign.captured import case_rank_inputs  # imports torch: not at parse time
-
-        return case_rank_inputs(self.to_dict(), contract)
 
 
 def record_contract(record: Mapping[str, Any], tp: int = 1, cp: int = 1, tp_rank: int = 0, cp_rank: int = 0, *,

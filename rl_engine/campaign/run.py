@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from rl_engine import jsonio, schemas
 from rl_engine.arith.portable import SPEC_VERSION
-from rl_engine.campaign.captured import check_file
+from rl_engine.campaign.captured import case_inputs, case_rank_inputs, check_file
 from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.faults import Fault, FaultError, fault_from_env
 from rl_engine.campaign.inputs import inputs_sha256
@@ -95,7 +95,7 @@ def compute_rank(
     """This rank's local results (CPU tensors) and provenance, ready to gather on rank 0."""
     contract = rank_contract(case, tp, cp, tp_rank, cp_rank)
     selected = dispatch(case.backend, contract, device.type)
-    local, targets, active = case.rank_inputs(contract)  # on a capture, run_topology checked its hash
+    local, targets, active = case_rank_inputs(case.to_dict(), contract)  # on a capture, run_topology checked its hash
     local = local.to(device=device, dtype=contract.torch_dtype).contiguous().requires_grad_(True)
     start = time.perf_counter()
     out = selected.op(
@@ -285,7 +285,7 @@ def build_report(
     tp_failures = tp_replication_failures(results)
     failures = _backend_failures(case, results) + tp_failures
     tensors = assemble(results, case)
-    logits_fp32, targets, active = case.inputs()
+    logits_fp32, targets, active = case_inputs(case.to_dict())
     if fault is not None and fault.kind == "perturb" and fault.applies(tp, cp):
         perturb(tensors["logp"], logits_fp32, targets, active, case)
     drift = case.drift(tensors["logp"], tensors["lse"], logits_fp32, targets, active)

@@ -1,7 +1,7 @@
 """The fused head's work: the active rows' logits made chunk by chunk, the op on them, the gradients.
 
 Shared by the eager call (:mod:`rl_engine.logprob.hidden`) and the registered op that
-``torch.compile`` keeps whole (:mod:`rl_engine.logprob.compiled_head`), so both compute the same
+``torch.compile`` keeps whole (:func:`rl_engine.logprob.hidden.compiled_from_hidden`), so both compute the same
 bytes by the same code.
 
 * Only active rows are computed: their indices (one host read of the mask) pick the rows of
