@@ -709,7 +709,9 @@ def test_safe_extract_unit_contract(tmp_path: Path) -> None:
 
 def test_verify_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert verify.main([str(tmp_path / "missing.tar.gz")]) == 2
-    assert "is not a file" in capsys.readouterr().err
+    assert "missing.tar.gz does not exist (looked for" in capsys.readouterr().err
+    assert verify.main([str(tmp_path)]) == 2
+    assert "is a directory, not an archive" in capsys.readouterr().err
 
 
 def test_one_ulp_forgery_rebuilt_with_the_projects_verbs_is_caught_only_by_the_replay(

@@ -992,7 +992,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--capture {terminal_text(str(args.capture))}: no such regular file (looked for "
                      f"{terminal_text(str(args.capture.absolute()))}); give the path of the captured file")
     if not args.archive.is_file():
-        print(f"verify: {terminal_text(str(args.archive))} is not a file", file=sys.stderr)
+        shown_path = terminal_text(str(args.archive))
+        why = ("does not exist" if not args.archive.exists() else
+               "is a directory, not an archive" if args.archive.is_dir() else "is not a regular file")
+        print(f"verify: {shown_path} {why} (looked for {terminal_text(str(args.archive.absolute()))}); give the path "
+              "of an evidence archive (results/<name>.tar.gz)", file=sys.stderr)
         return 2
     try:
         limits = Limits(args.max_member_mib * MIB, args.max_total_mib * MIB, args.max_members)
