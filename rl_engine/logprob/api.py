@@ -263,6 +263,9 @@ def selected_logprob_tp(
     mesh: Any,
     *,
     backend: str = AUTO,
+    compute_entropy: bool = False,
+    validate: bool = True,
+    chunk_rows: int | None = None,
 ) -> LogprobOutput:
     """This rank's selected-token logprob under TP x CP: its tokens (``contract.token_indices``)
     and its vocabulary columns (``contract.vocab_start:vocab_end``) of the logits.
@@ -273,7 +276,8 @@ def selected_logprob_tp(
     in the global order. ``mesh`` is :func:`rl_engine.distributed.mesh.init_mesh`'s.
     """
     chosen = dispatch(backend, contract, mesh.device.type)
-    return chosen.op(logits, targets, active, contract, group=mesh.tp_group)
+    return chosen.op(logits, targets, active, contract, group=mesh.tp_group, compute_entropy=compute_entropy,
+                     validate=validate, chunk_rows=chunk_rows)
 
 
 def resolve_vocab_tiles(num_vocab_tiles: int | str, padded_vocab: int, max_tp: int = MAX_TP) -> dict[str, Any]:
