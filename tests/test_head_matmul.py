@@ -136,7 +136,7 @@ def test_the_product_is_chosen_by_name_and_nothing_falls_back() -> None:
 def test_a_checkout_without_the_built_product_is_named_by_the_regression_verb(tmp_path: Path) -> None:
     """``regression`` runs nothing in a checkout whose ``_head_gemm`` is not built, naming it and the fix
     (the fused kernel's case is ``tests/test_evidence.py``'s); this checkout has both built."""
-    source = Path(spec_numpy.__file__).resolve().parents[1]
+    source = Path(spec_numpy.__file__).resolve().parents[2]  # rl_engine/arith/spec_numpy.py -> the checkout
     checkout = tmp_path / "other-checkout"
     shutil.copytree(source / "rl_engine", checkout / "rl_engine",
                     ignore=shutil.ignore_patterns("_head_gemm*.so", "_head_gemm*.pyd", "__pycache__"))
