@@ -473,3 +473,20 @@ def test_under_torch_compile_fullgraph_the_call_is_refused() -> None:
     torch._dynamo.reset()
     with pytest.raises(Exception, match="Observed exception"):
         torch.compile(f, backend="eager", fullgraph=True)(x, t)
+
+
+def test_the_bench_times_processed_against_raw_in_one_run(tmp_path: Any) -> None:
+    """``bench --paths candidate processed``: both timed in one run, the ratio computed from its rows."""
+    from rl_engine import jsonio, schemas
+    from rl_engine.benchmark import cli as bench_cli
+
+    out = tmp_path / "bench.json"
+    flags = ["--tokens", "8", "--vocab", "512", "--tiles", "4", "--repeats", "1", "--warmup", "0", "--threads", "1",
+             "--no-memory", "--paths", "candidate", "processed"]
+    assert bench_cli.main([*flags, "--output", str(out)]) == 0
+    doc = jsonio.load(out)
+    assert schemas.errors(doc, "bench") == []
+    rows = {(r["path"], r["phase"]): r["median_s"] for r in doc["rows"]}
+    for phase in ("forward", "forward_backward"):
+        ratio = doc["path_ratios"]["processed"]["8"][phase]["time_vs_candidate"]
+        assert ratio == rows[("processed", phase)] / rows[("candidate", phase)]
