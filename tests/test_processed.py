@@ -15,15 +15,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rl_engine import spec_numpy as S
+from rl_engine.arith import spec_numpy as S
 from rl_engine.logprob.api import selected_logprob
+from rl_engine.logprob.backends.description import descriptions
+from rl_engine.logprob.backends.eager.vocab_parallel import VocabParallelLogprob
+from rl_engine.logprob.backends.fused_cpu.fused_cpu import FusedCpuLogprob, kernel_unavailable
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
-from rl_engine.logprob.fused_cpu import FusedCpuLogprob, kernel_unavailable
 from rl_engine.logprob.oracle import processed_fp64_oracle
 from rl_engine.logprob.processed import Sampling, sampling_from
 from rl_engine.logprob.registry import BackendUnavailableError, default_registry
-from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
-from rl_engine.tables import EAGER_BACKEND, PROCESSED_BACKENDS
+from rl_engine.tables import EAGER_BACKEND
 from rl_engine.tensorio import tensor_bytes
 
 from _multiproc import run_workers
@@ -313,8 +314,10 @@ def test_a_backend_without_processed_logprobs_refuses_by_name() -> None:
 
 
 def test_every_engine_flag_matches_the_registry_table() -> None:
+    described = {d.backend_id: d.processed_logprobs for d in descriptions()}
+    assert described[EAGER_BACKEND]
     for backend_id, spec_ in default_registry().items():
-        assert spec_.capabilities.processed_logprobs == (backend_id in PROCESSED_BACKENDS)
+        assert spec_.capabilities.processed_logprobs == described[backend_id]
     assert VocabParallelLogprob().engine().supports_processed
 
 
@@ -455,3 +458,35 @@ def test_the_fused_head_gives_the_op_s_processed_bytes_on_its_fixed_order_logits
     for name in ("selected_logp", "lse", "entropy", "target_kept"):
         assert tensor_bytes(getattr(out, name).reshape(-1)[rows]) == tensor_bytes(getattr(ref, name)), name
     assert tensor_bytes(h.grad) == tensor_bytes(grad_hidden.reshape(hidden.shape))
+
+
+def test_under_torch_compile_fullgraph_the_call_is_refused() -> None:
+    """The registered op has no sampling parameters yet: inside a traced region the call refuses by
+    name, so ``fullgraph=True`` fails (without ``fullgraph`` dynamo breaks the graph there and the call
+    runs eagerly)."""
+    x = torch.randn(4, 256)
+    t = torch.zeros(4, dtype=torch.int64)
+
+    def f(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return selected_logprob(x, t, top_p=0.9, backend=EAGER_BACKEND).selected_logp
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="Observed exception"):
+        torch.compile(f, backend="eager", fullgraph=True)(x, t)
+
+
+def test_the_bench_times_processed_against_raw_in_one_run(tmp_path: Any) -> None:
+    """``bench --paths candidate processed``: both timed in one run, the ratio computed from its rows."""
+    from rl_engine import jsonio, schemas
+    from rl_engine.benchmark import cli as bench_cli
+
+    out = tmp_path / "bench.json"
+    flags = ["--tokens", "8", "--vocab", "512", "--tiles", "4", "--repeats", "1", "--warmup", "0", "--threads", "1",
+             "--no-memory", "--paths", "candidate", "processed"]
+    assert bench_cli.main([*flags, "--output", str(out)]) == 0
+    doc = jsonio.load(out)
+    assert schemas.errors(doc, "bench") == []
+    rows = {(r["path"], r["phase"]): r["median_s"] for r in doc["rows"]}
+    for phase in ("forward", "forward_backward"):
+        ratio = doc["path_ratios"]["processed"]["8"][phase]["time_vs_candidate"]
+        assert ratio == rows[("processed", phase)] / rows[("candidate", phase)]
