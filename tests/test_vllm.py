@@ -195,7 +195,7 @@ def measure_processed(driven: Path) -> dict:
     differ; the emulation itself is checked against vLLM's kept sets."""
     import numpy as np
 
-    from rl_engine import spec_numpy
+    from rl_engine.arith import spec_numpy
     from rl_engine.capture.parity import ParityOptions, sampled_logprob
     from rl_engine.logprob.api import resolve_vocab_tiles
 
