@@ -146,3 +146,9 @@ def test_the_verb_writes_section_6_and_its_figure(tmp_path: Path, backend: str) 
     assert code == 0  # the two sides' logits are the same: our raw logprobs are bitwise equal
     report = jsonio.load(tmp_path / "p" / "parity.json")
     assert report["processed"]["fraction_explained"] == 1.0 and (tmp_path / "p" / "parity.png").stat().st_size > 0
+    from rl_engine.capture.parity import figure_panels
+
+    panel = figure_panels(report)[-1]
+    assert panel.title == "rollout engine's processed logprob - our processed"
+    # every counted token bitwise equal (exact zeros), the one outside our kept set not finite
+    assert (panel.zeros, panel.non_finite, panel.values) == (9, 1, ())

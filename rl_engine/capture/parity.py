@@ -517,8 +517,9 @@ def figure_panels(report: dict[str, Any]) -> list[Panel]:
     """The panels of parity.png, every number from the report (parity.json): our logprob difference
     (trainer - rollout), the logits' largest difference per token, our importance ratio with its
     truncation bounds, the same ratio's distance from 1 on a log scale (ratios within 1e-5 of 1 are
-    one bar on the linear panel, whose axis spans the bounds; here each decade has its bins), and each
-    engine's reported logprob against ours where the capture has one."""
+    one bar on the linear panel, whose axis spans the bounds; here each decade has its bins), each
+    engine's reported logprob against ours where the capture has one, and the rollout engine's
+    processed logprob against our processed one (section 6) where the capture has it."""
     act = report["targets_and_mask"]["per_token"]["active"]
     active = sum(1 for on in act if on)
 
@@ -546,6 +547,10 @@ def figure_panels(report: dict[str, Any]) -> list[Panel]:
         if stats is not None:
             panels.append(diff_panel(f"{side} engine's reported logprob - ours", stats["per_token"]["diff"],
                                      "logprob difference (nats)"))
+    processed = report.get("processed")
+    if processed is not None and processed["engine_reported"]:
+        panels.append(diff_panel("rollout engine's processed logprob - our processed", processed["per_token"]["residual"],
+                                 "logprob difference (nats)"))
     return panels
 
 
