@@ -152,3 +152,17 @@ def test_the_verb_writes_section_6_and_its_figure(tmp_path: Path, backend: str) 
     assert panel.title == "rollout engine's processed logprob - our processed"
     # every counted token bitwise equal (exact zeros), the one outside our kept set not finite
     assert (panel.zeros, panel.non_finite, panel.values) == (9, 1, ())
+
+
+def test_summary_md_has_a_row_for_section_6_only_when_the_report_has_one(tmp_path: Path) -> None:
+    from rl_engine.evidence.summary import parity_section
+
+    reported = _ours_alone()
+    reported[4] = torch.nextafter(reported[4], torch.tensor(0.0))
+    report = _report(tmp_path, reported)
+    rows = dict(parity_section(report).rows)
+    text = rows["6 Processed logprob (rollout's sampling parameters)"]
+    assert "engine - ours: 1 of 9 counted tokens differ" in text
+    assert f"{report['processed']['fraction_explained']!r}" in text and "1 target(s) outside our kept set" in text
+    plain = _report(tmp_path / "plain", None, sampling=False)
+    assert not any(name.startswith("6 ") for name, _ in parity_section(plain).rows)
