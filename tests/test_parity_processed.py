@@ -166,3 +166,14 @@ def test_summary_md_has_a_row_for_section_6_only_when_the_report_has_one(tmp_pat
     assert f"{report['processed']['fraction_explained']!r}" in text and "1 target(s) outside our kept set" in text
     plain = _report(tmp_path / "plain", None, sampling=False)
     assert not any(name.startswith("6 ") for name, _ in parity_section(plain).rows)
+
+
+@pytest.mark.parametrize("path, value", [(("fraction_explained",), 1.5), (("parameters_from",), "trainer"),
+                                         (("target_not_kept", "count"), -1), (("per_token", "target_kept"), [1.0])])
+def test_the_schema_refuses_a_damaged_section_6(tmp_path: Path, path: tuple[str, ...], value: object) -> None:
+    report = jsonio.loads(jsonio.dumps(_report(tmp_path, _ours_alone())))
+    node = report["processed"]
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    assert schemas.errors(report, "parity") != []
