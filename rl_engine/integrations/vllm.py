@@ -58,7 +58,7 @@ from rl_engine.capture.format import (
 SUPPORTED_VERSIONS = ("0.32",)
 LOGPROB_MODES = (None, "raw", "processed")
 # vLLM's logprobs_mode under which each of our modes replaces values of the same kind: ours "raw" are
-# logprobs at T = 1 (vLLM's raw_logprobs), ours "processed" logprobs at the request's temperature.
+# logprobs at T = 1 (vLLM's raw_logprobs), ours "processed" logprobs under the request's temperature and truncation.
 LOGPROBS_MODES_FOR = {"raw": ("raw_logprobs",), "processed": ("raw_logprobs", "processed_logprobs")}
 # The sampler's truncation parameters, which our processed logprob models (per row, section 13).
 SAMPLER_PARAMS = ("top_k", "top_p", "min_p")
@@ -97,7 +97,7 @@ class Options:
         if self.logprobs not in LOGPROB_MODES:
             raise VLLMIntegrationError(f"logprobs={self.logprobs!r} is not one of {list(LOGPROB_MODES)}: "
                                        "None keeps vLLM's own, 'raw' returns ours at temperature 1, "
-                                       "'processed' ours at the request's temperature")
+                                       "'processed' ours under the request's temperature, top_k, top_p and min_p")
         for name in ("capture", "prompt_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise VLLMIntegrationError(f"{name}={getattr(self, name)!r} must be True or False")
@@ -500,7 +500,7 @@ def install(llm: Any, *, capture: bool = True, prompt_rows: bool = False, logpro
     ``capture``: keep every sampled row for :func:`collect`; ``prompt_rows``: keep the prompt rows
     too (the requests must ask for ``prompt_logprobs``, which is when vLLM computes them);
     ``logprobs``: ``None`` leaves vLLM's returned logprobs alone, ``"raw"`` makes them ours at
-    temperature 1, ``"processed"`` ours at the request's temperature. ``num_vocab_tiles`` and
+    temperature 1, ``"processed"`` ours under the request's temperature, top-k, top-p and min-p. ``num_vocab_tiles`` and
     ``backend`` are :func:`~rl_engine.logprob.selected_logprob`'s (the trainer must use the same
     tile count to get the same bytes: ``auto`` is the API's rule on both sides)."""
     version = _version()
