@@ -353,11 +353,23 @@ def _run_rank(b: dict[str, Any], params: dict[str, Any], dtype: str, tp: int, tp
 
 
 def _mesh_worker(rank: int, cases: dict[str, Any]) -> dict[Any, Any]:
-    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=90))
+    from rl_engine.distributed.mesh import init_mesh
+    from rl_engine.logprob import selected_logprob_tp
+
+    mesh = init_mesh(tp=4, cp=2, timeout_s=90)
     groups: dict[int, list[Any]] = {1: [None] * 8, 8: [dist.group.WORLD]}
     for tp in (2, 4):
         groups[tp] = [dist.new_group(list(range(s, s + tp))) for s in range(0, 8, tp)]
     out: dict[Any, Any] = {}
+    # the public TP entry on the mesh: the op's bytes with the same (numbers for every row) parameters
+    dtype, b, _ = next(iter(cases.values()))
+    c = LogprobContract.from_mesh(mesh, real_vocab_size=REAL, padded_vocab_size=PADDED, num_vocab_tiles=TILES,
+                                  num_sequences=SEQS, seq_len=SEQ_LEN, logits_dtype=dtype)
+    rows = torch.tensor(c.token_indices, dtype=torch.int64)
+    x = b["logits"][rows, c.vocab_start:c.vocab_end].contiguous()
+    public = selected_logprob_tp(x, b["targets"][rows], b["active"][rows], c, mesh, backend=EAGER_BACKEND,
+                                 top_k=40, top_p=0.8, min_p=0.02)
+    out["public"] = {"tokens": c.token_indices, "logp": public.selected_logp, "kept": public.target_kept}
     for name, (dtype, b, params) in cases.items():
         for tp, cp, layout in TOPOLOGIES:
             cp_rank, tp_rank = divmod(rank % (tp * cp), tp)
@@ -394,6 +406,16 @@ def mesh_runs() -> tuple[dict[str, Any], list[dict[Any, Any]]]:
         b = batch(dtype, rows=SEQS * SEQ_LEN, seed=60 + i)
         cases[name] = (dtype, b, params_for(pname, SEQS * SEQ_LEN))
     return cases, run_workers(_mesh_worker, 8, cases, timeout_s=300)
+
+
+def test_selected_logprob_tp_takes_the_parameters_and_gives_the_one_rank_bytes(mesh_runs: Any) -> None:
+    cases, results = mesh_runs
+    _dtype, b, _ = next(iter(cases.values()))
+    want = eager(b, dict(top_k=40, top_p=0.8, min_p=0.02))
+    for res in results:
+        idx = torch.tensor(res["public"]["tokens"], dtype=torch.int64)
+        assert tensor_bytes(res["public"]["logp"]) == tensor_bytes(want["logp"][idx])
+        assert tensor_bytes(res["public"]["kept"]) == tensor_bytes(want["kept"][idx])
 
 
 @pytest.mark.parametrize("case", list(MESH_CASES))
