@@ -48,7 +48,7 @@ from rl_engine.tables import FUSED_CPU_BACKEND
 
 FUSED_CPU_ID = FUSED_CPU_BACKEND
 MODULE = "rl_engine.logprob._fused_cpu"
-ABI_VERSION = 4
+ABI_VERSION = 5
 ISA_AUTO, ISA_BASELINE, ISA_AVX2, ISA_AVX512 = 0, 1, 2, 3
 ISA_NAMES = {"auto": ISA_AUTO, "baseline": ISA_BASELINE, "avx2": ISA_AVX2, "avx512": ISA_AVX512}
 MAX_THREADS = 256  # the size of the kernel's job table (run_split in _fused_cpu.c)
@@ -119,6 +119,26 @@ def _load() -> FusedKernel:
     lib.rle_backward.argtypes = [
         _c_p, ctypes.c_int, _c_i64, _c_i64, _c_i64, _c_i64,
         _c_p, _c_p, _c_p, _c_p, _c_p, ctypes.c_float, _c_p, _c_p, ctypes.c_int, ctypes.c_int,
+    ]
+    lib.rle_forward_kept.restype = ctypes.c_int
+    lib.rle_forward_kept.argtypes = [
+        _c_p, ctypes.c_int, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64,
+        _c_p, _c_p, _c_p, _c_p, ctypes.c_float, _c_p, _c_p, _c_p, ctypes.c_int, ctypes.c_int,
+    ]
+    lib.rle_backward_kept.restype = ctypes.c_int
+    lib.rle_backward_kept.argtypes = [
+        _c_p, ctypes.c_int, _c_i64, _c_i64, _c_i64, _c_i64,
+        _c_p, _c_p, _c_p, _c_p, _c_p, ctypes.c_float, _c_p, _c_p, _c_p, _c_p, ctypes.c_int, ctypes.c_int,
+    ]
+    lib.rle_kept_candidates.restype = ctypes.c_int
+    lib.rle_kept_candidates.argtypes = [
+        _c_p, ctypes.c_int, _c_i64, _c_i64, _c_i64, ctypes.c_float,
+        _c_p, _c_p, _c_p, _c_i64, _c_p, _c_p, _c_p, _c_p, ctypes.c_int, ctypes.c_int,
+    ]
+    lib.rle_kept_topp.restype = ctypes.c_int
+    lib.rle_kept_topp.argtypes = [
+        _c_p, ctypes.c_int, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, ctypes.c_float,
+        _c_p, _c_p, _c_p, _c_p, _c_p, _c_p, ctypes.c_int, ctypes.c_int,
     ]
     for name in ("rle_round_f16_array", "rle_round_bf16_array", "rle_upcast_f16_array"):
         fn = getattr(lib, name)

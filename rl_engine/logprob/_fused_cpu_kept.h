@@ -1,0 +1,267 @@
+/*
+ * Processed logprobs (docs/arithmetic.md section 13) in the fused CPU kernels: included by
+ * _fused_cpu_lanes.h once per instruction set, after its forward and backward.
+ *
+ * The kept set K of a row is a prefix of the key order (x_c descending, ties by the lower
+ * column): min-p keeps every column at or above a value, top-k and top-p keep prefixes of
+ * that. So one key (v, id) per row describes it: column c (global id g) is dropped iff
+ * x_c < v, or x_c == v and g > id. A NaN x_c is never dropped (a row with a NaN keeps every
+ * column); (v, id) = (-inf, INT64_MAX) drops nothing. The kernels take id as a local column
+ * (the global id minus the shard's first column: below 0 drops every tie, past the shard
+ * keeps them).
+ *
+ *  - fwd_rows_kept: section 6 steps 1-4 on the logits with x_c = -inf outside K; with a
+ *    per-row shift (the row max B) in place of the tile's own, its s is section 13's G of
+ *    e_c = E(RN32(x_c - B)) over the kept columns: the top-p sums Z are F of those.
+ *  - bwd_rows_kept: section 7 on the same logits: the unmasked gradient of a kept column is
+ *    the masked one (its operations read x_c, lse and the row's terms only), and every
+ *    dropped column is written +0.
+ *  - candidates_row: min-p's K1 on the shard (its size and its least x), and the first k
+ *    columns of K1 in key order (top-k's rank-local candidates).
+ *  - topp_row: top-p's search on one full row (TP = 1): K2's keys sorted, then bisection on
+ *    the prefix length with the exact Z of section 13 at every step.
+ */
+
+#ifndef RLE_KEPT_COMMON
+#define RLE_KEPT_COMMON 1
+
+/* A column's place in the key order as one unsigned integer: smaller is earlier. The high
+ * 32 bits order binary32 values descending (both zeros as +0: they are equal values), the
+ * low 32 bits are the column (ties by the lower one). NaN never reaches a key. */
+static inline uint64_t rle_key(float x, int64_t c) {
+    uint32_t u = x == 0.0f ? 0u : u_of(x);
+    uint32_t asc = (u & 0x80000000u) ? ~u : (u | 0x80000000u); /* ascending with x */
+    return ((uint64_t)(~asc) << 32) | (uint64_t)(uint32_t)c;
+}
+
+static inline float rle_key_value(uint64_t key) {
+    uint32_t asc = ~(uint32_t)(key >> 32);
+    return f_of((asc & 0x80000000u) ? (asc & 0x7FFFFFFFu) : ~asc);
+}
+
+static int rle_key_cmp(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : (x > y ? 1 : 0);
+}
+
+/* Move the n smallest of keys[0, len) to keys[0, n), in any order (Hoare's selection with a
+ * median-of-three pivot; keys are distinct, their low bits being the column). */
+static void rle_select(uint64_t *keys, int64_t len, int64_t n) {
+    int64_t lo = 0, hi = len - 1;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        uint64_t a = keys[lo], b = keys[mid], c = keys[hi];
+        uint64_t pivot = a < b ? (b < c ? b : (a < c ? c : a)) : (a < c ? a : (b < c ? c : b));
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (keys[i] < pivot) i++;
+            while (keys[j] > pivot) j--;
+            if (i <= j) {
+                uint64_t t = keys[i];
+                keys[i] = keys[j];
+                keys[j] = t;
+                i++;
+                j--;
+            }
+        }
+        if (n - 1 <= j) hi = j;
+        else if (n - 1 >= i) lo = i;
+        else return;
+    }
+}
+
+/* F of section 4 over v[0, n) (n >= 1), in place. */
+static inline float rle_fold(float *v, int64_t n) {
+    int64_t w = n;
+    while (w > 1) {
+        int64_t h = w / 2;
+        for (int64_t i = 0; i < h; i++) v[i] = v[i] + v[w - h + i];
+        w = w - h;
+    }
+    return v[0];
+}
+
+static inline int rle_dropped(float x, int64_t c, float v, int64_t id) {
+    return x < v || (x == v && c > id);
+}
+
+#endif /* RLE_KEPT_COMMON */
+
+/* The forward of the masked logits; see the file's comment. The same passes as fwd_rows, with
+ * the mask applied in the tile buffer after step 0 (the maximum is taken again over the kept
+ * columns; the validation minimum stays that of every real column). */
+static __attribute__((noinline)) void RLE_NAME(fwd_rows_kept)(const fwd_args *a, int64_t r0,
+                                                                int64_t r1, float *restrict x) {
+    const int64_t w = a->tile_width;
+    const int64_t tiles = a->local_vocab / w;
+    const int64_t wv = (w + RLE_GROUP - 1) / RLE_GROUP * RLE_GROUP;
+    const size_t esz = a->dtype == DT_F32 ? 4 : 2;
+    float ls[RLE_LANE_COUNT] __attribute__((aligned(64)));
+    float lt[RLE_LANE_COUNT] __attribute__((aligned(64)));
+    for (int64_t row = r0; row < r1; row++) {
+        const char *rowp = (const char *)a->logits + (size_t)row * (size_t)a->row_stride * esz;
+        const float kv = a->keep_v[row];
+        const int64_t kid = a->keep_id[row];
+        float rmin = __builtin_inff();
+        int rnan = 0;
+        for (int64_t j = 0; j < tiles; j++) {
+            const int64_t c0 = j * w;
+            int64_t nreal = a->real_local - c0;
+            nreal = nreal < 0 ? 0 : (nreal > w ? w : nreal);
+            float mn;
+            RLE_NAME(tile_upcast_max)(rowp, a->dtype, c0, nreal, wv, x, a->row_min != NULL, &mn);
+            if (a->t32 != 1.0f) {
+                const VF vt = VS(a->t32);
+                int64_t c = 0;
+                for (; c + LANES <= nreal; c += LANES)
+                    RLE_NAME(vstore)(x + c, RLE_NAME(vload)(x + c) / vt);
+                for (; c < nreal; c++) x[c] = x[c] / a->t32;
+                mn = mn / a->t32;
+            }
+            if (nreal > 0) rmin = mn < rmin ? mn : rmin;
+            float mx = -__builtin_inff();
+            for (int64_t c = 0; c < nreal; c++) {
+                if (rle_dropped(x[c], c0 + c, kv, kid)) x[c] = -__builtin_inff();
+                else mx = x[c] > mx ? x[c] : mx; /* NaN ignored, as tile_upcast_max does */
+            }
+            const float mj = mx + 0.0f;
+            const float sh = a->shift != NULL ? a->shift[row] : (mj == -__builtin_inff() ? 0.0f : mj);
+            const char *pf = j + 1 < tiles ? rowp + (size_t)(c0 + w) * esz
+                                           : rowp + (size_t)a->row_stride * esz;
+            const char *pf_end = pf + (size_t)w * esz;
+            float tj = 0.0f;
+            if (a->t != NULL) {
+                RLE_NAME(tile_sums)(x, w, sh, ls, lt, 1, pf, pf_end);
+                tj = RLE_NAME(fold_lanes)(lt);
+                a->t[row * tiles + j] = tj;
+            } else {
+                RLE_NAME(tile_sums)(x, w, sh, ls, lt, 0, pf, pf_end);
+            }
+            const float sj = RLE_NAME(fold_lanes)(ls);
+            const int nan = sj != sj && RLE_NAME(has_nan)(x, nreal);
+            rnan |= nan;
+            a->s[row * tiles + j] = sj;
+            a->m[row * tiles + j] = nan ? f_of(CANONICAL_NAN_BITS) : mj;
+        }
+        if (a->row_min != NULL && a->real_local > 0)
+            a->row_min[row] = rnan ? f_of(CANONICAL_NAN_BITS) : rmin;
+    }
+}
+
+/* The backward of the masked logits: bwd_rows on the row, then +0 on every dropped column. */
+static __attribute__((noinline)) void RLE_NAME(bwd_rows_kept)(const bwd_args *a, int64_t r0,
+                                                                int64_t r1) {
+    const size_t esz = a->dtype == DT_F32 ? 4 : 2;
+    for (int64_t row = r0; row < r1; row++) {
+        RLE_NAME(bwd_rows)(a, row, row + 1);
+        const char *rowp = (const char *)a->logits + (size_t)row * (size_t)a->row_stride * esz;
+        char *out = (char *)a->grad + (size_t)row * (size_t)a->local_vocab * esz;
+        const float kv = a->keep_v[row];
+        const int64_t kid = a->keep_id[row];
+        for (int64_t c = 0; c < a->real_local; c++) {
+            const float xc = a->t32 != 1.0f ? upcast(rowp, a->dtype, c) / a->t32
+                                            : upcast(rowp, a->dtype, c);
+            if (rle_dropped(xc, c, kv, kid)) RLE_NAME(store_one)(out, a->dtype, c, 0.0f);
+        }
+    }
+}
+
+/* Row `row`'s real binary32 logits after step 0, into x[0, R). */
+static inline void RLE_NAME(row_logits)(const char *rowp, int dtype, int64_t R, float t32,
+                                        float *restrict x) {
+    for (int64_t c = 0; c < R; c++) x[c] = upcast(rowp, dtype, c);
+    if (t32 != 1.0f) {
+        const VF vt = VS(t32);
+        int64_t c = 0;
+        for (; c + LANES <= R; c += LANES) RLE_NAME(vstore)(x + c, RLE_NAME(vload)(x + c) / vt);
+        for (; c < R; c++) x[c] = x[c] / t32;
+    }
+}
+
+/* min-p's K1 on the shard and top-k's rank-local candidates for one row. K1 is every real
+ * column when lmp is -inf (min-p off), else { c : RN32(x_c - B) >= lmp } (lmp = L(mp32)).
+ * Writes |K1| on the shard, the least x over K1 (+inf when empty), and the first
+ * min(k, |K1|) columns of K1 in key order (value, local column), -inf / -1 past them.
+ * keys: room for R keys. */
+static void RLE_NAME(candidates_row)(const float *x, int64_t R, float B, float lmp, int64_t k,
+                                     int64_t kmax, uint64_t *keys, int64_t *count, float *least,
+                                     float *cand_v, int64_t *cand_id) {
+    int64_t n = 0;
+    float lo = __builtin_inff();
+    const int minp = lmp != -__builtin_inff();
+    for (int64_t c = 0; c < R; c++) {
+        const float xc = x[c];
+        if (xc != xc) continue;
+        if (minp && !((xc - B) >= lmp)) continue;
+        lo = xc < lo ? xc : lo;
+        keys[n++] = rle_key(xc, c);
+    }
+    *count = n;
+    *least = lo;
+    int64_t take = k < n ? k : n;
+    if (take > 0) {
+        if (take < n) rle_select(keys, n, take);
+        qsort(keys, (size_t)take, sizeof(uint64_t), rle_key_cmp);
+    }
+    for (int64_t i = 0; i < kmax; i++) {
+        cand_v[i] = i < take ? rle_key_value(keys[i]) : -__builtin_inff();
+        cand_id[i] = i < take ? (int64_t)(uint32_t)keys[i] : -1;
+    }
+}
+
+/* Z of section 13 for the prefix of the sorted K2 of length n: per tile the 128 lanes add, in
+ * column order, e_c of the columns whose rank is below n; F over the lanes, then over the
+ * tiles. lanes: 128 floats; tsum: `tiles` floats. */
+static float RLE_NAME(prefix_z)(const float *e, const int32_t *rank, int64_t n, int64_t V,
+                                int64_t w, float *restrict lanes, float *restrict tsum) {
+    const int64_t tiles = V / w;
+    for (int64_t j = 0; j < tiles; j++) {
+        for (int l = 0; l < RLE_LANE_COUNT; l++) lanes[l] = 0.0f;
+        const int64_t c0 = j * w;
+        for (int64_t c = 0; c < w; c++)
+            if (rank[c0 + c] < n) lanes[c % RLE_LANE_COUNT] = lanes[c % RLE_LANE_COUNT] + e[c0 + c];
+        tsum[j] = RLE_NAME(fold_lanes)(lanes);
+    }
+    return rle_fold(tsum, tiles);
+}
+
+/* Top-p on one full row (the shard is the whole padded vocabulary V, R real columns): K2 is the
+ * prefix up to (v2, id2); e_c = E(RN32(x_c - B)) on K2; tau = RN32(p32 * Z(K2)); the shortest
+ * prefix of K2 in key order with Z >= tau, by bisection on its length. Writes its last key. */
+static void RLE_NAME(topp_row)(const float *x, int64_t R, int64_t V, int64_t w, float B, float v2,
+                               int64_t id2, float p32, float *restrict e, int32_t *rank,
+                               uint64_t *keys, float *lanes, float *tsum, float *out_v,
+                               int64_t *out_id) {
+    int64_t n = 0;
+    for (int64_t c = 0; c < V; c++) {
+        rank[c] = INT32_MAX;
+        e[c] = 0.0f;
+    }
+    for (int64_t c = 0; c < R; c++)
+        if (!rle_dropped(x[c], c, v2, id2) && x[c] == x[c]) keys[n++] = rle_key(x[c], c);
+    int64_t c = 0;
+    const VF vb = VS(B);
+    for (; c + LANES <= R; c += LANES) RLE_NAME(vstore)(e + c, RLE_NAME(vexp)(RLE_NAME(vload)(x + c) - vb));
+    if (c < R) {
+        float xs[LANES], es[LANES];
+        for (int l = 0; l < LANES; l++) xs[l] = c + l < R ? x[c + l] : 0.0f;
+        RLE_NAME(vstore)(es, RLE_NAME(vexp)(RLE_NAME(vload)(xs) - vb));
+        for (int64_t k = c; k < R; k++) e[k] = es[k - c];
+    }
+    qsort(keys, (size_t)n, sizeof(uint64_t), rle_key_cmp);
+    for (int64_t i = 0; i < n; i++) rank[(uint32_t)keys[i]] = (int32_t)i;
+    const float tau = p32 * RLE_NAME(prefix_z)(e, rank, n, V, w, lanes, tsum);
+    int64_t lo = 0, hi = n; /* Z(lo) < tau <= Z(hi) */
+    while (hi - lo > 1) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (RLE_NAME(prefix_z)(e, rank, mid, V, w, lanes, tsum) >= tau) hi = mid;
+        else lo = mid;
+    }
+    if (n == 0) {
+        *out_v = -__builtin_inff();
+        *out_id = -1;
+        return;
+    }
+    *out_v = rle_key_value(keys[hi - 1]);
+    *out_id = (int64_t)(uint32_t)keys[hi - 1];
+}
