@@ -42,15 +42,16 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 REAL, PADDED, TILES = 700, 768, 6  # tile width 128; the last tile half padding
 
 
-def _data(dtype: str, rows: int = 24, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _data(dtype: str, rows: int = 24, seed: int = 3, real: int = REAL,
+          padded: int = PADDED) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logits on a grid of quarter units: many equal values at every threshold."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randint(-24, 9, (rows, PADDED), generator=g).float() / 4
-    x[:, REAL:] = 100.0
-    x[3, :REAL] = 2.0  # every column tied with the max
-    x[4, :REAL:2] = float("-inf")  # real -inf columns
-    x[5, 10:20] = x[5, :REAL].max()  # ties of the max
-    targets = torch.randint(0, REAL, (rows,), generator=g)
+    x = torch.randint(-24, 9, (rows, padded), generator=g).float() / 4
+    x[:, real:] = 100.0
+    x[3, :real] = 2.0  # every column tied with the max
+    x[4, :real:2] = float("-inf")  # real -inf columns
+    x[5, 10:20] = x[5, :real].max()  # ties of the max
+    targets = torch.randint(0, real, (rows,), generator=g)
     active = torch.ones(rows, dtype=torch.bool)
     x[0, 7] = float("nan")  # inactive rows with non-finite values: kept whole
     x[1, :] = float("-inf")
@@ -68,16 +69,18 @@ def _params(rows: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor, torch
     ms = torch.tensor([0.0, 0.05, 0.3, 1.0, 1e-6])
     pick = lambda n: torch.randint(0, n, (rows,), generator=g)  # noqa: E731
     k, p, m = ks[pick(len(ks))], ps[pick(len(ps))], ms[pick(len(ms))]
-    # row 3 (every column tied): top-p alone, Z of a prefix of n columns is n, tau = 350 exactly
+    # row 3 (every column tied): top-p alone, Z of a prefix of n columns is n, tau = n / 2 exactly
     k[:6] = torch.tensor([3, 0, 0, 0, 3, 2])
     p[:6] = torch.tensor([1.0, 0.7, 1.0, 0.5, 0.7, 0.9])
     m[:6] = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.1, 0.0])
     return k, p.float(), m.float()
 
 
-def _contract(dtype: str, rows: int, temperature: float = 1.0, tp: int = 1, rank: int = 0) -> LogprobContract:
+def _contract(dtype: str, rows: int, temperature: float = 1.0, tp: int = 1, rank: int = 0,
+              shape: tuple[int, int, int] = (REAL, PADDED, TILES)) -> LogprobContract:
     kw = {} if tp == 1 else {"tp_world_size": tp, "tp_rank": rank}
-    return LogprobContract(real_vocab_size=REAL, padded_vocab_size=PADDED, num_vocab_tiles=TILES,
+    real, padded, tiles = shape
+    return LogprobContract(real_vocab_size=real, padded_vocab_size=padded, num_vocab_tiles=tiles,
                            num_sequences=1, seq_len=rows, logits_dtype=dtype, temperature=temperature, **kw)
 
 

@@ -167,6 +167,7 @@ typedef struct {
     const float *keep_v;
     const int64_t *keep_id;
     const float *shift;
+    int32_t *count; /* the kept real columns per (row, tile); may be NULL */
 } fwd_args;
 
 typedef struct {
@@ -468,19 +469,20 @@ __attribute__((visibility("default"))) int rle_backward(
 /* Processed logprobs (section 13, _fused_cpu_kept.h). rle_forward_kept and rle_backward_kept
  * are rle_forward_partials and rle_backward on the logits with x_c = -inf outside each row's kept
  * set, given by its last key (keep_v, keep_id: a local column); shift (may be NULL) replaces the
- * tiles' own shift by one per row (the top-p sums). */
+ * tiles' own shift by one per row (the top-p sums); count (may be NULL) gets each tile's number of
+ * kept real columns (top-k's search on the key). */
 __attribute__((visibility("default"))) int rle_forward_kept(
     const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t local_vocab,
     int64_t tile_width, int64_t real_local, float *m, float *s, float *t, float *row_min,
-    float t32, const float *keep_v, const int64_t *keep_id, const float *shift, int threads,
-    int isa) {
+    float t32, const float *keep_v, const int64_t *keep_id, const float *shift, int32_t *count,
+    int threads, int isa) {
     if (logits == NULL || m == NULL || s == NULL || keep_v == NULL || keep_id == NULL ||
         tile_width < 1 || local_vocab < 1 || local_vocab % tile_width != 0 || dtype < DT_F32 ||
         dtype > DT_F16 || rows < 0 || row_stride < local_vocab || real_local < 0 ||
         real_local > local_vocab || !(t32 > 0.0f) || t32 == __builtin_inff())
         return RLE_BAD_ARG;
     fwd_args a = {logits, dtype, rows, row_stride, local_vocab, tile_width, real_local,
-                  m, s, t, row_min, t32, keep_v, keep_id, shift};
+                  m, s, t, row_min, t32, keep_v, keep_id, shift, count};
     return run_split(0, isa, &a, rows, threads);
 }
 

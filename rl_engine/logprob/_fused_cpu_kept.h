@@ -120,10 +120,16 @@ static __attribute__((noinline)) void RLE_NAME(fwd_rows_kept)(const fwd_args *a,
             }
             if (nreal > 0) rmin = mn < rmin ? mn : rmin;
             float mx = -__builtin_inff();
+            int32_t kept = 0;
             for (int64_t c = 0; c < nreal; c++) {
-                if (rle_dropped(x[c], c0 + c, kv, kid)) x[c] = -__builtin_inff();
-                else mx = x[c] > mx ? x[c] : mx; /* NaN ignored, as tile_upcast_max does */
+                if (rle_dropped(x[c], c0 + c, kv, kid)) {
+                    x[c] = -__builtin_inff();
+                } else {
+                    mx = x[c] > mx ? x[c] : mx; /* NaN ignored, as tile_upcast_max does */
+                    kept++;
+                }
             }
+            if (a->count != NULL) a->count[row * tiles + j] = kept;
             const float mj = mx + 0.0f;
             const float sh = a->shift != NULL ? a->shift[row] : (mj == -__builtin_inff() ? 0.0f : mj);
             const char *pf = j + 1 < tiles ? rowp + (size_t)(c0 + w) * esz

@@ -123,7 +123,7 @@ def _load() -> FusedKernel:
     lib.rle_forward_kept.restype = ctypes.c_int
     lib.rle_forward_kept.argtypes = [
         _c_p, ctypes.c_int, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64,
-        _c_p, _c_p, _c_p, _c_p, ctypes.c_float, _c_p, _c_p, _c_p, ctypes.c_int, ctypes.c_int,
+        _c_p, _c_p, _c_p, _c_p, ctypes.c_float, _c_p, _c_p, _c_p, _c_p, ctypes.c_int, ctypes.c_int,
     ]
     lib.rle_backward_kept.restype = ctypes.c_int
     lib.rle_backward_kept.argtypes = [

@@ -73,11 +73,15 @@ def fused_kept_partials(
     validate: bool,
     keys: KeptKeys,
     shift: torch.Tensor | None = None,
+    count: torch.Tensor | None = None,
     *,
     threads: int | None = None,
     isa: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(m, s, t, finite)`` of the local shard with ``x_c = -inf`` outside each row's kept set.
+
+    ``count`` (int32 ``[rows, local tiles]``, optional) receives each tile's number of kept real
+    columns (top-k's search on the key).
 
     With ``shift`` (binary32 ``[rows]``, the row max ``B``) every tile is shifted by it instead of
     its own maximum: ``s`` is then section 13's lane sum of ``E(RN32(x_c - B))`` over the kept
@@ -95,12 +99,18 @@ def fused_kept_partials(
     row_min = torch.empty(rows, dtype=torch.float32) if validate else None
     kv, kid = keys.local(contract)
     sh = None if shift is None else _c_operand("shift", shift.float())
+    if count is not None and (count.dtype != torch.int32 or tuple(count.shape) != (rows, tiles)
+                              or not count.is_contiguous()):
+        raise LogprobContractError(
+            f"count must be a contiguous int32 tensor of shape {(rows, tiles)}, got {count.dtype} "
+            f"{tuple(count.shape)}"
+        )
     if rows:
         status = kernel.lib.rle_forward_kept(
             x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), contract.local_vocab_size,
             width, real_local, m.data_ptr(), s.data_ptr(), _ptr(t), _ptr(row_min),
-            contract.temperature32, kv.data_ptr(), kid.data_ptr(), _ptr(sh), _threads(threads),
-            ISA_NAMES[isa],
+            contract.temperature32, kv.data_ptr(), kid.data_ptr(), _ptr(sh), _ptr(count),
+            _threads(threads), ISA_NAMES[isa],
         )
         kernel.check(status, "processed forward")
     finite = rows_finite(m, row_min, width, real_local) if row_min is not None else None
@@ -263,8 +273,33 @@ def kept_keys_tp1(
                     torch.where(finite, keys.column, everything.column))
 
 
+class FusedKeptScan:
+    """:class:`rl_engine.logprob.kept_search.KeptScan` on the compiled kernels: the search on the
+    key for any shard (at TP = 1, :func:`kept_keys_tp1`'s sort gives the same keys)."""
+
+    def __init__(self, logits: torch.Tensor, contract: LogprobContract, *, threads: int | None = None,
+                 isa: str = "auto") -> None:
+        self.logits = logits
+        self.contract = contract
+        self.threads = threads
+        self.isa = isa
+
+    def prefix(self, keys: KeptKeys, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.logits.shape[0]
+        count = torch.zeros(rows, self.contract.local_vocab_size // self.contract.tile_width, dtype=torch.int32)
+        _, z, _, _ = fused_kept_partials(self.logits, self.contract, False, False, keys, row_max, count,
+                                         threads=self.threads, isa=self.isa)
+        return count, z
+
+    def min_p(self, row_max: torch.Tensor, lmp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        zero = torch.zeros(self.logits.shape[0], dtype=torch.int64)
+        cand = fused_candidates(self.logits, self.contract, row_max, lmp, zero, threads=self.threads, isa=self.isa)
+        return cand.count.unsqueeze(1), cand.least.unsqueeze(1)
+
+
 __all__ = [
     "Candidates",
+    "FusedKeptScan",
     "KEEP_ALL_ID",
     "KeptKeys",
     "fused_candidates",

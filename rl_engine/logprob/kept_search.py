@@ -1,0 +1,139 @@
+"""The kept set's search on the key (``docs/arithmetic.md`` section 13), for any engine and any TP.
+
+A row's kept set is a prefix of the key order, so it is found by bisection on the key without a
+sort: the key ``(value, id)`` is split into the value's place in the descending order of binary32
+values (an integer ``u``, both zeros equal) and the token id. Each step asks the engine for the
+tiles of every row's prefix up to a trial key (:class:`KeptScan`): the number of its real columns
+(top-k) and the lane sums ``G`` of ``e_c = E(RN32(x_c - B))`` (top-p); the tiles of all TP ranks
+are brought together by ``exchange`` (an all-gather: transport only) and reduced in global tile
+order, integers by a sum and the lane sums by the fold ``F``. Predicates on nested prefixes are
+monotone (``Z`` of a prefix never decreases: binary32 addition of non-negative terms is
+monotone), so bisection finds the shortest prefix the definition asks for, the one the NumPy
+spec's sort finds.
+
+Cost: one scan per step, about 32 steps on the value and ``log2(V)`` on the id per stage (top-k,
+then top-p); min-p is one scan.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from rl_engine.logprob.fused_kept import KEEP_ALL_ID, KeptKeys, min_p_log
+from rl_engine.logprob.tiles import fold_sum_
+
+_LOW32 = 0xFFFFFFFF
+_SIGN = 0x80000000
+
+
+class KeptScan(Protocol):
+    """What an engine computes on its shard for the search (``[rows, local tiles]`` each)."""
+
+    def prefix(self, keys: KeptKeys, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per tile: the count of real columns in each row's prefix up to ``keys``, and the lane
+        sum ``G`` of ``E(RN32(x_c - B))`` over them (``B = row_max``)."""
+        ...
+
+    def min_p(self, row_max: torch.Tensor, lmp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per tile: the count of ``{c : RN32(x_c - B) >= lmp}`` and its least logit (``+inf``)."""
+        ...
+
+
+Exchange = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def order_of(value: torch.Tensor) -> torch.Tensor:
+    """``u``: the place of each binary32 value in the descending order (int64; smaller is
+    earlier; ``+0`` and ``-0`` are both ``+0``'s place)."""
+    bits = value.contiguous().view(torch.int32).to(torch.int64) & _LOW32
+    bits = torch.where(value == 0, torch.zeros_like(bits), bits)
+    asc = torch.where((bits & _SIGN) != 0, (~bits) & _LOW32, bits | _SIGN)
+    return (~asc) & _LOW32
+
+
+def value_of(u: torch.Tensor) -> torch.Tensor:
+    """The binary32 value at place ``u`` (the inverse of :func:`order_of`)."""
+    asc = (~u) & _LOW32
+    bits = torch.where((asc & _SIGN) != 0, asc & 0x7FFFFFFF, (~asc) & _LOW32)
+    bits = torch.where(bits >= _SIGN, bits - (1 << 32), bits)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def _bisect(pred: Callable[[KeptKeys], torch.Tensor], search: torch.Tensor, row_max: torch.Tensor,
+            upper: KeptKeys, real_vocab: int) -> KeptKeys:
+    """The least key ``K <= upper`` with ``pred(K)`` on the rows in ``search`` (``upper`` elsewhere),
+    given that ``pred`` is monotone, false on the empty prefix and true at ``upper``."""
+    rows = row_max.shape[0]
+    all_ids = torch.full((rows,), KEEP_ALL_ID, dtype=torch.int64, device=row_max.device)
+    hi = order_of(upper.value)
+    lo = torch.where(search, order_of(row_max) - 1, hi - 1)
+    while bool((hi - lo > 1).any()):
+        mid = torch.where(hi - lo > 1, (lo + hi) // 2, hi)
+        ok = pred(KeptKeys(value_of(mid), all_ids))
+        hi = torch.where(ok, mid, hi)
+        lo = torch.where(ok, lo, mid)
+    value = value_of(hi) + 0.0  # one zero
+    hi_id = torch.where(search, torch.full_like(all_ids, real_vocab - 1), upper.column)
+    lo_id = torch.where(search, torch.full_like(all_ids, -1), upper.column - 1)
+    while bool((hi_id - lo_id > 1).any()):
+        mid = torch.where(hi_id - lo_id > 1, (lo_id + hi_id) // 2, hi_id)
+        ok = pred(KeptKeys(value, mid))
+        hi_id = torch.where(ok, mid, hi_id)
+        lo_id = torch.where(ok, lo_id, mid)
+    return KeptKeys(torch.where(search, value, upper.value), torch.where(search, hi_id, upper.column))
+
+
+def kept_keys(
+    scan: KeptScan,
+    row_max: torch.Tensor,
+    top_k: torch.Tensor,
+    p32: torch.Tensor,
+    mp32: torch.Tensor,
+    real_vocab: int,
+    exchange: Exchange = _same,
+) -> KeptKeys:
+    """Each row's kept set (section 13 steps 1-3) as its last key.
+
+    ``row_max`` is ``B`` (the max of every rank's tile maxima); a row whose ``B`` is not finite (a
+    NaN, or no finite logit: only inactive rows pass validation so) keeps every column."""
+    rows = row_max.shape[0]
+    dev = row_max.device
+    finite = torch.isfinite(row_max)
+    inf = torch.full((rows,), float("-inf"), device=dev)
+    all_ids = torch.full((rows,), KEEP_ALL_ID, dtype=torch.int64, device=dev)
+    minp = (mp32 > 0) & finite
+    count = torch.full((rows,), real_vocab, dtype=torch.int64, device=dev)
+    least = inf
+    if bool(minp.any()):
+        n, low = scan.min_p(row_max, min_p_log(mp32))
+        count = torch.where(minp, exchange(n).to(torch.int64).sum(dim=1), count)
+        least = torch.where(minp, exchange(low).amin(dim=1), inf)
+    k1 = KeptKeys(least, all_ids)
+    k = top_k.to(torch.int64)
+    cut = (k > 0) & (k < count) & finite
+    k2 = k1
+    if bool(cut.any()):
+        def enough(keys: KeptKeys) -> torch.Tensor:
+            n, _ = scan.prefix(keys, row_max)
+            return exchange(n).to(torch.int64).sum(dim=1) >= k
+
+        k2 = _bisect(enough, cut, row_max, k1, real_vocab)
+    nucleus = (p32 < 1) & finite
+    k3 = k2
+    if bool(nucleus.any()):
+        def z_of(keys: KeptKeys) -> torch.Tensor:
+            _, z = scan.prefix(keys, row_max)
+            return fold_sum_(exchange(z).contiguous())
+
+        tau = p32.float() * z_of(k2)  # RN32(p32 * Z(K2))
+        k3 = _bisect(lambda keys: z_of(keys) >= tau, nucleus, row_max, k2, real_vocab)
+    return KeptKeys(torch.where(finite, k3.value, inf), torch.where(finite, k3.column, all_ids))
+
+
+__all__ = ["Exchange", "KeptScan", "kept_keys", "order_of", "value_of"]

@@ -1,0 +1,140 @@
+"""Processed logprobs (``docs/arithmetic.md`` section 13) in the Triton kernels.
+
+Launches of :mod:`rl_engine.logprob.triton_kernels`' ``kept_partials_kernel`` (the masked forward,
+and with the row max as the shift the top-p sums and top-k counts of the search on the key),
+``minp_kernel`` (min-p's set per tile) and ``kept_zero_kernel`` (the masked backward: the raw
+backward's launches, then ``+0`` on the dropped columns). The kept set of each row is its last key
+(:class:`rl_engine.logprob.fused_kept.KeptKeys`), found by :func:`rl_engine.logprob.kept_search.kept_keys`
+with :class:`TritonKeptScan`: no per-row sort.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.logprob.fused_kept import KeptKeys
+from rl_engine.logprob.triton_backend import (
+    _DTYPE_CODES,
+    BACKWARD_BLOCK,
+    BACKWARD_WARPS,
+    FORWARD_WARPS,
+    Launch,
+    _raw,
+    backward_launches,
+    load_kernels,
+)
+from rl_engine.logprob.vocab_parallel import BackwardTerms, real_local_columns
+
+
+def _keys(keys: KeptKeys, contract: LogprobContract, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    kv, kid = keys.local(contract)
+    return kv.to(device).contiguous(), kid.to(device).contiguous()
+
+
+def triton_kept_partials(
+    logits: torch.Tensor, contract: LogprobContract, with_entropy: bool, validate: bool, keys: KeptKeys,
+    shift: torch.Tensor | None = None, mode: str = "compiled",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """``(m, s, t, finite, count)`` of the local shard with ``x_c = -inf`` outside each row's kept
+    set; ``count`` (int32 ``[rows, tiles]``) is each tile's number of kept real columns. With
+    ``shift`` (the row max ``B``) ``s`` is section 13's lane sum of ``E(RN32(x_c - B))``."""
+    k = load_kernels(mode)
+    x = _raw(logits)
+    rows = x.shape[0]
+    width = contract.tile_width
+    tiles = contract.local_vocab_size // width
+    dev = logits.device
+    m = torch.empty(rows, tiles, dtype=torch.float32, device=dev)
+    s = torch.empty_like(m)
+    t = torch.empty_like(m) if with_entropy else None
+    bad = torch.zeros(rows, tiles, dtype=torch.int8, device=dev) if validate else None
+    count = torch.zeros(rows, tiles, dtype=torch.int32, device=dev)
+    if rows and tiles:
+        kv, kid = _keys(keys, contract, dev)
+        sh = shift.float().contiguous() if shift is not None else m
+        real_local = real_local_columns(contract)
+        args = (x, kv, kid, sh, m, s, t if t is not None else m, bad if bad is not None else m, count,
+                x.stride(0), real_local, contract.temperature32)
+        meta = {"TILES": tiles, "WIDTH": width, "DTYPE": _DTYPE_CODES[logits.dtype],
+                "WITH_ENTROPY": with_entropy, "VALIDATE": validate,
+                "PADDED": real_local < contract.local_vocab_size, "TEMPERED": contract.tempered,
+                "SHIFTED": shift is not None}
+        Launch("kept_partials_kernel", (rows * tiles,), args, meta, FORWARD_WARPS).run(k)
+    finite = None
+    if bad is not None:
+        finite = bad.amax(dim=1) == 0 if tiles else torch.ones(rows, dtype=torch.bool, device=dev)
+    return m, s, t, finite, count
+
+
+def triton_min_p(
+    logits: torch.Tensor, contract: LogprobContract, row_max: torch.Tensor, lmp: torch.Tensor,
+    mode: str = "compiled",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per tile: the count of ``K1 = {c : RN32(x_c - B) >= lmp}`` (int32) and its least logit."""
+    k = load_kernels(mode)
+    x = _raw(logits)
+    rows = x.shape[0]
+    width = contract.tile_width
+    tiles = contract.local_vocab_size // width
+    dev = logits.device
+    least = torch.full((rows, tiles), float("inf"), device=dev)
+    count = torch.zeros(rows, tiles, dtype=torch.int32, device=dev)
+    if rows and tiles:
+        real_local = real_local_columns(contract)
+        args = (x, row_max.float().contiguous(), lmp.float().contiguous(), least, count, x.stride(0), real_local,
+                contract.temperature32)
+        meta = {"TILES": tiles, "WIDTH": width, "DTYPE": _DTYPE_CODES[logits.dtype],
+                "PADDED": real_local < contract.local_vocab_size, "TEMPERED": contract.tempered}
+        Launch("minp_kernel", (rows * tiles,), args, meta, FORWARD_WARPS).run(k)
+    return count, least
+
+
+def triton_kept_backward(
+    logits: torch.Tensor, lse: torch.Tensor, terms: BackwardTerms, keys: KeptKeys, contract: LogprobContract,
+    mode: str = "compiled",
+) -> torch.Tensor:
+    """Section 13 step 5: the raw backward's launches (``terms`` are the processed ones), then
+    ``+0`` on every dropped real column (one more launch, after them on the same stream)."""
+    if terms.t32 != contract.temperature32:
+        raise LogprobContractError(
+            f"terms.t32={terms.t32} disagrees with the contract's T32={contract.temperature32}; build "
+            "the terms from the same contract"
+        )
+    k = load_kernels(mode)
+    x = _raw(logits)
+    rows, local_vocab = x.shape
+    grad = torch.empty((rows, local_vocab), dtype=logits.dtype, device=logits.device)
+    if rows and local_vocab:
+        out = grad if grad.dtype == torch.float32 else grad.view(torch.int16)
+        for launch in backward_launches(x, lse, terms, out, logits.dtype):
+            launch.run(k)
+        real_local = terms.real_local
+        if real_local:
+            kv, kid = _keys(keys, contract, logits.device)
+            block = min(BACKWARD_BLOCK, 1 << max(0, (real_local - 1).bit_length()))
+            blocks = -(-real_local // block)
+            Launch("kept_zero_kernel", (rows * blocks,),
+                   (x, kv, kid, out, x.stride(0), local_vocab, real_local, contract.temperature32),
+                   {"BLOCKS": blocks, "BLOCK": block, "DTYPE": _DTYPE_CODES[logits.dtype],
+                    "TEMPERED": contract.tempered}, BACKWARD_WARPS).run(k)
+    return grad
+
+
+class TritonKeptScan:
+    """:class:`rl_engine.logprob.kept_search.KeptScan` on the Triton kernels (one launch a step)."""
+
+    def __init__(self, logits: torch.Tensor, contract: LogprobContract, mode: str = "compiled") -> None:
+        self.logits = logits
+        self.contract = contract
+        self.mode = mode
+
+    def prefix(self, keys: KeptKeys, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _, z, _, _, count = triton_kept_partials(self.logits, self.contract, False, False, keys, row_max, self.mode)
+        return count, z
+
+    def min_p(self, row_max: torch.Tensor, lmp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return triton_min_p(self.logits, self.contract, row_max, lmp, self.mode)
+
+
+__all__ = ["TritonKeptScan", "triton_kept_backward", "triton_kept_partials", "triton_min_p"]
