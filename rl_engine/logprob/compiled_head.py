@@ -62,7 +62,7 @@ def from_hidden_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     call = _prepare(hidden, weight, targets, active, real_vocab_size, num_vocab_tiles, ignore_index, compute_entropy,
                     validate, backend, chunk_tokens, grad_weight_fp32, temperature, matmul, autocast_dtype)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        logp, lse, entropy = forward_chunks(hidden.reshape(call.tokens, -1), _compute_weight(weight, call.plan.compute_dtype),
+        logp, lse, entropy, _ = forward_chunks(hidden.reshape(call.tokens, -1), _compute_weight(weight, call.plan.compute_dtype),
                                             call.targets, active_rows(call.active), call.plan)
     return logp.reshape(call.lead), lse.reshape(call.lead), \
         entropy.reshape(call.lead) if compute_entropy else entropy
