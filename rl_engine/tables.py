@@ -47,7 +47,7 @@ BACKEND_DEVICES: dict[str, tuple[str, ...]] = {
 }
 # The backends whose engines compute processed logprobs (top_k / top_p / min_p,
 # docs/arithmetic.md section 13); the others refuse such a call by name.
-PROCESSED_BACKENDS: tuple[str, ...] = (EAGER_BACKEND,)
+PROCESSED_BACKENDS: tuple[str, ...] = (EAGER_BACKEND, FUSED_CPU_BACKEND, TRITON_BACKEND)
 # Devices a backend serves only in a mode its user selects explicitly (the Triton backend's
 # interpreter runs its kernels on CPU tensors when TRITON_MODE_ENV is "interpreter").
 INTERPRETER_DEVICES: dict[str, tuple[str, ...]] = {TRITON_BACKEND: ("cpu",)}

@@ -27,14 +27,13 @@ from rl_engine.logprob import portable
 from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.fused_cpu import fused_partials
 from rl_engine.logprob.fused_kept import (
-    KEEP_ALL_ID,
-    KeptKeys,
     fused_candidates,
     fused_kept_backward,
     fused_kept_partials,
     kept_keys_tp1,
     min_p_log,
 )
+from rl_engine.logprob.processed import KEEP_ALL, KeptCut
 from rl_engine.logprob.tiles import merge_tiles
 from rl_engine.logprob.vocab_parallel import backward_terms
 
@@ -89,10 +88,10 @@ def _row_max(x: torch.Tensor, contract: LogprobContract) -> torch.Tensor:
     return m.amax(dim=1)
 
 
-def _mask(x: torch.Tensor, contract: LogprobContract, keys: KeptKeys) -> np.ndarray:
+def _mask(x: torch.Tensor, contract: LogprobContract, keys: KeptCut) -> np.ndarray:
     xt = torch.from_numpy(ref.tempered(x, contract.temperature32))
     cols = torch.arange(x.shape[1]).unsqueeze(0)
-    v, c = keys.value.unsqueeze(1), keys.column.unsqueeze(1)
+    v, c = keys.value.unsqueeze(1), keys.index.unsqueeze(1)
     dropped = (xt < v) | ((xt == v) & (cols > c))
     dropped[:, contract.real_vocab_size:] = True
     return (~dropped).numpy()
@@ -114,13 +113,13 @@ def test_kept_set_is_the_reference_one(dtype: str, temperature: float) -> None:
 
 
 def _forward(x: torch.Tensor, targets: torch.Tensor, active: torch.Tensor, contract: LogprobContract,
-             keys: KeptKeys, isa: str = "auto") -> tuple[torch.Tensor, ...]:
+             keys: KeptCut, isa: str = "auto") -> tuple[torch.Tensor, ...]:
     m, s, t, _ = fused_kept_partials(x, contract, True, False, keys, isa=isa)
     lse, ent = merge_tiles(m, s, t, portable.exp, portable.log)
     xt = torch.from_numpy(ref.tempered(x, contract.temperature32))
     xtg = xt.gather(1, targets.unsqueeze(1)).squeeze(1)
     cols = targets
-    kept = ~((xtg < keys.value) | ((xtg == keys.value) & (cols > keys.column)))
+    kept = ~((xtg < keys.value) | ((xtg == keys.value) & (cols > keys.index)))
     logp = torch.where(active, xtg - lse, torch.zeros_like(lse))
     logp = torch.where(active & ~kept, torch.full_like(lse, float("-inf")), logp)
     for out in (logp, lse, ent):
@@ -156,9 +155,9 @@ def test_forward_and_backward_are_the_reference_bytes(dtype: str, temperature: f
     gp, gl, ge = _grads(rows)
     for grad_entropy in (None, ge):
         kept = got[3]
-        terms = backward_terms(x, targets, active & kept, got[1], gp, gl, contract,
-                               grad_entropy, got[2] if grad_entropy is not None else None)
-        grad = fused_kept_backward(x, got[1], terms, keys, contract)
+        terms = backward_terms(x, targets, active, got[1], gp, gl, contract,
+                               grad_entropy, got[2] if grad_entropy is not None else None, keys, kept)
+        grad = fused_kept_backward(x, got[1], terms)
         want_g = ref.backward(xt, mask, targets.numpy(), active.numpy(), got[1].numpy(), gp.numpy(),
                               gl.numpy(), REAL, TILES, contract.temperature32, dtype,
                               None if grad_entropy is None else ge.numpy(),
@@ -180,9 +179,9 @@ def test_every_variant_gives_the_same_bytes_and_a_key_one_off_changes_them() -> 
         except Exception as exc:  # an instruction set this CPU lacks
             assert "isa" in str(exc) or "instruction set" in str(exc), exc
             continue
-        found.add(b"".join(t.numpy().tobytes() for t in out) + keys.column.numpy().tobytes())
+        found.add(b"".join(t.numpy().tobytes() for t in out) + keys.index.numpy().tobytes())
     assert len(found) == 1
-    moved = KeptKeys(keys.value, torch.where(keys.column == KEEP_ALL_ID, keys.column, keys.column - 1))
+    moved = KeptCut(keys.value, torch.where(keys.index == KEEP_ALL, keys.index, keys.index - 1))
     other = _forward(x, targets, active, contract, moved)
     assert b"".join(t.numpy().tobytes() for t in other[:3]) != b"".join(t.numpy().tobytes() for t in out[:3])
 

@@ -34,8 +34,9 @@ from test_processed_kernels import (  # noqa: E402
 
 from rl_engine.logprob import portable  # noqa: E402
 from rl_engine.logprob.contract import LogprobContract  # noqa: E402
-from rl_engine.logprob.fused_kept import FusedKeptScan, KeptKeys, kept_keys_tp1  # noqa: E402
+from rl_engine.logprob.fused_kept import FusedKeptScan, kept_keys_tp1  # noqa: E402
 from rl_engine.logprob.kept_search import kept_keys, order_of, value_of  # noqa: E402
+from rl_engine.logprob.processed import KeptCut  # noqa: E402
 from rl_engine.logprob.tiles import merge_tiles  # noqa: E402
 from rl_engine.logprob.triton_kept import TritonKeptScan, triton_kept_backward, triton_kept_partials  # noqa: E402
 from rl_engine.logprob.vocab_parallel import backward_terms  # noqa: E402
@@ -49,8 +50,8 @@ ROWS = 8
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
 
 
-def _key_bytes(keys: KeptKeys) -> bytes:
-    return keys.value.numpy().tobytes() + keys.column.numpy().tobytes()
+def _key_bytes(keys: KeptCut) -> bytes:
+    return keys.value.numpy().tobytes() + keys.index.numpy().tobytes()
 
 
 def test_the_order_of_binary32_values_round_trips_and_is_descending() -> None:
@@ -119,15 +120,15 @@ def test_triton_forward_and_backward_are_the_reference_bytes(dtype: str, tempera
     mm, s, t, _, _ = triton_kept_partials(x, contract, True, True, keys, mode=INTERP)
     lse, ent = merge_tiles(mm, s, t, portable.exp, portable.log)
     xtg = torch.from_numpy(xt).gather(1, targets.unsqueeze(1)).squeeze(1)
-    kept = ~((xtg < keys.value) | ((xtg == keys.value) & (targets > keys.column)))
+    kept = ~((xtg < keys.value) | ((xtg == keys.value) & (targets > keys.index)))
     logp = torch.where(active, xtg - lse, torch.zeros_like(lse))
     logp = torch.where(active & ~kept, torch.full_like(lse, float("-inf")), logp)
     got = [portable.canonical_nan_(o) for o in (logp, lse, ent)] + [kept | ~active]
     for name, a, b in zip(("logp", "lse", "entropy", "target_kept"), got, want):
         assert a.numpy().tobytes() == b.tobytes(), name
     gp, gl, ge = _grads(rows)
-    terms = backward_terms(x, targets, active & kept, lse, gp, gl, contract, ge, ent)
-    grad = triton_kept_backward(x, lse, terms, keys, contract, INTERP)
+    terms = backward_terms(x, targets, active, lse, gp, gl, contract, ge, ent, keys, kept | ~active)
+    grad = triton_kept_backward(x, lse, terms, INTERP)
     want_g = ref.backward(xt, mask, targets.numpy(), active.numpy(), lse.numpy(), gp.numpy(), gl.numpy(),
                           REAL, TILES, contract.temperature32, dtype, ge.numpy(), ent.numpy())
     view = (torch.int32, np.int32) if dtype == "fp32" else (torch.int16, np.int16)

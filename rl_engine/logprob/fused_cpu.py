@@ -301,7 +301,7 @@ def fused_exp(y: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
 class FusedCpuEngine(LocalEngine):
     """:class:`LocalEngine` on the compiled kernel (``chunk_rows`` is not used: rows stream)."""
 
-    supports_processed = False  # section 13 not in this kernel yet: the op refuses such a call
+    supports_processed = True  # section 13: rl_engine/logprob/fused_kept.py
 
     def __init__(self, threads: int | None = None, isa: str = "auto") -> None:
         if isa not in ISA_NAMES:
@@ -316,13 +316,28 @@ class FusedCpuEngine(LocalEngine):
         self.threads = threads
         self.isa = isa
 
-    def local_partials(self, logits, contract, chunk_rows, with_entropy, validate):  # type: ignore[override]
+    def local_partials(self, logits, contract, chunk_rows, with_entropy, validate, keep=None):  # type: ignore[override]
+        if keep is not None:  # processed logprobs (section 13); imported here: fused_kept imports this module
+            from rl_engine.logprob.fused_kept import fused_kept_partials
+
+            return fused_kept_partials(logits, contract, with_entropy, validate, keep, threads=self.threads,
+                                       isa=self.isa)
         return fused_partials(
             logits, contract, with_entropy, validate, threads=self.threads, isa=self.isa
         )
 
     def local_backward(self, logits, lse, terms, chunk_rows):  # type: ignore[override]
+        if terms.keep is not None:
+            from rl_engine.logprob.fused_kept import fused_kept_backward
+
+            return fused_kept_backward(logits, lse, terms, threads=self.threads, isa=self.isa)
         return fused_backward(logits, lse, terms, threads=self.threads, isa=self.isa)
+
+    def kept_cut(self, logits, contract, sampling, group, chunk_rows):  # type: ignore[override]
+        """Section 13's cut by the compiled kernels (:func:`rl_engine.logprob.fused_kept.fused_kept_cut`)."""
+        from rl_engine.logprob.fused_kept import fused_kept_cut
+
+        return fused_kept_cut(logits, contract, sampling, group, threads=self.threads, isa=self.isa)
 
     def exp(self, y: torch.Tensor) -> torch.Tensor:
         """``E`` of the merge by the kernel's own vector ``E`` (the same bytes as the portable

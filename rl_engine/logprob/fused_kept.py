@@ -1,21 +1,19 @@
 """Processed logprobs (``docs/arithmetic.md`` section 13) in the fused CPU kernels.
 
 The kept set of a row is a prefix of the key order (tempered logit descending, ties by the
-lower token id): min-p keeps every column at or above a value, and top-k and top-p keep
-prefixes of what min-p kept. So each row's kept set is one key, its last, a value and a token
-id (:class:`KeptKeys`); a column is dropped iff its logit is below the value, or equal to it
-with a larger id. NaN is never dropped, and ``(-inf, KEEP_ALL_ID)`` drops nothing.
-
-Why keys and not masks: a key is two numbers per row however the vocabulary is sharded, so the
-same key reaches every rank and every kernel (the masked forward and backward here, the Triton
-kernels, the eager loop), and the search for it is the only place that looks at more than one
-column at a time. The kernels (``_fused_cpu_kept.h``) compute min-p's set and top-k's rank-local
-candidates per shard, top-p's search on full rows (TP = 1), and the masked forward and backward.
+lower token id), so one cut per row describes it (:class:`rl_engine.logprob.processed.KeptCut`:
+a column is dropped iff its logit is below the cut's value, or equal to it with a larger id; NaN
+is never dropped). The kernels (``_fused_cpu_kept.h``) take the cut with the shard's local
+column (the global id minus the shard's first column) and compute the masked forward and
+backward, min-p's set and top-k's rank-local candidates per shard, and top-p's search on full
+rows (TP = 1: a sort of K2 and a bisection on the prefix length). Under TP the engine finds the
+cut by the search on the key (:mod:`rl_engine.logprob.kept_search`) with :class:`FusedKeptScan`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,44 +24,36 @@ from rl_engine.logprob.fused_cpu import (
     _c_operand,
     _ptr,
     _threads,
+    fused_partials,
     load_kernel,
 )
+from rl_engine.logprob.kept_search import engine_cut
 from rl_engine.logprob.portable import log as portable_log
-from rl_engine.logprob.tiles import rows_finite
+from rl_engine.logprob.processed import KEEP_ALL, KeptCut, Sampling
 from rl_engine.logprob.vocab_parallel import BackwardTerms, real_local_columns
 
-KEEP_ALL_ID = 2**63 - 1  # with the value -inf: no column is dropped
+
+def local_cut(keep: KeptCut, vocab_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(value, local column)`` of each row's cut, as the kernels read it: the global id minus the
+    shard's first column (``KEEP_ALL`` minus it stays above every column)."""
+    if keep.value.dtype != torch.float32 or keep.index.dtype != torch.int64 or keep.value.dim() != 1 \
+            or keep.value.shape != keep.index.shape:
+        raise LogprobContractError(
+            f"a KeptCut needs float32 values and int64 indices of shape [rows], got {keep.value.dtype} "
+            f"{tuple(keep.value.shape)} and {keep.index.dtype} {tuple(keep.index.shape)}"
+        )
+    return keep.value.contiguous(), (keep.index - vocab_start).contiguous()
 
 
-@dataclass(frozen=True)
-class KeptKeys:
-    """Each row's kept set as its last key: ``value`` (binary32) and ``column`` (global token id)."""
-
-    value: torch.Tensor
-    column: torch.Tensor
-
-    def __post_init__(self) -> None:
-        if self.value.dtype != torch.float32 or self.column.dtype != torch.int64:
-            raise LogprobContractError(
-                f"KeptKeys needs float32 values and int64 columns, got {self.value.dtype} and "
-                f"{self.column.dtype}"
-            )
-        if self.value.dim() != 1 or self.value.shape != self.column.shape:
-            raise LogprobContractError(
-                f"KeptKeys needs two [rows] tensors, got {tuple(self.value.shape)} and "
-                f"{tuple(self.column.shape)}"
-            )
-
-    @staticmethod
-    def keep_all(rows: int) -> "KeptKeys":
-        return KeptKeys(torch.full((rows,), float("-inf")), torch.full((rows,), KEEP_ALL_ID, dtype=torch.int64))
-
-    def local(self, contract: LogprobContract) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys with this shard's local columns (the global id minus the first column; the
-        saturated keep-all id stays above every column)."""
-        start = contract.vocab_start
-        column = torch.where(self.column == KEEP_ALL_ID, self.column, self.column - start)
-        return self.value.contiguous(), column.contiguous()
+def kept_rows_finite(m: torch.Tensor, row_min: torch.Tensor, real_local: int) -> torch.Tensor:
+    """Per row: every real column finite, from the masked forward's tile maxima and the minimum of
+    every real column (the kernels read the logits before the cut drops any). A cut never drops a
+    NaN or a ``+inf`` (a row holding either keeps every column), so a masked maximum still shows
+    them; a ``-inf`` shows in the minimum, and a shard whose columns were all dropped (maxima
+    ``-inf``) is not mistaken for one."""
+    if real_local <= 0:
+        return torch.ones(m.shape[0], dtype=torch.bool, device=m.device)
+    return torch.isfinite(row_min) & ~torch.isnan(m).any(dim=1) & ~(m == float("inf")).any(dim=1)
 
 
 def fused_kept_partials(
@@ -71,7 +61,7 @@ def fused_kept_partials(
     contract: LogprobContract,
     with_entropy: bool,
     validate: bool,
-    keys: KeptKeys,
+    keep: KeptCut,
     shift: torch.Tensor | None = None,
     count: torch.Tensor | None = None,
     *,
@@ -97,7 +87,7 @@ def fused_kept_partials(
     s = torch.empty_like(m)
     t = torch.empty_like(m) if with_entropy else None
     row_min = torch.empty(rows, dtype=torch.float32) if validate else None
-    kv, kid = keys.local(contract)
+    kv, kid = local_cut(keep, contract.vocab_start)
     sh = None if shift is None else _c_operand("shift", shift.float())
     if count is not None and (count.dtype != torch.int32 or tuple(count.shape) != (rows, tiles)
                               or not count.is_contiguous()):
@@ -113,7 +103,7 @@ def fused_kept_partials(
             _threads(threads), ISA_NAMES[isa],
         )
         kernel.check(status, "processed forward")
-    finite = rows_finite(m, row_min, width, real_local) if row_min is not None else None
+    finite = kept_rows_finite(m, row_min, real_local) if row_min is not None else None
     return m, s, t, finite
 
 
@@ -121,21 +111,22 @@ def fused_kept_backward(
     logits: torch.Tensor,
     lse: torch.Tensor,
     terms: BackwardTerms,
-    keys: KeptKeys,
-    contract: LogprobContract,
     *,
     threads: int | None = None,
     isa: str = "auto",
 ) -> torch.Tensor:
     """The local gradient of section 7 on the masked logits: ``+0`` on every dropped column.
 
-    ``terms`` are the processed ones (a row whose target is dropped has ``gl = 0``)."""
+    ``terms`` are the processed ones (``terms.keep`` the cut; a row whose target is dropped has
+    ``gl = 0``)."""
+    if terms.keep is None:
+        raise LogprobContractError("fused_kept_backward needs terms.keep (the kept set's cut)")
     kernel = load_kernel()
     x = _c_operand("logits", logits)
     rows, local_vocab = x.shape
     grad = torch.empty((rows, local_vocab), dtype=x.dtype)
     if rows:
-        kv, kid = keys.local(contract)
+        kv, kid = local_cut(terms.keep, terms.vocab_start)
         lse_c = _c_operand("lse", lse.float())
         coef = _c_operand("coef", terms.coef.float())
         col = _c_operand("target_col", terms.target_col.to(torch.int64))
@@ -203,12 +194,12 @@ def fused_topp(
     logits: torch.Tensor,
     contract: LogprobContract,
     row_max: torch.Tensor,
-    k2: KeptKeys,
+    k2: KeptCut,
     p32: torch.Tensor,
     *,
     threads: int | None = None,
     isa: str = "auto",
-) -> KeptKeys:
+) -> KeptCut:
     """Section 13 step 3 on full rows (the shard is the whole vocabulary): K3's last key, by
     bisection on the prefix length of K2 sorted by key, each step the exact ``Z``."""
     if contract.tp_world_size != 1:
@@ -223,7 +214,7 @@ def fused_topp(
     out_id = torch.empty(rows, dtype=torch.int64)
     if rows:
         b = _c_operand("row_max", row_max.float())
-        v2, id2 = k2.local(contract)
+        v2, id2 = local_cut(k2, contract.vocab_start)
         p = _c_operand("p32", p32.float())
         status = kernel.lib.rle_kept_topp(
             x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), contract.local_vocab_size,
@@ -232,7 +223,7 @@ def fused_topp(
             _threads(threads), ISA_NAMES[isa],
         )
         kernel.check(status, "top-p search")
-    return KeptKeys(out_v, out_id)
+    return KeptCut(out_v, out_id)
 
 
 def min_p_log(mp32: torch.Tensor) -> torch.Tensor:
@@ -251,7 +242,7 @@ def kept_keys_tp1(
     *,
     threads: int | None = None,
     isa: str = "auto",
-) -> KeptKeys:
+) -> KeptCut:
     """Each row's kept set (section 13 steps 1-3) on a full row, by the compiled kernels.
 
     ``row_max`` is ``B`` (the max of the tile maxima of the raw forward); a row whose ``B`` is
@@ -265,12 +256,26 @@ def kept_keys_tp1(
     kid = cand.column.gather(1, at).squeeze(1) if cand.column.shape[1] else torch.full((rows,), -1)
     minp = mp32 > 0
     v2 = torch.where(use_k, kv, torch.where(minp, cand.least, torch.full_like(cand.least, float("-inf"))))
-    id2 = torch.where(use_k, kid, torch.full_like(kid, KEEP_ALL_ID))
-    keys = fused_topp(logits, contract, row_max, KeptKeys(v2, id2), p32, threads=threads, isa=isa)
+    id2 = torch.where(use_k, kid, torch.full_like(kid, KEEP_ALL))
+    cut = fused_topp(logits, contract, row_max, KeptCut(v2, id2), p32, threads=threads, isa=isa)
     finite = torch.isfinite(row_max)
-    everything = KeptKeys.keep_all(rows)
-    return KeptKeys(torch.where(finite, keys.value, everything.value),
-                    torch.where(finite, keys.column, everything.column))
+    return KeptCut(torch.where(finite, cut.value, torch.full_like(cut.value, float("-inf"))),
+                   torch.where(finite, cut.index, torch.full_like(cut.index, KEEP_ALL)))
+
+
+def fused_kept_cut(logits: torch.Tensor, contract: LogprobContract, sampling: Sampling, group: Any, *,
+                   threads: int | None = None, isa: str = "auto") -> KeptCut:
+    """The engine's ``kept_cut``: ``B`` from the raw forward's tile maxima (gathered under TP), then at
+    TP = 1 the kernels' own search on each full row (:func:`kept_keys_tp1`: a sort of K2), under TP
+    the search on the key with the tiles gathered (:func:`rl_engine.logprob.kept_search.engine_cut`)."""
+    rows = logits.shape[0]
+    m, _, _, _ = fused_partials(logits, contract, False, False, threads=threads, isa=isa)
+    local_max = m.amax(dim=1) if m.shape[1] else torch.full((rows,), float("-inf"))
+    if contract.tp_world_size == 1:
+        return kept_keys_tp1(logits, contract, sampling.top_k, sampling.top_p, sampling.min_p, local_max,
+                             threads=threads, isa=isa)
+    return engine_cut(FusedKeptScan(logits, contract, threads=threads, isa=isa), local_max, contract, sampling,
+                      group)
 
 
 class FusedKeptScan:
@@ -284,28 +289,37 @@ class FusedKeptScan:
         self.threads = threads
         self.isa = isa
 
-    def prefix(self, keys: KeptKeys, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefix(self, keep: KeptCut, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.logits.shape[0]
         count = torch.zeros(rows, self.contract.local_vocab_size // self.contract.tile_width, dtype=torch.int32)
-        _, z, _, _ = fused_kept_partials(self.logits, self.contract, False, False, keys, row_max, count,
+        _, z, _, _ = fused_kept_partials(self.logits, self.contract, False, False, keep, row_max, count,
                                          threads=self.threads, isa=self.isa)
         return count, z
 
     def min_p(self, row_max: torch.Tensor, lmp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        zero = torch.zeros(self.logits.shape[0], dtype=torch.int64)
+        """The shard's count and least logit in its first tile (zero and ``+inf`` in the others:
+        the sum and the minimum over the tiles are the shard's)."""
+        rows = self.logits.shape[0]
+        tiles = self.contract.local_vocab_size // self.contract.tile_width
+        zero = torch.zeros(rows, dtype=torch.int64)
         cand = fused_candidates(self.logits, self.contract, row_max, lmp, zero, threads=self.threads, isa=self.isa)
-        return cand.count.unsqueeze(1), cand.least.unsqueeze(1)
+        count = torch.zeros(rows, tiles, dtype=torch.int64)
+        least = torch.full((rows, tiles), float("inf"))
+        count[:, 0] = cand.count
+        least[:, 0] = cand.least
+        return count, least
 
 
 __all__ = [
     "Candidates",
     "FusedKeptScan",
-    "KEEP_ALL_ID",
-    "KeptKeys",
     "fused_candidates",
+    "fused_kept_cut",
     "fused_kept_backward",
     "fused_kept_partials",
     "fused_topp",
     "kept_keys_tp1",
+    "kept_rows_finite",
+    "local_cut",
     "min_p_log",
 ]

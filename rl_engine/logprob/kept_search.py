@@ -17,11 +17,13 @@ then top-p); min-p is one scan.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
-from rl_engine.logprob.fused_kept import KEEP_ALL_ID, KeptKeys, min_p_log
+from rl_engine.logprob.contract import LogprobContract
+from rl_engine.logprob.portable import log as portable_log
+from rl_engine.logprob.processed import KEEP_ALL, KeptCut, Sampling, _gather, _gather_tiles
 from rl_engine.logprob.tiles import fold_sum_
 
 _LOW32 = 0xFFFFFFFF
@@ -31,8 +33,8 @@ _SIGN = 0x80000000
 class KeptScan(Protocol):
     """What an engine computes on its shard for the search (``[rows, local tiles]`` each)."""
 
-    def prefix(self, keys: KeptKeys, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per tile: the count of real columns in each row's prefix up to ``keys``, and the lane
+    def prefix(self, keep: KeptCut, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per tile: the count of real columns in each row's prefix up to ``keep``, and the lane
         sum ``G`` of ``E(RN32(x_c - B))`` over them (``B = row_max``)."""
         ...
 
@@ -65,28 +67,28 @@ def value_of(u: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
-def _bisect(pred: Callable[[KeptKeys], torch.Tensor], search: torch.Tensor, row_max: torch.Tensor,
-            upper: KeptKeys, real_vocab: int) -> KeptKeys:
+def _bisect(pred: Callable[[KeptCut], torch.Tensor], search: torch.Tensor, row_max: torch.Tensor,
+            upper: KeptCut, real_vocab: int) -> KeptCut:
     """The least key ``K <= upper`` with ``pred(K)`` on the rows in ``search`` (``upper`` elsewhere),
     given that ``pred`` is monotone, false on the empty prefix and true at ``upper``."""
     rows = row_max.shape[0]
-    all_ids = torch.full((rows,), KEEP_ALL_ID, dtype=torch.int64, device=row_max.device)
+    all_ids = torch.full((rows,), KEEP_ALL, dtype=torch.int64, device=row_max.device)
     hi = order_of(upper.value)
     lo = torch.where(search, order_of(row_max) - 1, hi - 1)
     while bool((hi - lo > 1).any()):
         mid = torch.where(hi - lo > 1, (lo + hi) // 2, hi)
-        ok = pred(KeptKeys(value_of(mid), all_ids))
+        ok = pred(KeptCut(value_of(mid), all_ids))
         hi = torch.where(ok, mid, hi)
         lo = torch.where(ok, lo, mid)
     value = value_of(hi) + 0.0  # one zero
-    hi_id = torch.where(search, torch.full_like(all_ids, real_vocab - 1), upper.column)
-    lo_id = torch.where(search, torch.full_like(all_ids, -1), upper.column - 1)
+    hi_id = torch.where(search, torch.full_like(all_ids, real_vocab - 1), upper.index)
+    lo_id = torch.where(search, torch.full_like(all_ids, -1), upper.index - 1)
     while bool((hi_id - lo_id > 1).any()):
         mid = torch.where(hi_id - lo_id > 1, (lo_id + hi_id) // 2, hi_id)
-        ok = pred(KeptKeys(value, mid))
+        ok = pred(KeptCut(value, mid))
         hi_id = torch.where(ok, mid, hi_id)
         lo_id = torch.where(ok, lo_id, mid)
-    return KeptKeys(torch.where(search, value, upper.value), torch.where(search, hi_id, upper.column))
+    return KeptCut(torch.where(search, value, upper.value), torch.where(search, hi_id, upper.index))
 
 
 def kept_keys(
@@ -97,7 +99,7 @@ def kept_keys(
     mp32: torch.Tensor,
     real_vocab: int,
     exchange: Exchange = _same,
-) -> KeptKeys:
+) -> KeptCut:
     """Each row's kept set (section 13 steps 1-3) as its last key.
 
     ``row_max`` is ``B`` (the max of every rank's tile maxima); a row whose ``B`` is not finite (a
@@ -106,20 +108,21 @@ def kept_keys(
     dev = row_max.device
     finite = torch.isfinite(row_max)
     inf = torch.full((rows,), float("-inf"), device=dev)
-    all_ids = torch.full((rows,), KEEP_ALL_ID, dtype=torch.int64, device=dev)
+    all_ids = torch.full((rows,), KEEP_ALL, dtype=torch.int64, device=dev)
     minp = (mp32 > 0) & finite
     count = torch.full((rows,), real_vocab, dtype=torch.int64, device=dev)
     least = inf
     if bool(minp.any()):
-        n, low = scan.min_p(row_max, min_p_log(mp32))
+        lmp = portable_log(mp32.float().contiguous())  # L(mp32); rows with mp32 = 0 are not read
+        n, low = scan.min_p(row_max, torch.where(mp32 > 0, lmp, torch.full_like(lmp, float("-inf"))))
         count = torch.where(minp, exchange(n).to(torch.int64).sum(dim=1), count)
         least = torch.where(minp, exchange(low).amin(dim=1), inf)
-    k1 = KeptKeys(least, all_ids)
+    k1 = KeptCut(least, all_ids)
     k = top_k.to(torch.int64)
     cut = (k > 0) & (k < count) & finite
     k2 = k1
     if bool(cut.any()):
-        def enough(keys: KeptKeys) -> torch.Tensor:
+        def enough(keys: KeptCut) -> torch.Tensor:
             n, _ = scan.prefix(keys, row_max)
             return exchange(n).to(torch.int64).sum(dim=1) >= k
 
@@ -127,13 +130,28 @@ def kept_keys(
     nucleus = (p32 < 1) & finite
     k3 = k2
     if bool(nucleus.any()):
-        def z_of(keys: KeptKeys) -> torch.Tensor:
+        def z_of(keys: KeptCut) -> torch.Tensor:
             _, z = scan.prefix(keys, row_max)
             return fold_sum_(exchange(z).contiguous())
 
         tau = p32.float() * z_of(k2)  # RN32(p32 * Z(K2))
         k3 = _bisect(lambda keys: z_of(keys) >= tau, nucleus, row_max, k2, real_vocab)
-    return KeptKeys(torch.where(finite, k3.value, inf), torch.where(finite, k3.column, all_ids))
+    return KeptCut(torch.where(finite, k3.value, inf), torch.where(finite, k3.index, all_ids))
 
 
-__all__ = ["Exchange", "KeptScan", "kept_keys", "order_of", "value_of"]
+def engine_cut(scan: KeptScan, local_max: torch.Tensor, contract: LogprobContract, sampling: Sampling,
+               group: Any) -> KeptCut:
+    """An engine's :meth:`~rl_engine.logprob.vocab_parallel.LocalEngine.kept_cut` by the search on the
+    key: ``B`` is the max of every rank's ``local_max`` (the max of its real tempered columns, NaN
+    propagating), and each step's tiles travel by all-gather (transport only) in global tile order.
+    Every rank makes the same collectives: each loop's condition reads gathered values only."""
+    big = torch.stack(_gather(local_max, contract, group), dim=1).amax(dim=1)
+
+    def exchange(piece: torch.Tensor) -> torch.Tensor:
+        return _gather_tiles(piece, contract, group)
+
+    return kept_keys(scan, big, sampling.top_k, sampling.top_p, sampling.min_p, contract.real_vocab_size,
+                     exchange)
+
+
+__all__ = ["Exchange", "KeptScan", "engine_cut", "kept_keys", "order_of", "value_of"]

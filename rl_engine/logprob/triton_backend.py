@@ -359,7 +359,7 @@ def triton_divide(x: torch.Tensor, t32: float, dtype: torch.dtype, markstein: bo
 class TritonEngine(LocalEngine):
     """:class:`LocalEngine` on the Triton kernels (``chunk_rows`` is not used: one launch)."""
 
-    supports_processed = False  # section 13 not in this kernel yet: the op refuses such a call
+    supports_processed = True  # section 13: rl_engine/logprob/triton_kept.py
 
     def __init__(self, mode: str = "compiled") -> None:
         self.mode = check_mode(mode)
@@ -370,11 +370,25 @@ class TritonEngine(LocalEngine):
     def log(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return triton_log(x, self.mode)
 
-    def local_partials(self, logits, contract, chunk_rows, with_entropy, validate):  # type: ignore[override]
+    def local_partials(self, logits, contract, chunk_rows, with_entropy, validate, keep=None):  # type: ignore[override]
+        if keep is not None:  # processed logprobs (section 13); imported here: triton_kept imports this module
+            from rl_engine.logprob.triton_kept import triton_kept_partials
+
+            return triton_kept_partials(logits, contract, with_entropy, validate, keep, None, self.mode)[:4]
         return triton_partials(logits, contract, with_entropy, validate, self.mode)
 
     def local_backward(self, logits, lse, terms, chunk_rows):  # type: ignore[override]
+        if terms.keep is not None:
+            from rl_engine.logprob.triton_kept import triton_kept_backward
+
+            return triton_kept_backward(logits, lse, terms, self.mode)
         return triton_backward(logits, lse, terms, self.mode)
+
+    def kept_cut(self, logits, contract, sampling, group, chunk_rows):  # type: ignore[override]
+        """Section 13's cut by the search on the key (:func:`rl_engine.logprob.triton_kept.triton_kept_cut`)."""
+        from rl_engine.logprob.triton_kept import triton_kept_cut
+
+        return triton_kept_cut(logits, contract, sampling, group, self.mode)
 
 
 class TritonLogprob(VocabParallelLogprob):

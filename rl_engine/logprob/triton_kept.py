@@ -4,16 +4,19 @@ Launches of :mod:`rl_engine.logprob.triton_kernels`' ``kept_partials_kernel`` (t
 and with the row max as the shift the top-p sums and top-k counts of the search on the key),
 ``minp_kernel`` (min-p's set per tile) and ``kept_zero_kernel`` (the masked backward: the raw
 backward's launches, then ``+0`` on the dropped columns). The kept set of each row is its last key
-(:class:`rl_engine.logprob.fused_kept.KeptKeys`), found by :func:`rl_engine.logprob.kept_search.kept_keys`
+(:class:`rl_engine.logprob.processed.KeptCut`), found by :func:`rl_engine.logprob.kept_search.kept_keys`
 with :class:`TritonKeptScan`: no per-row sort.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
-from rl_engine.logprob.fused_kept import KeptKeys
+from rl_engine.logprob.kept_search import engine_cut
+from rl_engine.logprob.processed import KeptCut, Sampling
 from rl_engine.logprob.triton_backend import (
     _DTYPE_CODES,
     BACKWARD_BLOCK,
@@ -23,17 +26,18 @@ from rl_engine.logprob.triton_backend import (
     _raw,
     backward_launches,
     load_kernels,
+    triton_partials,
 )
 from rl_engine.logprob.vocab_parallel import BackwardTerms, real_local_columns
 
 
-def _keys(keys: KeptKeys, contract: LogprobContract, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    kv, kid = keys.local(contract)
-    return kv.to(device).contiguous(), kid.to(device).contiguous()
+def _cut(keep: KeptCut, vocab_start: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(value, local column)`` of each row's cut on ``device`` (the global id minus the shard's first column)."""
+    return keep.value.float().to(device).contiguous(), (keep.index.to(device) - vocab_start).contiguous()
 
 
 def triton_kept_partials(
-    logits: torch.Tensor, contract: LogprobContract, with_entropy: bool, validate: bool, keys: KeptKeys,
+    logits: torch.Tensor, contract: LogprobContract, with_entropy: bool, validate: bool, keep: KeptCut,
     shift: torch.Tensor | None = None, mode: str = "compiled",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """``(m, s, t, finite, count)`` of the local shard with ``x_c = -inf`` outside each row's kept
@@ -51,7 +55,7 @@ def triton_kept_partials(
     bad = torch.zeros(rows, tiles, dtype=torch.int8, device=dev) if validate else None
     count = torch.zeros(rows, tiles, dtype=torch.int32, device=dev)
     if rows and tiles:
-        kv, kid = _keys(keys, contract, dev)
+        kv, kid = _cut(keep, contract.vocab_start, dev)
         sh = shift.float().contiguous() if shift is not None else m
         real_local = real_local_columns(contract)
         args = (x, kv, kid, sh, m, s, t if t is not None else m, bad if bad is not None else m, count,
@@ -62,7 +66,7 @@ def triton_kept_partials(
                 "SHIFTED": shift is not None}
         Launch("kept_partials_kernel", (rows * tiles,), args, meta, FORWARD_WARPS).run(k)
     finite = None
-    if bad is not None:
+    if bad is not None:  # every real column, kept or not
         finite = bad.amax(dim=1) == 0 if tiles else torch.ones(rows, dtype=torch.bool, device=dev)
     return m, s, t, finite, count
 
@@ -91,16 +95,12 @@ def triton_min_p(
 
 
 def triton_kept_backward(
-    logits: torch.Tensor, lse: torch.Tensor, terms: BackwardTerms, keys: KeptKeys, contract: LogprobContract,
-    mode: str = "compiled",
+    logits: torch.Tensor, lse: torch.Tensor, terms: BackwardTerms, mode: str = "compiled",
 ) -> torch.Tensor:
-    """Section 13 step 5: the raw backward's launches (``terms`` are the processed ones), then
-    ``+0`` on every dropped real column (one more launch, after them on the same stream)."""
-    if terms.t32 != contract.temperature32:
-        raise LogprobContractError(
-            f"terms.t32={terms.t32} disagrees with the contract's T32={contract.temperature32}; build "
-            "the terms from the same contract"
-        )
+    """Section 13 step 5: the raw backward's launches (``terms`` are the processed ones, ``terms.keep``
+    the cut), then ``+0`` on every dropped real column (one more launch, after them on the same stream)."""
+    if terms.keep is None:
+        raise LogprobContractError("triton_kept_backward needs terms.keep (the kept set's cut)")
     k = load_kernels(mode)
     x = _raw(logits)
     rows, local_vocab = x.shape
@@ -111,13 +111,13 @@ def triton_kept_backward(
             launch.run(k)
         real_local = terms.real_local
         if real_local:
-            kv, kid = _keys(keys, contract, logits.device)
+            kv, kid = _cut(terms.keep, terms.vocab_start, logits.device)
             block = min(BACKWARD_BLOCK, 1 << max(0, (real_local - 1).bit_length()))
             blocks = -(-real_local // block)
             Launch("kept_zero_kernel", (rows * blocks,),
-                   (x, kv, kid, out, x.stride(0), local_vocab, real_local, contract.temperature32),
+                   (x, kv, kid, out, x.stride(0), local_vocab, real_local, terms.t32),
                    {"BLOCKS": blocks, "BLOCK": block, "DTYPE": _DTYPE_CODES[logits.dtype],
-                    "TEMPERED": contract.tempered}, BACKWARD_WARPS).run(k)
+                    "TEMPERED": terms.t32 != 1.0}, BACKWARD_WARPS).run(k)
     return grad
 
 
@@ -129,12 +129,22 @@ class TritonKeptScan:
         self.contract = contract
         self.mode = mode
 
-    def prefix(self, keys: KeptKeys, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        _, z, _, _, count = triton_kept_partials(self.logits, self.contract, False, False, keys, row_max, self.mode)
+    def prefix(self, keep: KeptCut, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _, z, _, _, count = triton_kept_partials(self.logits, self.contract, False, False, keep, row_max, self.mode)
         return count, z
 
     def min_p(self, row_max: torch.Tensor, lmp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return triton_min_p(self.logits, self.contract, row_max, lmp, self.mode)
 
 
-__all__ = ["TritonKeptScan", "triton_kept_backward", "triton_kept_partials", "triton_min_p"]
+def triton_kept_cut(logits: torch.Tensor, contract: LogprobContract, sampling: Sampling, group: Any,
+                    mode: str = "compiled") -> KeptCut:
+    """The engine's ``kept_cut``: ``B`` from the raw forward's tile maxima, then the search on the key
+    (:func:`rl_engine.logprob.kept_search.engine_cut`) with :class:`TritonKeptScan` at every TP."""
+    m, _, _, _ = triton_partials(logits, contract, False, False, mode)
+    rows = logits.shape[0]
+    local_max = m.amax(dim=1) if m.shape[1] else torch.full((rows,), float("-inf"), device=logits.device)
+    return engine_cut(TritonKeptScan(logits, contract, mode), local_max, contract, sampling, group)
+
+
+__all__ = ["TritonKeptScan", "triton_kept_cut", "triton_kept_backward", "triton_kept_partials", "triton_min_p"]
