@@ -170,6 +170,7 @@ def mesh_runs() -> tuple[dict[str, Any], list[dict[Any, Any]]]:
     return cases, run_workers(_mesh_worker, 8, cases, timeout_s=420)
 
 
+@pytest.mark.slow  # eight gloo ranks, about 30 s on 2 cores
 @pytest.mark.parametrize("case", list(MESH_CASES))
 def test_fused_c_at_tp_and_cp_gives_the_spec_bytes(mesh_runs: Any, case: str) -> None:
     cases, results = mesh_runs
@@ -190,12 +191,13 @@ TRITON_PARAMS = {"all": dict(top_k=40, top_p=0.8, min_p=0.02), "top_p0.3": dict(
 
 
 def _small_batch(dtype: str, rows: int = 8, seed: int = 3) -> dict[str, Any]:
-    from test_processed import tie_logits
+    """Logits on a grid of quarter units (ties at every threshold; NaN, +inf and all -inf inactive
+    rows): tests/test_processed_kernels.py's data on the small vocabulary."""
+    from test_processed_kernels import _data
 
     b = batch(dtype, rows=rows, seed=seed)
-    b["logits"] = tie_logits(rows, SMALL["padded"], SMALL["real"], seed, dtype)
-    b["targets"] = b["targets"] % SMALL["real"]
-    b["targets"][1::3] = 7
+    b["logits"], b["targets"], b["active"] = _data(dtype, rows, seed, SMALL["real"], SMALL["padded"])
+    b["active"][4] = False  # its real -inf columns: validation refuses an active row holding them
     return b
 
 
@@ -223,6 +225,7 @@ def _triton_op() -> Any:
     return TritonLogprob(mode="interpreter")
 
 
+@pytest.mark.slow  # the interpreter runs each program in Python
 @pytest.mark.parametrize("dtype,name,temperature", [("bf16", "all", 1.0), ("fp16", "top_p0.3", 1.3),
                                                     ("fp32", "per_row", 0.7)])
 def test_triton_interpreter_equals_the_numpy_spec(dtype: str, name: str, temperature: float) -> None:
@@ -244,6 +247,7 @@ def _triton_worker(rank: int, b: dict[str, Any], params: dict[str, Any]) -> dict
     return {"cols": (c.vocab_start, c.vocab_end), **r}
 
 
+@pytest.mark.slow
 def test_triton_interpreter_at_tp3_gives_the_spec_bytes() -> None:
     b = _small_batch("bf16", seed=5)
     params = dict(top_k=20, top_p=0.7, min_p=0.01)

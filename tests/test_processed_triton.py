@@ -48,6 +48,7 @@ REAL, PADDED, TILES = 300, 384, 3
 SHAPE = (REAL, PADDED, TILES)
 ROWS = 8
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
+# the Triton-interpreter cases are marked slow (CI runs them); the C cases run by default
 
 
 def _key_bytes(keys: KeptCut) -> bytes:
@@ -61,6 +62,7 @@ def test_the_order_of_binary32_values_round_trips_and_is_descending() -> None:
     assert value_of(u).numpy().tobytes() == torch.where(v == 0, 0.0, v).numpy().tobytes()
 
 
+@pytest.mark.slow  # the interpreter runs each program in Python: about 15 s a case on 2 cores
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_search_on_the_key_finds_the_sorted_keys_with_either_engine(dtype: str, temperature: float) -> None:
@@ -106,6 +108,7 @@ def test_the_search_over_shards_finds_the_full_rows_keys(tp: int) -> None:
     assert _key_bytes(kept_keys(_Shards(x, tp), big, k, p, m, C_REAL)) == _key_bytes(want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,temperature", [("bf16", 1.0), ("fp16", 1.3), ("fp32", 0.7)])
 def test_triton_forward_and_backward_are_the_reference_bytes(dtype: str, temperature: float) -> None:
     x, targets, active = _data(dtype, rows=ROWS, real=REAL, padded=PADDED)

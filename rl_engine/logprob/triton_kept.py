@@ -36,13 +36,56 @@ def _cut(keep: KeptCut, vocab_start: int, device: torch.device) -> tuple[torch.T
     return keep.value.float().to(device).contiguous(), (keep.index.to(device) - vocab_start).contiguous()
 
 
+def kept_launch(
+    x: torch.Tensor, contract: LogprobContract, kv: torch.Tensor, kid: torch.Tensor, shift: torch.Tensor | None,
+    m: torch.Tensor, s: torch.Tensor, t: torch.Tensor | None, bad: torch.Tensor | None, count: torch.Tensor,
+    with_entropy: bool, validate: bool, logits_dtype: torch.dtype,
+) -> Launch:
+    """The masked forward's launch (with ``shift``: one step of the search), one program per (row, tile)."""
+    width = contract.tile_width
+    tiles = contract.local_vocab_size // width
+    real_local = real_local_columns(contract)
+    sh = shift.float().contiguous() if shift is not None else m
+    args = (x, kv, kid, sh, m, s, t if t is not None else m, bad if bad is not None else m, count,
+            x.stride(0), real_local, contract.temperature32)
+    meta = {"TILES": tiles, "WIDTH": width, "DTYPE": _DTYPE_CODES[logits_dtype],
+            "WITH_ENTROPY": with_entropy, "VALIDATE": validate,
+            "PADDED": real_local < contract.local_vocab_size, "TEMPERED": contract.tempered,
+            "SHIFTED": shift is not None, "MAXIMA": shift is None or validate or with_entropy}
+    return Launch("kept_partials_kernel", (x.shape[0] * tiles,), args, meta, FORWARD_WARPS)
+
+
+def min_p_launch(x: torch.Tensor, contract: LogprobContract, row_max: torch.Tensor, lmp: torch.Tensor,
+                 least: torch.Tensor, count: torch.Tensor, logits_dtype: torch.dtype) -> Launch:
+    """min-p's launch, one program per (row, tile)."""
+    width = contract.tile_width
+    tiles = contract.local_vocab_size // width
+    real_local = real_local_columns(contract)
+    args = (x, row_max, lmp, least, count, x.stride(0), real_local, contract.temperature32)
+    meta = {"TILES": tiles, "WIDTH": width, "DTYPE": _DTYPE_CODES[logits_dtype],
+            "PADDED": real_local < contract.local_vocab_size, "TEMPERED": contract.tempered}
+    return Launch("minp_kernel", (x.shape[0] * tiles,), args, meta, FORWARD_WARPS)
+
+
+def zero_launch(x: torch.Tensor, kv: torch.Tensor, kid: torch.Tensor, out: torch.Tensor, real_local: int,
+                t32: float, logits_dtype: torch.dtype) -> Launch:
+    """The masked backward's last launch: ``+0`` on the dropped real columns."""
+    rows, local_vocab = x.shape
+    block = min(BACKWARD_BLOCK, 1 << max(0, (real_local - 1).bit_length()))
+    blocks = -(-real_local // block)
+    return Launch("kept_zero_kernel", (rows * blocks,), (x, kv, kid, out, x.stride(0), local_vocab, real_local, t32),
+                  {"BLOCKS": blocks, "BLOCK": block, "DTYPE": _DTYPE_CODES[logits_dtype], "TEMPERED": t32 != 1.0},
+                  BACKWARD_WARPS)
+
+
 def triton_kept_partials(
     logits: torch.Tensor, contract: LogprobContract, with_entropy: bool, validate: bool, keep: KeptCut,
     shift: torch.Tensor | None = None, mode: str = "compiled",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """``(m, s, t, finite, count)`` of the local shard with ``x_c = -inf`` outside each row's kept
     set; ``count`` (int32 ``[rows, tiles]``) is each tile's number of kept real columns. With
-    ``shift`` (the row max ``B``) ``s`` is section 13's lane sum of ``E(RN32(x_c - B))``."""
+    ``shift`` (the row max ``B``) ``s`` is section 13's lane sum of ``E(RN32(x_c - B))``, and without
+    validation or entropy (a search step) ``m`` is not computed (left uninitialised)."""
     k = load_kernels(mode)
     x = _raw(logits)
     rows = x.shape[0]
@@ -56,15 +99,7 @@ def triton_kept_partials(
     count = torch.zeros(rows, tiles, dtype=torch.int32, device=dev)
     if rows and tiles:
         kv, kid = _cut(keep, contract.vocab_start, dev)
-        sh = shift.float().contiguous() if shift is not None else m
-        real_local = real_local_columns(contract)
-        args = (x, kv, kid, sh, m, s, t if t is not None else m, bad if bad is not None else m, count,
-                x.stride(0), real_local, contract.temperature32)
-        meta = {"TILES": tiles, "WIDTH": width, "DTYPE": _DTYPE_CODES[logits.dtype],
-                "WITH_ENTROPY": with_entropy, "VALIDATE": validate,
-                "PADDED": real_local < contract.local_vocab_size, "TEMPERED": contract.tempered,
-                "SHIFTED": shift is not None}
-        Launch("kept_partials_kernel", (rows * tiles,), args, meta, FORWARD_WARPS).run(k)
+        kept_launch(x, contract, kv, kid, shift, m, s, t, bad, count, with_entropy, validate, logits.dtype).run(k)
     finite = None
     if bad is not None:  # every real column, kept or not
         finite = bad.amax(dim=1) == 0 if tiles else torch.ones(rows, dtype=torch.bool, device=dev)
@@ -85,12 +120,8 @@ def triton_min_p(
     least = torch.full((rows, tiles), float("inf"), device=dev)
     count = torch.zeros(rows, tiles, dtype=torch.int32, device=dev)
     if rows and tiles:
-        real_local = real_local_columns(contract)
-        args = (x, row_max.float().contiguous(), lmp.float().contiguous(), least, count, x.stride(0), real_local,
-                contract.temperature32)
-        meta = {"TILES": tiles, "WIDTH": width, "DTYPE": _DTYPE_CODES[logits.dtype],
-                "PADDED": real_local < contract.local_vocab_size, "TEMPERED": contract.tempered}
-        Launch("minp_kernel", (rows * tiles,), args, meta, FORWARD_WARPS).run(k)
+        min_p_launch(x, contract, row_max.float().contiguous(), lmp.float().contiguous(), least, count,
+                     logits.dtype).run(k)
     return count, least
 
 
@@ -112,12 +143,7 @@ def triton_kept_backward(
         real_local = terms.real_local
         if real_local:
             kv, kid = _cut(terms.keep, terms.vocab_start, logits.device)
-            block = min(BACKWARD_BLOCK, 1 << max(0, (real_local - 1).bit_length()))
-            blocks = -(-real_local // block)
-            Launch("kept_zero_kernel", (rows * blocks,),
-                   (x, kv, kid, out, x.stride(0), local_vocab, real_local, terms.t32),
-                   {"BLOCKS": blocks, "BLOCK": block, "DTYPE": _DTYPE_CODES[logits.dtype],
-                    "TEMPERED": terms.t32 != 1.0}, BACKWARD_WARPS).run(k)
+            zero_launch(x, kv, kid, out, real_local, terms.t32, logits.dtype).run(k)
     return grad
 
 
@@ -147,4 +173,13 @@ def triton_kept_cut(logits: torch.Tensor, contract: LogprobContract, sampling: S
     return engine_cut(TritonKeptScan(logits, contract, mode), local_max, contract, sampling, group)
 
 
-__all__ = ["TritonKeptScan", "triton_kept_cut", "triton_kept_backward", "triton_kept_partials", "triton_min_p"]
+__all__ = [
+    "TritonKeptScan",
+    "kept_launch",
+    "min_p_launch",
+    "triton_kept_backward",
+    "triton_kept_cut",
+    "triton_kept_partials",
+    "triton_min_p",
+    "zero_launch",
+]

@@ -608,12 +608,14 @@ def kept_partials_kernel(
     row_stride, real_local, t32,
     TILES: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     VALIDATE: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr, SHIFTED: tl.constexpr,
+    MAXIMA: tl.constexpr,
 ):
     """Section 6 steps 1-4 on the logits with ``x_c = -inf`` outside the row's kept set, for the tile
     ``pid % TILES`` of row ``pid // TILES``; also the tile's count of kept real columns. With
     ``SHIFTED`` the shift is the row's ``sh_ptr[row]`` (the row max ``B``): ``s`` is then section 13's
     lane sum of ``E(RN32(x_c - B))`` over the kept columns (top-p's ``Z`` is ``F`` of it over the
-    tiles), and the count is top-k's. Validation reads every real column, kept or not."""
+    tiles), and the count is top-k's. Validation reads every real column, kept or not. Without
+    ``MAXIMA`` (a search step: shifted, no validation) the first pass is skipped and ``m`` is not written."""
     FULL: tl.constexpr = WIDTH // LANES
     REST: tl.constexpr = WIDTH - FULL * LANES
     pid = tl.program_id(0)
@@ -628,17 +630,18 @@ def kept_partials_kernel(
     mx = tl.full((LANES,), NEG_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
     rmx = mx
     rmn = tl.full((LANES,), POS_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
-    if FULL <= MAX_UNROLL:  # straight code, as the raw forward's (its SASS counts every column)
-        for k in tl.static_range(FULL):
-            mx, rmx, rmn = kept_pass_one(base, k * LANES, lane, real_left, first, kv, kid, t32, mx, rmx, rmn,
-                                         DTYPE, LANES, PADDED, TEMPERED, VALIDATE)
-    else:
-        for k in range(FULL):
-            mx, rmx, rmn = kept_pass_one(base, k * LANES, lane, real_left, first, kv, kid, t32, mx, rmx, rmn,
-                                         DTYPE, LANES, PADDED, TEMPERED, VALIDATE)
-    if REST > 0:
-        mx, rmx, rmn = kept_pass_one(base, FULL * LANES, lane, real_left, first, kv, kid, t32, mx, rmx, rmn, DTYPE,
-                                     REST, PADDED, TEMPERED, VALIDATE)
+    if MAXIMA:
+        if FULL <= MAX_UNROLL:  # straight code, as the raw forward's (its SASS counts every column)
+            for k in tl.static_range(FULL):
+                mx, rmx, rmn = kept_pass_one(base, k * LANES, lane, real_left, first, kv, kid, t32, mx, rmx, rmn,
+                                             DTYPE, LANES, PADDED, TEMPERED, VALIDATE)
+        else:
+            for k in range(FULL):
+                mx, rmx, rmn = kept_pass_one(base, k * LANES, lane, real_left, first, kv, kid, t32, mx, rmx, rmn,
+                                             DTYPE, LANES, PADDED, TEMPERED, VALIDATE)
+        if REST > 0:
+            mx, rmx, rmn = kept_pass_one(base, FULL * LANES, lane, real_left, first, kv, kid, t32, mx, rmx, rmn,
+                                         DTYPE, REST, PADDED, TEMPERED, VALIDATE)
     lane_nan = mx != mx
     nan = tl.reduce(lane_nan.to(tl.int32), 0, MAX)
     m = tl.reduce(tl.where(lane_nan, float("-inf"), mx), 0, MAX)
@@ -662,7 +665,8 @@ def kept_partials_kernel(
         s, t, n = kept_pass_two(base, FULL * LANES, lane, real_left, first, kv, kid, t32, sh, s, t, n, DTYPE, REST,
                                 PADDED, TEMPERED, WITH_ENTROPY)
     out = row * TILES + tile + tl.arange(0, 1)
-    tl.store(m_ptr + out, m)
+    if MAXIMA:
+        tl.store(m_ptr + out, m)
     tl.store(s_ptr + out, lane_fold(s))
     for level in tl.static_range(LANE_LEVELS):  # integers: any grouping gives the same count
         n = tl.reduce(tl.reshape(n, (2, LANES >> (level + 1))), 0, SUM)
