@@ -467,3 +467,18 @@ def test_the_fused_head_gives_the_op_s_processed_bytes_on_its_fixed_order_logits
     for name in ("selected_logp", "lse", "entropy", "target_kept"):
         assert tensor_bytes(getattr(out, name).reshape(-1)[rows]) == tensor_bytes(getattr(ref, name)), name
     assert tensor_bytes(h.grad) == tensor_bytes(grad_hidden.reshape(hidden.shape))
+
+
+def test_under_torch_compile_fullgraph_the_call_is_refused() -> None:
+    """The registered op has no sampling parameters yet: inside a traced region the call refuses by
+    name, so ``fullgraph=True`` fails (without ``fullgraph`` dynamo breaks the graph there and the call
+    runs eagerly)."""
+    x = torch.randn(4, 256)
+    t = torch.zeros(4, dtype=torch.int64)
+
+    def f(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return selected_logprob(x, t, top_p=0.9, backend=EAGER_BACKEND).selected_logp
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="Observed exception"):
+        torch.compile(f, backend="eager", fullgraph=True)(x, t)

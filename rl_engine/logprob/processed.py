@@ -232,6 +232,42 @@ def _z(e: torch.Tensor, member: torch.Tensor, tiles: int, width: int, contract: 
     return fold_sum_(full.clone()).clone()
 
 
+def _top_p_value(e: torch.Tensor, member: torch.Tensor, x: torch.Tensor, tau: torch.Tensor, use: torch.Tensor,
+                 cut_v: torch.Tensor, big: torch.Tensor, dtype: torch.dtype, contract: LogprobContract,
+                 group: Any) -> torch.Tensor:
+    """The largest value ``v`` of ``K2`` (``member``) with ``Z(K2 and x >= v) >= tau``, by bisection.
+
+    Binary32 logits: on the binary32 order between the ``K2`` cut and ``B`` (at most 32 steps). A
+    16-bit dtype: on the order of the 16-bit inputs ``X`` (16 steps), each step's ``v`` the tempered
+    ``RN32(f32(X) / T32)``: the division is monotone and every ``x_c`` is such a value, so the
+    largest ``X`` whose ``v`` passes gives the largest passing value of ``K2`` itself."""
+    if dtype in (torch.bfloat16, torch.float16):
+        def value_of(o: torch.Tensor) -> torch.Tensor:
+            bits = torch.where(o < 0, o ^ 0x7FFF, o).to(torch.int16)
+            v = bits.view(dtype).float()
+            divisor = temperature_divisor(contract.temperature32, v.device)
+            return v / divisor if divisor is not None else v
+
+        inf16 = torch.tensor([float("-inf"), float("inf")], dtype=dtype, device=x.device).view(torch.int16)
+        ends = inf16.to(torch.int64)
+        ends = torch.where(ends < 0, ends ^ 0x7FFF, ends)
+        lo = torch.where(use, ends[0], torch.zeros_like(ends[0])).expand(x.shape[0]).clone()
+        hi = torch.where(use, ends[1], lo)
+    else:
+        def value_of(o: torch.Tensor) -> torch.Tensor:
+            return from_ordered(o)
+
+        lo = torch.where(use, ordered(cut_v), torch.zeros_like(ordered(cut_v)))
+        hi = torch.where(use, ordered(big), lo)
+    while bool((hi > lo).any()):
+        mid = torch.div(lo + hi + 1, 2, rounding_mode="floor")
+        ok = _z(e, member & (x >= value_of(mid).unsqueeze(1)), e.shape[1] // contract.tile_width,
+                contract.tile_width, contract, group) >= tau
+        lo = torch.where(ok, mid, lo)
+        hi = torch.where(ok, hi, mid - 1)
+    return value_of(lo)
+
+
 def _tempered_block(logits: torch.Tensor, contract: LogprobContract) -> torch.Tensor:
     """Section 6 step 0 on a block of rows: the exact upcast, divided by ``T32`` (skipped at 1)."""
     x = logits.float()
@@ -319,16 +355,7 @@ def _block_cut(logits: torch.Tensor, contract: LogprobContract, sampling: Sampli
     if bool(use_top_p.any()):
         e = portable_exp(torch.where(member, y, neg_inf).contiguous())
         tau = p32 * _z(e, member, tiles, width, contract, group)
-        # the value: the largest v with Z(K2 and x >= v) >= tau (a value of K2: the cut's)
-        lo = torch.where(use_top_p, ordered(cut_v), torch.zeros_like(cut_i))
-        hi = torch.where(use_top_p, ordered(big), lo)
-        while bool((hi > lo).any()):
-            mid = torch.div(lo + hi + 1, 2, rounding_mode="floor")
-            v = from_ordered(mid).unsqueeze(1)
-            ok = _z(e, member & (x >= v), tiles, width, contract, group) >= tau
-            lo = torch.where(ok, mid, lo)
-            hi = torch.where(ok, hi, mid - 1)
-        value = from_ordered(lo)
+        value = _top_p_value(e, member, x, tau, use_top_p, cut_v, big, logits.dtype, contract, group)
         above = member & (x > value.unsqueeze(1))
         ties = member & (x == value.unsqueeze(1))
         # the index: the smallest id c among the ties with Z(above, ties with id <= c) >= tau
