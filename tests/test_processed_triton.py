@@ -35,7 +35,7 @@ from test_processed_kernels import (  # noqa: E402
 from rl_engine.logprob import portable  # noqa: E402
 from rl_engine.logprob.contract import LogprobContract  # noqa: E402
 from rl_engine.logprob.fused_kept import FusedKeptScan, kept_keys_tp1  # noqa: E402
-from rl_engine.logprob.kept_search import kept_keys, order_of, value_of  # noqa: E402
+from rl_engine.logprob.kept_search import kept_keys, order_of, order_of16, value_of  # noqa: E402
 from rl_engine.logprob.processed import KeptCut  # noqa: E402
 from rl_engine.logprob.tiles import merge_tiles  # noqa: E402
 from rl_engine.logprob.triton_kept import TritonKeptScan, triton_kept_backward, triton_kept_partials  # noqa: E402
@@ -55,11 +55,14 @@ def _key_bytes(keys: KeptCut) -> bytes:
     return keys.value.numpy().tobytes() + keys.index.numpy().tobytes()
 
 
-def test_the_order_of_binary32_values_round_trips_and_is_descending() -> None:
+def test_the_order_of_binary32_and_16_bit_values_round_trips_and_is_descending() -> None:
     v = torch.tensor([float("inf"), 3.0, 1e-45, 0.0, -0.0, -1e-45, -2.5, float("-inf")])
     u = order_of(v)
     assert bool((u[1:] >= u[:-1]).all()) and u[3] == u[4]
     assert value_of(u).numpy().tobytes() == torch.where(v == 0, 0.0, v).numpy().tobytes()
+    h = torch.tensor([float("inf"), 3.0, 1e-7, 0.0, -0.0, -1e-7, -2.5, float("-inf")], dtype=torch.bfloat16)
+    u16 = order_of16(h.view(torch.int16).to(torch.int64))
+    assert bool((u16[1:] > u16[:-1]).all())  # -0 just after +0 (equal values: the same prefix)
 
 
 @pytest.mark.slow  # the interpreter runs each program in Python: about 15 s a case on 2 cores
@@ -81,12 +84,12 @@ class _Shards:
     """The scans of TP shards, their tiles put side by side in rank order (what the all-gather
     brings every rank)."""
 
-    def __init__(self, x: torch.Tensor, tp: int) -> None:
+    def __init__(self, x: torch.Tensor, tp: int, dtype: str = "bf16", temperature: float = 1.0) -> None:
         self.scans = []
         for rank in range(tp):
             c = LogprobContract(real_vocab_size=C_REAL, padded_vocab_size=C_PADDED, num_vocab_tiles=C_TILES,
-                                num_sequences=1, seq_len=x.shape[0], logits_dtype="bf16",
-                                tp_world_size=tp, tp_rank=rank)
+                                num_sequences=1, seq_len=x.shape[0], logits_dtype=dtype,
+                                tp_world_size=tp, tp_rank=rank, temperature=temperature)
             self.scans.append(FusedKeptScan(x[:, c.vocab_start:c.vocab_end], c))
 
     def prefix(self, keys, row_max):  # type: ignore[no-untyped-def]
@@ -98,14 +101,21 @@ class _Shards:
         return torch.cat([a for a, _ in parts], dim=1), torch.cat([b for _, b in parts], dim=1)
 
 
-@pytest.mark.parametrize("tp", [2, 3, 6])
-def test_the_search_over_shards_finds_the_full_rows_keys(tp: int) -> None:
-    x, _, _ = _data("bf16", rows=12)
+@pytest.mark.parametrize("tp,dtype,temperature", [(2, "bf16", 1.0), (3, "fp16", 0.7), (6, "fp32", 1.3),
+                                                  (1, "bf16", 0.7)])
+def test_the_search_over_shards_finds_the_full_rows_keys(tp: int, dtype: str, temperature: float) -> None:
+    """With the C kernels' scans (fast): the search on the key over the shards' tiles, 16-bit logits
+    bisected on their own order, gives the keys of the full row's sort."""
+    x, _, _ = _data(dtype, rows=12)
     k, p, m = _params(x.shape[0], seed=tp)
-    contract = _contract("bf16", x.shape[0])
+    contract = _contract(dtype, x.shape[0], temperature)
     big = _row_max(x, contract)
     want = kept_keys_tp1(x, contract, k, p, m, big)
-    assert _key_bytes(kept_keys(_Shards(x, tp), big, k, p, m, C_REAL)) == _key_bytes(want)
+    got = kept_keys(_Shards(x, tp, dtype, temperature), big, k, p, m, C_REAL, dtype=contract.torch_dtype,
+                    t32=contract.temperature32)
+    assert _key_bytes(got) == _key_bytes(want)
+    # the binary32 bisection of the value (32 steps) finds the same keys for 16-bit logits too
+    assert _key_bytes(kept_keys(_Shards(x, tp, dtype, temperature), big, k, p, m, C_REAL)) == _key_bytes(want)
 
 
 @pytest.mark.slow

@@ -11,8 +11,9 @@ monotone (``Z`` of a prefix never decreases: binary32 addition of non-negative t
 monotone), so bisection finds the shortest prefix the definition asks for, the one the NumPy
 spec's sort finds.
 
-Cost: one scan per step, about 32 steps on the value and ``log2(V)`` on the id per stage (top-k,
-then top-p); min-p is one scan.
+Cost: one scan per step, per stage (top-k, then top-p) up to 32 steps on the value (16 for bf16
+and binary16 logits, bisected on their own order) and ``ceil(log2(V + 1))`` on the id; min-p is
+one scan.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.portable import log as portable_log
 from rl_engine.logprob.processed import KEEP_ALL, KeptCut, Sampling, _gather, _gather_tiles
-from rl_engine.logprob.tiles import fold_sum_
+from rl_engine.logprob.tiles import fold_sum_, temperature_divisor
 
 _LOW32 = 0xFFFFFFFF
 _SIGN = 0x80000000
@@ -67,20 +68,56 @@ def value_of(u: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
+_SIGN16 = 0x8000
+_LOW16 = 0xFFFF
+
+
+def order_of16(bits: torch.Tensor) -> torch.Tensor:
+    """``u`` of 16-bit values (bf16 or binary16 bits, int64): their place in the descending order."""
+    bits = bits & _LOW16
+    asc = torch.where((bits & _SIGN16) != 0, (~bits) & _LOW16, bits | _SIGN16)
+    return (~asc) & _LOW16
+
+
+def _tempered16(u: torch.Tensor, dtype: torch.dtype, t32: float) -> torch.Tensor:
+    """The tempered binary32 value ``RN32(f32(X) / T32)`` of the 16-bit value ``X`` at place ``u``."""
+    asc = (~u) & _LOW16
+    bits = torch.where((asc & _SIGN16) != 0, asc & 0x7FFF, (~asc) & _LOW16)
+    bits = torch.where(bits >= _SIGN16, bits - (1 << 16), bits)
+    value = bits.to(torch.int16).view(dtype).float()
+    divisor = temperature_divisor(t32, value.device)  # a tensor: CUDA divides too (IEEE)
+    return value / divisor if divisor is not None else value
+
+
 def _bisect(pred: Callable[[KeptCut], torch.Tensor], search: torch.Tensor, row_max: torch.Tensor,
-            upper: KeptCut, real_vocab: int) -> KeptCut:
+            upper: KeptCut, real_vocab: int, dtype: torch.dtype = torch.float32, t32: float = 1.0) -> KeptCut:
     """The least key ``K <= upper`` with ``pred(K)`` on the rows in ``search`` (``upper`` elsewhere),
-    given that ``pred`` is monotone, false on the empty prefix and true at ``upper``."""
+    given that ``pred`` is monotone, false on the empty prefix and true at ``upper``.
+
+    The value first: for binary32 logits on the binary32 order between ``B`` and ``upper``; for
+    bf16 and binary16 logits on the order of the 16-bit values themselves (16 steps), each trial
+    value the tempered one, ``RN32(f32(X) / T32)``: the division is monotone and every ``x_c`` is
+    such a value, so the least passing place gives the least passing value among the columns'."""
     rows = row_max.shape[0]
     all_ids = torch.full((rows,), KEEP_ALL, dtype=torch.int64, device=row_max.device)
-    hi = order_of(upper.value)
-    lo = torch.where(search, order_of(row_max) - 1, hi - 1)
+    if dtype in (torch.bfloat16, torch.float16):
+        ends = torch.tensor([float("inf"), float("-inf")], dtype=dtype).view(torch.int16).to(torch.int64)
+        first, last = (int(u) for u in order_of16(ends))
+        hi = torch.where(search, torch.full_like(all_ids, last), torch.zeros_like(all_ids))
+        lo = torch.where(search, torch.full_like(all_ids, first - 1), hi - 1)
+
+        def value_at(u: torch.Tensor) -> torch.Tensor:
+            return _tempered16(u, dtype, t32)
+    else:
+        hi = order_of(upper.value)
+        lo = torch.where(search, order_of(row_max) - 1, hi - 1)
+        value_at = value_of
     while bool((hi - lo > 1).any()):
         mid = torch.where(hi - lo > 1, (lo + hi) // 2, hi)
-        ok = pred(KeptCut(value_of(mid), all_ids))
+        ok = pred(KeptCut(value_at(mid), all_ids))
         hi = torch.where(ok, mid, hi)
         lo = torch.where(ok, lo, mid)
-    value = value_of(hi) + 0.0  # one zero
+    value = value_at(hi) + 0.0  # one zero
     hi_id = torch.where(search, torch.full_like(all_ids, real_vocab - 1), upper.index)
     lo_id = torch.where(search, torch.full_like(all_ids, -1), upper.index - 1)
     while bool((hi_id - lo_id > 1).any()):
@@ -99,11 +136,14 @@ def kept_keys(
     mp32: torch.Tensor,
     real_vocab: int,
     exchange: Exchange = _same,
+    dtype: torch.dtype = torch.float32,
+    t32: float = 1.0,
 ) -> KeptCut:
     """Each row's kept set (section 13 steps 1-3) as its last key.
 
     ``row_max`` is ``B`` (the max of every rank's tile maxima); a row whose ``B`` is not finite (a
-    NaN, or no finite logit: only inactive rows pass validation so) keeps every column."""
+    NaN, or no finite logit: only inactive rows pass validation so) keeps every column. ``dtype`` and
+    ``t32``: the logits' dtype and the temperature's ``T32`` (16-bit logits bisect their own order)."""
     rows = row_max.shape[0]
     dev = row_max.device
     finite = torch.isfinite(row_max)
@@ -126,7 +166,7 @@ def kept_keys(
             n, _ = scan.prefix(keys, row_max)
             return exchange(n).to(torch.int64).sum(dim=1) >= k
 
-        k2 = _bisect(enough, cut, row_max, k1, real_vocab)
+        k2 = _bisect(enough, cut, row_max, k1, real_vocab, dtype, t32)
     nucleus = (p32 < 1) & finite
     k3 = k2
     if bool(nucleus.any()):
@@ -135,7 +175,7 @@ def kept_keys(
             return fold_sum_(exchange(z).contiguous())
 
         tau = p32.float() * z_of(k2)  # RN32(p32 * Z(K2))
-        k3 = _bisect(lambda keys: z_of(keys) >= tau, nucleus, row_max, k2, real_vocab)
+        k3 = _bisect(lambda keys: z_of(keys) >= tau, nucleus, row_max, k2, real_vocab, dtype, t32)
     return KeptCut(torch.where(finite, k3.value, inf), torch.where(finite, k3.index, all_ids))
 
 
@@ -151,7 +191,7 @@ def engine_cut(scan: KeptScan, local_max: torch.Tensor, contract: LogprobContrac
         return _gather_tiles(piece, contract, group)
 
     return kept_keys(scan, big, sampling.top_k, sampling.top_p, sampling.min_p, contract.real_vocab_size,
-                     exchange)
+                     exchange, contract.torch_dtype, contract.temperature32)
 
 
-__all__ = ["Exchange", "KeptScan", "engine_cut", "kept_keys", "order_of", "value_of"]
+__all__ = ["Exchange", "KeptScan", "engine_cut", "kept_keys", "order_of", "order_of16", "value_of"]

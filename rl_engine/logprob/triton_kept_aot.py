@@ -5,9 +5,9 @@ Every launch of a processed call at one case (default: the default case, bf16, 8
 64 tiles) is compiled for ``sm_<arch>`` as Triton specializes it at launch, no GPU needed; each
 kernel's executed instructions per column come from its SASS (its fast path), and a call's cost
 is the sum over its launches: the raw forward's partials (for the row max ``B``), min-p's scan,
-the search's scans (each step of the bisection on the key reads the logits once: at most 32 on
-the value and ``ceil(log2(V + 1))`` on the token id per stage, top-k and top-p, plus top-p's
-``Z(K2)``), the masked forward, and in the backward the raw backward's launches and the pass that
+the search's scans (each step of the bisection on the key reads the logits once: at most 16 on
+the value of a 16-bit logit, 32 of a binary32 one, and ``ceil(log2(V + 1))`` on the token id per
+stage, top-k and top-p, plus top-p's ``Z(K2)``), the masked forward, and in the backward the raw backward's launches and the pass that
 writes ``+0`` on the dropped columns. ``python -m rl_engine.logprob.triton_kept_aot --output-dir D``
 writes ``processed_roofline.json`` and prints the table of docs/performance.md.
 """
@@ -41,9 +41,11 @@ from rl_engine.logprob.triton_backend import Launch, load_kernels
 from rl_engine.logprob.triton_kept import kept_launch, min_p_launch, zero_launch
 
 
-def search_steps(real_vocab: int) -> int:
-    """The most scans one stage of the search on the key makes: 32 on the value, then the id."""
-    return 32 + math.ceil(math.log2(real_vocab + 1))
+def search_steps(real_vocab: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """The most scans one stage of the search on the key makes: the value (16 steps on a 16-bit
+    logit's own order, 32 on binary32), then the token id."""
+    value = 32 if dtype == torch.float32 else 16
+    return value + math.ceil(math.log2(real_vocab + 1))
 
 
 def processed_launches(rows: int, real: int, padded: int, tiles: int, dtype: torch.dtype,
@@ -107,7 +109,7 @@ def processed_roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = 
     kernels_out["raw_forward_no_entropy"] = raw_b
     for name, launch in processed_launches(rows, real, padded, tiles, dtype, temperature).items():
         kernels_out[name] = _compile(kernels, name, launch, arch, columns, output_dir)
-    steps = search_steps(real)
+    steps = search_steps(real, dtype)
     raw_fwd = ["raw_forward_0"]
     raw_bwd = [n for n in kernels_out if n.startswith("raw_backward_")]
     # each call as a list of (kernel, launches)
