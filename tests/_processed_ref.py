@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rl_engine import spec_numpy as sn
+from rl_engine.arith import spec_numpy as sn
 
 F32 = np.float32
 

@@ -15,14 +15,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rl_engine import spec_numpy as S
+from rl_engine.arith import spec_numpy as S
 from rl_engine.logprob.api import selected_logprob
+from rl_engine.logprob.backends.description import descriptions
+from rl_engine.logprob.backends.eager.vocab_parallel import VocabParallelLogprob
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import processed_fp64_oracle
 from rl_engine.logprob.processed import Sampling, sampling_from
 from rl_engine.logprob.registry import BackendUnavailableError, default_registry
-from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
-from rl_engine.tables import EAGER_BACKEND, PROCESSED_BACKENDS
+from rl_engine.tables import EAGER_BACKEND
 from rl_engine.tensorio import tensor_bytes
 
 from _multiproc import run_workers
@@ -299,7 +300,7 @@ def test_a_backend_without_processed_logprobs_refuses_by_name() -> None:
     """An engine without ``supports_processed`` (every registered one has it now: a stand-in here)
     is refused by name before any collective, and the registry's capability is honoured."""
     from rl_engine.logprob.registry import dispatch
-    from rl_engine.logprob.vocab_parallel import LocalEngine
+    from rl_engine.logprob.backends.eager.vocab_parallel import LocalEngine
 
     class _RawOnly(LocalEngine):
         supports_processed = False
@@ -325,8 +326,10 @@ def test_a_backend_without_processed_logprobs_refuses_by_name() -> None:
 
 
 def test_every_engine_flag_matches_the_registry_table() -> None:
+    described = {d.backend_id: d.processed_logprobs for d in descriptions()}
+    assert described[EAGER_BACKEND]
     for backend_id, spec_ in default_registry().items():
-        assert spec_.capabilities.processed_logprobs == (backend_id in PROCESSED_BACKENDS)
+        assert spec_.capabilities.processed_logprobs == described[backend_id]
     assert VocabParallelLogprob().engine().supports_processed
 
 

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from test_processed import PARAMS, REAL, TILES, as_bytes, batch, params_for, spec
 
 from rl_engine.logprob.api import selected_logprob
+from rl_engine.logprob.backends.fused_cpu.fused_cpu import FusedCpuLogprob, kernel_unavailable
 from rl_engine.logprob.contract import LogprobContract
-from rl_engine.logprob.fused_cpu import FusedCpuLogprob, kernel_unavailable
 from rl_engine.logprob.processed import kept_cut, sampling_from
 from rl_engine.tables import FUSED_CPU_BACKEND
 from rl_engine.tensorio import tensor_bytes
@@ -204,7 +204,7 @@ def _small_batch(dtype: str, rows: int = 8, seed: int = 3) -> dict[str, Any]:
 def _small_spec(b: dict[str, Any], params: dict[str, Any], dtype: str, temperature: float = 1.0) -> dict[str, Any]:
     from test_processed import NP_DTYPE, np_logits
 
-    from rl_engine import spec_numpy as S
+    from rl_engine.arith import spec_numpy as S
 
     p = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in params.items()}
     logits = np_logits(b["logits"], dtype)
@@ -220,7 +220,7 @@ def _small_spec(b: dict[str, Any], params: dict[str, Any], dtype: str, temperatu
 
 def _triton_op() -> Any:
     pytest.importorskip("triton")
-    from rl_engine.logprob.triton_backend import TritonLogprob
+    from rl_engine.logprob.backends.triton.triton_backend import TritonLogprob
 
     return TritonLogprob(mode="interpreter")
 

@@ -45,8 +45,8 @@ def test_parameters_off_are_the_case_without_them() -> None:
 
 
 def test_a_processed_case_is_its_own_case_and_replays_from_the_evidence() -> None:
+    from rl_engine.arith.portable import SPEC_VERSION
     from rl_engine.campaign.replay import replay_candidate, replay_numpy
-    from rl_engine.logprob.portable import SPEC_VERSION
 
     case = _case(top_p=0.9, top_k=50, min_p=0.01, temperature=0.7)
     assert case.case_id.endswith("-temp0.7-topk50-topp0.9-minp0.01")

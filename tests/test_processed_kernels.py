@@ -23,19 +23,20 @@ import numpy as np
 import pytest
 import torch
 
-from rl_engine.logprob import portable
-from rl_engine.logprob.contract import LogprobContract
-from rl_engine.logprob.fused_cpu import fused_partials
-from rl_engine.logprob.fused_kept import (
+from rl_engine.arith import portable
+from rl_engine.arith.tiles import merge_tiles
+from rl_engine.logprob.backends.eager.vocab_parallel import backward_terms
+from rl_engine.logprob.backends.fused_cpu.fused_cpu import FusedCpuEngine, fused_partials
+from rl_engine.logprob.backends.fused_cpu.fused_kept import (
+    KernelCall,
     fused_candidates,
     fused_kept_backward,
     fused_kept_partials,
     kept_keys_tp1,
     min_p_log,
 )
+from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.processed import KEEP_ALL, KeptCut
-from rl_engine.logprob.tiles import merge_tiles
-from rl_engine.logprob.vocab_parallel import backward_terms
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 REAL, PADDED, TILES = 700, 768, 6  # tile width 128; the last tile half padding
@@ -83,6 +84,11 @@ def _contract(dtype: str, rows: int, temperature: float = 1.0, tp: int = 1, rank
                            num_sequences=1, seq_len=rows, logits_dtype=dtype, temperature=temperature, **kw)
 
 
+def call(isa: str = "auto") -> KernelCall:
+    """The compiled library as the fused engine hands it to the processed kernels."""
+    return FusedCpuEngine(isa=isa).kernel_call()
+
+
 def _row_max(x: torch.Tensor, contract: LogprobContract) -> torch.Tensor:
     m, _, _, _ = fused_partials(x, contract, False, False)
     return m.amax(dim=1)
@@ -103,7 +109,7 @@ def test_kept_set_is_the_reference_one(dtype: str, temperature: float) -> None:
     x, _, _ = _data(dtype)
     k, p, m = _params(x.shape[0])
     contract = _contract(dtype, x.shape[0], temperature)
-    keys = kept_keys_tp1(x, contract, k, p, m, _row_max(x, contract))
+    keys = kept_keys_tp1(call(), x, contract, k, p, m, _row_max(x, contract))
     xt = ref.tempered(x, contract.temperature32)
     want = ref.kept_mask(xt, REAL, TILES, k.numpy(), p.numpy(), m.numpy())
     got = _mask(x, contract, keys)
@@ -114,7 +120,7 @@ def test_kept_set_is_the_reference_one(dtype: str, temperature: float) -> None:
 
 def _forward(x: torch.Tensor, targets: torch.Tensor, active: torch.Tensor, contract: LogprobContract,
              keys: KeptCut, isa: str = "auto") -> tuple[torch.Tensor, ...]:
-    m, s, t, _ = fused_kept_partials(x, contract, True, False, keys, isa=isa)
+    m, s, t, _ = fused_kept_partials(call(isa), x, contract, True, False, keys)
     lse, ent = merge_tiles(m, s, t, portable.exp, portable.log)
     xt = torch.from_numpy(ref.tempered(x, contract.temperature32))
     xtg = xt.gather(1, targets.unsqueeze(1)).squeeze(1)
@@ -142,7 +148,7 @@ def test_forward_and_backward_are_the_reference_bytes(dtype: str, temperature: f
     rows = x.shape[0]
     k, p, m = _params(rows)
     contract = _contract(dtype, rows, temperature)
-    keys = kept_keys_tp1(x, contract, k, p, m, _row_max(x, contract))
+    keys = kept_keys_tp1(call(), x, contract, k, p, m, _row_max(x, contract))
     xt = ref.tempered(x, contract.temperature32)
     mask = ref.kept_mask(xt, REAL, TILES, k.numpy(), p.numpy(), m.numpy())
     want = ref.forward(xt, mask, targets.numpy(), active.numpy(), REAL, TILES)
@@ -157,7 +163,7 @@ def test_forward_and_backward_are_the_reference_bytes(dtype: str, temperature: f
         kept = got[3]
         terms = backward_terms(x, targets, active, got[1], gp, gl, contract,
                                grad_entropy, got[2] if grad_entropy is not None else None, keys, kept)
-        grad = fused_kept_backward(x, got[1], terms)
+        grad = fused_kept_backward(call(), x, got[1], terms)
         want_g = ref.backward(xt, mask, targets.numpy(), active.numpy(), got[1].numpy(), gp.numpy(),
                               gl.numpy(), REAL, TILES, contract.temperature32, dtype,
                               None if grad_entropy is None else ge.numpy(),
@@ -174,7 +180,7 @@ def test_every_variant_gives_the_same_bytes_and_a_key_one_off_changes_them() -> 
     found = set()
     for isa in ("baseline", "avx2", "avx512"):
         try:
-            keys = kept_keys_tp1(x, contract, k, p, m, _row_max(x, contract), isa=isa)
+            keys = kept_keys_tp1(call(isa), x, contract, k, p, m, _row_max(x, contract))
             out = _forward(x, targets, active, contract, keys, isa=isa)
         except Exception as exc:  # an instruction set this CPU lacks
             assert "isa" in str(exc) or "instruction set" in str(exc), exc
@@ -215,23 +221,23 @@ def test_shards_compose_to_the_full_row(tp: int) -> None:
 
     full = con(0, 1)
     big = _row_max(x, full)
-    keys = kept_keys_tp1(x, full, k, p, m, big)
-    m_full, s_full, t_full, _ = fused_kept_partials(x, full, True, False, keys)
-    _, z_full, _, _ = fused_kept_partials(x, full, False, False, keys, shift=big)
+    keys = kept_keys_tp1(call(), x, full, k, p, m, big)
+    m_full, s_full, t_full, _ = fused_kept_partials(call(), x, full, True, False, keys)
+    _, z_full, _, _ = fused_kept_partials(call(), x, full, False, False, keys, shift=big)
     cands, ms, ss, ts, zs = [], [], [], [], []
     lmp = min_p_log(m)
     for rank in range(tp):
         c = con(rank, tp)
         shard = x[:, c.vocab_start:c.vocab_end]
-        cands.append(fused_candidates(shard, c, big, lmp, k))
-        a, b, t, _ = fused_kept_partials(shard, c, True, False, keys)
+        cands.append(fused_candidates(call(), shard, c, big, lmp, k))
+        a, b, t, _ = fused_kept_partials(call(), shard, c, True, False, keys)
         ms.append(a)
         ss.append(b)
         ts.append(t)
-        zs.append(fused_kept_partials(shard, c, False, False, keys, shift=big)[1])
+        zs.append(fused_kept_partials(call(), shard, c, False, False, keys, shift=big)[1])
     for name, whole, pieces in (("m", m_full, ms), ("s", s_full, ss), ("t", t_full, ts), ("z", z_full, zs)):
         assert torch.cat(pieces, dim=1).numpy().tobytes() == whole.numpy().tobytes(), name
-    one = fused_candidates(x, full, big, lmp, k)
+    one = fused_candidates(call(), x, full, big, lmp, k)
     kv, kc = _merge_candidates(cands, k)
     want_v, want_c = _merge_candidates([one], k)
     assert kv.numpy().tobytes() == want_v.numpy().tobytes() and kc.numpy().tobytes() == want_c.numpy().tobytes()

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from rl_engine.logprob import triton_aot  # noqa: E402
-from rl_engine.logprob.triton_backend import load_kernels  # noqa: E402
-from rl_engine.logprob.triton_kept_aot import processed_launches, processed_roofline  # noqa: E402
+from rl_engine.logprob.backends.triton import triton_aot  # noqa: E402
+from rl_engine.logprob.backends.triton.triton_backend import load_kernels  # noqa: E402
+from rl_engine.logprob.backends.triton.triton_kept_aot import processed_launches, processed_roofline  # noqa: E402
 
 CASE = (1000, 1024, 8)  # tile width 128
 ROWS = 64

@@ -30,16 +30,22 @@ from test_processed_kernels import (  # noqa: E402
     _grads,
     _params,
     _row_max,
+    call,
 )
 
-from rl_engine.logprob import portable  # noqa: E402
+from rl_engine.arith import portable  # noqa: E402
+from rl_engine.arith.tiles import merge_tiles  # noqa: E402
+from rl_engine.logprob.backends.eager.vocab_parallel import backward_terms  # noqa: E402
+from rl_engine.logprob.backends.fused_cpu.fused_kept import FusedKeptScan, kept_keys_tp1  # noqa: E402
+from rl_engine.logprob.backends.triton.triton_backend import TritonEngine  # noqa: E402
+from rl_engine.logprob.backends.triton.triton_kept import (  # noqa: E402
+    TritonKeptScan,
+    triton_kept_backward,
+    triton_kept_partials,
+)
 from rl_engine.logprob.contract import LogprobContract  # noqa: E402
-from rl_engine.logprob.fused_kept import FusedKeptScan, kept_keys_tp1  # noqa: E402
 from rl_engine.logprob.kept_search import kept_keys, order_of, order_of16, value_of  # noqa: E402
 from rl_engine.logprob.processed import KeptCut  # noqa: E402
-from rl_engine.logprob.tiles import merge_tiles  # noqa: E402
-from rl_engine.logprob.triton_kept import TritonKeptScan, triton_kept_backward, triton_kept_partials  # noqa: E402
-from rl_engine.logprob.vocab_parallel import backward_terms  # noqa: E402
 
 INTERP = "interpreter"
 # small rows for the interpreter (each program runs in Python): tile width 128, the last tile
@@ -73,9 +79,9 @@ def test_search_on_the_key_finds_the_sorted_keys_with_either_engine(dtype: str, 
     k, p, m = _params(x.shape[0])
     contract = _contract(dtype, x.shape[0], temperature, shape=SHAPE)
     big = _row_max(x, contract)
-    want = kept_keys_tp1(x, contract, k, p, m, big)
-    by_c = kept_keys(FusedKeptScan(x, contract), big, k, p, m, REAL)
-    by_triton = kept_keys(TritonKeptScan(x, contract, INTERP), big, k, p, m, REAL)
+    want = kept_keys_tp1(call(), x, contract, k, p, m, big)
+    by_c = kept_keys(FusedKeptScan(call(), x, contract), big, k, p, m, REAL)
+    by_triton = kept_keys(TritonKeptScan(TritonEngine(INTERP).kept_call(), x, contract), big, k, p, m, REAL)
     assert _key_bytes(by_c) == _key_bytes(want)
     assert _key_bytes(by_triton) == _key_bytes(want)
 
@@ -90,7 +96,7 @@ class _Shards:
             c = LogprobContract(real_vocab_size=C_REAL, padded_vocab_size=C_PADDED, num_vocab_tiles=C_TILES,
                                 num_sequences=1, seq_len=x.shape[0], logits_dtype=dtype,
                                 tp_world_size=tp, tp_rank=rank, temperature=temperature)
-            self.scans.append(FusedKeptScan(x[:, c.vocab_start:c.vocab_end], c))
+            self.scans.append(FusedKeptScan(call(), x[:, c.vocab_start:c.vocab_end], c))
 
     def prefix(self, keys, row_max):  # type: ignore[no-untyped-def]
         parts = [s.prefix(keys, row_max) for s in self.scans]
@@ -110,7 +116,7 @@ def test_the_search_over_shards_finds_the_full_rows_keys(tp: int, dtype: str, te
     k, p, m = _params(x.shape[0], seed=tp)
     contract = _contract(dtype, x.shape[0], temperature)
     big = _row_max(x, contract)
-    want = kept_keys_tp1(x, contract, k, p, m, big)
+    want = kept_keys_tp1(call(), x, contract, k, p, m, big)
     got = kept_keys(_Shards(x, tp, dtype, temperature), big, k, p, m, C_REAL, dtype=contract.torch_dtype,
                     t32=contract.temperature32)
     assert _key_bytes(got) == _key_bytes(want)
@@ -126,11 +132,11 @@ def test_triton_forward_and_backward_are_the_reference_bytes(dtype: str, tempera
     k, p, m = _params(rows)
     contract = _contract(dtype, rows, temperature, shape=SHAPE)
     big = _row_max(x, contract)
-    keys = kept_keys(TritonKeptScan(x, contract, INTERP), big, k, p, m, REAL)
+    keys = kept_keys(TritonKeptScan(TritonEngine(INTERP).kept_call(), x, contract), big, k, p, m, REAL)
     xt = ref.tempered(x, contract.temperature32)
     mask = ref.kept_mask(xt, REAL, TILES, k.numpy(), p.numpy(), m.numpy())
     want = ref.forward(xt, mask, targets.numpy(), active.numpy(), REAL, TILES)
-    mm, s, t, _, _ = triton_kept_partials(x, contract, True, True, keys, mode=INTERP)
+    mm, s, t, _, _ = triton_kept_partials(TritonEngine(INTERP).kept_call(), x, contract, True, True, keys)
     lse, ent = merge_tiles(mm, s, t, portable.exp, portable.log)
     xtg = torch.from_numpy(xt).gather(1, targets.unsqueeze(1)).squeeze(1)
     kept = ~((xtg < keys.value) | ((xtg == keys.value) & (targets > keys.index)))
@@ -141,7 +147,7 @@ def test_triton_forward_and_backward_are_the_reference_bytes(dtype: str, tempera
         assert a.numpy().tobytes() == b.tobytes(), name
     gp, gl, ge = _grads(rows)
     terms = backward_terms(x, targets, active, lse, gp, gl, contract, ge, ent, keys, kept | ~active)
-    grad = triton_kept_backward(x, lse, terms, INTERP)
+    grad = triton_kept_backward(TritonEngine(INTERP).kept_call(), x, lse, terms)
     want_g = ref.backward(xt, mask, targets.numpy(), active.numpy(), lse.numpy(), gp.numpy(), gl.numpy(),
                           REAL, TILES, contract.temperature32, dtype, ge.numpy(), ent.numpy())
     view = (torch.int32, np.int32) if dtype == "fp32" else (torch.int16, np.int16)

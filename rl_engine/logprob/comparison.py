@@ -169,8 +169,8 @@ def _processed_drift(candidate_logp: torch.Tensor, candidate_lse: torch.Tensor, 
                      targets: torch.Tensor, active: torch.Tensor, real_vocab: int, dtype: str, atol: float,
                      rtol: float, temperature: float, sampling: Any) -> dict[str, dict[str, dict[str, Any]]]:
     """:func:`oracle_drift` of a processed case (section 13): both oracles on the FP64 oracle's kept set."""
+    from rl_engine.arith.temperature import temperature32
     from rl_engine.logprob.oracle import processed_fp64_oracle
-    from rl_engine.temperature import temperature32
 
     x32 = logits_fp32.to(LOGITS_DTYPES[dtype]).float()
     t32 = temperature32(temperature)

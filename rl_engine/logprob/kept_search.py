@@ -22,10 +22,10 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from rl_engine.arith.portable import log as portable_log
+from rl_engine.arith.tiles import fold_sum_, temperature_divisor
 from rl_engine.logprob.contract import LogprobContract
-from rl_engine.logprob.portable import log as portable_log
 from rl_engine.logprob.processed import KEEP_ALL, KeptCut, Sampling, _gather, _gather_tiles
-from rl_engine.logprob.tiles import fold_sum_, temperature_divisor
 
 _LOW32 = 0xFFFFFFFF
 _SIGN = 0x80000000

@@ -16,7 +16,7 @@ The engine interface (what a backend engine sees):
 * :class:`Sampling`: the per-row parameters, three tensors of the local rows, int64 ``top_k``
   (0 = off), binary32 ``top_p`` (``p32``, 1 = off) and binary32 ``min_p`` (``mp32``, 0 = off), or
   ``None`` for a call with every parameter off (the raw bytes, no extra pass).
-* :meth:`rl_engine.logprob.vocab_parallel.LocalEngine.kept_cut`: the cut of every local row,
+* :meth:`rl_engine.logprob.backends.eager.vocab_parallel.LocalEngine.kept_cut`: the cut of every local row,
   called on every TP rank in the same order (it runs collectives on the TP group); the default
   is :func:`kept_cut` here, torch operations and all-gathers of transport only.
 * ``local_partials(..., keep=KeptCut)`` and ``BackwardTerms.keep``: the engine's forward partials
@@ -38,10 +38,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rl_engine.arith.portable import exp as portable_exp
+from rl_engine.arith.portable import log as portable_log
+from rl_engine.arith.tiles import fold_sum_, lane_sum, temperature_divisor
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
-from rl_engine.logprob.portable import exp as portable_exp
-from rl_engine.logprob.portable import log as portable_log
-from rl_engine.logprob.tiles import fold_sum_, lane_sum, temperature_divisor
 
 KEEP_ALL = (1 << 62)  # a cut index above every column id: nothing dropped by the index
 _ORD_FLIP = 0x7FFFFFFF

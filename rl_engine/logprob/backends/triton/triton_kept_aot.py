@@ -1,5 +1,5 @@
 """The paper cost of processed logprobs in Triton (``docs/arithmetic.md`` section 13): the roofline
-of :mod:`rl_engine.logprob.triton_aot` applied to the processed kernels' SASS.
+of :mod:`rl_engine.logprob.backends.triton.triton_aot` applied to the processed kernels' SASS.
 
 Every launch of a processed call at one case (default: the default case, bf16, 8192 x 151936,
 64 tiles) is compiled for ``sm_<arch>`` as Triton specializes it at launch, no GPU needed; each
@@ -8,7 +8,7 @@ is the sum over its launches: the raw forward's partials (for the row max ``B``)
 the search's scans (each step of the bisection on the key reads the logits once: at most 16 on
 the value of a 16-bit logit, 32 of a binary32 one, and ``ceil(log2(V + 1))`` on the token id per
 stage, top-k and top-p, plus top-p's ``Z(K2)``), the masked forward, and in the backward the raw backward's launches and the pass that
-writes ``+0`` on the dropped columns. ``python -m rl_engine.logprob.triton_kept_aot --output-dir D``
+writes ``+0`` on the dropped columns. ``python -m rl_engine.logprob.backends.triton.triton_kept_aot --output-dir D``
 writes ``processed_roofline.json`` and prints the table of docs/performance.md.
 """
 
@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.logprob.contract import LogprobContract
-from rl_engine.logprob.triton_aot import (
+from rl_engine.logprob.backends.triton.triton_aot import (
     CASES,
     MODEL,
     ROOFLINE_ARCH,
@@ -37,8 +36,9 @@ from rl_engine.logprob.triton_aot import (
     output_directory,
     read_sass,
 )
-from rl_engine.logprob.triton_backend import Launch, load_kernels
-from rl_engine.logprob.triton_kept import kept_launch, min_p_launch, zero_launch
+from rl_engine.logprob.backends.triton.triton_backend import Launch, TritonEngine, load_kernels
+from rl_engine.logprob.backends.triton.triton_kept import kept_launch, min_p_launch, zero_launch
+from rl_engine.logprob.contract import LogprobContract
 
 
 def search_steps(real_vocab: int, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -61,12 +61,14 @@ def processed_launches(rows: int, real: int, padded: int, tiles: int, dtype: tor
     count = torch.empty(rows, tiles, dtype=torch.int32, device=meta)
     kv = torch.empty(rows, dtype=torch.float32, device=meta)
     kid = torch.empty(rows, dtype=torch.int64, device=meta)
-    return {
-        "kept_forward": kept_launch(x, contract, kv, kid, None, m, m, m, bad, count, True, True, dtype),
-        "search_step": kept_launch(x, contract, kv, kid, kv, m, m, None, None, count, False, False, dtype),
-        "min_p": min_p_launch(x, contract, kv, kv, m, count, dtype),
-        "backward_zero": zero_launch(x, kv, kid, x, real, contract.temperature32, dtype),
+    call = TritonEngine("compiled").kept_call()
+    specs = {
+        "kept_forward": kept_launch(call, x, contract, kv, kid, None, m, m, m, bad, count, True, True, dtype),
+        "search_step": kept_launch(call, x, contract, kv, kid, kv, m, m, None, None, count, False, False, dtype),
+        "min_p": min_p_launch(call, x, contract, kv, kv, m, count, dtype),
+        "backward_zero": zero_launch(call, x, kv, kid, x, real, contract.temperature32, dtype),
     }
+    return {name: Launch(*spec) for name, spec in specs.items()}
 
 
 def _compile(kernels: Any, name: str, launch: Launch, arch: int, columns: int, out: Path) -> dict[str, Any]:
@@ -160,7 +162,7 @@ def processed_roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = 
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rl_engine.logprob.triton_kept_aot",
+    parser = argparse.ArgumentParser(prog="python -m rl_engine.logprob.backends.triton.triton_kept_aot",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-dir", type=Path, required=True)
     parser.add_argument("--arch", type=int, default=ROOFLINE_ARCH)

@@ -5,7 +5,7 @@ the tile width or the tile count, never on the number of rows, the chunk size, t
 thread count or which rank computes the tile. ``torch.sum`` is not used: on the CPU it
 splits a long row across threads when there are few rows, which changes the bits.
 
-The exp and log are the portable ones of :mod:`rl_engine.logprob.portable`: every number is
+The exp and log are the portable ones of :mod:`rl_engine.arith.portable`: every number is
 the one ``docs/arithmetic.md`` (sections 6-8) defines, on any IEEE-754 device. A tile's sums
 are the lane sums ``G`` of section 4 (:class:`LanePlan`: 128 lanes, each in column order,
 then the fold ``F``); the merge across tiles is ``F``.
@@ -20,11 +20,11 @@ and nothing of size ``tokens x vocab`` in FP32 exists.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
-from rl_engine.logprob.portable import (
+from rl_engine.arith.portable import (
     _MIDPOINT,
     _MIDPOINT_MASK,
     ExpScratch,
@@ -36,9 +36,6 @@ from rl_engine.logprob.portable import (
     log,
     round_into,
 )
-
-if TYPE_CHECKING:
-    from rl_engine.logprob.processed import KeptCut
 
 NEG_INF = float("-inf")
 # Rows per chunk aim at this many bytes of FP32 per chunk buffer: the chunk stays in the
@@ -134,7 +131,7 @@ class LanePlan:
         The products ``u_c * v_c`` are exact in binary64 (``prod`` and ``wide``: binary64
         buffers of ``u``'s shape, or allocated); each step adds one chunk's products to the
         lanes in binary64 and rounds the sums once to binary32: the fma, except where a sum sits
-        on a binary32 midpoint (:func:`rl_engine.logprob.portable.fma_into`). Those lanes are
+        on a binary32 midpoint (:func:`rl_engine.arith.portable.fma_into`). Those lanes are
         noted and, at the end, recomputed with every fma rounded to odd first. A lane's result
         below ``2**-125`` is an exact binary64 sum (its terms ``e * max(y, LO)`` are ``<= 0``, so
         nothing cancels, and a tiny one needs a tiny ``y``, where ``e = 1``), so only the
@@ -283,13 +280,14 @@ class ChunkWorkspace:
         s_out: torch.Tensor,
         t_out: torch.Tensor | None,
         row_min_out: torch.Tensor | None,
-        keep: "KeptCut | None" = None,
+        keep: Any = None,
     ) -> None:
         """Write the chunk's tile partials into ``m_out``, ``s_out`` (and ``t_out``).
 
         ``row_min_out``, when given, receives the minimum over each row's real columns
         (a validation aid: with the tile maxima it tells whether a row is all finite).
-        ``keep`` (section 13): the columns its cut drops read as ``-inf`` after step 0; then
+        ``keep`` (section 13, a :class:`rl_engine.logprob.processed.KeptCut`; typed ``Any``: ``arith/`` sits
+        below ``logprob/``): the columns its cut drops read as ``-inf`` after step 0; then
         ``row_min_out`` is NaN on a row whose real maximum is not finite (the tile maxima no longer
         show it), so that the check sees the logits as given.
         """
@@ -342,7 +340,7 @@ class GradWorkspace:
         out: torch.Tensor,
         g_ent: torch.Tensor | None = None,
         mb: torch.Tensor | None = None,
-        keep: "KeptCut | None" = None,
+        keep: Any = None,
     ) -> None:
         """``out = coef * E(x - lse)``, plus ``target_add`` at ``target_col`` in FP32, divided by
         the workspace's ``T32`` (the temperature, skipped when 1), NaN made canonical, rounded once to

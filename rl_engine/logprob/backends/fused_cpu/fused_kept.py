@@ -13,24 +13,43 @@ cut by the search on the key (:mod:`rl_engine.logprob.kept_search`) with :class:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import torch
 
+from rl_engine.arith.portable import log as portable_log
+from rl_engine.logprob.backends.eager.vocab_parallel import BackwardTerms, real_local_columns
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
-from rl_engine.logprob.fused_cpu import (
-    _DTYPE_CODES,
-    ISA_NAMES,
-    _c_operand,
-    _ptr,
-    _threads,
-    fused_partials,
-    load_kernel,
-)
 from rl_engine.logprob.kept_search import engine_cut
-from rl_engine.logprob.portable import log as portable_log
 from rl_engine.logprob.processed import KEEP_ALL, KeptCut, Sampling
-from rl_engine.logprob.vocab_parallel import BackwardTerms, real_local_columns
+from rl_engine.logprob.storage import require_readable
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """How the fused engine calls its loaded library (``FusedCpuEngine.kernel_call``): the ctypes
+    library, its status check, the thread count, the instruction set and the dtype codes. Passed
+    in, so that this module needs nothing from ``fused_cpu.py``, which imports it."""
+
+    lib: Any
+    check: Callable[[int, str], None]
+    threads: int
+    isa: int
+    dtype_codes: Mapping[torch.dtype, int]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _operand(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """What the kernel may read: inside its storage (checked), the neg bit resolved, rows of unit
+    column stride (as ``fused_cpu``'s operands)."""
+    require_readable(name, tensor)
+    t = tensor.detach().resolve_neg()
+    if t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= t.shape[1]:
+        return t
+    return t.contiguous()
 
 
 def local_cut(keep: KeptCut, vocab_start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +76,7 @@ def kept_rows_finite(m: torch.Tensor, row_min: torch.Tensor, real_local: int) ->
 
 
 def fused_kept_partials(
+    call: KernelCall,
     logits: torch.Tensor,
     contract: LogprobContract,
     with_entropy: bool,
@@ -64,9 +84,6 @@ def fused_kept_partials(
     keep: KeptCut,
     shift: torch.Tensor | None = None,
     count: torch.Tensor | None = None,
-    *,
-    threads: int | None = None,
-    isa: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(m, s, t, finite)`` of the local shard with ``x_c = -inf`` outside each row's kept set.
 
@@ -77,8 +94,7 @@ def fused_kept_partials(
     its own maximum: ``s`` is then section 13's lane sum of ``E(RN32(x_c - B))`` over the kept
     columns of each tile (top-p's ``Z`` is ``F`` of it over the tiles in global order). The
     validation flag reads every real column, kept or not."""
-    kernel = load_kernel()
-    x = _c_operand("logits", logits)
+    x = _operand("logits", logits)
     rows = x.shape[0]
     width = contract.tile_width
     real_local = real_local_columns(contract)
@@ -88,7 +104,7 @@ def fused_kept_partials(
     t = torch.empty_like(m) if with_entropy else None
     row_min = torch.empty(rows, dtype=torch.float32) if validate else None
     kv, kid = local_cut(keep, contract.vocab_start)
-    sh = None if shift is None else _c_operand("shift", shift.float())
+    sh = None if shift is None else _operand("shift", shift.float())
     if count is not None and (count.dtype != torch.int32 or tuple(count.shape) != (rows, tiles)
                               or not count.is_contiguous()):
         raise LogprobContractError(
@@ -96,24 +112,22 @@ def fused_kept_partials(
             f"{tuple(count.shape)}"
         )
     if rows:
-        status = kernel.lib.rle_forward_kept(
-            x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), contract.local_vocab_size,
+        status = call.lib.rle_forward_kept(
+            x.data_ptr(), call.dtype_codes[x.dtype], rows, x.stride(0), contract.local_vocab_size,
             width, real_local, m.data_ptr(), s.data_ptr(), _ptr(t), _ptr(row_min),
             contract.temperature32, kv.data_ptr(), kid.data_ptr(), _ptr(sh), _ptr(count),
-            _threads(threads), ISA_NAMES[isa],
+            call.threads, call.isa,
         )
-        kernel.check(status, "processed forward")
+        call.check(status, "processed forward")
     finite = kept_rows_finite(m, row_min, real_local) if row_min is not None else None
     return m, s, t, finite
 
 
 def fused_kept_backward(
+    call: KernelCall,
     logits: torch.Tensor,
     lse: torch.Tensor,
     terms: BackwardTerms,
-    *,
-    threads: int | None = None,
-    isa: str = "auto",
 ) -> torch.Tensor:
     """The local gradient of section 7 on the masked logits: ``+0`` on every dropped column.
 
@@ -121,25 +135,24 @@ def fused_kept_backward(
     ``gl = 0``)."""
     if terms.keep is None:
         raise LogprobContractError("fused_kept_backward needs terms.keep (the kept set's cut)")
-    kernel = load_kernel()
-    x = _c_operand("logits", logits)
+    x = _operand("logits", logits)
     rows, local_vocab = x.shape
     grad = torch.empty((rows, local_vocab), dtype=x.dtype)
     if rows:
         kv, kid = local_cut(terms.keep, terms.vocab_start)
-        lse_c = _c_operand("lse", lse.float())
-        coef = _c_operand("coef", terms.coef.float())
-        col = _c_operand("target_col", terms.target_col.to(torch.int64))
-        add = _c_operand("target_add", terms.target_add.float())
-        g_ent = None if terms.g_ent is None else _c_operand("grad_entropy", terms.g_ent.float())
-        mb = None if terms.mb is None else _c_operand("mb", terms.mb.float())
-        status = kernel.lib.rle_backward_kept(
-            x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), local_vocab,
+        lse_c = _operand("lse", lse.float())
+        coef = _operand("coef", terms.coef.float())
+        col = _operand("target_col", terms.target_col.to(torch.int64))
+        add = _operand("target_add", terms.target_add.float())
+        g_ent = None if terms.g_ent is None else _operand("grad_entropy", terms.g_ent.float())
+        mb = None if terms.mb is None else _operand("mb", terms.mb.float())
+        status = call.lib.rle_backward_kept(
+            x.data_ptr(), call.dtype_codes[x.dtype], rows, x.stride(0), local_vocab,
             terms.real_local, lse_c.data_ptr(), coef.data_ptr(), col.data_ptr(),
             add.data_ptr(), grad.data_ptr(), terms.t32, _ptr(g_ent), _ptr(mb), kv.data_ptr(),
-            kid.data_ptr(), _threads(threads), ISA_NAMES[isa],
+            kid.data_ptr(), call.threads, call.isa,
         )
-        kernel.check(status, "processed backward")
+        call.check(status, "processed backward")
     return grad
 
 
@@ -156,19 +169,16 @@ class Candidates:
 
 
 def fused_candidates(
+    call: KernelCall,
     logits: torch.Tensor,
     contract: LogprobContract,
     row_max: torch.Tensor,
     lmp: torch.Tensor,
     top_k: torch.Tensor,
-    *,
-    threads: int | None = None,
-    isa: str = "auto",
 ) -> Candidates:
     """Section 13 steps 1-2 on this shard: ``K1 = {c : RN32(x_c - B) >= lmp}`` (every real column
     where ``lmp`` is ``-inf``) and its first ``top_k`` columns in key order (none where 0)."""
-    kernel = load_kernel()
-    x = _c_operand("logits", logits)
+    x = _operand("logits", logits)
     rows = x.shape[0]
     kmax = int(top_k.max()) if rows else 0
     count = torch.zeros(rows, dtype=torch.int64)
@@ -176,29 +186,27 @@ def fused_candidates(
     value = torch.full((rows, kmax), float("-inf"))
     column = torch.full((rows, kmax), -1, dtype=torch.int64)
     if rows:
-        b = _c_operand("row_max", row_max.float())
-        lm = _c_operand("lmp", lmp.float())
-        k = _c_operand("top_k", top_k.to(torch.int64))
-        status = kernel.lib.rle_kept_candidates(
-            x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), real_local_columns(contract),
+        b = _operand("row_max", row_max.float())
+        lm = _operand("lmp", lmp.float())
+        k = _operand("top_k", top_k.to(torch.int64))
+        status = call.lib.rle_kept_candidates(
+            x.data_ptr(), call.dtype_codes[x.dtype], rows, x.stride(0), real_local_columns(contract),
             contract.temperature32, b.data_ptr(), lm.data_ptr(), k.data_ptr(), kmax,
             count.data_ptr(), least.data_ptr(), value.data_ptr(), column.data_ptr(),
-            _threads(threads), ISA_NAMES[isa],
+            call.threads, call.isa,
         )
-        kernel.check(status, "min-p / top-k candidates")
+        call.check(status, "min-p / top-k candidates")
     column = torch.where(column >= 0, column + contract.vocab_start, column)
     return Candidates(count, least, value, column)
 
 
 def fused_topp(
+    call: KernelCall,
     logits: torch.Tensor,
     contract: LogprobContract,
     row_max: torch.Tensor,
     k2: KeptCut,
     p32: torch.Tensor,
-    *,
-    threads: int | None = None,
-    isa: str = "auto",
 ) -> KeptCut:
     """Section 13 step 3 on full rows (the shard is the whole vocabulary): K3's last key, by
     bisection on the prefix length of K2 sorted by key, each step the exact ``Z``."""
@@ -207,22 +215,21 @@ def fused_topp(
             f"fused_topp searches full rows; tp_world_size={contract.tp_world_size} needs the "
             "search on the key with the tile sums all-gathered (fused_kept_partials with a shift)"
         )
-    kernel = load_kernel()
-    x = _c_operand("logits", logits)
+    x = _operand("logits", logits)
     rows = x.shape[0]
     out_v = torch.empty(rows, dtype=torch.float32)
     out_id = torch.empty(rows, dtype=torch.int64)
     if rows:
-        b = _c_operand("row_max", row_max.float())
+        b = _operand("row_max", row_max.float())
         v2, id2 = local_cut(k2, contract.vocab_start)
-        p = _c_operand("p32", p32.float())
-        status = kernel.lib.rle_kept_topp(
-            x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), contract.local_vocab_size,
+        p = _operand("p32", p32.float())
+        status = call.lib.rle_kept_topp(
+            x.data_ptr(), call.dtype_codes[x.dtype], rows, x.stride(0), contract.local_vocab_size,
             contract.tile_width, contract.real_vocab_size, contract.temperature32, b.data_ptr(),
             v2.data_ptr(), id2.data_ptr(), p.data_ptr(), out_v.data_ptr(), out_id.data_ptr(),
-            _threads(threads), ISA_NAMES[isa],
+            call.threads, call.isa,
         )
-        kernel.check(status, "top-p search")
+        call.check(status, "top-p search")
     return KeptCut(out_v, out_id)
 
 
@@ -233,22 +240,20 @@ def min_p_log(mp32: torch.Tensor) -> torch.Tensor:
 
 
 def kept_keys_tp1(
+    call: KernelCall,
     logits: torch.Tensor,
     contract: LogprobContract,
     top_k: torch.Tensor,
     p32: torch.Tensor,
     mp32: torch.Tensor,
     row_max: torch.Tensor,
-    *,
-    threads: int | None = None,
-    isa: str = "auto",
 ) -> KeptCut:
     """Each row's kept set (section 13 steps 1-3) on a full row, by the compiled kernels.
 
     ``row_max`` is ``B`` (the max of the tile maxima of the raw forward); a row whose ``B`` is
     not finite (a NaN, or no finite logit: only inactive rows reach here so) keeps every column."""
     rows = logits.shape[0]
-    cand = fused_candidates(logits, contract, row_max, min_p_log(mp32), top_k, threads=threads, isa=isa)
+    cand = fused_candidates(call, logits, contract, row_max, min_p_log(mp32), top_k)
     k = top_k.to(torch.int64)
     use_k = (k > 0) & (k < cand.count)
     at = (k - 1).clamp(min=0).unsqueeze(1)
@@ -257,43 +262,36 @@ def kept_keys_tp1(
     minp = mp32 > 0
     v2 = torch.where(use_k, kv, torch.where(minp, cand.least, torch.full_like(cand.least, float("-inf"))))
     id2 = torch.where(use_k, kid, torch.full_like(kid, KEEP_ALL))
-    cut = fused_topp(logits, contract, row_max, KeptCut(v2, id2), p32, threads=threads, isa=isa)
+    cut = fused_topp(call, logits, contract, row_max, KeptCut(v2, id2), p32)
     finite = torch.isfinite(row_max)
     return KeptCut(torch.where(finite, cut.value, torch.full_like(cut.value, float("-inf"))),
                    torch.where(finite, cut.index, torch.full_like(cut.index, KEEP_ALL)))
 
 
-def fused_kept_cut(logits: torch.Tensor, contract: LogprobContract, sampling: Sampling, group: Any, *,
-                   threads: int | None = None, isa: str = "auto") -> KeptCut:
-    """The engine's ``kept_cut``: ``B`` from the raw forward's tile maxima (gathered under TP), then at
-    TP = 1 the kernels' own search on each full row (:func:`kept_keys_tp1`: a sort of K2), under TP
-    the search on the key with the tiles gathered (:func:`rl_engine.logprob.kept_search.engine_cut`)."""
-    rows = logits.shape[0]
-    m, _, _, _ = fused_partials(logits, contract, False, False, threads=threads, isa=isa)
-    local_max = m.amax(dim=1) if m.shape[1] else torch.full((rows,), float("-inf"))
+def fused_kept_cut(call: KernelCall, logits: torch.Tensor, contract: LogprobContract, sampling: Sampling,
+                   group: Any, local_max: torch.Tensor) -> KeptCut:
+    """The engine's ``kept_cut`` (``local_max``: the max of this shard's real tempered columns, from
+    the raw forward's tile maxima): at TP = 1 the kernels' own search on each full row
+    (:func:`kept_keys_tp1`: a sort of K2), under TP the search on the key with the tiles gathered
+    (:func:`rl_engine.logprob.kept_search.engine_cut`)."""
     if contract.tp_world_size == 1:
-        return kept_keys_tp1(logits, contract, sampling.top_k, sampling.top_p, sampling.min_p, local_max,
-                             threads=threads, isa=isa)
-    return engine_cut(FusedKeptScan(logits, contract, threads=threads, isa=isa), local_max, contract, sampling,
-                      group)
+        return kept_keys_tp1(call, logits, contract, sampling.top_k, sampling.top_p, sampling.min_p, local_max)
+    return engine_cut(FusedKeptScan(call, logits, contract), local_max, contract, sampling, group)
 
 
 class FusedKeptScan:
     """:class:`rl_engine.logprob.kept_search.KeptScan` on the compiled kernels: the search on the
     key for any shard (at TP = 1, :func:`kept_keys_tp1`'s sort gives the same keys)."""
 
-    def __init__(self, logits: torch.Tensor, contract: LogprobContract, *, threads: int | None = None,
-                 isa: str = "auto") -> None:
+    def __init__(self, call: KernelCall, logits: torch.Tensor, contract: LogprobContract) -> None:
+        self.call = call
         self.logits = logits
         self.contract = contract
-        self.threads = threads
-        self.isa = isa
 
     def prefix(self, keep: KeptCut, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.logits.shape[0]
         count = torch.zeros(rows, self.contract.local_vocab_size // self.contract.tile_width, dtype=torch.int32)
-        _, z, _, _ = fused_kept_partials(self.logits, self.contract, False, False, keep, row_max, count,
-                                         threads=self.threads, isa=self.isa)
+        _, z, _, _ = fused_kept_partials(self.call, self.logits, self.contract, False, False, keep, row_max, count)
         return count, z
 
     def min_p(self, row_max: torch.Tensor, lmp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,7 +300,7 @@ class FusedKeptScan:
         rows = self.logits.shape[0]
         tiles = self.contract.local_vocab_size // self.contract.tile_width
         zero = torch.zeros(rows, dtype=torch.int64)
-        cand = fused_candidates(self.logits, self.contract, row_max, lmp, zero, threads=self.threads, isa=self.isa)
+        cand = fused_candidates(self.call, self.logits, self.contract, row_max, lmp, zero)
         count = torch.zeros(rows, tiles, dtype=torch.int64)
         least = torch.full((rows, tiles), float("inf"))
         count[:, 0] = cand.count
@@ -313,6 +311,7 @@ class FusedKeptScan:
 __all__ = [
     "Candidates",
     "FusedKeptScan",
+    "KernelCall",
     "fused_candidates",
     "fused_kept_cut",
     "fused_kept_backward",

@@ -1,7 +1,7 @@
 """Backend ``cpu-vocab-parallel-logp-ws2``: the eager backend with its chunk loops in compiled C.
 
 The per-rank compute (tile partials of the forward, the local gradient of the backward)
-runs in ``rl_engine/logprob/_fused_cpu.c``: per (row, tile), one pass upcasts the tile into
+runs in ``rl_engine/logprob/backends/fused_cpu/_fused_cpu.c``: per (row, tile), one pass upcasts the tile into
 an L1-resident buffer with its max, and one pass computes ``E`` and accumulates the lane
 sums ``G`` and ``G*`` in vector registers, then folds the 128 lanes with ``F``; one pass per
 row for the gradient (recompute ``E(x - lse)``, scale, add the target term, canonical NaN,
@@ -35,19 +35,25 @@ from functools import lru_cache
 
 import torch
 
-from rl_engine.logprob.contract import LogprobContract, LogprobContractError
-from rl_engine.logprob.storage import require_readable
-from rl_engine.logprob.tiles import rows_finite
-from rl_engine.logprob.vocab_parallel import (
+from rl_engine.arith.tiles import rows_finite
+from rl_engine.logprob.backends.eager.vocab_parallel import (
     BackwardTerms,
     LocalEngine,
     VocabParallelLogprob,
     real_local_columns,
 )
+from rl_engine.logprob.backends.fused_cpu.fused_kept import (
+    KernelCall,
+    fused_kept_backward,
+    fused_kept_cut,
+    fused_kept_partials,
+)
+from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.logprob.storage import require_readable
 from rl_engine.tables import FUSED_CPU_BACKEND
 
 FUSED_CPU_ID = FUSED_CPU_BACKEND
-MODULE = "rl_engine.logprob._fused_cpu"
+MODULE = "rl_engine.logprob.backends.fused_cpu._fused_cpu"
 ABI_VERSION = 5
 ISA_AUTO, ISA_BASELINE, ISA_AVX2, ISA_AVX512 = 0, 1, 2, 3
 ISA_NAMES = {"auto": ISA_AUTO, "baseline": ISA_BASELINE, "avx2": ISA_AVX2, "avx512": ISA_AVX512}
@@ -301,7 +307,7 @@ def fused_exp(y: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
 class FusedCpuEngine(LocalEngine):
     """:class:`LocalEngine` on the compiled kernel (``chunk_rows`` is not used: rows stream)."""
 
-    supports_processed = True  # section 13: rl_engine/logprob/fused_kept.py
+    supports_processed = True  # section 13: fused_kept.py
 
     def __init__(self, threads: int | None = None, isa: str = "auto") -> None:
         if isa not in ISA_NAMES:
@@ -316,28 +322,30 @@ class FusedCpuEngine(LocalEngine):
         self.threads = threads
         self.isa = isa
 
-    def local_partials(self, logits, contract, chunk_rows, with_entropy, validate, keep=None):  # type: ignore[override]
-        if keep is not None:  # processed logprobs (section 13); imported here: fused_kept imports this module
-            from rl_engine.logprob.fused_kept import fused_kept_partials
+    def kernel_call(self) -> KernelCall:
+        """The loaded library with this engine's threads and instruction set, for the processed
+        kernels of :mod:`rl_engine.logprob.backends.fused_cpu.fused_kept`."""
+        kernel = load_kernel()
+        return KernelCall(kernel.lib, kernel.check, _threads(self.threads), ISA_NAMES[self.isa], _DTYPE_CODES)
 
-            return fused_kept_partials(logits, contract, with_entropy, validate, keep, threads=self.threads,
-                                       isa=self.isa)
+    def local_partials(self, logits, contract, chunk_rows, with_entropy, validate, keep=None):  # type: ignore[override]
+        if keep is not None:  # processed logprobs (section 13): the masked forward
+            return fused_kept_partials(self.kernel_call(), logits, contract, with_entropy, validate, keep)
         return fused_partials(
             logits, contract, with_entropy, validate, threads=self.threads, isa=self.isa
         )
 
     def local_backward(self, logits, lse, terms, chunk_rows):  # type: ignore[override]
         if terms.keep is not None:
-            from rl_engine.logprob.fused_kept import fused_kept_backward
-
-            return fused_kept_backward(logits, lse, terms, threads=self.threads, isa=self.isa)
+            return fused_kept_backward(self.kernel_call(), logits, lse, terms)
         return fused_backward(logits, lse, terms, threads=self.threads, isa=self.isa)
 
     def kept_cut(self, logits, contract, sampling, group, chunk_rows):  # type: ignore[override]
-        """Section 13's cut by the compiled kernels (:func:`rl_engine.logprob.fused_kept.fused_kept_cut`)."""
-        from rl_engine.logprob.fused_kept import fused_kept_cut
-
-        return fused_kept_cut(logits, contract, sampling, group, threads=self.threads, isa=self.isa)
+        """Section 13's cut by the compiled kernels (:func:`~rl_engine.logprob.backends.fused_cpu.fused_kept.fused_kept_cut`):
+        ``B`` from the raw forward's tile maxima of this shard."""
+        m, _, _, _ = fused_partials(logits, contract, False, False, threads=self.threads, isa=self.isa)
+        local_max = m.amax(dim=1) if m.shape[1] else torch.full((logits.shape[0],), float("-inf"))
+        return fused_kept_cut(self.kernel_call(), logits, contract, sampling, group, local_max)
 
     def exp(self, y: torch.Tensor) -> torch.Tensor:
         """``E`` of the merge by the kernel's own vector ``E`` (the same bytes as the portable

@@ -1,6 +1,6 @@
 """Backend ``triton-vocab-parallel-logp-ws2``: the eager backend with its chunk loops in Triton.
 
-The per-rank compute runs in the Triton kernels of :mod:`rl_engine.logprob.triton_kernels`
+The per-rank compute runs in the Triton kernels of :mod:`rl_engine.logprob.backends.triton.triton_kernels`
 (the forward's tile partials, one program per (row, tile); the fused backward, one program
 per (row, block of columns)); validation, the all-gather of partials, the merge, autograd and
 the rank agreement are the eager backend's code, so logp, LSE, entropy and gradient are the
@@ -42,17 +42,23 @@ from typing import Any
 
 import torch
 
-from rl_engine.division import kernel_bounds
-from rl_engine.logprob.contract import LogprobContract, LogprobContractError
-from rl_engine.logprob.portable import LOG_POLY
-from rl_engine.logprob.vocab_parallel import (
+from rl_engine.arith.division import kernel_bounds
+from rl_engine.arith.portable import LOG_POLY
+from rl_engine.arith.temperature import inverse_temperature
+from rl_engine.logprob.backends.eager.vocab_parallel import (
     BackwardTerms,
     LocalEngine,
     VocabParallelLogprob,
     real_local_columns,
 )
+from rl_engine.logprob.backends.triton.triton_kept import (
+    TritonCall,
+    triton_kept_backward,
+    triton_kept_cut,
+    triton_kept_partials,
+)
+from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.tables import TRITON_BACKEND, TRITON_MODE_ENV
-from rl_engine.temperature import inverse_temperature
 
 TRITON_ID = TRITON_BACKEND
 MODES: tuple[str, ...] = ("compiled", "interpreter")
@@ -208,7 +214,7 @@ def _launch(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], meta: dic
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch: the kernel's name, grid, arguments, constants and warps per program
-    (what the backend launches, and what :mod:`rl_engine.logprob.triton_aot` compiles)."""
+    (what the backend launches, and what :mod:`rl_engine.logprob.backends.triton.triton_aot` compiles)."""
 
     kernel: str
     grid: tuple[int, ...]
@@ -222,7 +228,7 @@ class Launch:
 
 def division_args(t32: float) -> tuple[float, float, float, int, float]:
     """``(T32, r, hi, lo_key, shift_min)``, the kernels' arguments for the division by ``T32``
-    (:func:`rl_engine.division.kernel_bounds`; ``lo_key = 2 * bits(lo) - 2``, the backward's
+    (:func:`rl_engine.arith.division.kernel_bounds`; ``lo_key = 2 * bits(lo) - 2``, the backward's
     integer key of the smallest magnitude in the domain); neutral without a temperature."""
     if t32 == 1.0:
         return 1.0, 1.0, math.inf, 0, 0.0
@@ -359,7 +365,7 @@ def triton_divide(x: torch.Tensor, t32: float, dtype: torch.dtype, markstein: bo
 class TritonEngine(LocalEngine):
     """:class:`LocalEngine` on the Triton kernels (``chunk_rows`` is not used: one launch)."""
 
-    supports_processed = True  # section 13: rl_engine/logprob/triton_kept.py
+    supports_processed = True  # section 13: triton_kept.py
 
     def __init__(self, mode: str = "compiled") -> None:
         self.mode = check_mode(mode)
@@ -370,25 +376,32 @@ class TritonEngine(LocalEngine):
     def log(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return triton_log(x, self.mode)
 
-    def local_partials(self, logits, contract, chunk_rows, with_entropy, validate, keep=None):  # type: ignore[override]
-        if keep is not None:  # processed logprobs (section 13); imported here: triton_kept imports this module
-            from rl_engine.logprob.triton_kept import triton_kept_partials
+    def kept_call(self) -> TritonCall:
+        """How the processed launches (:mod:`rl_engine.logprob.backends.triton.triton_kept`) run in this mode."""
+        kernels = load_kernels(self.mode)
+        return TritonCall(
+            run=lambda spec: Launch(*spec).run(kernels), raw=_raw,
+            backward=lambda logits, lse, terms: triton_backward(logits, lse, terms, self.mode),
+            dtype_codes=_DTYPE_CODES, forward_warps=FORWARD_WARPS, backward_warps=BACKWARD_WARPS,
+            backward_block=BACKWARD_BLOCK,
+        )
 
-            return triton_kept_partials(logits, contract, with_entropy, validate, keep, None, self.mode)[:4]
+    def local_partials(self, logits, contract, chunk_rows, with_entropy, validate, keep=None):  # type: ignore[override]
+        if keep is not None:  # processed logprobs (section 13): the masked forward
+            return triton_kept_partials(self.kept_call(), logits, contract, with_entropy, validate, keep)[:4]
         return triton_partials(logits, contract, with_entropy, validate, self.mode)
 
     def local_backward(self, logits, lse, terms, chunk_rows):  # type: ignore[override]
         if terms.keep is not None:
-            from rl_engine.logprob.triton_kept import triton_kept_backward
-
-            return triton_kept_backward(logits, lse, terms, self.mode)
+            return triton_kept_backward(self.kept_call(), logits, lse, terms)
         return triton_backward(logits, lse, terms, self.mode)
 
     def kept_cut(self, logits, contract, sampling, group, chunk_rows):  # type: ignore[override]
-        """Section 13's cut by the search on the key (:func:`rl_engine.logprob.triton_kept.triton_kept_cut`)."""
-        from rl_engine.logprob.triton_kept import triton_kept_cut
-
-        return triton_kept_cut(logits, contract, sampling, group, self.mode)
+        """Section 13's cut by the search on the key (:func:`~rl_engine.logprob.backends.triton.triton_kept.triton_kept_cut`):
+        ``B`` from the raw forward's tile maxima of this shard."""
+        m, _, _, _ = triton_partials(logits, contract, False, False, self.mode)
+        local_max = m.amax(dim=1) if m.shape[1] else torch.full((logits.shape[0],), float("-inf"), device=logits.device)
+        return triton_kept_cut(self.kept_call(), logits, contract, sampling, group, local_max)
 
 
 class TritonLogprob(VocabParallelLogprob):
