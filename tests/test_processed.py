@@ -299,8 +299,8 @@ def test_bad_parameters_are_refused_naming_the_field(kwargs: dict[str, Any], mat
 def test_a_backend_without_processed_logprobs_refuses_by_name() -> None:
     """An engine without ``supports_processed`` (every registered one has it now: a stand-in here)
     is refused by name before any collective, and the registry's capability is honoured."""
-    from rl_engine.logprob.registry import dispatch
     from rl_engine.logprob.backends.eager.vocab_parallel import LocalEngine
+    from rl_engine.logprob.registry import dispatch
 
     class _RawOnly(LocalEngine):
         supports_processed = False

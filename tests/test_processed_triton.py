@@ -4,9 +4,9 @@ interpreter, and the search on the key for every engine.
 Every comparison is of bytes, never ``allclose``:
 
 * the search on the key (no sort) with the Triton kernels, and with the compiled C kernels,
-  finds the keys of the C kernels' sort-based search, and the kept set of the NumPy reference
-  (tests/_processed_ref.py), for top-k, top-p, min-p and combinations, per-row parameters,
-  bf16/fp16/fp32, a temperature, ties at every threshold;
+  finds the keys of the C kernels' TP = 1 path (candidates for min-p and top-k), whose kept sets
+  are the NumPy reference's (tests/_processed_ref.py), for top-k, top-p, min-p and combinations,
+  per-row parameters, bf16/fp16/fp32, a temperature, ties at every threshold;
 * the search over TP shards (2, 4, 8: each shard's tiles, brought together in rank order)
   finds the same keys as over the full row;
 * the Triton masked forward (logp, LSE, entropy, ``target_kept``) and backward (with an LSE
@@ -111,7 +111,8 @@ class _Shards:
                                                   (1, "bf16", 0.7)])
 def test_the_search_over_shards_finds_the_full_rows_keys(tp: int, dtype: str, temperature: float) -> None:
     """With the C kernels' scans (fast): the search on the key over the shards' tiles, 16-bit logits
-    bisected on their own order, gives the keys of the full row's sort."""
+    bisected on their own order, gives the full row's keys (kept_keys_tp1, whose kept sets
+    tests/test_processed_kernels.py holds to the NumPy reference's sort)."""
     x, _, _ = _data(dtype, rows=12)
     k, p, m = _params(x.shape[0], seed=tp)
     contract = _contract(dtype, x.shape[0], temperature)

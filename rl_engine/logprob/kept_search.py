@@ -167,16 +167,24 @@ def kept_keys(
             return exchange(n).to(torch.int64).sum(dim=1) >= k
 
         k2 = _bisect(enough, cut, row_max, k1, real_vocab, dtype, t32)
-    nucleus = (p32 < 1) & finite
-    k3 = k2
-    if bool(nucleus.any()):
-        def z_of(keys: KeptCut) -> torch.Tensor:
-            _, z = scan.prefix(keys, row_max)
-            return fold_sum_(exchange(z).contiguous())
-
-        tau = p32.float() * z_of(k2)  # RN32(p32 * Z(K2))
-        k3 = _bisect(lambda keys: z_of(keys) >= tau, nucleus, row_max, k2, real_vocab, dtype, t32)
+    k3 = top_p_cut(scan, row_max, k2, p32, real_vocab, exchange, dtype, t32)
     return KeptCut(torch.where(finite, k3.value, inf), torch.where(finite, k3.index, all_ids))
+
+
+def top_p_cut(scan: KeptScan, row_max: torch.Tensor, k2: KeptCut, p32: torch.Tensor, real_vocab: int,
+              exchange: Exchange = _same, dtype: torch.dtype = torch.float32, t32: float = 1.0) -> KeptCut:
+    """Section 13 step 3: ``tau = RN32(p32 * Z(K2))`` and the least key with ``Z(prefix) >= tau``, on
+    the rows with ``p32 < 1`` and a finite ``B`` (``k2`` elsewhere)."""
+    nucleus = (p32 < 1) & torch.isfinite(row_max)
+    if not bool(nucleus.any()):
+        return k2
+
+    def z_of(keys: KeptCut) -> torch.Tensor:
+        _, z = scan.prefix(keys, row_max)
+        return fold_sum_(exchange(z).contiguous())
+
+    tau = p32.float() * z_of(k2)  # RN32(p32 * Z(K2))
+    return _bisect(lambda keys: z_of(keys) >= tau, nucleus, row_max, k2, real_vocab, dtype, t32)
 
 
 def engine_cut(scan: KeptScan, local_max: torch.Tensor, contract: LogprobContract, sampling: Sampling,
@@ -194,4 +202,4 @@ def engine_cut(scan: KeptScan, local_max: torch.Tensor, contract: LogprobContrac
                      exchange, contract.torch_dtype, contract.temperature32)
 
 
-__all__ = ["Exchange", "KeptScan", "engine_cut", "kept_keys", "order_of", "order_of16", "value_of"]
+__all__ = ["Exchange", "KeptScan", "engine_cut", "kept_keys", "order_of", "order_of16", "top_p_cut", "value_of"]

@@ -183,10 +183,9 @@ typedef struct {
     const int64_t *keep_id;
 } bwd_args;
 
-/* Processed logprobs' kept-set search (section 13): min-p and top-k candidates per row, or top-p
- * on full rows. */
+/* Processed logprobs' kept-set search (section 13): min-p and top-k candidates per row. */
 typedef struct {
-    int kind; /* 0: candidates; 1: top-p */
+    int kind; /* 0: candidates */
     const void *logits;
     int dtype;
     int64_t rows, row_stride, local_vocab, tile_width, real_local;
@@ -199,11 +198,6 @@ typedef struct {
     float *least;         /* candidates: the least x over K1 on the shard */
     float *cand_v;        /* candidates: [rows, kmax] */
     int64_t *cand_id;
-    const float *v2;      /* top-p: K2's last key */
-    const int64_t *id2;
-    const float *p32;     /* top-p: p32 per row (rows with p32 >= 1 are not searched) */
-    float *out_v;         /* top-p: K3's last key */
-    int64_t *out_id;
 } kept_args;
 
 /* ------------------------------------------------------------------ the three variants */
@@ -267,19 +261,13 @@ static inline int64_t take_block(job *jb, int64_t *r1) {
     return r0;
 }
 
-/* The kept-set search's rows (kept_args): per worker one row of binary32 logits, its keys and,
- * for top-p, its e, ranks and the lane and tile sums. */
+/* The kept-set search's rows (kept_args): per worker one row of binary32 logits and its keys. */
 static int kept_job(int isa, const kept_args *a, job *jb) {
-    const int64_t V = a->local_vocab, R = a->real_local;
-    const int64_t tiles = a->tile_width > 0 ? V / a->tile_width : 1;
-    float *x = (float *)malloc((size_t)(V > 0 ? V : 1) * sizeof(float));
-    uint64_t *keys = (uint64_t *)malloc((size_t)(V > 0 ? V : 1) * sizeof(uint64_t));
-    float *e = a->kind == 1 ? (float *)malloc((size_t)V * sizeof(float)) : NULL;
-    int32_t *rank = a->kind == 1 ? (int32_t *)malloc((size_t)V * sizeof(int32_t)) : NULL;
-    float *tsum = a->kind == 1 ? (float *)malloc((size_t)tiles * sizeof(float)) : NULL;
-    float lanes[RLE_LANE_COUNT] __attribute__((aligned(64)));
+    const int64_t R = a->real_local;
+    float *x = (float *)malloc((size_t)(R > 0 ? R : 1) * sizeof(float));
+    uint64_t *keys = (uint64_t *)malloc((size_t)(R > 0 ? R : 1) * sizeof(uint64_t));
     int status = RLE_OK;
-    if (x == NULL || keys == NULL || (a->kind == 1 && (e == NULL || rank == NULL || tsum == NULL))) {
+    if (x == NULL || keys == NULL) {
         status = RLE_NO_MEMORY;
         goto done;
     }
@@ -288,11 +276,6 @@ static int kept_job(int isa, const kept_args *a, job *jb) {
     while ((r0 = take_block(jb, &r1)) < jb->rows) {
         for (int64_t row = r0; row < r1; row++) {
             const char *rowp = (const char *)a->logits + (size_t)row * (size_t)a->row_stride * esz;
-            if (a->kind == 1 && !(a->p32[row] < 1.0f)) {
-                a->out_v[row] = a->v2[row];
-                a->out_id[row] = a->id2[row];
-                continue;
-            }
 #if RLE_X86
 #define RLE_KEPT_CALL(fn, ...)                                             \
     do {                                                                   \
@@ -304,22 +287,15 @@ static int kept_job(int isa, const kept_args *a, job *jb) {
 #define RLE_KEPT_CALL(fn, ...) fn##_baseline(__VA_ARGS__)
 #endif
             RLE_KEPT_CALL(row_logits, rowp, a->dtype, R, a->t32, x);
-            if (a->kind == 0)
-                RLE_KEPT_CALL(candidates_row, x, R, a->B[row], a->lmp[row], a->k[row], a->kmax, keys,
-                              a->count + row, a->least + row, a->cand_v + row * a->kmax,
-                              a->cand_id + row * a->kmax);
-            else
-                RLE_KEPT_CALL(topp_row, x, R, V, a->tile_width, a->B[row], a->v2[row], a->id2[row],
-                              a->p32[row], e, rank, keys, lanes, tsum, a->out_v + row, a->out_id + row);
+            RLE_KEPT_CALL(candidates_row, x, R, a->B[row], a->lmp[row], a->k[row], a->kmax, keys,
+                          a->count + row, a->least + row, a->cand_v + row * a->kmax,
+                          a->cand_id + row * a->kmax);
 #undef RLE_KEPT_CALL
         }
     }
 done:
     free(x);
     free(keys);
-    free(e);
-    free(rank);
-    free(tsum);
     return status;
 }
 
@@ -513,24 +489,7 @@ __attribute__((visibility("default"))) int rle_kept_candidates(
         t32 == __builtin_inff() || real_local >= ((int64_t)1 << 31))
         return RLE_BAD_ARG;
     kept_args a = {0, logits, dtype, rows, row_stride, real_local, 1, real_local, t32, B, lmp, k,
-                   kmax, count, least, cand_v, cand_id, NULL, NULL, NULL, NULL, NULL};
-    return run_split(2, isa, &a, rows, threads);
-}
-
-/* Top-p's last kept key on full rows (the shard is the whole padded vocabulary: TP = 1), per row
- * (topp_row); rows with p32 >= 1 copy K2's key. */
-__attribute__((visibility("default"))) int rle_kept_topp(
-    const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t vocab,
-    int64_t tile_width, int64_t real_vocab, float t32, const float *B, const float *v2,
-    const int64_t *id2, const float *p32, float *out_v, int64_t *out_id, int threads, int isa) {
-    if (logits == NULL || B == NULL || v2 == NULL || id2 == NULL || p32 == NULL || out_v == NULL ||
-        out_id == NULL || tile_width < 1 || vocab < 1 || vocab % tile_width != 0 ||
-        dtype < DT_F32 || dtype > DT_F16 || rows < 0 || row_stride < vocab || real_vocab < 1 ||
-        real_vocab > vocab || !(t32 > 0.0f) || t32 == __builtin_inff() ||
-        vocab >= ((int64_t)1 << 31))
-        return RLE_BAD_ARG;
-    kept_args a = {1, logits, dtype, rows, row_stride, vocab, tile_width, real_vocab, t32, B, NULL,
-                   NULL, 0, NULL, NULL, NULL, NULL, v2, id2, p32, out_v, out_id};
+                   kmax, count, least, cand_v, cand_id};
     return run_split(2, isa, &a, rows, threads);
 }
 

@@ -141,11 +141,6 @@ def _load() -> FusedKernel:
         _c_p, ctypes.c_int, _c_i64, _c_i64, _c_i64, ctypes.c_float,
         _c_p, _c_p, _c_p, _c_i64, _c_p, _c_p, _c_p, _c_p, ctypes.c_int, ctypes.c_int,
     ]
-    lib.rle_kept_topp.restype = ctypes.c_int
-    lib.rle_kept_topp.argtypes = [
-        _c_p, ctypes.c_int, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, ctypes.c_float,
-        _c_p, _c_p, _c_p, _c_p, _c_p, _c_p, ctypes.c_int, ctypes.c_int,
-    ]
     for name in ("rle_round_f16_array", "rle_round_bf16_array", "rle_upcast_f16_array"):
         fn = getattr(lib, name)
         fn.restype = None

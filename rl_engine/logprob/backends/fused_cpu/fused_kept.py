@@ -5,9 +5,10 @@ lower token id), so one cut per row describes it (:class:`rl_engine.logprob.proc
 a column is dropped iff its logit is below the cut's value, or equal to it with a larger id; NaN
 is never dropped). The kernels (``_fused_cpu_kept.h``) take the cut with the shard's local
 column (the global id minus the shard's first column) and compute the masked forward and
-backward, min-p's set and top-k's rank-local candidates per shard, and top-p's search on full
-rows (TP = 1: a sort of K2 and a bisection on the prefix length). Under TP the engine finds the
-cut by the search on the key (:mod:`rl_engine.logprob.kept_search`) with :class:`FusedKeptScan`.
+backward, min-p's set and top-k's rank-local candidates per shard (a selection on the 64-bit key),
+and the scans of the search on the key (:mod:`rl_engine.logprob.kept_search`, :class:`FusedKeptScan`):
+top-p at every TP degree, min-p and top-k under TP. At TP = 1 min-p and top-k come from the
+candidates directly (one pass instead of a search).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from rl_engine.arith.portable import log as portable_log
 from rl_engine.logprob.backends.eager.vocab_parallel import BackwardTerms, real_local_columns
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
-from rl_engine.logprob.kept_search import engine_cut
+from rl_engine.logprob.kept_search import engine_cut, top_p_cut
 from rl_engine.logprob.processed import KEEP_ALL, KeptCut, Sampling
 from rl_engine.logprob.storage import require_readable
 
@@ -200,39 +201,6 @@ def fused_candidates(
     return Candidates(count, least, value, column)
 
 
-def fused_topp(
-    call: KernelCall,
-    logits: torch.Tensor,
-    contract: LogprobContract,
-    row_max: torch.Tensor,
-    k2: KeptCut,
-    p32: torch.Tensor,
-) -> KeptCut:
-    """Section 13 step 3 on full rows (the shard is the whole vocabulary): K3's last key, by
-    bisection on the prefix length of K2 sorted by key, each step the exact ``Z``."""
-    if contract.tp_world_size != 1:
-        raise LogprobContractError(
-            f"fused_topp searches full rows; tp_world_size={contract.tp_world_size} needs the "
-            "search on the key with the tile sums all-gathered (fused_kept_partials with a shift)"
-        )
-    x = _operand("logits", logits)
-    rows = x.shape[0]
-    out_v = torch.empty(rows, dtype=torch.float32)
-    out_id = torch.empty(rows, dtype=torch.int64)
-    if rows:
-        b = _operand("row_max", row_max.float())
-        v2, id2 = local_cut(k2, contract.vocab_start)
-        p = _operand("p32", p32.float())
-        status = call.lib.rle_kept_topp(
-            x.data_ptr(), call.dtype_codes[x.dtype], rows, x.stride(0), contract.local_vocab_size,
-            contract.tile_width, contract.real_vocab_size, contract.temperature32, b.data_ptr(),
-            v2.data_ptr(), id2.data_ptr(), p.data_ptr(), out_v.data_ptr(), out_id.data_ptr(),
-            call.threads, call.isa,
-        )
-        call.check(status, "top-p search")
-    return KeptCut(out_v, out_id)
-
-
 def min_p_log(mp32: torch.Tensor) -> torch.Tensor:
     """``L(mp32)`` per row (section 5), ``-inf`` where min-p is off (``mp32 == 0``)."""
     lmp = portable_log(mp32.float().contiguous())
@@ -248,7 +216,9 @@ def kept_keys_tp1(
     mp32: torch.Tensor,
     row_max: torch.Tensor,
 ) -> KeptCut:
-    """Each row's kept set (section 13 steps 1-3) on a full row, by the compiled kernels.
+    """Each row's kept set (section 13 steps 1-3) on a full row (TP = 1), by the compiled kernels:
+    min-p and top-k from the candidates (one pass), top-p by the search on the key over the masked
+    forward's sums (:class:`FusedKeptScan`).
 
     ``row_max`` is ``B`` (the max of the tile maxima of the raw forward); a row whose ``B`` is
     not finite (a NaN, or no finite logit: only inactive rows reach here so) keeps every column."""
@@ -262,7 +232,9 @@ def kept_keys_tp1(
     minp = mp32 > 0
     v2 = torch.where(use_k, kv, torch.where(minp, cand.least, torch.full_like(cand.least, float("-inf"))))
     id2 = torch.where(use_k, kid, torch.full_like(kid, KEEP_ALL))
-    cut = fused_topp(call, logits, contract, row_max, KeptCut(v2, id2), p32)
+    scan = FusedKeptScan(call, logits, contract)
+    cut = top_p_cut(scan, row_max, KeptCut(v2, id2), p32, contract.real_vocab_size, dtype=contract.torch_dtype,
+                    t32=contract.temperature32)
     finite = torch.isfinite(row_max)
     return KeptCut(torch.where(finite, cut.value, torch.full_like(cut.value, float("-inf"))),
                    torch.where(finite, cut.index, torch.full_like(cut.index, KEEP_ALL)))
@@ -271,9 +243,9 @@ def kept_keys_tp1(
 def fused_kept_cut(call: KernelCall, logits: torch.Tensor, contract: LogprobContract, sampling: Sampling,
                    group: Any, local_max: torch.Tensor) -> KeptCut:
     """The engine's ``kept_cut`` (``local_max``: the max of this shard's real tempered columns, from
-    the raw forward's tile maxima): at TP = 1 the kernels' own search on each full row
-    (:func:`kept_keys_tp1`: a sort of K2), under TP the search on the key with the tiles gathered
-    (:func:`rl_engine.logprob.kept_search.engine_cut`)."""
+    the raw forward's tile maxima): at TP = 1 :func:`kept_keys_tp1` (min-p and top-k from the
+    candidates, top-p by the search on the key), under TP the search on the key with the tiles
+    gathered (:func:`rl_engine.logprob.kept_search.engine_cut`)."""
     if contract.tp_world_size == 1:
         return kept_keys_tp1(call, logits, contract, sampling.top_k, sampling.top_p, sampling.min_p, local_max)
     return engine_cut(FusedKeptScan(call, logits, contract), local_max, contract, sampling, group)
@@ -316,7 +288,6 @@ __all__ = [
     "fused_kept_cut",
     "fused_kept_backward",
     "fused_kept_partials",
-    "fused_topp",
     "kept_keys_tp1",
     "kept_rows_finite",
     "local_cut",
