@@ -457,8 +457,10 @@ __attribute__((visibility("default"))) int rle_forward_kept(
         dtype > DT_F16 || rows < 0 || row_stride < local_vocab || real_local < 0 ||
         real_local > local_vocab || !(t32 > 0.0f) || t32 == __builtin_inff())
         return RLE_BAD_ARG;
-    fwd_args a = {logits, dtype, rows, row_stride, local_vocab, tile_width, real_local,
-                  m, s, t, row_min, t32, keep_v, keep_id, shift, count};
+    fwd_args a = {.logits = logits, .dtype = dtype, .rows = rows, .row_stride = row_stride,
+                  .local_vocab = local_vocab, .tile_width = tile_width, .real_local = real_local,
+                  .m = m, .s = s, .t = t, .row_min = row_min, .t32 = t32, .keep_v = keep_v,
+                  .keep_id = keep_id, .shift = shift, .count = count};
     return run_split(0, isa, &a, rows, threads);
 }
 
@@ -473,8 +475,10 @@ __attribute__((visibility("default"))) int rle_backward_kept(
         real_local < 0 || real_local > local_vocab || !(t32 > 0.0f) || t32 == __builtin_inff() ||
         (g_ent == NULL) != (mb == NULL))
         return RLE_BAD_ARG;
-    bwd_args a = {logits, dtype, rows, row_stride, local_vocab, real_local,
-                  lse, coef, target_add, target_col, grad, t32, g_ent, mb, keep_v, keep_id};
+    bwd_args a = {.logits = logits, .dtype = dtype, .rows = rows, .row_stride = row_stride,
+                  .local_vocab = local_vocab, .real_local = real_local, .lse = lse, .coef = coef,
+                  .target_add = target_add, .target_col = target_col, .grad = grad, .t32 = t32,
+                  .g_ent = g_ent, .mb = mb, .keep_v = keep_v, .keep_id = keep_id};
     return run_split(1, isa, &a, rows, threads);
 }
 
