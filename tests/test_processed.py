@@ -365,11 +365,23 @@ def _run_rank(b: dict[str, Any], params: dict[str, Any], dtype: str, tp: int, tp
 
 
 def _mesh_worker(rank: int, cases: dict[str, Any]) -> dict[Any, Any]:
-    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=90))
+    from rl_engine.distributed.mesh import init_mesh
+    from rl_engine.logprob import selected_logprob_tp
+
+    mesh = init_mesh(tp=4, cp=2, timeout_s=90)
     groups: dict[int, list[Any]] = {1: [None] * 8, 8: [dist.group.WORLD]}
     for tp in (2, 4):
         groups[tp] = [dist.new_group(list(range(s, s + tp))) for s in range(0, 8, tp)]
     out: dict[Any, Any] = {}
+    # the public TP entry on the mesh: the op's bytes with the same (numbers for every row) parameters
+    dtype, b, _ = next(iter(cases.values()))
+    c = LogprobContract.from_mesh(mesh, real_vocab_size=REAL, padded_vocab_size=PADDED, num_vocab_tiles=TILES,
+                                  num_sequences=SEQS, seq_len=SEQ_LEN, logits_dtype=dtype)
+    rows = torch.tensor(c.token_indices, dtype=torch.int64)
+    x = b["logits"][rows, c.vocab_start:c.vocab_end].contiguous()
+    public = selected_logprob_tp(x, b["targets"][rows], b["active"][rows], c, mesh, backend=EAGER_BACKEND,
+                                 top_k=40, top_p=0.8, min_p=0.02)
+    out["public"] = {"tokens": c.token_indices, "logp": public.selected_logp, "kept": public.target_kept}
     for name, (dtype, b, params) in cases.items():
         for tp, cp, layout in TOPOLOGIES:
             cp_rank, tp_rank = divmod(rank % (tp * cp), tp)
@@ -406,6 +418,16 @@ def mesh_runs() -> tuple[dict[str, Any], list[dict[Any, Any]]]:
         b = batch(dtype, rows=SEQS * SEQ_LEN, seed=60 + i)
         cases[name] = (dtype, b, params_for(pname, SEQS * SEQ_LEN))
     return cases, run_workers(_mesh_worker, 8, cases, timeout_s=300)
+
+
+def test_selected_logprob_tp_takes_the_parameters_and_gives_the_one_rank_bytes(mesh_runs: Any) -> None:
+    cases, results = mesh_runs
+    _dtype, b, _ = next(iter(cases.values()))
+    want = eager(b, dict(top_k=40, top_p=0.8, min_p=0.02))
+    for res in results:
+        idx = torch.tensor(res["public"]["tokens"], dtype=torch.int64)
+        assert tensor_bytes(res["public"]["logp"]) == tensor_bytes(want["logp"][idx])
+        assert tensor_bytes(res["public"]["kept"]) == tensor_bytes(want["kept"][idx])
 
 
 @pytest.mark.parametrize("case", list(MESH_CASES))
@@ -485,3 +507,20 @@ def test_under_torch_compile_fullgraph_the_call_is_refused() -> None:
     torch._dynamo.reset()
     with pytest.raises(Exception, match="Observed exception"):
         torch.compile(f, backend="eager", fullgraph=True)(x, t)
+
+
+def test_the_bench_times_processed_against_raw_in_one_run(tmp_path: Any) -> None:
+    """``bench --paths candidate processed``: both timed in one run, the ratio computed from its rows."""
+    from rl_engine import jsonio, schemas
+    from rl_engine.benchmark import cli as bench_cli
+
+    out = tmp_path / "bench.json"
+    flags = ["--tokens", "8", "--vocab", "512", "--tiles", "4", "--repeats", "1", "--warmup", "0", "--threads", "1",
+             "--no-memory", "--paths", "candidate", "processed"]
+    assert bench_cli.main([*flags, "--output", str(out)]) == 0
+    doc = jsonio.load(out)
+    assert schemas.errors(doc, "bench") == []
+    rows = {(r["path"], r["phase"]): r["median_s"] for r in doc["rows"]}
+    for phase in ("forward", "forward_backward"):
+        ratio = doc["path_ratios"]["processed"]["8"][phase]["time_vs_candidate"]
+        assert ratio == rows[("processed", phase)] / rows[("candidate", phase)]

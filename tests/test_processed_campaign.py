@@ -1,4 +1,4 @@
-"""Processed logprobs in the campaign (issue 44 item 4): the case carries ``top_k`` / ``top_p`` /
+"""Processed logprobs in the campaign: the case carries ``top_k`` / ``top_p`` /
 ``min_p``; reports, the reviewer's replays (eager and NumPy) and ``verify --recompute`` use them;
 the default case's hash, id and fingerprints are unchanged; a ``top_p: 0.9`` campaign runs to
 VERIFIED (slow: the real workflow)."""

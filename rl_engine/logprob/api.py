@@ -296,6 +296,9 @@ def selected_logprob_tp(
     compute_entropy: bool = False,
     validate: bool = True,
     chunk_rows: int | None = None,
+    top_k: Any = 0,
+    top_p: Any = 1.0,
+    min_p: Any = 0.0,
 ) -> LogprobOutput:
     """This rank's selected-token logprob under TP x CP: its tokens (``contract.token_indices``)
     and its vocabulary columns (``contract.vocab_start:vocab_end``) of the logits.
@@ -303,11 +306,15 @@ def selected_logprob_tp(
     The backend is chosen by :func:`rl_engine.logprob.registry.dispatch` for ``mesh``'s device
     (``backend="auto"`` records its choice; an explicit id fails closed, nothing falls back) and
     runs over ``mesh.tp_group``; :func:`gather_tokens` over ``mesh.cp_group`` puts the tokens back
-    in the global order. ``mesh`` is :func:`rl_engine.distributed.mesh.init_mesh`'s.
+    in the global order. ``mesh`` is :func:`rl_engine.distributed.mesh.init_mesh`'s. ``top_k``,
+    ``top_p``, ``min_p``: as in :func:`selected_logprob` (numbers, or one value per local row:
+    shape ``targets.shape``), the same bytes at every TP degree.
     """
-    chosen = dispatch(backend, contract, mesh.device.type)
+    sampling = sampling_from(top_k, top_p, min_p, tuple(targets.shape), logits.device)
+    chosen = dispatch(backend, contract, mesh.device.type, processed=sampling is not None)
     return chosen.op(logits, targets, active, contract, group=mesh.tp_group, compute_entropy=compute_entropy,
-                     validate=validate, chunk_rows=chunk_rows)
+                     validate=validate, chunk_rows=chunk_rows,
+                     **({"sampling": sampling} if sampling is not None else {}))
 
 
 def resolve_vocab_tiles(num_vocab_tiles: int | str, padded_vocab: int, max_tp: int = MAX_TP) -> dict[str, Any]:
