@@ -21,6 +21,7 @@ from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
 from rl_engine.logprob.registry import dispatch
+from rl_engine.logprob.row_temperature import is_row_temperature, row_temperature32
 from rl_engine.logprob.storage import require_readable
 from rl_engine.logprob.vocab_parallel import LogprobOutput
 from rl_engine.tables import AUTO, MAX_TP
@@ -89,7 +90,7 @@ def selected_logprob(
     backend: str = AUTO,
     ignore_index: int = -100,
     max_tp: int = MAX_TP,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
 ) -> LogprobOutput:
     """Selected-token logprob of full-vocabulary logits on one rank (TP=1, CP=1).
 
@@ -112,7 +113,11 @@ def selected_logprob(
     logit divided by ``T32 = RN32(T)`` after its exact upcast, the gradient divided by ``T32``: the
     bytes of ``selected_logprob(logits.float() / T32)`` and autograd's gradient through that
     division), so no divided copy of the logits is made; ``1.0`` gives exactly the bytes without a
-    temperature.
+    temperature. A tensor of the shape of ``targets`` gives each row its own temperature (a rollout
+    batch mixes requests): bf16, fp16 or fp32 values taken exactly, float64 ones rounded once to
+    binary32 like a number; each row's bytes are those of the call at that row's ``T32``, a row at 1
+    those without a temperature (:mod:`rl_engine.logprob.row_temperature`; one host read of the
+    tensor checks every value, naming the first refused one).
 
     ``logits`` may be a DTensor sharded on the vocabulary (``Shard(-1)`` on one mesh dimension,
     ``Replicate`` on any other: loss parallel, a ``ColwiseParallel`` lm_head with
@@ -146,6 +151,7 @@ def selected_logprob(
                               compute_entropy, validate, backend, ignore_index, max_tp, chunk_rows, temperature)
     require_readable("logits", logits)  # before the reshape, which cannot view sparse memory
     targets, active = trainer_inputs(targets, active, lead, ignore_index)
+    temperature, row_t32 = split_temperature(temperature, lead, logits.device)
     vocab = logits.shape[-1]
     tiles = resolve_vocab_tiles(num_vocab_tiles, vocab, max_tp)
     num_sequences, seq_len = (1, lead[0]) if len(lead) == 1 else lead
@@ -163,6 +169,7 @@ def selected_logprob(
     out = chosen.op(
         logits.reshape(-1, vocab), targets.reshape(-1), active.reshape(-1), contract,
         compute_entropy=compute_entropy, validate=validate, chunk_rows=chunk_rows,
+        **({} if row_t32 is None else {"temperature": row_t32.reshape(-1)}),
     )
     return LogprobOutput(
         out.selected_logp.reshape(lead),
@@ -170,6 +177,16 @@ def selected_logprob(
         out.entropy.reshape(lead) if out.entropy is not None else None,
         {**chosen.provenance(), "num_vocab_tiles": tiles},
     )
+
+
+def split_temperature(temperature: Any, lead: tuple[int, ...],
+                      device: torch.device) -> tuple[Any, torch.Tensor | None]:
+    """``(the contract's temperature, the rows' T32 or None)``: a number goes to the contract (which
+    checks it); a tensor is each row's (:func:`rl_engine.logprob.row_temperature.row_temperature32`),
+    with the contract's temperature 1."""
+    if _is_dtensor(temperature) or is_row_temperature(temperature):
+        return 1.0, row_temperature32(temperature, lead, device)
+    return temperature, None
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -197,7 +214,7 @@ def _replicated_local(name: str, value: Any) -> Any:
 def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int | str,
                   real_vocab_size: int | None, compute_entropy: bool, validate: bool,
                   chunk_rows: int | None, backend: str, ignore_index: int, max_tp: int,
-                  temperature: float = 1.0) -> LogprobOutput:
+                  temperature: Any = 1.0) -> LogprobOutput:
     """The TP op on a DTensor's local shard, with the group and the columns its mesh gives."""
     from torch.distributed.tensor import Replicate, Shard
 
@@ -222,6 +239,8 @@ def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int |
     bounds = tuple((min(r * width, vocab), min((r + 1) * width, vocab)) for r in range(tp))
     targets, active = trainer_inputs(_replicated_local("targets", targets), _replicated_local("active", active),
                                      lead, ignore_index)
+    local = logits.to_local()  # differentiable: the gradient comes back as a DTensor
+    temperature, row_t32 = split_temperature(temperature, lead, local.device)
     tiles = resolve_vocab_tiles(num_vocab_tiles, vocab, max_tp)
     num_sequences, seq_len = (1, lead[0]) if len(lead) == 1 else lead
     contract = LogprobContract(
@@ -229,11 +248,10 @@ def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int |
         num_vocab_tiles=tiles["resolved"], num_sequences=num_sequences, seq_len=seq_len,
         tp_world_size=tp, tp_rank=tp_rank, vocab_shard_bounds=bounds,
         logits_dtype=DTYPE_NAMES[logits.dtype], ignore_index=ignore_index, temperature=temperature)
-    local = logits.to_local()  # differentiable: the gradient comes back as a DTensor
     chosen = dispatch(backend, contract, local.device.type)
     out = chosen.op(local.reshape(-1, local.shape[-1]), targets.reshape(-1), active.reshape(-1), contract,
                     group=mesh.get_group(dim), compute_entropy=compute_entropy, validate=validate,
-                    chunk_rows=chunk_rows)
+                    chunk_rows=chunk_rows, **({} if row_t32 is None else {"temperature": row_t32.reshape(-1)}))
     return LogprobOutput(
         out.selected_logp.reshape(lead), out.lse.reshape(lead),
         out.entropy.reshape(lead) if out.entropy is not None else None,
@@ -245,15 +263,18 @@ def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int |
 def _compiled_call(logits: torch.Tensor, targets: Any, active: Any, lead: tuple[int, ...],
                    num_vocab_tiles: int | str, real_vocab_size: int | None, compute_entropy: bool,
                    validate: bool, backend: str, ignore_index: int, max_tp: int,
-                   chunk_rows: int | None, temperature: float = 1.0) -> LogprobOutput:
+                   chunk_rows: int | None, temperature: Any = 1.0) -> LogprobOutput:
     """Under ``torch.compile``: ``rl_engine::selected_logprob`` (:mod:`rl_engine.logprob.compiled`),
-    whose real implementation is this function's eager path; no provenance in the graph."""
+    whose real implementation is this function's eager path; no provenance in the graph. A per-row
+    temperature is the op's tensor argument ``row_temperature`` (checked in the eager call)."""
     from rl_engine.logprob.compiled import selected_logprob_op
 
     tiles = resolve_vocab_tiles(num_vocab_tiles, logits.shape[-1], max_tp)["resolved"]
+    rows = temperature if isinstance(temperature, torch.Tensor) else None
     logp, lse, entropy = selected_logprob_op(
         logits, targets, active, logits.shape[-1] if real_vocab_size is None else real_vocab_size, tiles,
-        ignore_index, compute_entropy, validate, backend, chunk_rows, temperature)
+        ignore_index, compute_entropy, validate, backend, chunk_rows, 1.0 if rows is not None else temperature,
+        rows)
     return LogprobOutput(logp, lse, entropy if compute_entropy else None, None)
 
 
@@ -366,4 +387,4 @@ def gather_tokens(local: torch.Tensor, contract: LogprobContract, group: Any = N
     return _GatherCPTokens.apply(local, contract, group)
 
 
-__all__ = ["gather_tokens", "resolve_vocab_tiles", "selected_logprob", "trainer_inputs"]
+__all__ = ["gather_tokens", "resolve_vocab_tiles", "selected_logprob", "split_temperature", "trainer_inputs"]

@@ -31,25 +31,29 @@ BACKWARD_OP = "rl_engine::selected_logprob_backward"
 
 def _eager(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None, real_vocab_size: int,
            num_vocab_tiles: int, ignore_index: int, compute_entropy: bool, validate: bool,
-           backend: str, chunk_rows: int | None, temperature: float) -> Any:
+           backend: str, chunk_rows: int | None, temperature: float,
+           row_temperature: torch.Tensor | None = None) -> Any:
     from rl_engine.logprob.api import selected_logprob  # it imports this module
 
     return selected_logprob(logits, targets, active, num_vocab_tiles=num_vocab_tiles,
                             real_vocab_size=real_vocab_size, compute_entropy=compute_entropy,
                             validate=validate, backend=backend, ignore_index=ignore_index,
-                            chunk_rows=chunk_rows, temperature=temperature)
+                            chunk_rows=chunk_rows,
+                            temperature=temperature if row_temperature is None else row_temperature)
 
 
 @torch.library.custom_op(OP, mutates_args=())
 def selected_logprob_op(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
                         real_vocab_size: int, num_vocab_tiles: int, ignore_index: int,
                         compute_entropy: bool, validate: bool, backend: str, chunk_rows: int | None,
-                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        temperature: float = 1.0, row_temperature: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp, lse, entropy)`` of :func:`rl_engine.logprob.api.selected_logprob` run eagerly,
-    every check included (entropy empty without ``compute_entropy``)."""
+    every check included (entropy empty without ``compute_entropy``); ``row_temperature``: a
+    temperature per row (the eager call's tensor ``temperature``), with ``temperature`` 1."""
     with torch.no_grad():
         out = _eager(logits, targets, active, real_vocab_size, num_vocab_tiles, ignore_index,
-                     compute_entropy, validate, backend, chunk_rows, temperature)
+                     compute_entropy, validate, backend, chunk_rows, temperature, row_temperature)
     entropy = out.entropy if out.entropy is not None else logits.new_empty(0, dtype=torch.float32)
     return out.selected_logp.clone(), out.lse.clone(), entropy.clone()
 
@@ -57,7 +61,8 @@ def selected_logprob_op(logits: torch.Tensor, targets: torch.Tensor, active: tor
 @selected_logprob_op.register_fake
 def _(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None, real_vocab_size: int,
       num_vocab_tiles: int, ignore_index: int, compute_entropy: bool, validate: bool,
-      backend: str, chunk_rows: int | None, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+      backend: str, chunk_rows: int | None, temperature: float = 1.0,
+      row_temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     per_token = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
     entropy = torch.empty_like(per_token) if compute_entropy else logits.new_empty(0, dtype=torch.float32)
     return per_token, torch.empty_like(per_token), entropy
@@ -69,13 +74,16 @@ def selected_logprob_backward_op(logits: torch.Tensor, targets: torch.Tensor, ac
                                  grad_lse: torch.Tensor | None, real_vocab_size: int, num_vocab_tiles: int,
                                  ignore_index: int,
                                  backend: str, temperature: float = 1.0, grad_entropy: torch.Tensor | None = None,
-                                 entropy: torch.Tensor | None = None) -> torch.Tensor:
+                                 entropy: torch.Tensor | None = None,
+                                 row_temperature: torch.Tensor | None = None) -> torch.Tensor:
     """The gradient to the logits: the eager op's own backward (``vocab_parallel_backward`` with
     the backend's engine), one rounding to the logits' dtype."""
     from rl_engine.logprob.api import DTYPE_NAMES, trainer_inputs
+    from rl_engine.logprob.row_temperature import row_temperature32
 
     vocab, lead = logits.shape[-1], tuple(logits.shape[:-1])
     targets, active = trainer_inputs(targets, active, lead, ignore_index)
+    row_t32 = None if row_temperature is None else row_temperature32(row_temperature, lead, logits.device)
     num_sequences, seq_len = (1, lead[0]) if len(lead) == 1 else lead
     contract = LogprobContract(real_vocab_size=real_vocab_size, padded_vocab_size=vocab,
                                num_vocab_tiles=num_vocab_tiles, num_sequences=num_sequences,
@@ -88,7 +96,8 @@ def selected_logprob_backward_op(logits: torch.Tensor, targets: torch.Tensor, ac
                                    None if grad_lse is None else grad_lse.reshape(-1), contract,
                                    op.default_chunk_rows(contract, logits.device), op.engine(),
                                    None if grad_entropy is None else grad_entropy.reshape(-1),
-                                   None if entropy is None else entropy.reshape(-1))
+                                   None if entropy is None else entropy.reshape(-1),
+                                   None if row_t32 is None else row_t32.reshape(-1))
     return grad.reshape(logits.shape)
 
 
@@ -96,25 +105,26 @@ def selected_logprob_backward_op(logits: torch.Tensor, targets: torch.Tensor, ac
 def _(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None, lse: torch.Tensor,
       grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None, real_vocab_size: int,
       num_vocab_tiles: int, ignore_index: int, backend: str, temperature: float = 1.0,
-      grad_entropy: torch.Tensor | None = None, entropy: torch.Tensor | None = None) -> torch.Tensor:
+      grad_entropy: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+      row_temperature: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_like(logits)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    logits, targets, active, real_vocab_size, num_vocab_tiles, ignore_index, _, _, backend, _, temperature = inputs
-    ctx.save_for_backward(logits, targets, active, output[1], output[2])
+    logits, targets, active, real_vocab_size, num_vocab_tiles, ignore_index, _, _, backend, _, temperature, rows = inputs
+    ctx.save_for_backward(logits, targets, active, output[1], output[2], rows)
     ctx.fields = (real_vocab_size, num_vocab_tiles, ignore_index, backend, temperature)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None,
               grad_entropy: torch.Tensor | None) -> tuple[Any, ...]:
-    logits, targets, active, lse, entropy = ctx.saved_tensors
+    logits, targets, active, lse, entropy, rows = ctx.saved_tensors
     if entropy.shape != lse.shape:  # no entropy was computed
         grad_entropy = None
     grad = selected_logprob_backward_op(logits, targets, active, lse, grad_logp, grad_lse, *ctx.fields,
-                                        grad_entropy, entropy if grad_entropy is not None else None)
-    return (grad,) + (None,) * 10
+                                        grad_entropy, entropy if grad_entropy is not None else None, rows)
+    return (grad,) + (None,) * 11
 
 
 selected_logprob_op.register_autograd(_backward, setup_context=_setup_context)
