@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device, tensor_digest
-from rl_engine.logprob.api import DTYPE_NAMES, resolve_vocab_tiles, trainer_inputs
+from rl_engine.logprob.api import DTYPE_NAMES, resolve_vocab_tiles, split_temperature, trainer_inputs
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.head_matmul import choose_matmul
 from rl_engine.logprob.hidden_chunks import HeadPlan, active_rows, backward_chunks, forward_chunks
@@ -162,13 +162,14 @@ class Prepared:
 
 def prepare(hidden: Any, resolved: HeadWeight, targets: Any, active: Any, *, num_vocab_tiles: int | str,
             real_vocab_size: int | None, compute_entropy: bool, validate: bool, chunk_tokens: int, backend: str,
-            ignore_index: int, max_tp: int, grad_weight_fp32: bool, temperature: float, hidden_grad: str,
+            ignore_index: int, max_tp: int, grad_weight_fp32: bool, temperature: Any, hidden_grad: str,
             matmul: str, compute_dtype: torch.dtype | None, autocast: str | None) -> Prepared:
     """Every local check of a call, and its plan (no collective; raises LogprobContractError)."""
     meta = resolved.meta
     _check_inputs(hidden, meta, compute_dtype, autocast, grad_weight_fp32, hidden_grad, chunk_tokens)
     lead = tuple(hidden.shape[:-1])
     targets, active = trainer_inputs(targets, active, lead, ignore_index)
+    temperature, row_t32 = split_temperature(temperature, lead, hidden.device)
     group = resolved.group
     tp, tp_rank = group_geometry(group)
     tiles = resolve_vocab_tiles(num_vocab_tiles, resolved.vocab, max_tp)
@@ -186,7 +187,8 @@ def prepare(hidden: Any, resolved: HeadWeight, targets: Any, active: Any, *, num
     choice = choose_matmul(matmul, hidden.device)
     chosen = dispatch(backend, contract, hidden.device.type)
     plan = HeadPlan(contract, chosen.op, chunk_tokens, compute_entropy, validate, choice, compute_dtype,
-                    grad_weight_fp32, group, tp > 1 and hidden_grad == "all_reduce")
+                    grad_weight_fp32, group, tp > 1 and hidden_grad == "all_reduce",
+                    None if row_t32 is None else row_t32.reshape(-1))
     provenance = {**chosen.provenance(), "num_vocab_tiles": tiles, "chunk_tokens": chunk_tokens,
                   "matmul": choice.record(), "autocast": autocast, "grad_weight_fp32": grad_weight_fp32}
     if resolved.record is not None:
@@ -209,7 +211,7 @@ def selected_logprob_from_hidden(
     ignore_index: int = -100,
     max_tp: int = MAX_TP,
     grad_weight_fp32: bool = True,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     group: Any = None,
     hidden_grad: str = "all_reduce",
     matmul: str = "auto",
