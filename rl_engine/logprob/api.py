@@ -240,7 +240,15 @@ def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int |
     targets, active = trainer_inputs(_replicated_local("targets", targets), _replicated_local("active", active),
                                      lead, ignore_index)
     local = logits.to_local()  # differentiable: the gradient comes back as a DTensor
-    temperature, row_t32 = split_temperature(temperature, lead, local.device)
+    row_t32 = None
+    if _is_dtensor(temperature) or is_row_temperature(temperature):
+        # the shape here (as the targets'); the values in the op's local checks, whose verdict every
+        # rank of the TP group raises together
+        row_t32 = _replicated_local("temperature", temperature)
+        if tuple(row_t32.shape) != lead:
+            raise LogprobContractError(f"temperature.shape={tuple(row_t32.shape)} must equal logits.shape[:-1]={lead} "
+                                       "(one temperature per row, the shape of targets)")
+        temperature = 1.0
     tiles = resolve_vocab_tiles(num_vocab_tiles, vocab, max_tp)
     num_sequences, seq_len = (1, lead[0]) if len(lead) == 1 else lead
     contract = LogprobContract(

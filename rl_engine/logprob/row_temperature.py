@@ -87,18 +87,4 @@ def row_temperature32(temperature: Any, lead: tuple[int, ...], device: torch.dev
     return t32
 
 
-def check_row_t32(row_t32: Any, rows: int, device: torch.device) -> None:
-    """What an op takes as ``temperature=``: ``None`` or binary32 ``[rows]`` on ``device`` holding values
-    :func:`row_temperature32` accepts (one host read)."""
-    if row_t32 is None:
-        return
-    if not isinstance(row_t32, torch.Tensor) or row_t32.dtype != torch.float32 or tuple(row_t32.shape) != (rows,):
-        got = (f"dtype={row_t32.dtype} shape={tuple(row_t32.shape)}" if isinstance(row_t32, torch.Tensor)
-               else type(row_t32).__name__)
-        raise LogprobContractError(
-            f"temperature (per row) must be a float32 tensor of shape [{rows}] (one T32 per local row), got {got}; "
-            "convert it with rl_engine.logprob.row_temperature.row_temperature32")
-    row_temperature32(row_t32, (rows,), device)
-
-
-__all__ = ["check_row_t32", "is_row_temperature", "row_temperature32"]
+__all__ = ["is_row_temperature", "row_temperature32"]

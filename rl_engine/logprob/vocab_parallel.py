@@ -37,7 +37,7 @@ from rl_engine.logprob.portable import (
 )
 from rl_engine.logprob.portable import exp as portable_exp
 from rl_engine.logprob.portable import log as portable_log
-from rl_engine.logprob.row_temperature import check_row_t32
+from rl_engine.logprob.row_temperature import row_temperature32
 from rl_engine.logprob.storage import require_readable
 from rl_engine.logprob.tiles import (
     NEG_INF,
@@ -687,11 +687,13 @@ class VocabParallelLogprob:
         temperature: torch.Tensor | None = None,
     ) -> LogprobOutput:
         """The op on this rank's rows. ``temperature`` (default ``None``: the contract's): a temperature
-        per local row, binary32 ``[contract.num_tokens]`` on the logits' device holding each row's
-        ``T32`` (:func:`rl_engine.logprob.row_temperature.row_temperature32` makes it from a trainer's
-        tensor), with the contract's temperature 1; under CP each rank passes its own rows', and the
-        ranks of a TP group must pass the same (the agreement step compares their digests)."""
+        per local row, a floating-point tensor of shape ``[contract.num_tokens]`` on the logits' device
+        (:func:`rl_engine.logprob.row_temperature.row_temperature32` says what it accepts), with the
+        contract's temperature 1; under CP each rank passes its own rows', and the ranks of a TP group
+        must pass the same (the agreement step compares their digests). A refused value is this rank's
+        verdict: every rank of the group raises it."""
         verdict: str | None = None
+        row_t32: torch.Tensor | None = None
         record: CallRecord | None = None
         try:
             if not isinstance(contract, LogprobContract):
@@ -709,7 +711,8 @@ class VocabParallelLogprob:
                 raise LogprobContractError(
                     f"temperature is given per row and contract.temperature={contract.temperature!r}; pass one of "
                     "them: the per-row tensor with the contract's temperature 1.0, or no tensor")
-            check_row_t32(temperature, contract.num_tokens, logits.device)
+            if temperature is not None:
+                row_t32 = row_temperature32(temperature, (contract.num_tokens,), logits.device)
             if logits.device.type not in self.devices:
                 raise LogprobContractError(
                     f"logits.device={logits.device} is not served by backend {self.backend_id!r} "
@@ -725,7 +728,7 @@ class VocabParallelLogprob:
             if size > 1:  # digests of the targets and the mask: inside the checks too
                 record = call_record(
                     contract, self.backend_id, targets, active, compute_entropy, validate, None, on_invalid,
-                    temperature,
+                    row_t32,
                 )
         except LogprobContractError as exc:
             verdict = str(exc)
@@ -738,7 +741,7 @@ class VocabParallelLogprob:
             if verdict is not None or record is None:
                 record = call_record(
                     contract, self.backend_id, targets, active, compute_entropy, validate, verdict, on_invalid,
-                    temperature,
+                    row_t32,
                 )
             agree(record, group, record_device(logits), role="TP", hints=AGREEMENT_HINTS)
         elif verdict is not None:
@@ -751,7 +754,7 @@ class VocabParallelLogprob:
         logits, targets, active = (t.resolve_neg() for t in (logits, targets, active))
         logp, lse, entropy = _VocabParallelLogprob.apply(
             logits, targets, active, contract, group, int(chunk_rows), compute_entropy, validate,
-            self.engine(), on_invalid, temperature,
+            self.engine(), on_invalid, row_t32,
         )
         return LogprobOutput(logp, lse, entropy if compute_entropy else None)
 
