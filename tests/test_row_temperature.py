@@ -1,4 +1,4 @@
-"""A temperature per row (issue 45): ``temperature`` as a tensor of the shape of ``targets``.
+"""A temperature per row: ``temperature`` as a tensor of the shape of ``targets``.
 
 Each row's logits are divided by that row's ``T32`` (docs/arithmetic.md section 6 step 0) and its
 gradient too (section 7 step 2). Claims, each compared as bytes: every implementation (NumPy, eager,
@@ -440,3 +440,16 @@ def test_a_temperature_per_row_gives_the_one_rank_bytes_at_every_tp_and_cp_degre
         assert "temperature[5]=nan" in (res["refused"]["nan"] or ""), res["refused"]
         assert "row_temperature" in (res["refused"]["disagree"] or ""), res["refused"]
     assert tensor_bytes(dgrad) == want["grad"]
+
+
+def test_the_documented_block_of_docs_trainer_md_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "trainer.md").read_text(encoding="utf-8")
+    mark = "<!-- run by tests/test_row_temperature.py -->"
+    assert text.count(mark) == 1
+    block = re.search(re.escape(mark) + r"\n```python\n(.*?)^```", text, re.S | re.M)
+    assert block is not None
+    exec(compile(block.group(1), "docs/trainer.md", "exec"), {"__name__": "__main__"})
+    assert "torch.Size([2, 3]) torch.bfloat16" in capsys.readouterr().out
