@@ -347,7 +347,10 @@ def _case() -> dict[str, Any]:
     x, targets, active = _inputs("bf16", REAL, PADDED, 8, seed=21)
     temps = torch.tensor([0.7, 1.0, 1.3, 0.25, 2.0 ** -64, 3.0, 1.0, 0.9])
     w_logp, w_lse, w_ent = _weights(8)
-    return {"x": x, "targets": targets, "active": active, "temps": temps, "w": (w_logp, w_lse, w_ent)}
+    g = torch.Generator().manual_seed(6)
+    head = (torch.randn(2, 4, 16, generator=g), torch.randn(PADDED, 16, generator=g) * 0.5,
+            torch.randint(0, REAL, (2, 4), generator=g), temps.reshape(2, 4))
+    return {"x": x, "targets": targets, "active": active, "temps": temps, "w": (w_logp, w_lse, w_ent), "head": head}
 
 
 def _rank_worker(rank: int, case: dict[str, Any]) -> dict[str, Any]:
@@ -392,6 +395,15 @@ def _rank_worker(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     (dgrad,) = torch.autograd.grad((dt.selected_logp, dt.lse, dt.entropy), shard, w)
     out["dtensor"] = {"logp": dt.selected_logp.detach(), "lse": dt.lse.detach(), "entropy": dt.entropy.detach(),
                       "grad": dgrad}
+    # the fused head under TP=4 (group=): each rank's quarter of the lm_head, a temperature per token
+    hidden, weight, hids, htemps = case["head"]
+    rows_w = weight.shape[0] // 4
+    hh = hidden.clone().requires_grad_(True)
+    head = selected_logprob_from_hidden(hh, weight[rank * rows_w:(rank + 1) * rows_w], hids, num_vocab_tiles=TILES,
+                                        compute_entropy=True, temperature=htemps, chunk_tokens=3,
+                                        group=dist.group.WORLD)
+    (head.selected_logp.sum() + 0.5 * head.entropy.sum()).backward()
+    out["head"] = [tensor_bytes(v) for v in (head.selected_logp, head.entropy, hh.grad)]
     # refusals on every rank of the group before any numerical collective
     refused: dict[str, str | None] = {}
     for name, bad in (("nan", lambda t: t.index_fill(0, torch.tensor([5]), float("nan")) if rank == 3 else t),
@@ -440,6 +452,15 @@ def test_a_temperature_per_row_gives_the_one_rank_bytes_at_every_tp_and_cp_degre
         assert "temperature[5]=nan" in (res["refused"]["nan"] or ""), res["refused"]
         assert "row_temperature" in (res["refused"]["disagree"] or ""), res["refused"]
     assert tensor_bytes(dgrad) == want["grad"]
+    hidden, weight, hids, htemps = case["head"]
+    hh = hidden.clone().requires_grad_(True)
+    head = selected_logprob_from_hidden(hh, weight, hids, num_vocab_tiles=TILES, compute_entropy=True,
+                                        temperature=htemps, chunk_tokens=3)
+    (head.selected_logp.sum() + 0.5 * head.entropy.sum()).backward()
+    one_rank = [tensor_bytes(v) for v in (head.selected_logp, head.entropy, hh.grad)]
+    assert [res["head"][:2] for res in results] == [one_rank[:2]] * 4
+    hidden_grads = [res["head"][2] for res in results]
+    assert hidden_grads == [hidden_grads[0]] * 4  # all-reduced: the same on every rank
 
 
 def test_the_documented_block_of_docs_trainer_md_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
