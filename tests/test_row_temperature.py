@@ -25,14 +25,14 @@ import numpy as np
 import pytest
 import torch
 
-from rl_engine import spec_numpy
+from rl_engine.arith import spec_numpy
+from rl_engine.arith.temperature import rn32
 from rl_engine.logprob.api import selected_logprob
+from rl_engine.logprob.backends.eager.vocab_parallel import VocabParallelLogprob
+from rl_engine.logprob.backends.fused_cpu.fused_cpu import FusedCpuLogprob
 from rl_engine.logprob.contract import LogprobContractError
-from rl_engine.logprob.fused_cpu import FusedCpuLogprob
 from rl_engine.logprob.hidden import selected_logprob_from_hidden
-from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
 from rl_engine.tables import TRITON_MODE_ENV
-from rl_engine.temperature import rn32
 from rl_engine.tensorio import tensor_bytes
 
 from _byte_cases import _contract, _inputs
@@ -56,7 +56,7 @@ MIXED = [0.7, 1.0, 1.3, 2.0 ** -64, 0.25, 2.0 ** 64, 1.0, 3.0]
 def _ops() -> dict[str, VocabParallelLogprob]:
     found: dict[str, VocabParallelLogprob] = {"eager": VocabParallelLogprob(), "fused": FusedCpuLogprob()}
     if HAS_TRITON:
-        from rl_engine.logprob.triton_backend import TritonLogprob
+        from rl_engine.logprob.backends.triton.triton_backend import TritonLogprob
 
         found["triton"] = TritonLogprob(mode="interpreter")
     return found
@@ -171,7 +171,7 @@ def test_a_temperature_per_row_is_the_division_of_the_upcast_logits_gradient_inc
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 def test_the_triton_kernels_per_row_division_arguments_are_the_scalar_ones_and_are_used(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from rl_engine.logprob import triton_backend
+    from rl_engine.logprob.backends.triton import triton_backend
 
     rng = random.Random(1)
     temps = [1.0, 0.7, 1.3, 2.0 ** -64, 2.0 ** 64, 0.5, 2.0, 1e-10, 1e10, 0.1, 3.0]

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from rl_engine.arith.temperature import MAX_TEMPERATURE, MIN_TEMPERATURE
 from rl_engine.logprob.contract import LogprobContractError
-from rl_engine.temperature import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 FIX = "pass temperatures > 0 such as 0.7 (1.0 for a row sampled without temperature)"
 
