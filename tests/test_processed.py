@@ -160,6 +160,29 @@ def test_temperature_and_processing_compose_as_the_spec_says() -> None:
     assert as_bytes("lse", raw["lse"]) != as_bytes("lse", got["lse"])  # the temperature acts
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_a_temperature_per_row_and_per_row_parameters_compose_as_the_spec_says(dtype: str) -> None:
+    """A rollout batch mixes requests: each row its own temperature and sampling parameters. The
+    kept set is found on each row's tempered logits (section 13 after section 6 step 0 at that
+    row's T32): the eager bytes equal the NumPy spec's with the same per-row temperatures, and a
+    row's bytes equal the call with its temperature as a number."""
+    b = batch(dtype, seed=13)
+    rows = b["targets"].shape[0]
+    temps = torch.tensor([0.7, 1.0, 1.3, 0.25, 2.0, 0.9] * (rows // 6))[:rows]
+    params = per_row(rows)
+    got = eager(b, params, temperature=temps)
+    want = spec(b, params, dtype, temperature=temps.numpy().astype(np.float64))
+    for key in ("logp", "lse", "entropy", "kept", "grad"):
+        assert as_bytes(key, got[key]) == as_bytes(key, want[key]), key
+    for row in (2, 3, 4):  # the rows at 1.3, 0.25 and 2.0 (each with a parameter on), alone at a number
+        alone = {k: v[row:row + 1] for k, v in b.items()}
+        one = eager(alone, {k: v[row:row + 1] for k, v in params.items()}, temperature=float(temps[row]))
+        for key in ("logp", "lse", "entropy", "kept"):
+            assert as_bytes(key, one[key]) == as_bytes(key, got[key][row:row + 1]), (row, key)
+    flat = eager(b, params, temperature=1.0)
+    assert as_bytes("lse", flat["lse"]) != as_bytes("lse", got["lse"])  # the temperatures act
+
+
 def test_another_tile_count_changes_the_bytes_of_top_p() -> None:
     """Negative control: top-p's sums are grouped by the tiles, so the tile count is part of the bytes."""
     b = batch("fp32", seed=5)

@@ -258,3 +258,41 @@ def test_triton_interpreter_at_tp3_gives_the_spec_bytes() -> None:
         grad[:, r["cols"][0]:r["cols"][1]] = r["grad"]
         assert _mismatches({**r, "grad": want["grad"]}, want) == []
     assert as_bytes("grad", grad) == as_bytes("grad", want["grad"])
+
+
+# ----- a temperature per row (a rollout batch mixes requests) ------------------------------------------
+def _per_row_call(backend: str, b: dict[str, Any], temperature: torch.Tensor, params: dict[str, Any]) -> dict:
+    x = b["logits"].clone().requires_grad_(True)
+    out = selected_logprob(x, b["targets"], b["active"], backend=backend, num_vocab_tiles=TILES,
+                           real_vocab_size=REAL, compute_entropy=True, temperature=temperature, **params)
+    loss = (torch.where(out.target_kept, out.selected_logp, 0.0) * b["w_logp"]).sum() + (out.lse * b["w_lse"]).sum() \
+        + (out.entropy * b["w_ent"]).sum()
+    (grad,) = torch.autograd.grad(loss, x)
+    return dict(logp=out.selected_logp.detach(), lse=out.lse.detach(), entropy=out.entropy.detach(),
+                kept=out.target_kept, grad=grad)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_fused_c_with_a_temperature_per_row_gives_the_eager_bytes(dtype: str) -> None:
+    from rl_engine.tables import EAGER_BACKEND
+
+    b = batch(dtype, seed=13)
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.5] * 6)
+    params = params_for("per_row", 24)
+    got = _per_row_call(FUSED_CPU_BACKEND, b, temperature, params)
+    want = _per_row_call(EAGER_BACKEND, b, temperature, params)
+    assert _mismatches(got, want) == []
+    one = _per_row_call(FUSED_CPU_BACKEND, b, torch.full((24,), 0.7), params)  # control: the temperatures act
+    assert as_bytes("lse", one["lse"]) != as_bytes("lse", got["lse"])
+
+
+def test_triton_refuses_a_temperature_per_row_with_sampling_parameters_by_name() -> None:
+    from rl_engine.logprob.contract import LogprobContractError
+
+    op = _triton_op()
+    b = _small_batch("bf16")
+    c = _contract("bf16", 8, SMALL["real"], SMALL["padded"], SMALL["tiles"])
+    engine = op.engine()
+    sampling = sampling_from(0, 0.9, 0.0, (8,), torch.device("cpu"))
+    with pytest.raises(LogprobContractError, match="temperature per row"):
+        engine.kept_cut(b["logits"], c, sampling, None, 8, torch.full((8,), 0.7))

@@ -162,7 +162,8 @@ def test_forward_and_backward_are_the_reference_bytes(dtype: str, temperature: f
     for grad_entropy in (None, ge):
         kept = got[3]
         terms = backward_terms(x, targets, active, got[1], gp, gl, contract,
-                               grad_entropy, got[2] if grad_entropy is not None else None, keys, kept)
+                               grad_entropy, got[2] if grad_entropy is not None else None, keep=keys,
+                               target_kept=kept)
         grad = fused_kept_backward(call(), x, got[1], terms)
         want_g = ref.backward(xt, mask, targets.numpy(), active.numpy(), got[1].numpy(), gp.numpy(),
                               gl.numpy(), REAL, TILES, contract.temperature32, dtype,

@@ -147,7 +147,8 @@ def test_triton_forward_and_backward_are_the_reference_bytes(dtype: str, tempera
     for name, a, b in zip(("logp", "lse", "entropy", "target_kept"), got, want):
         assert a.numpy().tobytes() == b.tobytes(), name
     gp, gl, ge = _grads(rows)
-    terms = backward_terms(x, targets, active, lse, gp, gl, contract, ge, ent, keys, kept | ~active)
+    terms = backward_terms(x, targets, active, lse, gp, gl, contract, ge, ent, keep=keys,
+                           target_kept=kept | ~active)
     grad = triton_kept_backward(TritonEngine(INTERP).kept_call(), x, lse, terms)
     want_g = ref.backward(xt, mask, targets.numpy(), active.numpy(), lse.numpy(), gp.numpy(), gl.numpy(),
                           REAL, TILES, contract.temperature32, dtype, ge.numpy(), ent.numpy())

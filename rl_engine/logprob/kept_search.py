@@ -79,18 +79,21 @@ def order_of16(bits: torch.Tensor) -> torch.Tensor:
     return (~asc) & _LOW16
 
 
-def _tempered16(u: torch.Tensor, dtype: torch.dtype, t32: float) -> torch.Tensor:
+def _tempered16(u: torch.Tensor, dtype: torch.dtype, t32: float | torch.Tensor) -> torch.Tensor:
     """The tempered binary32 value ``RN32(f32(X) / T32)`` of the 16-bit value ``X`` at place ``u``."""
     asc = (~u) & _LOW16
     bits = torch.where((asc & _SIGN16) != 0, asc & 0x7FFF, (~asc) & _LOW16)
     bits = torch.where(bits >= _SIGN16, bits - (1 << 16), bits)
     value = bits.to(torch.int16).view(dtype).float()
+    if isinstance(t32, torch.Tensor):  # a temperature per row: each row's T32
+        return value / t32.float()
     divisor = temperature_divisor(t32, value.device)  # a tensor: CUDA divides too (IEEE)
     return value / divisor if divisor is not None else value
 
 
 def _bisect(pred: Callable[[KeptCut], torch.Tensor], search: torch.Tensor, row_max: torch.Tensor,
-            upper: KeptCut, real_vocab: int, dtype: torch.dtype = torch.float32, t32: float = 1.0) -> KeptCut:
+            upper: KeptCut, real_vocab: int, dtype: torch.dtype = torch.float32,
+            t32: float | torch.Tensor = 1.0) -> KeptCut:
     """The least key ``K <= upper`` with ``pred(K)`` on the rows in ``search`` (``upper`` elsewhere),
     given that ``pred`` is monotone, false on the empty prefix and true at ``upper``.
 
@@ -137,7 +140,7 @@ def kept_keys(
     real_vocab: int,
     exchange: Exchange = _same,
     dtype: torch.dtype = torch.float32,
-    t32: float = 1.0,
+    t32: float | torch.Tensor = 1.0,
 ) -> KeptCut:
     """Each row's kept set (section 13 steps 1-3) as its last key.
 
@@ -172,7 +175,8 @@ def kept_keys(
 
 
 def top_p_cut(scan: KeptScan, row_max: torch.Tensor, k2: KeptCut, p32: torch.Tensor, real_vocab: int,
-              exchange: Exchange = _same, dtype: torch.dtype = torch.float32, t32: float = 1.0) -> KeptCut:
+              exchange: Exchange = _same, dtype: torch.dtype = torch.float32,
+              t32: float | torch.Tensor = 1.0) -> KeptCut:
     """Section 13 step 3: ``tau = RN32(p32 * Z(K2))`` and the least key with ``Z(prefix) >= tau``, on
     the rows with ``p32 < 1`` and a finite ``B`` (``k2`` elsewhere)."""
     nucleus = (p32 < 1) & torch.isfinite(row_max)
@@ -188,7 +192,7 @@ def top_p_cut(scan: KeptScan, row_max: torch.Tensor, k2: KeptCut, p32: torch.Ten
 
 
 def engine_cut(scan: KeptScan, local_max: torch.Tensor, contract: LogprobContract, sampling: Sampling,
-               group: Any) -> KeptCut:
+               group: Any, row_t32: torch.Tensor | None = None) -> KeptCut:
     """An engine's :meth:`~rl_engine.logprob.vocab_parallel.LocalEngine.kept_cut` by the search on the
     key: ``B`` is the max of every rank's ``local_max`` (the max of its real tempered columns, NaN
     propagating), and each step's tiles travel by all-gather (transport only) in global tile order.
@@ -199,7 +203,7 @@ def engine_cut(scan: KeptScan, local_max: torch.Tensor, contract: LogprobContrac
         return _gather_tiles(piece, contract, group)
 
     return kept_keys(scan, big, sampling.top_k, sampling.top_p, sampling.min_p, contract.real_vocab_size,
-                     exchange, contract.torch_dtype, contract.temperature32)
+                     exchange, contract.torch_dtype, contract.temperature32 if row_t32 is None else row_t32)
 
 
 __all__ = ["Exchange", "KeptScan", "engine_cut", "kept_keys", "order_of", "order_of16", "top_p_cut", "value_of"]

@@ -162,6 +162,7 @@ typedef struct {
     int64_t rows, row_stride, local_vocab, tile_width, real_local;
     float *m, *s, *t, *row_min; /* t, row_min may be NULL */
     float t32;                  /* the temperature's T32 (section 6 step 0); 1: no division */
+    const float *row_t32;       /* a temperature per row: row r's T32 in place of t32; NULL: none */
     /* processed logprobs (section 13, _fused_cpu_kept.h): the kept set's last key per row, and
      * a per-row shift replacing the tile's own; all NULL in the raw forward */
     const float *keep_v;
@@ -179,6 +180,7 @@ typedef struct {
     void *grad; /* [rows, local_vocab] contiguous, dtype of the logits */
     float t32;  /* the temperature's T32: x / T32 before E, the gradient / T32 before its rounding */
     const float *g_ent, *mb; /* the entropy gradient and Mb = LSE - H per row; both NULL without one */
+    const float *row_t32;    /* a temperature per row: row r's T32 in place of t32; NULL: none */
     const float *keep_v;     /* processed logprobs: the kept set's last key per row; NULL: raw */
     const int64_t *keep_id;
 } bwd_args;
@@ -198,6 +200,7 @@ typedef struct {
     float *least;         /* candidates: the least x over K1 on the shard */
     float *cand_v;        /* candidates: [rows, kmax] */
     int64_t *cand_id;
+    const float *row_t32; /* a temperature per row: row r's T32 in place of t32; NULL: none */
 } kept_args;
 
 /* ------------------------------------------------------------------ the three variants */
@@ -286,7 +289,7 @@ static int kept_job(int isa, const kept_args *a, job *jb) {
 #else
 #define RLE_KEPT_CALL(fn, ...) fn##_baseline(__VA_ARGS__)
 #endif
-            RLE_KEPT_CALL(row_logits, rowp, a->dtype, R, a->t32, x);
+            RLE_KEPT_CALL(row_logits, rowp, a->dtype, R, a->row_t32 != NULL ? a->row_t32[row] : a->t32, x);
             RLE_KEPT_CALL(candidates_row, x, R, a->B[row], a->lmp[row], a->k[row], a->kmax, keys,
                           a->count + row, a->least + row, a->cand_v + row * a->kmax,
                           a->cand_id + row * a->kmax);
@@ -416,29 +419,29 @@ static int run_split(int kind, int isa, const void *args, int64_t rows, int thre
 __attribute__((visibility("default"))) int rle_forward_partials(
     const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t local_vocab,
     int64_t tile_width, int64_t real_local, float *m, float *s, float *t, float *row_min,
-    float t32, int threads, int isa) {
+    float t32, const float *row_t32, int threads, int isa) {
     if (logits == NULL || m == NULL || s == NULL || tile_width < 1 || local_vocab < 1 ||
         local_vocab % tile_width != 0 || dtype < DT_F32 || dtype > DT_F16 || rows < 0 ||
         row_stride < local_vocab || real_local < 0 || real_local > local_vocab || !(t32 > 0.0f) ||
-        t32 == __builtin_inff())
+        t32 == __builtin_inff() || (row_t32 != NULL && t32 != 1.0f))
         return RLE_BAD_ARG;
     fwd_args a = {logits, dtype, rows, row_stride, local_vocab, tile_width, real_local,
-                  m, s, t, row_min, t32};
+                  m, s, t, row_min, t32, row_t32};
     return run_split(0, isa, &a, rows, threads);
 }
 
 __attribute__((visibility("default"))) int rle_backward(
     const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t local_vocab,
     int64_t real_local, const float *lse, const float *coef, const int64_t *target_col,
-    const float *target_add, void *grad, float t32, const float *g_ent, const float *mb, int threads,
-    int isa) {
+    const float *target_add, void *grad, float t32, const float *g_ent, const float *mb,
+    const float *row_t32, int threads, int isa) {
     if (logits == NULL || grad == NULL || lse == NULL || coef == NULL || target_col == NULL ||
         target_add == NULL || local_vocab < 1 || dtype < DT_F32 || dtype > DT_F16 || rows < 0 ||
         row_stride < local_vocab || real_local < 0 || real_local > local_vocab || !(t32 > 0.0f) ||
-        t32 == __builtin_inff() || (g_ent == NULL) != (mb == NULL))
+        t32 == __builtin_inff() || (g_ent == NULL) != (mb == NULL) || (row_t32 != NULL && t32 != 1.0f))
         return RLE_BAD_ARG;
     bwd_args a = {logits, dtype, rows, row_stride, local_vocab, real_local,
-                  lse, coef, target_add, target_col, grad, t32, g_ent, mb};
+                  lse, coef, target_add, target_col, grad, t32, g_ent, mb, row_t32};
     return run_split(1, isa, &a, rows, threads);
 }
 
@@ -450,8 +453,8 @@ __attribute__((visibility("default"))) int rle_backward(
 __attribute__((visibility("default"))) int rle_forward_kept(
     const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t local_vocab,
     int64_t tile_width, int64_t real_local, float *m, float *s, float *t, float *row_min,
-    float t32, const float *keep_v, const int64_t *keep_id, const float *shift, int32_t *count,
-    int threads, int isa) {
+    float t32, const float *row_t32, const float *keep_v, const int64_t *keep_id, const float *shift,
+    int32_t *count, int threads, int isa) {
     if (logits == NULL || m == NULL || s == NULL || keep_v == NULL || keep_id == NULL ||
         tile_width < 1 || local_vocab < 1 || local_vocab % tile_width != 0 || dtype < DT_F32 ||
         dtype > DT_F16 || rows < 0 || row_stride < local_vocab || real_local < 0 ||
@@ -459,7 +462,7 @@ __attribute__((visibility("default"))) int rle_forward_kept(
         return RLE_BAD_ARG;
     fwd_args a = {.logits = logits, .dtype = dtype, .rows = rows, .row_stride = row_stride,
                   .local_vocab = local_vocab, .tile_width = tile_width, .real_local = real_local,
-                  .m = m, .s = s, .t = t, .row_min = row_min, .t32 = t32, .keep_v = keep_v,
+                  .m = m, .s = s, .t = t, .row_min = row_min, .t32 = t32, .row_t32 = row_t32, .keep_v = keep_v,
                   .keep_id = keep_id, .shift = shift, .count = count};
     return run_split(0, isa, &a, rows, threads);
 }
@@ -468,7 +471,7 @@ __attribute__((visibility("default"))) int rle_backward_kept(
     const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t local_vocab,
     int64_t real_local, const float *lse, const float *coef, const int64_t *target_col,
     const float *target_add, void *grad, float t32, const float *g_ent, const float *mb,
-    const float *keep_v, const int64_t *keep_id, int threads, int isa) {
+    const float *row_t32, const float *keep_v, const int64_t *keep_id, int threads, int isa) {
     if (logits == NULL || grad == NULL || lse == NULL || coef == NULL || target_col == NULL ||
         target_add == NULL || keep_v == NULL || keep_id == NULL || local_vocab < 1 ||
         dtype < DT_F32 || dtype > DT_F16 || rows < 0 || row_stride < local_vocab ||
@@ -478,22 +481,22 @@ __attribute__((visibility("default"))) int rle_backward_kept(
     bwd_args a = {.logits = logits, .dtype = dtype, .rows = rows, .row_stride = row_stride,
                   .local_vocab = local_vocab, .real_local = real_local, .lse = lse, .coef = coef,
                   .target_add = target_add, .target_col = target_col, .grad = grad, .t32 = t32,
-                  .g_ent = g_ent, .mb = mb, .keep_v = keep_v, .keep_id = keep_id};
+                  .g_ent = g_ent, .mb = mb, .row_t32 = row_t32, .keep_v = keep_v, .keep_id = keep_id};
     return run_split(1, isa, &a, rows, threads);
 }
 
 /* min-p's K1 and top-k's first k columns of K1 on this shard, per row (candidates_row). */
 __attribute__((visibility("default"))) int rle_kept_candidates(
     const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t real_local, float t32,
-    const float *B, const float *lmp, const int64_t *k, int64_t kmax, int64_t *count, float *least,
-    float *cand_v, int64_t *cand_id, int threads, int isa) {
+    const float *row_t32, const float *B, const float *lmp, const int64_t *k, int64_t kmax,
+    int64_t *count, float *least, float *cand_v, int64_t *cand_id, int threads, int isa) {
     if (logits == NULL || B == NULL || lmp == NULL || k == NULL || count == NULL || least == NULL ||
         (kmax > 0 && (cand_v == NULL || cand_id == NULL)) || kmax < 0 || dtype < DT_F32 ||
         dtype > DT_F16 || rows < 0 || real_local < 0 || row_stride < real_local || !(t32 > 0.0f) ||
         t32 == __builtin_inff() || real_local >= ((int64_t)1 << 31))
         return RLE_BAD_ARG;
     kept_args a = {0, logits, dtype, rows, row_stride, real_local, 1, real_local, t32, B, lmp, k,
-                   kmax, count, least, cand_v, cand_id};
+                   kmax, count, least, cand_v, cand_id, row_t32};
     return run_split(2, isa, &a, rows, threads);
 }
 
@@ -534,7 +537,7 @@ __attribute__((visibility("default"))) void rle_upcast_f16_array(const uint16_t 
     for (int64_t i = 0; i < n; i++) out[i] = upcast(x, DT_F16, i);
 }
 
-__attribute__((visibility("default"))) int rle_abi_version(void) { return 5; }
+__attribute__((visibility("default"))) int rle_abi_version(void) { return 6; }
 
 __attribute__((visibility("default"))) int rle_selected_isa(int isa) { return resolve_isa(isa); }
 

@@ -92,6 +92,7 @@ static __attribute__((noinline)) void RLE_NAME(fwd_rows_kept)(const fwd_args *a,
         const char *rowp = (const char *)a->logits + (size_t)row * (size_t)a->row_stride * esz;
         const float kv = a->keep_v[row];
         const int64_t kid = a->keep_id[row];
+        const float t32 = a->row_t32 != NULL ? a->row_t32[row] : a->t32; /* this row's T32 */
         float rmin = __builtin_inff();
         int rnan = 0;
         for (int64_t j = 0; j < tiles; j++) {
@@ -100,13 +101,13 @@ static __attribute__((noinline)) void RLE_NAME(fwd_rows_kept)(const fwd_args *a,
             nreal = nreal < 0 ? 0 : (nreal > w ? w : nreal);
             float mn;
             RLE_NAME(tile_upcast_max)(rowp, a->dtype, c0, nreal, wv, x, a->row_min != NULL, &mn);
-            if (a->t32 != 1.0f) {
-                const VF vt = VS(a->t32);
+            if (t32 != 1.0f) {
+                const VF vt = VS(t32);
                 int64_t c = 0;
                 for (; c + LANES <= nreal; c += LANES)
                     RLE_NAME(vstore)(x + c, RLE_NAME(vload)(x + c) / vt);
-                for (; c < nreal; c++) x[c] = x[c] / a->t32;
-                mn = mn / a->t32;
+                for (; c < nreal; c++) x[c] = x[c] / t32;
+                mn = mn / t32;
             }
             if (nreal > 0) rmin = mn < rmin ? mn : rmin;
             float mx = -__builtin_inff();
@@ -154,9 +155,9 @@ static __attribute__((noinline)) void RLE_NAME(bwd_rows_kept)(const bwd_args *a,
         char *out = (char *)a->grad + (size_t)row * (size_t)a->local_vocab * esz;
         const float kv = a->keep_v[row];
         const int64_t kid = a->keep_id[row];
+        const float t32 = a->row_t32 != NULL ? a->row_t32[row] : a->t32; /* this row's T32 */
         for (int64_t c = 0; c < a->real_local; c++) {
-            const float xc = a->t32 != 1.0f ? upcast(rowp, a->dtype, c) / a->t32
-                                            : upcast(rowp, a->dtype, c);
+            const float xc = t32 != 1.0f ? upcast(rowp, a->dtype, c) / t32 : upcast(rowp, a->dtype, c);
             if (rle_dropped(xc, c, kv, kid)) RLE_NAME(store_one)(out, a->dtype, c, 0.0f);
         }
     }

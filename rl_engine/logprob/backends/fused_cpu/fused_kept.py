@@ -85,6 +85,7 @@ def fused_kept_partials(
     keep: KeptCut,
     shift: torch.Tensor | None = None,
     count: torch.Tensor | None = None,
+    row_t32: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(m, s, t, finite)`` of the local shard with ``x_c = -inf`` outside each row's kept set.
 
@@ -106,6 +107,7 @@ def fused_kept_partials(
     row_min = torch.empty(rows, dtype=torch.float32) if validate else None
     kv, kid = local_cut(keep, contract.vocab_start)
     sh = None if shift is None else _operand("shift", shift.float())
+    rt = None if row_t32 is None else _operand("temperature", row_t32.float())
     if count is not None and (count.dtype != torch.int32 or tuple(count.shape) != (rows, tiles)
                               or not count.is_contiguous()):
         raise LogprobContractError(
@@ -116,8 +118,8 @@ def fused_kept_partials(
         status = call.lib.rle_forward_kept(
             x.data_ptr(), call.dtype_codes[x.dtype], rows, x.stride(0), contract.local_vocab_size,
             width, real_local, m.data_ptr(), s.data_ptr(), _ptr(t), _ptr(row_min),
-            contract.temperature32, kv.data_ptr(), kid.data_ptr(), _ptr(sh), _ptr(count),
-            call.threads, call.isa,
+            1.0 if rt is not None else contract.temperature32, _ptr(rt), kv.data_ptr(), kid.data_ptr(), _ptr(sh),
+            _ptr(count), call.threads, call.isa,
         )
         call.check(status, "processed forward")
     finite = kept_rows_finite(m, row_min, real_local) if row_min is not None else None
@@ -147,11 +149,12 @@ def fused_kept_backward(
         add = _operand("target_add", terms.target_add.float())
         g_ent = None if terms.g_ent is None else _operand("grad_entropy", terms.g_ent.float())
         mb = None if terms.mb is None else _operand("mb", terms.mb.float())
+        rt = None if terms.row_t32 is None else _operand("temperature", terms.row_t32.float())
         status = call.lib.rle_backward_kept(
             x.data_ptr(), call.dtype_codes[x.dtype], rows, x.stride(0), local_vocab,
             terms.real_local, lse_c.data_ptr(), coef.data_ptr(), col.data_ptr(),
-            add.data_ptr(), grad.data_ptr(), terms.t32, _ptr(g_ent), _ptr(mb), kv.data_ptr(),
-            kid.data_ptr(), call.threads, call.isa,
+            add.data_ptr(), grad.data_ptr(), 1.0 if rt is not None else terms.t32, _ptr(g_ent), _ptr(mb),
+            _ptr(rt), kv.data_ptr(), kid.data_ptr(), call.threads, call.isa,
         )
         call.check(status, "processed backward")
     return grad
@@ -176,6 +179,7 @@ def fused_candidates(
     row_max: torch.Tensor,
     lmp: torch.Tensor,
     top_k: torch.Tensor,
+    row_t32: torch.Tensor | None = None,
 ) -> Candidates:
     """Section 13 steps 1-2 on this shard: ``K1 = {c : RN32(x_c - B) >= lmp}`` (every real column
     where ``lmp`` is ``-inf``) and its first ``top_k`` columns in key order (none where 0)."""
@@ -190,9 +194,10 @@ def fused_candidates(
         b = _operand("row_max", row_max.float())
         lm = _operand("lmp", lmp.float())
         k = _operand("top_k", top_k.to(torch.int64))
+        rt = None if row_t32 is None else _operand("temperature", row_t32.float())
         status = call.lib.rle_kept_candidates(
             x.data_ptr(), call.dtype_codes[x.dtype], rows, x.stride(0), real_local_columns(contract),
-            contract.temperature32, b.data_ptr(), lm.data_ptr(), k.data_ptr(), kmax,
+            1.0 if rt is not None else contract.temperature32, _ptr(rt), b.data_ptr(), lm.data_ptr(), k.data_ptr(), kmax,
             count.data_ptr(), least.data_ptr(), value.data_ptr(), column.data_ptr(),
             call.threads, call.isa,
         )
@@ -215,6 +220,7 @@ def kept_keys_tp1(
     p32: torch.Tensor,
     mp32: torch.Tensor,
     row_max: torch.Tensor,
+    row_t32: torch.Tensor | None = None,
 ) -> KeptCut:
     """Each row's kept set (section 13 steps 1-3) on a full row (TP = 1), by the compiled kernels:
     min-p and top-k from the candidates (one pass), top-p by the search on the key over the masked
@@ -223,7 +229,7 @@ def kept_keys_tp1(
     ``row_max`` is ``B`` (the max of the tile maxima of the raw forward); a row whose ``B`` is
     not finite (a NaN, or no finite logit: only inactive rows reach here so) keeps every column."""
     rows = logits.shape[0]
-    cand = fused_candidates(call, logits, contract, row_max, min_p_log(mp32), top_k)
+    cand = fused_candidates(call, logits, contract, row_max, min_p_log(mp32), top_k, row_t32)
     k = top_k.to(torch.int64)
     use_k = (k > 0) & (k < cand.count)
     at = (k - 1).clamp(min=0).unsqueeze(1)
@@ -232,38 +238,42 @@ def kept_keys_tp1(
     minp = mp32 > 0
     v2 = torch.where(use_k, kv, torch.where(minp, cand.least, torch.full_like(cand.least, float("-inf"))))
     id2 = torch.where(use_k, kid, torch.full_like(kid, KEEP_ALL))
-    scan = FusedKeptScan(call, logits, contract)
+    scan = FusedKeptScan(call, logits, contract, row_t32)
     cut = top_p_cut(scan, row_max, KeptCut(v2, id2), p32, contract.real_vocab_size, dtype=contract.torch_dtype,
-                    t32=contract.temperature32)
+                    t32=contract.temperature32 if row_t32 is None else row_t32)
     finite = torch.isfinite(row_max)
     return KeptCut(torch.where(finite, cut.value, torch.full_like(cut.value, float("-inf"))),
                    torch.where(finite, cut.index, torch.full_like(cut.index, KEEP_ALL)))
 
 
 def fused_kept_cut(call: KernelCall, logits: torch.Tensor, contract: LogprobContract, sampling: Sampling,
-                   group: Any, local_max: torch.Tensor) -> KeptCut:
+                   group: Any, local_max: torch.Tensor, row_t32: torch.Tensor | None = None) -> KeptCut:
     """The engine's ``kept_cut`` (``local_max``: the max of this shard's real tempered columns, from
     the raw forward's tile maxima): at TP = 1 :func:`kept_keys_tp1` (min-p and top-k from the
     candidates, top-p by the search on the key), under TP the search on the key with the tiles
     gathered (:func:`rl_engine.logprob.kept_search.engine_cut`)."""
     if contract.tp_world_size == 1:
-        return kept_keys_tp1(call, logits, contract, sampling.top_k, sampling.top_p, sampling.min_p, local_max)
-    return engine_cut(FusedKeptScan(call, logits, contract), local_max, contract, sampling, group)
+        return kept_keys_tp1(call, logits, contract, sampling.top_k, sampling.top_p, sampling.min_p, local_max,
+                             row_t32)
+    return engine_cut(FusedKeptScan(call, logits, contract, row_t32), local_max, contract, sampling, group, row_t32)
 
 
 class FusedKeptScan:
     """:class:`rl_engine.logprob.kept_search.KeptScan` on the compiled kernels: the search on the
     key for any shard (at TP = 1, :func:`kept_keys_tp1`'s sort gives the same keys)."""
 
-    def __init__(self, call: KernelCall, logits: torch.Tensor, contract: LogprobContract) -> None:
+    def __init__(self, call: KernelCall, logits: torch.Tensor, contract: LogprobContract,
+                 row_t32: torch.Tensor | None = None) -> None:
         self.call = call
         self.logits = logits
         self.contract = contract
+        self.row_t32 = row_t32
 
     def prefix(self, keep: KeptCut, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.logits.shape[0]
         count = torch.zeros(rows, self.contract.local_vocab_size // self.contract.tile_width, dtype=torch.int32)
-        _, z, _, _ = fused_kept_partials(self.call, self.logits, self.contract, False, False, keep, row_max, count)
+        _, z, _, _ = fused_kept_partials(self.call, self.logits, self.contract, False, False, keep, row_max, count,
+                                         self.row_t32)
         return count, z
 
     def min_p(self, row_max: torch.Tensor, lmp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,7 +282,7 @@ class FusedKeptScan:
         rows = self.logits.shape[0]
         tiles = self.contract.local_vocab_size // self.contract.tile_width
         zero = torch.zeros(rows, dtype=torch.int64)
-        cand = fused_candidates(self.call, self.logits, self.contract, row_max, lmp, zero)
+        cand = fused_candidates(self.call, self.logits, self.contract, row_max, lmp, zero, self.row_t32)
         count = torch.zeros(rows, tiles, dtype=torch.int64)
         least = torch.full((rows, tiles), float("inf"))
         count[:, 0] = cand.count
