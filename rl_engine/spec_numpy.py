@@ -369,7 +369,7 @@ def _as_1d(a, rows: int, dtype, name: str) -> np.ndarray:
     return a.astype(dtype, copy=False)
 
 
-def _check_common(logits, dtype, targets, active, real_vocab, num_tiles):
+def _check_common(logits, dtype, targets, active, real_vocab, num_tiles, v1=False):
     _check_dtype(dtype)
     x_all = to_f32(logits, dtype)
     if x_all.ndim != 2:
@@ -377,8 +377,10 @@ def _check_common(logits, dtype, targets, active, real_vocab, num_tiles):
     rows, vp = x_all.shape
     if not (1 <= real_vocab <= vp):
         raise ValueError("need 1 <= real_vocab <= padded_vocab")
-    if num_tiles < 1 or vp % num_tiles:
-        raise ValueError("num_tiles must divide padded_vocab")
+    if num_tiles < 1 or (v1 and vp % num_tiles):
+        raise ValueError("num_tiles must divide padded_vocab (rl-engine-arith/1)")
+    if (num_tiles - 1) * -(-vp // num_tiles) >= vp:  # section 6: w = ceil(Vp / T)
+        raise ValueError("num_tiles leaves a tile with no column of padded_vocab")
     targets = _as_1d(targets, rows, np.int64, "targets")
     active = _as_1d(active, rows, bool, "active")
     if np.any(active & ((targets < 0) | (targets >= vp))):
@@ -422,11 +424,12 @@ def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int
         raise ValueError(f"{SPEC_V1} has no temperature; got {temperature!r}")
     exp = exp32_v1 if v1 else exp32
     x_all, rows, vp, targets, active = _check_common(
-        logits, dtype, targets, active, real_vocab, num_tiles)
+        logits, dtype, targets, active, real_vocab, num_tiles, v1)
     with np.errstate(over="ignore", invalid="ignore"):
         x_all = _tempered(x_all, temperature)
     T = int(num_tiles)
-    w = vp // T
+    w = -(-vp // T)  # section 6: tiles of ceil(Vp / T) columns; the grid's columns >= Vp are padding
+    vt = T * w
     logp = np.empty(rows, F32)
     lse = np.empty(rows, F32)
     ent = np.empty(rows, F32) if with_entropy else None
@@ -435,7 +438,10 @@ def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         for r0 in range(0, rows, blk):
             r1 = min(rows, r0 + blk)
-            x = _masked_block(x_all, r0, r1, real_vocab).reshape(r1 - r0, T, w)
+            x = _masked_block(x_all, r0, r1, real_vocab)
+            if vt > vp:
+                x = np.concatenate([x, np.full((r1 - r0, vt - vp), NEG_INF, F32)], axis=1)
+            x = x.reshape(r1 - r0, T, w)
             m = np.maximum.reduce(x, axis=2)  # 1. NaN propagates (np.maximum)
             m = np.add(m, ZERO)  # -0 + 0 = +0
             sh = np.where(np.equal(m, NEG_INF), ZERO, m)  # 2.
@@ -461,7 +467,7 @@ def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int
                 ent[r0:r1] = canon_nan(_chk(np.subtract(L, M)))
             act = active[r0:r1]
             tg = np.where(act, targets[r0:r1], 0)
-            xt = x.reshape(r1 - r0, vp)[np.arange(r1 - r0), tg]  # copied, never summed
+            xt = x.reshape(r1 - r0, vt)[np.arange(r1 - r0), tg]  # copied, never summed
             lp = np.where(act, np.subtract(xt, L), ZERO)  # 9.
             logp[r0:r1] = canon_nan(_chk(lp))  # 10.
             lse[r0:r1] = canon_nan(_chk(L))
@@ -486,7 +492,7 @@ def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
         raise ValueError(f"{SPEC_V1} has no temperature; got {temperature!r}")
     exp = exp32_v1 if v1 else exp32
     x_all, rows, vp, targets, active = _check_common(
-        logits, dtype, targets, active, real_vocab, num_tiles)
+        logits, dtype, targets, active, real_vocab, num_tiles, v1)
     t32 = temperature32(temperature)
     with np.errstate(over="ignore", invalid="ignore"):
         x_all = _tempered(x_all, temperature)
