@@ -377,6 +377,10 @@ MESH_CASES: dict[str, tuple[str, int, int, int]] = {  # dtype, real, padded, til
     "bf16-padded": ("bf16", 1000, 1024, 16),
     "bf16-padded-rank7-all-padding": ("bf16", 850, 1024, 16),
     "fp16-padded": ("fp16", 1000, 1024, 16),
+    # tiles that do not divide the vocabulary (docs/arithmetic.md section 6): GPT-2's 50257 in 64
+    # tiles of 786 (the last rank's shard narrower), and 1003 columns (1000 real) in 16 tiles of 63
+    "bf16-gpt2-50257": ("bf16", 50257, 50257, 64),
+    "fp32-1003-grid-padding": ("fp32", 1000, 1003, 16),
 }
 WORLD = 8
 
