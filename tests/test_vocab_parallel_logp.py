@@ -347,12 +347,13 @@ def test_active_target_outside_the_real_vocabulary_raises(small: Batch, target: 
     assert ("ignore_index=-100" in str(info.value)) == (target == -100)
 
 
-def test_misaligned_shard_and_tiles_not_dividing_padded_raise() -> None:
+def test_misaligned_shard_and_a_tile_without_a_column_raise() -> None:
     with pytest.raises(LogprobContractError, match="not aligned to the tile width 64"):
         LogprobContract(1000, 1024, 16, 1, 8, tp_world_size=2,
                         vocab_shard_bounds=((0, 480), (480, 1024)))
-    with pytest.raises(LogprobContractError, match="num_vocab_tiles=24 does not divide"):
-        LogprobContract(1000, 1024, 24, 1, 8)
+    with pytest.raises(LogprobContractError, match="num_vocab_tiles=33 leaves its last tile with no column"):
+        LogprobContract(1000, 1024, 33, 1, 8)  # 33 tiles of 32: the last one past the vocabulary
+    assert LogprobContract(1000, 1024, 24, 1, 8).tile_width == 43  # 24 tiles of ceil(1024 / 24)
 
 
 def test_a_tp_contract_without_a_group_raises_before_any_collective(small: Batch) -> None:
