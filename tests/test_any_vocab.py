@@ -2,7 +2,7 @@
 
 Tiles of ``w = ceil(Vp / T)`` columns; the grid's columns past the vocabulary are padding nobody
 stores. Claims, each compared as bytes: every backend (eager, fused C on every instruction set,
-the NumPy specification; Triton's interpreter in ``test_triton_backend``-style shapes here) gives
+the NumPy specification ``rl_engine/arith/spec_numpy.py``; Triton's interpreter in ``test_triton_backend``-style shapes here) gives
 the same outputs at GPT-2's 50257; they are the bytes of the logits padded by hand to ``T w``
 columns; another tile width gives other bytes (negative control); the TP shards hold whole tiles,
 the last rank's narrower; ``auto`` keeps every dividing count and falls back only where none
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from rl_engine import spec_numpy
+from rl_engine.arith import spec_numpy
 from rl_engine.distributed.bounds import (
     BoundsError,
     auto_vocab_tiles,
@@ -29,10 +29,15 @@ from rl_engine.distributed.bounds import (
 )
 from rl_engine.logprob import selected_logprob, selected_logprob_from_hidden
 from rl_engine.logprob.api import resolve_vocab_tiles
+from rl_engine.logprob.backends.eager.vocab_parallel import VocabParallelLogprob
+from rl_engine.logprob.backends.fused_cpu.fused_cpu import (
+    FusedCpuEngine,
+    FusedCpuLogprob,
+    kernel_unavailable,
+    load_kernel,
+)
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
-from rl_engine.logprob.fused_cpu import FusedCpuEngine, FusedCpuLogprob, kernel_unavailable, load_kernel
 from rl_engine.logprob.head_matmul import fixed_logits
-from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
 from rl_engine.tables import FUSED_CPU_BACKEND
 from rl_engine.tensorio import tensor_bytes
 
@@ -171,7 +176,7 @@ def test_every_shard_of_an_odd_vocabulary_computes_the_eager_partials_and_gradie
 @pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")  # IEEE specials on purpose
 def test_triton_s_interpreter_gives_the_eager_bytes_on_an_odd_vocabulary() -> None:
     pytest.importorskip("triton")
-    from rl_engine.logprob.triton_backend import TritonEngine, TritonLogprob
+    from rl_engine.logprob.backends.triton.triton_backend import TritonEngine, TritonLogprob
 
     x, targets, active = _inputs("bf16", 1000, 1003, 5, seed=4)
     contract = _contract("bf16", 1000, 1003, 16, 5)
