@@ -347,12 +347,13 @@ def test_active_target_outside_the_real_vocabulary_raises(small: Batch, target: 
     assert ("ignore_index=-100" in str(info.value)) == (target == -100)
 
 
-def test_misaligned_shard_and_tiles_not_dividing_padded_raise() -> None:
+def test_misaligned_shard_and_a_tile_without_a_column_raise() -> None:
     with pytest.raises(LogprobContractError, match="not aligned to the tile width 64"):
         LogprobContract(1000, 1024, 16, 1, 8, tp_world_size=2,
                         vocab_shard_bounds=((0, 480), (480, 1024)))
-    with pytest.raises(LogprobContractError, match="num_vocab_tiles=24 does not divide"):
-        LogprobContract(1000, 1024, 24, 1, 8)
+    with pytest.raises(LogprobContractError, match="num_vocab_tiles=33 leaves its last tile with no column"):
+        LogprobContract(1000, 1024, 33, 1, 8)  # 33 tiles of 32: the last one past the vocabulary
+    assert LogprobContract(1000, 1024, 24, 1, 8).tile_width == 43  # 24 tiles of ceil(1024 / 24)
 
 
 def test_a_tp_contract_without_a_group_raises_before_any_collective(small: Batch) -> None:
@@ -377,6 +378,10 @@ MESH_CASES: dict[str, tuple[str, int, int, int]] = {  # dtype, real, padded, til
     "bf16-padded": ("bf16", 1000, 1024, 16),
     "bf16-padded-rank7-all-padding": ("bf16", 850, 1024, 16),
     "fp16-padded": ("fp16", 1000, 1024, 16),
+    # tiles that do not divide the vocabulary (docs/arithmetic.md section 6): GPT-2's 50257 in 64
+    # tiles of 786 (the last rank's shard narrower), and 1003 columns (1000 real) in 16 tiles of 63
+    "bf16-gpt2-50257": ("bf16", 50257, 50257, 64),
+    "fp32-1003-grid-padding": ("fp32", 1000, 1003, 16),
 }
 WORLD = 8
 
