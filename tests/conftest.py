@@ -5,6 +5,12 @@ built the same tiny run (two torchrun topologies and a pytest subprocess) in a m
 they now share :func:`tiny_run` and :func:`tiny_archive`, built once, on first use. Tests must
 not change them: a test that edits evidence copies the run (test_evidence's ``run`` fixture) or
 rebuilds archive members in memory (the verifier tests' ``Good.entries``).
+
+Under pytest-xdist each worker has its own session fixtures, and the modules that read the tiny run
+land on both workers: the first worker to ask builds it (two torchrun topologies, five ranks, and a
+pytest) in its temporary folder, under a lock in the folder the workers share, and the other worker
+reads the same run (:func:`_once.built_once`). That folder is this session's, so a second copy of the
+suite running beside this one builds its own.
 """
 
 from __future__ import annotations
@@ -15,13 +21,14 @@ import pytest
 
 from _archive_util import Good, read_archive
 from _evidence_run import build_run, pack
+from _once import built_once
 
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A complete, passing tiny-vocabulary run directory (up to SUMMARY.md), made by the real verbs."""
-    base = tmp_path_factory.mktemp("tiny-run")
-    return build_run(base / "rl-engine-test-run", base / "focused-tests")
+    return built_once(tmp_path_factory, "tiny-run",
+                       lambda base: build_run(base / "rl-engine-test-run", base / "focused-tests"))
 
 
 @pytest.fixture(scope="session")
