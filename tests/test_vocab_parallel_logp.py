@@ -419,6 +419,7 @@ def mesh_runs() -> tuple[dict[str, Batch], list[dict[Any, Any]]]:
     return batches, run_workers(_mesh_worker, WORLD, batches, timeout_s=240)
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 def test_mesh_groups_are_tp_fastest(mesh_runs: Any) -> None:
     _, results = mesh_runs
     for rank, res in enumerate(results):
@@ -463,6 +464,7 @@ def _assemble(results: list[dict[Any, Any]], key: Any, b: Batch) -> dict[str, to
     return out
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 @pytest.mark.parametrize("case", list(MESH_CASES))
 def test_tp_and_cp_outputs_are_byte_identical_to_tp1(mesh_runs: Any, case: str) -> None:
     batches, results = mesh_runs
@@ -475,6 +477,7 @@ def test_tp_and_cp_outputs_are_byte_identical_to_tp1(mesh_runs: Any, case: str) 
     assert mismatches == []
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 def test_padding_only_rank_at_tp8_contributes_nothing_but_still_runs(mesh_runs: Any) -> None:
     batches, results = mesh_runs
     key = ("bf16-padded-rank7-all-padding", 8, 1, "contiguous")
@@ -547,6 +550,7 @@ def _bad_input_worker(rank: int, b: Batch) -> dict[str, tuple[str, str, int]]:
     return out
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 def test_bad_input_across_ranks_raises_on_every_rank() -> None:
     b = make_batch("bf16", real=1000, padded=1024, tiles=16, seed=51, num_sequences=1, seq_len=8)
     results = run_workers(_bad_input_worker, 2, b, timeout_s=120)
@@ -592,6 +596,7 @@ def _harness_worker(rank: int, mode: str) -> Any:
     return rank
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 def test_run_workers_returns_values_and_reports_failures(monkeypatch: pytest.MonkeyPatch) -> None:
     from _multiproc import WorkerError
 
