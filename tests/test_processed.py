@@ -183,6 +183,18 @@ def test_a_temperature_per_row_and_per_row_parameters_compose_as_the_spec_says(d
     assert as_bytes("lse", flat["lse"]) != as_bytes("lse", got["lse"])  # the temperatures act
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_any_vocabulary_gives_the_numpy_spec_bytes(dtype: str) -> None:
+    """1003 columns in 16 tiles of 63 (section 6): the grid's columns past the vocabulary are +0
+    terms of top-p's sums, as padding is; eager and the NumPy spec agree byte for byte."""
+    b = batch(dtype, seed=17)
+    b["logits"] = b["logits"][:, :1003].contiguous()
+    for params in (dict(top_k=40, top_p=0.8, min_p=0.02), dict(top_p=0.95), per_row(24)):
+        got, want = eager(b, params), spec(b, params, dtype)
+        for key in ("logp", "lse", "entropy", "kept", "grad"):
+            assert as_bytes(key, got[key]) == as_bytes(key, want[key]), (params, key)
+
+
 def test_another_tile_count_changes_the_bytes_of_top_p() -> None:
     """Negative control: top-p's sums are grouped by the tiles, so the tile count is part of the bytes."""
     b = batch("fp32", seed=5)
@@ -365,13 +377,16 @@ MESH_CASES = {  # dtype, parameter set name
     "fp16-top_p0.9": ("fp16", "top_p0.9"),
     "fp32-top_k3": ("fp32", "top_k3"),
     "fp32-min_p0.1": ("fp32", "min_p0.1"),
+    # any vocabulary (section 6: tiles of ceil(Vp / T) = 63 columns, the grid's last 5 past the
+    # vocabulary; the last TP 8 rank holds 121 columns): top-p's sums over the grid's tiles
+    "fp32-all-1003": ("fp32", "all", 1003),
 }
 SEQS, SEQ_LEN = 2, 12  # 24 rows
 
 
 def _run_rank(b: dict[str, Any], params: dict[str, Any], dtype: str, tp: int, tp_rank: int, cp: int,
               cp_rank: int, layout: str, group: Any) -> dict[str, Any]:
-    c = LogprobContract(REAL, PADDED, TILES, SEQS, SEQ_LEN, tp_world_size=tp, tp_rank=tp_rank, cp_world_size=cp,
+    c = LogprobContract(REAL, b["logits"].shape[1], TILES, SEQS, SEQ_LEN, tp_world_size=tp, tp_rank=tp_rank, cp_world_size=cp,
                         cp_rank=cp_rank, cp_layout=layout, logits_dtype=dtype)
     rows = torch.tensor(c.token_indices, dtype=torch.int64)
     x = b["logits"][rows, c.vocab_start:c.vocab_end].contiguous().requires_grad_(True)
@@ -437,8 +452,10 @@ def _assemble(results: list[dict[Any, Any]], key: Any, padded: int, dtype: torch
 @pytest.fixture(scope="module")
 def mesh_runs() -> tuple[dict[str, Any], list[dict[Any, Any]]]:
     cases = {}
-    for i, (name, (dtype, pname)) in enumerate(MESH_CASES.items()):
+    for i, (name, (dtype, pname, *padded)) in enumerate(MESH_CASES.items()):
         b = batch(dtype, rows=SEQS * SEQ_LEN, seed=60 + i)
+        if padded:
+            b["logits"] = b["logits"][:, :padded[0]].contiguous()
         cases[name] = (dtype, b, params_for(pname, SEQS * SEQ_LEN))
     return cases, run_workers(_mesh_worker, 8, cases, timeout_s=300)
 
@@ -460,7 +477,7 @@ def test_tp_and_cp_give_the_tp1_bytes(mesh_runs: Any, case: str) -> None:
     reference = eager(b, params)
     mismatches = []
     for tp, cp, layout in TOPOLOGIES:
-        got = _assemble(results, (case, tp, cp, layout), PADDED, DTYPES[dtype])
+        got = _assemble(results, (case, tp, cp, layout), b["logits"].shape[1], DTYPES[dtype])
         mismatches += [f"TP={tp} CP={cp} {layout}: {n}" for n in ("logp", "lse", "entropy", "kept", "grad")
                        if as_bytes(n, got[n]) != as_bytes(n, reference[n])]
     assert mismatches == []

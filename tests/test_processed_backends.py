@@ -296,3 +296,25 @@ def test_triton_refuses_a_temperature_per_row_with_sampling_parameters_by_name()
     sampling = sampling_from(0, 0.9, 0.0, (8,), torch.device("cpu"))
     with pytest.raises(LogprobContractError, match="temperature per row"):
         engine.kept_cut(b["logits"], c, sampling, None, 8, torch.full((8,), 0.7))
+
+
+def test_fused_c_on_a_grid_past_the_vocabulary_gives_the_eager_bytes() -> None:
+    """Tiles of ceil(V / T) columns (1003 columns, 8 tiles: the last one ends past the vocabulary)."""
+    from rl_engine.tables import EAGER_BACKEND
+
+    g = torch.Generator().manual_seed(17)
+    b = batch("bf16", seed=17)
+    b["logits"] = (torch.randint(-20, 8, (24, 1003), generator=g).float() / 4).to(torch.bfloat16)
+    b["targets"] = b["targets"] % 1003
+    params = params_for("per_row", 24)
+
+    def call(backend: str) -> dict[str, Any]:
+        x = b["logits"].clone().requires_grad_(True)
+        out = selected_logprob(x, b["targets"], b["active"], backend=backend, num_vocab_tiles=8,
+                               compute_entropy=True, **params)
+        loss = (torch.where(out.target_kept, out.selected_logp, 0.0) * b["w_logp"]).sum() + out.lse.sum()
+        (grad,) = torch.autograd.grad(loss, x)
+        return dict(logp=out.selected_logp.detach(), lse=out.lse.detach(), entropy=out.entropy.detach(),
+                    kept=out.target_kept, grad=grad)
+
+    assert _mismatches(call(FUSED_CPU_BACKEND), call(EAGER_BACKEND)) == []

@@ -371,7 +371,7 @@ def _as_1d(a, rows: int, dtype, name: str) -> np.ndarray:
     return a.astype(dtype, copy=False)
 
 
-def _check_common(logits, dtype, targets, active, real_vocab, num_tiles):
+def _check_common(logits, dtype, targets, active, real_vocab, num_tiles, v1=False):
     _check_dtype(dtype)
     x_all = to_f32(logits, dtype)
     if x_all.ndim != 2:
@@ -379,8 +379,10 @@ def _check_common(logits, dtype, targets, active, real_vocab, num_tiles):
     rows, vp = x_all.shape
     if not (1 <= real_vocab <= vp):
         raise ValueError("need 1 <= real_vocab <= padded_vocab")
-    if num_tiles < 1 or vp % num_tiles:
-        raise ValueError("num_tiles must divide padded_vocab")
+    if num_tiles < 1 or (v1 and vp % num_tiles):
+        raise ValueError("num_tiles must divide padded_vocab (rl-engine-arith/1)")
+    if (num_tiles - 1) * -(-vp // num_tiles) >= vp:  # section 6: w = ceil(Vp / T)
+        raise ValueError("num_tiles leaves a tile with no column of padded_vocab")
     targets = _as_1d(targets, rows, np.int64, "targets")
     active = _as_1d(active, rows, bool, "active")
     if np.any(active & ((targets < 0) | (targets >= vp))):
@@ -444,13 +446,14 @@ def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int
         raise ValueError(f"{SPEC_V1} has no temperature; got {temperature!r}")
     exp = exp32_v1 if v1 else exp32
     x_all, rows, vp, targets, active = _check_common(
-        logits, dtype, targets, active, real_vocab, num_tiles)
+        logits, dtype, targets, active, real_vocab, num_tiles, v1)
     with np.errstate(over="ignore", invalid="ignore"):
         x_all = _tempered(x_all, temperature)
     if keep is not None:
         x_all = np.where(keep, x_all, NEG_INF)
     T = int(num_tiles)
-    w = vp // T
+    w = -(-vp // T)  # section 6: tiles of ceil(Vp / T) columns; the grid's columns >= Vp are padding
+    vt = T * w
     logp = np.empty(rows, F32)
     lse = np.empty(rows, F32)
     ent = np.empty(rows, F32) if with_entropy else None
@@ -459,7 +462,10 @@ def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         for r0 in range(0, rows, blk):
             r1 = min(rows, r0 + blk)
-            x = _masked_block(x_all, r0, r1, real_vocab).reshape(r1 - r0, T, w)
+            x = _masked_block(x_all, r0, r1, real_vocab)
+            if vt > vp:
+                x = np.concatenate([x, np.full((r1 - r0, vt - vp), NEG_INF, F32)], axis=1)
+            x = x.reshape(r1 - r0, T, w)
             m = np.maximum.reduce(x, axis=2)  # 1. NaN propagates (np.maximum)
             m = np.add(m, ZERO)  # -0 + 0 = +0
             sh = np.where(np.equal(m, NEG_INF), ZERO, m)  # 2.
@@ -485,7 +491,7 @@ def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int
                 ent[r0:r1] = canon_nan(_chk(np.subtract(L, M)))
             act = active[r0:r1]
             tg = np.where(act, targets[r0:r1], 0)
-            xt = x.reshape(r1 - r0, vp)[np.arange(r1 - r0), tg]  # copied, never summed
+            xt = x.reshape(r1 - r0, vt)[np.arange(r1 - r0), tg]  # copied, never summed
             lp = np.where(act, np.subtract(xt, L), ZERO)  # 9.
             logp[r0:r1] = canon_nan(_chk(lp))  # 10.
             lse[r0:r1] = canon_nan(_chk(L))
@@ -512,7 +518,7 @@ def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
         raise ValueError(f"{SPEC_V1} has no temperature; got {temperature!r}")
     exp = exp32_v1 if v1 else exp32
     x_all, rows, vp, targets, active = _check_common(
-        logits, dtype, targets, active, real_vocab, num_tiles)
+        logits, dtype, targets, active, real_vocab, num_tiles, v1)
     t32 = temperature32(temperature)
     per_row = bool(np.ndim(t32))
     with np.errstate(over="ignore", invalid="ignore"):
@@ -628,8 +634,9 @@ def kept_set(x, real_vocab: int, num_tiles: int, top_k=0, top_p=1.0, min_p=0.0) 
     """
     x = _f32(x)
     rows, vp = x.shape
-    if num_tiles < 1 or vp % num_tiles:
-        raise ValueError("num_tiles must divide padded_vocab")
+    if num_tiles < 1 or (num_tiles - 1) * -(-vp // num_tiles) >= vp:  # section 6: w = ceil(Vp / T)
+        raise ValueError("num_tiles leaves a tile with no column of padded_vocab")
+    grid = num_tiles * -(-vp // num_tiles)  # whole tiles; the columns past Vp are +0 terms of Z
     k, p32, mp32 = sampling32(top_k, top_p, min_p, rows)
     keep = np.zeros((rows, vp), bool)
     keep[:, :real_vocab] = True
@@ -649,7 +656,7 @@ def kept_set(x, real_vocab: int, num_tiles: int, top_k=0, top_p=1.0, min_p=0.0) 
             if k[r] > 0:  # 2. top-k
                 prefix = prefix[: k[r]]
             if p32[r] < ONE:  # 3. top-p
-                e = np.zeros(vp, F32)
+                e = np.zeros(grid, F32)
                 e[:real_vocab] = exp32(y)
                 prefix = _top_p_prefix(prefix, e, num_tiles, p32[r])
             keep[r, :real_vocab] = False

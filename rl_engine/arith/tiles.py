@@ -196,6 +196,7 @@ def canonical_zero_(x: torch.Tensor) -> torch.Tensor:
 
 class _ChunkViews(NamedTuple):
     buf: torch.Tensor  # [rows, local_vocab] FP32
+    stored: torch.Tensor  # the chunk's own columns (all but the grid's padding past the vocabulary)
     tiles: torch.Tensor  # the same memory as [rows, tiles, tile_width]
     real: torch.Tensor  # real columns
     padding: torch.Tensor | None  # padding columns, if any
@@ -227,9 +228,15 @@ class ChunkWorkspace:
         device: torch.device,
         t32: float = 1.0,
         vocab_start: int | None = None,
+        stored: int | None = None,
     ) -> None:
         if local_vocab % tile_width:
             raise ValueError(f"local_vocab={local_vocab} is not a multiple of tile_width={tile_width}")
+        # the chunk's own columns; the rest of the buffer up to whole tiles is the grid's padding past
+        # the vocabulary (docs/arithmetic.md section 6), filled with -inf like every padding column
+        self.stored = local_vocab if stored is None else stored
+        if not real_local <= self.stored <= local_vocab:
+            raise ValueError(f"stored={self.stored} must lie in [real_local={real_local}, local_vocab={local_vocab}]")
         self.chunk_rows = chunk_rows
         self.local_vocab = local_vocab
         self.tile_width = tile_width
@@ -260,6 +267,7 @@ class ChunkWorkspace:
             lane_scratch = self.lane_scratch.rows(rows) if self.lane_scratch is not None else None
             found = _ChunkViews(
                 buf=buf,
+                stored=buf[:, : self.stored],
                 tiles=buf.view(shape),
                 real=buf[:, : self.real_local],
                 padding=buf[:, self.real_local :] if self.real_local < self.local_vocab else None,
@@ -294,10 +302,10 @@ class ChunkWorkspace:
         maxima no longer show it), so that the check sees the logits as given.
         """
         v = self.views(chunk.shape[0])
-        v.buf.copy_(chunk)
+        v.stored.copy_(chunk)
         divisor = self.divisor if row_t32 is None else row_t32.unsqueeze(1)
         if divisor is not None:
-            v.buf.div_(divisor)  # binary32 division by T32 (IEEE, correctly rounded)
+            v.stored.div_(divisor)  # binary32 division by T32 (IEEE, correctly rounded)
         if keep is not None:
             assert self.cols is not None, "build the workspace with vocab_start for a kept set"
             if row_min_out is not None and self.real_local > 0:

@@ -213,7 +213,8 @@ def _gather_tiles(piece: torch.Tensor, contract: LogprobContract, group: Any) ->
         return piece
     assert contract.vocab_shard_bounds is not None
     width = contract.tile_width
-    counts = [(end - start) // width for start, end in contract.vocab_shard_bounds]
+    # whole tiles: the last rank's last tile may reach past the vocabulary (section 6's grid)
+    counts = [-(-(end - start) // width) for start, end in contract.vocab_shard_bounds]
     slot = max(counts)
     buf = piece.new_zeros(piece.shape[0], slot)
     buf[:, : piece.shape[1]] = piece
@@ -227,6 +228,9 @@ def _z(e: torch.Tensor, member: torch.Tensor, tiles: int, width: int, contract: 
     """``Z(P)`` of section 13 for every row: ``F`` over the global tiles of the lane sums ``G`` of
     ``e_c`` on the members (``+0`` elsewhere). ``e``/``member``: ``[rows, local_vocab]``."""
     terms = torch.where(member, e, torch.zeros_like(e))
+    grid = tiles * width
+    if terms.shape[1] < grid:  # the grid's padding past the vocabulary (section 6): +0 terms
+        terms = torch.nn.functional.pad(terms, (0, grid - terms.shape[1]))
     sums = lane_sum(terms.view(e.shape[0], tiles, width))
     full = _gather_tiles(sums, contract, group)
     return fold_sum_(full.clone()).clone()
@@ -264,7 +268,7 @@ def _top_p_value(e: torch.Tensor, member: torch.Tensor, x: torch.Tensor, tau: to
         hi = torch.where(use, ordered(big), lo)
     while bool((hi > lo).any()):
         mid = torch.div(lo + hi + 1, 2, rounding_mode="floor")
-        ok = _z(e, member & (x >= value_of(mid).unsqueeze(1)), e.shape[1] // contract.tile_width,
+        ok = _z(e, member & (x >= value_of(mid).unsqueeze(1)), contract.local_grid_width // contract.tile_width,
                 contract.tile_width, contract, group) >= tau
         lo = torch.where(ok, mid, lo)
         hi = torch.where(ok, hi, mid - 1)
@@ -314,7 +318,7 @@ def _block_cut(logits: torch.Tensor, contract: LogprobContract, sampling: Sampli
     rows, local = logits.shape
     device = logits.device
     width = contract.tile_width
-    tiles = local // width
+    tiles = contract.local_grid_width // width  # whole tiles: the last may reach past the vocabulary
     real = max(0, min(local, contract.real_vocab_size - contract.vocab_start))
     x = _tempered_block(logits, contract, row_t32)
     cols = torch.arange(contract.vocab_start, contract.vocab_start + local, dtype=torch.int64, device=device)

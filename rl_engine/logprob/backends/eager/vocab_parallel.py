@@ -240,7 +240,7 @@ def _local_partials(
     rows = logits.shape[0]
     width = contract.tile_width
     real_local = real_local_columns(contract)
-    tiles = contract.local_vocab_size // width
+    tiles = contract.local_tile_count
     m = torch.empty(rows, tiles, dtype=torch.float32, device=logits.device)
     s = torch.empty_like(m)
     t = torch.empty_like(m) if with_entropy else None
@@ -249,8 +249,9 @@ def _local_partials(
     def workspace() -> ChunkWorkspace:
         require_gradual_underflow(logits.device)  # per worker thread
         return ChunkWorkspace(
-            min(chunk_rows, rows), contract.local_vocab_size, width, real_local, with_entropy,
+            min(chunk_rows, rows), contract.local_grid_width, width, real_local, with_entropy,
             logits.device, contract.temperature32, contract.vocab_start if keep is not None else None,
+            stored=contract.local_vocab_size,
         )
 
     def work(ws: ChunkWorkspace, start: int, stop: int) -> None:
@@ -314,7 +315,7 @@ def _exchange(
         return tile_pieces, target_value.unsqueeze(1)
     assert contract.vocab_shard_bounds is not None
     width = contract.tile_width
-    tiles_per_rank = [(end - start) // width for start, end in contract.vocab_shard_bounds]
+    tiles_per_rank = [-(-end // width) - start // width for start, end in contract.vocab_shard_bounds]
     slot = max(tiles_per_rank)
     rows = target_value.shape[0]
     buf = torch.zeros(rows, slot * len(tile_pieces) + 1, dtype=torch.float32, device=target_value.device)

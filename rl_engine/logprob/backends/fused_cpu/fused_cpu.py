@@ -240,14 +240,14 @@ def fused_partials(
     rows = x.shape[0]
     width = contract.tile_width
     real_local = real_local_columns(contract)
-    tiles = contract.local_vocab_size // width
+    tiles = contract.local_tile_count
     m = torch.empty(rows, tiles, dtype=torch.float32)
     s = torch.empty_like(m)
     t = torch.empty_like(m) if with_entropy else None
     row_min = torch.empty(rows, dtype=torch.float32) if validate else None
     if rows:
         status = kernel.lib.rle_forward_partials(
-            x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), contract.local_vocab_size,
+            x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), contract.local_grid_width,
             width, real_local, m.data_ptr(), s.data_ptr(), _ptr(t), _ptr(row_min),
             1.0 if rt is not None else contract.temperature32, _ptr(rt), _threads(threads), ISA_NAMES[isa],
         )

@@ -100,7 +100,7 @@ def fused_kept_partials(
     rows = x.shape[0]
     width = contract.tile_width
     real_local = real_local_columns(contract)
-    tiles = contract.local_vocab_size // width
+    tiles = contract.local_tile_count
     m = torch.empty(rows, tiles, dtype=torch.float32)
     s = torch.empty_like(m)
     t = torch.empty_like(m) if with_entropy else None
@@ -116,7 +116,7 @@ def fused_kept_partials(
         )
     if rows:
         status = call.lib.rle_forward_kept(
-            x.data_ptr(), call.dtype_codes[x.dtype], rows, x.stride(0), contract.local_vocab_size,
+            x.data_ptr(), call.dtype_codes[x.dtype], rows, x.stride(0), contract.local_grid_width,
             width, real_local, m.data_ptr(), s.data_ptr(), _ptr(t), _ptr(row_min),
             1.0 if rt is not None else contract.temperature32, _ptr(rt), kv.data_ptr(), kid.data_ptr(), _ptr(sh),
             _ptr(count), call.threads, call.isa,
@@ -271,7 +271,7 @@ class FusedKeptScan:
 
     def prefix(self, keep: KeptCut, row_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.logits.shape[0]
-        count = torch.zeros(rows, self.contract.local_vocab_size // self.contract.tile_width, dtype=torch.int32)
+        count = torch.zeros(rows, self.contract.local_tile_count, dtype=torch.int32)
         _, z, _, _ = fused_kept_partials(self.call, self.logits, self.contract, False, False, keep, row_max, count,
                                          self.row_t32)
         return count, z
@@ -280,7 +280,7 @@ class FusedKeptScan:
         """The shard's count and least logit in its first tile (zero and ``+inf`` in the others:
         the sum and the minimum over the tiles are the shard's)."""
         rows = self.logits.shape[0]
-        tiles = self.contract.local_vocab_size // self.contract.tile_width
+        tiles = self.contract.local_tile_count
         zero = torch.zeros(rows, dtype=torch.int64)
         cand = fused_candidates(self.call, self.logits, self.contract, row_max, lmp, zero, self.row_t32)
         count = torch.zeros(rows, tiles, dtype=torch.int64)

@@ -62,14 +62,14 @@ def kept_launch(
 ) -> LaunchSpec:
     """The masked forward's launch (with ``shift``: one step of the search), one program per (row, tile)."""
     width = contract.tile_width
-    tiles = contract.local_vocab_size // width
+    tiles = contract.local_tile_count
     real_local = real_local_columns(contract)
     sh = shift.float().contiguous() if shift is not None else m
     args = (x, kv, kid, sh, m, s, t if t is not None else m, bad if bad is not None else m, count,
             x.stride(0), real_local, contract.temperature32)
     meta = {"TILES": tiles, "WIDTH": width, "DTYPE": call.dtype_codes[logits_dtype],
             "WITH_ENTROPY": with_entropy, "VALIDATE": validate,
-            "PADDED": real_local < contract.local_vocab_size, "TEMPERED": contract.tempered,
+            "PADDED": real_local < contract.local_grid_width, "TEMPERED": contract.tempered,
             "SHIFTED": shift is not None, "MAXIMA": shift is None or validate or with_entropy}
     return LaunchSpec("kept_partials_kernel", (x.shape[0] * tiles,), args, meta, call.forward_warps)
 
@@ -78,11 +78,11 @@ def min_p_launch(call: TritonCall, x: torch.Tensor, contract: LogprobContract, r
                  lmp: torch.Tensor, least: torch.Tensor, count: torch.Tensor, logits_dtype: torch.dtype) -> LaunchSpec:
     """min-p's launch, one program per (row, tile)."""
     width = contract.tile_width
-    tiles = contract.local_vocab_size // width
+    tiles = contract.local_tile_count
     real_local = real_local_columns(contract)
     args = (x, row_max, lmp, least, count, x.stride(0), real_local, contract.temperature32)
     meta = {"TILES": tiles, "WIDTH": width, "DTYPE": call.dtype_codes[logits_dtype],
-            "PADDED": real_local < contract.local_vocab_size, "TEMPERED": contract.tempered}
+            "PADDED": real_local < contract.local_grid_width, "TEMPERED": contract.tempered}
     return LaunchSpec("minp_kernel", (x.shape[0] * tiles,), args, meta, call.forward_warps)
 
 
@@ -108,8 +108,7 @@ def triton_kept_partials(
     validation or entropy (a search step) ``m`` is not computed (left uninitialised)."""
     x = call.raw(logits)
     rows = x.shape[0]
-    width = contract.tile_width
-    tiles = contract.local_vocab_size // width
+    tiles = contract.local_tile_count
     dev = logits.device
     m = torch.empty(rows, tiles, dtype=torch.float32, device=dev)
     s = torch.empty_like(m)
@@ -132,8 +131,7 @@ def triton_min_p(
     """Per tile: the count of ``K1 = {c : RN32(x_c - B) >= lmp}`` (int32) and its least logit."""
     x = call.raw(logits)
     rows = x.shape[0]
-    width = contract.tile_width
-    tiles = contract.local_vocab_size // width
+    tiles = contract.local_tile_count
     dev = logits.device
     least = torch.full((rows, tiles), float("inf"), device=dev)
     count = torch.zeros(rows, tiles, dtype=torch.int32, device=dev)
