@@ -165,7 +165,7 @@ def selected_logprob(
                               compute_entropy, validate, backend, ignore_index, max_tp, chunk_rows, temperature)
     require_readable("logits", logits)  # before the reshape, which cannot view sparse memory
     targets, active = trainer_inputs(targets, active, lead, ignore_index)
-    temperature, row_t32 = split_temperature(temperature, lead, logits.device)
+    temperature, row_t32 = split_temperature(temperature, lead, logits.device, validate)
     sampling = sampling_from(top_k, top_p, min_p, lead, logits.device)
     vocab = logits.shape[-1]
     tiles = resolve_vocab_tiles(num_vocab_tiles, vocab, max_tp)
@@ -196,13 +196,13 @@ def selected_logprob(
     )
 
 
-def split_temperature(temperature: Any, lead: tuple[int, ...],
-                      device: torch.device) -> tuple[Any, torch.Tensor | None]:
+def split_temperature(temperature: Any, lead: tuple[int, ...], device: torch.device,
+                      validate: bool = True) -> tuple[Any, torch.Tensor | None]:
     """``(the contract's temperature, the rows' T32 or None)``: a number goes to the contract (which
     checks it); a tensor is each row's (:func:`rl_engine.logprob.row_temperature.row_temperature32`),
-    with the contract's temperature 1."""
+    with the contract's temperature 1. Its values are read on the host only with ``validate``."""
     if _is_dtensor(temperature) or is_row_temperature(temperature):
-        return 1.0, row_temperature32(temperature, lead, device)
+        return 1.0, row_temperature32(temperature, lead, device, check_values=validate)
     return temperature, None
 
 

@@ -173,7 +173,7 @@ def prepare(hidden: Any, resolved: HeadWeight, targets: Any, active: Any, *, num
     _check_inputs(hidden, meta, compute_dtype, autocast, grad_weight_fp32, hidden_grad, chunk_tokens)
     lead = tuple(hidden.shape[:-1])
     targets, active = trainer_inputs(targets, active, lead, ignore_index)
-    temperature, row_t32 = split_temperature(temperature, lead, hidden.device)
+    temperature, row_t32 = split_temperature(temperature, lead, hidden.device, validate)
     sampling = sampling_from(top_k, top_p, min_p, lead, hidden.device)
     group = resolved.group
     tp, tp_rank = group_geometry(group)

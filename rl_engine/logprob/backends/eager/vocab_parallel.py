@@ -830,7 +830,8 @@ class VocabParallelLogprob:
                     f"temperature is given per row and contract.temperature={contract.temperature!r}; pass one of "
                     "them: the per-row tensor with the contract's temperature 1.0, or no tensor")
             if temperature is not None:
-                row_t32 = row_temperature32(temperature, (contract.num_tokens,), logits.device)
+                row_t32 = row_temperature32(temperature, (contract.num_tokens,), logits.device,
+                                            check_values=validate)
             check_sampling(sampling, contract, logits.device, self.backend_id, self.engine())
             if logits.device.type not in self.devices:
                 raise LogprobContractError(
