@@ -171,6 +171,7 @@ def mesh_runs() -> tuple[dict[str, Any], list[dict[Any, Any]]]:
 
 
 @pytest.mark.slow  # eight gloo ranks, about 30 s on 2 cores
+@pytest.mark.ranks
 @pytest.mark.parametrize("case", list(MESH_CASES))
 def test_fused_c_at_tp_and_cp_gives_the_spec_bytes(mesh_runs: Any, case: str) -> None:
     cases, results = mesh_runs
@@ -248,6 +249,7 @@ def _triton_worker(rank: int, b: dict[str, Any], params: dict[str, Any]) -> dict
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_triton_interpreter_at_tp3_gives_the_spec_bytes() -> None:
     b = _small_batch("bf16", seed=5)
     params = dict(top_k=20, top_p=0.7, min_p=0.01)
