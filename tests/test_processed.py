@@ -19,7 +19,6 @@ from rl_engine.arith import spec_numpy as S
 from rl_engine.logprob.api import selected_logprob
 from rl_engine.logprob.backends.description import descriptions
 from rl_engine.logprob.backends.eager.vocab_parallel import VocabParallelLogprob
-from rl_engine.logprob.backends.fused_cpu.fused_cpu import FusedCpuLogprob, kernel_unavailable
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import processed_fp64_oracle
 from rl_engine.logprob.processed import Sampling, sampling_from
@@ -332,20 +331,33 @@ def test_bad_parameters_are_refused_naming_the_field(kwargs: dict[str, Any], mat
         selected_logprob(x, torch.zeros(4, dtype=torch.int64), backend=EAGER_BACKEND, **kwargs)
 
 
-@pytest.mark.skipif(kernel_unavailable() is not None, reason="the fused C kernel is not built")
 def test_a_backend_without_processed_logprobs_refuses_by_name() -> None:
+    """An engine without ``supports_processed`` (every registered one has it now: a stand-in here)
+    is refused by name before any collective, and the registry's capability is honoured."""
+    from rl_engine.logprob.backends.eager.vocab_parallel import LocalEngine
+    from rl_engine.logprob.registry import dispatch
+
+    class _RawOnly(LocalEngine):
+        supports_processed = False
+
+    class _RawOnlyOp(VocabParallelLogprob):
+        backend_id = "raw-only-test-backend"
+
+        def engine(self) -> LocalEngine:
+            return _RawOnly()
+
     x = torch.randn(4, 256)
     t = torch.zeros(4, dtype=torch.int64)
-    with pytest.raises(BackendUnavailableError, match="cpu-vocab-parallel-logp-ws2.*processed logprobs"):
-        selected_logprob(x, t, backend="cpu-vocab-parallel-logp-ws2", top_p=0.9)
     contract = LogprobContract(256, 256, 4, 1, 4, logits_dtype="fp32")
     sampling = Sampling(torch.zeros(4, dtype=torch.int64), torch.full((4,), 0.5), torch.zeros(4))
-    with pytest.raises(LogprobContractError, match="backend 'cpu-vocab-parallel-logp-ws2' does not compute"):
-        FusedCpuLogprob()(x, t, torch.ones(4, dtype=torch.bool), contract, sampling=sampling)
-    # auto takes a backend that can (the eager one on the CPU) and says why it passed the others over
-    out = selected_logprob(x, t, top_p=0.9)
-    assert out.provenance["actual_backend"] == EAGER_BACKEND
-    assert any("processed" in r["reason"] for r in out.provenance["rejections"])
+    with pytest.raises(LogprobContractError, match="backend 'raw-only-test-backend' does not compute"):
+        _RawOnlyOp()(x, t, torch.ones(4, dtype=torch.bool), contract, sampling=sampling)
+    from dataclasses import replace
+
+    spec_ = default_registry()[EAGER_BACKEND]
+    incapable = replace(spec_, capabilities=replace(spec_.capabilities, processed_logprobs=False))
+    with pytest.raises(BackendUnavailableError, match="processed logprobs"):
+        dispatch(EAGER_BACKEND, contract, "cpu", {EAGER_BACKEND: incapable}, processed=True)
 
 
 def test_every_engine_flag_matches_the_registry_table() -> None:

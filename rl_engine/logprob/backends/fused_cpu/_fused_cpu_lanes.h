@@ -506,6 +506,8 @@ static __attribute__((noinline)) void RLE_NAME(elementwise)(int op, const float 
     }
 }
 
+#include "_fused_cpu_kept.h" /* processed logprobs: section 13 */
+
 #undef RLE_GROUP
 #undef RLE_GROUP_VECS
 #undef RLE_VFMA

@@ -51,6 +51,12 @@ from rl_engine.logprob.backends.eager.vocab_parallel import (
     VocabParallelLogprob,
     real_local_columns,
 )
+from rl_engine.logprob.backends.triton.triton_kept import (
+    TritonCall,
+    triton_kept_backward,
+    triton_kept_cut,
+    triton_kept_partials,
+)
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.tables import TRITON_BACKEND, TRITON_MODE_ENV
 
@@ -391,10 +397,20 @@ def triton_divide(x: torch.Tensor, t32: float, dtype: torch.dtype, markstein: bo
                         {"DTYPE": _DTYPE_CODES[dtype], "DIVIDE": 1 if markstein else 2})
 
 
+def _refuse_row_temperature(row_t32: Any) -> None:
+    """Processed logprobs with a temperature per row are not in the Triton kernels yet: refused by
+    name (nothing falls back)."""
+    if row_t32 is not None:
+        raise LogprobContractError(
+            f"backend {TRITON_ID!r} does not compute processed logprobs (top_k / top_p / min_p) with a "
+            "temperature per row yet; pass one temperature for the call, or request backend="
+            "'cpu-vocab-parallel-logp-ws2' or 'pytorch-vocab-parallel-logp-ws2'")
+
+
 class TritonEngine(LocalEngine):
     """:class:`LocalEngine` on the Triton kernels (``chunk_rows`` is not used: one launch)."""
 
-    supports_processed = False  # section 13 not in this kernel yet: the op refuses such a call
+    supports_processed = True  # section 13: triton_kept.py
 
     def __init__(self, mode: str = "compiled") -> None:
         self.mode = check_mode(mode)
@@ -405,12 +421,37 @@ class TritonEngine(LocalEngine):
     def log(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return triton_log(x, self.mode)
 
+    def kept_call(self) -> TritonCall:
+        """How the processed launches (:mod:`rl_engine.logprob.backends.triton.triton_kept`) run in this mode."""
+        kernels = load_kernels(self.mode)
+        return TritonCall(
+            run=lambda spec: Launch(*spec).run(kernels), raw=_raw,
+            backward=lambda logits, lse, terms: triton_backward(logits, lse, terms, self.mode),
+            dtype_codes=_DTYPE_CODES, forward_warps=FORWARD_WARPS, backward_warps=BACKWARD_WARPS,
+            backward_block=BACKWARD_BLOCK,
+        )
+
     def local_partials(self, logits, contract, chunk_rows, with_entropy, validate,  # type: ignore[override]
-                       row_t32=None):
+                       row_t32=None, keep=None):
+        if keep is not None:  # processed logprobs (section 13): the masked forward
+            _refuse_row_temperature(row_t32)
+            return triton_kept_partials(self.kept_call(), logits, contract, with_entropy, validate, keep)[:4]
         return triton_partials(logits, contract, with_entropy, validate, self.mode, row_t32)
 
     def local_backward(self, logits, lse, terms, chunk_rows):  # type: ignore[override]
+        if terms.keep is not None:
+            _refuse_row_temperature(terms.row_t32)
+            return triton_kept_backward(self.kept_call(), logits, lse, terms)
         return triton_backward(logits, lse, terms, self.mode)
+
+    def kept_cut(self, logits, contract, sampling, group, chunk_rows, row_t32=None):  # type: ignore[override]
+        """Section 13's cut by the search on the key (:func:`~rl_engine.logprob.backends.triton.triton_kept.triton_kept_cut`):
+        ``B`` from the raw forward's tile maxima of this shard. A temperature per row is refused here
+        (every TP rank alike: the agreement step compared the per-row temperatures)."""
+        _refuse_row_temperature(row_t32)
+        m, _, _, _ = triton_partials(logits, contract, False, False, self.mode)
+        local_max = m.amax(dim=1) if m.shape[1] else torch.full((logits.shape[0],), float("-inf"), device=logits.device)
+        return triton_kept_cut(self.kept_call(), logits, contract, sampling, group, local_max)
 
 
 class TritonLogprob(VocabParallelLogprob):

@@ -580,3 +580,214 @@ def divide_kernel(x_ptr, out_ptr, n, t32, inv_t, BLOCK: tl.constexpr, DTYPE: tl.
         q = tl.div_rn(x, t32)
     tl.store(out_ptr + offs, q, mask=inside)
 
+
+
+# ------------------------------------------------------------------ processed logprobs (section 13)
+# A row's kept set is a prefix of the key order, given by its last key (keep_v, keep_id: a local
+# column): column c is dropped iff x_c < keep_v, or x_c == keep_v and c > keep_id (NaN is never
+# dropped). rl_engine/logprob/kept_search.py finds the keys with the scans below; the masked
+# forward and backward read them. Step 0 divides by T32 with the IEEE division here (tl.div_rn):
+# exact for every logit, without the guard of the raw kernels.
+
+
+@device
+def kept_chunk(base, col0, lane, real_left, first, kv, kid, t32, DTYPE: tl.constexpr, VALID: tl.constexpr,
+               PADDED: tl.constexpr, TEMPERED: tl.constexpr):
+    """One chunk of 128 columns ``col0 + lane`` of a tile whose first local column is ``first``:
+    ``(x, xk, inside, kept)``: the logits after step 0 (``-inf`` past the tile's ``VALID`` columns and
+    on padding), the same with ``-inf`` on the dropped columns, the real columns, the kept ones."""
+    neg_inf = tl.full((LANES,), NEG_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    cols = col0 + lane
+    if PADDED:
+        inside = (lane < VALID) & (cols < real_left)
+    else:
+        inside = lane < VALID
+    x = upcast(tl.load(base + cols, mask=inside, other=0), DTYPE)
+    if TEMPERED:
+        x = tl.div_rn(x, t32)
+    x = tl.where(inside, x, neg_inf)
+    dropped = (x < kv) | ((x == kv) & ((first + cols).to(tl.int64) > kid))
+    kept = inside & (dropped == 0)
+    return x, tl.where(dropped, neg_inf, x), inside, kept
+
+
+@device
+def kept_pass_one(base, col0, lane, real_left, first, kv, kid, t32, mx, rmx, rmn, DTYPE: tl.constexpr,
+                  VALID: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr, VALIDATE: tl.constexpr):
+    """The lanes' maxima of the kept columns (NaN propagates) and, for validation, of every real column."""
+    x, xk, inside, _ = kept_chunk(base, col0, lane, real_left, first, kv, kid, t32, DTYPE, VALID, PADDED, TEMPERED)
+    mx = tl.maximum(mx, xk, propagate_nan=tl.PropagateNan.ALL)
+    if VALIDATE:
+        pos_inf = tl.full((LANES,), POS_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+        rmx = tl.maximum(rmx, x, propagate_nan=tl.PropagateNan.ALL)
+        rmn = tl.minimum(rmn, tl.where(inside, x, pos_inf))
+    return mx, rmx, rmn
+
+
+@device
+def kept_pass_two(base, col0, lane, real_left, first, kv, kid, t32, sh, s, t, n, DTYPE: tl.constexpr,
+                  VALID: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr, WITH_ENTROPY: tl.constexpr):
+    """Section 6 steps 3-4 on the kept columns of one chunk, and the count of the kept real columns."""
+    _, xk, _, kept = kept_chunk(base, col0, lane, real_left, first, kv, kid, t32, DTYPE, VALID, PADDED, TEMPERED)
+    e, yc = spec_exp_forward(xk - sh)
+    s = s + e
+    if WITH_ENTROPY:
+        t = tl.fma(e, yc, t)
+    return s, t, n + kept.to(tl.int32)
+
+
+@kernel
+def kept_partials_kernel(
+    x_ptr, kv_ptr, kid_ptr, sh_ptr, m_ptr, s_ptr, t_ptr, bad_ptr, n_ptr,
+    row_stride, real_local, t32,
+    TILES: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    VALIDATE: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr, SHIFTED: tl.constexpr,
+    MAXIMA: tl.constexpr,
+):
+    """Section 6 steps 1-4 on the logits with ``x_c = -inf`` outside the row's kept set, for the tile
+    ``pid % TILES`` of row ``pid // TILES``; also the tile's count of kept real columns. With
+    ``SHIFTED`` the shift is the row's ``sh_ptr[row]`` (the row max ``B``): ``s`` is then section 13's
+    lane sum of ``E(RN32(x_c - B))`` over the kept columns (top-p's ``Z`` is ``F`` of it over the
+    tiles), and the count is top-k's. Validation reads every real column, kept or not. Without
+    ``MAXIMA`` (a search step: shifted, no validation) the first pass is skipped and ``m`` is not written."""
+    FULL: tl.constexpr = WIDTH // LANES
+    REST: tl.constexpr = WIDTH - FULL * LANES
+    pid = tl.program_id(0)
+    row = (pid // TILES).to(tl.int64)
+    tile = pid % TILES
+    first = tile.to(tl.int64) * WIDTH
+    base = x_ptr + row * row_stride + tile * WIDTH
+    real_left = real_local - tile * WIDTH
+    kv = tl.load(kv_ptr + row)
+    kid = tl.load(kid_ptr + row)
+    lane = tl.arange(0, LANES)
+    mx = tl.full((LANES,), NEG_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    rmx = mx
+    rmn = tl.full((LANES,), POS_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    if MAXIMA:
+        if FULL <= MAX_UNROLL:  # straight code, as the raw forward's (its SASS counts every column)
+            for k in tl.static_range(FULL):
+                mx, rmx, rmn = kept_pass_one(base, k * LANES, lane, real_left, first, kv, kid, t32, mx, rmx, rmn,
+                                             DTYPE, LANES, PADDED, TEMPERED, VALIDATE)
+        else:
+            for k in range(FULL):
+                mx, rmx, rmn = kept_pass_one(base, k * LANES, lane, real_left, first, kv, kid, t32, mx, rmx, rmn,
+                                             DTYPE, LANES, PADDED, TEMPERED, VALIDATE)
+        if REST > 0:
+            mx, rmx, rmn = kept_pass_one(base, FULL * LANES, lane, real_left, first, kv, kid, t32, mx, rmx, rmn,
+                                         DTYPE, REST, PADDED, TEMPERED, VALIDATE)
+    lane_nan = mx != mx
+    nan = tl.reduce(lane_nan.to(tl.int32), 0, MAX)
+    m = tl.reduce(tl.where(lane_nan, float("-inf"), mx), 0, MAX)
+    m = tl.where(nan > 0, float("nan"), m) + tl.full((1,), 0.0, tl.float32)  # m + 0
+    if SHIFTED:
+        sh = tl.load(sh_ptr + row + tl.arange(0, 1))
+    else:
+        sh = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.full((LANES,), 0.0, tl.float32)
+    t = tl.full((LANES,), 0.0, tl.float32)
+    n = tl.full((LANES,), 0, tl.int32)
+    if FULL <= MAX_UNROLL:
+        for k in tl.static_range(FULL):
+            s, t, n = kept_pass_two(base, k * LANES, lane, real_left, first, kv, kid, t32, sh, s, t, n, DTYPE,
+                                    LANES, PADDED, TEMPERED, WITH_ENTROPY)
+    else:
+        for k in range(FULL):
+            s, t, n = kept_pass_two(base, k * LANES, lane, real_left, first, kv, kid, t32, sh, s, t, n, DTYPE,
+                                    LANES, PADDED, TEMPERED, WITH_ENTROPY)
+    if REST > 0:
+        s, t, n = kept_pass_two(base, FULL * LANES, lane, real_left, first, kv, kid, t32, sh, s, t, n, DTYPE, REST,
+                                PADDED, TEMPERED, WITH_ENTROPY)
+    out = row * TILES + tile + tl.arange(0, 1)
+    if MAXIMA:
+        tl.store(m_ptr + out, m)
+    tl.store(s_ptr + out, lane_fold(s))
+    for level in tl.static_range(LANE_LEVELS):  # integers: any grouping gives the same count
+        n = tl.reduce(tl.reshape(n, (2, LANES >> (level + 1))), 0, SUM)
+    tl.store(n_ptr + out, n)
+    if WITH_ENTROPY:
+        tl.store(t_ptr + out, lane_fold(t))
+    if VALIDATE:
+        rn = rmx != rmx
+        big = tl.reduce(tl.where(rn, float("inf"), rmx), 0, MAX) + tl.full((1,), 0.0, tl.float32)
+        low = tl.reduce(rmn, 0, MIN) + tl.full((1,), 0.0, tl.float32)
+        bad = (big == float("inf")) | (low == float("-inf"))
+        tl.store(bad_ptr + out, bad.to(tl.int8))
+
+
+@device
+def minp_chunk(base, col0, lane, real_left, big, lmp, t32, least, n, DTYPE: tl.constexpr, VALID: tl.constexpr,
+               PADDED: tl.constexpr, TEMPERED: tl.constexpr):
+    """min-p on one chunk: the columns with ``RN32(x_c - B) >= L(mp32)``, their least ``x`` and count."""
+    pos_inf = tl.full((LANES,), POS_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    cols = col0 + lane
+    if PADDED:
+        inside = (lane < VALID) & (cols < real_left)
+    else:
+        inside = lane < VALID
+    x = upcast(tl.load(base + cols, mask=inside, other=0), DTYPE)
+    if TEMPERED:
+        x = tl.div_rn(x, t32)
+    keep = inside & ((x - big) >= lmp)
+    return tl.minimum(least, tl.where(keep, x, pos_inf)), n + keep.to(tl.int32)
+
+
+@kernel
+def minp_kernel(
+    x_ptr, b_ptr, lmp_ptr, least_ptr, n_ptr, row_stride, real_local, t32,
+    TILES: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr,
+):
+    """Section 13 step 1 on the tile ``pid % TILES`` of row ``pid // TILES``: the least logit of
+    ``K1 = {c : RN32(x_c - B) >= lmp}`` in the tile (``+inf`` when none) and its count."""
+    FULL: tl.constexpr = WIDTH // LANES
+    REST: tl.constexpr = WIDTH - FULL * LANES
+    pid = tl.program_id(0)
+    row = (pid // TILES).to(tl.int64)
+    tile = pid % TILES
+    base = x_ptr + row * row_stride + tile * WIDTH
+    real_left = real_local - tile * WIDTH
+    big = tl.load(b_ptr + row)
+    lmp = tl.load(lmp_ptr + row)
+    lane = tl.arange(0, LANES)
+    least = tl.full((LANES,), POS_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    n = tl.full((LANES,), 0, tl.int32)
+    if FULL <= MAX_UNROLL:
+        for k in tl.static_range(FULL):
+            least, n = minp_chunk(base, k * LANES, lane, real_left, big, lmp, t32, least, n, DTYPE, LANES, PADDED,
+                                  TEMPERED)
+    else:
+        for k in range(FULL):
+            least, n = minp_chunk(base, k * LANES, lane, real_left, big, lmp, t32, least, n, DTYPE, LANES, PADDED,
+                                  TEMPERED)
+    if REST > 0:
+        least, n = minp_chunk(base, FULL * LANES, lane, real_left, big, lmp, t32, least, n, DTYPE, REST, PADDED,
+                              TEMPERED)
+    out = row * TILES + tile + tl.arange(0, 1)
+    tl.store(least_ptr + out, tl.reduce(least, 0, MIN) + tl.full((1,), 0.0, tl.float32))
+    for level in tl.static_range(LANE_LEVELS):
+        n = tl.reduce(tl.reshape(n, (2, LANES >> (level + 1))), 0, SUM)
+    tl.store(n_ptr + out, n)
+
+
+@kernel
+def kept_zero_kernel(
+    x_ptr, kv_ptr, kid_ptr, g_ptr, row_stride, local_vocab, real_local, t32,
+    BLOCKS: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr, TEMPERED: tl.constexpr,
+):
+    """Section 13 step 5: ``+0`` in every dropped real column of the gradient, after the raw
+    backward's launches (a kept column's gradient reads only its own logit and the row's terms, so
+    the raw kernels computed it already; the dropped target column's ``+gl`` is overwritten too)."""
+    pid = tl.program_id(0)
+    row = (pid // BLOCKS).to(tl.int64)
+    cols = (pid % BLOCKS) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < real_local
+    x = upcast(tl.load(x_ptr + row * row_stride + cols, mask=inside, other=0), DTYPE)
+    if TEMPERED:
+        x = tl.div_rn(x, t32)
+    kv = tl.load(kv_ptr + row)
+    kid = tl.load(kid_ptr + row)
+    dropped = inside & ((x < kv) | ((x == kv) & (cols.to(tl.int64) > kid)))
+    if DTYPE == DT_F32:
+        tl.store(g_ptr + row * local_vocab + cols, tl.full((BLOCK,), 0.0, tl.float32), mask=dropped)
+    else:
+        tl.store(g_ptr + row * local_vocab + cols, tl.full((BLOCK,), 0, tl.int16), mask=dropped)
