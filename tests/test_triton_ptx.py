@@ -41,7 +41,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 TARGETS: list[tuple[str, Any]] = [("cuda", arch) for arch in triton_aot.NVIDIA_TARGETS] + [
     ("hip", triton_aot.AMD_TARGET)
 ]
-QUICK = ("forward-small-bf16-entropy1-validate1", "backward-small-fp16-tail", "backward-small-fp16-target")
+QUICK = ("forward-small-bf16-entropy1-validate1", "forward-small-bf16-entropy1-validate1-merge",
+         "backward-small-fp16-terms", "backward-small-fp16-tail", "backward-small-fp16-target")
 
 
 @pytest.fixture(scope="module")
@@ -95,16 +96,31 @@ def _check(variant: triton_aot.Variant, backend: str, arch: Any, exact: bool) ->
         fma = found["fma"]
     else:
         found = triton_aot.amdgcn_findings(asm["amdgcn"])
-        assert found["fma_in_division"] == 0 and found["forbidden"] == [], (variant.name, found)
+        # the merge divides (L's f / (f + 2), the entropy's / S): division steps there, none elsewhere
+        divides = variant.kernel == "merge_kernel"
+        assert (found["fma_in_division"] > 0) == divides and found["forbidden"] == [], (variant.name, found)
         assert len(asm["hsaco"]) > 0
         fma = found["fma_outside_division"]
     want = spec_fma(variant, threads)
-    assert 0 < fma <= want if not exact else fma == want, (variant.name, backend, arch, fma, want)
+    assert (0 < fma <= want if want else fma == 0) if not exact else fma == want, (variant.name, backend, arch, fma,
+                                                                                    want)
     return fma
+
+
+# The kernels that compute per row, not per column: the merge's E of its weights (every lane of its
+# [ROWS, COLS] block, the unused ones included: 9 FMAs each, at least one lane a thread, as a block
+# smaller than the program's threads is replicated; L has none) and the backward's terms (none)
+NO_COLUMN_FMA = {
+    "merge_kernel": lambda v, threads: triton_aot.FMA_PER_COLUMN["backward"]
+    * max(1, -(-int(_const(v, "ROWS")) * int(_const(v, "COLS")) // threads)),
+    "backward_terms_kernel": lambda v, threads: 0,
+}
 
 
 def spec_fma(variant: triton_aot.Variant, threads: int) -> int:
     """FMAs per thread the specification writes for the columns (slots) a thread computes."""
+    if variant.kernel in NO_COLUMN_FMA:
+        return NO_COLUMN_FMA[variant.kernel](variant, threads)
     if variant.kernel == "forward_partials_kernel":
         slots = -(-_width(variant) // 128) * 128
         per = triton_aot.FMA_PER_COLUMN["forward_entropy" if _flag(variant, "WITH_ENTROPY") else "forward"]
@@ -125,6 +141,8 @@ def tempered_fma(variant: triton_aot.Variant, threads: int) -> int:
     """PTX FMAs per thread of a tempered launch: the specification's, Markstein's two per step
     (one step for a bf16 or binary16 logit, two for a binary32 one and for the gradient) on the fast
     path, and the specification's again on the guard's IEEE path (its divisions are div.rn)."""
+    if variant.kernel in NO_COLUMN_FMA:
+        return NO_COLUMN_FMA[variant.kernel](variant, threads)
     dtype = {0: "float32", 1: "bfloat16", 2: "float16"}[int(_const(variant, "DTYPE"))]
     steps = division.STEPS[dtype] * triton_aot.MARKSTEIN_FMA_PER_STEP
     if variant.kernel == "forward_partials_kernel":
@@ -167,10 +185,11 @@ def test_tempered_kernels_compile_to_ieee_operations_markstein_and_div_rn(backen
 def test_every_default_case_launch_compiles_to_the_specs_operations(
         variants: dict[str, triton_aot.Variant], backend: str, arch: Any) -> None:
     chosen = [v for name, v in variants.items() if "-default-" in name]
-    assert len(chosen) == 15  # 3 dtypes x (2 forward flag sets + 3 backward launches)
+    assert len(chosen) == 24  # 3 dtypes x (2 forward flag sets x (partials, merge) + 4 backward launches)
     for variant in chosen:
-        # the forward's and the whole blocks' lanes are all real: exactly the spec's FMAs
-        _check(variant, backend, arch, exact=variant.kernel == "forward_partials_kernel" or "-blocks" in variant.name)
+        # the forward's, the merge's and the whole blocks' lanes are all computed: exactly the spec's FMAs
+        _check(variant, backend, arch, exact=variant.kernel in ("forward_partials_kernel", "merge_kernel")
+               or "-blocks" in variant.name)
 
 
 @pytest.mark.slow

@@ -59,10 +59,13 @@ from rl_engine.logprob.contract import LogprobContract
 from rl_engine.logprob.triton_backend import (
     Launch,
     backward_launches,
+    empty_terms,
     forward_launch,
     load_kernels,
+    merge_launch,
+    terms_launch,
 )
-from rl_engine.logprob.vocab_parallel import backward_terms
+from rl_engine.logprob.vocab_parallel import real_local_columns
 
 NVIDIA_TARGETS: tuple[int, ...] = (80, 90, 100)
 AMD_TARGET = "gfx942"
@@ -156,27 +159,41 @@ def _meta_inputs(rows: int, real: int, padded: int, tiles: int, dtype: torch.dty
     lse = torch.empty(rows, dtype=torch.float32, device="meta")
     targets = torch.empty(rows, dtype=torch.int64, device="meta")
     active = torch.empty(rows, dtype=torch.bool, device="meta")
+    flags = torch.empty(rows, dtype=torch.int8, device="meta")
     return {"contract": contract, "raw": raw, "m": m, "bad": bad, "lse": lse, "targets": targets,
-            "active": active, "dtype_name": dtype_name}
+            "active": active, "flags": flags, "dtype_name": dtype_name}
 
 
 def case_launches(rows: int, real: int, padded: int, tiles: int, dtype: torch.dtype,
-                  entropy: bool = True, validate: bool = True, temperature: float = 1.0) -> dict[str, list[Launch]]:
-    """``{"forward": [...], "backward": [...]}``: what the backend launches for one local shard
-    of ``rows`` x ``padded`` logits (TP=1), built by the backend's own launch functions."""
+                  entropy: bool = True, validate: bool = True, temperature: float = 1.0,
+                  entropy_grad: bool = False) -> dict[str, list[Launch]]:
+    """``{"forward": [...], "backward": [...]}``: every launch the backend makes for one call on
+    ``rows`` x ``padded`` logits held by one rank (TP = 1), built by the backend's own launch
+    functions: the forward's partials and merge, the backward's terms, blocks and target column
+    (``entropy_grad``: a backward with the entropy's gradient, which needs ``entropy``)."""
     inp = _meta_inputs(rows, real, padded, tiles, dtype, temperature)
-    raw, m, contract = inp["raw"], inp["m"], inp["contract"]
-    forward = forward_launch(raw, contract, m, m, m if entropy else None, inp["bad"] if validate else None,
-                             entropy, validate, dtype)
-    terms = backward_terms(raw, inp["targets"], inp["active"], inp["lse"], inp["lse"], inp["lse"], contract)
-    return {"forward": [forward], "backward": backward_launches(raw, inp["lse"], terms, raw, dtype)}
+    raw, m, lse, contract = inp["raw"], inp["m"], inp["lse"], inp["contract"]
+    targets, active = inp["targets"], inp["active"]
+    bad = inp["bad"] if validate else None
+    forward = [forward_launch(raw, contract, m, m, m if entropy else None, bad, entropy, validate, dtype),
+               merge_launch(m, m, m if entropy else None, active, lse, lse, lse if entropy else None,
+                            t32=contract.temperature32, x=raw, targets=targets, bad=bad,
+                            flags=inp["flags"] if validate else None, real_vocab=real, logits_dtype=dtype)]
+    terms = empty_terms(rows, raw.device, real_local_columns(contract), contract.temperature32, entropy_grad)
+    backward = [terms_launch(targets, active, lse, lse, lse, 0, padded, terms,
+                             lse if entropy_grad else None, lse if entropy_grad else None)]
+    return {"forward": forward, "backward": backward + backward_launches(raw, lse, terms, raw, dtype)}
+
+
+LAUNCH_PARTS = {"merge_kernel": "-merge", "backward_terms_kernel": "-terms", "backward_target_kernel": "-target"}
 
 
 def launch_part(launch: Launch) -> str:
-    """The suffix naming one of a phase's launches: ``-blocks``/``-tail``/``-target`` for the backward's."""
+    """The suffix naming one of a phase's launches: ``-merge`` for the forward's merge,
+    ``-terms``/``-blocks``/``-tail``/``-target`` for the backward's."""
     if launch.kernel == "backward_kernel":
         return "-tail" if launch.meta.get("MASKED") else "-blocks"
-    return "-target" if launch.kernel == "backward_target_kernel" else ""
+    return LAUNCH_PARTS.get(launch.kernel, "")
 
 
 def launch_variants(arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_ROWS,
@@ -256,7 +273,8 @@ def _launch_index() -> dict[str, Launch]:
                         launches = case_launches(ROOFLINE_ROWS, real, padded, tiles, dtype, entropy, validate,
                                                  temperature)
                         flags = f"-entropy{int(entropy)}-validate{int(validate)}"
-                        _LAUNCHES[f"forward-{case}-{dtype_name}{flags}{suffix}"] = launches["forward"][0]
+                        for launch in launches["forward"]:
+                            _LAUNCHES[f"forward-{case}-{dtype_name}{flags}{launch_part(launch)}{suffix}"] = launch
                         for launch in launches["backward"]:
                             _LAUNCHES[f"backward-{case}-{dtype_name}{launch_part(launch)}{suffix}"] = launch
     return _LAUNCHES
