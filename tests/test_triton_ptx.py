@@ -349,10 +349,14 @@ def test_the_roofline_of_the_launched_kernels_meets_the_targets(tmp_path: Path, 
     for kernel in doc["kernels"]:
         assert (tmp_path / kernel["cubin"]).stat().st_size > 0
         assert kernel["local_bytes"] == 0 and kernel["loops"] is False, kernel["name"]
-        if temperature == 1.0:  # straight code: every instruction but the trailing trap runs
-            assert kernel["path_per_thread"] == kernel["longest_path_per_thread"] == kernel["sass_per_thread"] - 1
+        found = (kernel["name"], kernel["path_per_thread"], kernel["sass_per_thread"], kernel["longest_path_per_thread"])
+        if kernel["kernel"] == "merge_kernel":  # L's and the entropy's div.rn: a slow-path call the fast path skips
+            assert kernel["path_per_thread"] < kernel["longest_path_per_thread"], found
+        elif temperature == 1.0 or kernel["kernel"] == "backward_terms_kernel":
+            # straight code: every instruction but the trailing trap runs
+            assert kernel["path_per_thread"] == kernel["longest_path_per_thread"] == kernel["sass_per_thread"] - 1, found
         else:
-            assert kernel["path_per_thread"] < kernel["sass_per_thread"] < kernel["longest_path_per_thread"]
+            assert kernel["path_per_thread"] < kernel["sass_per_thread"] < kernel["longest_path_per_thread"], found
     forward, backward, fwd_floor, both_floor = ROOFLINE_TARGETS[temperature]
     per = doc["instructions_per_column"]
     assert per["forward"] <= forward and per["backward"] <= backward, per
@@ -412,17 +416,81 @@ def test_amd_rule_tells_division_steps_from_contracted_multiply_adds() -> None:
     assert triton_aot.amdgcn_findings(unfused["amdgcn"])["fma_outside_division"] == 0
 
 
+def test_the_roofline_variants_cover_what_trainers_launch() -> None:
+    """``--variants`` lists every axis a trainer varies (issue 42): each logits dtype (each at TP 8
+    too), TP 1 and 8, entropy and validation on and off in all four pairs, the entropy gradient, a
+    temperature (bf16 and binary16), sm_90, sm_100 and gfx942; the names are unique."""
+    variants = triton_aot.ROOFLINE_VARIANTS
+    names = [name for name, _ in variants]
+    assert len(set(names)) == len(names) and names[0] == "default" and variants[0][1] == {}
+
+    def values(key: str, default: Any) -> set[Any]:
+        return {kwargs.get(key, default) for _, kwargs in variants}
+
+    import torch
+
+    assert values("dtype", torch.bfloat16) == {torch.bfloat16, torch.float16, torch.float32}
+    assert values("tp", 1) == {1, 8}
+    assert {(kw.get("entropy", True), kw.get("validate", True)) for _, kw in variants} == {
+        (True, True), (True, False), (False, True), (False, False)}
+    assert values("entropy_grad", False) == {False, True}
+    assert values("temperature", 1.0) == {1.0, triton_aot.TEMPERED_PROBE}
+    assert values("arch", triton_aot.ROOFLINE_ARCH) == {90, 100, triton_aot.AMD_TARGET}
+    for dtype in (torch.float16, torch.float32):
+        assert any(kw.get("dtype") == dtype and kw.get("tp") == 8 for _, kw in variants), dtype
+    assert any(kw.get("dtype") == torch.float16 and kw.get("temperature") for _, kw in variants)
+
+
+def test_the_roofline_compiles_every_launch_the_backend_makes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kernel of a pass is in the roofline's sum: the launches :func:`triton_aot.case_launches`
+    builds are those a call of the op makes (kernel, grid and constants, in order: the forward's
+    partials and merge; the backward's terms, whole blocks, last block and target column), here with
+    entropy, validation, its gradient and a temperature at 4 rows x 4,224 columns (two whole blocks)."""
+    import torch
+
+    from rl_engine.logprob import triton_backend
+    from rl_engine.logprob.contract import LogprobContract
+
+    launched: list[tuple[str, tuple[int, ...], dict[str, Any]]] = []
+    monkeypatch.setattr(triton_backend.Launch, "run", lambda self, k: launched.append((self.kernel, self.grid, self.meta)))
+    rows, real, padded, tiles = 4, 4200, 4224, 33
+    contract = LogprobContract(real_vocab_size=real, padded_vocab_size=padded, num_vocab_tiles=tiles, num_sequences=1,
+                               seq_len=rows, logits_dtype="bf16", temperature=0.7)
+    x = torch.zeros(rows, padded, dtype=torch.bfloat16, requires_grad=True)
+    out = triton_backend.TritonLogprob(mode="interpreter")(x, torch.arange(rows), torch.ones(rows, dtype=torch.bool),
+                                                            contract, compute_entropy=True)
+    forward = list(launched)
+    launched.clear()
+    torch.autograd.grad((out.selected_logp, out.lse, out.entropy), x, (torch.ones(rows),) * 3)
+    built = triton_aot.case_launches(rows, real, padded, tiles, torch.bfloat16, True, True, 0.7, entropy_grad=True)
+    assert forward == [(v.kernel, v.grid, v.meta) for v in built["forward"]]
+    assert launched == [(v.kernel, v.grid, v.meta) for v in built["backward"]]
+    assert [k for k, _, _ in launched] == ["backward_terms_kernel", "backward_kernel", "backward_kernel",
+                                           "backward_target_kernel"]
+
+
 @pytest.mark.slow
 def test_the_roofline_variants_are_listed_with_their_own_case(tmp_path: Path) -> None:
-    """``--variants``: fp16, entropy and validation off, TP 8 and sm_100 beside the default, each its
-    own compiled kernels (no spill), its case recorded; TP 8 is rank 0's shard (an eighth of the
-    columns: the same per-column work, an eighth of the floor); no entropy and no validation is
-    less work per column than the default."""
-    names = ("default", "fp16", "no-entropy-no-validation", "tp8", "sm_100")
+    """``--variants``: fp16, entropy and validation off, the entropy gradient, TP 8, sm_100 and gfx942
+    beside the default, each its own compiled kernels (no spill), its case recorded; TP 8 is rank 0's
+    shard (an eighth of the columns: the same per-column work, an eighth of the floor); no entropy and
+    no validation is less work per column than the default, the entropy gradient more backward; gfx942
+    has its own model (amd_model) and the MI300X's prediction."""
+    names = ("default", "fp16", "no-entropy-no-validation", "entropy-gradient", "tp8", "sm_100", "gfx942")
     rows = {row["name"]: row for row in triton_aot.roofline_variants(tmp_path, names)}
     assert list(rows) == list(names)
-    doc = dict(triton_aot.roofline(tmp_path / "doc"), variants=list(rows.values()))
+    doc = dict(triton_aot.roofline(tmp_path / "doc"), variants=list(rows.values()), amd_model=triton_aot.AMD_MODEL)
     schemas.write_validated(tmp_path / "roofline.json", doc, "roofline")
+    printed = triton_aot.variant_table(doc["variants"])
+    assert len(printed) == len(names) and all(f"variant {name} " in line for name, line in zip(names, printed))
+    amd = rows["gfx942"]
+    assert amd["arch"] == "gfx942" and set(amd["predicted"]) == {"mi300x"} and amd["local_bytes"] == 0
+    assert {k["kernel"] for k in amd["kernels"]} == {"forward_partials_kernel", "merge_kernel", "backward_terms_kernel",
+                                                      "backward_kernel", "backward_target_kernel"}
+    assert (tmp_path / "gfx942" / "forward-merge.gfx942.hsaco").stat().st_size > 0
+    grad, base_row = rows["entropy-gradient"], rows["default"]
+    assert grad["entropy_grad"] is True and grad["instructions_per_column"]["backward"] > \
+        base_row["instructions_per_column"]["backward"]
     assert rows["fp16"]["dtype"] == "fp16" and rows["sm_100"]["arch"] == "sm_100" and rows["tp8"]["tp"] == 8
     assert all(row["local_bytes"] == 0 for row in rows.values()), rows
     base, lean = rows["default"]["instructions_per_column"], rows["no-entropy-no-validation"]["instructions_per_column"]
