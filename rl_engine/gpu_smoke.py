@@ -33,7 +33,14 @@
    its cubins under ``<output-dir>/roofline/``), and its predicted forward and
    forward+backward times (H100 SXM or H200 figures, by the device's name) beside the measured
    medians of the Triton backend and of the floor (``smoke.json``'s ``roofline``; ``null`` on
-   the CPU, with the reason).
+   the CPU, with the reason); and the SASS of the binaries the process really launched (read
+   from Triton's JIT caches after the timing) beside the roofline's, kernel by kernel with the
+   same constants: instructions per thread (static and on the fast path), registers, local
+   memory (spills), each equal or not; every other launched binary's SASS in ``launched_only``.
+6. Beside the timings, the GPU's SM and memory clocks, power and temperature, sampled every
+   50 ms from NVML (``pynvml``) or ``nvidia-smi`` (:mod:`rl_engine.gpu_telemetry`): each timing
+   row's summary, every sample in ``telemetry``; recorded as absent, with the reason, where
+   neither is present (and on the CPU).
 
 ``--cpu-only`` does all of it with ``device: cpu`` (gloo ranks instead of GPUs, the Triton
 kernels under the interpreter, no roofline): the dry run the test suite runs
@@ -66,6 +73,7 @@ from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.plan import build_plan
 from rl_engine.campaign.replay import replay_candidate
 from rl_engine.evidence.crosscheck import crosscheck_run
+from rl_engine.gpu_telemetry import Sampler
 from rl_engine.logprob.registry import BackendUnavailableError, default_registry, dispatch
 from rl_engine.logprob.tiles import chunk_rows_for_device
 from rl_engine.logprob.vocab_parallel import BACKEND_ID
@@ -166,9 +174,11 @@ def _naive(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor) ->
     return torch.where(active, logp, torch.zeros_like(logp))
 
 
-def time_paths(case: Case, device: torch.device, tokens: int, repeats: int) -> list[dict[str, Any]]:
+def time_paths(case: Case, device: torch.device, tokens: int, repeats: int,
+               sampler: Sampler | None = None) -> list[dict[str, Any]]:
     """Forward and forward+backward time and peak memory of every backend available on
-    ``device``, of naive and of the floor, with ratios from this run."""
+    ``device``, of naive and of the floor, with ratios from this run; with a running ``sampler``,
+    each row's clocks, power and temperature while it ran (``telemetry``; null without samples)."""
     from rl_engine.benchmark.inputs import make_inputs
 
     inputs = make_inputs(tokens, case.padded_vocab, case.dtype, case.seed)
@@ -182,9 +192,10 @@ def time_paths(case: Case, device: torch.device, tokens: int, repeats: int) -> l
         if cuda:
             torch.cuda.synchronize(device)
 
-    def timed(step: Any, phase: str) -> tuple[list[float], int | None]:
+    def timed(step: Any, phase: str) -> tuple[list[float], int | None, tuple[float, float]]:
         samples = []
         peak = None
+        began = time.perf_counter()
         for i in range(repeats + 1):  # nothing freed between repeats: the allocator's steady state
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
@@ -205,7 +216,7 @@ def time_paths(case: Case, device: torch.device, tokens: int, repeats: int) -> l
             if cuda:
                 used = torch.cuda.max_memory_allocated(device) - base
                 peak = used if peak is None else max(peak, used)
-        return samples, peak
+        return samples, peak, (began, time.perf_counter())
 
     def backend_step(op: Any, entropy: bool, validate: bool) -> Any:
         def step(x: torch.Tensor) -> torch.Tensor:
@@ -246,9 +257,10 @@ def time_paths(case: Case, device: torch.device, tokens: int, repeats: int) -> l
         floors = [("floor", None, floor_step if phase == "forward" else floor_backward_step),
                   ("copy_floor", None, copy_step)]
         for path, variant, step in paths + floors:
-            samples, peak = timed(step, phase)
+            samples, peak, (began, ended) = timed(step, phase)
             row: dict[str, Any] = {"path": path, "phase": phase, "median_s": statistics.median(samples),
-                                   "times_s": samples, "peak_bytes": peak}
+                                   "times_s": samples, "peak_bytes": peak,
+                                   "telemetry": sampler.summary(began, ended) if sampler is not None else None}
             if variant is not None:
                 row["variant"] = variant
             if path in default_registry():
@@ -329,9 +341,15 @@ def gpu_model(name: str) -> str | None:
 def roofline_table(case: Case, device: str, tokens: int, timing: list[dict[str, Any]],
                    out_dir: Path) -> dict[str, Any]:
     """``smoke.json``'s ``roofline``: the predicted times of the Triton kernels next to the measured
-    ones (cuda), or why there is none."""
+    ones (cuda), and the SASS of the binaries this process launched beside the roofline's
+    (:func:`sass_table`); or why there is none.
+
+    The roofline's case is the timed ``entropy`` call's: entropy and validation in the forward, the
+    logprob's and the entropy's gradients in the backward (its loss is ``logp + entropy``), the
+    case's temperature."""
     if device != "cuda":
-        return {"rows": [], "reason": "no GPU: the roofline predicts a GPU's time (--cpu-only run)"}
+        return {"rows": [], "reason": "no GPU: the roofline predicts a GPU's time (--cpu-only run)",
+                "sass": [], "launched_only": []}
     from rl_engine.logprob import triton_aot
 
     name = torch.cuda.get_device_name(0)
@@ -340,16 +358,50 @@ def roofline_table(case: Case, device: str, tokens: int, timing: list[dict[str, 
     try:
         doc = triton_aot.roofline(out_dir / "roofline", arch=10 * major + minor, rows=tokens,
                                   case=(case.real_vocab, case.padded_vocab, case.num_vocab_tiles),
-                                  dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[case.dtype])
+                                  dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[case.dtype],
+                                  temperature=case.temperature, entropy=True, validate=True, entropy_grad=True,
+                                  lse_grad=False)
     except Exception as exc:  # noqa: BLE001 - the prediction is an addition; say why it is missing
-        return {"rows": [], "reason": f"the roofline could not be computed: {type(exc).__name__}: {exc}"}
+        return {"rows": [], "reason": f"the roofline could not be computed: {type(exc).__name__}: {exc}",
+                "sass": [], "launched_only": []}
     schemas.write_validated(out_dir / "roofline" / "roofline.json", doc, "roofline")
     gpus = [model] if model else ["h100", "h200"]
     rows = [dict(row, model=gpu) for gpu in gpus
             for row in triton_aot.predicted_vs_measured(doc, timing, gpu, TRITON_BACKEND)]
     reason = None if model else f"{name} is neither an H100 nor an H200: both models are shown"
+    from rl_engine.logprob.triton_backend import load_kernels
+
     return {"rows": rows, "reason": reason, "arch": f"sm_{10 * major + minor}",
-            "instructions_per_column": doc["instructions_per_column"]}
+            "instructions_per_column": doc["instructions_per_column"],
+            **sass_table(doc, triton_aot.launched_binaries(load_kernels("compiled")))}
+
+
+def sass_table(doc: dict[str, Any], launched: list[Any]) -> dict[str, Any]:
+    """``sass``: each roofline kernel beside the launched binary of the same kernel and constants
+    (:func:`rl_engine.logprob.triton_aot.sass_comparison`); ``launched_only``: the SASS of every
+    other binary the process launched (the other timed calls' kernels), so that every launched
+    kernel's instruction count, registers and spills are on record."""
+    from rl_engine.logprob import triton_aot
+
+    matched = {(entry["kernel"], repr(sorted(entry["constants"].items()))) for entry in doc["kernels"]}
+    others = []
+    for binary in launched:
+        if (binary.kernel, repr(sorted(binary.constants.items()))) in matched:
+            continue
+        sass = triton_aot.read_sass(binary.cubin)
+        others.append({"kernel": binary.kernel, "constants": binary.constants, "sass_per_thread": sass.instructions,
+                       "path_per_thread": sass.path_instructions, "registers": sass.registers,
+                       "local_bytes": sass.local_bytes})
+    return {"sass": triton_aot.sass_comparison(doc, launched), "launched_only": others}
+
+
+def device_sampler(device: str) -> Sampler:
+    """The clocks-and-power sampler of the timed GPU (NVML or nvidia-smi; absent with the reason),
+    none on the CPU."""
+    if device != "cuda":
+        return Sampler(None, "no GPU: --cpu-only run")
+    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
+    return Sampler.detect(f"GPU-{uuid}" if uuid is not None else "0")
 
 
 def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
@@ -417,7 +469,9 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
                                 f"{name} {row['device_sha256'][name]} differs from {bitwise['reference']}'s "
                                 f"{row['reference_sha256'][name]}")
     print(f"[4/4] forward and forward+backward timing on {device} at {args.tokens} tokens")
-    timing = time_paths(case, torch.device(device), args.tokens, args.repeats)
+    sampler = device_sampler(device)
+    with sampler:
+        timing = time_paths(case, torch.device(device), args.tokens, args.repeats, sampler)
     roofline = roofline_table(case, device, args.tokens, timing, out_dir)
     result = {
         "schema_version": SCHEMA_VERSION,
@@ -433,6 +487,7 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         "cpu_backends": cpu_backends,
         "bitwise": bitwise,
         "timing": {"tokens": args.tokens, "repeats": args.repeats, "rows": timing},
+        "telemetry": sampler.record(),
         "roofline": roofline,
         "passed": not problems,
         "failures": problems,
@@ -461,14 +516,31 @@ def main(argv: list[str]) -> int:
               f"{row['floor_predicted_ms']:.3f} ms, measured {row['floor_measured_ms']:.3f} ms")
     if result["roofline"].get("reason"):
         print(f"  paper model: {result['roofline']['reason']}")
+    for row in result["roofline"]["sass"]:
+        if row["launched"] is None:
+            print(f"  SASS {row['name']:<18} not launched with the roofline's constants")
+            continue
+        same = "equal" if all(row["equal"].values()) else "DIFFERENT"
+        print(f"  SASS {row['name']:<18} launched {row['launched']['path_per_thread']} / roofline "
+              f"{row['roofline']['path_per_thread']} a thread, registers {row['launched']['registers']} / "
+              f"{row['roofline']['registers']}, local {row['launched']['local_bytes']} / "
+              f"{row['roofline']['local_bytes']} B: {same}")
+    telemetry = result["telemetry"]
+    if telemetry["source"] is None:
+        print(f"  clocks and power: {telemetry['reason']}")
     for row in result["timing"]["rows"]:
         if "median_s" in row:
             memory = "" if row["peak_bytes"] is None else f", peak {row['peak_bytes'] / 2**20:.0f} MiB"
             vs_floor = "n/a" if row["time_vs_floor"] is None else f"{row['time_vs_floor']:.2f}x"
             vs_naive = "n/a" if row["time_vs_naive"] is None else f"{row['time_vs_naive']:.2f}x"
             path = row["path"] + ("" if row.get("variant") in (None, "default") else f" ({row['variant']})")
+            clocks = row["telemetry"]
+            sm = clocks["sm_mhz"] if clocks else None
+            power = clocks["power_w"] if clocks else None
+            seen = ("" if sm is None else f", SM {sm['median']:.0f} MHz") + \
+                ("" if power is None else f", {power['median']:.0f} W")
             print(f"  {row['phase']:<16} {path:<34} {row['median_s']:.4f} s  "
-                  f"({vs_floor} floor, {vs_naive} naive{memory})")
+                  f"({vs_floor} floor, {vs_naive} naive{memory}{seen})")
         else:
             print(f"  {row['path']:<34} skipped: {row['skipped']}")
     if problems:
