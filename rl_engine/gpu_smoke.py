@@ -37,7 +37,10 @@
    from Triton's JIT caches after the timing) beside the roofline's, kernel by kernel with the
    same constants: instructions per thread (static and on the fast path), registers, local
    memory (spills), each equal or not; every other launched binary's SASS in ``launched_only``.
-6. Beside the timings, the GPU's SM and memory clocks, power and temperature, sampled every
+6. How often the kernels' guard takes the IEEE division's path (``smoke.json``'s ``guard``): its
+   conditions evaluated on the host (:mod:`rl_engine.guard_frequency`) for 64 rows of the timing
+   inputs at the case's temperature (0.7 without one), the timed ``entropy`` call's gradients.
+7. Beside the timings, the GPU's SM and memory clocks, power and temperature, sampled every
    50 ms from NVML (``pynvml``) or ``nvidia-smi`` (:mod:`rl_engine.gpu_telemetry`): each timing
    row's summary, every sample in ``telemetry``; recorded as absent, with the reason, where
    neither is present (and on the CPU).
@@ -76,7 +79,7 @@ from rl_engine.evidence.crosscheck import crosscheck_run
 from rl_engine.gpu_telemetry import Sampler
 from rl_engine.logprob.registry import BackendUnavailableError, default_registry, dispatch
 from rl_engine.logprob.tiles import chunk_rows_for_device
-from rl_engine.logprob.vocab_parallel import BACKEND_ID
+from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
 from rl_engine.rundir import LOGS, PLAN, Run, Topology
 from rl_engine.tables import BENCH_PHASES, DEVICE_DIST_BACKENDS, EAGER_BACKEND, SCHEMA_VERSION, TRITON_BACKEND
 from rl_engine.verb_parsers import gpu_smoke_parser as build_parser
@@ -330,6 +333,31 @@ def bitwise_checks(case: Case, device: str, tokens: int) -> dict[str, Any]:
     return result
 
 
+GUARD_ROWS = 64  # rows of the timing inputs whose guard decisions gpu-smoke counts
+GUARD_TEMPERATURE = 0.7
+
+
+def guard_table(case: Case, rows: int = GUARD_ROWS) -> dict[str, Any]:
+    """``smoke.json``'s ``guard``: how many of the Triton kernels' programs take the IEEE division's
+    path (:mod:`rl_engine.guard_frequency`) on ``rows`` rows of the timing inputs, at the case's
+    temperature (:data:`GUARD_TEMPERATURE` when it has none), for the timed ``entropy`` call (the
+    logprob's and the entropy's gradients). Counted on the host, the same on every device."""
+    from rl_engine.benchmark.inputs import make_inputs
+    from rl_engine.guard_frequency import guard_counts
+    from rl_engine.logprob.vocab_parallel import backward_terms
+
+    temperature = case.temperature if case.temperature != 1.0 else GUARD_TEMPERATURE
+    inputs = make_inputs(rows, case.padded_vocab, case.dtype, case.seed)
+    targets = inputs.targets.clamp(max=case.real_vocab - 1)
+    contract = dataclasses.replace(case, temperature=temperature).contract(num_sequences=1, seq_len=rows)
+    out = VocabParallelLogprob()(inputs.logits, targets, inputs.active, contract, compute_entropy=True)
+    ones = torch.ones(rows)
+    assert out.entropy is not None
+    terms = backward_terms(inputs.logits, targets, inputs.active, out.lse, ones, None, contract, ones, out.entropy)
+    counts = guard_counts(inputs.logits, contract, out.lse, terms.coef, terms.g_ent, terms.mb)
+    return {"temperature": temperature, "rows": rows, "dtype": case.dtype, **counts.to_dict()}
+
+
 GPU_MODELS = {"H200": "h200", "H100": "h100"}
 
 
@@ -473,6 +501,7 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     with sampler:
         timing = time_paths(case, torch.device(device), args.tokens, args.repeats, sampler)
     roofline = roofline_table(case, device, args.tokens, timing, out_dir)
+    guard = guard_table(case)
     result = {
         "schema_version": SCHEMA_VERSION,
         "device": device,
@@ -488,6 +517,7 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         "bitwise": bitwise,
         "timing": {"tokens": args.tokens, "repeats": args.repeats, "rows": timing},
         "telemetry": sampler.record(),
+        "guard": guard,
         "roofline": roofline,
         "passed": not problems,
         "failures": problems,
@@ -525,6 +555,9 @@ def main(argv: list[str]) -> int:
               f"{row['roofline']['path_per_thread']} a thread, registers {row['launched']['registers']} / "
               f"{row['roofline']['registers']}, local {row['launched']['local_bytes']} / "
               f"{row['roofline']['local_bytes']} B: {same}")
+    guard = result["guard"]
+    print(f"  guard at T = {guard['temperature']} ({guard['rows']} rows): the IEEE path in {guard['forward_ieee']} of "
+          f"{guard['forward_tiles']} forward tiles, {guard['backward_ieee']} of {guard['backward_blocks']} backward blocks")
     telemetry = result["telemetry"]
     if telemetry["source"] is None:
         print(f"  clocks and power: {telemetry['reason']}")

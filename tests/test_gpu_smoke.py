@@ -175,6 +175,9 @@ def test_the_cpu_only_smoke_says_why_it_has_no_roofline(smoke_run) -> None:
     # no clocks on the CPU: recorded as absent with the reason, every timed row's telemetry null
     assert result["telemetry"]["source"] is None and "no GPU" in result["telemetry"]["reason"]
     assert all(r["telemetry"] is None for r in result["timing"]["rows"] if "median_s" in r)
+    # the guard's IEEE path counted on the timing inputs (randn * 2 logits at T = 0.7: never)
+    assert result["guard"]["temperature"] == 0.7 and result["guard"]["forward_tiles"] == 64 * 8
+    assert result["guard"]["forward_ieee"] == 0 and result["guard"]["backward_ieee"] == 0
 
 
 def test_predicted_beside_measured_from_a_roofline_and_timing_rows() -> None:
@@ -368,3 +371,19 @@ def test_the_sass_of_launched_binaries_is_compared_with_the_roofline_s(small_roo
                if row["kernel"] != "backward_terms_kernel")
     assert {r["kernel"] for r in other["launched_only"]} >= {"forward_partials_kernel", "merge_kernel"}
     assert all(r["sass_per_thread"] > 0 and r["local_bytes"] == 0 for r in other["launched_only"])
+
+
+def test_the_guard_table_counts_the_ieee_path_at_the_case_s_temperature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``guard``: the forward tiles and backward blocks that take the IEEE division's path on the timing
+    inputs (64 rows), at 0.7 without a temperature and at the case's own otherwise; logits scaled so
+    that ``x / T - LSE`` reaches the subnormal range of ``E`` make backward blocks take it."""
+    config = {**yaml.safe_load((REPO / "config.yaml").read_text()), "real_vocab": 1000, "padded_vocab": 1024,
+              "num_vocab_tiles": 8}
+    found = gpu_smoke.guard_table(gpu_smoke._device_case(config, "cpu"))
+    assert (found["temperature"], found["rows"], found["forward_tiles"], found["backward_blocks"]) == (0.7, 64, 512, 64)
+    assert found["forward_ieee"] == found["backward_ieee"] == 0
+    from rl_engine.benchmark import inputs
+
+    monkeypatch.setattr(inputs, "LOGIT_SCALE", 20.0)  # spread logits: E(x / T - LSE) underflows to subnormals
+    hot = gpu_smoke.guard_table(gpu_smoke._device_case({**config, "temperature": 0.25}, "cpu"))
+    assert hot["temperature"] == 0.25 and hot["backward_ieee"] > 0 and 0 < hot["backward_share"] <= 1, hot
