@@ -118,7 +118,7 @@ def test_a_smoke_document_that_does_not_match_its_schema_is_not_written(
     monkeypatch.setattr(gpu_smoke, "run_device_campaign", lambda case, topologies, run_dir, timeout_s: reports)
     monkeypatch.setattr(gpu_smoke, "crosscheck_run", lambda run, min_topologies: ({}, []))
     monkeypatch.setattr(gpu_smoke, "cpu_replays", lambda case: result["cpu_fingerprints"])
-    monkeypatch.setattr(gpu_smoke, "time_paths", lambda case, device, tokens, repeats: rows)
+    monkeypatch.setattr(gpu_smoke, "time_paths", lambda case, device, tokens, repeats, sampler=None: rows)
     code = gpu_smoke.main(["--cpu-only", "--config", str(_small_config(tmp_path)), "--output-dir",
                            str(tmp_path / "out"), "--tokens", "8", "--repeats", "1"])
     assert code == 1
