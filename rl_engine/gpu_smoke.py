@@ -29,7 +29,7 @@
    floor and to naive from the same run.
 5. On cuda, the paper model beside the measurement: the roofline of the Triton backend's
    kernels for this case at ``--tokens`` tokens, compiled for the GPU's architecture as Triton
-   compiles them at launch and read from their SASS (:func:`rl_engine.logprob.triton_aot.roofline`,
+   compiles them at launch and read from their SASS (:func:`rl_engine.logprob.backends.triton.triton_aot.roofline`,
    its cubins under ``<output-dir>/roofline/``), and its predicted forward and
    forward+backward times (H100 SXM or H200 figures, by the device's name) beside the measured
    medians of the Triton backend and of the floor (``smoke.json``'s ``roofline``; ``null`` on
@@ -38,10 +38,10 @@
    same constants: instructions per thread (static and on the fast path), registers, local
    memory (spills), each equal or not; every other launched binary's SASS in ``launched_only``.
 6. How often the kernels' guard takes the IEEE division's path (``smoke.json``'s ``guard``): its
-   conditions evaluated on the host (:mod:`rl_engine.guard_frequency`) for 64 rows of the timing
+   conditions evaluated on the host (:mod:`rl_engine.logprob.backends.triton.guard`) for 64 rows of the timing
    inputs at the case's temperature (0.7 without one), the timed ``entropy`` call's gradients.
 7. Beside the timings, the GPU's SM and memory clocks, power and temperature, sampled every
-   50 ms from NVML (``pynvml``) or ``nvidia-smi`` (:mod:`rl_engine.gpu_telemetry`): each timing
+   50 ms from NVML (``pynvml``) or ``nvidia-smi`` (:mod:`rl_engine.benchmark.telemetry`): each timing
    row's summary, every sample in ``telemetry``; recorded as absent, with the reason, where
    neither is present (and on the CPU).
 
@@ -72,14 +72,14 @@ from typing import Any
 import torch
 
 from rl_engine import jsonio, schemas
+from rl_engine.arith.tiles import chunk_rows_for_device
+from rl_engine.benchmark.telemetry import Sampler
 from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.plan import build_plan
 from rl_engine.campaign.replay import replay_candidate
 from rl_engine.evidence.crosscheck import crosscheck_run
-from rl_engine.gpu_telemetry import Sampler
+from rl_engine.logprob.backends.eager.vocab_parallel import BACKEND_ID, VocabParallelLogprob
 from rl_engine.logprob.registry import BackendUnavailableError, default_registry, dispatch
-from rl_engine.logprob.tiles import chunk_rows_for_device
-from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
 from rl_engine.rundir import LOGS, PLAN, Run, Topology
 from rl_engine.tables import BENCH_PHASES, DEVICE_DIST_BACKENDS, EAGER_BACKEND, SCHEMA_VERSION, TRITON_BACKEND
 from rl_engine.verb_parsers import gpu_smoke_parser as build_parser
@@ -306,7 +306,7 @@ def bitwise_checks(case: Case, device: str, tokens: int) -> dict[str, Any]:
     kernel does not load (named in ``reference``). Nothing is skipped on cuda: a Triton that
     does not load there is a failure (``reason``)."""
     from rl_engine.benchmark.inputs import make_inputs
-    from rl_engine.logprob.triton_backend import TritonLogprob, triton_unavailable
+    from rl_engine.logprob.backends.triton.triton_backend import TritonLogprob, triton_unavailable
     from rl_engine.tables import FUSED_CPU_BACKEND
 
     mode = "compiled" if device == "cuda" else "interpreter"
@@ -339,12 +339,12 @@ GUARD_TEMPERATURE = 0.7
 
 def guard_table(case: Case, rows: int = GUARD_ROWS) -> dict[str, Any]:
     """``smoke.json``'s ``guard``: how many of the Triton kernels' programs take the IEEE division's
-    path (:mod:`rl_engine.guard_frequency`) on ``rows`` rows of the timing inputs, at the case's
+    path (:mod:`rl_engine.logprob.backends.triton.guard`) on ``rows`` rows of the timing inputs, at the case's
     temperature (:data:`GUARD_TEMPERATURE` when it has none), for the timed ``entropy`` call (the
     logprob's and the entropy's gradients). Counted on the host, the same on every device."""
     from rl_engine.benchmark.inputs import make_inputs
-    from rl_engine.guard_frequency import guard_counts
-    from rl_engine.logprob.vocab_parallel import backward_terms
+    from rl_engine.logprob.backends.eager.vocab_parallel import backward_terms
+    from rl_engine.logprob.backends.triton.guard import guard_counts
 
     temperature = case.temperature if case.temperature != 1.0 else GUARD_TEMPERATURE
     inputs = make_inputs(rows, case.padded_vocab, case.dtype, case.seed)
@@ -378,7 +378,7 @@ def roofline_table(case: Case, device: str, tokens: int, timing: list[dict[str, 
     if device != "cuda":
         return {"rows": [], "reason": "no GPU: the roofline predicts a GPU's time (--cpu-only run)",
                 "sass": [], "launched_only": []}
-    from rl_engine.logprob import triton_aot
+    from rl_engine.logprob.backends.triton import triton_aot
 
     name = torch.cuda.get_device_name(0)
     model = gpu_model(name)
@@ -397,7 +397,7 @@ def roofline_table(case: Case, device: str, tokens: int, timing: list[dict[str, 
     rows = [dict(row, model=gpu) for gpu in gpus
             for row in triton_aot.predicted_vs_measured(doc, timing, gpu, TRITON_BACKEND)]
     reason = None if model else f"{name} is neither an H100 nor an H200: both models are shown"
-    from rl_engine.logprob.triton_backend import load_kernels
+    from rl_engine.logprob.backends.triton.triton_backend import load_kernels
 
     return {"rows": rows, "reason": reason, "arch": f"sm_{10 * major + minor}",
             "instructions_per_column": doc["instructions_per_column"],
@@ -406,10 +406,10 @@ def roofline_table(case: Case, device: str, tokens: int, timing: list[dict[str, 
 
 def sass_table(doc: dict[str, Any], launched: list[Any]) -> dict[str, Any]:
     """``sass``: each roofline kernel beside the launched binary of the same kernel and constants
-    (:func:`rl_engine.logprob.triton_aot.sass_comparison`); ``launched_only``: the SASS of every
+    (:func:`rl_engine.logprob.backends.triton.triton_aot.sass_comparison`); ``launched_only``: the SASS of every
     other binary the process launched (the other timed calls' kernels), so that every launched
     kernel's instruction count, registers and spills are on record."""
-    from rl_engine.logprob import triton_aot
+    from rl_engine.logprob.backends.triton import triton_aot
 
     matched = {(entry["kernel"], repr(sorted(entry["constants"].items()))) for entry in doc["kernels"]}
     others = []

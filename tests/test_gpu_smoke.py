@@ -183,7 +183,7 @@ def test_the_cpu_only_smoke_says_why_it_has_no_roofline(smoke_run) -> None:
 def test_predicted_beside_measured_from_a_roofline_and_timing_rows() -> None:
     """The table gpu-smoke prints on a GPU: the paper model's forward and forward+backward times
     (a roofline document's numbers) next to the measured medians of the Triton backend and the floor."""
-    from rl_engine.logprob import triton_aot
+    from rl_engine.logprob.backends.triton import triton_aot
 
     doc = jsonio.load(Path(__file__).resolve().parent / "fixtures" / "schemas" / "roofline" / "valid"
                       / "default.json")
@@ -220,7 +220,7 @@ def test_bitwise_table_compares_the_triton_kernels_with_the_cpu_bytes_on_the_cpu
 def test_a_differing_triton_byte_fails_the_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: the bitwise table sees a forward whose LSE is 64 ulps off (the merge kernel's
     output, as a wrong ``L`` would make it)."""
-    from rl_engine.logprob import triton_backend
+    from rl_engine.logprob.backends.triton import triton_backend
 
     real = triton_backend.triton_forward
 
@@ -257,7 +257,7 @@ def test_clocks_and_power_are_sampled_from_nvidia_smi_beside_each_timing_row(
     import builtins
     import time
 
-    from rl_engine import gpu_telemetry
+    from rl_engine.benchmark import telemetry as gpu_telemetry
 
     real_import = builtins.__import__
 
@@ -285,7 +285,7 @@ def test_clocks_and_power_are_sampled_from_nvidia_smi_beside_each_timing_row(
 
 
 def test_without_nvml_or_nvidia_smi_telemetry_is_absent_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rl_engine import gpu_telemetry
+    from rl_engine.benchmark import telemetry as gpu_telemetry
 
     monkeypatch.setattr(gpu_telemetry.shutil, "which", lambda name: None)
     monkeypatch.setitem(__import__("sys").modules, "pynvml", None)  # import pynvml raises
@@ -310,7 +310,7 @@ def small_roofline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The roofline of a small case (64 rows of 1,001 columns, 7 tiles; entropy and its gradient, no
     LSE gradient: the smoke's timed ``entropy`` call), compiled for sm_90."""
     pytest.importorskip("triton")
-    from rl_engine.logprob import triton_aot
+    from rl_engine.logprob.backends.triton import triton_aot
 
     return triton_aot.roofline(tmp_path_factory.mktemp("roofline"), rows=64, case=(997, 1001, 7), entropy_grad=True,
                                lse_grad=False)
@@ -323,8 +323,8 @@ def _compiled_launches(fusion: bool = False, temperature: float = 1.0) -> list[A
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from rl_engine.logprob import triton_aot
-    from rl_engine.logprob.triton_backend import load_kernels
+    from rl_engine.logprob.backends.triton import triton_aot
+    from rl_engine.logprob.backends.triton.triton_backend import load_kernels
 
     kernels = load_kernels("compiled")
     target = GPUTarget("cuda", 90, 32)
@@ -346,7 +346,7 @@ def test_the_sass_of_launched_binaries_is_compared_with_the_roofline_s(small_roo
     registers and local memory are equal. Negative controls: the same launches compiled with FMA
     contraction on (another binary) differ in instructions; binaries of another call (a temperature:
     other constants) match no roofline kernel and are listed apart with their SASS."""
-    from rl_engine.logprob import triton_aot
+    from rl_engine.logprob.backends.triton import triton_aot
 
     launched = [triton_aot.launched_binary(c) for c in _compiled_launches()]
     table = gpu_smoke.sass_table(small_roofline, launched)

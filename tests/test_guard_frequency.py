@@ -1,4 +1,4 @@
-"""The host count of the guard's IEEE path (``rl_engine.guard_frequency``) is the kernels' own.
+"""The host count of the guard's IEEE path (``rl_engine.logprob.backends.triton.guard``) is the kernels' own.
 
 Under Triton's interpreter the kernels' device functions are module attributes looked up at each
 call, so a wrapper counts the programs that really run the IEEE path: the forward's
@@ -9,7 +9,7 @@ gradients below the domain or overflowing, with the entropy's gradient and witho
 ordinary rows, in bf16 and binary32. Ordinary rows take no forward tile there, but the backward's
 last block fires on rows whose padding columns hold large logits (100 here: ``E(100 / 0.7 - LSE)``
 overflows, so ``|g|`` reaches the guard's bound, though the kernel writes ``+0`` there): the
-"padding lanes" of issue 42, counted, not yet excluded from the guard. ``gpu-smoke`` reports these counts on the timing
+"padding lanes", counted, not yet excluded from the guard. ``gpu-smoke`` reports these counts on the timing
 inputs (``smoke.json``'s ``guard``).
 """
 
@@ -23,10 +23,10 @@ import torch
 
 pytest.importorskip("triton")  # the test extra installs it: CI never skips
 
-from rl_engine.guard_frequency import GuardCountError, guard_counts  # noqa: E402
+from rl_engine.logprob.backends.eager.vocab_parallel import backward_terms  # noqa: E402
+from rl_engine.logprob.backends.triton.guard import GuardCountError, guard_counts  # noqa: E402
+from rl_engine.logprob.backends.triton.triton_backend import TritonLogprob, load_kernels  # noqa: E402
 from rl_engine.logprob.contract import LogprobContract  # noqa: E402
-from rl_engine.logprob.triton_backend import TritonLogprob, load_kernels  # noqa: E402
-from rl_engine.logprob.vocab_parallel import backward_terms  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

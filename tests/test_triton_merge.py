@@ -25,9 +25,9 @@ import torch
 
 pytest.importorskip("triton")  # the test extra installs it: CI never skips
 
+from rl_engine.logprob.backends.eager.vocab_parallel import EAGER_ENGINE, VocabParallelLogprob, backward_terms  # noqa: E402
+from rl_engine.logprob.backends.triton.triton_backend import TritonEngine, TritonLogprob  # noqa: E402
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError  # noqa: E402
-from rl_engine.logprob.triton_backend import TritonEngine, TritonLogprob  # noqa: E402
-from rl_engine.logprob.vocab_parallel import EAGER_ENGINE, VocabParallelLogprob, backward_terms  # noqa: E402
 from rl_engine.tensorio import tensor_bytes  # noqa: E402
 
 from _byte_cases import _contract, _inputs, _run  # noqa: E402

@@ -3,13 +3,13 @@
 ``triton.compile(..., target=GPUTarget(...))`` for sm_80, sm_90, sm_100 (PTX) and gfx942 (AMD
 ISA), with the argument types, constants and the **specialization Triton applies at launch**
 (``tt.divisibility=16`` on aligned pointers and integers divisible by 16), derived by Triton's
-own binder from the backend's own launches (:func:`rl_engine.logprob.triton_aot.launch_variants`).
+own binder from the backend's own launches (:func:`rl_engine.logprob.backends.triton.triton_aot.launch_variants`).
 Every floating-point instruction of the PTX must be an IEEE round-to-nearest operation, and the
 fused multiply-adds exactly the ones ``docs/arithmetic.md`` writes: 10 per column in the forward
 with entropy (9 in ``E``, one in ``G*``), 9 in the backward; the AMD ISA the same, outside any
 division sequence. Negative controls: the forward with fusion on holds more FMAs; a plain ``/``
 gives a non-IEEE division on NVIDIA; the AMD rule classifies ``div_rn``'s FMA steps as division
-steps. The roofline of the launched binaries (``python -m rl_engine.logprob.triton_aot
+steps. The roofline of the launched binaries (``python -m rl_engine.logprob.backends.triton.triton_aot
 --roofline``) meets the roofline targets: no local memory, no loop, at most 25 SASS instructions
 per column forward and 35 backward, forward within 1.25x of the H100 floor, forward+backward
 within 1.25x of theirs.
@@ -32,9 +32,10 @@ pytest.importorskip("triton")  # the test extra installs it
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from rl_engine import division, schemas  # noqa: E402
-from rl_engine.logprob import triton_aot  # noqa: E402
-from rl_engine.logprob.triton_backend import load_kernels  # noqa: E402
+from rl_engine import schemas  # noqa: E402
+from rl_engine.arith import division  # noqa: E402
+from rl_engine.logprob.backends.triton import triton_aot  # noqa: E402
+from rl_engine.logprob.backends.triton.triton_backend import load_kernels  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 
@@ -417,7 +418,7 @@ def test_amd_rule_tells_division_steps_from_contracted_multiply_adds() -> None:
 
 
 def test_the_roofline_variants_cover_what_trainers_launch() -> None:
-    """``--variants`` lists every axis a trainer varies (issue 42): each logits dtype (each at TP 8
+    """``--variants`` lists every axis a trainer varies: each logits dtype (each at TP 8
     too), TP 1 and 8, entropy and validation on and off in all four pairs, the entropy gradient, a
     temperature (bf16 and binary16), sm_90, sm_100 and gfx942; the names are unique."""
     variants = triton_aot.ROOFLINE_VARIANTS
@@ -448,7 +449,7 @@ def test_the_roofline_compiles_every_launch_the_backend_makes(monkeypatch: pytes
     entropy, validation, its gradient and a temperature at 4 rows x 4,224 columns (two whole blocks)."""
     import torch
 
-    from rl_engine.logprob import triton_backend
+    from rl_engine.logprob.backends.triton import triton_backend
     from rl_engine.logprob.contract import LogprobContract
 
     launched: list[tuple[str, tuple[int, ...], dict[str, Any]]] = []

@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
+from rl_engine.arith.portable import exp as portable_exp
+from rl_engine.logprob.backends.eager.vocab_parallel import real_local_columns
+from rl_engine.logprob.backends.triton.triton_backend import BACKWARD_BLOCK, division_args, next_pow2
 from rl_engine.logprob.contract import LogprobContract
-from rl_engine.logprob.portable import exp as portable_exp
-from rl_engine.logprob.triton_backend import BACKWARD_BLOCK, division_args, next_pow2
-from rl_engine.logprob.vocab_parallel import real_local_columns
 
 
 class GuardCountError(ValueError):

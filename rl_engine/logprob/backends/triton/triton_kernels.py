@@ -37,7 +37,7 @@ over an axis of exactly two values (:func:`lane_fold`): one addition, whose oper
 cannot change its result (IEEE addition commutes). Every fused multiply-add is a ``tl.fma`` written here;
 launches pass ``enable_fp_fusion=False``, so the compiler contracts nothing else.
 
-This file is loaded twice by :mod:`rl_engine.logprob.triton_backend`, once per mode: with
+This file is loaded twice by :mod:`rl_engine.logprob.backends.triton.triton_backend`, once per mode: with
 ``KERNEL_MODE = "compiled"`` every function is a ``triton.jit`` function; with
 ``"interpreter"`` each is Triton's ``InterpretedFunction`` (NumPy on CPU tensors, one IEEE
 operation at a time). The mode is chosen by the caller, never by a fallback.
@@ -171,7 +171,7 @@ def lane_fold(v):
 
 @device
 def markstein(x, t32, inv_t, DTYPE: tl.constexpr):
-    """``RN32(x / T32)`` on the division's domain (rl_engine/division.py): ``q = x * r``, then per
+    """``RN32(x / T32)`` on the division's domain (rl_engine/arith/division.py): ``q = x * r``, then per
     step ``e = fma(q, T32, -x)``, ``q = fma(-e, r, q)``; one step for bf16 and binary16 logits, two
     for binary32 values. ``x = -0`` gives ``-0``."""
     q = x * inv_t
@@ -500,7 +500,7 @@ L_MIN_NORMAL: tl.constexpr = tl.constexpr(2.0**-126)
 
 @device
 def spec_log(x, L4, L3, L2, L1):
-    """``L(x)`` of section 5, operation for operation as :func:`rl_engine.logprob.portable.log`
+    """``L(x)`` of section 5, operation for operation as :func:`rl_engine.arith.portable.log`
     (the IEEE division of ``s = f / (f + 2)`` is ``tl.div_rn``); ``L4 .. L1``: its polynomial."""
     sub = (x > 0.0) & (x < L_MIN_NORMAL)
     xs = tl.where(sub, x * L_TWO23, x)  # exact for a positive subnormal
@@ -585,7 +585,7 @@ def merge_kernel(
     partials in global tile order (``B``, the weights ``E(m_j - Bs)``, ``S = F(s_j w_j)``,
     ``LSE = Bs + L(S)``, the entropy's ``F(w_j (t_j + sh_j s_j)) / S``), the logprob
     ``x_target - LSE`` (``+0`` on inactive rows) and the canonical NaN, each value computed by the
-    operations :func:`rl_engine.logprob.tiles.merge_tiles` and the shared forward use, in their
+    operations :func:`rl_engine.arith.tiles.merge_tiles` and the shared forward use, in their
     order. A row's values are kept in every one of its ``COLS`` columns and stored from column 0.
 
     ``READ_TARGET`` (one rank holds the whole vocabulary): the target logit is read here from the
@@ -658,7 +658,7 @@ def backward_terms_kernel(
     ROWS: tl.constexpr, HAS_LOGP: tl.constexpr, HAS_LSE: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
 ):
     """The backward's per-row terms (section 7) for ``ROWS`` rows, as
-    :func:`rl_engine.logprob.vocab_parallel.backward_terms` computes them: ``gl`` (the logprob's
+    :func:`rl_engine.logprob.backends.eager.vocab_parallel.backward_terms` computes them: ``gl`` (the logprob's
     gradient on active rows, ``+0`` elsewhere or without one), ``coef = g_lse - gl``, the local target
     column of rows that own an active target (``0`` elsewhere) and ``target_add`` (``gl`` there, ``-0``
     elsewhere: the identity); with the entropy gradient its copy and ``Mb = LSE - H``. The upstream
