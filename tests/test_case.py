@@ -43,8 +43,9 @@ def test_schema_enums_are_the_tables() -> None:
     assert CONFIG_SCHEMA["topologies"]["minItems"] == tables.MIN_MATRIX_TOPOLOGIES
     assert set(tables.TORCH_DTYPE_NAMES.values()) <= set(DEFS["torch_dtype_name"]["enum"])
     # every field is required but the optional capture record (a case on the input recipe has none)
-    # and the temperature (absent at 1)
-    assert set(DEFS["case_common"]["required"]) == {f.name for f in dataclasses.fields(Case)} - {"capture", "temperature"}
+    # and the temperature (absent at 1) and the processed-logprob parameters (absent when off)
+    optional = {"capture", "temperature", "top_k", "top_p", "min_p"}
+    assert set(DEFS["case_common"]["required"]) == {f.name for f in dataclasses.fields(Case)} - optional
     assert set(DEFS["case_common"]["properties"]) == {f.name for f in dataclasses.fields(Case)}
 
 

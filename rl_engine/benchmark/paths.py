@@ -29,7 +29,15 @@ from typing import Any, Callable
 
 import torch
 
-from rl_engine.benchmark.config import BACKEND_PATHS, HEAD_PATHS, PATHS, BenchConfig, BenchError
+from rl_engine.benchmark.config import (
+    BACKEND_PATHS,
+    HEAD_PATHS,
+    PATHS,
+    PROCESSED_PARAMS,
+    PROCESSED_PATH,
+    BenchConfig,
+    BenchError,
+)
 from rl_engine.benchmark.inputs import Inputs
 from rl_engine.logprob.backends.eager.chunk_threads import for_each_chunk
 from rl_engine.logprob.contract import LogprobContract
@@ -44,11 +52,11 @@ def default_paths(device: str = "cpu") -> tuple[str, ...]:
     if device == "cuda":
         from rl_engine.logprob.backends.triton.triton_backend import triton_unavailable
 
-        return tuple(p for p in PATHS if p != "fused" and p not in HEAD_PATHS
+        return tuple(p for p in PATHS if p not in ("fused", PROCESSED_PATH) and p not in HEAD_PATHS
                      and (p != "triton" or triton_unavailable() is None))
     from rl_engine.logprob.backends.fused_cpu.fused_cpu import kernel_unavailable
 
-    return tuple(p for p in PATHS if p != "triton" and p not in HEAD_PATHS
+    return tuple(p for p in PATHS if p not in ("triton", PROCESSED_PATH) and p not in HEAD_PATHS
                  and (p != "fused" or kernel_unavailable() is None))
 
 
@@ -166,6 +174,34 @@ def _head_step(path: str, phase: str, inputs: Inputs, config: BenchConfig) -> tu
     return step, reset
 
 
+def _processed_step(phase: str, inputs: Inputs, config: BenchConfig, contract: LogprobContract, group: Any,
+                    leaf: torch.Tensor) -> tuple[Step, Step]:
+    """``processed``: the eager candidate with :data:`PROCESSED_PARAMS` on every row (section 13)."""
+    from rl_engine.logprob.processed import sampling_from
+    from rl_engine.logprob.registry import dispatch
+
+    logits, targets, active = inputs.logits, inputs.targets, inputs.active
+    op = dispatch(BACKEND_PATHS["candidate"], contract, logits.device.type, processed=True).op
+    sampling = sampling_from(PROCESSED_PARAMS["top_k"], PROCESSED_PARAMS["top_p"], PROCESSED_PARAMS["min_p"],
+                             (logits.shape[0],), logits.device)
+
+    def reset() -> None:
+        leaf.grad = None
+
+    if phase == "forward":
+        def step() -> Any:
+            with torch.no_grad():
+                return op(logits, targets, active, contract, group=group, validate=config.validate,
+                          chunk_rows=config.chunk_rows, sampling=sampling)
+    else:
+        def step() -> Any:
+            out = op(leaf, targets, active, contract, group=group, validate=config.validate,
+                     chunk_rows=config.chunk_rows, sampling=sampling)
+            torch.where(out.target_kept, out.selected_logp, 0.0).sum().backward()
+            return leaf.grad
+    return step, reset
+
+
 def build_step(path: str, phase: str, inputs: Inputs, config: BenchConfig,
                contract: LogprobContract | None = None, group: Any = None) -> tuple[Step, Step]:
     """``(step, reset)``: ``step()`` runs the path once and returns what it produced (kept
@@ -216,6 +252,8 @@ def build_step(path: str, phase: str, inputs: Inputs, config: BenchConfig,
                 return leaf.grad
     elif path in HEAD_PATHS:
         return _head_step(path, phase, inputs, config)
+    elif path == PROCESSED_PATH:
+        return _processed_step(phase, inputs, config, contract, group, leaf)
     elif path == "floor":
         if phase == "forward":
             def step() -> Any:

@@ -81,7 +81,7 @@ def compute_path_ratios(
     index = {(r["path"], r["phase"], r["tokens"]): r for r in rows if r.get("tp", 1) == 1}
     out: dict[str, dict[str, dict[str, dict[str, float | None]]]] = {}
     for (path, phase, tokens), row in sorted(index.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
-        if path not in ("fused", "triton", "fused_lm_head"):
+        if path not in ("fused", "triton", "fused_lm_head", "processed"):
             continue
         entry: dict[str, float | None] = {}
         for other in ("lm_head",) if path == "fused_lm_head" else ("naive", "floor", "candidate"):

@@ -286,6 +286,8 @@ def fused_exp(y: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
 class FusedCpuEngine(LocalEngine):
     """:class:`LocalEngine` on the compiled kernel (``chunk_rows`` is not used: rows stream)."""
 
+    supports_processed = False  # section 13 not in this kernel yet: the op refuses such a call
+
     def __init__(self, threads: int | None = None, isa: str = "auto") -> None:
         if isa not in ISA_NAMES:
             raise LogprobContractError(f"isa={isa!r} is not one of {sorted(ISA_NAMES)}")

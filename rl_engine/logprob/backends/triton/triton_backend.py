@@ -539,6 +539,8 @@ def triton_divide(x: torch.Tensor, t32: float, dtype: torch.dtype, markstein: bo
 class TritonEngine(LocalEngine):
     """:class:`LocalEngine` on the Triton kernels (``chunk_rows`` is not used: one launch)."""
 
+    supports_processed = False  # section 13 not in this kernel yet: the op refuses such a call
+
     def __init__(self, mode: str = "compiled") -> None:
         self.mode = check_mode(mode)
 
