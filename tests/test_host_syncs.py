@@ -118,12 +118,12 @@ def count(active: list[OpCounter], entropy: bool, validate: bool, temperature: f
 # detaches (no device work), but for the validated forward's one read of the flags (any, then the
 # host read).
 PINNED: dict[tuple[bool, bool, float], tuple[int, int, int, int]] = {
-    (False, False, 1.0): (9, 0, 16, 0),
-    (False, True, 1.0): (13, 1, 16, 0),
-    (True, False, 1.0): (11, 0, 17, 0),
-    (True, True, 1.0): (15, 1, 17, 0),
-    (False, False, 0.7): (9, 0, 16, 0),
-    (True, True, 0.7): (15, 1, 17, 0),
+    (False, False, 1.0): (13, 0, 17, 0),
+    (False, True, 1.0): (17, 1, 17, 0),
+    (True, False, 1.0): (14, 0, 17, 0),
+    (True, True, 1.0): (18, 1, 17, 0),
+    (False, False, 0.7): (13, 0, 17, 0),
+    (True, True, 0.7): (18, 1, 17, 0),
 }
 # aten operations that compute on the device (a launch each on CUDA): none on the Triton path
 DEVICE_FREE = frozenset({"detach", "view", "empty", "empty_like", "zeros", "any", "_local_scalar_dense"})
