@@ -380,6 +380,16 @@ def processed_forward(
     ``target_kept`` False; the target logit is the owner's copy, so every rank decides alike.
     """
     engine = engine or EAGER_ENGINE
+    if contract.tp_world_size == 1 and row_t32 is None and keep is None:
+        whole = engine.single_rank_forward(logits, targets, active, contract, chunk_rows, with_entropy, validate,
+                                           on_invalid)
+        if whole is not None:
+            logp, lse, entropy, flags = whole
+            if flags is not None and bool(flags.any()):  # the call's one host sync
+                if bool((flags & 2).any()):
+                    contract.check_targets(targets, active)  # raises with the row and the value
+                _refuse_non_finite(((flags & 1) != 0).unsqueeze(1), contract)
+            return logp, lse, entropy, None
     extra: dict[str, Any] = {}
     if row_t32 is not None:
         extra["row_t32"] = row_t32
@@ -412,22 +422,18 @@ def processed_forward(
         else:
             flagged = bool(bad.any())
         if flagged:
-            row = int(bad.any(dim=1).nonzero()[0, 0])
-            ranks = bad[row].nonzero().squeeze(1).tolist()
-            where = f"tp_rank={ranks[0]}" if len(ranks) == 1 else f"tp_ranks={ranks}"
-            raise LogprobContractError(
-                f"logits row {row} (global token {contract.token_indices[row]}) is active and "
-                f"holds a non-finite value in its real columns on {where}; "
-                "fix the producer or mark the row inactive"
-            )
+            _refuse_non_finite(bad, contract)
     m_all, s_all = merged[0], merged[1]
     t_all = merged[2] if t is not None else None
-    lse, entropy = merge_tiles(m_all, s_all, t_all, engine.exp, engine.log)
     if contract.tp_world_size == 1:
         target_logit = target_value  # this rank owns every column
     else:
         owner = _owner_rank(targets, contract).unsqueeze(1)
         target_logit = targets_by_rank.gather(1, owner).squeeze(1)
+    if keep is None:
+        logp, lse, entropy = engine.merge(m_all, s_all, t_all, target_logit, active, poisoned)
+        return logp, lse, entropy, None
+    lse, entropy = merge_tiles(m_all, s_all, t_all, engine.exp, engine.log)
     logp = (target_logit - lse).masked_fill_(~active, 0.0)
     target_kept = None
     if keep is not None:
@@ -439,6 +445,20 @@ def processed_forward(
         if out is not None:
             canonical_nan_(out)
     return logp, lse, entropy, target_kept
+
+
+def _refuse_non_finite(bad: torch.Tensor, contract: LogprobContract) -> None:
+    """Raise for the first active row with a non-finite real logit (``bad``: ``[rows, tp]``, which
+    TP ranks saw one), naming the row, its global token and the ranks."""
+    row = int(bad.any(dim=1).nonzero()[0, 0])
+    ranks = bad[row].nonzero().squeeze(1).tolist()
+    where = f"tp_rank={ranks[0]}" if len(ranks) == 1 else f"tp_ranks={ranks}"
+    raise LogprobContractError(
+        f"logits row {row} (global token {contract.token_indices[row]}) is active and "
+        f"holds a non-finite value in its real columns on {where}; "
+        "fix the producer or mark the row inactive"
+    )
+
 
 
 @dataclass(frozen=True)
@@ -649,6 +669,62 @@ class LocalEngine:
     ) -> torch.Tensor:
         return _eager_backward(logits, lse, terms, chunk_rows)
 
+    def backward_terms(
+        self,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        active: torch.Tensor,
+        lse: torch.Tensor,
+        grad_logp: torch.Tensor | None,
+        grad_lse: torch.Tensor | None,
+        contract: LogprobContract,
+        grad_entropy: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
+    ) -> BackwardTerms:
+        """The backward's per-row terms (:func:`backward_terms`; a compiled engine may compute
+        them in one launch)."""
+        return backward_terms(logits, targets, active, lse, grad_logp, grad_lse, contract, grad_entropy, entropy)
+
+    def single_rank_forward(
+        self,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        active: torch.Tensor,
+        contract: LogprobContract,
+        chunk_rows: int,
+        with_entropy: bool,
+        validate: bool,
+        on_invalid: str,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """The whole forward of a rank that holds every column (TP = 1) in the engine's own
+        launches: ``(logp, lse, entropy, flags)``, ``flags`` per row (validating with
+        ``on_invalid="raise"``: bit 0 an active row with a non-finite real logit, bit 1 an active
+        target outside the real vocabulary; else None). ``None``: the engine has no such path and
+        the shared steps below compute the forward (the same bytes either way: the shared steps
+        are the definition, and an engine's tests compare its bytes with them)."""
+        return None
+
+    def merge(
+        self,
+        m: torch.Tensor,
+        s: torch.Tensor,
+        t: torch.Tensor | None,
+        target_logit: torch.Tensor,
+        active: torch.Tensor,
+        poisoned: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Section 6 steps 5-10 on the gathered ``[rows, tiles]`` partials: ``(logp, lse, entropy)``
+        with ``logp = x_target - LSE`` on active rows (``+0`` elsewhere), NaN on ``poisoned`` rows,
+        every NaN canonical. A compiled engine may do it in one launch."""
+        lse, entropy = merge_tiles(m, s, t, self.exp, self.log)
+        logp = (target_logit - lse).masked_fill_(~active, 0.0)
+        if poisoned is not None:
+            logp.masked_fill_(poisoned, float("nan"))  # canonical below
+        for out in (logp, lse, entropy):
+            if out is not None:
+                canonical_nan_(out)
+        return logp, lse, entropy
+
     def exp(self, y: torch.Tensor) -> torch.Tensor:
         """``E`` (section 3) of a contiguous binary32 tensor, for the merge of the tile partials."""
         return portable_exp(y)
@@ -691,9 +767,14 @@ def vocab_parallel_backward(
     ``engine`` replaces the chunk loop (default: the eager one); the terms are shared. ``row_t32``:
     each row's ``T32`` (a temperature per row) in place of the contract's.
     """
-    terms = backward_terms(logits, targets, active, lse, grad_logp, grad_lse, contract, grad_entropy, entropy,
-                           row_t32, keep, target_kept)
-    return (engine or EAGER_ENGINE).local_backward(logits, lse, terms, chunk_rows)
+    engine = engine or EAGER_ENGINE
+    if row_t32 is None and keep is None and target_kept is None:
+        terms = engine.backward_terms(logits, targets, active, lse, grad_logp, grad_lse, contract, grad_entropy,
+                                      entropy)
+    else:  # a temperature per row or a kept set: the shared terms carry them
+        terms = backward_terms(logits, targets, active, lse, grad_logp, grad_lse, contract, grad_entropy, entropy,
+                               row_t32, keep, target_kept)
+    return engine.local_backward(logits, lse, terms, chunk_rows)
 
 
 class _VocabParallelLogprob(torch.autograd.Function):

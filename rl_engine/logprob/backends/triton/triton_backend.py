@@ -1,10 +1,14 @@
 """Backend ``triton-vocab-parallel-logp-ws2``: the eager backend with its chunk loops in Triton.
 
 The per-rank compute runs in the Triton kernels of :mod:`rl_engine.logprob.backends.triton.triton_kernels`
-(the forward's tile partials, one program per (row, tile); the fused backward, one program
-per (row, block of columns)); validation, the all-gather of partials, the merge, autograd and
-the rank agreement are the eager backend's code, so logp, LSE, entropy and gradient are the
-bytes of ``pytorch-vocab-parallel-logp-ws2`` (``tests/test_triton_backend.py``).
+(the forward's tile partials, one program per (row, tile); the merge of the partials, the
+logprob and the canonical NaN, one program per block of rows; the backward's per-row terms; the
+fused backward, one program per (row, block of columns)). At TP = 1 a forward is two launches
+and nothing else that computes on the device (``tests/test_host_syncs.py``); at TP > 1 the
+exchange of partials, the owner's target logit and the validation verdict are the eager
+backend's code before the merge kernel. Autograd and the rank agreement are shared, so logp, LSE,
+entropy and gradient are the bytes of ``pytorch-vocab-parallel-logp-ws2``
+(``tests/test_triton_backend.py``, ``tests/test_triton_merge.py``).
 
 Two modes, chosen explicitly, never by a fallback:
 
@@ -325,6 +329,147 @@ def backward_launches(
     return found
 
 
+MERGE_ROWS = 16  # rows of one program of the merge kernel
+MERGE_WARPS = 4
+
+
+def merge_launch(
+    m: torch.Tensor, s: torch.Tensor, t: torch.Tensor | None, active: torch.Tensor,
+    logp: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None, *, t32: float = 1.0,
+    x: torch.Tensor | None = None, targets: torch.Tensor | None = None, bad: torch.Tensor | None = None,
+    flags: torch.Tensor | None = None, real_vocab: int = 0, logits_dtype: torch.dtype = torch.float32,
+    target_logit: torch.Tensor | None = None, poison: torch.Tensor | None = None,
+) -> Launch:
+    """The merge's one launch (:func:`merge_kernel`, section 6 steps 5-10) over ``[rows, tiles]``
+    partials in global tile order. With ``x`` and ``targets`` (one rank holds every column) it reads
+    the target logit itself, and with ``bad`` validates: ``flags`` gets each row's refusal (bit 0
+    non-finite, bit 1 target out of range), or, without ``flags``, such a row's logprob is NaN
+    (``on_invalid="nan"``). Otherwise ``target_logit`` is the logit copied from its owner rank and
+    ``poison`` (optional) the rows whose logprob is NaN."""
+    rows, tiles = m.shape
+    read = x is not None
+    if read and targets is None:
+        raise TritonKernelError("merge_launch: x needs targets (the target logit is read from x)")
+    if not read and target_logit is None:
+        raise TritonKernelError("merge_launch: give x and targets, or the target_logit of every row")
+    validate = read and bad is not None
+    poisoned = (validate and flags is None) or (not read and poison is not None)
+    cols = max(2, next_pow2(tiles))
+    stand_in = m  # an argument the constants make the kernel never read
+    args = (m, s, t if t is not None else stand_in, bad if bad is not None else stand_in,
+            x if read else stand_in, targets if read else stand_in, active,
+            target_logit if target_logit is not None else stand_in, poison if poison is not None else stand_in,
+            logp, lse, entropy if entropy is not None else stand_in, flags if flags is not None else stand_in,
+            rows, x.stride(0) if read else 0, x.shape[1] if read else 0, real_vocab, t32, *LOG_POLY)
+    meta = {"TILES": tiles, "COLS": cols, "LEVELS": (tiles - 1).bit_length(), "ROWS": MERGE_ROWS,
+            "DTYPE": _DTYPE_CODES[logits_dtype], "WITH_ENTROPY": t is not None, "READ_TARGET": read,
+            "VALIDATE": validate, "POISON": poisoned, "TEMPERED": t32 != 1.0}
+    return Launch("merge_kernel", (-(-rows // MERGE_ROWS),), args, meta, MERGE_WARPS)
+
+
+def triton_forward(
+    logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor, contract: LogprobContract,
+    with_entropy: bool, validate: bool, on_invalid: str, mode: str = "compiled",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(logp, lse, entropy, flags)`` of a rank that holds every column (TP = 1) in two launches:
+    the tile partials and the merge, which reads the target logit and, validating, the partials'
+    ``bad`` flags. ``flags`` (validating with ``on_invalid="raise"``, rows present): per row, bit 0
+    an active row with a non-finite real logit, bit 1 an active target outside the real vocabulary,
+    for the caller's one host read; with ``on_invalid="nan"`` such rows get a NaN logprob instead."""
+    k = load_kernels(mode)
+    x = _raw(logits)
+    rows = x.shape[0]
+    tiles = contract.local_vocab_size // contract.tile_width
+    dev = logits.device
+    m = torch.empty(rows, tiles, dtype=torch.float32, device=dev)
+    s = torch.empty_like(m)
+    t = torch.empty_like(m) if with_entropy else None
+    validate = validate and rows > 0
+    bad = torch.empty(rows, tiles, dtype=torch.int8, device=dev) if validate else None
+    logp = torch.empty(rows, dtype=torch.float32, device=dev)
+    lse = torch.empty_like(logp)
+    entropy = torch.empty_like(logp) if with_entropy else None
+    # zeros, though the merge writes every row: a launch that did not run leaves no refusal behind
+    flags = torch.zeros(rows, dtype=torch.int8, device=dev) if validate and on_invalid == "raise" else None
+    if rows:
+        forward_launch(x, contract, m, s, t, bad, with_entropy, validate, logits.dtype).run(k)
+        merge_launch(m, s, t, active.contiguous(), logp, lse, entropy, t32=contract.temperature32, x=x,
+                     targets=targets.contiguous(), bad=bad, flags=flags, real_vocab=contract.real_vocab_size,
+                     logits_dtype=logits.dtype).run(k)
+    return logp, lse, entropy, flags
+
+
+def triton_merge(
+    m: torch.Tensor, s: torch.Tensor, t: torch.Tensor | None, target_logit: torch.Tensor,
+    active: torch.Tensor, poisoned: torch.Tensor | None, mode: str = "compiled",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(logp, lse, entropy)`` from the gathered partials and the owners' target logits (TP > 1),
+    in one launch of the merge kernel."""
+    k = load_kernels(mode)
+    m, s = m.contiguous(), s.contiguous()
+    t = t.contiguous() if t is not None else None
+    logp = torch.empty(m.shape[0], dtype=torch.float32, device=m.device)
+    lse = torch.empty_like(logp)
+    entropy = torch.empty_like(logp) if t is not None else None
+    if m.shape[0]:
+        merge_launch(m, s, t, active.contiguous(), logp, lse, entropy, target_logit=target_logit.contiguous(),
+                     poison=poisoned.contiguous() if poisoned is not None else None).run(k)
+    return logp, lse, entropy
+
+
+TERMS_ROWS = 128  # rows of one program of the backward's terms kernel
+TERMS_WARPS = 4
+
+
+def terms_launch(
+    targets: torch.Tensor, active: torch.Tensor, lse: torch.Tensor, grad_logp: torch.Tensor | None,
+    grad_lse: torch.Tensor | None, vocab_start: int, local_vocab: int, out: BackwardTerms,
+    grad_entropy: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+) -> Launch:
+    """The launch of :func:`backward_terms_kernel` that writes ``out``'s tensors (its ``g_ent`` and
+    ``mb`` with ``grad_entropy``)."""
+    rows = lse.shape[0]
+    stand_in = out.coef  # an argument the constants make the kernel never read
+    entropy_grad = grad_entropy is not None
+    args = (grad_logp if grad_logp is not None else stand_in, grad_lse if grad_lse is not None else stand_in,
+            grad_entropy if entropy_grad else stand_in, active, targets, lse,
+            entropy if entropy_grad else stand_in, out.coef, out.target_col, out.target_add,
+            out.g_ent if out.g_ent is not None else stand_in, out.mb if out.mb is not None else stand_in, rows,
+            grad_logp.stride(0) if grad_logp is not None else 0, grad_lse.stride(0) if grad_lse is not None else 0,
+            grad_entropy.stride(0) if grad_entropy is not None else 0, vocab_start, local_vocab)
+    meta = {"ROWS": TERMS_ROWS, "HAS_LOGP": grad_logp is not None, "HAS_LSE": grad_lse is not None,
+            "ENTROPY_GRAD": entropy_grad}
+    return Launch("backward_terms_kernel", (-(-rows // TERMS_ROWS),), args, meta, TERMS_WARPS)
+
+
+def empty_terms(rows: int, device: torch.device, real_local: int, t32: float, entropy_grad: bool) -> BackwardTerms:
+    """Uninitialised :class:`BackwardTerms` for ``rows`` rows, for :func:`terms_launch` to write."""
+    coef = torch.empty(rows, dtype=torch.float32, device=device)
+    return BackwardTerms(coef, torch.empty(rows, dtype=torch.int64, device=device), torch.empty_like(coef),
+                         real_local, t32, torch.empty_like(coef) if entropy_grad else None,
+                         torch.empty_like(coef) if entropy_grad else None)
+
+
+def triton_backward_terms(
+    targets: torch.Tensor, active: torch.Tensor, lse: torch.Tensor, grad_logp: torch.Tensor | None,
+    grad_lse: torch.Tensor | None, contract: LogprobContract, local_vocab: int,
+    grad_entropy: torch.Tensor | None = None, entropy: torch.Tensor | None = None, mode: str = "compiled",
+) -> BackwardTerms:
+    """:func:`rl_engine.logprob.backends.eager.vocab_parallel.backward_terms` in one launch of
+    :func:`backward_terms_kernel` (the same values, tested bytewise)."""
+    if grad_entropy is not None and (entropy is None or entropy.shape != lse.shape):
+        raise LogprobContractError("an entropy gradient needs the forward's entropy: call with compute_entropy=True")
+    k = load_kernels(mode)
+    rows = lse.shape[0]
+    terms = empty_terms(rows, lse.device, real_local_columns(contract), contract.temperature32,
+                        grad_entropy is not None)
+    if rows:
+        terms_launch(targets.contiguous(), active.contiguous(), lse.contiguous(), grad_logp, grad_lse,
+                     contract.vocab_start, local_vocab, terms, grad_entropy,
+                     entropy.contiguous() if entropy is not None else None).run(k)
+    return terms
+
+
 def triton_partials(
     logits: torch.Tensor, contract: LogprobContract, with_entropy: bool, validate: bool,
     mode: str = "compiled", row_t32: torch.Tensor | None = None,
@@ -452,6 +597,17 @@ class TritonEngine(LocalEngine):
         m, _, _, _ = triton_partials(logits, contract, False, False, self.mode)
         local_max = m.amax(dim=1) if m.shape[1] else torch.full((logits.shape[0],), float("-inf"), device=logits.device)
         return triton_kept_cut(self.kept_call(), logits, contract, sampling, group, local_max)
+    def backward_terms(self, logits, targets, active, lse, grad_logp, grad_lse, contract,  # type: ignore[override]
+                       grad_entropy=None, entropy=None):
+        return triton_backward_terms(targets, active, lse, grad_logp, grad_lse, contract, logits.shape[1],
+                                     grad_entropy, entropy, self.mode)
+
+    def single_rank_forward(self, logits, targets, active, contract, chunk_rows, with_entropy,  # type: ignore[override]
+                            validate, on_invalid):
+        return triton_forward(logits, targets, active, contract, with_entropy, validate, on_invalid, self.mode)
+
+    def merge(self, m, s, t, target_logit, active, poisoned):  # type: ignore[override]
+        return triton_merge(m, s, t, target_logit, active, poisoned, self.mode)
 
 
 class TritonLogprob(VocabParallelLogprob):
@@ -486,6 +642,9 @@ __all__ = [
     "row_division_args",
     "mode_device",
     "triton_backward",
+    "triton_backward_terms",
+    "triton_forward",
+    "triton_merge",
     "triton_mode",
     "triton_log",
     "triton_partials",

@@ -15,9 +15,13 @@ Written with IEEE-754 basic operations and the fused multiply-adds the specifica
   (the general form: ``lse`` is an input) times ``coef``, the ``coef == 0`` override, canonical NaN, padding zeros, the one rounding of
   section 8. Launched over the whole blocks without masks, and once more, masked, over the
   last partial block.
-* :func:`exp_kernel`: ``E`` of the merge's ``[rows, tiles]`` weights in one launch, and
-  :func:`log_kernel`: ``L`` of its ``[rows]`` sums in another (the rest of the merge is the eager
-  backend's code).
+* :func:`merge_kernel`: section 6 steps 5-10 in one launch over blocks of rows: the merge of the
+  ``[rows, tiles]`` partials in global tile order (``F`` over the tiles by :func:`tile_fold`),
+  the logprob and the canonical NaN; at TP = 1 it also reads the target logit and the forward's
+  validity flags, so the forward is two launches. :func:`exp_kernel` and :func:`log_kernel`
+  (``E`` and ``L`` of binary32 tensors, one launch each) serve the element tests.
+* :func:`backward_terms_kernel`: the backward's per-row terms (``coef``, the target column and
+  its addend, ``Mb``) in one launch.
 * :func:`backward_target_kernel`: the one column per row that gets the target term
   (``coef * E(x - lse) + gl``, or ``+0 + gl`` where ``coef == 0``), launched after the
   others on the same stream, so it overwrites that column's value: no per-column compare in
@@ -791,3 +795,136 @@ def kept_zero_kernel(
         tl.store(g_ptr + row * local_vocab + cols, tl.full((BLOCK,), 0.0, tl.float32), mask=dropped)
     else:
         tl.store(g_ptr + row * local_vocab + cols, tl.full((BLOCK,), 0, tl.int16), mask=dropped)
+@device
+def tile_fold(v, col, TILES: tl.constexpr, LEVELS: tl.constexpr):
+    """``F`` (section 4) over the first ``TILES`` values of each row of ``v`` (``[rows, cols]``,
+    ``col`` its column index): level ``k`` has ``w = ceil(TILES / 2**k)`` values and adds
+    ``v[i] + v[w - h + i]`` for ``i < h = w // 2``, the partner fetched by ``tl.gather`` (a register
+    permutation: no arithmetic). Returns ``v[:, 0]`` in every column of its row."""
+    for level in tl.static_range(LEVELS):
+        w = (TILES + (1 << level) - 1) >> level
+        h = w // 2
+        low = col < h
+        v = tl.where(low, v + tl.gather(v, tl.where(low, col + (w - h), col), 1), v)
+    return tl.gather(v, col * 0, 1)
+
+
+@device
+def canonical(v):
+    """Section 6 step 10: every NaN as ``0x7FC00000``."""
+    return tl.where(v != v, tl.full(v.shape, CANONICAL_NAN_BITS, tl.int32).to(tl.float32, bitcast=True), v)
+
+
+@kernel
+def merge_kernel(
+    m_ptr, s_ptr, t_ptr, bad_ptr, x_ptr, tgt_ptr, act_ptr, tv_ptr, poison_ptr,
+    logp_ptr, lse_ptr, ent_ptr, flag_ptr,
+    rows, row_stride, local_vocab, real_vocab, t32, L4, L3, L2, L1,
+    TILES: tl.constexpr, COLS: tl.constexpr, LEVELS: tl.constexpr, ROWS: tl.constexpr, DTYPE: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr, READ_TARGET: tl.constexpr, VALIDATE: tl.constexpr, POISON: tl.constexpr,
+    TEMPERED: tl.constexpr,
+):
+    """Section 6 steps 5-10 for ``ROWS`` rows in one launch: the merge of the ``[rows, TILES]``
+    partials in global tile order (``B``, the weights ``E(m_j - Bs)``, ``S = F(s_j w_j)``,
+    ``LSE = Bs + L(S)``, the entropy's ``F(w_j (t_j + sh_j s_j)) / S``), the logprob
+    ``x_target - LSE`` (``+0`` on inactive rows) and the canonical NaN, each value computed by the
+    operations :func:`rl_engine.arith.tiles.merge_tiles` and the shared forward use, in their
+    order. A row's values are kept in every one of its ``COLS`` columns and stored from column 0.
+
+    ``READ_TARGET`` (one rank holds the whole vocabulary): the target logit is read here from the
+    logits (``x[row, target]`` upcast, divided by ``T32`` with the IEEE division, ``+0`` where the
+    target is not a column of the shard), and with ``VALIDATE`` the row's validity comes from the
+    forward's ``bad`` flags: an active row with a non-finite real logit gets a NaN target logit,
+    and ``flag`` is bit 0 for that and bit 1 for an active target outside ``[0, real_vocab)``
+    (``POISON``: such a row's logprob is NaN instead, and no flag is written). Otherwise the
+    target logit ``tv`` (copied from its owner rank) and, with ``POISON``, the rows to give a NaN
+    logprob are inputs."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    inside = r < rows
+    row = r.to(tl.int64)
+    col = tl.arange(0, COLS)[None, :] + tl.full((ROWS, 1), 0, tl.int32)
+    here = (col < TILES) & inside[:, None]
+    at = row[:, None] * TILES + col
+    neg_inf = tl.full((ROWS, COLS), NEG_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    m = tl.load(m_ptr + at, mask=here, other=0.0)
+    m = tl.where(here, m, neg_inf)
+    s = tl.load(s_ptr + at, mask=here, other=0.0)
+    lane_nan = m != m  # 5. B = max_j m_j, NaN if any (tracked apart from the maximum)
+    nan = tl.reduce(lane_nan.to(tl.int32), 1, MAX)
+    big = tl.reduce(tl.where(lane_nan, neg_inf, m), 1, MAX)
+    big = tl.where(nan > 0, float("nan"), big)[:, None]
+    bs = tl.where(big == float("-inf"), 0.0, big)
+    weight = spec_exp(m - bs)  # 6.
+    total = tile_fold(s * weight, col, TILES, LEVELS)
+    lse = bs + spec_log(total, L4, L3, L2, L1)  # 7.
+    if WITH_ENTROPY:  # 8.
+        t = tl.load(t_ptr + at, mask=here, other=0.0)
+        shift = tl.where(m == float("-inf"), 0.0, m)
+        mean = tl.div_rn(tile_fold(weight * (t + shift * s), col, TILES, LEVELS), total)
+        tl.store(ent_ptr + row[:, None] + col * 0, canonical(lse - mean), mask=(col == 0) & inside[:, None])
+    active = tl.load(act_ptr + r, mask=inside, other=0) != 0
+    if READ_TARGET:
+        target = tl.load(tgt_ptr + r, mask=inside, other=0)
+        owned = (target >= 0) & (target < local_vocab)
+        raw = tl.load(x_ptr + row * row_stride + target, mask=inside & owned, other=0)
+        if TEMPERED:
+            value = scaled(raw, t32, 1.0, DTYPE, DIV_IEEE)
+        else:
+            value = scaled(raw, t32, 1.0, DTYPE, DIV_NONE)
+        tv = tl.where(owned, value, 0.0)
+        if VALIDATE:
+            finite = tl.reduce(tl.load(bad_ptr + at, mask=here, other=0).to(tl.int32), 1, MAX) == 0
+            tv = tl.where(active & (finite == 0), float("nan"), tv)
+            out_of_range = active & ((target < 0) | (target >= real_vocab))
+            if POISON:
+                poison = active & ((tv != tv) | out_of_range)
+            else:
+                flag = (active & (tv != tv)).to(tl.int8) + 2 * out_of_range.to(tl.int8)
+                tl.store(flag_ptr + r, flag, mask=inside)
+    else:
+        tv = tl.load(tv_ptr + r, mask=inside, other=0.0)
+        if POISON:
+            poison = tl.load(poison_ptr + r, mask=inside, other=0) != 0
+    logp = tl.where(active[:, None], tv[:, None] - lse, 0.0)  # 9.
+    if POISON:
+        logp = tl.where(poison[:, None], float("nan"), logp)
+    first = (col == 0) & inside[:, None]
+    tl.store(logp_ptr + row[:, None] + col * 0, canonical(logp), mask=first)  # 10.
+    tl.store(lse_ptr + row[:, None] + col * 0, canonical(lse), mask=first)
+
+
+@kernel
+def backward_terms_kernel(
+    glogp_ptr, glse_ptr, gent_ptr, act_ptr, tgt_ptr, lse_ptr, ent_ptr,
+    coef_ptr, col_ptr, add_ptr, gent_out_ptr, mb_ptr,
+    rows, logp_stride, lse_stride, gent_stride, vocab_start, local_vocab,
+    ROWS: tl.constexpr, HAS_LOGP: tl.constexpr, HAS_LSE: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
+):
+    """The backward's per-row terms (section 7) for ``ROWS`` rows, as
+    :func:`rl_engine.logprob.backends.eager.vocab_parallel.backward_terms` computes them: ``gl`` (the logprob's
+    gradient on active rows, ``+0`` elsewhere or without one), ``coef = g_lse - gl``, the local target
+    column of rows that own an active target (``0`` elsewhere) and ``target_add`` (``gl`` there, ``-0``
+    elsewhere: the identity); with the entropy gradient its copy and ``Mb = LSE - H``. The upstream
+    gradients are read through their row strides (an expanded gradient has stride 0: no copy)."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    inside = r < rows
+    active = tl.load(act_ptr + r, mask=inside, other=0) != 0
+    zero = tl.full((ROWS,), 0.0, tl.float32)
+    if HAS_LOGP:
+        gl = tl.where(active, tl.load(glogp_ptr + r * logp_stride, mask=inside, other=0.0), zero)
+    else:
+        gl = zero
+    if HAS_LSE:
+        gs = tl.load(glse_ptr + r * lse_stride, mask=inside, other=0.0)
+    else:
+        gs = zero
+    tl.store(coef_ptr + r, gs - gl, mask=inside)
+    local = tl.load(tgt_ptr + r, mask=inside, other=0) - vocab_start
+    owned = active & (local >= 0) & (local < local_vocab)
+    tl.store(col_ptr + r, tl.where(owned, local, 0), mask=inside)
+    neg_zero = tl.full((ROWS,), -2147483648, tl.int32).to(tl.float32, bitcast=True)
+    tl.store(add_ptr + r, tl.where(owned, gl, neg_zero), mask=inside)
+    if ENTROPY_GRAD:
+        tl.store(gent_out_ptr + r, tl.load(gent_ptr + r * gent_stride, mask=inside, other=0.0), mask=inside)
+        tl.store(mb_ptr + r, tl.load(lse_ptr + r, mask=inside, other=0.0) - tl.load(ent_ptr + r, mask=inside,
+                                                                                      other=0.0), mask=inside)
