@@ -33,7 +33,17 @@
    its cubins under ``<output-dir>/roofline/``), and its predicted forward and
    forward+backward times (H100 SXM or H200 figures, by the device's name) beside the measured
    medians of the Triton backend and of the floor (``smoke.json``'s ``roofline``; ``null`` on
-   the CPU, with the reason).
+   the CPU, with the reason); and the SASS of the binaries the process really launched (read
+   from Triton's JIT caches after the timing) beside the roofline's, kernel by kernel with the
+   same constants: instructions per thread (static and on the fast path), registers, local
+   memory (spills), each equal or not; every other launched binary's SASS in ``launched_only``.
+6. How often the kernels' guard takes the IEEE division's path (``smoke.json``'s ``guard``): its
+   conditions evaluated on the host (:mod:`rl_engine.logprob.backends.triton.guard`) for 64 rows of the timing
+   inputs at the case's temperature (0.7 without one), the timed ``entropy`` call's gradients.
+7. Beside the timings, the GPU's SM and memory clocks, power and temperature, sampled every
+   50 ms from NVML (``pynvml``) or ``nvidia-smi`` (:mod:`rl_engine.benchmark.telemetry`): each timing
+   row's summary, every sample in ``telemetry``; recorded as absent, with the reason, where
+   neither is present (and on the CPU).
 
 ``--cpu-only`` does all of it with ``device: cpu`` (gloo ranks instead of GPUs, the Triton
 kernels under the interpreter, no roofline): the dry run the test suite runs
@@ -63,11 +73,12 @@ import torch
 
 from rl_engine import jsonio, schemas
 from rl_engine.arith.tiles import chunk_rows_for_device
+from rl_engine.benchmark.telemetry import Sampler
 from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.plan import build_plan
 from rl_engine.campaign.replay import replay_candidate
 from rl_engine.evidence.crosscheck import crosscheck_run
-from rl_engine.logprob.backends.eager.vocab_parallel import BACKEND_ID
+from rl_engine.logprob.backends.eager.vocab_parallel import BACKEND_ID, VocabParallelLogprob
 from rl_engine.logprob.registry import BackendUnavailableError, default_registry, dispatch
 from rl_engine.rundir import LOGS, PLAN, Run, Topology
 from rl_engine.tables import BENCH_PHASES, DEVICE_DIST_BACKENDS, EAGER_BACKEND, SCHEMA_VERSION, TRITON_BACKEND
@@ -166,9 +177,11 @@ def _naive(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor) ->
     return torch.where(active, logp, torch.zeros_like(logp))
 
 
-def time_paths(case: Case, device: torch.device, tokens: int, repeats: int) -> list[dict[str, Any]]:
+def time_paths(case: Case, device: torch.device, tokens: int, repeats: int,
+               sampler: Sampler | None = None) -> list[dict[str, Any]]:
     """Forward and forward+backward time and peak memory of every backend available on
-    ``device``, of naive and of the floor, with ratios from this run."""
+    ``device``, of naive and of the floor, with ratios from this run; with a running ``sampler``,
+    each row's clocks, power and temperature while it ran (``telemetry``; null without samples)."""
     from rl_engine.benchmark.inputs import make_inputs
 
     inputs = make_inputs(tokens, case.padded_vocab, case.dtype, case.seed)
@@ -182,9 +195,10 @@ def time_paths(case: Case, device: torch.device, tokens: int, repeats: int) -> l
         if cuda:
             torch.cuda.synchronize(device)
 
-    def timed(step: Any, phase: str) -> tuple[list[float], int | None]:
+    def timed(step: Any, phase: str) -> tuple[list[float], int | None, tuple[float, float]]:
         samples = []
         peak = None
+        began = time.perf_counter()
         for i in range(repeats + 1):  # nothing freed between repeats: the allocator's steady state
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
@@ -205,7 +219,7 @@ def time_paths(case: Case, device: torch.device, tokens: int, repeats: int) -> l
             if cuda:
                 used = torch.cuda.max_memory_allocated(device) - base
                 peak = used if peak is None else max(peak, used)
-        return samples, peak
+        return samples, peak, (began, time.perf_counter())
 
     def backend_step(op: Any, entropy: bool, validate: bool) -> Any:
         def step(x: torch.Tensor) -> torch.Tensor:
@@ -246,9 +260,10 @@ def time_paths(case: Case, device: torch.device, tokens: int, repeats: int) -> l
         floors = [("floor", None, floor_step if phase == "forward" else floor_backward_step),
                   ("copy_floor", None, copy_step)]
         for path, variant, step in paths + floors:
-            samples, peak = timed(step, phase)
+            samples, peak, (began, ended) = timed(step, phase)
             row: dict[str, Any] = {"path": path, "phase": phase, "median_s": statistics.median(samples),
-                                   "times_s": samples, "peak_bytes": peak}
+                                   "times_s": samples, "peak_bytes": peak,
+                                   "telemetry": sampler.summary(began, ended) if sampler is not None else None}
             if variant is not None:
                 row["variant"] = variant
             if path in default_registry():
@@ -318,6 +333,31 @@ def bitwise_checks(case: Case, device: str, tokens: int) -> dict[str, Any]:
     return result
 
 
+GUARD_ROWS = 64  # rows of the timing inputs whose guard decisions gpu-smoke counts
+GUARD_TEMPERATURE = 0.7
+
+
+def guard_table(case: Case, rows: int = GUARD_ROWS) -> dict[str, Any]:
+    """``smoke.json``'s ``guard``: how many of the Triton kernels' programs take the IEEE division's
+    path (:mod:`rl_engine.logprob.backends.triton.guard`) on ``rows`` rows of the timing inputs, at the case's
+    temperature (:data:`GUARD_TEMPERATURE` when it has none), for the timed ``entropy`` call (the
+    logprob's and the entropy's gradients). Counted on the host, the same on every device."""
+    from rl_engine.benchmark.inputs import make_inputs
+    from rl_engine.logprob.backends.eager.vocab_parallel import backward_terms
+    from rl_engine.logprob.backends.triton.guard import guard_counts
+
+    temperature = case.temperature if case.temperature != 1.0 else GUARD_TEMPERATURE
+    inputs = make_inputs(rows, case.padded_vocab, case.dtype, case.seed)
+    targets = inputs.targets.clamp(max=case.real_vocab - 1)
+    contract = dataclasses.replace(case, temperature=temperature).contract(num_sequences=1, seq_len=rows)
+    out = VocabParallelLogprob()(inputs.logits, targets, inputs.active, contract, compute_entropy=True)
+    ones = torch.ones(rows)
+    assert out.entropy is not None
+    terms = backward_terms(inputs.logits, targets, inputs.active, out.lse, ones, None, contract, ones, out.entropy)
+    counts = guard_counts(inputs.logits, contract, out.lse, terms.coef, terms.g_ent, terms.mb)
+    return {"temperature": temperature, "rows": rows, "dtype": case.dtype, **counts.to_dict()}
+
+
 GPU_MODELS = {"H200": "h200", "H100": "h100"}
 
 
@@ -329,9 +369,15 @@ def gpu_model(name: str) -> str | None:
 def roofline_table(case: Case, device: str, tokens: int, timing: list[dict[str, Any]],
                    out_dir: Path) -> dict[str, Any]:
     """``smoke.json``'s ``roofline``: the predicted times of the Triton kernels next to the measured
-    ones (cuda), or why there is none."""
+    ones (cuda), and the SASS of the binaries this process launched beside the roofline's
+    (:func:`sass_table`); or why there is none.
+
+    The roofline's case is the timed ``entropy`` call's: entropy and validation in the forward, the
+    logprob's and the entropy's gradients in the backward (its loss is ``logp + entropy``), the
+    case's temperature."""
     if device != "cuda":
-        return {"rows": [], "reason": "no GPU: the roofline predicts a GPU's time (--cpu-only run)"}
+        return {"rows": [], "reason": "no GPU: the roofline predicts a GPU's time (--cpu-only run)",
+                "sass": [], "launched_only": []}
     from rl_engine.logprob.backends.triton import triton_aot
 
     name = torch.cuda.get_device_name(0)
@@ -340,16 +386,50 @@ def roofline_table(case: Case, device: str, tokens: int, timing: list[dict[str, 
     try:
         doc = triton_aot.roofline(out_dir / "roofline", arch=10 * major + minor, rows=tokens,
                                   case=(case.real_vocab, case.padded_vocab, case.num_vocab_tiles),
-                                  dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[case.dtype])
+                                  dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[case.dtype],
+                                  temperature=case.temperature, entropy=True, validate=True, entropy_grad=True,
+                                  lse_grad=False)
     except Exception as exc:  # noqa: BLE001 - the prediction is an addition; say why it is missing
-        return {"rows": [], "reason": f"the roofline could not be computed: {type(exc).__name__}: {exc}"}
+        return {"rows": [], "reason": f"the roofline could not be computed: {type(exc).__name__}: {exc}",
+                "sass": [], "launched_only": []}
     schemas.write_validated(out_dir / "roofline" / "roofline.json", doc, "roofline")
     gpus = [model] if model else ["h100", "h200"]
     rows = [dict(row, model=gpu) for gpu in gpus
             for row in triton_aot.predicted_vs_measured(doc, timing, gpu, TRITON_BACKEND)]
     reason = None if model else f"{name} is neither an H100 nor an H200: both models are shown"
+    from rl_engine.logprob.backends.triton.triton_backend import load_kernels
+
     return {"rows": rows, "reason": reason, "arch": f"sm_{10 * major + minor}",
-            "instructions_per_column": doc["instructions_per_column"]}
+            "instructions_per_column": doc["instructions_per_column"],
+            **sass_table(doc, triton_aot.launched_binaries(load_kernels("compiled")))}
+
+
+def sass_table(doc: dict[str, Any], launched: list[Any]) -> dict[str, Any]:
+    """``sass``: each roofline kernel beside the launched binary of the same kernel and constants
+    (:func:`rl_engine.logprob.backends.triton.triton_aot.sass_comparison`); ``launched_only``: the SASS of every
+    other binary the process launched (the other timed calls' kernels), so that every launched
+    kernel's instruction count, registers and spills are on record."""
+    from rl_engine.logprob.backends.triton import triton_aot
+
+    matched = {(entry["kernel"], repr(sorted(entry["constants"].items()))) for entry in doc["kernels"]}
+    others = []
+    for binary in launched:
+        if (binary.kernel, repr(sorted(binary.constants.items()))) in matched:
+            continue
+        sass = triton_aot.read_sass(binary.cubin)
+        others.append({"kernel": binary.kernel, "constants": binary.constants, "sass_per_thread": sass.instructions,
+                       "path_per_thread": sass.path_instructions, "registers": sass.registers,
+                       "local_bytes": sass.local_bytes})
+    return {"sass": triton_aot.sass_comparison(doc, launched), "launched_only": others}
+
+
+def device_sampler(device: str) -> Sampler:
+    """The clocks-and-power sampler of the timed GPU (NVML or nvidia-smi; absent with the reason),
+    none on the CPU."""
+    if device != "cuda":
+        return Sampler(None, "no GPU: --cpu-only run")
+    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
+    return Sampler.detect(f"GPU-{uuid}" if uuid is not None else "0")
 
 
 def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
@@ -417,8 +497,11 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
                                 f"{name} {row['device_sha256'][name]} differs from {bitwise['reference']}'s "
                                 f"{row['reference_sha256'][name]}")
     print(f"[4/4] forward and forward+backward timing on {device} at {args.tokens} tokens")
-    timing = time_paths(case, torch.device(device), args.tokens, args.repeats)
+    sampler = device_sampler(device)
+    with sampler:
+        timing = time_paths(case, torch.device(device), args.tokens, args.repeats, sampler)
     roofline = roofline_table(case, device, args.tokens, timing, out_dir)
+    guard = guard_table(case)
     result = {
         "schema_version": SCHEMA_VERSION,
         "device": device,
@@ -433,6 +516,8 @@ def smoke(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         "cpu_backends": cpu_backends,
         "bitwise": bitwise,
         "timing": {"tokens": args.tokens, "repeats": args.repeats, "rows": timing},
+        "telemetry": sampler.record(),
+        "guard": guard,
         "roofline": roofline,
         "passed": not problems,
         "failures": problems,
@@ -461,14 +546,34 @@ def main(argv: list[str]) -> int:
               f"{row['floor_predicted_ms']:.3f} ms, measured {row['floor_measured_ms']:.3f} ms")
     if result["roofline"].get("reason"):
         print(f"  paper model: {result['roofline']['reason']}")
+    for row in result["roofline"]["sass"]:
+        if row["launched"] is None:
+            print(f"  SASS {row['name']:<18} not launched with the roofline's constants")
+            continue
+        same = "equal" if all(row["equal"].values()) else "DIFFERENT"
+        print(f"  SASS {row['name']:<18} launched {row['launched']['path_per_thread']} / roofline "
+              f"{row['roofline']['path_per_thread']} a thread, registers {row['launched']['registers']} / "
+              f"{row['roofline']['registers']}, local {row['launched']['local_bytes']} / "
+              f"{row['roofline']['local_bytes']} B: {same}")
+    guard = result["guard"]
+    print(f"  guard at T = {guard['temperature']} ({guard['rows']} rows): the IEEE path in {guard['forward_ieee']} of "
+          f"{guard['forward_tiles']} forward tiles, {guard['backward_ieee']} of {guard['backward_blocks']} backward blocks")
+    telemetry = result["telemetry"]
+    if telemetry["source"] is None:
+        print(f"  clocks and power: {telemetry['reason']}")
     for row in result["timing"]["rows"]:
         if "median_s" in row:
             memory = "" if row["peak_bytes"] is None else f", peak {row['peak_bytes'] / 2**20:.0f} MiB"
             vs_floor = "n/a" if row["time_vs_floor"] is None else f"{row['time_vs_floor']:.2f}x"
             vs_naive = "n/a" if row["time_vs_naive"] is None else f"{row['time_vs_naive']:.2f}x"
             path = row["path"] + ("" if row.get("variant") in (None, "default") else f" ({row['variant']})")
+            clocks = row["telemetry"]
+            sm = clocks["sm_mhz"] if clocks else None
+            power = clocks["power_w"] if clocks else None
+            seen = ("" if sm is None else f", SM {sm['median']:.0f} MHz") + \
+                ("" if power is None else f", {power['median']:.0f} W")
             print(f"  {row['phase']:<16} {path:<34} {row['median_s']:.4f} s  "
-                  f"({vs_floor} floor, {vs_naive} naive{memory})")
+                  f"({vs_floor} floor, {vs_naive} naive{memory}{seen})")
         else:
             print(f"  {row['path']:<34} skipped: {row['skipped']}")
     if problems:

@@ -122,7 +122,11 @@ def gpu_smoke_parser() -> argparse.ArgumentParser:
                     "(Triton: default, with entropy, without validation), naive log_softmax(x.float()).gather, "
                     "the read floor (amax in the logits' dtype: each byte read once) and the copy floor (one "
                     "read and one write), as ratios to the floor, to naive and (cuda) to the roofline's "
-                    "prediction. Writes <output-dir>/smoke.json (schemas/smoke.schema.json). --cpu-only is the "
+                    "prediction, with the GPU's clocks, power and temperature sampled beside each (NVML or "
+                    "nvidia-smi; recorded as absent otherwise); on cuda the SASS of the kernels the process "
+                    "launched (instructions, registers, spills) beside the roofline's; how often the kernels' "
+                    "guard takes the IEEE division's path at T = 0.7 (or the config's temperature). Writes "
+                    "<output-dir>/smoke.json (schemas/smoke.schema.json). --cpu-only is the "
                     "dry run: gloo ranks, the Triton kernels under the interpreter, no roofline. Exit 0 all "
                     "bytes equal, 1 a difference or a failed topology, 2 cannot start.")
     p.add_argument("--config", default="config.yaml", help="the campaign (default config.yaml)")

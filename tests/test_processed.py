@@ -19,7 +19,6 @@ from rl_engine.arith import spec_numpy as S
 from rl_engine.logprob.api import selected_logprob
 from rl_engine.logprob.backends.description import descriptions
 from rl_engine.logprob.backends.eager.vocab_parallel import VocabParallelLogprob
-from rl_engine.logprob.backends.fused_cpu.fused_cpu import FusedCpuLogprob, kernel_unavailable
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import processed_fp64_oracle
 from rl_engine.logprob.processed import Sampling, sampling_from
@@ -161,6 +160,41 @@ def test_temperature_and_processing_compose_as_the_spec_says() -> None:
     assert as_bytes("lse", raw["lse"]) != as_bytes("lse", got["lse"])  # the temperature acts
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_a_temperature_per_row_and_per_row_parameters_compose_as_the_spec_says(dtype: str) -> None:
+    """A rollout batch mixes requests: each row its own temperature and sampling parameters. The
+    kept set is found on each row's tempered logits (section 13 after section 6 step 0 at that
+    row's T32): the eager bytes equal the NumPy spec's with the same per-row temperatures, and a
+    row's bytes equal the call with its temperature as a number."""
+    b = batch(dtype, seed=13)
+    rows = b["targets"].shape[0]
+    temps = torch.tensor([0.7, 1.0, 1.3, 0.25, 2.0, 0.9] * (rows // 6))[:rows]
+    params = per_row(rows)
+    got = eager(b, params, temperature=temps)
+    want = spec(b, params, dtype, temperature=temps.numpy().astype(np.float64))
+    for key in ("logp", "lse", "entropy", "kept", "grad"):
+        assert as_bytes(key, got[key]) == as_bytes(key, want[key]), key
+    for row in (2, 3, 4):  # the rows at 1.3, 0.25 and 2.0 (each with a parameter on), alone at a number
+        alone = {k: v[row:row + 1] for k, v in b.items()}
+        one = eager(alone, {k: v[row:row + 1] for k, v in params.items()}, temperature=float(temps[row]))
+        for key in ("logp", "lse", "entropy", "kept"):
+            assert as_bytes(key, one[key]) == as_bytes(key, got[key][row:row + 1]), (row, key)
+    flat = eager(b, params, temperature=1.0)
+    assert as_bytes("lse", flat["lse"]) != as_bytes("lse", got["lse"])  # the temperatures act
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_any_vocabulary_gives_the_numpy_spec_bytes(dtype: str) -> None:
+    """1003 columns in 16 tiles of 63 (section 6): the grid's columns past the vocabulary are +0
+    terms of top-p's sums, as padding is; eager and the NumPy spec agree byte for byte."""
+    b = batch(dtype, seed=17)
+    b["logits"] = b["logits"][:, :1003].contiguous()
+    for params in (dict(top_k=40, top_p=0.8, min_p=0.02), dict(top_p=0.95), per_row(24)):
+        got, want = eager(b, params), spec(b, params, dtype)
+        for key in ("logp", "lse", "entropy", "kept", "grad"):
+            assert as_bytes(key, got[key]) == as_bytes(key, want[key]), (params, key)
+
+
 def test_another_tile_count_changes_the_bytes_of_top_p() -> None:
     """Negative control: top-p's sums are grouped by the tiles, so the tile count is part of the bytes."""
     b = batch("fp32", seed=5)
@@ -297,20 +331,33 @@ def test_bad_parameters_are_refused_naming_the_field(kwargs: dict[str, Any], mat
         selected_logprob(x, torch.zeros(4, dtype=torch.int64), backend=EAGER_BACKEND, **kwargs)
 
 
-@pytest.mark.skipif(kernel_unavailable() is not None, reason="the fused C kernel is not built")
 def test_a_backend_without_processed_logprobs_refuses_by_name() -> None:
+    """An engine without ``supports_processed`` (every registered one has it now: a stand-in here)
+    is refused by name before any collective, and the registry's capability is honoured."""
+    from rl_engine.logprob.backends.eager.vocab_parallel import LocalEngine
+    from rl_engine.logprob.registry import dispatch
+
+    class _RawOnly(LocalEngine):
+        supports_processed = False
+
+    class _RawOnlyOp(VocabParallelLogprob):
+        backend_id = "raw-only-test-backend"
+
+        def engine(self) -> LocalEngine:
+            return _RawOnly()
+
     x = torch.randn(4, 256)
     t = torch.zeros(4, dtype=torch.int64)
-    with pytest.raises(BackendUnavailableError, match="cpu-vocab-parallel-logp-ws2.*processed logprobs"):
-        selected_logprob(x, t, backend="cpu-vocab-parallel-logp-ws2", top_p=0.9)
     contract = LogprobContract(256, 256, 4, 1, 4, logits_dtype="fp32")
     sampling = Sampling(torch.zeros(4, dtype=torch.int64), torch.full((4,), 0.5), torch.zeros(4))
-    with pytest.raises(LogprobContractError, match="backend 'cpu-vocab-parallel-logp-ws2' does not compute"):
-        FusedCpuLogprob()(x, t, torch.ones(4, dtype=torch.bool), contract, sampling=sampling)
-    # auto takes a backend that can (the eager one on the CPU) and says why it passed the others over
-    out = selected_logprob(x, t, top_p=0.9)
-    assert out.provenance["actual_backend"] == EAGER_BACKEND
-    assert any("processed" in r["reason"] for r in out.provenance["rejections"])
+    with pytest.raises(LogprobContractError, match="backend 'raw-only-test-backend' does not compute"):
+        _RawOnlyOp()(x, t, torch.ones(4, dtype=torch.bool), contract, sampling=sampling)
+    from dataclasses import replace
+
+    spec_ = default_registry()[EAGER_BACKEND]
+    incapable = replace(spec_, capabilities=replace(spec_.capabilities, processed_logprobs=False))
+    with pytest.raises(BackendUnavailableError, match="processed logprobs"):
+        dispatch(EAGER_BACKEND, contract, "cpu", {EAGER_BACKEND: incapable}, processed=True)
 
 
 def test_every_engine_flag_matches_the_registry_table() -> None:
@@ -330,13 +377,16 @@ MESH_CASES = {  # dtype, parameter set name
     "fp16-top_p0.9": ("fp16", "top_p0.9"),
     "fp32-top_k3": ("fp32", "top_k3"),
     "fp32-min_p0.1": ("fp32", "min_p0.1"),
+    # any vocabulary (section 6: tiles of ceil(Vp / T) = 63 columns, the grid's last 5 past the
+    # vocabulary; the last TP 8 rank holds 121 columns): top-p's sums over the grid's tiles
+    "fp32-all-1003": ("fp32", "all", 1003),
 }
 SEQS, SEQ_LEN = 2, 12  # 24 rows
 
 
 def _run_rank(b: dict[str, Any], params: dict[str, Any], dtype: str, tp: int, tp_rank: int, cp: int,
               cp_rank: int, layout: str, group: Any) -> dict[str, Any]:
-    c = LogprobContract(REAL, PADDED, TILES, SEQS, SEQ_LEN, tp_world_size=tp, tp_rank=tp_rank, cp_world_size=cp,
+    c = LogprobContract(REAL, b["logits"].shape[1], TILES, SEQS, SEQ_LEN, tp_world_size=tp, tp_rank=tp_rank, cp_world_size=cp,
                         cp_rank=cp_rank, cp_layout=layout, logits_dtype=dtype)
     rows = torch.tensor(c.token_indices, dtype=torch.int64)
     x = b["logits"][rows, c.vocab_start:c.vocab_end].contiguous().requires_grad_(True)
@@ -402,8 +452,10 @@ def _assemble(results: list[dict[Any, Any]], key: Any, padded: int, dtype: torch
 @pytest.fixture(scope="module")
 def mesh_runs() -> tuple[dict[str, Any], list[dict[Any, Any]]]:
     cases = {}
-    for i, (name, (dtype, pname)) in enumerate(MESH_CASES.items()):
+    for i, (name, (dtype, pname, *padded)) in enumerate(MESH_CASES.items()):
         b = batch(dtype, rows=SEQS * SEQ_LEN, seed=60 + i)
+        if padded:
+            b["logits"] = b["logits"][:, :padded[0]].contiguous()
         cases[name] = (dtype, b, params_for(pname, SEQS * SEQ_LEN))
     return cases, run_workers(_mesh_worker, 8, cases, timeout_s=300)
 
@@ -425,7 +477,7 @@ def test_tp_and_cp_give_the_tp1_bytes(mesh_runs: Any, case: str) -> None:
     reference = eager(b, params)
     mismatches = []
     for tp, cp, layout in TOPOLOGIES:
-        got = _assemble(results, (case, tp, cp, layout), PADDED, DTYPES[dtype])
+        got = _assemble(results, (case, tp, cp, layout), b["logits"].shape[1], DTYPES[dtype])
         mismatches += [f"TP={tp} CP={cp} {layout}: {n}" for n in ("logp", "lse", "entropy", "kept", "grad")
                        if as_bytes(n, got[n]) != as_bytes(n, reference[n])]
     assert mismatches == []

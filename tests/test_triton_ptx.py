@@ -42,7 +42,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 TARGETS: list[tuple[str, Any]] = [("cuda", arch) for arch in triton_aot.NVIDIA_TARGETS] + [
     ("hip", triton_aot.AMD_TARGET)
 ]
-QUICK = ("forward-small-bf16-entropy1-validate1", "backward-small-fp16-tail", "backward-small-fp16-target")
+QUICK = ("forward-small-bf16-entropy1-validate1", "forward-small-bf16-entropy1-validate1-merge",
+         "backward-small-fp16-terms", "backward-small-fp16-tail", "backward-small-fp16-target")
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,15 @@ def _check(variant: triton_aot.Variant, backend: str, arch: Any, exact: bool) ->
     FMA count."""
     asm = _compile(variant, backend, arch, fusion=False)
     threads = variant.warps * (32 if backend == "cuda" else 64)
+    if backend != "cuda" and variant.kernel == "merge_kernel":
+        # its two divisions a lane (L's f / (f + 2) and the entropy's / S) interleave in gfx942's schedule
+        # with E's FMAs, so the region rule (v_div_scale ... v_div_fixup) cannot tell them apart: at
+        # least the specification's FMAs in all, division steps among them, nothing forbidden
+        found = triton_aot.amdgcn_findings(asm["amdgcn"])
+        total = found["fma_in_division"] + found["fma_outside_division"]
+        assert found["forbidden"] == [] and found["fma_in_division"] > 0, (variant.name, found)
+        assert total >= spec_fma(variant, threads), (variant.name, found, spec_fma(variant, threads))
+        return found["fma_outside_division"]
     if backend == "cuda":
         assert len(asm["cubin"]) > 0  # ptxas (shipped with Triton) assembled it too
         found = triton_aot.ptx_findings(asm["ptx"])
@@ -96,16 +106,31 @@ def _check(variant: triton_aot.Variant, backend: str, arch: Any, exact: bool) ->
         fma = found["fma"]
     else:
         found = triton_aot.amdgcn_findings(asm["amdgcn"])
-        assert found["fma_in_division"] == 0 and found["forbidden"] == [], (variant.name, found)
+        # the merge divides (L's f / (f + 2), the entropy's / S): division steps there, none elsewhere
+        divides = variant.kernel == "merge_kernel"
+        assert (found["fma_in_division"] > 0) == divides and found["forbidden"] == [], (variant.name, found)
         assert len(asm["hsaco"]) > 0
         fma = found["fma_outside_division"]
     want = spec_fma(variant, threads)
-    assert 0 < fma <= want if not exact else fma == want, (variant.name, backend, arch, fma, want)
+    assert (0 < fma <= want if want else fma == 0) if not exact else fma == want, (variant.name, backend, arch, fma,
+                                                                                    want)
     return fma
+
+
+# The kernels that compute per row, not per column: the merge's E of its weights (every lane of its
+# [ROWS, COLS] block, the unused ones included: 9 FMAs each, at least one lane a thread, as a block
+# smaller than the program's threads is replicated; L has none) and the backward's terms (none)
+NO_COLUMN_FMA = {
+    "merge_kernel": lambda v, threads: triton_aot.FMA_PER_COLUMN["backward"]
+    * max(1, -(-int(_const(v, "ROWS")) * int(_const(v, "COLS")) // threads)),
+    "backward_terms_kernel": lambda v, threads: 0,
+}
 
 
 def spec_fma(variant: triton_aot.Variant, threads: int) -> int:
     """FMAs per thread the specification writes for the columns (slots) a thread computes."""
+    if variant.kernel in NO_COLUMN_FMA:
+        return NO_COLUMN_FMA[variant.kernel](variant, threads)
     if variant.kernel == "forward_partials_kernel":
         slots = -(-_width(variant) // 128) * 128
         per = triton_aot.FMA_PER_COLUMN["forward_entropy" if _flag(variant, "WITH_ENTROPY") else "forward"]
@@ -126,6 +151,8 @@ def tempered_fma(variant: triton_aot.Variant, threads: int) -> int:
     """PTX FMAs per thread of a tempered launch: the specification's, Markstein's two per step
     (one step for a bf16 or binary16 logit, two for a binary32 one and for the gradient) on the fast
     path, and the specification's again on the guard's IEEE path (its divisions are div.rn)."""
+    if variant.kernel in NO_COLUMN_FMA:
+        return NO_COLUMN_FMA[variant.kernel](variant, threads)
     dtype = {0: "float32", 1: "bfloat16", 2: "float16"}[int(_const(variant, "DTYPE"))]
     steps = division.STEPS[dtype] * triton_aot.MARKSTEIN_FMA_PER_STEP
     if variant.kernel == "forward_partials_kernel":
@@ -168,10 +195,11 @@ def test_tempered_kernels_compile_to_ieee_operations_markstein_and_div_rn(backen
 def test_every_default_case_launch_compiles_to_the_specs_operations(
         variants: dict[str, triton_aot.Variant], backend: str, arch: Any) -> None:
     chosen = [v for name, v in variants.items() if "-default-" in name]
-    assert len(chosen) == 15  # 3 dtypes x (2 forward flag sets + 3 backward launches)
+    assert len(chosen) == 24  # 3 dtypes x (2 forward flag sets x (partials, merge) + 4 backward launches)
     for variant in chosen:
-        # the forward's and the whole blocks' lanes are all real: exactly the spec's FMAs
-        _check(variant, backend, arch, exact=variant.kernel == "forward_partials_kernel" or "-blocks" in variant.name)
+        # the forward's, the merge's and the whole blocks' lanes are all computed: exactly the spec's FMAs
+        _check(variant, backend, arch, exact=variant.kernel in ("forward_partials_kernel", "merge_kernel")
+               or "-blocks" in variant.name)
 
 
 @pytest.mark.slow
@@ -331,10 +359,14 @@ def test_the_roofline_of_the_launched_kernels_meets_the_targets(tmp_path: Path, 
     for kernel in doc["kernels"]:
         assert (tmp_path / kernel["cubin"]).stat().st_size > 0
         assert kernel["local_bytes"] == 0 and kernel["loops"] is False, kernel["name"]
-        if temperature == 1.0:  # straight code: every instruction but the trailing trap runs
-            assert kernel["path_per_thread"] == kernel["longest_path_per_thread"] == kernel["sass_per_thread"] - 1
+        found = (kernel["name"], kernel["path_per_thread"], kernel["sass_per_thread"], kernel["longest_path_per_thread"])
+        if kernel["kernel"] == "merge_kernel":  # L's and the entropy's div.rn: a slow-path call the fast path skips
+            assert kernel["path_per_thread"] < kernel["longest_path_per_thread"], found
+        elif temperature == 1.0 or kernel["kernel"] == "backward_terms_kernel":
+            # straight code: every instruction but the trailing trap runs
+            assert kernel["path_per_thread"] == kernel["longest_path_per_thread"] == kernel["sass_per_thread"] - 1, found
         else:
-            assert kernel["path_per_thread"] < kernel["sass_per_thread"] < kernel["longest_path_per_thread"]
+            assert kernel["path_per_thread"] < kernel["sass_per_thread"] < kernel["longest_path_per_thread"], found
     forward, backward, fwd_floor, both_floor = ROOFLINE_TARGETS[temperature]
     per = doc["instructions_per_column"]
     assert per["forward"] <= forward and per["backward"] <= backward, per
@@ -394,17 +426,85 @@ def test_amd_rule_tells_division_steps_from_contracted_multiply_adds() -> None:
     assert triton_aot.amdgcn_findings(unfused["amdgcn"])["fma_outside_division"] == 0
 
 
+def test_the_roofline_variants_cover_what_trainers_launch() -> None:
+    """``--variants`` lists every axis a trainer varies: each logits dtype (each at TP 8
+    too), TP 1 and 8, entropy and validation on and off in all four pairs, the entropy gradient, a
+    temperature (bf16 and binary16), sm_90, sm_100 and gfx942; the names are unique."""
+    variants = triton_aot.ROOFLINE_VARIANTS
+    names = [name for name, _ in variants]
+    assert len(set(names)) == len(names) and names[0] == "default" and variants[0][1] == {}
+
+    def values(key: str, default: Any) -> set[Any]:
+        return {kwargs.get(key, default) for _, kwargs in variants}
+
+    import torch
+
+    assert values("dtype", torch.bfloat16) == {torch.bfloat16, torch.float16, torch.float32}
+    assert values("tp", 1) == {1, 8}
+    assert {(kw.get("entropy", True), kw.get("validate", True)) for _, kw in variants} == {
+        (True, True), (True, False), (False, True), (False, False)}
+    assert values("entropy_grad", False) == {False, True}
+    assert values("temperature", 1.0) == {1.0, triton_aot.TEMPERED_PROBE}
+    assert values("arch", triton_aot.ROOFLINE_ARCH) == {90, 100, triton_aot.AMD_TARGET}
+    for dtype in (torch.float16, torch.float32):
+        assert any(kw.get("dtype") == dtype and kw.get("tp") == 8 for _, kw in variants), dtype
+    assert any(kw.get("dtype") == torch.float16 and kw.get("temperature") for _, kw in variants)
+
+
+def test_the_roofline_compiles_every_launch_the_backend_makes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kernel of a pass is in the roofline's sum: the launches :func:`triton_aot.case_launches`
+    builds are those a call of the op makes (kernel, grid and constants, in order: the forward's
+    partials and merge; the backward's terms, whole blocks, last block and target column), here with
+    entropy, validation, its gradient and a temperature at 4 rows x 4,224 columns (two whole blocks)."""
+    import torch
+
+    from rl_engine.logprob.backends.triton import triton_backend
+    from rl_engine.logprob.contract import LogprobContract
+
+    launched: list[tuple[str, tuple[int, ...], dict[str, Any]]] = []
+    monkeypatch.setattr(triton_backend.Launch, "run", lambda self, k: launched.append((self.kernel, self.grid, self.meta)))
+    rows, real, padded, tiles = 4, 4200, 4224, 33
+    contract = LogprobContract(real_vocab_size=real, padded_vocab_size=padded, num_vocab_tiles=tiles, num_sequences=1,
+                               seq_len=rows, logits_dtype="bf16", temperature=0.7)
+    x = torch.zeros(rows, padded, dtype=torch.bfloat16)
+    targets, active, ones = torch.arange(rows), torch.ones(rows, dtype=torch.bool), torch.ones(rows)
+    # the compiled mode's launch functions, stubbed (no interpreter: this file also runs under Triton 3.6,
+    # whose interpreter the backend refuses); the op's own calls of them: tests/test_host_syncs.py
+    _, lse, entropy, _ = triton_backend.triton_forward(x, targets, active, contract, True, True, "raise", "compiled")
+    forward = list(launched)
+    launched.clear()
+    terms = triton_backend.triton_backward_terms(targets, active, ones, ones, ones, contract, padded, ones, ones,
+                                                 "compiled")
+    triton_backend.triton_backward(x, ones, terms, "compiled")
+    built = triton_aot.case_launches(rows, real, padded, tiles, torch.bfloat16, True, True, 0.7, entropy_grad=True)
+    assert forward == [(v.kernel, v.grid, v.meta) for v in built["forward"]]
+    assert launched == [(v.kernel, v.grid, v.meta) for v in built["backward"]]
+    assert [k for k, _, _ in launched] == ["backward_terms_kernel", "backward_kernel", "backward_kernel",
+                                           "backward_target_kernel"]
+
+
 @pytest.mark.slow
 def test_the_roofline_variants_are_listed_with_their_own_case(tmp_path: Path) -> None:
-    """``--variants``: fp16, entropy and validation off, TP 8 and sm_100 beside the default, each its
-    own compiled kernels (no spill), its case recorded; TP 8 is rank 0's shard (an eighth of the
-    columns: the same per-column work, an eighth of the floor); no entropy and no validation is
-    less work per column than the default."""
-    names = ("default", "fp16", "no-entropy-no-validation", "tp8", "sm_100")
+    """``--variants``: fp16, entropy and validation off, the entropy gradient, TP 8, sm_100 and gfx942
+    beside the default, each its own compiled kernels (no spill), its case recorded; TP 8 is rank 0's
+    shard (an eighth of the columns: the same per-column work, an eighth of the floor); no entropy and
+    no validation is less work per column than the default, the entropy gradient more backward; gfx942
+    has its own model (amd_model) and the MI300X's prediction."""
+    names = ("default", "fp16", "no-entropy-no-validation", "entropy-gradient", "tp8", "sm_100", "gfx942")
     rows = {row["name"]: row for row in triton_aot.roofline_variants(tmp_path, names)}
     assert list(rows) == list(names)
-    doc = dict(triton_aot.roofline(tmp_path / "doc"), variants=list(rows.values()))
+    doc = dict(triton_aot.roofline(tmp_path / "doc"), variants=list(rows.values()), amd_model=triton_aot.AMD_MODEL)
     schemas.write_validated(tmp_path / "roofline.json", doc, "roofline")
+    printed = triton_aot.variant_table(doc["variants"])
+    assert len(printed) == len(names) and all(f"variant {name} " in line for name, line in zip(names, printed))
+    amd = rows["gfx942"]
+    assert amd["arch"] == "gfx942" and set(amd["predicted"]) == {"mi300x"} and amd["local_bytes"] == 0
+    assert {k["kernel"] for k in amd["kernels"]} == {"forward_partials_kernel", "merge_kernel", "backward_terms_kernel",
+                                                      "backward_kernel", "backward_target_kernel"}
+    assert (tmp_path / "gfx942" / "forward-merge.gfx942.hsaco").stat().st_size > 0
+    grad, base_row = rows["entropy-gradient"], rows["default"]
+    assert grad["entropy_grad"] is True and grad["instructions_per_column"]["backward"] > \
+        base_row["instructions_per_column"]["backward"]
     assert rows["fp16"]["dtype"] == "fp16" and rows["sm_100"]["arch"] == "sm_100" and rows["tp8"]["tp"] == 8
     assert all(row["local_bytes"] == 0 for row in rows.values()), rows
     base, lean = rows["default"]["instructions_per_column"], rows["no-entropy-no-validation"]["instructions_per_column"]

@@ -371,7 +371,7 @@ def _as_1d(a, rows: int, dtype, name: str) -> np.ndarray:
     return a.astype(dtype, copy=False)
 
 
-def _check_common(logits, dtype, targets, active, real_vocab, num_tiles):
+def _check_common(logits, dtype, targets, active, real_vocab, num_tiles, v1=False):
     _check_dtype(dtype)
     x_all = to_f32(logits, dtype)
     if x_all.ndim != 2:
@@ -379,8 +379,10 @@ def _check_common(logits, dtype, targets, active, real_vocab, num_tiles):
     rows, vp = x_all.shape
     if not (1 <= real_vocab <= vp):
         raise ValueError("need 1 <= real_vocab <= padded_vocab")
-    if num_tiles < 1 or vp % num_tiles:
-        raise ValueError("num_tiles must divide padded_vocab")
+    if num_tiles < 1 or (v1 and vp % num_tiles):
+        raise ValueError("num_tiles must divide padded_vocab (rl-engine-arith/1)")
+    if (num_tiles - 1) * -(-vp // num_tiles) >= vp:  # section 6: w = ceil(Vp / T)
+        raise ValueError("num_tiles leaves a tile with no column of padded_vocab")
     targets = _as_1d(targets, rows, np.int64, "targets")
     active = _as_1d(active, rows, bool, "active")
     if np.any(active & ((targets < 0) | (targets >= vp))):
@@ -400,17 +402,35 @@ def _check_spec(spec: str) -> str:
     return spec
 
 
-def temperature32(temperature) -> np.float32:
-    """Section 6 step 0: ``T32 = RN32(T)``, which must lie in ``[2**-64, 2**64]``."""
+def temperature32(temperature):
+    """Section 6 step 0: ``T32 = RN32(T)``, which must lie in ``[2**-64, 2**64]``: a np.float32 for a
+    number, a float32 ``[rows]`` array for a temperature per row (an array of ``T``, each rounded once)."""
+    if np.ndim(temperature):
+        t32 = np.asarray(temperature).astype(F32)
+        inside = (t32 >= F32(2.0 ** -64)) & (t32 <= F32(2.0 ** 64))
+        if not inside.all():
+            i = int(np.flatnonzero(~inside)[0])
+            raise ValueError(f"temperature[{i}]={np.asarray(temperature)[i]!r} outside [2**-64, 2**64] in binary32")
+        return t32
     t32 = F32(temperature)
     if not (F32(2.0 ** -64) <= t32 <= F32(2.0 ** 64)):
         raise ValueError(f"temperature {temperature!r} outside [2**-64, 2**64] in binary32")
     return t32
 
 
+def _untempered(temperature) -> bool:
+    """Whether the call has no temperature: the number 1 (a per-row array is a temperature)."""
+    return not np.ndim(temperature) and temperature == 1.0
+
+
 def _tempered(x: np.ndarray, temperature) -> np.ndarray:
-    """Step 0: ``x' = RN32(x / T32)`` (IEEE binary32 division); the identity (skipped) when ``T32 = 1``."""
+    """Step 0: ``x' = RN32(x / T32)`` (IEEE binary32 division; per row, each row by its ``T32``); the
+    identity (skipped) when ``T32 = 1``."""
     t32 = temperature32(temperature)
+    if np.ndim(t32):
+        if t32.shape != (x.shape[0],):
+            raise ValueError(f"temperature has shape {t32.shape}; a temperature per row needs ({x.shape[0]},)")
+        return np.divide(x, t32[:, None])
     return x if t32 == ONE else np.divide(x, t32)
 
 
@@ -418,20 +438,22 @@ def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int
             with_entropy: bool, spec: str = SPEC_VERSION, temperature: float = 1.0, keep=None):
     """Section 6 over the full vocabulary in one process. Returns (logp, lse, entropy|None).
 
-    ``temperature`` (``/2`` only): step 0 divides every logit by ``T32 = RN32(T)``. ``keep``
-    (bool ``[rows, Vp]``, section 13): every column outside it reads as ``-inf`` after step 0."""
+    ``temperature`` (``/2`` only): step 0 divides every logit by ``T32 = RN32(T)``; an array of one
+    ``T`` per row divides each row by its own. ``keep`` (bool ``[rows, Vp]``, section 13): every column
+    outside it reads as ``-inf`` after step 0."""
     v1 = _check_spec(spec) == SPEC_V1
-    if v1 and temperature != 1.0:
+    if v1 and not _untempered(temperature):
         raise ValueError(f"{SPEC_V1} has no temperature; got {temperature!r}")
     exp = exp32_v1 if v1 else exp32
     x_all, rows, vp, targets, active = _check_common(
-        logits, dtype, targets, active, real_vocab, num_tiles)
+        logits, dtype, targets, active, real_vocab, num_tiles, v1)
     with np.errstate(over="ignore", invalid="ignore"):
         x_all = _tempered(x_all, temperature)
     if keep is not None:
         x_all = np.where(keep, x_all, NEG_INF)
     T = int(num_tiles)
-    w = vp // T
+    w = -(-vp // T)  # section 6: tiles of ceil(Vp / T) columns; the grid's columns >= Vp are padding
+    vt = T * w
     logp = np.empty(rows, F32)
     lse = np.empty(rows, F32)
     ent = np.empty(rows, F32) if with_entropy else None
@@ -440,7 +462,10 @@ def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         for r0 in range(0, rows, blk):
             r1 = min(rows, r0 + blk)
-            x = _masked_block(x_all, r0, r1, real_vocab).reshape(r1 - r0, T, w)
+            x = _masked_block(x_all, r0, r1, real_vocab)
+            if vt > vp:
+                x = np.concatenate([x, np.full((r1 - r0, vt - vp), NEG_INF, F32)], axis=1)
+            x = x.reshape(r1 - r0, T, w)
             m = np.maximum.reduce(x, axis=2)  # 1. NaN propagates (np.maximum)
             m = np.add(m, ZERO)  # -0 + 0 = +0
             sh = np.where(np.equal(m, NEG_INF), ZERO, m)  # 2.
@@ -466,7 +491,7 @@ def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int
                 ent[r0:r1] = canon_nan(_chk(np.subtract(L, M)))
             act = active[r0:r1]
             tg = np.where(act, targets[r0:r1], 0)
-            xt = x.reshape(r1 - r0, vp)[np.arange(r1 - r0), tg]  # copied, never summed
+            xt = x.reshape(r1 - r0, vt)[np.arange(r1 - r0), tg]  # copied, never summed
             lp = np.where(act, np.subtract(xt, L), ZERO)  # 9.
             logp[r0:r1] = canon_nan(_chk(lp))  # 10.
             lse[r0:r1] = canon_nan(_chk(L))
@@ -482,19 +507,20 @@ def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
     """Section 7 gradient, rounded once to the logits' representation (section 8).
 
     ``grad_logp`` / ``grad_lse``: float32 [rows] or None (absent = 0). Returns uint16 bf16
-    bits, np.float16 or np.float32 of the logits' shape. ``temperature``: step 0 on the logits,
-    and the gradient divided by ``T32`` before its rounding (step 2, the chain rule of the division). ``grad_entropy`` (float32
-    [rows] or None) with the forward's ``entropy``: step 1's entropy term. ``keep`` (bool
-    ``[rows, Vp]``, section 13 step 5): columns outside it read as ``-inf`` and get ``+0``; a row
-    whose active target is outside it has ``gl = 0``.
+    bits, np.float16 or np.float32 of the logits' shape. ``temperature`` (a number, or one per row):
+    step 0 on the logits, and the gradient divided by ``T32`` before its rounding (step 2, the chain
+    rule of the division). ``grad_entropy`` (float32 [rows] or None) with the forward's ``entropy``: step 1's entropy term.
+    ``keep`` (bool ``[rows, Vp]``, section 13 step 5): columns outside it read as ``-inf`` and get
+    ``+0``; a row whose active target is outside it has ``gl = 0``.
     """
     v1 = _check_spec(spec) == SPEC_V1
-    if v1 and temperature != 1.0:
+    if v1 and not _untempered(temperature):
         raise ValueError(f"{SPEC_V1} has no temperature; got {temperature!r}")
     exp = exp32_v1 if v1 else exp32
     x_all, rows, vp, targets, active = _check_common(
-        logits, dtype, targets, active, real_vocab, num_tiles)
+        logits, dtype, targets, active, real_vocab, num_tiles, v1)
     t32 = temperature32(temperature)
+    per_row = bool(np.ndim(t32))
     with np.errstate(over="ignore", invalid="ignore"):
         x_all = _tempered(x_all, temperature)
     if keep is not None:
@@ -536,7 +562,9 @@ def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
             tc = targets[r0:r1][act]
             base = g[ar, tc]
             g[ar, tc] = np.add(base, gl[r0:r1][act])  # 2. ... except round(0 + gl) at target
-            if t32 != ONE:
+            if per_row:
+                g = np.divide(g, t32[r0:r1, None])  # 2. each row's T32
+            elif t32 != ONE:
                 g = np.divide(g, t32)  # 2. the temperature's chain rule (+0 stays +0: T32 > 0)
             if keep is not None:
                 g = np.where(keep[r0:r1], g, ZERO)  # section 13 step 5: +0 outside the kept set
@@ -606,8 +634,9 @@ def kept_set(x, real_vocab: int, num_tiles: int, top_k=0, top_p=1.0, min_p=0.0) 
     """
     x = _f32(x)
     rows, vp = x.shape
-    if num_tiles < 1 or vp % num_tiles:
-        raise ValueError("num_tiles must divide padded_vocab")
+    if num_tiles < 1 or (num_tiles - 1) * -(-vp // num_tiles) >= vp:  # section 6: w = ceil(Vp / T)
+        raise ValueError("num_tiles leaves a tile with no column of padded_vocab")
+    grid = num_tiles * -(-vp // num_tiles)  # whole tiles; the columns past Vp are +0 terms of Z
     k, p32, mp32 = sampling32(top_k, top_p, min_p, rows)
     keep = np.zeros((rows, vp), bool)
     keep[:, :real_vocab] = True
@@ -627,7 +656,7 @@ def kept_set(x, real_vocab: int, num_tiles: int, top_k=0, top_p=1.0, min_p=0.0) 
             if k[r] > 0:  # 2. top-k
                 prefix = prefix[: k[r]]
             if p32[r] < ONE:  # 3. top-p
-                e = np.zeros(vp, F32)
+                e = np.zeros(grid, F32)
                 e[:real_vocab] = exp32(y)
                 prefix = _top_p_prefix(prefix, e, num_tiles, p32[r])
             keep[r, :real_vocab] = False

@@ -196,6 +196,7 @@ def canonical_zero_(x: torch.Tensor) -> torch.Tensor:
 
 class _ChunkViews(NamedTuple):
     buf: torch.Tensor  # [rows, local_vocab] FP32
+    stored: torch.Tensor  # the chunk's own columns (all but the grid's padding past the vocabulary)
     tiles: torch.Tensor  # the same memory as [rows, tiles, tile_width]
     real: torch.Tensor  # real columns
     padding: torch.Tensor | None  # padding columns, if any
@@ -227,9 +228,15 @@ class ChunkWorkspace:
         device: torch.device,
         t32: float = 1.0,
         vocab_start: int | None = None,
+        stored: int | None = None,
     ) -> None:
         if local_vocab % tile_width:
             raise ValueError(f"local_vocab={local_vocab} is not a multiple of tile_width={tile_width}")
+        # the chunk's own columns; the rest of the buffer up to whole tiles is the grid's padding past
+        # the vocabulary (docs/arithmetic.md section 6), filled with -inf like every padding column
+        self.stored = local_vocab if stored is None else stored
+        if not real_local <= self.stored <= local_vocab:
+            raise ValueError(f"stored={self.stored} must lie in [real_local={real_local}, local_vocab={local_vocab}]")
         self.chunk_rows = chunk_rows
         self.local_vocab = local_vocab
         self.tile_width = tile_width
@@ -260,6 +267,7 @@ class ChunkWorkspace:
             lane_scratch = self.lane_scratch.rows(rows) if self.lane_scratch is not None else None
             found = _ChunkViews(
                 buf=buf,
+                stored=buf[:, : self.stored],
                 tiles=buf.view(shape),
                 real=buf[:, : self.real_local],
                 padding=buf[:, self.real_local :] if self.real_local < self.local_vocab else None,
@@ -280,21 +288,24 @@ class ChunkWorkspace:
         s_out: torch.Tensor,
         t_out: torch.Tensor | None,
         row_min_out: torch.Tensor | None,
+        row_t32: torch.Tensor | None = None,
         keep: Any = None,
     ) -> None:
         """Write the chunk's tile partials into ``m_out``, ``s_out`` (and ``t_out``).
 
         ``row_min_out``, when given, receives the minimum over each row's real columns
         (a validation aid: with the tile maxima it tells whether a row is all finite).
-        ``keep`` (section 13, a :class:`rl_engine.logprob.processed.KeptCut`; typed ``Any``: ``arith/`` sits
-        below ``logprob/``): the columns its cut drops read as ``-inf`` after step 0; then
-        ``row_min_out`` is NaN on a row whose real maximum is not finite (the tile maxima no longer
-        show it), so that the check sees the logits as given.
+        ``row_t32``, when given, holds the chunk's rows' ``T32`` (a temperature per row, in place
+        of the workspace's one). ``keep`` (section 13, a :class:`rl_engine.logprob.processed.KeptCut`;
+        typed ``Any``: ``arith/`` sits below ``logprob/``): the columns its cut drops read as ``-inf``
+        after step 0; then ``row_min_out`` is NaN on a row whose real maximum is not finite (the tile
+        maxima no longer show it), so that the check sees the logits as given.
         """
         v = self.views(chunk.shape[0])
-        v.buf.copy_(chunk)
-        if self.divisor is not None:
-            v.buf.div_(self.divisor)  # binary32 division by T32 (IEEE, correctly rounded)
+        v.stored.copy_(chunk)
+        divisor = self.divisor if row_t32 is None else row_t32.unsqueeze(1)
+        if divisor is not None:
+            v.stored.div_(divisor)  # binary32 division by T32 (IEEE, correctly rounded)
         if keep is not None:
             assert self.cols is not None, "build the workspace with vocab_start for a kept set"
             if row_min_out is not None and self.real_local > 0:
@@ -340,11 +351,13 @@ class GradWorkspace:
         out: torch.Tensor,
         g_ent: torch.Tensor | None = None,
         mb: torch.Tensor | None = None,
+        row_t32: torch.Tensor | None = None,
         keep: Any = None,
     ) -> None:
         """``out = coef * E(x - lse)``, plus ``target_add`` at ``target_col`` in FP32, divided by
-        the workspace's ``T32`` (the temperature, skipped when 1), NaN made canonical, rounded once to
-        ``out``'s dtype (``docs/arithmetic.md`` sections 7-8; ``x`` is the chunk divided by ``T32``).
+        the workspace's ``T32`` (the temperature, skipped when 1; with ``row_t32``, each row's), NaN
+        made canonical, rounded once to ``out``'s dtype (``docs/arithmetic.md`` sections 7-8; ``x`` is
+        the chunk divided by ``T32``).
 
         Adding ``-0.0`` is the identity for every FP32 value, so rows that own no target
         carry ``-0.0`` in ``target_add`` and keep their bits. ``scatter_add_`` adds exactly
@@ -356,7 +369,7 @@ class GradWorkspace:
         buf = self.buf[:rows]
         sc = self.scratch.rows(rows)
         buf.copy_(chunk)
-        divisor = self.divisor
+        divisor = self.divisor if row_t32 is None else row_t32.unsqueeze(1)
         if divisor is not None:
             buf.div_(divisor)  # section 6 step 0
         dropped = None

@@ -13,7 +13,8 @@
 - ``lm_head`` and ``fused_lm_head`` (asked for by name, with ``--hidden-size``): the logprob
   from a hidden state and an lm_head weight, the logits made whole (``hidden @ weight.T``, then
   ``selected_logprob``) or chunk by chunk (``selected_logprob_from_hidden``); forward+backward
-  gives the gradients of both;
+  gives the gradients of both; ``naive_lm_head``: ``torch.log_softmax((hidden @ weight.T).float(),
+  -1).gather(...)`` with autograd, what a trainer writes without this engine;
 - ``floor``: one pass over the (local) logits in row chunks, upcast and row max (the least any
   exact method must do); its backward adds one more read of the logits and one write of a
   gradient in the logits dtype. The floor runs its chunks through the same chunk runner
@@ -153,6 +154,8 @@ def _head_step(path: str, phase: str, inputs: Inputs, config: BenchConfig) -> tu
     targets, active = inputs.targets, inputs.active
 
     def run() -> Any:
+        if path == "naive_lm_head":  # what a trainer writes without this engine, in autograd
+            return _naive_logp(hidden @ weight.T, targets, active)
         if path == "lm_head":
             return selected_logprob(hidden @ weight.T, targets, active, num_vocab_tiles=config.tiles,
                                     validate=config.validate)
@@ -169,7 +172,8 @@ def _head_step(path: str, phase: str, inputs: Inputs, config: BenchConfig) -> tu
                 return run()
     else:
         def step() -> Any:
-            run().selected_logp.sum().backward()
+            out = run()
+            (out if path == "naive_lm_head" else out.selected_logp).sum().backward()
             return hidden.grad, weight.grad
     return step, reset
 

@@ -350,24 +350,19 @@ class _Recorder:
         return (torch.tensor(ks, dtype=torch.int64), torch.tensor(ps, dtype=torch.float32),
                 torch.tensor(ms, dtype=torch.float32))
 
-    def _ours(self, logits: torch.Tensor, targets: torch.Tensor, temps: list[float],
+    def _ours(self, logits: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor | None,
               params: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """selected_logprob of ``logits`` rows at ``targets``, one call per distinct temperature;
-        ``params``: each row's ``(top_k, top_p, min_p)``, per-row parameters of the call."""
+        """selected_logprob of ``logits`` rows at ``targets`` in one call: ``temps`` holds each row's
+        temperature (vLLM's float32 values, taken exactly: a temperature per row), ``None`` is 1;
+        ``params``: each row's ``(top_k, top_p, min_p)``, per-row parameters of the call (None: off)."""
         from rl_engine.logprob import selected_logprob
 
-        out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
-        temps_t = torch.tensor(temps, dtype=torch.float64)
-        for t in sorted(set(temps)):
-            rows = (temps_t == t).nonzero().flatten().to(logits.device)
-            sampler = {} if params is None else {
-                name: value.to(logits.device).index_select(0, rows) for name, value in zip(SAMPLER_PARAMS, params)}
-            got = selected_logprob(logits.index_select(0, rows), targets.index_select(0, rows),
-                                   torch.ones(rows.numel(), dtype=torch.bool, device=logits.device),
-                                   num_vocab_tiles=self.options.num_vocab_tiles, backend=self.options.backend,
-                                   real_vocab_size=self.options.real_vocab_size, temperature=t, **sampler)
-            out.index_copy_(0, rows, got.selected_logp)
-        return out
+        sampler = {} if params is None else {name: value.to(logits.device) for name, value in zip(SAMPLER_PARAMS, params)}
+        got = selected_logprob(logits, targets, torch.ones(targets.shape, dtype=torch.bool, device=logits.device),
+                               num_vocab_tiles=self.options.num_vocab_tiles, backend=self.options.backend,
+                               real_vocab_size=self.options.real_vocab_size,
+                               temperature=1.0 if temps is None else temps, **sampler)
+        return got.selected_logp
 
     def _replace(self, logits: torch.Tensor, sampled: torch.Tensor, temps: torch.Tensor, tensors: Any,
                  params: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
@@ -376,7 +371,6 @@ class _Recorder:
         ids = tensors.logprob_token_ids
         rows = logits.shape[0]
         processed = self.options.logprobs == "processed"
-        temps_host = temps.cpu().tolist() if processed else [1.0] * rows
         if ids.numel() == 0:  # logprobs=-1: every column of every row
             raise VLLMIntegrationError("logprobs=-1 (every vocabulary entry) with rl_engine's logprob is refused: "
                                        "ask for the sampled token and a top-k (logprobs=k)")
@@ -384,7 +378,8 @@ class _Recorder:
         flat_rows = torch.arange(rows, device=logits.device).repeat_interleave(width)
         flat_ids = ids.to(torch.int64).reshape(-1)
         index = flat_rows.cpu()
-        ours = self._ours(logits.index_select(0, flat_rows), flat_ids, [temps_host[i] for i in index.tolist()],
+        ours = self._ours(logits.index_select(0, flat_rows), flat_ids,
+                          temps.index_select(0, flat_rows) if processed else None,
                           tuple(p.index_select(0, index) for p in params) if processed else None)  # type: ignore[arg-type]
         values.copy_(ours.reshape(rows, width).to(values.dtype))
 
@@ -433,7 +428,7 @@ class _Recorder:
             flat = token_col.to(torch.int64)
             width = flat.shape[1]
             rows = torch.arange(logits.shape[0], device=logits.device).repeat_interleave(width)
-            ours = self._ours(logits.index_select(0, rows), flat.reshape(-1), [1.0] * rows.numel())
+            ours = self._ours(logits.index_select(0, rows), flat.reshape(-1), None)
             values = ours.reshape(values.shape).to(values.dtype)
             out = type(out)(token_col, values, *out[2:]) if isinstance(out, tuple) else out
         if self.options.capture and self.options.prompt_rows:

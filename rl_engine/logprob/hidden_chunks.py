@@ -47,6 +47,7 @@ class HeadPlan:
     grad_weight_fp32: bool
     group: Any
     reduce_hidden: bool
+    row_t32: torch.Tensor | None = None  # a temperature per token: binary32 [tokens], each token's T32
     sampling: Sampling | None = None  # per token (flat); docs/arithmetic.md section 13
 
     def __post_init__(self) -> None:
@@ -98,10 +99,11 @@ def forward_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         index = rows[start:end]
         logits = head_logits(_chunk_hidden(hidden, rows, start, end, plan.compute_dtype), weight, plan.matmul)
         ones = torch.ones(end - start, dtype=torch.bool, device=hidden.device)
+        per_row = {} if plan.row_t32 is None else {"temperature": plan.row_t32.index_select(0, index)}
         sampling = _chunk_sampling(plan, index)
         out = plan.op(logits, targets.index_select(0, index), ones, plan.chunk_contract(end - start),
                       group=plan.group, compute_entropy=plan.compute_entropy, validate=plan.validate,
-                      **({"sampling": sampling} if sampling is not None else {}))
+                      **per_row, **({"sampling": sampling} if sampling is not None else {}))
         logp[index] = out.selected_logp
         if out.target_kept is not None:
             kept[index] = out.target_kept
@@ -138,8 +140,9 @@ def backward_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
             ones = torch.ones(end - start, dtype=torch.bool, device=hidden.device)
             sampling = _chunk_sampling(plan, index)
             chunk_rows = plan.op.default_chunk_rows(part, logits.device)
-            keep = None if sampling is None else plan.op.engine().kept_cut(logits, part, sampling, plan.group,
-                                                                          chunk_rows)
+            row_t32 = None if plan.row_t32 is None else plan.row_t32.index_select(0, index)
+            keep = None if sampling is None else plan.op.engine().kept_cut(
+                logits, part, sampling, plan.group, chunk_rows, **({} if row_t32 is None else {"row_t32": row_t32}))
             grad_logits = vocab_parallel_backward(
                 logits, targets.index_select(0, index), ones, lse.index_select(0, index),
                 None if grad_logp is None else grad_logp.index_select(0, index),
@@ -147,7 +150,7 @@ def backward_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
                 chunk_rows, plan.op.engine(),
                 None if grad_entropy is None else grad_entropy.index_select(0, index),
                 None if grad_entropy is None or entropy is None else entropy.index_select(0, index),
-                keep, None if keep is None or target_kept is None else target_kept.index_select(0, index))
+                row_t32, keep, None if keep is None or target_kept is None else target_kept.index_select(0, index))
             del logits
             if grad_rows is not None:
                 grad_rows[start:end] = grad_logits @ weight

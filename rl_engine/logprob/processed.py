@@ -213,7 +213,8 @@ def _gather_tiles(piece: torch.Tensor, contract: LogprobContract, group: Any) ->
         return piece
     assert contract.vocab_shard_bounds is not None
     width = contract.tile_width
-    counts = [(end - start) // width for start, end in contract.vocab_shard_bounds]
+    # whole tiles: the last rank's last tile may reach past the vocabulary (section 6's grid)
+    counts = [-(-(end - start) // width) for start, end in contract.vocab_shard_bounds]
     slot = max(counts)
     buf = piece.new_zeros(piece.shape[0], slot)
     buf[:, : piece.shape[1]] = piece
@@ -227,6 +228,9 @@ def _z(e: torch.Tensor, member: torch.Tensor, tiles: int, width: int, contract: 
     """``Z(P)`` of section 13 for every row: ``F`` over the global tiles of the lane sums ``G`` of
     ``e_c`` on the members (``+0`` elsewhere). ``e``/``member``: ``[rows, local_vocab]``."""
     terms = torch.where(member, e, torch.zeros_like(e))
+    grid = tiles * width
+    if terms.shape[1] < grid:  # the grid's padding past the vocabulary (section 6): +0 terms
+        terms = torch.nn.functional.pad(terms, (0, grid - terms.shape[1]))
     sums = lane_sum(terms.view(e.shape[0], tiles, width))
     full = _gather_tiles(sums, contract, group)
     return fold_sum_(full.clone()).clone()
@@ -234,17 +238,20 @@ def _z(e: torch.Tensor, member: torch.Tensor, tiles: int, width: int, contract: 
 
 def _top_p_value(e: torch.Tensor, member: torch.Tensor, x: torch.Tensor, tau: torch.Tensor, use: torch.Tensor,
                  cut_v: torch.Tensor, big: torch.Tensor, dtype: torch.dtype, contract: LogprobContract,
-                 group: Any) -> torch.Tensor:
+                 group: Any, row_t32: torch.Tensor | None = None) -> torch.Tensor:
     """The largest value ``v`` of ``K2`` (``member``) with ``Z(K2 and x >= v) >= tau``, by bisection.
 
     Binary32 logits: on the binary32 order between the ``K2`` cut and ``B`` (at most 32 steps). A
     16-bit dtype: on the order of the 16-bit inputs ``X`` (16 steps), each step's ``v`` the tempered
     ``RN32(f32(X) / T32)``: the division is monotone and every ``x_c`` is such a value, so the
-    largest ``X`` whose ``v`` passes gives the largest passing value of ``K2`` itself."""
+    largest ``X`` whose ``v`` passes gives the largest passing value of ``K2`` itself. ``row_t32``:
+    each row's ``T32`` (a temperature per row) in place of the contract's."""
     if dtype in (torch.bfloat16, torch.float16):
         def value_of(o: torch.Tensor) -> torch.Tensor:
             bits = torch.where(o < 0, o ^ 0x7FFF, o).to(torch.int16)
             v = bits.view(dtype).float()
+            if row_t32 is not None:
+                return v / row_t32
             divisor = temperature_divisor(contract.temperature32, v.device)
             return v / divisor if divisor is not None else v
 
@@ -261,26 +268,28 @@ def _top_p_value(e: torch.Tensor, member: torch.Tensor, x: torch.Tensor, tau: to
         hi = torch.where(use, ordered(big), lo)
     while bool((hi > lo).any()):
         mid = torch.div(lo + hi + 1, 2, rounding_mode="floor")
-        ok = _z(e, member & (x >= value_of(mid).unsqueeze(1)), e.shape[1] // contract.tile_width,
+        ok = _z(e, member & (x >= value_of(mid).unsqueeze(1)), contract.local_grid_width // contract.tile_width,
                 contract.tile_width, contract, group) >= tau
         lo = torch.where(ok, mid, lo)
         hi = torch.where(ok, hi, mid - 1)
     return value_of(lo)
 
 
-def _tempered_block(logits: torch.Tensor, contract: LogprobContract) -> torch.Tensor:
-    """Section 6 step 0 on a block of rows: the exact upcast, divided by ``T32`` (skipped at 1)."""
+def _tempered_block(logits: torch.Tensor, contract: LogprobContract,
+                    row_t32: torch.Tensor | None = None) -> torch.Tensor:
+    """Section 6 step 0 on a block of rows: the exact upcast, divided by ``T32`` (skipped at 1), or by
+    each row's ``T32`` (``row_t32``, binary32 ``[rows]``)."""
     x = logits.float()
     if x.data_ptr() == logits.data_ptr():
         x = x.clone()
-    divisor = temperature_divisor(contract.temperature32, x.device)
+    divisor = temperature_divisor(contract.temperature32, x.device) if row_t32 is None else row_t32.unsqueeze(1)
     if divisor is not None:
         x.div_(divisor)
     return x
 
 
 def kept_cut(logits: torch.Tensor, contract: LogprobContract, sampling: Sampling, group: Any,
-             chunk_rows: int | None = None) -> KeptCut:
+             chunk_rows: int | None = None, row_t32: torch.Tensor | None = None) -> KeptCut:
     """The cut of every local row (section 13), on every TP rank of the group alike.
 
     Blocks of rows in order; per block a fixed sequence of all-gathers whose count depends only
@@ -288,6 +297,7 @@ def kept_cut(logits: torch.Tensor, contract: LogprobContract, sampling: Sampling
     (each rank's first ``k`` keys of ``K1``), the tile lane sums of ``Z(K2)``, then a bisection on
     the key, value first (on the binary32 order) and, among ties at the value found, on the
     column id, each step one all-gather of tile lane sums folded by ``F`` in tile order.
+    ``row_t32`` (binary32 ``[rows]``): each row's ``T32`` in place of the contract's temperature.
     """
     rows, local = logits.shape
     if rows == 0:
@@ -296,19 +306,21 @@ def kept_cut(logits: torch.Tensor, contract: LogprobContract, sampling: Sampling
     values, indices = [], []
     for start in range(0, rows, block):
         stop = min(rows, start + block)
-        cut = _block_cut(logits[start:stop], contract, sampling.rows_slice(start, stop), group)
+        cut = _block_cut(logits[start:stop], contract, sampling.rows_slice(start, stop), group,
+                         None if row_t32 is None else row_t32[start:stop])
         values.append(cut.value)
         indices.append(cut.index)
     return KeptCut(torch.cat(values), torch.cat(indices))
 
 
-def _block_cut(logits: torch.Tensor, contract: LogprobContract, sampling: Sampling, group: Any) -> KeptCut:
+def _block_cut(logits: torch.Tensor, contract: LogprobContract, sampling: Sampling, group: Any,
+               row_t32: torch.Tensor | None = None) -> KeptCut:
     rows, local = logits.shape
     device = logits.device
     width = contract.tile_width
-    tiles = local // width
+    tiles = contract.local_grid_width // width  # whole tiles: the last may reach past the vocabulary
     real = max(0, min(local, contract.real_vocab_size - contract.vocab_start))
-    x = _tempered_block(logits, contract)
+    x = _tempered_block(logits, contract, row_t32)
     cols = torch.arange(contract.vocab_start, contract.vocab_start + local, dtype=torch.int64, device=device)
     is_real = (torch.arange(local, device=device) < real).unsqueeze(0)
     neg_inf = torch.full((), float("-inf"), dtype=torch.float32, device=device)
@@ -355,7 +367,7 @@ def _block_cut(logits: torch.Tensor, contract: LogprobContract, sampling: Sampli
     if bool(use_top_p.any()):
         e = portable_exp(torch.where(member, y, neg_inf).contiguous())
         tau = p32 * _z(e, member, tiles, width, contract, group)
-        value = _top_p_value(e, member, x, tau, use_top_p, cut_v, big, logits.dtype, contract, group)
+        value = _top_p_value(e, member, x, tau, use_top_p, cut_v, big, logits.dtype, contract, group, row_t32)
         above = member & (x > value.unsqueeze(1))
         ties = member & (x == value.unsqueeze(1))
         # the index: the smallest id c among the ties with Z(above, ties with id <= c) >= tau

@@ -47,6 +47,7 @@ from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_devic
 from rl_engine.logprob.backends.eager.chunk_threads import for_each_chunk
 from rl_engine.logprob.contract import RANK_LOCAL_FIELDS, LogprobContract, LogprobContractError
 from rl_engine.logprob.processed import KeptCut, Sampling, kept_cut
+from rl_engine.logprob.row_temperature import row_temperature32
 from rl_engine.logprob.storage import require_readable
 from rl_engine.tables import EAGER_BACKEND
 
@@ -112,6 +113,8 @@ AGREEMENT_HINTS: dict[str, str] = {
     "(inactive rows are ignored): take them from the same batch.",
     "active": "Every TP rank of a CP rank must get the same active mask: take it from the "
     "same batch.",
+    "row_temperature": "Every TP rank of a CP rank must get the same per-row temperatures (or none): "
+    "take them from the same batch.",
 }
 
 
@@ -160,6 +163,7 @@ def call_record(
     validate: Any,
     verdict: str | None,
     on_invalid: Any = "raise",
+    row_t32: Any = None,
     sampling: Sampling | None = None,
 ) -> CallRecord:
     """This rank's agreement record: its verdict and every per-call field TP peers share.
@@ -185,11 +189,12 @@ def call_record(
     fields.append(("on_invalid", on_invalid if on_invalid in ON_INVALID else UNKNOWN))
     if verdict is None:
         effective = targets.masked_fill(~active, contract.ignore_index)
-        fields += [("targets", tensor_digest(effective)), ("active", tensor_digest(active))]
+        fields += [("targets", tensor_digest(effective)), ("active", tensor_digest(active)),
+                   ("row_temperature", "none" if row_t32 is None else tensor_digest(row_t32))]
         if sampling is not None:
             fields.append(("sampling", sampling.digest()))
     else:
-        fields += [("targets", UNKNOWN), ("active", UNKNOWN)]
+        fields += [("targets", UNKNOWN), ("active", UNKNOWN), ("row_temperature", UNKNOWN)]
         if sampling is not None:
             fields.append(("sampling", UNKNOWN))
     return CallRecord(CALL, verdict, tuple(fields))
@@ -222,6 +227,7 @@ def _local_partials(
     chunk_rows: int,
     with_entropy: bool,
     validate: bool,
+    row_t32: torch.Tensor | None = None,
     keep: KeptCut | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Tile partials of the local shard, one cache-sized chunk of rows at a time.
@@ -229,11 +235,12 @@ def _local_partials(
     One workspace serves every chunk (no allocation in the loop, no host sync). With
     ``validate`` the per-row "all real columns finite" flag comes from the tile maxima
     and one extra min pass on the chunk while it is in cache; otherwise it is ``None``.
+    ``row_t32``: each row's ``T32`` (a temperature per row) in place of the contract's.
     """
     rows = logits.shape[0]
     width = contract.tile_width
     real_local = real_local_columns(contract)
-    tiles = contract.local_vocab_size // width
+    tiles = contract.local_tile_count
     m = torch.empty(rows, tiles, dtype=torch.float32, device=logits.device)
     s = torch.empty_like(m)
     t = torch.empty_like(m) if with_entropy else None
@@ -242,8 +249,9 @@ def _local_partials(
     def workspace() -> ChunkWorkspace:
         require_gradual_underflow(logits.device)  # per worker thread
         return ChunkWorkspace(
-            min(chunk_rows, rows), contract.local_vocab_size, width, real_local, with_entropy,
+            min(chunk_rows, rows), contract.local_grid_width, width, real_local, with_entropy,
             logits.device, contract.temperature32, contract.vocab_start if keep is not None else None,
+            stored=contract.local_vocab_size,
         )
 
     def work(ws: ChunkWorkspace, start: int, stop: int) -> None:
@@ -253,6 +261,7 @@ def _local_partials(
             s[start:stop],
             t[start:stop] if t is not None else None,
             row_min[start:stop] if row_min is not None else None,
+            row_t32[start:stop] if row_t32 is not None else None,
             keep.rows_slice(start, stop) if keep is not None else None,
         )
 
@@ -266,13 +275,13 @@ def _local_partials(
 
 
 def _local_target_logit(
-    logits: torch.Tensor, targets: torch.Tensor, contract: LogprobContract
+    logits: torch.Tensor, targets: torch.Tensor, contract: LogprobContract, row_t32: torch.Tensor | None = None
 ) -> torch.Tensor:
     local = targets - contract.vocab_start
     owned = (local >= 0) & (local < contract.local_vocab_size)
     index = torch.where(owned, local, torch.zeros_like(local)).unsqueeze(1)
     value = logits.gather(1, index).squeeze(1).float()
-    divisor = temperature_divisor(contract.temperature32, value.device)
+    divisor = temperature_divisor(contract.temperature32, value.device) if row_t32 is None else row_t32
     if divisor is not None:
         value = value / divisor  # section 6 step 0, as every engine scales its tiles
     return torch.where(owned, value, torch.zeros_like(value))
@@ -306,7 +315,7 @@ def _exchange(
         return tile_pieces, target_value.unsqueeze(1)
     assert contract.vocab_shard_bounds is not None
     width = contract.tile_width
-    tiles_per_rank = [(end - start) // width for start, end in contract.vocab_shard_bounds]
+    tiles_per_rank = [-(-end // width) - start // width for start, end in contract.vocab_shard_bounds]
     slot = max(tiles_per_rank)
     rows = target_value.shape[0]
     buf = torch.zeros(rows, slot * len(tile_pieces) + 1, dtype=torch.float32, device=target_value.device)
@@ -333,15 +342,19 @@ def vocab_parallel_forward(
     validate: bool,
     engine: "LocalEngine | None" = None,
     on_invalid: str = "raise",
+    row_t32: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Forward without autograd: ``(selected_logp, lse, entropy)`` in FP32 for the local rows.
 
     ``engine`` computes the local tile partials (default: the eager chunk loop); the
     exchange, the merge and everything after are the same for every engine. With ``validate``
     and ``on_invalid="nan"`` an invalid active row gets logp NaN instead of a refusal (no host sync).
+    ``row_t32`` (binary32 ``[rows]``, checked by the caller): each row's ``T32`` in place of the
+    contract's temperature (:mod:`rl_engine.logprob.row_temperature`).
     """
     logp, lse, entropy, _ = processed_forward(
-        logits, targets, active, contract, group, chunk_rows, with_entropy, validate, engine, on_invalid)
+        logits, targets, active, contract, group, chunk_rows, with_entropy, validate, engine, on_invalid,
+        row_t32=row_t32)
     return logp, lse, entropy
 
 
@@ -357,19 +370,33 @@ def processed_forward(
     engine: "LocalEngine | None" = None,
     on_invalid: str = "raise",
     keep: KeptCut | None = None,
+    row_t32: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """:func:`vocab_parallel_forward` on the kept set ``keep`` (``docs/arithmetic.md`` section 13;
     ``None``: every column, the raw forward), with ``target_kept`` (``None`` without ``keep``).
+    ``row_t32``: each row's ``T32`` (a temperature per row), as in :func:`vocab_parallel_forward`.
 
     An active row whose target the cut drops gets ``logp = -inf`` (never NaN) and
     ``target_kept`` False; the target logit is the owner's copy, so every rank decides alike.
     """
     engine = engine or EAGER_ENGINE
-    if keep is None:
-        m, s, t, finite = engine.local_partials(logits, contract, chunk_rows, with_entropy, validate)
-    else:
-        m, s, t, finite = engine.local_partials(logits, contract, chunk_rows, with_entropy, validate, keep=keep)
-    target_value = _local_target_logit(logits, targets, contract)
+    if contract.tp_world_size == 1 and row_t32 is None and keep is None:
+        whole = engine.single_rank_forward(logits, targets, active, contract, chunk_rows, with_entropy, validate,
+                                           on_invalid)
+        if whole is not None:
+            logp, lse, entropy, flags = whole
+            if flags is not None and bool(flags.any()):  # the call's one host sync
+                if bool((flags & 2).any()):
+                    contract.check_targets(targets, active)  # raises with the row and the value
+                _refuse_non_finite(((flags & 1) != 0).unsqueeze(1), contract)
+            return logp, lse, entropy, None
+    extra: dict[str, Any] = {}
+    if row_t32 is not None:
+        extra["row_t32"] = row_t32
+    if keep is not None:
+        extra["keep"] = keep
+    m, s, t, finite = engine.local_partials(logits, contract, chunk_rows, with_entropy, validate, **extra)
+    target_value = _local_target_logit(logits, targets, contract, row_t32)
     check = validate and contract.num_tokens > 0
     if check:
         # A non-finite logit lives on one TP rank only. Its row's target-logit slot is sent
@@ -395,22 +422,18 @@ def processed_forward(
         else:
             flagged = bool(bad.any())
         if flagged:
-            row = int(bad.any(dim=1).nonzero()[0, 0])
-            ranks = bad[row].nonzero().squeeze(1).tolist()
-            where = f"tp_rank={ranks[0]}" if len(ranks) == 1 else f"tp_ranks={ranks}"
-            raise LogprobContractError(
-                f"logits row {row} (global token {contract.token_indices[row]}) is active and "
-                f"holds a non-finite value in its real columns on {where}; "
-                "fix the producer or mark the row inactive"
-            )
+            _refuse_non_finite(bad, contract)
     m_all, s_all = merged[0], merged[1]
     t_all = merged[2] if t is not None else None
-    lse, entropy = merge_tiles(m_all, s_all, t_all, engine.exp, engine.log)
     if contract.tp_world_size == 1:
         target_logit = target_value  # this rank owns every column
     else:
         owner = _owner_rank(targets, contract).unsqueeze(1)
         target_logit = targets_by_rank.gather(1, owner).squeeze(1)
+    if keep is None:
+        logp, lse, entropy = engine.merge(m_all, s_all, t_all, target_logit, active, poisoned)
+        return logp, lse, entropy, None
+    lse, entropy = merge_tiles(m_all, s_all, t_all, engine.exp, engine.log)
     logp = (target_logit - lse).masked_fill_(~active, 0.0)
     target_kept = None
     if keep is not None:
@@ -422,6 +445,20 @@ def processed_forward(
         if out is not None:
             canonical_nan_(out)
     return logp, lse, entropy, target_kept
+
+
+def _refuse_non_finite(bad: torch.Tensor, contract: LogprobContract) -> None:
+    """Raise for the first active row with a non-finite real logit (``bad``: ``[rows, tp]``, which
+    TP ranks saw one), naming the row, its global token and the ranks."""
+    row = int(bad.any(dim=1).nonzero()[0, 0])
+    ranks = bad[row].nonzero().squeeze(1).tolist()
+    where = f"tp_rank={ranks[0]}" if len(ranks) == 1 else f"tp_ranks={ranks}"
+    raise LogprobContractError(
+        f"logits row {row} (global token {contract.token_indices[row]}) is active and "
+        f"holds a non-finite value in its real columns on {where}; "
+        "fix the producer or mark the row inactive"
+    )
+
 
 
 @dataclass(frozen=True)
@@ -441,10 +478,17 @@ class BackwardTerms:
     # the entropy gradient (section 7 step 1): g_ent per row and Mb = LSE - H; None without one
     g_ent: torch.Tensor | None = None
     mb: torch.Tensor | None = None
+    # a temperature per row: each row's T32 (binary32 [rows]) in place of t32 (which is then 1)
+    row_t32: torch.Tensor | None = None
     # processed logprobs (section 13): the kept set's cut and the global id of local column 0;
     # every column the cut drops gets +0
     keep: KeptCut | None = None
     vocab_start: int = 0
+
+    @property
+    def tempered(self) -> bool:
+        """Whether section 6 step 0 and section 7 step 2 divide (a temperature, per call or per row)."""
+        return self.row_t32 is not None or self.t32 != 1.0
 
     def zero_rows(self) -> torch.Tensor:
         """Rows the section 7 override writes as +0: coef == 0 and no entropy term."""
@@ -462,6 +506,7 @@ def backward_terms(
     contract: LogprobContract,
     grad_entropy: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    row_t32: torch.Tensor | None = None,
     keep: KeptCut | None = None,
     target_kept: torch.Tensor | None = None,
 ) -> BackwardTerms:
@@ -483,7 +528,7 @@ def backward_terms(
         g_ent = grad_entropy.float().contiguous()
         mb = (lse - entropy).contiguous()  # Mb = LSE - H, one binary32 subtraction (section 7)
     return BackwardTerms(coef, target_col, target_add, real_local_columns(contract), contract.temperature32,
-                         g_ent, mb, keep, contract.vocab_start)
+                         g_ent, mb, row_t32, keep, contract.vocab_start)
 
 
 def _eager_backward(
@@ -503,6 +548,7 @@ def _eager_backward(
             grad[start:stop],
             None if terms.g_ent is None else terms.g_ent[start:stop],
             None if terms.mb is None else terms.mb[start:stop],
+            None if terms.row_t32 is None else terms.row_t32[start:stop],
             None if terms.keep is None else terms.keep.rows_slice(start, stop),
         )
 
@@ -522,7 +568,8 @@ def _eager_backward(
     if zero_rows.numel():
         grad.index_fill_(0, zero_rows, 0.0)
         at_target = target_add[zero_rows] + 0.0  # +0.0 + g
-        divisor = temperature_divisor(terms.t32, at_target.device)
+        divisor = (temperature_divisor(terms.t32, at_target.device) if terms.row_t32 is None
+                   else terms.row_t32[zero_rows])
         if divisor is not None:
             at_target = at_target / divisor  # (+0 + gl) / T32
         at_target = rounded(canonical_nan_(at_target), grad.dtype)
@@ -602,21 +649,81 @@ class LocalEngine:
         chunk_rows: int,
         with_entropy: bool,
         validate: bool,
+        row_t32: torch.Tensor | None = None,
         keep: KeptCut | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        return _local_partials(logits, contract, chunk_rows, with_entropy, validate, keep)
+        """``(m, s, t, finite)``: the tile partials of the local shard (``row_t32``: each row's
+        ``T32`` in place of the contract's temperature; ``keep``: the kept set's cut, section 13)."""
+        return _local_partials(logits, contract, chunk_rows, with_entropy, validate, row_t32, keep)
 
     def kept_cut(
-        self, logits: torch.Tensor, contract: LogprobContract, sampling: Sampling, group: Any, chunk_rows: int
+        self, logits: torch.Tensor, contract: LogprobContract, sampling: Sampling, group: Any, chunk_rows: int,
+        row_t32: torch.Tensor | None = None,
     ) -> KeptCut:
         """The kept set's cut of every local row; runs collectives on ``group`` (every TP rank calls
         it in the same order). The eager search of :func:`rl_engine.logprob.processed.kept_cut`."""
-        return kept_cut(logits, contract, sampling, group, chunk_rows)
+        return kept_cut(logits, contract, sampling, group, chunk_rows, row_t32)
 
     def local_backward(
         self, logits: torch.Tensor, lse: torch.Tensor, terms: BackwardTerms, chunk_rows: int
     ) -> torch.Tensor:
         return _eager_backward(logits, lse, terms, chunk_rows)
+
+    def backward_terms(
+        self,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        active: torch.Tensor,
+        lse: torch.Tensor,
+        grad_logp: torch.Tensor | None,
+        grad_lse: torch.Tensor | None,
+        contract: LogprobContract,
+        grad_entropy: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
+    ) -> BackwardTerms:
+        """The backward's per-row terms (:func:`backward_terms`; a compiled engine may compute
+        them in one launch)."""
+        return backward_terms(logits, targets, active, lse, grad_logp, grad_lse, contract, grad_entropy, entropy)
+
+    def single_rank_forward(
+        self,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        active: torch.Tensor,
+        contract: LogprobContract,
+        chunk_rows: int,
+        with_entropy: bool,
+        validate: bool,
+        on_invalid: str,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """The whole forward of a rank that holds every column (TP = 1) in the engine's own
+        launches: ``(logp, lse, entropy, flags)``, ``flags`` per row (validating with
+        ``on_invalid="raise"``: bit 0 an active row with a non-finite real logit, bit 1 an active
+        target outside the real vocabulary; else None). ``None``: the engine has no such path and
+        the shared steps below compute the forward (the same bytes either way: the shared steps
+        are the definition, and an engine's tests compare its bytes with them)."""
+        return None
+
+    def merge(
+        self,
+        m: torch.Tensor,
+        s: torch.Tensor,
+        t: torch.Tensor | None,
+        target_logit: torch.Tensor,
+        active: torch.Tensor,
+        poisoned: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Section 6 steps 5-10 on the gathered ``[rows, tiles]`` partials: ``(logp, lse, entropy)``
+        with ``logp = x_target - LSE`` on active rows (``+0`` elsewhere), NaN on ``poisoned`` rows,
+        every NaN canonical. A compiled engine may do it in one launch."""
+        lse, entropy = merge_tiles(m, s, t, self.exp, self.log)
+        logp = (target_logit - lse).masked_fill_(~active, 0.0)
+        if poisoned is not None:
+            logp.masked_fill_(poisoned, float("nan"))  # canonical below
+        for out in (logp, lse, entropy):
+            if out is not None:
+                canonical_nan_(out)
+        return logp, lse, entropy
 
     def exp(self, y: torch.Tensor) -> torch.Tensor:
         """``E`` (section 3) of a contiguous binary32 tensor, for the merge of the tile partials."""
@@ -642,6 +749,7 @@ def vocab_parallel_backward(
     engine: LocalEngine | None = None,
     grad_entropy: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    row_t32: torch.Tensor | None = None,
     keep: KeptCut | None = None,
     target_kept: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -656,11 +764,17 @@ def vocab_parallel_backward(
     the loop has no host sync. Rows without upstream gradient are overwritten after the
     loop with what the FP32 sequence gives them (zeros, and ``0.0 + g`` at the target),
     which costs one index look-up per call instead of a masked pass per chunk.
-    ``engine`` replaces the chunk loop (default: the eager one); the terms are shared.
+    ``engine`` replaces the chunk loop (default: the eager one); the terms are shared. ``row_t32``:
+    each row's ``T32`` (a temperature per row) in place of the contract's.
     """
-    terms = backward_terms(logits, targets, active, lse, grad_logp, grad_lse, contract, grad_entropy, entropy,
-                           keep, target_kept)
-    return (engine or EAGER_ENGINE).local_backward(logits, lse, terms, chunk_rows)
+    engine = engine or EAGER_ENGINE
+    if row_t32 is None and keep is None and target_kept is None:
+        terms = engine.backward_terms(logits, targets, active, lse, grad_logp, grad_lse, contract, grad_entropy,
+                                      entropy)
+    else:  # a temperature per row or a kept set: the shared terms carry them
+        terms = backward_terms(logits, targets, active, lse, grad_logp, grad_lse, contract, grad_entropy, entropy,
+                               row_t32, keep, target_kept)
+    return engine.local_backward(logits, lse, terms, chunk_rows)
 
 
 class _VocabParallelLogprob(torch.autograd.Function):
@@ -677,13 +791,18 @@ class _VocabParallelLogprob(torch.autograd.Function):
         validate: bool,
         engine: LocalEngine,
         on_invalid: str,
+        row_t32: torch.Tensor | None,
         sampling: Sampling | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        keep = engine.kept_cut(logits, contract, sampling, group, chunk_rows) if sampling is not None else None
+        keep = (engine.kept_cut(logits, contract, sampling, group, chunk_rows,
+                                **({} if row_t32 is None else {"row_t32": row_t32}))
+                if sampling is not None else None)
         logp, lse, entropy, kept = processed_forward(
-            logits, targets, active, contract, group, chunk_rows, with_entropy, validate, engine, on_invalid, keep
+            logits, targets, active, contract, group, chunk_rows, with_entropy, validate, engine, on_invalid, keep,
+            row_t32,
         )
         ctx.contract = contract
+        ctx.row_t32 = row_t32  # not an autograd input: the op gives the temperature no gradient
         ctx.chunk_rows = chunk_rows
         ctx.engine = engine
         ctx.set_materialize_grads(False)  # an output the loss does not use gives None, not zeros
@@ -718,11 +837,12 @@ class _VocabParallelLogprob(torch.autograd.Function):
                 grad_lse.detach() if grad_lse is not None else None,
                 ctx.contract, ctx.chunk_rows, ctx.engine,
                 grad_entropy.detach() if grad_entropy is not None else None, entropy.detach(),
+                ctx.row_t32,
                 keep, kept if keep is not None else None,
             )
         if create_graph and logits.requires_grad:
             grad = _FirstOrderOnly.apply(logits, [grad])
-        return grad, None, None, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None, None, None
 
 
 class VocabParallelLogprob:
@@ -760,11 +880,19 @@ class VocabParallelLogprob:
         validate: bool = True,
         chunk_rows: int | None = None,
         on_invalid: str = "raise",
+        temperature: torch.Tensor | None = None,
         sampling: Sampling | None = None,
     ) -> LogprobOutput:
-        """``sampling`` (per-row top-k / top-p / min-p of the local rows, or ``None``): the processed
-        logprob of ``docs/arithmetic.md`` section 13; an engine without ``supports_processed`` refuses it."""
+        """The op on this rank's rows. ``temperature`` (default ``None``: the contract's): a temperature
+        per local row, a floating-point tensor of shape ``[contract.num_tokens]`` on the logits' device
+        (:func:`rl_engine.logprob.row_temperature.row_temperature32` says what it accepts), with the
+        contract's temperature 1; under CP each rank passes its own rows', and the ranks of a TP group
+        must pass the same (the agreement step compares their digests). A refused value is this rank's
+        verdict: every rank of the group raises it. ``sampling`` (per-row top-k / top-p / min-p of the
+        local rows, or ``None``): the processed logprob of ``docs/arithmetic.md`` section 13; an engine
+        without ``supports_processed`` refuses it."""
         verdict: str | None = None
+        row_t32: torch.Tensor | None = None
         record: CallRecord | None = None
         try:
             if not isinstance(contract, LogprobContract):
@@ -778,6 +906,13 @@ class VocabParallelLogprob:
             check_chunk_rows(chunk_rows)
             check_group(contract, group)
             contract.check_inputs(logits, targets, active)
+            if temperature is not None and contract.tempered:
+                raise LogprobContractError(
+                    f"temperature is given per row and contract.temperature={contract.temperature!r}; pass one of "
+                    "them: the per-row tensor with the contract's temperature 1.0, or no tensor")
+            if temperature is not None:
+                row_t32 = row_temperature32(temperature, (contract.num_tokens,), logits.device,
+                                            check_values=validate)
             check_sampling(sampling, contract, logits.device, self.backend_id, self.engine())
             if logits.device.type not in self.devices:
                 raise LogprobContractError(
@@ -794,7 +929,7 @@ class VocabParallelLogprob:
             if size > 1:  # digests of the targets and the mask: inside the checks too
                 record = call_record(
                     contract, self.backend_id, targets, active, compute_entropy, validate, None, on_invalid,
-                    sampling,
+                    row_t32, sampling,
                 )
         except LogprobContractError as exc:
             verdict = str(exc)
@@ -807,7 +942,7 @@ class VocabParallelLogprob:
             if verdict is not None or record is None:
                 record = call_record(
                     contract, self.backend_id, targets, active, compute_entropy, validate, verdict, on_invalid,
-                    sampling,
+                    row_t32, sampling,
                 )
             agree(record, group, record_device(logits), role="TP", hints=AGREEMENT_HINTS)
         elif verdict is not None:
@@ -820,7 +955,7 @@ class VocabParallelLogprob:
         logits, targets, active = (t.resolve_neg() for t in (logits, targets, active))
         logp, lse, entropy, kept = _VocabParallelLogprob.apply(
             logits, targets, active, contract, group, int(chunk_rows), compute_entropy, validate,
-            self.engine(), on_invalid, sampling,
+            self.engine(), on_invalid, row_t32, sampling,
         )
         return LogprobOutput(logp, lse, entropy if compute_entropy else None, None,
                              kept if sampling is not None else None)

@@ -162,6 +162,13 @@ typedef struct {
     int64_t rows, row_stride, local_vocab, tile_width, real_local;
     float *m, *s, *t, *row_min; /* t, row_min may be NULL */
     float t32;                  /* the temperature's T32 (section 6 step 0); 1: no division */
+    const float *row_t32;       /* a temperature per row: row r's T32 in place of t32; NULL: none */
+    /* processed logprobs (section 13, _fused_cpu_kept.h): the kept set's last key per row, and
+     * a per-row shift replacing the tile's own; all NULL in the raw forward */
+    const float *keep_v;
+    const int64_t *keep_id;
+    const float *shift;
+    int32_t *count; /* the kept real columns per (row, tile); may be NULL */
 } fwd_args;
 
 typedef struct {
@@ -173,7 +180,28 @@ typedef struct {
     void *grad; /* [rows, local_vocab] contiguous, dtype of the logits */
     float t32;  /* the temperature's T32: x / T32 before E, the gradient / T32 before its rounding */
     const float *g_ent, *mb; /* the entropy gradient and Mb = LSE - H per row; both NULL without one */
+    const float *row_t32;    /* a temperature per row: row r's T32 in place of t32; NULL: none */
+    const float *keep_v;     /* processed logprobs: the kept set's last key per row; NULL: raw */
+    const int64_t *keep_id;
 } bwd_args;
+
+/* Processed logprobs' kept-set search (section 13): min-p and top-k candidates per row. */
+typedef struct {
+    int kind; /* 0: candidates */
+    const void *logits;
+    int dtype;
+    int64_t rows, row_stride, local_vocab, tile_width, real_local;
+    float t32;
+    const float *B;       /* the row max of the tempered real logits */
+    const float *lmp;     /* candidates: L(mp32), -inf when min-p is off */
+    const int64_t *k;     /* candidates: top-k's k, 0 when off */
+    int64_t kmax;         /* candidates: the columns of cand_v / cand_id */
+    int64_t *count;       /* candidates: |K1| on the shard */
+    float *least;         /* candidates: the least x over K1 on the shard */
+    float *cand_v;        /* candidates: [rows, kmax] */
+    int64_t *cand_id;
+    const float *row_t32; /* a temperature per row: row r's T32 in place of t32; NULL: none */
+} kept_args;
 
 /* ------------------------------------------------------------------ the three variants */
 
@@ -222,7 +250,7 @@ typedef struct {
 #define RLE_BLOCK_ROWS 4
 
 typedef struct {
-    int kind; /* 0 forward, 1 backward */
+    int kind; /* 0 forward, 1 backward, 2 the kept-set search (kept_args) */
     int isa;
     const void *args;
     int64_t rows;
@@ -234,6 +262,44 @@ static inline int64_t take_block(job *jb, int64_t *r1) {
     int64_t r0 = __atomic_fetch_add(jb->next, RLE_BLOCK_ROWS, __ATOMIC_RELAXED);
     *r1 = r0 + RLE_BLOCK_ROWS < jb->rows ? r0 + RLE_BLOCK_ROWS : jb->rows;
     return r0;
+}
+
+/* The kept-set search's rows (kept_args): per worker one row of binary32 logits and its keys. */
+static int kept_job(int isa, const kept_args *a, job *jb) {
+    const int64_t R = a->real_local;
+    float *x = (float *)malloc((size_t)(R > 0 ? R : 1) * sizeof(float));
+    uint64_t *keys = (uint64_t *)malloc((size_t)(R > 0 ? R : 1) * sizeof(uint64_t));
+    int status = RLE_OK;
+    if (x == NULL || keys == NULL) {
+        status = RLE_NO_MEMORY;
+        goto done;
+    }
+    const size_t esz = a->dtype == DT_F32 ? 4 : 2;
+    int64_t r0, r1;
+    while ((r0 = take_block(jb, &r1)) < jb->rows) {
+        for (int64_t row = r0; row < r1; row++) {
+            const char *rowp = (const char *)a->logits + (size_t)row * (size_t)a->row_stride * esz;
+#if RLE_X86
+#define RLE_KEPT_CALL(fn, ...)                                             \
+    do {                                                                   \
+        if (isa == ISA_AVX512) fn##_avx512(__VA_ARGS__);                   \
+        else if (isa == ISA_AVX2) fn##_avx2(__VA_ARGS__);                  \
+        else fn##_baseline(__VA_ARGS__);                                   \
+    } while (0)
+#else
+#define RLE_KEPT_CALL(fn, ...) fn##_baseline(__VA_ARGS__)
+#endif
+            RLE_KEPT_CALL(row_logits, rowp, a->dtype, R, a->row_t32 != NULL ? a->row_t32[row] : a->t32, x);
+            RLE_KEPT_CALL(candidates_row, x, R, a->B[row], a->lmp[row], a->k[row], a->kmax, keys,
+                          a->count + row, a->least + row, a->cand_v + row * a->kmax,
+                          a->cand_id + row * a->kmax);
+#undef RLE_KEPT_CALL
+        }
+    }
+done:
+    free(x);
+    free(keys);
+    return status;
 }
 
 static void *run_job(void *p) {
@@ -254,6 +320,15 @@ static void *run_job(void *p) {
         }
         int64_t r0, r1;
         while ((r0 = take_block(jb, &r1)) < jb->rows) {
+            if (a->keep_v != NULL) { /* processed logprobs: _fused_cpu_kept.h */
+#if RLE_X86
+                if (jb->isa == ISA_AVX512) fwd_rows_kept_avx512(a, r0, r1, buf);
+                else if (jb->isa == ISA_AVX2) fwd_rows_kept_avx2(a, r0, r1, buf);
+                else
+#endif
+                    fwd_rows_kept_baseline(a, r0, r1, buf);
+                continue;
+            }
 #if RLE_X86
             if (jb->isa == ISA_AVX512) fwd_rows_avx512(a, r0, r1, buf);
             else if (jb->isa == ISA_AVX2) fwd_rows_avx2(a, r0, r1, buf);
@@ -262,10 +337,22 @@ static void *run_job(void *p) {
                 fwd_rows_baseline(a, r0, r1, buf);
         }
         free(buf);
+    } else if (jb->kind == 2) {
+        jb->status = kept_job(jb->isa, (const kept_args *)jb->args, jb);
+        return NULL;
     } else {
         const bwd_args *a = (const bwd_args *)jb->args;
         int64_t r0, r1;
         while ((r0 = take_block(jb, &r1)) < jb->rows) {
+            if (a->keep_v != NULL) { /* processed logprobs: _fused_cpu_kept.h */
+#if RLE_X86
+                if (jb->isa == ISA_AVX512) bwd_rows_kept_avx512(a, r0, r1);
+                else if (jb->isa == ISA_AVX2) bwd_rows_kept_avx2(a, r0, r1);
+                else
+#endif
+                    bwd_rows_kept_baseline(a, r0, r1);
+                continue;
+            }
 #if RLE_X86
             if (jb->isa == ISA_AVX512) bwd_rows_avx512(a, r0, r1);
             else if (jb->isa == ISA_AVX2) bwd_rows_avx2(a, r0, r1);
@@ -332,30 +419,88 @@ static int run_split(int kind, int isa, const void *args, int64_t rows, int thre
 __attribute__((visibility("default"))) int rle_forward_partials(
     const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t local_vocab,
     int64_t tile_width, int64_t real_local, float *m, float *s, float *t, float *row_min,
-    float t32, int threads, int isa) {
+    float t32, const float *row_t32, int threads, int isa) {
+    /* local_vocab: the columns of the rank's whole tiles, which may run past the columns stored
+     * (the grid's padding past the vocabulary, section 6); only the real columns [0, real_local)
+     * of a row are read, so a row needs real_local stored columns. */
     if (logits == NULL || m == NULL || s == NULL || tile_width < 1 || local_vocab < 1 ||
         local_vocab % tile_width != 0 || dtype < DT_F32 || dtype > DT_F16 || rows < 0 ||
-        row_stride < local_vocab || real_local < 0 || real_local > local_vocab || !(t32 > 0.0f) ||
-        t32 == __builtin_inff())
+        row_stride < real_local || real_local < 0 || real_local > local_vocab || !(t32 > 0.0f) ||
+        t32 == __builtin_inff() || (row_t32 != NULL && t32 != 1.0f))
         return RLE_BAD_ARG;
     fwd_args a = {logits, dtype, rows, row_stride, local_vocab, tile_width, real_local,
-                  m, s, t, row_min, t32};
+                  m, s, t, row_min, t32, row_t32};
     return run_split(0, isa, &a, rows, threads);
 }
 
 __attribute__((visibility("default"))) int rle_backward(
     const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t local_vocab,
     int64_t real_local, const float *lse, const float *coef, const int64_t *target_col,
-    const float *target_add, void *grad, float t32, const float *g_ent, const float *mb, int threads,
-    int isa) {
+    const float *target_add, void *grad, float t32, const float *g_ent, const float *mb,
+    const float *row_t32, int threads, int isa) {
     if (logits == NULL || grad == NULL || lse == NULL || coef == NULL || target_col == NULL ||
         target_add == NULL || local_vocab < 1 || dtype < DT_F32 || dtype > DT_F16 || rows < 0 ||
         row_stride < local_vocab || real_local < 0 || real_local > local_vocab || !(t32 > 0.0f) ||
-        t32 == __builtin_inff() || (g_ent == NULL) != (mb == NULL))
+        t32 == __builtin_inff() || (g_ent == NULL) != (mb == NULL) || (row_t32 != NULL && t32 != 1.0f))
         return RLE_BAD_ARG;
     bwd_args a = {logits, dtype, rows, row_stride, local_vocab, real_local,
-                  lse, coef, target_add, target_col, grad, t32, g_ent, mb};
+                  lse, coef, target_add, target_col, grad, t32, g_ent, mb, row_t32};
     return run_split(1, isa, &a, rows, threads);
+}
+
+/* Processed logprobs (section 13, _fused_cpu_kept.h). rle_forward_kept and rle_backward_kept
+ * are rle_forward_partials and rle_backward on the logits with x_c = -inf outside each row's kept
+ * set, given by its last key (keep_v, keep_id: a local column); shift (may be NULL) replaces the
+ * tiles' own shift by one per row (the top-p sums); count (may be NULL) gets each tile's number of
+ * kept real columns (top-k's search on the key). */
+__attribute__((visibility("default"))) int rle_forward_kept(
+    const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t local_vocab,
+    int64_t tile_width, int64_t real_local, float *m, float *s, float *t, float *row_min,
+    float t32, const float *row_t32, const float *keep_v, const int64_t *keep_id, const float *shift,
+    int32_t *count, int threads, int isa) {
+    if (logits == NULL || m == NULL || s == NULL || keep_v == NULL || keep_id == NULL ||
+        tile_width < 1 || local_vocab < 1 || local_vocab % tile_width != 0 || dtype < DT_F32 ||
+        dtype > DT_F16 || rows < 0 || row_stride < real_local || real_local < 0 ||
+        real_local > local_vocab || !(t32 > 0.0f) || t32 == __builtin_inff())
+        return RLE_BAD_ARG;
+    fwd_args a = {.logits = logits, .dtype = dtype, .rows = rows, .row_stride = row_stride,
+                  .local_vocab = local_vocab, .tile_width = tile_width, .real_local = real_local,
+                  .m = m, .s = s, .t = t, .row_min = row_min, .t32 = t32, .row_t32 = row_t32, .keep_v = keep_v,
+                  .keep_id = keep_id, .shift = shift, .count = count};
+    return run_split(0, isa, &a, rows, threads);
+}
+
+__attribute__((visibility("default"))) int rle_backward_kept(
+    const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t local_vocab,
+    int64_t real_local, const float *lse, const float *coef, const int64_t *target_col,
+    const float *target_add, void *grad, float t32, const float *g_ent, const float *mb,
+    const float *row_t32, const float *keep_v, const int64_t *keep_id, int threads, int isa) {
+    if (logits == NULL || grad == NULL || lse == NULL || coef == NULL || target_col == NULL ||
+        target_add == NULL || keep_v == NULL || keep_id == NULL || local_vocab < 1 ||
+        dtype < DT_F32 || dtype > DT_F16 || rows < 0 || row_stride < local_vocab ||
+        real_local < 0 || real_local > local_vocab || !(t32 > 0.0f) || t32 == __builtin_inff() ||
+        (g_ent == NULL) != (mb == NULL))
+        return RLE_BAD_ARG;
+    bwd_args a = {.logits = logits, .dtype = dtype, .rows = rows, .row_stride = row_stride,
+                  .local_vocab = local_vocab, .real_local = real_local, .lse = lse, .coef = coef,
+                  .target_add = target_add, .target_col = target_col, .grad = grad, .t32 = t32,
+                  .g_ent = g_ent, .mb = mb, .row_t32 = row_t32, .keep_v = keep_v, .keep_id = keep_id};
+    return run_split(1, isa, &a, rows, threads);
+}
+
+/* min-p's K1 and top-k's first k columns of K1 on this shard, per row (candidates_row). */
+__attribute__((visibility("default"))) int rle_kept_candidates(
+    const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t real_local, float t32,
+    const float *row_t32, const float *B, const float *lmp, const int64_t *k, int64_t kmax,
+    int64_t *count, float *least, float *cand_v, int64_t *cand_id, int threads, int isa) {
+    if (logits == NULL || B == NULL || lmp == NULL || k == NULL || count == NULL || least == NULL ||
+        (kmax > 0 && (cand_v == NULL || cand_id == NULL)) || kmax < 0 || dtype < DT_F32 ||
+        dtype > DT_F16 || rows < 0 || real_local < 0 || row_stride < real_local || !(t32 > 0.0f) ||
+        t32 == __builtin_inff() || real_local >= ((int64_t)1 << 31))
+        return RLE_BAD_ARG;
+    kept_args a = {0, logits, dtype, rows, row_stride, real_local, 1, real_local, t32, B, lmp, k,
+                   kmax, count, least, cand_v, cand_id, row_t32};
+    return run_split(2, isa, &a, rows, threads);
 }
 
 /* Test hooks: the element functions on their own. */
@@ -395,7 +540,7 @@ __attribute__((visibility("default"))) void rle_upcast_f16_array(const uint16_t 
     for (int64_t i = 0; i < n; i++) out[i] = upcast(x, DT_F16, i);
 }
 
-__attribute__((visibility("default"))) int rle_abi_version(void) { return 4; }
+__attribute__((visibility("default"))) int rle_abi_version(void) { return 6; }
 
 __attribute__((visibility("default"))) int rle_selected_isa(int isa) { return resolve_isa(isa); }
 

@@ -12,5 +12,6 @@ DESCRIPTION = BackendDescription(
     engine="rl_engine.logprob.backends.fused_cpu.fused_cpu:FusedCpuLogprob",
     availability="rl_engine.logprob.backends.fused_cpu.fused_cpu:kernel_unavailable",
     priority=10,
+    processed_logprobs=True,
     arith_versions=("rl-engine-arith/2",),
 )

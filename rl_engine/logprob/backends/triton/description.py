@@ -16,6 +16,7 @@ DESCRIPTION = BackendDescription(
     engine="rl_engine.logprob.backends.triton.triton_backend:TritonLogprob",
     availability="rl_engine.logprob.backends.triton.triton_backend:triton_unavailable",
     priority=20,
+    processed_logprobs=True,
     arith_versions=("rl-engine-arith/2",),
     interpreter_devices=("cpu",),
     auto_devices=("cuda",),

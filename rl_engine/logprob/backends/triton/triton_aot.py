@@ -55,12 +55,15 @@ from typing import Any
 
 import torch
 
-from rl_engine.logprob.backends.eager.vocab_parallel import backward_terms
+from rl_engine.logprob.backends.eager.vocab_parallel import real_local_columns
 from rl_engine.logprob.backends.triton.triton_backend import (
     Launch,
     backward_launches,
+    empty_terms,
     forward_launch,
     load_kernels,
+    merge_launch,
+    terms_launch,
 )
 from rl_engine.logprob.contract import LogprobContract
 
@@ -156,27 +159,42 @@ def _meta_inputs(rows: int, real: int, padded: int, tiles: int, dtype: torch.dty
     lse = torch.empty(rows, dtype=torch.float32, device="meta")
     targets = torch.empty(rows, dtype=torch.int64, device="meta")
     active = torch.empty(rows, dtype=torch.bool, device="meta")
+    flags = torch.empty(rows, dtype=torch.int8, device="meta")
     return {"contract": contract, "raw": raw, "m": m, "bad": bad, "lse": lse, "targets": targets,
-            "active": active, "dtype_name": dtype_name}
+            "active": active, "flags": flags, "dtype_name": dtype_name}
 
 
 def case_launches(rows: int, real: int, padded: int, tiles: int, dtype: torch.dtype,
-                  entropy: bool = True, validate: bool = True, temperature: float = 1.0) -> dict[str, list[Launch]]:
-    """``{"forward": [...], "backward": [...]}``: what the backend launches for one local shard
-    of ``rows`` x ``padded`` logits (TP=1), built by the backend's own launch functions."""
+                  entropy: bool = True, validate: bool = True, temperature: float = 1.0,
+                  entropy_grad: bool = False, lse_grad: bool = True) -> dict[str, list[Launch]]:
+    """``{"forward": [...], "backward": [...]}``: every launch the backend makes for one call on
+    ``rows`` x ``padded`` logits held by one rank (TP = 1), built by the backend's own launch
+    functions: the forward's partials and merge, the backward's terms, blocks and target column
+    (``entropy_grad``: a backward with the entropy's gradient, which needs ``entropy``; ``lse_grad``:
+    the loss uses the LSE, so the backward gets its gradient)."""
     inp = _meta_inputs(rows, real, padded, tiles, dtype, temperature)
-    raw, m, contract = inp["raw"], inp["m"], inp["contract"]
-    forward = forward_launch(raw, contract, m, m, m if entropy else None, inp["bad"] if validate else None,
-                             entropy, validate, dtype)
-    terms = backward_terms(raw, inp["targets"], inp["active"], inp["lse"], inp["lse"], inp["lse"], contract)
-    return {"forward": [forward], "backward": backward_launches(raw, inp["lse"], terms, raw, dtype)}
+    raw, m, lse, contract = inp["raw"], inp["m"], inp["lse"], inp["contract"]
+    targets, active = inp["targets"], inp["active"]
+    bad = inp["bad"] if validate else None
+    forward = [forward_launch(raw, contract, m, m, m if entropy else None, bad, entropy, validate, dtype),
+               merge_launch(m, m, m if entropy else None, active, lse, lse, lse if entropy else None,
+                            t32=contract.temperature32, x=raw, targets=targets, bad=bad,
+                            flags=inp["flags"] if validate else None, real_vocab=real, logits_dtype=dtype)]
+    terms = empty_terms(rows, raw.device, real_local_columns(contract), contract.temperature32, entropy_grad)
+    backward = [terms_launch(targets, active, lse, lse, lse if lse_grad else None, 0, padded, terms,
+                             lse if entropy_grad else None, lse if entropy_grad else None)]
+    return {"forward": forward, "backward": backward + backward_launches(raw, lse, terms, raw, dtype)}
+
+
+LAUNCH_PARTS = {"merge_kernel": "-merge", "backward_terms_kernel": "-terms", "backward_target_kernel": "-target"}
 
 
 def launch_part(launch: Launch) -> str:
-    """The suffix naming one of a phase's launches: ``-blocks``/``-tail``/``-target`` for the backward's."""
+    """The suffix naming one of a phase's launches: ``-merge`` for the forward's merge,
+    ``-terms``/``-blocks``/``-tail``/``-target`` for the backward's."""
     if launch.kernel == "backward_kernel":
         return "-tail" if launch.meta.get("MASKED") else "-blocks"
-    return "-target" if launch.kernel == "backward_target_kernel" else ""
+    return LAUNCH_PARTS.get(launch.kernel, "")
 
 
 def launch_variants(arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_ROWS,
@@ -256,7 +274,8 @@ def _launch_index() -> dict[str, Launch]:
                         launches = case_launches(ROOFLINE_ROWS, real, padded, tiles, dtype, entropy, validate,
                                                  temperature)
                         flags = f"-entropy{int(entropy)}-validate{int(validate)}"
-                        _LAUNCHES[f"forward-{case}-{dtype_name}{flags}{suffix}"] = launches["forward"][0]
+                        for launch in launches["forward"]:
+                            _LAUNCHES[f"forward-{case}-{dtype_name}{flags}{launch_part(launch)}{suffix}"] = launch
                         for launch in launches["backward"]:
                             _LAUNCHES[f"backward-{case}-{dtype_name}{launch_part(launch)}{suffix}"] = launch
     return _LAUNCHES
@@ -534,7 +553,8 @@ def output_directory(output_dir: Path) -> Path:
 
 def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_ROWS,
              case: tuple[int, int, int] = CASES[0][1:], dtype: torch.dtype = torch.bfloat16,
-             temperature: float = 1.0, entropy: bool = True, validate: bool = True, tp: int = 1) -> dict[str, Any]:
+             temperature: float = 1.0, entropy: bool = True, validate: bool = True, tp: int = 1,
+             entropy_grad: bool = False, lse_grad: bool = True) -> dict[str, Any]:
     """Compile the launches of one case (default: the default case, bf16, 8192 x 151936, 64
     tiles, entropy and validation on, no temperature) for ``arch``, write each cubin into
     ``output_dir`` and return the roofline document (``temperature`` other than 1 compiles the
@@ -542,17 +562,18 @@ def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_R
     kernel's fast path (:class:`Sass`): the executed count of every tile and block that needs no
     IEEE division, which without a temperature is every instruction but the trailing trap.
     ``entropy``/``validate``: the forward's flags; ``tp``: one rank's shard of the case (rank 0's
-    ``padded / tp`` columns and ``tiles / tp`` tiles; both must divide), the floor that rank's bytes."""
+    ``padded / tp`` columns and ``tiles / tp`` tiles; both must divide), the floor that rank's bytes;
+    ``entropy_grad``: the backward with the entropy's gradient (the forward then computes the entropy);
+    ``lse_grad``: whether the loss uses the LSE (the backward's terms read its gradient).
+    Every kernel of a pass is compiled and summed: the forward's partials and merge, the backward's
+    terms, blocks, last block and target column."""
     output_directory(output_dir)  # before triton is imported or anything compiled
     import triton
 
     kernels = load_kernels("compiled")
-    real, padded, tiles = case
-    if tp < 1 or padded % tp or tiles % tp:
-        raise AotError(f"tp={tp} must divide padded_vocab={padded} and num_vocab_tiles={tiles}")
-    whole = {"real_vocab": real, "padded_vocab": padded, "num_vocab_tiles": tiles}
-    padded, tiles, real = padded // tp, tiles // tp, min(real, padded // tp)
-    launches = case_launches(rows, real, padded, tiles, dtype, entropy, validate, temperature)
+    whole, (real, padded, tiles) = _shard(case, tp)
+    launches = case_launches(rows, real, padded, tiles, dtype, entropy or entropy_grad, validate, temperature,
+                             entropy_grad, lse_grad)
     from triton.backends.compiler import GPUTarget
 
     target = GPUTarget("cuda", arch, 32)
@@ -587,6 +608,7 @@ def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_R
                 "specialization": {k: v for k, v in sig.items() if v != "constexpr"},
                 "divisible_by_16": sorted(fn.arg_names[k[0]] for k, v in attrs.items()
                                           if any(a == ["tt.divisibility", 16] for a in v)),
+                "constants": constant_names(fn, cx),
             })
     logits = columns * torch.empty((), dtype=dtype).element_size()
     predicted = {}
@@ -609,9 +631,7 @@ def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_R
         "schema_version": SCHEMA_VERSION,
         "kind": "paper model from the compiled SASS (not a measurement)",
         "triton": triton.__version__,
-        "case": {"rows": rows, **whole,
-                 "dtype": {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype],
-                 "entropy": entropy, "validate": validate, "temperature": temperature, "tp": tp},
+        "case": _case_record(rows, whole, dtype, entropy or entropy_grad, validate, temperature, tp, entropy_grad),
         "model": {**MODEL, "rows": rows, "vocab": padded, "logit_bytes": torch.empty((), dtype=dtype).element_size()},
         "kernels": entries,
         "instructions_per_column": {k: round(v, 3) for k, v in per_column.items()},
@@ -619,8 +639,209 @@ def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_R
     }
 
 
+def _shard(case: tuple[int, int, int], tp: int) -> tuple[dict[str, int], tuple[int, int, int]]:
+    """The whole case's sizes, and rank 0's ``(real, padded, tiles)`` at ``tp`` (which must divide)."""
+    real, padded, tiles = case
+    if tp < 1 or padded % tp or tiles % tp:
+        raise AotError(f"tp={tp} must divide padded_vocab={padded} and num_vocab_tiles={tiles}")
+    whole = {"real_vocab": real, "padded_vocab": padded, "num_vocab_tiles": tiles}
+    return whole, (min(real, padded // tp), padded // tp, tiles // tp)
+
+
+def _case_record(rows: int, whole: dict[str, int], dtype: torch.dtype, entropy: bool, validate: bool,
+                 temperature: float, tp: int, entropy_grad: bool) -> dict[str, Any]:
+    return {"rows": rows, **whole,
+            "dtype": {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype],
+            "entropy": entropy, "validate": validate, "temperature": temperature, "tp": tp,
+            "entropy_grad": entropy_grad}
+
+
+# ------------------------------------------------------------------------------------ launched binaries
+
+
+def constant_names(fn: Any, constexprs: dict[Any, Any]) -> dict[str, Any]:
+    """A launch's compile-time constants by argument name (``constexprs`` as Triton keys them: by the
+    argument's index path), what tells two binaries of one kernel apart."""
+    return {fn.arg_names[key[0]] if isinstance(key, tuple) else str(key): value
+            for key, value in sorted(constexprs.items(), key=lambda kv: str(kv[0]))}
+
+
+@dataclass(frozen=True)
+class Launched:
+    """One binary a process compiled and launched: its kernel, constants and cubin."""
+
+    kernel: str
+    constants: dict[str, Any]
+    cubin: bytes
+
+
+def launched_binary(compiled: Any) -> Launched:
+    """:class:`Launched` of a Triton ``CompiledKernel`` (a JIT cache entry, or what ``triton.compile``
+    returns: the same object)."""
+    src = compiled.src
+    fn = src.fn
+    return Launched(fn.__name__, constant_names(fn, dict(src.constants)), bytes(compiled.asm["cubin"]))
+
+
+def launched_binaries(kernels: Any) -> list[Launched]:
+    """Every binary of the backend's kernels this process compiled and launched (the JIT caches of
+    ``kernels``' jit functions, every device), as :class:`Launched`."""
+    found = []
+    for name in ("forward_partials_kernel", "merge_kernel", "backward_terms_kernel", "backward_kernel",
+                 "backward_target_kernel"):
+        fn = getattr(kernels, name)
+        for cache in getattr(fn, "device_caches", {}).values():
+            for compiled in list(cache[0].values()):
+                if "cubin" in compiled.asm:
+                    found.append(launched_binary(compiled))
+    return found
+
+
+def sass_comparison(doc: dict[str, Any], launched: list[Launched]) -> list[dict[str, Any]]:
+    """Each roofline kernel beside the launched binary of the same kernel and constants: SASS
+    instructions (static and on the fast path), registers and local memory of both, and whether
+    each is equal (``launched`` null when the process launched no such binary)."""
+    rows = []
+    for entry in doc["kernels"]:
+        same = [b for b in launched if b.kernel == entry["kernel"] and b.constants == entry["constants"]]
+        row: dict[str, Any] = {"name": entry["name"], "kernel": entry["kernel"], "roofline": {
+            key: entry[key] for key in ("sass_per_thread", "path_per_thread", "registers", "local_bytes")}}
+        if not same:
+            row.update(launched=None, equal=None)
+        else:
+            sass = read_sass(same[0].cubin)
+            row["launched"] = {"sass_per_thread": sass.instructions, "path_per_thread": sass.path_instructions,
+                               "registers": sass.registers, "local_bytes": sass.local_bytes}
+            row["equal"] = {key: row["launched"][key] == row["roofline"][key] for key in row["roofline"]}
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------ gfx942
+
+# The time model of gfx942 (an AMD Instinct MI300X), written into roofline.json's amd_model. No
+# SASS-like path analysis exists for the AMD ISA here: the counts are static (with a temperature the
+# guard's IEEE path is included: an upper bound).
+AMD_MODEL: dict[str, Any] = {
+    "gpu": "mi300x",
+    "arch": AMD_TARGET,
+    "compute_units": 304,
+    "simds_per_cu": 4,
+    "lanes_per_simd_per_clock": 16,
+    "wave_size": 64,
+    "clock_hz": 2.1e9,
+    "bandwidth_bytes_per_s": 5.3e12,
+    "assumptions": [
+        "every vector instruction (v_*, and the memory instructions global_*, buffer_*, flat_*, ds_*) of a wave64 "
+        "occupies its SIMD 4 clocks (16 lanes a clock): 304 CUs x 4 SIMDs x 16 lanes x 2.1 GHz = 40.9e12 thread "
+        "instructions a second; a packed v_pk_* instruction counts once (it does two lanes' work in those clocks)",
+        "scalar instructions (s_*) run on the scalar unit beside the vector ones and are not timed; s_nop hazard "
+        "waits are not timed",
+        "static instruction counts (every branch's code counted once, the guard's IEEE path with a temperature)",
+        "a pass takes the larger of its kernels' summed issue time and its memory traffic at 5.3 TB/s (the logits "
+        "read once forward; read again and the gradient written backward); launch latency, caches and occupancy "
+        "left out",
+    ],
+}
+AMD_VECTOR_PREFIXES = ("v_", "global_", "buffer_", "flat_", "ds_")
+_AMD_OPCODE = re.compile(r"^\s+([a-z][a-z0-9_]*)")
+
+
+@dataclass(frozen=True)
+class AmdCode:
+    """What one gfx942 kernel runs, read from its AMDGCN text: static opcode counts per wave lane (a
+    thread), vector and scalar instructions, and resources."""
+
+    opcodes: dict[str, int]
+    vector: int
+    scalar: int  # s_* but s_nop
+    nops: int
+    vgprs: int
+    scratch_bytes: int  # private memory per lane: spills
+    lds_bytes: int
+
+
+def read_amdgcn(asm: str) -> AmdCode:
+    """:class:`AmdCode` of the AMDGCN text ``triton.compile`` gives for gfx942 (one kernel)."""
+    body = asm.split(".Lfunc_end0:")[0]
+    ops: collections.Counter[str] = collections.Counter()
+    for line in body.splitlines():
+        match = _AMD_OPCODE.match(line.split(";")[0])
+        if match:
+            ops[match.group(1)] += 1
+
+    def resource(name: str) -> int:
+        found = re.search(rf"; {name}: (\d+)", asm)
+        if found is None:
+            raise AotError(f"the AMDGCN text has no '; {name}:' line: not a kernel triton compiled for {AMD_TARGET}")
+        return int(found.group(1))
+
+    nops = ops.get("s_nop", 0)
+    return AmdCode(dict(sorted(ops.items())), sum(n for op, n in ops.items() if op.startswith(AMD_VECTOR_PREFIXES)),
+                   sum(n for op, n in ops.items() if op.startswith("s_")) - nops, nops, resource("NumVgprs"),
+                   resource("ScratchSize"), resource("LDSByteSize"))
+
+
+def amd_roofline(output_dir: Path, rows: int = ROOFLINE_ROWS, case: tuple[int, int, int] = CASES[0][1:],
+                 dtype: torch.dtype = torch.bfloat16, temperature: float = 1.0, entropy: bool = True,
+                 validate: bool = True, tp: int = 1, entropy_grad: bool = False) -> dict[str, Any]:
+    """The gfx942 counterpart of :func:`roofline` under :data:`AMD_MODEL`: every launch of the case
+    specialized as Triton's AMD backend specializes it, compiled (each ``.hsaco`` written into
+    ``output_dir``), read, and the passes' times predicted for an MI300X. Returns a variant row."""
+    output_directory(output_dir)
+    from triton.backends.compiler import GPUTarget
+
+    kernels = load_kernels("compiled")
+    whole, (real, padded, tiles) = _shard(case, tp)
+    launches = case_launches(rows, real, padded, tiles, dtype, entropy or entropy_grad, validate, temperature,
+                             entropy_grad)
+    target = GPUTarget("hip", AMD_TARGET, 64)
+    rate = AMD_MODEL["compute_units"] * AMD_MODEL["simds_per_cu"] * AMD_MODEL["lanes_per_simd_per_clock"] * \
+        AMD_MODEL["clock_hz"]
+    columns = rows * padded
+    seconds = {"forward": 0.0, "backward": 0.0}
+    per_column = {"forward": 0.0, "backward": 0.0}
+    entries = []
+    for phase, group in launches.items():
+        for launch in group:
+            fn = getattr(kernels, launch.kernel)
+            sig, cx, attrs = launch_specialization(fn, launch, target)
+            name = f"{phase}{launch_part(launch)}"
+            variant = Variant(name, launch.kernel, sig, cx, attrs, launch.warps, launch.grid, columns)
+            asm = compile_variant(fn, variant, "hip", AMD_TARGET, False, specialized=True)
+            (output_dir / f"{name}.{AMD_TARGET}.hsaco").write_bytes(asm["hsaco"])
+            code = read_amdgcn(asm["amdgcn"])
+            threads = AMD_MODEL["wave_size"] * launch.warps
+            programs = 1
+            for g in launch.grid:
+                programs *= g
+            per_column[phase] += code.vector * threads * programs / columns
+            seconds[phase] += code.vector * threads * programs / rate
+            entries.append({"name": name, "kernel": launch.kernel, "hsaco": f"{name}.{AMD_TARGET}.hsaco",
+                            "vector_per_thread": code.vector, "scalar_per_thread": code.scalar, "nops": code.nops,
+                            "vgprs": code.vgprs, "scratch_bytes": code.scratch_bytes, "lds_bytes": code.lds_bytes,
+                            "threads_per_program": threads, "programs": programs,
+                            "instructions_per_column": round(code.vector * threads * programs / columns, 3)})
+    logits = columns * torch.empty((), dtype=dtype).element_size()
+    floor_fwd = logits / AMD_MODEL["bandwidth_bytes_per_s"]
+    floor_bwd = 2 * floor_fwd
+    fwd, bwd = max(seconds["forward"], floor_fwd), max(seconds["backward"], floor_bwd)
+    return {
+        "name": "gfx942", "arch": AMD_TARGET,
+        **_case_record(rows, whole, dtype, entropy or entropy_grad, validate, temperature, tp, entropy_grad),
+        "instructions_per_column": {k: round(v, 3) for k, v in per_column.items()},
+        "registers": max(e["vgprs"] for e in entries), "local_bytes": max(e["scratch_bytes"] for e in entries),
+        "predicted": {"mi300x": {"forward_ms": round(fwd * 1e3, 4), "backward_ms": round(bwd * 1e3, 4),
+                                 "forward_over_floor": round(fwd / floor_fwd, 4),
+                                 "forward_backward_over_floor": round((fwd + bwd) / (floor_fwd + floor_bwd), 4)}},
+        "kernels": entries,
+    }
+
+
 # The variants beside the default case (python -m rl_engine.logprob.backends.triton.triton_aot --roofline --variants):
-# name -> roofline() arguments other than the default's
+# name -> roofline() arguments other than the default's (``arch`` gfx942: :func:`amd_roofline`). Together
+# they cover what trainers launch (tests/test_triton_ptx.py pins it): each logits dtype, TP 1 and 8,
+# entropy and validation on and off, the entropy gradient, a temperature, sm_90, sm_100 and gfx942.
 ROOFLINE_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("default", {}),
     ("fp16", {"dtype": torch.float16}),
@@ -628,9 +849,14 @@ ROOFLINE_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("no-entropy", {"entropy": False}),
     ("no-validation", {"validate": False}),
     ("no-entropy-no-validation", {"entropy": False, "validate": False}),
+    ("entropy-gradient", {"entropy_grad": True}),
     ("temperature-0.7", {"temperature": 0.7}),
+    ("fp16-temperature-0.7", {"dtype": torch.float16, "temperature": 0.7}),
     ("tp8", {"tp": 8}),
+    ("fp16-tp8", {"dtype": torch.float16, "tp": 8}),
+    ("fp32-tp8", {"dtype": torch.float32, "tp": 8}),
     ("sm_100", {"arch": 100}),
+    ("gfx942", {"arch": AMD_TARGET}),
 )
 
 
@@ -641,6 +867,10 @@ def roofline_variants(output_dir: Path, names: tuple[str, ...] | None = None) ->
     rows = []
     for name, kwargs in ROOFLINE_VARIANTS:
         if names is not None and name not in names:
+            continue
+        if kwargs.get("arch") == AMD_TARGET:
+            amd = {k: v for k, v in kwargs.items() if k != "arch"}
+            rows.append({**amd_roofline(output_dir / name, **amd), "name": name})
             continue
         doc = roofline(output_dir / name, **kwargs)
         rows.append({
@@ -655,14 +885,29 @@ def roofline_variants(output_dir: Path, names: tuple[str, ...] | None = None) ->
     return rows
 
 
+def variant_table(variants: list[dict[str, Any]]) -> list[str]:
+    """The printed table of the variants: one line each, its case, instructions per column forward /
+    backward, registers, local memory, and each GPU model's forward and forward+backward over its floor."""
+    lines = []
+    for v in variants:
+        over = ", ".join(f"{gpu.upper()} {p['forward_over_floor']}x / {p['forward_backward_over_floor']}x"
+                         for gpu, p in v["predicted"].items())
+        lines.append(f"variant {v['name']:<26} {v['arch']:<6} {v['dtype']} tp{v['tp']} entropy={int(v['entropy'])} "
+                     f"validate={int(v['validate'])} entropy_grad={int(v['entropy_grad'])} T={v['temperature']}: "
+                     f"per column {v['instructions_per_column']['forward']} / {v['instructions_per_column']['backward']}, "
+                     f"{v['registers']} registers, local {v['local_bytes']} B; {over} the floor")
+    return lines
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m rl_engine.logprob.backends.triton.triton_aot", description=__doc__.split("\n\n")[0])
     parser.add_argument("--roofline", action="store_true", help="write roofline.json and the cubins into --output-dir")
     parser.add_argument("--output-dir", type=Path, default=None)
     parser.add_argument("--all", action="store_true", help="check every launch variant's PTX (default: the default case's bf16)")
     parser.add_argument("--variants", action="store_true",
-                        help="with --roofline: also the variants (fp16, fp32, entropy and validation off, T = 0.7, "
-                             "TP 8, sm_100), each under --output-dir/<name>/, listed in roofline.json's variants")
+                        help="with --roofline: also the variants (fp16, fp32, entropy and validation off, the entropy "
+                             "gradient, T = 0.7, TP 8, sm_100, gfx942), each under --output-dir/<name>/, listed in "
+                             "roofline.json's variants")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="the roofline's temperature (default 1: none; docs/arithmetic.md section 6 step 0)")
     args = parser.parse_args(argv)
@@ -680,6 +925,8 @@ def main(argv: list[str]) -> int:
         doc = roofline(args.output_dir, temperature=args.temperature)
         if args.variants:
             doc["variants"] = roofline_variants(args.output_dir)
+            if any(v["arch"] == AMD_TARGET for v in doc["variants"]):
+                doc["amd_model"] = AMD_MODEL
         schemas.write_validated(args.output_dir / "roofline.json", doc, "roofline")
         for k in doc["kernels"]:
             print(f"{k['name']}: {k['path_per_thread']} SASS/thread on the fast path ({k['sass_per_thread']} static, "
@@ -690,13 +937,8 @@ def main(argv: list[str]) -> int:
         for gpu, p in doc["predicted"].items():
             print(f"{gpu}: forward {p['forward_ms']} ms ({p['forward_over_floor']}x the floor), forward+backward "
                   f"{p['forward_backward_over_floor']}x the floor")
-        for v in doc.get("variants", []):
-            h100, h200 = v["predicted"]["h100"], v["predicted"]["h200"]
-            print(f"variant {v['name']:<26} {v['arch']} {v['dtype']} tp{v['tp']} entropy={int(v['entropy'])} "
-                  f"validate={int(v['validate'])} T={v['temperature']}: per column {v['instructions_per_column']['forward']}"
-                  f" / {v['instructions_per_column']['backward']}, {v['registers']} registers, local {v['local_bytes']} B; "
-                  f"H100 {h100['forward_over_floor']}x / {h100['forward_backward_over_floor']}x, "
-                  f"H200 {h200['forward_over_floor']}x / {h200['forward_backward_over_floor']}x the floor")
+        for line in variant_table(doc.get("variants", [])):
+            print(line)
         print(f"wrote {args.output_dir / 'roofline.json'}")
         return 0
     kernels = load_kernels("compiled")

@@ -15,9 +15,13 @@ Written with IEEE-754 basic operations and the fused multiply-adds the specifica
   (the general form: ``lse`` is an input) times ``coef``, the ``coef == 0`` override, canonical NaN, padding zeros, the one rounding of
   section 8. Launched over the whole blocks without masks, and once more, masked, over the
   last partial block.
-* :func:`exp_kernel`: ``E`` of the merge's ``[rows, tiles]`` weights in one launch, and
-  :func:`log_kernel`: ``L`` of its ``[rows]`` sums in another (the rest of the merge is the eager
-  backend's code).
+* :func:`merge_kernel`: section 6 steps 5-10 in one launch over blocks of rows: the merge of the
+  ``[rows, tiles]`` partials in global tile order (``F`` over the tiles by :func:`tile_fold`),
+  the logprob and the canonical NaN; at TP = 1 it also reads the target logit and the forward's
+  validity flags, so the forward is two launches. :func:`exp_kernel` and :func:`log_kernel`
+  (``E`` and ``L`` of binary32 tensors, one launch each) serve the element tests.
+* :func:`backward_terms_kernel`: the backward's per-row terms (``coef``, the target column and
+  its addend, ``Mb``) in one launch.
 * :func:`backward_target_kernel`: the one column per row that gets the target term
   (``coef * E(x - lse) + gl``, or ``+0 + gl`` where ``coef == 0``), launched after the
   others on the same stream, so it overwrites that column's value: no per-column compare in
@@ -264,9 +268,10 @@ def pass_two(base, lane, real_left, sh, t32, inv_t, DTYPE: tl.constexpr, FULL: t
 @kernel
 def forward_partials_kernel(
     x_ptr, m_ptr, s_ptr, t_ptr, bad_ptr,
-    row_stride, real_local, t32, inv_t, hi_x, sh_min,
+    row_stride, real_local, t32_arg, inv_t_arg, hi_x_arg, sh_min_arg,
     TILES: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr,
     WITH_ENTROPY: tl.constexpr, VALIDATE: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr,
+    ROW_T: tl.constexpr,
 ):
     """Section 6 steps 1-4 for the tile ``pid % TILES`` of row ``pid // TILES`` (a constant
     divisor: integer multiply and shift, no division sequence).
@@ -278,12 +283,26 @@ def forward_partials_kernel(
     infinity, or a quotient that could overflow) or whose maximum's magnitude is below ``sh_min`` (a
     logit below the division's domain could then change ``y``) computes its sums again with the
     IEEE division, a branch every thread of the program takes alike (docs/arithmetic.md,
-    "Dividing by T32 on a GPU")."""
+    "Dividing by T32 on a GPU").
+
+    With a temperature per row (``ROW_T``, with ``TEMPERED``) the four division arguments are
+    pointers to one value per row, and the program loads its row's: the guard's thresholds are
+    that row's, still one branch for the whole program."""
     FULL: tl.constexpr = WIDTH // LANES
     REST: tl.constexpr = WIDTH - FULL * LANES
     pid = tl.program_id(0)
     row = (pid // TILES).to(tl.int64)
     tile = pid % TILES
+    if ROW_T:
+        t32 = tl.load(t32_arg + row)
+        inv_t = tl.load(inv_t_arg + row)
+        hi_x = tl.load(hi_x_arg + row)
+        sh_min = tl.load(sh_min_arg + row)
+    else:
+        t32 = t32_arg
+        inv_t = inv_t_arg
+        hi_x = hi_x_arg
+        sh_min = sh_min_arg
     base = x_ptr + row * row_stride + tile * WIDTH
     real_left = real_local - tile * WIDTH  # the tile's real columns (PADDED only)
     lane = tl.arange(0, LANES)
@@ -389,9 +408,10 @@ def column_grad(raw, lse, coef, ge, mb, t32, inv_t, DTYPE: tl.constexpr, ENTROPY
 @kernel
 def backward_kernel(
     x_ptr, lse_ptr, coef_ptr, g_ptr, gent_ptr, mb_ptr,
-    row_stride, local_vocab, real_local, col0, t32, inv_t, hi_x, lo_key, sh_min,
+    row_stride, local_vocab, real_local, col0, t32_arg, inv_t_arg, hi_x_arg, lo_key_arg, sh_min_arg,
     BLOCKS: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
     MASKED: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
+    ROW_T: tl.constexpr,
 ):
     """Section 7 (and 8) for columns ``col0 + [b * BLOCK, (b + 1) * BLOCK)`` of row
     ``pid // BLOCKS``, every column but the target term (:func:`backward_target_kernel`).
@@ -401,9 +421,22 @@ def backward_kernel(
     when a logit or a gradient of it has a magnitude ``>= hi_x`` (an infinity, or a quotient that
     could overflow), a non-zero gradient one below the domain (``lo_key`` is ``2 * bits(lo) - 2``), or the
     row's ``lse`` (or, with the entropy term, ``Mb``) one below ``sh_min`` (a logit below the
-    domain could then change ``x - lse`` or ``Mb - x``): a branch the whole program takes alike."""
+    domain could then change ``x - lse`` or ``Mb - x``): a branch the whole program takes alike.
+    With a temperature per row (``ROW_T``) the five division arguments point to one value per row."""
     pid = tl.program_id(0)
     row = (pid // BLOCKS).to(tl.int64)
+    if ROW_T:
+        t32 = tl.load(t32_arg + row)
+        inv_t = tl.load(inv_t_arg + row)
+        hi_x = tl.load(hi_x_arg + row)
+        lo_key = tl.load(lo_key_arg + row)
+        sh_min = tl.load(sh_min_arg + row)
+    else:
+        t32 = t32_arg
+        inv_t = inv_t_arg
+        hi_x = hi_x_arg
+        lo_key = lo_key_arg
+        sh_min = sh_min_arg
     cols = col0 + (pid % BLOCKS) * BLOCK + tl.arange(0, BLOCK)
     lse = tl.load(lse_ptr + row)
     coef = tl.load(coef_ptr + row)
@@ -442,17 +475,22 @@ def backward_kernel(
 @kernel
 def backward_target_kernel(
     x_ptr, lse_ptr, coef_ptr, col_ptr, add_ptr, g_ptr, gent_ptr, mb_ptr,
-    rows, row_stride, local_vocab, real_local, t32,
+    rows, row_stride, local_vocab, real_local, t32_arg,
     ROWS: tl.constexpr, DTYPE: tl.constexpr, TEMPERED: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
+    ROW_T: tl.constexpr,
 ):
     """Section 7 step 2 for ``ROWS`` rows: the target column's value, ``coef * E(x - lse) + gl``
     (``+0 + gl`` where ``coef == 0``), divided by ``T32`` with a temperature (the IEEE division:
     one column per row), canonical NaN, rounded once; ``gl`` is ``-0`` (the identity) on rows that
     own no target, so their column gets the main kernel's value again. Padding columns are left to
-    the main kernel's ``+0``."""
+    the main kernel's ``+0``. With a temperature per row (``ROW_T``) ``t32_arg`` points to each row's."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     inside = r < rows
     row = r.to(tl.int64)
+    if ROW_T:
+        t32 = tl.load(t32_arg + r, mask=inside, other=1.0)
+    else:
+        t32 = t32_arg
     col = tl.load(col_ptr + r, mask=inside, other=0)
     lse = tl.load(lse_ptr + r, mask=inside, other=0.0)
     coef = tl.load(coef_ptr + r, mask=inside, other=0.0)
@@ -546,3 +584,347 @@ def divide_kernel(x_ptr, out_ptr, n, t32, inv_t, BLOCK: tl.constexpr, DTYPE: tl.
         q = tl.div_rn(x, t32)
     tl.store(out_ptr + offs, q, mask=inside)
 
+
+
+# ------------------------------------------------------------------ processed logprobs (section 13)
+# A row's kept set is a prefix of the key order, given by its last key (keep_v, keep_id: a local
+# column): column c is dropped iff x_c < keep_v, or x_c == keep_v and c > keep_id (NaN is never
+# dropped). rl_engine/logprob/kept_search.py finds the keys with the scans below; the masked
+# forward and backward read them. Step 0 divides by T32 with the IEEE division here (tl.div_rn):
+# exact for every logit, without the guard of the raw kernels.
+
+
+@device
+def kept_chunk(base, col0, lane, real_left, first, kv, kid, t32, DTYPE: tl.constexpr, VALID: tl.constexpr,
+               PADDED: tl.constexpr, TEMPERED: tl.constexpr):
+    """One chunk of 128 columns ``col0 + lane`` of a tile whose first local column is ``first``:
+    ``(x, xk, inside, kept)``: the logits after step 0 (``-inf`` past the tile's ``VALID`` columns and
+    on padding), the same with ``-inf`` on the dropped columns, the real columns, the kept ones."""
+    neg_inf = tl.full((LANES,), NEG_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    cols = col0 + lane
+    if PADDED:
+        inside = (lane < VALID) & (cols < real_left)
+    else:
+        inside = lane < VALID
+    x = upcast(tl.load(base + cols, mask=inside, other=0), DTYPE)
+    if TEMPERED:
+        x = tl.div_rn(x, t32)
+    x = tl.where(inside, x, neg_inf)
+    dropped = (x < kv) | ((x == kv) & ((first + cols).to(tl.int64) > kid))
+    kept = inside & (dropped == 0)
+    return x, tl.where(dropped, neg_inf, x), inside, kept
+
+
+@device
+def kept_pass_one(base, col0, lane, real_left, first, kv, kid, t32, mx, rmx, rmn, DTYPE: tl.constexpr,
+                  VALID: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr, VALIDATE: tl.constexpr):
+    """The lanes' maxima of the kept columns (NaN propagates) and, for validation, of every real column."""
+    x, xk, inside, _ = kept_chunk(base, col0, lane, real_left, first, kv, kid, t32, DTYPE, VALID, PADDED, TEMPERED)
+    mx = tl.maximum(mx, xk, propagate_nan=tl.PropagateNan.ALL)
+    if VALIDATE:
+        pos_inf = tl.full((LANES,), POS_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+        rmx = tl.maximum(rmx, x, propagate_nan=tl.PropagateNan.ALL)
+        rmn = tl.minimum(rmn, tl.where(inside, x, pos_inf))
+    return mx, rmx, rmn
+
+
+@device
+def kept_pass_two(base, col0, lane, real_left, first, kv, kid, t32, sh, s, t, n, DTYPE: tl.constexpr,
+                  VALID: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr, WITH_ENTROPY: tl.constexpr):
+    """Section 6 steps 3-4 on the kept columns of one chunk, and the count of the kept real columns."""
+    _, xk, _, kept = kept_chunk(base, col0, lane, real_left, first, kv, kid, t32, DTYPE, VALID, PADDED, TEMPERED)
+    e, yc = spec_exp_forward(xk - sh)
+    s = s + e
+    if WITH_ENTROPY:
+        t = tl.fma(e, yc, t)
+    return s, t, n + kept.to(tl.int32)
+
+
+@kernel
+def kept_partials_kernel(
+    x_ptr, kv_ptr, kid_ptr, sh_ptr, m_ptr, s_ptr, t_ptr, bad_ptr, n_ptr,
+    row_stride, real_local, t32,
+    TILES: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    VALIDATE: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr, SHIFTED: tl.constexpr,
+    MAXIMA: tl.constexpr,
+):
+    """Section 6 steps 1-4 on the logits with ``x_c = -inf`` outside the row's kept set, for the tile
+    ``pid % TILES`` of row ``pid // TILES``; also the tile's count of kept real columns. With
+    ``SHIFTED`` the shift is the row's ``sh_ptr[row]`` (the row max ``B``): ``s`` is then section 13's
+    lane sum of ``E(RN32(x_c - B))`` over the kept columns (top-p's ``Z`` is ``F`` of it over the
+    tiles), and the count is top-k's. Validation reads every real column, kept or not. Without
+    ``MAXIMA`` (a search step: shifted, no validation) the first pass is skipped and ``m`` is not written."""
+    FULL: tl.constexpr = WIDTH // LANES
+    REST: tl.constexpr = WIDTH - FULL * LANES
+    pid = tl.program_id(0)
+    row = (pid // TILES).to(tl.int64)
+    tile = pid % TILES
+    first = tile.to(tl.int64) * WIDTH
+    base = x_ptr + row * row_stride + tile * WIDTH
+    real_left = real_local - tile * WIDTH
+    kv = tl.load(kv_ptr + row)
+    kid = tl.load(kid_ptr + row)
+    lane = tl.arange(0, LANES)
+    mx = tl.full((LANES,), NEG_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    rmx = mx
+    rmn = tl.full((LANES,), POS_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    if MAXIMA:
+        if FULL <= MAX_UNROLL:  # straight code, as the raw forward's (its SASS counts every column)
+            for k in tl.static_range(FULL):
+                mx, rmx, rmn = kept_pass_one(base, k * LANES, lane, real_left, first, kv, kid, t32, mx, rmx, rmn,
+                                             DTYPE, LANES, PADDED, TEMPERED, VALIDATE)
+        else:
+            for k in range(FULL):
+                mx, rmx, rmn = kept_pass_one(base, k * LANES, lane, real_left, first, kv, kid, t32, mx, rmx, rmn,
+                                             DTYPE, LANES, PADDED, TEMPERED, VALIDATE)
+        if REST > 0:
+            mx, rmx, rmn = kept_pass_one(base, FULL * LANES, lane, real_left, first, kv, kid, t32, mx, rmx, rmn,
+                                         DTYPE, REST, PADDED, TEMPERED, VALIDATE)
+    lane_nan = mx != mx
+    nan = tl.reduce(lane_nan.to(tl.int32), 0, MAX)
+    m = tl.reduce(tl.where(lane_nan, float("-inf"), mx), 0, MAX)
+    m = tl.where(nan > 0, float("nan"), m) + tl.full((1,), 0.0, tl.float32)  # m + 0
+    if SHIFTED:
+        sh = tl.load(sh_ptr + row + tl.arange(0, 1))
+    else:
+        sh = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.full((LANES,), 0.0, tl.float32)
+    t = tl.full((LANES,), 0.0, tl.float32)
+    n = tl.full((LANES,), 0, tl.int32)
+    if FULL <= MAX_UNROLL:
+        for k in tl.static_range(FULL):
+            s, t, n = kept_pass_two(base, k * LANES, lane, real_left, first, kv, kid, t32, sh, s, t, n, DTYPE,
+                                    LANES, PADDED, TEMPERED, WITH_ENTROPY)
+    else:
+        for k in range(FULL):
+            s, t, n = kept_pass_two(base, k * LANES, lane, real_left, first, kv, kid, t32, sh, s, t, n, DTYPE,
+                                    LANES, PADDED, TEMPERED, WITH_ENTROPY)
+    if REST > 0:
+        s, t, n = kept_pass_two(base, FULL * LANES, lane, real_left, first, kv, kid, t32, sh, s, t, n, DTYPE, REST,
+                                PADDED, TEMPERED, WITH_ENTROPY)
+    out = row * TILES + tile + tl.arange(0, 1)
+    if MAXIMA:
+        tl.store(m_ptr + out, m)
+    tl.store(s_ptr + out, lane_fold(s))
+    for level in tl.static_range(LANE_LEVELS):  # integers: any grouping gives the same count
+        n = tl.reduce(tl.reshape(n, (2, LANES >> (level + 1))), 0, SUM)
+    tl.store(n_ptr + out, n)
+    if WITH_ENTROPY:
+        tl.store(t_ptr + out, lane_fold(t))
+    if VALIDATE:
+        rn = rmx != rmx
+        big = tl.reduce(tl.where(rn, float("inf"), rmx), 0, MAX) + tl.full((1,), 0.0, tl.float32)
+        low = tl.reduce(rmn, 0, MIN) + tl.full((1,), 0.0, tl.float32)
+        bad = (big == float("inf")) | (low == float("-inf"))
+        tl.store(bad_ptr + out, bad.to(tl.int8))
+
+
+@device
+def minp_chunk(base, col0, lane, real_left, big, lmp, t32, least, n, DTYPE: tl.constexpr, VALID: tl.constexpr,
+               PADDED: tl.constexpr, TEMPERED: tl.constexpr):
+    """min-p on one chunk: the columns with ``RN32(x_c - B) >= L(mp32)``, their least ``x`` and count."""
+    pos_inf = tl.full((LANES,), POS_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    cols = col0 + lane
+    if PADDED:
+        inside = (lane < VALID) & (cols < real_left)
+    else:
+        inside = lane < VALID
+    x = upcast(tl.load(base + cols, mask=inside, other=0), DTYPE)
+    if TEMPERED:
+        x = tl.div_rn(x, t32)
+    keep = inside & ((x - big) >= lmp)
+    return tl.minimum(least, tl.where(keep, x, pos_inf)), n + keep.to(tl.int32)
+
+
+@kernel
+def minp_kernel(
+    x_ptr, b_ptr, lmp_ptr, least_ptr, n_ptr, row_stride, real_local, t32,
+    TILES: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr,
+):
+    """Section 13 step 1 on the tile ``pid % TILES`` of row ``pid // TILES``: the least logit of
+    ``K1 = {c : RN32(x_c - B) >= lmp}`` in the tile (``+inf`` when none) and its count."""
+    FULL: tl.constexpr = WIDTH // LANES
+    REST: tl.constexpr = WIDTH - FULL * LANES
+    pid = tl.program_id(0)
+    row = (pid // TILES).to(tl.int64)
+    tile = pid % TILES
+    base = x_ptr + row * row_stride + tile * WIDTH
+    real_left = real_local - tile * WIDTH
+    big = tl.load(b_ptr + row)
+    lmp = tl.load(lmp_ptr + row)
+    lane = tl.arange(0, LANES)
+    least = tl.full((LANES,), POS_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    n = tl.full((LANES,), 0, tl.int32)
+    if FULL <= MAX_UNROLL:
+        for k in tl.static_range(FULL):
+            least, n = minp_chunk(base, k * LANES, lane, real_left, big, lmp, t32, least, n, DTYPE, LANES, PADDED,
+                                  TEMPERED)
+    else:
+        for k in range(FULL):
+            least, n = minp_chunk(base, k * LANES, lane, real_left, big, lmp, t32, least, n, DTYPE, LANES, PADDED,
+                                  TEMPERED)
+    if REST > 0:
+        least, n = minp_chunk(base, FULL * LANES, lane, real_left, big, lmp, t32, least, n, DTYPE, REST, PADDED,
+                              TEMPERED)
+    out = row * TILES + tile + tl.arange(0, 1)
+    tl.store(least_ptr + out, tl.reduce(least, 0, MIN) + tl.full((1,), 0.0, tl.float32))
+    for level in tl.static_range(LANE_LEVELS):
+        n = tl.reduce(tl.reshape(n, (2, LANES >> (level + 1))), 0, SUM)
+    tl.store(n_ptr + out, n)
+
+
+@kernel
+def kept_zero_kernel(
+    x_ptr, kv_ptr, kid_ptr, g_ptr, row_stride, local_vocab, real_local, t32,
+    BLOCKS: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr, TEMPERED: tl.constexpr,
+):
+    """Section 13 step 5: ``+0`` in every dropped real column of the gradient, after the raw
+    backward's launches (a kept column's gradient reads only its own logit and the row's terms, so
+    the raw kernels computed it already; the dropped target column's ``+gl`` is overwritten too)."""
+    pid = tl.program_id(0)
+    row = (pid // BLOCKS).to(tl.int64)
+    cols = (pid % BLOCKS) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < real_local
+    x = upcast(tl.load(x_ptr + row * row_stride + cols, mask=inside, other=0), DTYPE)
+    if TEMPERED:
+        x = tl.div_rn(x, t32)
+    kv = tl.load(kv_ptr + row)
+    kid = tl.load(kid_ptr + row)
+    dropped = inside & ((x < kv) | ((x == kv) & (cols.to(tl.int64) > kid)))
+    if DTYPE == DT_F32:
+        tl.store(g_ptr + row * local_vocab + cols, tl.full((BLOCK,), 0.0, tl.float32), mask=dropped)
+    else:
+        tl.store(g_ptr + row * local_vocab + cols, tl.full((BLOCK,), 0, tl.int16), mask=dropped)
+@device
+def tile_fold(v, col, TILES: tl.constexpr, LEVELS: tl.constexpr):
+    """``F`` (section 4) over the first ``TILES`` values of each row of ``v`` (``[rows, cols]``,
+    ``col`` its column index): level ``k`` has ``w = ceil(TILES / 2**k)`` values and adds
+    ``v[i] + v[w - h + i]`` for ``i < h = w // 2``, the partner fetched by ``tl.gather`` (a register
+    permutation: no arithmetic). Returns ``v[:, 0]`` in every column of its row."""
+    for level in tl.static_range(LEVELS):
+        w = (TILES + (1 << level) - 1) >> level
+        h = w // 2
+        low = col < h
+        v = tl.where(low, v + tl.gather(v, tl.where(low, col + (w - h), col), 1), v)
+    return tl.gather(v, col * 0, 1)
+
+
+@device
+def canonical(v):
+    """Section 6 step 10: every NaN as ``0x7FC00000``."""
+    return tl.where(v != v, tl.full(v.shape, CANONICAL_NAN_BITS, tl.int32).to(tl.float32, bitcast=True), v)
+
+
+@kernel
+def merge_kernel(
+    m_ptr, s_ptr, t_ptr, bad_ptr, x_ptr, tgt_ptr, act_ptr, tv_ptr, poison_ptr,
+    logp_ptr, lse_ptr, ent_ptr, flag_ptr,
+    rows, row_stride, local_vocab, real_vocab, t32, L4, L3, L2, L1,
+    TILES: tl.constexpr, COLS: tl.constexpr, LEVELS: tl.constexpr, ROWS: tl.constexpr, DTYPE: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr, READ_TARGET: tl.constexpr, VALIDATE: tl.constexpr, POISON: tl.constexpr,
+    TEMPERED: tl.constexpr,
+):
+    """Section 6 steps 5-10 for ``ROWS`` rows in one launch: the merge of the ``[rows, TILES]``
+    partials in global tile order (``B``, the weights ``E(m_j - Bs)``, ``S = F(s_j w_j)``,
+    ``LSE = Bs + L(S)``, the entropy's ``F(w_j (t_j + sh_j s_j)) / S``), the logprob
+    ``x_target - LSE`` (``+0`` on inactive rows) and the canonical NaN, each value computed by the
+    operations :func:`rl_engine.arith.tiles.merge_tiles` and the shared forward use, in their
+    order. A row's values are kept in every one of its ``COLS`` columns and stored from column 0.
+
+    ``READ_TARGET`` (one rank holds the whole vocabulary): the target logit is read here from the
+    logits (``x[row, target]`` upcast, divided by ``T32`` with the IEEE division, ``+0`` where the
+    target is not a column of the shard), and with ``VALIDATE`` the row's validity comes from the
+    forward's ``bad`` flags: an active row with a non-finite real logit gets a NaN target logit,
+    and ``flag`` is bit 0 for that and bit 1 for an active target outside ``[0, real_vocab)``
+    (``POISON``: such a row's logprob is NaN instead, and no flag is written). Otherwise the
+    target logit ``tv`` (copied from its owner rank) and, with ``POISON``, the rows to give a NaN
+    logprob are inputs."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    inside = r < rows
+    row = r.to(tl.int64)
+    col = tl.arange(0, COLS)[None, :] + tl.full((ROWS, 1), 0, tl.int32)
+    here = (col < TILES) & inside[:, None]
+    at = row[:, None] * TILES + col
+    neg_inf = tl.full((ROWS, COLS), NEG_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    m = tl.load(m_ptr + at, mask=here, other=0.0)
+    m = tl.where(here, m, neg_inf)
+    s = tl.load(s_ptr + at, mask=here, other=0.0)
+    lane_nan = m != m  # 5. B = max_j m_j, NaN if any (tracked apart from the maximum)
+    nan = tl.reduce(lane_nan.to(tl.int32), 1, MAX)
+    big = tl.reduce(tl.where(lane_nan, neg_inf, m), 1, MAX)
+    big = tl.where(nan > 0, float("nan"), big)[:, None]
+    bs = tl.where(big == float("-inf"), 0.0, big)
+    weight = spec_exp(m - bs)  # 6.
+    total = tile_fold(s * weight, col, TILES, LEVELS)
+    lse = bs + spec_log(total, L4, L3, L2, L1)  # 7.
+    if WITH_ENTROPY:  # 8.
+        t = tl.load(t_ptr + at, mask=here, other=0.0)
+        shift = tl.where(m == float("-inf"), 0.0, m)
+        mean = tl.div_rn(tile_fold(weight * (t + shift * s), col, TILES, LEVELS), total)
+        tl.store(ent_ptr + row[:, None] + col * 0, canonical(lse - mean), mask=(col == 0) & inside[:, None])
+    active = tl.load(act_ptr + r, mask=inside, other=0) != 0
+    if READ_TARGET:
+        target = tl.load(tgt_ptr + r, mask=inside, other=0)
+        owned = (target >= 0) & (target < local_vocab)
+        raw = tl.load(x_ptr + row * row_stride + target, mask=inside & owned, other=0)
+        if TEMPERED:
+            value = scaled(raw, t32, 1.0, DTYPE, DIV_IEEE)
+        else:
+            value = scaled(raw, t32, 1.0, DTYPE, DIV_NONE)
+        tv = tl.where(owned, value, 0.0)
+        if VALIDATE:
+            finite = tl.reduce(tl.load(bad_ptr + at, mask=here, other=0).to(tl.int32), 1, MAX) == 0
+            tv = tl.where(active & (finite == 0), float("nan"), tv)
+            out_of_range = active & ((target < 0) | (target >= real_vocab))
+            if POISON:
+                poison = active & ((tv != tv) | out_of_range)
+            else:
+                flag = (active & (tv != tv)).to(tl.int8) + 2 * out_of_range.to(tl.int8)
+                tl.store(flag_ptr + r, flag, mask=inside)
+    else:
+        tv = tl.load(tv_ptr + r, mask=inside, other=0.0)
+        if POISON:
+            poison = tl.load(poison_ptr + r, mask=inside, other=0) != 0
+    logp = tl.where(active[:, None], tv[:, None] - lse, 0.0)  # 9.
+    if POISON:
+        logp = tl.where(poison[:, None], float("nan"), logp)
+    first = (col == 0) & inside[:, None]
+    tl.store(logp_ptr + row[:, None] + col * 0, canonical(logp), mask=first)  # 10.
+    tl.store(lse_ptr + row[:, None] + col * 0, canonical(lse), mask=first)
+
+
+@kernel
+def backward_terms_kernel(
+    glogp_ptr, glse_ptr, gent_ptr, act_ptr, tgt_ptr, lse_ptr, ent_ptr,
+    coef_ptr, col_ptr, add_ptr, gent_out_ptr, mb_ptr,
+    rows, logp_stride, lse_stride, gent_stride, vocab_start, local_vocab,
+    ROWS: tl.constexpr, HAS_LOGP: tl.constexpr, HAS_LSE: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
+):
+    """The backward's per-row terms (section 7) for ``ROWS`` rows, as
+    :func:`rl_engine.logprob.backends.eager.vocab_parallel.backward_terms` computes them: ``gl`` (the logprob's
+    gradient on active rows, ``+0`` elsewhere or without one), ``coef = g_lse - gl``, the local target
+    column of rows that own an active target (``0`` elsewhere) and ``target_add`` (``gl`` there, ``-0``
+    elsewhere: the identity); with the entropy gradient its copy and ``Mb = LSE - H``. The upstream
+    gradients are read through their row strides (an expanded gradient has stride 0: no copy)."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    inside = r < rows
+    active = tl.load(act_ptr + r, mask=inside, other=0) != 0
+    zero = tl.full((ROWS,), 0.0, tl.float32)
+    if HAS_LOGP:
+        gl = tl.where(active, tl.load(glogp_ptr + r * logp_stride, mask=inside, other=0.0), zero)
+    else:
+        gl = zero
+    if HAS_LSE:
+        gs = tl.load(glse_ptr + r * lse_stride, mask=inside, other=0.0)
+    else:
+        gs = zero
+    tl.store(coef_ptr + r, gs - gl, mask=inside)
+    local = tl.load(tgt_ptr + r, mask=inside, other=0) - vocab_start
+    owned = active & (local >= 0) & (local < local_vocab)
+    tl.store(col_ptr + r, tl.where(owned, local, 0), mask=inside)
+    neg_zero = tl.full((ROWS,), -2147483648, tl.int32).to(tl.float32, bitcast=True)
+    tl.store(add_ptr + r, tl.where(owned, gl, neg_zero), mask=inside)
+    if ENTROPY_GRAD:
+        tl.store(gent_out_ptr + r, tl.load(gent_ptr + r * gent_stride, mask=inside, other=0.0), mask=inside)
+        tl.store(mb_ptr + r, tl.load(lse_ptr + r, mask=inside, other=0.0) - tl.load(ent_ptr + r, mask=inside,
+                                                                                      other=0.0), mask=inside)
