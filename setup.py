@@ -20,9 +20,9 @@ IEEE_FLAGS = [
 ]
 
 FUSED_CPU = Extension(
-    "rl_engine.logprob._fused_cpu",
-    sources=["rl_engine/logprob/_fused_cpu.c"],
-    depends=["rl_engine/logprob/_fused_cpu_lanes.h"],
+    "rl_engine.logprob.backends.fused_cpu._fused_cpu",
+    sources=["rl_engine/logprob/backends/fused_cpu/_fused_cpu.c"],
+    depends=["rl_engine/logprob/backends/fused_cpu/_fused_cpu_lanes.h"],
     extra_compile_args=IEEE_FLAGS,
     extra_link_args=["-pthread"],
 )

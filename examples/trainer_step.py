@@ -23,14 +23,9 @@ import json
 import torch
 import torch.distributed as dist
 
-from rl_engine.distributed.mesh import destroy, init_mesh
-from rl_engine.logprob import (
-    BACKEND_ID,
-    LogprobContract,
-    dispatch,
-    gather_tokens,
-    selected_logprob,
-)
+from rl_engine.distributed.mesh import destroy
+from rl_engine.logprob import LogprobContract, gather_tokens, init_mesh, selected_logprob, selected_logprob_tp
+from rl_engine.logprob.backends.eager.vocab_parallel import BACKEND_ID
 from rl_engine.tensorio import fingerprint, tensor_bytes
 
 REAL_VOCAB, PADDED_VOCAB, TILES = 1000, 1024, 16  # 24 padding columns, tiles of 64
@@ -69,7 +64,6 @@ def main() -> None:
         num_vocab_tiles=TILES, num_sequences=SEQUENCES, seq_len=SEQ_LEN,
         cp_layout="zigzag", logits_dtype="bf16",
     )
-    op = dispatch(BACKEND_ID, contract, mesh.device.type).op  # explicit id: fails closed
 
     # This rank's block: its CP tokens (rows) and its TP vocabulary columns.
     full_logits, full_targets, full_active = make_batch()
@@ -79,7 +73,8 @@ def main() -> None:
     targets = full_targets[rows].to(mesh.device)  # int64 [num_tokens]
     active = full_active[rows].to(mesh.device)  # bool [num_tokens]
 
-    out = op(logits, targets, active, contract, group=mesh.tp_group, compute_entropy=True)
+    out = selected_logprob_tp(logits, targets, active, contract, mesh, backend=BACKEND_ID,  # explicit: fails closed
+                              compute_entropy=True)
     logp = gather_tokens(out.selected_logp, contract, mesh.cp_group)  # global token order
     lse = gather_tokens(out.lse.detach(), contract, mesh.cp_group)
     loss = loss_of(logp, full_active.to(mesh.device))

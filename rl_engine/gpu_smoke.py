@@ -29,7 +29,7 @@
    floor and to naive from the same run.
 5. On cuda, the paper model beside the measurement: the roofline of the Triton backend's
    kernels for this case at ``--tokens`` tokens, compiled for the GPU's architecture as Triton
-   compiles them at launch and read from their SASS (:func:`rl_engine.logprob.triton_aot.roofline`,
+   compiles them at launch and read from their SASS (:func:`rl_engine.logprob.backends.triton.triton_aot.roofline`,
    its cubins under ``<output-dir>/roofline/``), and its predicted forward and
    forward+backward times (H100 SXM or H200 figures, by the device's name) beside the measured
    medians of the Triton backend and of the floor (``smoke.json``'s ``roofline``; ``null`` on
@@ -62,13 +62,13 @@ from typing import Any
 import torch
 
 from rl_engine import jsonio, schemas
+from rl_engine.arith.tiles import chunk_rows_for_device
 from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.plan import build_plan
 from rl_engine.campaign.replay import replay_candidate
 from rl_engine.evidence.crosscheck import crosscheck_run
+from rl_engine.logprob.backends.eager.vocab_parallel import BACKEND_ID
 from rl_engine.logprob.registry import BackendUnavailableError, default_registry, dispatch
-from rl_engine.logprob.tiles import chunk_rows_for_device
-from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.rundir import LOGS, PLAN, Run, Topology
 from rl_engine.tables import BENCH_PHASES, DEVICE_DIST_BACKENDS, EAGER_BACKEND, SCHEMA_VERSION, TRITON_BACKEND
 from rl_engine.verb_parsers import gpu_smoke_parser as build_parser
@@ -291,7 +291,7 @@ def bitwise_checks(case: Case, device: str, tokens: int) -> dict[str, Any]:
     kernel does not load (named in ``reference``). Nothing is skipped on cuda: a Triton that
     does not load there is a failure (``reason``)."""
     from rl_engine.benchmark.inputs import make_inputs
-    from rl_engine.logprob.triton_backend import TritonLogprob, triton_unavailable
+    from rl_engine.logprob.backends.triton.triton_backend import TritonLogprob, triton_unavailable
     from rl_engine.tables import FUSED_CPU_BACKEND
 
     mode = "compiled" if device == "cuda" else "interpreter"
@@ -332,7 +332,7 @@ def roofline_table(case: Case, device: str, tokens: int, timing: list[dict[str, 
     ones (cuda), or why there is none."""
     if device != "cuda":
         return {"rows": [], "reason": "no GPU: the roofline predicts a GPU's time (--cpu-only run)"}
-    from rl_engine.logprob import triton_aot
+    from rl_engine.logprob.backends.triton import triton_aot
 
     name = torch.cuda.get_device_name(0)
     model = gpu_model(name)

@@ -33,21 +33,14 @@ CP_LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
 # md_cell shows them as visible escapes.
 UNPRINTABLE_CLASS = "\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069"
 
-# Backends by id, with the devices each runs on. "auto" picks one; a campaign refuses it.
+# The built-in backends' ids (each backend's devices, engine and the rest are in its one description,
+# rl_engine/logprob/backends/<name>/description.py). "auto" picks one; a campaign refuses it.
 AUTO = "auto"
 # num_vocab_tiles="auto": the count resolved by rl_engine.distributed.bounds.auto_vocab_tiles
 AUTO_TILES = "auto"
 EAGER_BACKEND = "pytorch-vocab-parallel-logp-ws2"
 FUSED_CPU_BACKEND = "cpu-vocab-parallel-logp-ws2"
 TRITON_BACKEND = "triton-vocab-parallel-logp-ws2"
-BACKEND_DEVICES: dict[str, tuple[str, ...]] = {
-    EAGER_BACKEND: ("cpu", "cuda"),
-    FUSED_CPU_BACKEND: ("cpu",),
-    TRITON_BACKEND: ("cuda",),
-}
-# Devices a backend serves only in a mode its user selects explicitly (the Triton backend's
-# interpreter runs its kernels on CPU tensors when TRITON_MODE_ENV is "interpreter").
-INTERPRETER_DEVICES: dict[str, tuple[str, ...]] = {TRITON_BACKEND: ("cpu",)}
 TRITON_MODE_ENV = "RL_ENGINE_TRITON_MODE"
 
 # Campaign bounds and defaults.

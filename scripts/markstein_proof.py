@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """The exhaustive checks behind the Triton kernels' division by T32 (docs/arithmetic.md, "Dividing by
-T32 on a GPU"; rl_engine/division.py). NumPy only, exact (spec_numpy.fma32 rounds once), no GPU.
+T32 on a GPU"; rl_engine/arith/division.py). NumPy only, exact (spec_numpy.fma32 rounds once), no GPU.
 
     python scripts/markstein_proof.py [--parts bf16,fp16,fp32,values] [--temperatures 0.7,1.3]
 
 bf16, fp16 (the proof for every temperature): one Markstein step on every significand A of the
 precision (128, 1024) against every binary32 significand B in [1, 2) (2**23): the sequence equals
 the IEEE quotient A / B for all of them. Every x = A * 2**a and T32 = B * 2**b of the domain scale
-from these (rl_engine.division.domain), so one step is exact for every bf16 and binary16 logit in
+from these (rl_engine.arith.division.domain), so one step is exact for every bf16 and binary16 logit in
 the domain and every temperature. (bf16: 2**30 pairs, about 80 s; fp16: 2**33, about 11 min, on
 one core of this project's 2-core machine.)
 
@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rl_engine import division  # noqa: E402
+from rl_engine.arith import division  # noqa: E402
 
 F32 = np.float32
 TEMPERATURES = (0.1, 0.3, 0.6, 0.7, 0.9, 1.1, 1.5, 2.7, 3.0, 0.25, 1.3, 2.0 ** -64, 2.0 ** 64, 1e-10, 1e10)

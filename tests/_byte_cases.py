@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 import torch
 
-from rl_engine.logprob.contract import LogprobContract, LogprobContractError
-from rl_engine.logprob.vocab_parallel import (
+from rl_engine.logprob.backends.eager.vocab_parallel import (
     EAGER_ENGINE,
     LocalEngine,
     VocabParallelLogprob,
     backward_terms,
 )
+from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.tensorio import tensor_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

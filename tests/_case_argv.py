@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rl_engine.logprob.vocab_parallel import BACKEND_ID
+from rl_engine.logprob.backends.eager.vocab_parallel import BACKEND_ID
 
 
 def case_argv(**values: Any) -> list[str]:

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from rl_engine.arith.portable import SPEC_VERSION
+from rl_engine.arith.spec_numpy import SPEC_V1
 from rl_engine.campaign.replay import ReplayError, replay_candidate, replay_numpy
 from rl_engine.evidence.verify import verify
-from rl_engine.logprob.portable import SPEC_VERSION
-from rl_engine.spec_numpy import SPEC_V1
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "archives" / "rl-engine-logprob-af6dba5-case-c7d2b29e.tar.gz"

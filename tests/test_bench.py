@@ -112,7 +112,7 @@ def test_every_available_backend_has_rows_and_its_ratios(timing_doc: dict[str, A
 def test_an_unavailable_fused_kernel_is_left_out_by_default_and_refused_by_name(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from rl_engine.logprob import fused_cpu
+    from rl_engine.logprob.backends.fused_cpu import fused_cpu
 
     monkeypatch.setattr(fused_cpu, "kernel_unavailable", lambda: "the compiled module is not built")
     assert paths.default_paths() == ("candidate", "naive", "floor")

@@ -17,7 +17,8 @@ import torch
 from rl_engine.capture import CaptureError, read_capture, read_header, write_capture
 from rl_engine.capture.hf import capture_causal_lm
 from rl_engine.capture.shard import rank_inputs
-from rl_engine.logprob import LogprobContract, VocabParallelLogprob
+from rl_engine.logprob import LogprobContract
+from rl_engine.logprob.backends.eager.vocab_parallel import VocabParallelLogprob
 from rl_engine.tensorio import fingerprint
 
 from _multiproc import run_workers

@@ -23,6 +23,7 @@ from rl_engine.campaign.case import Case, CaseError, case_document, load_case_fi
 from rl_engine.campaign.inputs import InputSpec, InputSpecError
 from rl_engine.campaign.plan import build_plan, load_plan
 from rl_engine.campaign.plan import main as plan_main
+from rl_engine.logprob.backends.description import schema_enum
 
 REPO = Path(__file__).resolve().parents[1]
 DEFS = json.loads((REPO / "schemas" / "defs.schema.json").read_text())["$defs"]
@@ -36,7 +37,7 @@ def test_schema_enums_are_the_tables() -> None:
     assert DEFS["device"]["enum"] == list(tables.DEVICE_DIST_BACKENDS) == CONFIG_SCHEMA["device"]["enum"]
     assert DEFS["dist_backend"]["enum"] == list(tables.DEVICE_DIST_BACKENDS.values())
     assert DEFS["cp_layout"]["enum"] == list(tables.CP_LAYOUTS)
-    assert DEFS["backend_id"]["enum"] == list(tables.BACKEND_DEVICES)
+    assert DEFS["backend_id"]["enum"] == schema_enum()
     assert DEFS["tp_degree"]["maximum"] == tables.MAX_TP and DEFS["cp_degree"]["maximum"] == tables.MAX_CP
     assert CONFIG_SCHEMA["threads_per_rank"]["maximum"] == tables.MAX_THREADS_PER_RANK
     assert CONFIG_SCHEMA["topologies"]["minItems"] == tables.MIN_MATRIX_TOPOLOGIES
@@ -182,7 +183,7 @@ def test_only_the_case_turns_a_case_into_a_contract_and_maps_config_keys() -> No
     ``config_key_of``, ``record_config``: the workflow and SUMMARY.md's reproduce.yaml), the oracle's
     case arguments are read there only (``record_oracle_drift``: the runner and verify), the case
     hash is built there only, and the recipe-or-capture branch of a case's inputs is
-    ``campaign/captured.py``'s (``Case.inputs``, ``Case.rank_inputs``)."""
+    ``campaign/captured.py``'s (``case_inputs``, ``case_rank_inputs``)."""
     root = REPO / "rl_engine"
     offenders = {}
     for path in root.rglob("*.py"):
@@ -220,11 +221,12 @@ def test_the_oracle_of_a_case_is_at_its_temperature_for_the_runner_and_verify_al
     --recompute``) are one function of the case: the candidate at T = 0.7 is within tolerance of the
     oracle at 0.7; the oracle without the temperature (what verify's own spelling computed: LSE drift
     0.535, "reported True, recomputed False") is not, and the record's temperature is what moves it."""
+    from rl_engine.campaign.captured import case_inputs
     from rl_engine.campaign.replay import replay_candidate
 
     case = Case.create(**SMALL, temperature=0.7)
     replay = replay_candidate(case.to_dict())
-    logits, targets, active = case.inputs()
+    logits, targets, active = case_inputs(case.to_dict())
     args = (replay.tensors["logp"], replay.tensors["lse"], logits, targets, active)
     drift = case.drift(*args)
     assert drift == casemod.record_oracle_drift(json.loads(json.dumps(case.to_dict())), *args)  # as read back

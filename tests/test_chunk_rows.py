@@ -1,6 +1,6 @@
 """Rows per chunk come from the device: cache sized on a CPU, a memory budget on accelerators.
 
-``rl_engine.logprob.tiles.chunk_rows_for_device`` is the op's default ``chunk_rows``; the
+``rl_engine.arith.tiles.chunk_rows_for_device`` is the op's default ``chunk_rows``; the
 bytes of every output do not depend on it (checked here at the accelerator's chunk size,
 run on the CPU).
 """
@@ -12,16 +12,17 @@ from typing import Any
 import pytest
 import torch
 
-from rl_engine.logprob import tiles, vocab_parallel
-from rl_engine.logprob.contract import LogprobContract
-from rl_engine.logprob.tiles import (
+from rl_engine.arith import tiles
+from rl_engine.arith.tiles import (
     ACCELERATOR_CHUNK_BYTES,
     ACCELERATOR_MAX_ROWS,
     WORKSPACE_BYTES_PER_COLUMN,
     chunk_rows_for_device,
     default_chunk_rows,
 )
-from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
+from rl_engine.logprob.backends.eager import vocab_parallel
+from rl_engine.logprob.backends.eager.vocab_parallel import VocabParallelLogprob
+from rl_engine.logprob.contract import LogprobContract
 from rl_engine.tensorio import tensor_bytes
 
 GiB = 1 << 30

@@ -8,6 +8,7 @@ real run, and ``tests/test_gates_workflow.py`` that of a run whose validation ga
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 from pathlib import Path
@@ -217,3 +218,29 @@ def test_the_closing_table_says_which_stages_were_reused_and_from_which_run(tmp_
     assert rows(closing(run, STEMS, succeeded=True))["Environment capture"] == (
         "[bold yellow]REUSED[/], not run for this case: copied from run camp-abc1234-case-99999999 "
         "(captured 2025-01-02T03:04:05Z, no git commit)")
+
+
+@pytest.mark.parametrize(("name", "says"), [
+    ("default-1a2b3c4-case-0123abcd", "(commit 1a2b3c4, clean checkout)"),
+    ("default-1a2b3c4-dirty-case-0123abcd", "(commit 1a2b3c4, DIRTY: the checkout has uncommitted changes"),
+    ("default-nogit-case-0123abcd", "(no git state could be read (commit 'nogit'))"),
+])
+def test_a_dry_run_ends_naming_the_run_and_whether_it_is_dirty(
+        name: str, says: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``snakemake -n`` (the Snakefile's exit handler with ``workflow.dryrun``) prints the run it would make."""
+    module = importlib.import_module("rl_engine.workflow.closing")  # the package's `closing` is the function
+    registered: list = []
+    monkeypatch.setattr(module.atexit, "register", registered.append)
+
+    class Workflow:
+        is_main_process = True
+        dryrun = True
+
+    module.print_closing_when_nothing_to_do(Workflow(), f"results/{name}", [Topology(1, 1)])
+    (at_exit,) = registered
+    at_exit()
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"dry run: the run directory is results/{name} {says}") and printed.count("\n") == 1
+    Workflow.dryrun = False  # negative control: a real run with work to do prints nothing here
+    at_exit()
+    assert capsys.readouterr().out == ""

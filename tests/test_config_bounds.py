@@ -180,12 +180,12 @@ def test_a_case_refuses_numbers_beyond_binary64_by_its_own_rules() -> None:
 def test_the_api_refuses_numbers_beyond_binary64_with_its_own_errors() -> None:
     """The API path's conversions of a caller's number: the temperature of ``selected_logprob`` (was an
     OverflowError), the comparison harness's tolerance, a GRPO coefficient and ``init_mesh``'s timeout."""
+    from rl_engine.arith.temperature import TemperatureError, inverse_temperature
     from rl_engine.distributed.mesh import MeshError, init_mesh
     from rl_engine.grpo.contract import GRPOContract, GRPOContractError
     from rl_engine.logprob.api import selected_logprob
     from rl_engine.logprob.comparison import ComparisonError, compare_single_rank
     from rl_engine.logprob.contract import LogprobContractError
-    from rl_engine.temperature import TemperatureError, inverse_temperature
 
     logits, targets = torch.zeros(4, 16), torch.zeros(4, dtype=torch.int64)
     with pytest.raises(LogprobContractError, match=re.escape(f"temperature={HUGE_SHOWN} is outside [2**-64, 2**64]")):

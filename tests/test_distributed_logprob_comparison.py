@@ -24,6 +24,7 @@ import torch.distributed as dist
 from rl_engine import cli, jsonio, schemas
 from rl_engine.campaign import case as campaign
 from rl_engine.campaign import plan as planmod
+from rl_engine.campaign.captured import case_rank_inputs
 from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.faults import Fault, FaultError, fault_from_env, parse_fault
 from rl_engine.campaign.inputs import PADDING_LOGIT, inputs_sha256, make_inputs
@@ -40,8 +41,8 @@ from rl_engine.campaign.run import (
 )
 from rl_engine.distributed.bounds import token_indices
 from rl_engine.distributed.mesh import ParallelDims
+from rl_engine.logprob.backends.eager.vocab_parallel import BACKEND_ID
 from rl_engine.logprob.comparison import ComparisonError, compare_single_rank
-from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.tables import DEFAULT_TOPOLOGIES
 from rl_engine.tensorio import fingerprint
 
@@ -107,7 +108,7 @@ def test_inputs_follow_the_documented_recipe() -> None:
 def test_a_rank_makes_only_its_part_of_the_inputs_with_the_bytes_of_the_whole(
         layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rank of every default topology makes its tokens and columns alone (the runner's
-    ``Case.rank_inputs``: the whole recipe is never made for a rank's part), and gets the bytes of
+    ``case_rank_inputs``: the whole recipe is never made for a rank's part), and gets the bytes of
     the same slice of the whole case's inputs; padding columns included (real 1000 of 1024, so the
     last TP shard straddles the boundary)."""
     from rl_engine.campaign import inputs
@@ -120,7 +121,7 @@ def test_a_rank_makes_only_its_part_of_the_inputs_with_the_bytes_of_the_whole(
         for tp_rank in range(tp):
             for cp_rank in range(cp):
                 contract = case.contract(tp, cp, tp_rank, cp_rank)
-                part = case.rank_inputs(contract)
+                part = case_rank_inputs(case.to_dict(), contract)
                 rows = torch.tensor(contract.token_indices, dtype=torch.int64)
                 want = (whole[0][rows, contract.vocab_start:contract.vocab_end], whole[1][rows], whole[2][rows])
                 assert [t.numpy().tobytes() for t in part] == [t.contiguous().numpy().tobytes() for t in want], \
@@ -300,8 +301,8 @@ def test_a_case_with_a_temperature_is_its_own_case_and_replays_from_the_evidence
     """``temperature: 0.7`` in the case: a schema-valid passing report whose case, case id and
     fingerprints carry it, whose bytes the reviewer's replay (verify --recompute's) and the NumPy
     implementation give again, and which differ from the case at 1; 1 is the case without it."""
+    from rl_engine.arith.portable import SPEC_VERSION
     from rl_engine.campaign.replay import replay_candidate, replay_numpy
-    from rl_engine.logprob.portable import SPEC_VERSION
 
     warm = _case(temperature=0.7)
     assert warm.case_id.endswith("-temp0.7") and _case(temperature=1.0).case_id == _case().case_id

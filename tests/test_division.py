@@ -1,7 +1,7 @@
 """The division by ``T32`` (docs/arithmetic.md section 6 step 0, "Dividing by T32 on a GPU").
 
 The specification divides (``RN32(x / T32)``). Three implementations use the IEEE division
-(NumPy, PyTorch on the CPU, C); the Triton kernels use Markstein's sequence (``rl_engine.division``)
+(NumPy, PyTorch on the CPU, C); the Triton kernels use Markstein's sequence (``rl_engine.arith.division``)
 where it is proved exact and the IEEE division elsewhere. Here, exactly (``spec_numpy.fma32`` rounds
 once): the sequence is the quotient for every finite bf16 and binary16 value in its domain at each
 listed temperature, and the kernels' choice is the quotient for every value; one step on every bf16
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from rl_engine import division
-from rl_engine.spec_numpy import fma32
+from rl_engine.arith import division
+from rl_engine.arith.spec_numpy import fma32
 
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
 
@@ -194,7 +194,7 @@ def test_the_kernels_markstein_is_numpys_under_the_interpreter(dtype: str) -> No
     """The Triton kernels' own ``markstein`` (``divide_kernel``, Triton's interpreter: NumPy on CPU
     tensors, one IEEE operation and one rounded ``tl.fma`` at a time) gives the NumPy sequence's bits
     on every bf16 (binary16) value, or binary32 bit patterns, and ``tl.div_rn`` the quotient's."""
-    from rl_engine.logprob.triton_backend import triton_divide
+    from rl_engine.logprob.backends.triton.triton_backend import triton_divide
 
     if dtype == "float32":
         x = np.random.default_rng(10).integers(0, 1 << 32, 1 << 16, dtype=np.uint64).astype(np.uint32).view(F32)

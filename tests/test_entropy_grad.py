@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from rl_engine import spec_numpy
+from rl_engine.arith import spec_numpy
 from rl_engine.distributed.mesh import init_mesh
 from rl_engine.logprob.api import selected_logprob
+from rl_engine.logprob.backends.eager.vocab_parallel import VocabParallelLogprob
+from rl_engine.logprob.backends.fused_cpu.fused_cpu import FusedCpuLogprob, kernel_unavailable
 from rl_engine.logprob.contract import LogprobContract
-from rl_engine.logprob.fused_cpu import FusedCpuLogprob, kernel_unavailable
 from rl_engine.logprob.hidden import selected_logprob_from_hidden
-from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
 from rl_engine.tensorio import tensor_bytes
 
 from _byte_cases import _contract, _inputs, tp4_and_tp2cp2_contracts
@@ -71,7 +71,7 @@ def _engines() -> dict[str, Any]:
     if kernel_unavailable() is None:
         found["fused"] = FusedCpuLogprob()
     if importlib.util.find_spec("triton") is not None:
-        from rl_engine.logprob.triton_backend import TritonLogprob
+        from rl_engine.logprob.backends.triton.triton_backend import TritonLogprob
 
         found["triton"] = TritonLogprob(mode="interpreter")
     return found

@@ -271,7 +271,7 @@ def test_regression_in_a_checkout_without_the_built_kernel_says_so_and_runs_noth
     run = subprocess.run([*argv, "--output-dir", str(tmp_path / "a")], cwd=checkout, env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr
-    assert (f"regression: the fused kernel is not built in this checkout ({checkout}: no logprob/_fused_cpu"
+    assert (f"regression: the fused kernel is not built in this checkout ({checkout}: no logprob/backends/fused_cpu/_fused_cpu"
             in run.stderr) and f"run `pip install -e .` here (in {checkout})" in run.stderr
     assert not (tmp_path / "a").exists()  # nothing was run or written
     env = {**os.environ, "PYTHONPATH": str(source)}

@@ -119,8 +119,9 @@ def test_verify_replays_a_fused_run_with_the_eager_reference_without_the_kernel(
     """A reviewer's machine without the compiled kernel still replays a fused-backend run."""
     from rl_engine.evidence import verify
     from rl_engine.logprob import registry
+    from rl_engine.logprob.backends.fused_cpu import fused_cpu
 
-    monkeypatch.setattr(registry, "kernel_unavailable", lambda: "the compiled module is not built")
+    monkeypatch.setattr(fused_cpu, "kernel_unavailable", lambda: "the compiled module is not built")
     with pytest.raises(registry.BackendUnavailableError):
         registry.dispatch(FUSED, replay_case_contract(), "cpu")
     check = verify.replay(Run.load(runs["fused-zigzag"][0]))

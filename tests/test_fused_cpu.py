@@ -11,7 +11,7 @@ Every comparison is of bytes (SHA-256 or raw bytes), never ``allclose``:
 * per TP shard (TP = 1, 2, 4, 8 with a padding-only rank), the kernel's tile partials and
   local gradient equal the eager chunk loop's (the exchange and merge are shared code);
 * the tile partials ``s`` and ``t`` are the lane sums ``G`` and ``G*`` of the NumPy
-  implementation (``rl_engine/spec_numpy.py``) for tile widths below, at and around 128
+  implementation (``rl_engine/arith/spec_numpy.py``) for tile widths below, at and around 128
   and up to one tile of 151936 columns, with padding and special values, in every variant;
 * the baseline (SSE2, software fma), AVX2 and AVX-512 variants of the kernel give the same
   bytes (AVX-512 where the CPU has it);
@@ -37,15 +37,15 @@ import numpy as np
 import pytest
 import torch
 
-from rl_engine import spec_numpy
-from rl_engine.logprob import fused_cpu, portable
-from rl_engine.logprob.contract import LogprobContractError
-from rl_engine.logprob.fused_cpu import FUSED_CPU_ID, FusedCpuEngine, FusedCpuLogprob
-from rl_engine.logprob.registry import BackendUnavailableError, dispatch
-from rl_engine.logprob.vocab_parallel import (
+from rl_engine.arith import portable, spec_numpy
+from rl_engine.logprob.backends.eager.vocab_parallel import (
     EAGER_ENGINE,
     VocabParallelLogprob,
 )
+from rl_engine.logprob.backends.fused_cpu import fused_cpu
+from rl_engine.logprob.backends.fused_cpu.fused_cpu import FUSED_CPU_ID, FusedCpuEngine, FusedCpuLogprob
+from rl_engine.logprob.contract import LogprobContractError
+from rl_engine.logprob.registry import BackendUnavailableError, dispatch
 from rl_engine.tensorio import fingerprint, tensor_bytes
 
 from _byte_cases import (  # noqa: F401
@@ -123,7 +123,7 @@ def test_a_row_strided_view_is_read_in_place_with_the_same_bytes() -> None:
 def test_negative_control_a_library_exp_in_the_eager_loop_breaks_the_equality(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import rl_engine.logprob.tiles as tiles
+    import rl_engine.arith.tiles as tiles
 
     x, targets, active = _inputs("fp32", 997, 1001, 5, seed=4, specials=False)
     contract = _contract("fp32", 997, 1001, 7, 5)
@@ -184,7 +184,7 @@ def test_exp_arguments_near_the_spec_boundaries_in_every_kernel(isa: str) -> Non
 
 
 def _numpy_partials(x: np.ndarray, real: int, tiles: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Section 6 steps 1-4 by ``rl_engine/spec_numpy.py`` (binary32 ``x``, padding read as -inf)."""
+    """Section 6 steps 1-4 by ``rl_engine/arith/spec_numpy.py`` (binary32 ``x``, padding read as -inf)."""
     x = x.copy()
     x[:, real:] = -np.inf
     rows, vp = x.shape

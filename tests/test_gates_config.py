@@ -94,7 +94,12 @@ BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("duplicate topologies", {"topologies": ["1x1", "2x1", "1x1"]},
      ("config key 'topologies' has value ['1x1', '2x1', '1x1']", "has non-unique elements", SCHEMA_FIX)),
     ("malformed topology", {"topologies": ["1x1", "2*1"]},
-     ("config key 'topologies.1' has value '2*1'", "does not match")),
+     ("config key 'topologies[1]' has value '2*1'", "'2*1' is not <tp>x<cp>", "topologies: [1x1, 2x1]")),
+    ("a number for a topology", {"topologies": [3]},  # the item's error, not "at least 2"
+     ("config key 'topologies[0]' has value 3", "3 is not <tp>x<cp>", "topologies: [1x1, 2x1] in config.yaml")),
+    ("topologies as one string", {"topologies": "1x1,2x1"},
+     ("config key 'topologies' has value '1x1,2x1'", "not a list",
+      """--config topologies='["1x1","2x1"]' on the command line""")),
     ("empty topology list", {"topologies": []},
      ("config key 'topologies' has value []", "0 topologies listed", "list 2 or more")),
     ("single topology", {"topologies": ["2x1"]},
@@ -177,7 +182,7 @@ def test_check_config_runs_the_runners_topology_rules(monkeypatch: pytest.Monkey
 
 
 def test_check_config_runs_the_runners_case_rules(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(campaign, "BACKEND_DEVICES", {"another-backend": ("cpu",)})
+    monkeypatch.setattr(campaign, "backend_devices", lambda: {"another-backend": ("cpu",)})
     with pytest.raises(WorkflowConfigError) as raised:
         check_config(base())
     assert str(raised.value) == (

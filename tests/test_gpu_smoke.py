@@ -176,7 +176,7 @@ def test_the_cpu_only_smoke_says_why_it_has_no_roofline(smoke_run) -> None:
 def test_predicted_beside_measured_from_a_roofline_and_timing_rows() -> None:
     """The table gpu-smoke prints on a GPU: the paper model's forward and forward+backward times
     (a roofline document's numbers) next to the measured medians of the Triton backend and the floor."""
-    from rl_engine.logprob import triton_aot
+    from rl_engine.logprob.backends.triton import triton_aot
 
     doc = jsonio.load(Path(__file__).resolve().parent / "fixtures" / "schemas" / "roofline" / "valid"
                       / "default.json")
@@ -213,7 +213,7 @@ def test_bitwise_table_compares_the_triton_kernels_with_the_cpu_bytes_on_the_cpu
 def test_a_differing_triton_byte_fails_the_smoke(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: the bitwise table sees a kernel whose ``L`` is 64 ulps off (one ulp can be
     absorbed by the rounding of ``B + L(sum)``)."""
-    from rl_engine.logprob import triton_backend
+    from rl_engine.logprob.backends.triton import triton_backend
 
     real = triton_backend.triton_log
 

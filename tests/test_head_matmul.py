@@ -2,7 +2,7 @@
 
 Per element ``s = +0``, then ``s = fma(h[k], w[k], s)`` for ``k = 0 .. H-1``, NaN canonical, one
 rounding to the dtype. Checked here: the bytes of the independent NumPy implementation
-(``rl_engine.spec_numpy.head_logits``) in every instruction-set variant and at several thread
+(``rl_engine.arith.spec_numpy.head_logits``) in every instruction-set variant and at several thread
 counts; a logit's bytes do not depend on the other rows in the call (chunks, subsets), nor on the
 columns in the call (TP shards of 1, 2, 4, 8, simulated as column slices of the weight); special
 values; the refusal of a thread that flushes subnormals; the choice of the product. Negative
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from rl_engine import spec_numpy
+from rl_engine.arith import spec_numpy
 from rl_engine.logprob.contract import LogprobContractError
 from rl_engine.logprob.head_matmul import choose_matmul, fixed_logits, selected_isa
 from rl_engine.tensorio import tensor_bytes
@@ -136,7 +136,7 @@ def test_the_product_is_chosen_by_name_and_nothing_falls_back() -> None:
 def test_a_checkout_without_the_built_product_is_named_by_the_regression_verb(tmp_path: Path) -> None:
     """``regression`` runs nothing in a checkout whose ``_head_gemm`` is not built, naming it and the fix
     (the fused kernel's case is ``tests/test_evidence.py``'s); this checkout has both built."""
-    source = Path(spec_numpy.__file__).resolve().parents[1]
+    source = Path(spec_numpy.__file__).resolve().parents[2]  # rl_engine/arith/spec_numpy.py -> the checkout
     checkout = tmp_path / "other-checkout"
     shutil.copytree(source / "rl_engine", checkout / "rl_engine",
                     ignore=shutil.ignore_patterns("_head_gemm*.so", "_head_gemm*.pyd", "__pycache__"))

@@ -28,9 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")  # the test extra installs it: CI never skips
 
-from rl_engine.logprob import triton_backend  # noqa: E402
+from rl_engine.logprob.backends.triton import triton_backend  # noqa: E402
+from rl_engine.logprob.backends.triton.triton_backend import TritonLogprob  # noqa: E402
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError  # noqa: E402
-from rl_engine.logprob.triton_backend import TritonLogprob  # noqa: E402
 
 SYNC_OPS = frozenset({"_local_scalar_dense", "is_nonzero", "item", "nonzero", "masked_select", "unique",
                       "_unique", "_unique2", "unique_consecutive", "tolist"})
@@ -170,7 +170,7 @@ def test_the_owner_rank_builds_no_tensor_from_host_data(tp: int) -> None:
     """At TP > 1 the target's owner is counted against the shard ends as Python integers: the
     ranks ``searchsorted`` over a tensor of the ends gives (out-of-range targets clamped), with no
     ``lift_fresh`` (a tensor from host data: on CUDA a pageable copy that waits for the stream)."""
-    from rl_engine.logprob.vocab_parallel import _owner_rank
+    from rl_engine.logprob.backends.eager.vocab_parallel import _owner_rank
 
     contract = LogprobContract(real_vocab_size=1000, padded_vocab_size=1024, num_vocab_tiles=16, num_sequences=1,
                                seq_len=1, tp_world_size=tp, tp_rank=0)

@@ -32,10 +32,10 @@ import pytest
 import torch
 
 from rl_engine.distributed.mesh import init_mesh
-from rl_engine.logprob import fused_cpu
+from rl_engine.logprob.backends.eager.vocab_parallel import VocabParallelLogprob
+from rl_engine.logprob.backends.fused_cpu import fused_cpu
+from rl_engine.logprob.backends.fused_cpu.fused_cpu import MAX_THREADS, FusedCpuLogprob
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
-from rl_engine.logprob.fused_cpu import MAX_THREADS, FusedCpuLogprob
-from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
 from rl_engine.tensorio import fingerprint
 
 from _multiproc import run_workers
@@ -110,7 +110,7 @@ CRASH = textwrap.dedent(
     """
     import sys, torch
     from rl_engine.logprob.contract import LogprobContract, LogprobContractError
-    from rl_engine.logprob.fused_cpu import FusedCpuLogprob
+    from rl_engine.logprob.backends.fused_cpu.fused_cpu import FusedCpuLogprob
     rows, vocab = 1024, 1024
     c = LogprobContract(vocab, vocab, 16, 1, rows, logits_dtype="fp32")
     g = torch.Generator().manual_seed(0)

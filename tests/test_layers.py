@@ -3,8 +3,8 @@
 The layers, lowest first (docs/design.md has the table):
 
 0. the foundations: ``tables`` (the constant tables), ``validators``, ``jsonio``, ``schemas``, ``tensorio``,
-   ``spec_numpy``, ``division`` (the GPU's division by ``T32``, in NumPy), ``rundir`` (the run directory's
-   names), ``temperature`` (the arithmetic's ``T32``),
+   ``arith/`` (the arithmetic's reference implementations: ``spec_numpy``, ``temperature``, ``division``,
+   ``portable``, ``tiles``), ``rundir`` (the run directory's names),
    ``verb_parsers`` (the torch-free command lines of the verbs whose modules import torch);
 1. the engine: ``logprob/`` and ``distributed/``;
 2. ``grpo/`` (the loss, built on the engine), ``capture/`` (captured logits and the parity verb, built on the engine),
@@ -16,7 +16,8 @@ The layers, lowest first (docs/design.md has the table):
    ``testing/``, ``cli`` and ``__main__``.
 
 Every ``import``/``from ... import`` in the source is read with :mod:`ast`, those inside
-functions too (a deferred import is still a dependency).
+functions too (a deferred import is still a dependency). Inside a layer no import circle either:
+two modules that import each other (directly or through others) are one module in two files.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rl_engine"
 LAYERS: dict[str, int] = {
-    "tables": 0, "validators": 0, "jsonio": 0, "schemas": 0, "tensorio": 0, "spec_numpy": 0, "rundir": 0, "__init__": 0,
-    "temperature": 0, "division": 0, "verb_parsers": 0, "proctree": 0,
+    "tables": 0, "validators": 0, "jsonio": 0, "schemas": 0, "tensorio": 0, "arith": 0, "rundir": 0, "__init__": 0,
+    "verb_parsers": 0, "proctree": 0,
     "logprob": 1, "distributed": 1,
     "grpo": 2, "capture": 2, "integrations": 2,
     "campaign": 3, "record": 3,
@@ -100,3 +101,81 @@ def test_an_upward_import_is_found_negative_control() -> None:
     found = upward_imports("logprob", source)
     assert sorted(text.split(":")[0] for text in found) == ["line 3", "line 4", "line 5"], found
     assert upward_imports("workflow", source) == []
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the rl_engine modules it imports (``from pkg import mod`` names the module ``pkg.mod``)."""
+    graph: dict[str, set[str]] = {}
+    for name, source in sources.items():
+        edges = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                edges |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    edges.add(full if full in sources else node.module)
+        graph[name] = {edge for edge in edges if edge in sources and edge != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_circle() -> None:
+    """No two modules of rl_engine import each other, directly or through others (deferred imports count)."""
+    sources = {module_name(path): path.read_text(encoding="utf-8") for path in modules()}
+    assert circles(import_graph(sources)) == []
+
+
+def test_an_import_circle_is_found_negative_control() -> None:
+    """The checker finds a deferred two-module circle and a three-module one, and passes a chain."""
+    sources = {
+        "rl_engine.a": "def f():\n    from rl_engine.b import g\n",
+        "rl_engine.b": "from rl_engine import a\n",
+        "rl_engine.c": "import rl_engine.d\n",
+        "rl_engine.d": "from rl_engine.e import x\n",
+        "rl_engine.e": "from rl_engine.c import y\n",
+        "rl_engine.f": "from rl_engine.a import z\n",
+    }
+    assert circles(import_graph(sources)) == [["rl_engine.a", "rl_engine.b"], ["rl_engine.c", "rl_engine.d", "rl_engine.e"]]

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from rl_engine import spec_numpy
-from rl_engine.logprob.chunk_threads import for_each_chunk
+from rl_engine.arith import spec_numpy
+from rl_engine.arith.portable import exp as portable_exp
+from rl_engine.arith.tiles import ChunkWorkspace, FoldPlan, fold_sum_, merge_tiles, rows_finite
+from rl_engine.logprob.backends.eager.chunk_threads import for_each_chunk
+from rl_engine.logprob.backends.eager.vocab_parallel import VocabParallelLogprob
 from rl_engine.logprob.contract import LogprobContract
-from rl_engine.logprob.portable import exp as portable_exp
-from rl_engine.logprob.tiles import ChunkWorkspace, FoldPlan, fold_sum_, merge_tiles, rows_finite
-from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
 from rl_engine.tensorio import fingerprint, tensor_bytes
 
 

@@ -9,6 +9,7 @@ import torch
 
 from rl_engine import jsonio
 from rl_engine.campaign.inputs import make_inputs
+from rl_engine.logprob.backends.eager.vocab_parallel import BACKEND_ID
 from rl_engine.logprob.comparison import (
     DEFAULT_TOLERANCES,
     ComparisonError,
@@ -21,7 +22,6 @@ from rl_engine.logprob.comparison import (
 )
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.registry import BackendUnavailableError, Dispatch, dispatch
-from rl_engine.logprob.vocab_parallel import BACKEND_ID
 from rl_engine.tensorio import fingerprint
 
 SMALL = dict(batch=2, seq=8, prompt_tokens=3, real_vocab=1000, padded_vocab=1024, seed=11, logit_scale=1.0)

@@ -20,6 +20,9 @@ from rl_engine.distributed import bounds, mesh
 from rl_engine.distributed.mesh import LaunchEnv, MeshError, ParallelDims, init_mesh
 from rl_engine.logprob import contract as contract_module
 from rl_engine.logprob import registry
+from rl_engine.logprob.backends.description import backend_devices
+from rl_engine.logprob.backends.eager.vocab_parallel import BACKEND_ID, VocabParallelLogprob
+from rl_engine.logprob.backends.fused_cpu import fused_cpu
 from rl_engine.logprob.contract import RANK_LOCAL_FIELDS, LogprobContract, LogprobContractError
 from rl_engine.logprob.registry import (
     AUTO,
@@ -29,8 +32,7 @@ from rl_engine.logprob.registry import (
     backend_ids,
     dispatch,
 )
-from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
-from rl_engine.tables import BACKEND_DEVICES, FUSED_CPU_BACKEND, TRITON_BACKEND
+from rl_engine.tables import FUSED_CPU_BACKEND, TRITON_BACKEND
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -234,9 +236,9 @@ def test_fingerprint_sensitive_to_single_choice_fields(monkeypatch: pytest.Monke
 def test_backend_ids_lists_every_backend() -> None:
     # highest priority first: auto's order (Triton, fused C, eager)
     assert backend_ids() == [TRITON_BACKEND, FUSED_CPU_BACKEND, BACKEND_ID]
-    assert sorted(backend_ids()) == sorted(BACKEND_DEVICES)
-    for backend in backend_ids():  # the devices the campaign's table gives, and no others
-        assert registry.backend_devices(backend) == frozenset(BACKEND_DEVICES[backend])
+    assert sorted(backend_ids()) == sorted(backend_devices())
+    for backend in backend_ids():  # the devices its description gives, and no others
+        assert registry.backend_devices(backend) == frozenset(backend_devices()[backend])
 
 
 def test_dispatch_by_explicit_id_with_provenance() -> None:
@@ -308,7 +310,7 @@ def test_auto_on_cpu_takes_the_fused_backend_without_fallback() -> None:
 def test_auto_takes_the_eager_backend_where_the_fused_kernel_is_missing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(registry, "kernel_unavailable", lambda: "not built (test)")
+    monkeypatch.setattr(fused_cpu, "kernel_unavailable", lambda: "not built (test)")
     chosen = dispatch(AUTO, make(), "cpu")
     assert chosen.actual_backend == BACKEND_ID and chosen.fallback is True
     assert (FUSED_CPU_BACKEND, "unavailable: not built (test)") in chosen.rejections

@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW_MODULES = ("snakemake", "jsonschema", "referencing", "rich", "yaml", "in_toto_attestation", "rocrate")
 # the workflow extra includes the provenance extra's packages: the archive stage writes with them
 WORKFLOW_DISTRIBUTIONS = ("snakemake", "jsonschema", "rich", "pyyaml", "in-toto-attestation", "rocrate")
-OP_MODULES = ("rl_engine.logprob", "rl_engine.logprob.hidden", "rl_engine.logprob.compiled", "rl_engine.grpo",
-              "rl_engine.integrations.trl", "rl_engine.integrations.verl", "rl_engine.temperature")
+OP_MODULES = ("rl_engine.logprob", "rl_engine.logprob.hidden", "rl_engine.logprob.api", "rl_engine.grpo",
+              "rl_engine.integrations.trl", "rl_engine.integrations.verl", "rl_engine.arith.temperature")
 
 # run by a fresh interpreter: the op's modules, one call, and what got imported
 PROBE = """

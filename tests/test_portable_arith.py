@@ -5,7 +5,7 @@
   entropy and gradient bytes are identical; the same harness with an ISA-dependent step (the
   old ``torch.randn`` input recipe) finds them different, and ``torch.exp``/``torch.log`` in
   place of the spec's ``E``/``L`` give other bytes (negative controls);
-* the NumPy implementation (:mod:`rl_engine.spec_numpy`, written from the document, no
+* the NumPy implementation (:mod:`rl_engine.arith.spec_numpy`, written from the document, no
   shared code) gives the same bytes as the torch candidate: several TP degrees, CP=2 zigzag,
   padding, bf16, fp16 and fp32; one changed polynomial coefficient, 64 lanes instead of 128,
   or a multiply then an add in place of each fma break that (negative controls);
@@ -29,14 +29,13 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rl_engine import spec_numpy
+from rl_engine.arith import portable, spec_numpy
 from rl_engine.campaign.inputs import make_inputs
 from rl_engine.campaign.replay import replay_candidate
 from rl_engine.distributed.mesh import init_mesh
-from rl_engine.logprob import portable
+from rl_engine.logprob.backends.eager.vocab_parallel import VocabParallelLogprob
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import fp64_oracle
-from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
 from rl_engine.tensorio import tensor_bytes
 
 from _multiproc import run_workers
@@ -57,8 +56,8 @@ FP32_CASE = {**DEFAULT_CASE, "dtype": "fp32", "logit_scale": 4.0}
 _ISA_SCRIPT = r"""
 import json, os, sys
 import torch
-from rl_engine.logprob import portable
-import rl_engine.logprob.tiles as tiles
+from rl_engine.arith import portable
+import rl_engine.arith.tiles as tiles
 import rl_engine.campaign.replay as replay
 swap = os.environ.get("SWAP", "")
 if swap == "torch-exp":   # negative control: the library exp and log
@@ -146,7 +145,7 @@ def test_the_library_exp_is_not_the_spec(isa_runs: dict[str, dict[str, Any]]) ->
 
 
 def test_the_numpy_comparison_fails_with_the_library_exp(monkeypatch: pytest.MonkeyPatch) -> None:
-    import rl_engine.logprob.tiles as tiles
+    import rl_engine.arith.tiles as tiles
 
     monkeypatch.setattr(tiles, "exp_into", lambda y, out, sc: torch.exp(y, out=out))
     b = _batch("fp32-exact")
@@ -385,7 +384,7 @@ def test_forward_and_backward_dispatch_only_basic_operations() -> None:
 
 
 def test_the_recorder_catches_a_library_exp(monkeypatch: pytest.MonkeyPatch) -> None:
-    import rl_engine.logprob.tiles as tiles
+    import rl_engine.arith.tiles as tiles
 
     monkeypatch.setattr(tiles, "exp_into", lambda y, out, sc: torch.exp(y, out=out))
     assert "exp" in _record_candidate() & FORBIDDEN_OPS
@@ -447,7 +446,7 @@ def test_a_thread_that_flushes_subnormals_is_refused_and_would_change_the_bytes(
         torch.set_flush_denormal(True)
         with pytest.raises(LogprobContractError, match="set_flush_denormal"):
             _grad_bytes(*case)
-        import rl_engine.logprob.vocab_parallel as vp
+        import rl_engine.logprob.backends.eager.vocab_parallel as vp
 
         monkeypatch.setattr(vp, "require_gradual_underflow", lambda device="cpu": None)
         flushed = _grad_bytes(*case)

@@ -18,14 +18,7 @@ import torch
 import torch.distributed as dist
 
 from rl_engine.distributed.mesh import init_mesh
-from rl_engine.logprob import (
-    BACKEND_ID,
-    LogprobContract,
-    LogprobContractError,
-    VocabParallelLogprob,
-    dispatch,
-    gather_tokens,
-)
+from rl_engine.logprob import LogprobContract, LogprobContractError, gather_tokens
 from rl_engine.logprob.agreement import (
     MESSAGE_BYTES,
     RECORD_BYTES,
@@ -35,6 +28,8 @@ from rl_engine.logprob.agreement import (
     decode_slot,
     encode_slot,
 )
+from rl_engine.logprob.backends.eager.vocab_parallel import BACKEND_ID, VocabParallelLogprob
+from rl_engine.logprob.registry import dispatch
 from rl_engine.tensorio import fingerprint
 
 from _multiproc import run_workers

@@ -22,8 +22,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl_engine.grpo import GRPOContract, GRPOContractError, GRPOLoss
+from rl_engine.logprob.backends.eager.vocab_parallel import VocabParallelLogprob, real_local_columns, real_rows_finite
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
-from rl_engine.logprob.vocab_parallel import VocabParallelLogprob, real_local_columns, real_rows_finite
 from rl_engine.tables import EAGER_BACKEND, FUSED_CPU_BACKEND
 from rl_engine.tensorio import fingerprint, tensor_bytes
 

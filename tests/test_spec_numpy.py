@@ -1,4 +1,4 @@
-"""Self-contained tests of rl_engine/spec_numpy.py (the NumPy reading of docs/arithmetic.md).
+"""Self-contained tests of rl_engine/arith/spec_numpy.py (the NumPy reading of docs/arithmetic.md).
 
 These check the NumPy implementation against float64 oracles, exact rational arithmetic
 (``fractions.Fraction``: the fused multiply-add), hand-written fold and lane orders and
@@ -16,7 +16,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from rl_engine import spec_numpy as sn
+from rl_engine.arith import spec_numpy as sn
 
 F32 = np.float32
 U32 = np.uint32

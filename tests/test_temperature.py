@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 import torch
 
-from rl_engine import spec_numpy
+from rl_engine.arith import spec_numpy
+from rl_engine.arith.temperature import TemperatureError, inverse_temperature, rn32, temperature32
 from rl_engine.distributed.mesh import init_mesh
 from rl_engine.logprob.api import selected_logprob
+from rl_engine.logprob.backends.eager.vocab_parallel import VocabParallelLogprob
+from rl_engine.logprob.backends.fused_cpu.fused_cpu import FusedCpuLogprob, kernel_unavailable
 from rl_engine.logprob.contract import LogprobContractError
-from rl_engine.logprob.fused_cpu import FusedCpuLogprob, kernel_unavailable
-from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
 from rl_engine.tables import TRITON_MODE_ENV
-from rl_engine.temperature import TemperatureError, inverse_temperature, rn32, temperature32
 from rl_engine.tensorio import tensor_bytes
 
 from _byte_cases import _contract, _inputs, _run, tp4_and_tp2cp2_contracts
@@ -86,7 +86,7 @@ def _engines() -> dict[str, VocabParallelLogprob]:
     if kernel_unavailable() is None:
         found["fused"] = FusedCpuLogprob()
     try:
-        from rl_engine.logprob.triton_backend import TritonLogprob
+        from rl_engine.logprob.backends.triton.triton_backend import TritonLogprob
 
         found["triton"] = TritonLogprob(mode="interpreter")
     except ImportError:
@@ -223,7 +223,7 @@ def test_the_triton_kernels_guard_takes_the_ieee_division_where_markstein_is_not
     and with the reciprocal perturbed (``r * (1 + 2**-5)``: the sequence's steps no longer reach the
     quotient) they differ too, so the ordinary rows do run the sequence."""
     pytest.importorskip("triton")
-    from rl_engine.logprob import triton_backend
+    from rl_engine.logprob.backends.triton import triton_backend
 
     temperature, tiles = 0.25, 4
     x, targets, active, w_logp, w_lse = _edge_inputs(dtype)

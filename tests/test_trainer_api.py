@@ -20,13 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from rl_engine.logprob import (
-    LogprobContract,
-    LogprobContractError,
-    VocabParallelLogprob,
-    gather_tokens,
-    selected_logprob,
-)
+from rl_engine.logprob import LogprobContract, LogprobContractError, gather_tokens, selected_logprob
+from rl_engine.logprob.backends.eager.vocab_parallel import VocabParallelLogprob
 from rl_engine.tensorio import fingerprint, tensor_bytes
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -32,16 +32,17 @@ pytest.importorskip("triton")  # the test extra installs it: CI never skips (tes
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from rl_engine.logprob import portable, triton_backend  # noqa: E402
-from rl_engine.logprob.contract import LogprobContractError  # noqa: E402
-from rl_engine.logprob.registry import BackendUnavailableError, dispatch  # noqa: E402
-from rl_engine.logprob.triton_backend import (  # noqa: E402
+from rl_engine.arith import portable  # noqa: E402
+from rl_engine.logprob.backends.eager.vocab_parallel import EAGER_ENGINE, VocabParallelLogprob  # noqa: E402
+from rl_engine.logprob.backends.triton import triton_backend  # noqa: E402
+from rl_engine.logprob.backends.triton.triton_backend import (  # noqa: E402
     TritonEngine,
     TritonKernelError,
     TritonLogprob,
     load_kernels,
 )
-from rl_engine.logprob.vocab_parallel import EAGER_ENGINE, VocabParallelLogprob  # noqa: E402
+from rl_engine.logprob.contract import LogprobContractError  # noqa: E402
+from rl_engine.logprob.registry import BackendUnavailableError, dispatch  # noqa: E402
 from rl_engine.tables import AUTO, FUSED_CPU_BACKEND, TRITON_BACKEND  # noqa: E402
 
 from _byte_cases import (  # noqa: E402

@@ -3,13 +3,13 @@
 ``triton.compile(..., target=GPUTarget(...))`` for sm_80, sm_90, sm_100 (PTX) and gfx942 (AMD
 ISA), with the argument types, constants and the **specialization Triton applies at launch**
 (``tt.divisibility=16`` on aligned pointers and integers divisible by 16), derived by Triton's
-own binder from the backend's own launches (:func:`rl_engine.logprob.triton_aot.launch_variants`).
+own binder from the backend's own launches (:func:`rl_engine.logprob.backends.triton.triton_aot.launch_variants`).
 Every floating-point instruction of the PTX must be an IEEE round-to-nearest operation, and the
 fused multiply-adds exactly the ones ``docs/arithmetic.md`` writes: 10 per column in the forward
 with entropy (9 in ``E``, one in ``G*``), 9 in the backward; the AMD ISA the same, outside any
 division sequence. Negative controls: the forward with fusion on holds more FMAs; a plain ``/``
 gives a non-IEEE division on NVIDIA; the AMD rule classifies ``div_rn``'s FMA steps as division
-steps. The roofline of the launched binaries (``python -m rl_engine.logprob.triton_aot
+steps. The roofline of the launched binaries (``python -m rl_engine.logprob.backends.triton.triton_aot
 --roofline``) meets the roofline targets: no local memory, no loop, at most 25 SASS instructions
 per column forward and 35 backward, forward within 1.25x of the H100 floor, forward+backward
 within 1.25x of theirs.
@@ -33,9 +33,10 @@ pytest.importorskip("triton")  # the test extra installs it
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from rl_engine import division, schemas  # noqa: E402
-from rl_engine.logprob import triton_aot  # noqa: E402
-from rl_engine.logprob.triton_backend import load_kernels  # noqa: E402
+from rl_engine import schemas  # noqa: E402
+from rl_engine.arith import division  # noqa: E402
+from rl_engine.logprob.backends.triton import triton_aot  # noqa: E402
+from rl_engine.logprob.backends.triton.triton_backend import load_kernels  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 

@@ -27,7 +27,7 @@ INSTALL = f"python -m pip install --no-deps --target .ci/triton-3.6 triton=={OLD
 
 def test_the_installed_triton_is_supported() -> None:
     triton = pytest.importorskip("triton")
-    from rl_engine.logprob.triton_backend import MIN_TRITON, _version
+    from rl_engine.logprob.backends.triton.triton_backend import MIN_TRITON, _version
 
     assert _version(triton.__version__) >= MIN_TRITON == (3, 6)
 
@@ -52,7 +52,7 @@ def test_the_oldest_supported_triton_passes_the_interpreter_and_ptx_checks() -> 
     assert done.returncode == 0, tail
     assert " passed" in tail and "skipped" not in tail and "failed" not in tail, tail
     refused = subprocess.run(
-        [sys.executable, "-c", "from rl_engine.logprob.triton_backend import triton_unavailable as u; "
+        [sys.executable, "-c", "from rl_engine.logprob.backends.triton.triton_backend import triton_unavailable as u; "
                                "print(u('interpreter'))"],
         env=env, capture_output=True, text=True, timeout=300, check=False, cwd=REPO)
     assert refused.returncode == 0, refused.stderr[-2000:]

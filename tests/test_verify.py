@@ -709,7 +709,9 @@ def test_safe_extract_unit_contract(tmp_path: Path) -> None:
 
 def test_verify_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert verify.main([str(tmp_path / "missing.tar.gz")]) == 2
-    assert "is not a file" in capsys.readouterr().err
+    assert "missing.tar.gz does not exist (looked for" in capsys.readouterr().err
+    assert verify.main([str(tmp_path)]) == 2
+    assert "is a directory, not an archive" in capsys.readouterr().err
 
 
 def test_one_ulp_forgery_rebuilt_with_the_projects_verbs_is_caught_only_by_the_replay(
@@ -1110,8 +1112,8 @@ def test_hostile_json_is_an_ordinary_finding_and_every_other_check_runs(
 
 
 def test_the_archive_packs_the_specification_the_reports_claim(good: Good) -> None:
+    from rl_engine.arith.portable import SPEC_VERSION
     from rl_engine.evidence.spec_doc import spec_record
-    from rl_engine.logprob.portable import SPEC_VERSION
 
     spec = good.data("arithmetic.md")
     assert spec == (Path(__file__).resolve().parents[1] / "docs" / "arithmetic.md").read_bytes()

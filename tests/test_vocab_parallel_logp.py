@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from rl_engine.distributed.mesh import init_mesh
+from rl_engine.logprob.backends.eager.vocab_parallel import VocabParallelLogprob
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import fp32_oracle, fp64_oracle
-from rl_engine.logprob.vocab_parallel import VocabParallelLogprob
 from rl_engine.tensorio import fingerprint, tensor_bytes
 
 from _multiproc import run_workers

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rl_engine.arith.tiles import default_chunk_rows
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract
-from rl_engine.logprob.tiles import default_chunk_rows
 from rl_engine.tables import BENCH_PATHS, BENCH_PHASES
 
 PATHS: tuple[str, ...] = BENCH_PATHS
@@ -115,7 +115,7 @@ class BenchConfig:
                 raise BenchError(f"tp={list(self.tp)}: the TP mode runs on the cpu (gloo) only; drop --tp "
                                  "with --device cuda")
         if "fused" in self.paths:
-            from rl_engine.logprob.fused_cpu import kernel_unavailable
+            from rl_engine.logprob.backends.fused_cpu.fused_cpu import kernel_unavailable
 
             reason = kernel_unavailable()
             if reason is not None:
@@ -127,7 +127,7 @@ class BenchConfig:
             self._check_triton()
 
     def _check_triton(self) -> None:
-        from rl_engine.logprob.triton_backend import MODE_ENV, env_mode, mode_device, triton_unavailable
+        from rl_engine.logprob.backends.triton.triton_backend import MODE_ENV, env_mode, mode_device, triton_unavailable
 
         served = mode_device(env_mode())
         if served != self.device:
@@ -147,7 +147,7 @@ class BenchConfig:
         """The Triton backend's mode in this run (None when the run has no triton path)."""
         if "triton" not in self.paths:
             return None
-        from rl_engine.logprob.triton_backend import env_mode
+        from rl_engine.logprob.backends.triton.triton_backend import env_mode
 
         return env_mode()
 

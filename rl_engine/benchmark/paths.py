@@ -31,7 +31,7 @@ import torch
 
 from rl_engine.benchmark.config import BACKEND_PATHS, HEAD_PATHS, PATHS, BenchConfig, BenchError
 from rl_engine.benchmark.inputs import Inputs
-from rl_engine.logprob.chunk_threads import for_each_chunk
+from rl_engine.logprob.backends.eager.chunk_threads import for_each_chunk
 from rl_engine.logprob.contract import LogprobContract
 
 Step = Callable[[], Any]
@@ -42,11 +42,11 @@ def default_paths(device: str = "cpu") -> tuple[str, ...]:
     kernel loads (never triton: its interpreter gives bytes, not timings, and is asked for by
     name); on cuda the triton backend where it compiles (never fused: it is cpu-only)."""
     if device == "cuda":
-        from rl_engine.logprob.triton_backend import triton_unavailable
+        from rl_engine.logprob.backends.triton.triton_backend import triton_unavailable
 
         return tuple(p for p in PATHS if p != "fused" and p not in HEAD_PATHS
                      and (p != "triton" or triton_unavailable() is None))
-    from rl_engine.logprob.fused_cpu import kernel_unavailable
+    from rl_engine.logprob.backends.fused_cpu.fused_cpu import kernel_unavailable
 
     return tuple(p for p in PATHS if p != "triton" and p not in HEAD_PATHS
                  and (p != "fused" or kernel_unavailable() is None))

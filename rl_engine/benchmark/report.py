@@ -14,7 +14,7 @@ import torch
 from rl_engine import schemas
 from rl_engine.benchmark.config import BACKEND_PATHS, BenchConfig, BenchError
 from rl_engine.benchmark.memory import MEMORY_METHOD
-from rl_engine.logprob.vocab_parallel import BACKEND_ID
+from rl_engine.logprob.backends.eager.vocab_parallel import BACKEND_ID
 from rl_engine.record.environment import cpu_model
 from rl_engine.tables import SCHEMA_VERSION
 

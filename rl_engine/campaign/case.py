@@ -15,8 +15,9 @@ module for a second one; ``docs/design.md`` draws who calls what):
   verify recomputes);
 - the resolved case and its hash, which names the run: :func:`resolved_case`, :func:`case_hash`,
   :meth:`Case.run_hash`;
-- its inputs: :meth:`Case.inputs` and :meth:`Case.rank_inputs` (the recipe-or-capture branch is
-  :mod:`rl_engine.campaign.captured`'s, which imports torch).
+- not its inputs: :func:`rl_engine.campaign.captured.case_inputs` and ``case_rank_inputs`` make them
+  from the case's record (the recipe-or-capture branch imports torch, and the captured module reads
+  the case: the case importing it back would close an import circle, ``tests/test_layers.py``).
 
 The case file (``case.json``, ``schemas/case.schema.json``) is a case with its topologies: what
 the workflow's resolved config becomes, and what the plan is built from
@@ -35,16 +36,16 @@ from dataclasses import fields as dataclass_fields
 from typing import Any, Mapping, Sequence
 
 from rl_engine import jsonio, schemas
+from rl_engine.arith.temperature import TemperatureError, temperature32
 from rl_engine.distributed.bounds import BoundsError, check_cp_split, even_vocab_shards, tile_width
+from rl_engine.logprob.backends.description import backend_devices, interpreter_devices
 from rl_engine.tables import (
     AUTO,
-    BACKEND_DEVICES,
     CP_LAYOUTS,
     DEFAULT_PG_TIMEOUT_S,
     DEFAULT_TOLERANCES,
     DEVICE_DIST_BACKENDS,
     DTYPES,
-    INTERPRETER_DEVICES,
     LOGIT_SCALE_BOUNDS,
     MAX_CP,
     MAX_LOGIT_ELEMENTS,
@@ -57,7 +58,6 @@ from rl_engine.tables import (
     SCHEMA_VERSION,
     TRITON_MODE_ENV,
 )
-from rl_engine.temperature import TemperatureError, temperature32
 from rl_engine.validators import choice_problem, int_problem, real_problem, require
 
 
@@ -69,9 +69,10 @@ def case_devices(backend: str) -> tuple[str, ...]:
     """The devices a campaign may run ``backend`` on: its table entry, or its interpreter's
     when the user selected that mode (``RL_ENGINE_TRITON_MODE=interpreter`` for the Triton
     backend, recorded in every report's ``dispatch.mode``)."""
-    if backend in INTERPRETER_DEVICES and os.environ.get(TRITON_MODE_ENV) == "interpreter":
-        return INTERPRETER_DEVICES[backend]
-    return BACKEND_DEVICES[backend]
+    interpreted = interpreter_devices()
+    if backend in interpreted and os.environ.get(TRITON_MODE_ENV) == "interpreter":
+        return interpreted[backend]
+    return backend_devices()[backend]
 
 
 def _number_problem(name: str, value: Any, positive: bool) -> str | None:
@@ -164,9 +165,9 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
         if backend == AUTO:
             add("backend",
                 "backend='auto' is refused: a campaign validates one named backend (evidence must "
-                f"name what it tested); name it explicitly, one of {list(BACKEND_DEVICES)}")
-        elif backend not in BACKEND_DEVICES:
-            add("backend", f"backend={backend!r} is not registered; use one of {list(BACKEND_DEVICES)}")
+                f"name what it tested); name it explicitly, one of {list(backend_devices())}")
+        elif backend not in backend_devices():
+            add("backend", f"backend={backend!r} is not registered; use one of {list(backend_devices())}")
         elif has("device") and values["device"] not in case_devices(backend):
             add("backend",
                 f"backend={backend!r} does not run on device={values['device']!r} (its devices: "
@@ -456,7 +457,7 @@ class Case:
     # None: the input recipe (rl_engine.campaign.inputs); else the captured file's record
     # (rl_engine.campaign.captured.capture_record): path, sha256, size, shape, dtype, metadata
     capture: dict[str, Any] | None = None
-    # docs/arithmetic.md section 6 step 0 (rl_engine.temperature); 1.0: none
+    # docs/arithmetic.md section 6 step 0 (rl_engine.arith.temperature); 1.0: none
     temperature: float = 1.0
 
     def __post_init__(self) -> None:
@@ -536,21 +537,6 @@ class Case:
                  parity: Mapping[str, Any] | None = None) -> str:
         """:func:`case_hash` of a run of this case over ``topologies`` with this focused regression."""
         return case_hash(self.to_dict(), topologies, tests, pytest_args, parity)
-
-    def inputs(self) -> Any:
-        """The whole case's ``(FP32 logits, targets, active)``: the input recipe's, or the capture's at its
-        recorded path after its hash (:func:`rl_engine.campaign.captured.case_inputs`)."""
-        from rl_engine.campaign.captured import case_inputs  # imports torch: not at parse time
-
-        return case_inputs(self.to_dict())
-
-    def rank_inputs(self, contract: Any) -> Any:
-        """One rank's ``(logits, targets, active)`` under its ``contract`` (:meth:`contract`): the
-        recipe's rows and columns, or only that rank's part of the capture
-        (:func:`rl_engine.campaign.captured.case_rank_inputs`)."""
-        from rl_engine.campaign.captured import case_rank_inputs  # imports torch: not at parse time
-
-        return case_rank_inputs(self.to_dict(), contract)
 
 
 def record_contract(record: Mapping[str, Any], tp: int = 1, cp: int = 1, tp_rank: int = 0, cp_rank: int = 0, *,

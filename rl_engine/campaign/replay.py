@@ -8,8 +8,8 @@ fingerprints, the gradient's included.
 
 A report names the version of the arithmetic it was computed under (``arithmetic_spec``), and
 each version is replayed under its own rules for ever: this installation's backends compute
-:data:`rl_engine.logprob.portable.SPEC_VERSION`; an earlier version (``rl-engine-arith/1``,
-``docs/arithmetic-1.md``) is replayed by the NumPy implementation, :mod:`rl_engine.spec_numpy`,
+:data:`rl_engine.arith.portable.SPEC_VERSION`; an earlier version (``rl-engine-arith/1``,
+``docs/arithmetic-1.md``) is replayed by the NumPy implementation, :mod:`rl_engine.arith.spec_numpy`,
 which computes every version it lists in ``SPECS``.
 """
 
@@ -23,11 +23,12 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from rl_engine import spec_numpy
+from rl_engine.arith import spec_numpy
+from rl_engine.arith.portable import SPEC_VERSION
 from rl_engine.campaign.captured import case_inputs, replay_source
 from rl_engine.campaign.case import record_contract
 from rl_engine.campaign.inputs import inputs_sha256
-from rl_engine.logprob.portable import SPEC_VERSION
+from rl_engine.logprob.backends.description import arith_backends as described_arith_backends
 from rl_engine.logprob.registry import dispatch
 from rl_engine.rundir import TENSOR_NAMES
 from rl_engine.tensorio import fingerprint
@@ -47,12 +48,15 @@ class Replay:
         return found
 
 
-# Backends that compute docs/arithmetic.md (this version): any of them replays a case
-# run with any other, byte for byte (tests/test_fused_cpu.py, tests/test_fused_campaign.py,
-# tests/test_triton_backend.py, tests/test_triton_campaign.py): a Triton-backend campaign run on
-# GPUs is replayed on a reviewer's CPU by the eager reference.
-ARITH_BACKENDS = ("pytorch-vocab-parallel-logp-ws2", "cpu-vocab-parallel-logp-ws2",
-                  "triton-vocab-parallel-logp-ws2")
+def arith_backends(root: str | os.PathLike[str] | None = None) -> tuple[str, ...]:
+    """The backends computing docs/arithmetic.md (this version, by their descriptions): any of them
+    replays a case run with any other, byte for byte (tests/test_fused_cpu.py,
+    tests/test_fused_campaign.py, tests/test_triton_backend.py, tests/test_triton_campaign.py): a
+    Triton-backend campaign run on GPUs is replayed on a reviewer's CPU by the eager reference.
+    ``root``: the folder of backend folders (default: rl_engine/logprob/backends/)."""
+    return described_arith_backends(SPEC_VERSION, root)
+
+
 REFERENCE_BACKEND = "pytorch-vocab-parallel-logp-ws2"
 
 
@@ -83,7 +87,7 @@ def replay_candidate(case: Mapping[str, Any], backend: str | None = None,
     """Regenerate the case's inputs and compute the candidate on all of them, TP=1, CP=1, CPU.
 
     ``backend`` (default: the case's) names the backend that recomputes; ``verify
-    --recompute`` passes the eager reference for a case of any ``ARITH_BACKENDS`` backend, so a
+    --recompute`` passes the eager reference for a case of any ``arith_backends()`` backend, so a
     reviewer's machine needs no compiled kernel to check a fused-backend run. ``spec`` is the
     arithmetic version the report records: another than this installation's is replayed by the
     NumPy implementation of that version (:func:`replay_numpy`).
@@ -109,7 +113,7 @@ _NUMPY_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def replay_numpy(case: Mapping[str, Any], spec: str, capture: str | os.PathLike[str] | None = None) -> Replay:
-    """The candidate of ``case`` under arithmetic version ``spec``, by :mod:`rl_engine.spec_numpy`.
+    """The candidate of ``case`` under arithmetic version ``spec``, by :mod:`rl_engine.arith.spec_numpy`.
 
     The inputs are the campaign's (the recipe's FP32 logits converted to the case's dtype as the
     runner converts them, or the capture's); the forward, and the gradient of the summed selected

@@ -50,7 +50,8 @@ import torch
 import torch.distributed as dist
 
 from rl_engine import jsonio, schemas
-from rl_engine.campaign.captured import check_file
+from rl_engine.arith.portable import SPEC_VERSION
+from rl_engine.campaign.captured import case_inputs, case_rank_inputs, check_file
 from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.faults import Fault, FaultError, fault_from_env
 from rl_engine.campaign.inputs import inputs_sha256
@@ -70,7 +71,6 @@ from rl_engine.distributed.mesh import LaunchEnv, MeshError, destroy, init_mesh
 from rl_engine.logprob.comparison import ComparisonError, drift_failures
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
 from rl_engine.logprob.oracle import fp32_oracle
-from rl_engine.logprob.portable import SPEC_VERSION
 from rl_engine.logprob.registry import dispatch
 from rl_engine.rundir import TENSOR_NAMES, Topology, report_tensors
 from rl_engine.tables import SCHEMA_VERSION
@@ -95,7 +95,7 @@ def compute_rank(
     """This rank's local results (CPU tensors) and provenance, ready to gather on rank 0."""
     contract = rank_contract(case, tp, cp, tp_rank, cp_rank)
     selected = dispatch(case.backend, contract, device.type)
-    local, targets, active = case.rank_inputs(contract)  # on a capture, run_topology checked its hash
+    local, targets, active = case_rank_inputs(case.to_dict(), contract)  # on a capture, run_topology checked its hash
     local = local.to(device=device, dtype=contract.torch_dtype).contiguous().requires_grad_(True)
     start = time.perf_counter()
     out = selected.op(
@@ -285,7 +285,7 @@ def build_report(
     tp_failures = tp_replication_failures(results)
     failures = _backend_failures(case, results) + tp_failures
     tensors = assemble(results, case)
-    logits_fp32, targets, active = case.inputs()
+    logits_fp32, targets, active = case_inputs(case.to_dict())
     if fault is not None and fault.kind == "perturb" and fault.applies(tp, cp):
         perturb(tensors["logp"], logits_fp32, targets, active, case)
     drift = case.drift(tensors["logp"], tensors["lse"], logits_fp32, targets, active)

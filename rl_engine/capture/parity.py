@@ -38,13 +38,14 @@ from typing import Any, Sequence
 import torch
 
 from rl_engine import jsonio, schemas
+from rl_engine.arith import portable
 from rl_engine.capture.format import Capture, CaptureError, read_capture, read_header, read_tokens
 from rl_engine.distributed.bounds import AUTO_TILES, BoundsError, tile_width
-from rl_engine.logprob import portable
 from rl_engine.logprob.api import resolve_vocab_tiles
+from rl_engine.logprob.backends.description import backend_devices
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.rundir import PARITY_JSON, PARITY_PNG
-from rl_engine.tables import AUTO, BACKEND_DEVICES, EAGER_BACKEND, PARITY_RATIO_BOUNDS, SCHEMA_VERSION
+from rl_engine.tables import AUTO, EAGER_BACKEND, PARITY_RATIO_BOUNDS, SCHEMA_VERSION
 from rl_engine.tensorio import tensor_bytes
 from rl_engine.verb_parsers import parity_parser
 
@@ -94,11 +95,11 @@ class Tokens:
 
 
 def _check_backend(backend: str) -> None:
-    cpu = sorted(b for b, d in BACKEND_DEVICES.items() if "cpu" in d)
-    if backend != AUTO and backend not in BACKEND_DEVICES:
+    cpu = sorted(b for b, d in backend_devices().items() if "cpu" in d)
+    if backend != AUTO and backend not in backend_devices():
         raise ParityError(f"backend={backend!r} is not registered; name one registered for the cpu "
                           f"(our logprob runs here): one of {cpu}")
-    if backend == AUTO or "cpu" not in BACKEND_DEVICES[backend]:
+    if backend == AUTO or "cpu" not in backend_devices()[backend]:
         raise ParityError(f"backend={backend!r} must be a backend registered for the cpu (our logprob "
                           f"runs here, and auto is not a name): one of {cpu}")
 

@@ -426,11 +426,18 @@ def _artifact_sections(ev: Evidence, run: Run) -> tuple[Section, Section]:
     return arts, skipped
 
 
+def engine_text(meta: dict[str, Any]) -> str:
+    """``vllm 0.6.3``; the version alone where it already starts with the engine's name (the
+    transformers capture records ``transformers 5.25.0, torch 2.9.1``), so the name is not said twice."""
+    engine, version = str(meta.get("engine")), str(meta.get("engine_version"))
+    return version if version.startswith(f"{engine} ") else f"{engine} {version}"
+
+
 def _capture_text(parity: dict[str, Any], side: str) -> str:
     record = _get(parity, "captures", side) or {}
     meta = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
-    return (f"`{record.get('path')}` (SHA-256 `{record.get('sha256')}`; engine {meta.get('engine')} "
-            f"{meta.get('engine_version')}, model {meta.get('model')}, {meta.get('dtype')}, TP {meta.get('tp')}; "
+    return (f"`{record.get('path')}` (SHA-256 `{record.get('sha256')}`; engine {engine_text(meta)}, "
+            f"model {meta.get('model')}, {meta.get('dtype')}, TP {meta.get('tp')}; "
             f"{'with' if record.get('has_reported_logp') else 'without'} reported_logp)")
 
 

@@ -42,8 +42,8 @@ Runs without a GPU or network and checks, each as a row of the printed table:
     config sets none). Looser tolerances fail unless ``--accept-looser-tolerance`` is given;
     then the row is a note that names them, not a pass. Tighter tolerances pass;
 12. **arithmetic spec**: every report names one and the same version of the arithmetic, one
-    this installation replays (:data:`rl_engine.spec_numpy.SPECS`: the current
-    ``docs/arithmetic.md``, :data:`rl_engine.logprob.portable.SPEC_VERSION`, and every earlier
+    this installation replays (:data:`rl_engine.arith.spec_numpy.SPECS`: the current
+    ``docs/arithmetic.md``, :data:`rl_engine.arith.portable.SPEC_VERSION`, and every earlier
     one), and the archive packs that version's specification as ``arithmetic.md`` (its first
     line names the version; REVIEWING.md records its version and SHA-256,
     :mod:`rl_engine.evidence.spec_doc`);
@@ -716,8 +716,8 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
 def check_arithmetic_spec(run: Run) -> Check:
     """Every planned report names one version of the arithmetic, one this installation replays,
     and the archive packs that version's specification."""
-    from rl_engine.logprob.portable import SPEC_VERSION
-    from rl_engine.spec_numpy import SPECS
+    from rl_engine.arith.portable import SPEC_VERSION
+    from rl_engine.arith.spec_numpy import SPECS
 
     planned, msg = _planned(run)
     if msg:
@@ -766,7 +766,7 @@ def replay(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | None =
     """Recompute the candidate at TP=1 and require byte equality with every topology."""
     import torch
 
-    from rl_engine.campaign.replay import ARITH_BACKENDS, REFERENCE_BACKEND, case_source, replay_candidate
+    from rl_engine.campaign.replay import REFERENCE_BACKEND, arith_backends, case_source, replay_candidate
     from rl_engine.rundir import TENSOR_NAMES
     from rl_engine.tensorio import tensor_bytes
 
@@ -790,7 +790,7 @@ def replay(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | None =
                 # a case of any backend of the arithmetic spec is replayed by the eager
                 # reference: no compiled kernel needed here, and the strictest comparison;
                 # a report of an earlier arithmetic version, by that version's NumPy implementation
-                by = REFERENCE_BACKEND if case.get("backend") in ARITH_BACKENDS else None
+                by = REFERENCE_BACKEND if case.get("backend") in arith_backends() else None
                 cache[key] = replay_candidate(case, backend=by, capture=case_source(case, run.root, capture),
                                               spec=spec if isinstance(spec, str) else "")
             again = cache[key]
@@ -992,7 +992,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--capture {terminal_text(str(args.capture))}: no such regular file (looked for "
                      f"{terminal_text(str(args.capture.absolute()))}); give the path of the captured file")
     if not args.archive.is_file():
-        print(f"verify: {terminal_text(str(args.archive))} is not a file", file=sys.stderr)
+        shown_path = terminal_text(str(args.archive))
+        why = ("does not exist" if not args.archive.exists() else
+               "is a directory, not an archive" if args.archive.is_dir() else "is not a regular file")
+        print(f"verify: {shown_path} {why} (looked for {terminal_text(str(args.archive.absolute()))}); give the path "
+              "of an evidence archive (results/<name>.tar.gz)", file=sys.stderr)
         return 2
     try:
         limits = Limits(args.max_member_mib * MIB, args.max_total_mib * MIB, args.max_members)

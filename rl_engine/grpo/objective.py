@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_engine.arith.portable import exp_differentiable
+from rl_engine.arith.tiles import fold_sum
 from rl_engine.grpo.contract import GRPOContract, GRPOContractError
-from rl_engine.logprob.portable import exp_differentiable
-from rl_engine.logprob.tiles import fold_sum
 
 
 def ordered_sum(x: torch.Tensor) -> torch.Tensor:

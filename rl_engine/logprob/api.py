@@ -19,10 +19,10 @@ import torch.distributed as dist
 from rl_engine.distributed.bounds import AUTO_TILES, AUTO_TILES_RULE, BoundsError, auto_vocab_tiles, token_indices
 from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device
+from rl_engine.logprob.backends.eager.vocab_parallel import LogprobOutput, vocab_parallel_backward
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
 from rl_engine.logprob.registry import dispatch
 from rl_engine.logprob.storage import require_readable
-from rl_engine.logprob.vocab_parallel import LogprobOutput
 from rl_engine.tables import AUTO, MAX_TP
 
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in LOGITS_DTYPES.items()}
@@ -246,15 +246,38 @@ def _compiled_call(logits: torch.Tensor, targets: Any, active: Any, lead: tuple[
                    num_vocab_tiles: int | str, real_vocab_size: int | None, compute_entropy: bool,
                    validate: bool, backend: str, ignore_index: int, max_tp: int,
                    chunk_rows: int | None, temperature: float = 1.0) -> LogprobOutput:
-    """Under ``torch.compile``: ``rl_engine::selected_logprob`` (:mod:`rl_engine.logprob.compiled`),
+    """Under ``torch.compile``: ``rl_engine::selected_logprob`` (:func:`selected_logprob_op`, below),
     whose real implementation is this function's eager path; no provenance in the graph."""
-    from rl_engine.logprob.compiled import selected_logprob_op
-
     tiles = resolve_vocab_tiles(num_vocab_tiles, logits.shape[-1], max_tp)["resolved"]
     logp, lse, entropy = selected_logprob_op(
         logits, targets, active, logits.shape[-1] if real_vocab_size is None else real_vocab_size, tiles,
         ignore_index, compute_entropy, validate, backend, chunk_rows, temperature)
     return LogprobOutput(logp, lse, entropy if compute_entropy else None, None)
+
+
+def selected_logprob_tp(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    active: torch.Tensor,
+    contract: LogprobContract,
+    mesh: Any,
+    *,
+    backend: str = AUTO,
+    compute_entropy: bool = False,
+    validate: bool = True,
+    chunk_rows: int | None = None,
+) -> LogprobOutput:
+    """This rank's selected-token logprob under TP x CP: its tokens (``contract.token_indices``)
+    and its vocabulary columns (``contract.vocab_start:vocab_end``) of the logits.
+
+    The backend is chosen by :func:`rl_engine.logprob.registry.dispatch` for ``mesh``'s device
+    (``backend="auto"`` records its choice; an explicit id fails closed, nothing falls back) and
+    runs over ``mesh.tp_group``; :func:`gather_tokens` over ``mesh.cp_group`` puts the tokens back
+    in the global order. ``mesh`` is :func:`rl_engine.distributed.mesh.init_mesh`'s.
+    """
+    chosen = dispatch(backend, contract, mesh.device.type)
+    return chosen.op(logits, targets, active, contract, group=mesh.tp_group, compute_entropy=compute_entropy,
+                     validate=validate, chunk_rows=chunk_rows)
 
 
 def resolve_vocab_tiles(num_vocab_tiles: int | str, padded_vocab: int, max_tp: int = MAX_TP) -> dict[str, Any]:
@@ -366,4 +389,122 @@ def gather_tokens(local: torch.Tensor, contract: LogprobContract, group: Any = N
     return _GatherCPTokens.apply(local, contract, group)
 
 
-__all__ = ["gather_tokens", "resolve_vocab_tiles", "selected_logprob", "trainer_inputs"]
+
+# ---------------------------------------------------------------- the registered op
+# The one-rank logprob as a registered op, so that ``torch.compile(fullgraph=True)`` keeps it whole.
+#
+# :func:`rl_engine.logprob.api.selected_logprob` checks its input with host reads (targets in the
+# real vocabulary, an integer mask of 0 and 1, the thread's gradual underflow): each such read is
+# a graph break under ``torch.compile``, and ``fullgraph=True`` refuses them. Under compilation the
+# call goes instead to ``rl_engine::selected_logprob``, a custom op (``torch.library.custom_op``):
+# the graph holds one opaque node whose fake implementation gives the output shapes, and at run
+# time its real implementation is the eager call itself, every check included: the checks run
+# outside the graph, the bytes are those of the eager call (tested), and a refusal raises the
+# same :class:`~rl_engine.logprob.contract.LogprobContractError`. The gradient is a second op,
+# ``rl_engine::selected_logprob_backward``, registered as the first one's autograd formula.
+#
+# What the compiled call does not carry: ``out.provenance`` is ``None`` (the backend choice is
+# Python the graph does not hold: call once without compiling to record it), and a TP or CP group
+# (the op with ``group=`` stays an eager call).
+
+OP = "rl_engine::selected_logprob"
+BACKWARD_OP = "rl_engine::selected_logprob_backward"
+
+
+def _eager(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None, real_vocab_size: int,
+           num_vocab_tiles: int, ignore_index: int, compute_entropy: bool, validate: bool,
+           backend: str, chunk_rows: int | None, temperature: float) -> Any:
+    return selected_logprob(logits, targets, active, num_vocab_tiles=num_vocab_tiles,
+                            real_vocab_size=real_vocab_size, compute_entropy=compute_entropy,
+                            validate=validate, backend=backend, ignore_index=ignore_index,
+                            chunk_rows=chunk_rows, temperature=temperature)
+
+
+@torch.library.custom_op(OP, mutates_args=())
+def selected_logprob_op(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
+                        real_vocab_size: int, num_vocab_tiles: int, ignore_index: int,
+                        compute_entropy: bool, validate: bool, backend: str, chunk_rows: int | None,
+                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, lse, entropy)`` of :func:`rl_engine.logprob.api.selected_logprob` run eagerly,
+    every check included (entropy empty without ``compute_entropy``)."""
+    with torch.no_grad():
+        out = _eager(logits, targets, active, real_vocab_size, num_vocab_tiles, ignore_index,
+                     compute_entropy, validate, backend, chunk_rows, temperature)
+    entropy = out.entropy if out.entropy is not None else logits.new_empty(0, dtype=torch.float32)
+    return out.selected_logp.clone(), out.lse.clone(), entropy.clone()
+
+
+@selected_logprob_op.register_fake
+def _(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None, real_vocab_size: int,
+      num_vocab_tiles: int, ignore_index: int, compute_entropy: bool, validate: bool,
+      backend: str, chunk_rows: int | None, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    per_token = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
+    entropy = torch.empty_like(per_token) if compute_entropy else logits.new_empty(0, dtype=torch.float32)
+    return per_token, torch.empty_like(per_token), entropy
+
+
+@torch.library.custom_op(BACKWARD_OP, mutates_args=())
+def selected_logprob_backward_op(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
+                                 lse: torch.Tensor, grad_logp: torch.Tensor | None,
+                                 grad_lse: torch.Tensor | None, real_vocab_size: int, num_vocab_tiles: int,
+                                 ignore_index: int,
+                                 backend: str, temperature: float = 1.0, grad_entropy: torch.Tensor | None = None,
+                                 entropy: torch.Tensor | None = None) -> torch.Tensor:
+    """The gradient to the logits: the eager op's own backward (``vocab_parallel_backward`` with
+    the backend's engine), one rounding to the logits' dtype."""
+    vocab, lead = logits.shape[-1], tuple(logits.shape[:-1])
+    targets, active = trainer_inputs(targets, active, lead, ignore_index)
+    num_sequences, seq_len = (1, lead[0]) if len(lead) == 1 else lead
+    contract = LogprobContract(real_vocab_size=real_vocab_size, padded_vocab_size=vocab,
+                               num_vocab_tiles=num_vocab_tiles, num_sequences=num_sequences,
+                               seq_len=seq_len, logits_dtype=DTYPE_NAMES[logits.dtype],
+                               ignore_index=ignore_index, temperature=temperature)
+    op = dispatch(backend, contract, logits.device.type).op
+    flat = logits.reshape(-1, vocab).resolve_neg()
+    grad = vocab_parallel_backward(flat, targets.reshape(-1), active.reshape(-1), lse.reshape(-1),
+                                   None if grad_logp is None else grad_logp.reshape(-1),
+                                   None if grad_lse is None else grad_lse.reshape(-1), contract,
+                                   op.default_chunk_rows(contract, logits.device), op.engine(),
+                                   None if grad_entropy is None else grad_entropy.reshape(-1),
+                                   None if entropy is None else entropy.reshape(-1))
+    return grad.reshape(logits.shape)
+
+
+@selected_logprob_backward_op.register_fake
+def _(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None, lse: torch.Tensor,
+      grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None, real_vocab_size: int,
+      num_vocab_tiles: int, ignore_index: int, backend: str, temperature: float = 1.0,
+      grad_entropy: torch.Tensor | None = None, entropy: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.empty_like(logits)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    logits, targets, active, real_vocab_size, num_vocab_tiles, ignore_index, _, _, backend, _, temperature = inputs
+    ctx.save_for_backward(logits, targets, active, output[1], output[2])
+    ctx.fields = (real_vocab_size, num_vocab_tiles, ignore_index, backend, temperature)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None,
+              grad_entropy: torch.Tensor | None) -> tuple[Any, ...]:
+    logits, targets, active, lse, entropy = ctx.saved_tensors
+    if entropy.shape != lse.shape:  # no entropy was computed
+        grad_entropy = None
+    grad = selected_logprob_backward_op(logits, targets, active, lse, grad_logp, grad_lse, *ctx.fields,
+                                        grad_entropy, entropy if grad_entropy is not None else None)
+    return (grad,) + (None,) * 10
+
+
+selected_logprob_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+__all__ = [
+    "BACKWARD_OP",
+    "OP",
+    "gather_tokens",
+    "resolve_vocab_tiles",
+    "selected_logprob",
+    "selected_logprob_backward_op",
+    "selected_logprob_op",
+    "trainer_inputs",
+]

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rl_engine.arith.temperature import TemperatureError, inverse_temperature, temperature32
 from rl_engine.distributed.bounds import (
     AUTO_TILES,
     CP_LAYOUTS,
@@ -27,8 +28,9 @@ from rl_engine.distributed.bounds import (
     even_vocab_shards,
     token_indices,
 )
+from rl_engine.logprob.errors import LogprobContractError
+from rl_engine.logprob.storage import require_readable
 from rl_engine.tables import DTYPES, MAX_TP, TORCH_DTYPE_NAMES
-from rl_engine.temperature import TemperatureError, inverse_temperature, temperature32
 from rl_engine.validators import choice_problem, int_problem, require
 
 LOGITS_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, TORCH_DTYPE_NAMES[name]) for name in DTYPES}
@@ -38,10 +40,6 @@ ACCUMULATION_DTYPE = "fp32"
 OUTPUT_DTYPE = "fp32"
 # Fields that differ between ranks of one call; left out of the cross-rank fingerprint.
 RANK_LOCAL_FIELDS: frozenset[str] = frozenset({"tp_rank", "cp_rank"})
-
-
-class LogprobContractError(ValueError):
-    """A logprob call that cannot be made as described; the message names field, value and fix."""
 
 
 def _require_int(name: str, value: Any, minimum: int) -> None:
@@ -100,7 +98,7 @@ class LogprobContract:
     determinism_scope: str = "cross_tp_bitwise"
     accumulation_dtype: str = ACCUMULATION_DTYPE
     output_dtype: str = OUTPUT_DTYPE
-    temperature: float = 1.0  # docs/arithmetic.md section 6 step 0 (rl_engine.temperature)
+    temperature: float = 1.0  # docs/arithmetic.md section 6 step 0 (rl_engine.arith.temperature)
     _token_indices: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -384,8 +382,6 @@ class LogprobContract:
                     f"{name}.device={tensor.device} differs from logits.device={logits.device}; "
                     "move every input to the same device"
                 )
-        from rl_engine.logprob.storage import require_readable  # it imports this module
-
         for name, tensor in (("logits", logits), ("targets", targets), ("active", active)):
             require_readable(name, tensor)
 

@@ -1,7 +1,7 @@
 """The fused head's work: the active rows' logits made chunk by chunk, the op on them, the gradients.
 
 Shared by the eager call (:mod:`rl_engine.logprob.hidden`) and the registered op that
-``torch.compile`` keeps whole (:mod:`rl_engine.logprob.compiled_head`), so both compute the same
+``torch.compile`` keeps whole (:func:`rl_engine.logprob.hidden.compiled_from_hidden`), so both compute the same
 bytes by the same code.
 
 * Only active rows are computed: their indices (one host read of the mask) pick the rows of
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from rl_engine.logprob.backends.eager.vocab_parallel import vocab_parallel_backward
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.head_matmul import MatmulChoice, head_logits
-from rl_engine.logprob.vocab_parallel import vocab_parallel_backward
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

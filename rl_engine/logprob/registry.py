@@ -14,22 +14,21 @@ with its reason in the provenance. A backend is chosen by ``auto`` only on its
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from rl_engine.logprob.contract import DETERMINISM_SCOPES, LogprobContract, LogprobContractError
-from rl_engine.logprob.fused_cpu import FUSED_CPU_ID, FusedCpuLogprob, kernel_unavailable
-from rl_engine.logprob.triton_backend import (
-    TRITON_ID,
-    TritonLogprob,
-    env_mode,
-    triton_mode,
-    triton_unavailable,
+from rl_engine.logprob.backends.description import (
+    BackendDescription,
+    descriptions,
+    interpreter_devices,
 )
-from rl_engine.logprob.vocab_parallel import BACKEND_ID, VocabParallelLogprob
-from rl_engine.tables import AUTO, BACKEND_DEVICES, DTYPES, INTERPRETER_DEVICES
+from rl_engine.logprob.backends.description import backend_devices as described_devices
+from rl_engine.logprob.backends.triton.triton_backend import env_mode
+from rl_engine.logprob.contract import DETERMINISM_SCOPES, LogprobContract, LogprobContractError
+from rl_engine.tables import AUTO, DTYPES
 
 
 class BackendUnavailableError(LogprobContractError):
@@ -113,20 +112,21 @@ class Dispatch:
         }
 
 
-def backend_table_devices(backend_id: str) -> tuple[str, ...]:
-    """The devices ``backend_id`` serves in this process: its table entry, or, for the Triton
-    backend with ``RL_ENGINE_TRITON_MODE=interpreter``, its interpreter's (a bad value of the
-    variable keeps the table's; the backend's availability then names the error)."""
-    if backend_id in INTERPRETER_DEVICES:
+def backend_table_devices(backend_id: str, root: str | os.PathLike[str] | None = None) -> tuple[str, ...]:
+    """The devices ``backend_id`` serves in this process: its description's, or, for a backend
+    with an interpreter and ``RL_ENGINE_TRITON_MODE=interpreter``, its interpreter's (a bad value
+    of the variable keeps the description's; the backend's availability then names the error)."""
+    interpreted = interpreter_devices(root)
+    if backend_id in interpreted:
         try:
             if env_mode() == "interpreter":
-                return INTERPRETER_DEVICES[backend_id]
+                return interpreted[backend_id]
         except LogprobContractError:
             pass
-    return BACKEND_DEVICES[backend_id]
+    return described_devices(root)[backend_id]
 
 
-def _arith_capabilities(backend_id: str) -> BackendCapabilities:
+def _arith_capabilities(backend_id: str, root: str | os.PathLike[str] | None = None) -> BackendCapabilities:
     """What every backend of docs/arithmetic.md serves; they differ only in their devices
     (:func:`backend_table_devices`)."""
     return BackendCapabilities(
@@ -136,48 +136,29 @@ def _arith_capabilities(backend_id: str) -> BackendCapabilities:
         mask_modes=frozenset({"explicit"}),
         exports_lse=True,
         determinism_scopes=frozenset(DETERMINISM_SCOPES),
-        devices=frozenset(backend_table_devices(backend_id)),
+        devices=frozenset(backend_table_devices(backend_id, root)),
     )
 
 
-def default_registry() -> dict[str, BackendSpec]:
-    """The registered backends, highest priority first for ``auto``."""
-    specs = [
-        BackendSpec(
-            backend_id=BACKEND_ID,
-            capabilities=_arith_capabilities(BACKEND_ID),
-            availability=lambda: None,
-            build=VocabParallelLogprob,
-            priority=0,
-        ),
-        BackendSpec(
-            # the eager backend's bytes from a compiled one-pass C kernel (CPU only)
-            backend_id=FUSED_CPU_ID,
-            capabilities=_arith_capabilities(FUSED_CPU_ID),
-            availability=kernel_unavailable,
-            build=FusedCpuLogprob,
-            priority=10,
-        ),
-        BackendSpec(
-            # the eager backend's bytes from Triton kernels (CUDA; its interpreter on CPU
-            # tensors when RL_ENGINE_TRITON_MODE=interpreter, never chosen by auto)
-            backend_id=TRITON_ID,
-            capabilities=_arith_capabilities(TRITON_ID),
-            availability=triton_unavailable,
-            build=TritonLogprob,
-            priority=20,
-            auto_devices=frozenset(BACKEND_DEVICES[TRITON_ID]),
-            mode=_safe_triton_mode,
-        ),
-    ]
+def _spec(description: BackendDescription, root: str | os.PathLike[str] | None) -> BackendSpec:
+    availability = description.load("availability")
+    mode = description.load("mode")
+    return BackendSpec(
+        backend_id=description.backend_id,
+        capabilities=_arith_capabilities(description.backend_id, root),
+        availability=availability if availability is not None else lambda: None,
+        build=lambda: description.load("engine")(),  # type: ignore[misc]
+        priority=description.priority,
+        auto_devices=frozenset(description.auto_devices) if description.auto_devices is not None else None,
+        mode=mode if mode is not None else lambda: None,
+    )
+
+
+def default_registry(root: str | os.PathLike[str] | None = None) -> dict[str, BackendSpec]:
+    """The backends described under ``root`` (default: ``rl_engine/logprob/backends/``), highest
+    priority first for ``auto``; each from its folder's one description."""
+    specs = [_spec(description, root) for description in descriptions(root)]
     return {spec.backend_id: spec for spec in sorted(specs, key=lambda s: -s.priority)}
-
-
-def _safe_triton_mode() -> str | None:
-    try:
-        return triton_mode()
-    except LogprobContractError:
-        return None
 
 
 def backend_ids(registry: dict[str, BackendSpec] | None = None) -> list[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_engine.logprob.contract import LogprobContractError
+from rl_engine.logprob.errors import LogprobContractError
 
 
 def last_byte(tensor: torch.Tensor) -> int:

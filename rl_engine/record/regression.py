@@ -211,10 +211,10 @@ def unbuilt_kernel() -> str | None:
     import rl_engine
 
     package = Path(rl_engine.__file__).resolve().parent
-    folder = package / "logprob"
-    for module, what in (("_fused_cpu", "the fused kernel"), ("_head_gemm", "the fused head's fixed-order product")):
-        if not any((folder / f"{module}{suffix}").is_file() for suffix in importlib.machinery.EXTENSION_SUFFIXES):
-            return (f"{what} is not built in this checkout ({package.parent}: no {folder.name}/{module}"
+    for where, what in (("logprob/backends/fused_cpu/_fused_cpu", "the fused kernel"),
+                        ("logprob/_head_gemm", "the fused head's fixed-order product")):
+        if not any((package / f"{where}{suffix}").is_file() for suffix in importlib.machinery.EXTENSION_SUFFIXES):
+            return (f"{what} is not built in this checkout ({package.parent}: no {where}"
                     f"{importlib.machinery.EXTENSION_SUFFIXES[0]}): run `pip install -e .` here (in {package.parent}), "
                     "then run the workflow again; nothing was run")
     return None

@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from rl_engine import jsonio
+from rl_engine.campaign.casename import NOGIT, RunName, RunNameError
 from rl_engine.evidence.summary import regression_text
 from rl_engine.record import reuse
 from rl_engine.rundir import Stage, Topology, stages
@@ -254,17 +255,40 @@ class _NothingToDo(logging.Filter):
         return True
 
 
+def dry_run_line(run: str | Path) -> str:
+    """What ``snakemake -n`` ends with: the run directory the config names, its commit, and whether
+    the checkout is dirty (uncommitted changes: the run's name says ``-dirty``, and its evidence
+    records them)."""
+    try:
+        name = RunName.parse(Path(run).name)
+    except RunNameError:
+        return f"dry run: the run directory is {run}"
+    if name.commit == NOGIT:
+        state = "no git state could be read (commit 'nogit')"
+    elif name.dirty:
+        state = (f"commit {name.commit}, DIRTY: the checkout has uncommitted changes (git status shows them); "
+                 "commit them for a clean run")
+    else:
+        state = f"commit {name.commit}, clean checkout"
+    return f"dry run: the run directory is {run} ({state})"
+
+
 def print_closing_when_nothing_to_do(workflow: Any, run: str | Path, topologies: list[Topology],
                                      **flags: bool) -> None:
     """The closing table of the run the config names, at exit, when a real run (not a dry run, in
     the main process) ended with "Nothing to be done": its evidence is on disk and up to date, so the
     table says its verdict, archive and verify command as the run that made them did. Snakemake
-    returns before ``onsuccess:`` then, so this watches its log for the message."""
+    returns before ``onsuccess:`` then, so this watches its log for the message. A dry run
+    (``snakemake -n``) ends with :func:`dry_run_line` instead: which run, and whether it is dirty."""
     seen = _NothingToDo()
     logging.getLogger("snakemake.logging").addFilter(seen)
 
     def at_exit() -> None:
-        if seen.seen and workflow.is_main_process and not workflow.dryrun:
+        if not workflow.is_main_process:
+            return
+        if workflow.dryrun:
+            print(dry_run_line(run))
+        elif seen.seen:
             print_closing(run, topologies, True, **flags)
 
     atexit.register(at_exit)

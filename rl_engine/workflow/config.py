@@ -83,8 +83,24 @@ class Origin:
 
 
 def _key(path: Any) -> str:
-    parts = [str(p) for p in path]
-    return ".".join(parts) if parts else "<top level>"
+    """``tolerances.bf16.atol``, ``topologies[1]``: list items by index, as every other message names them."""
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "<top level>"
+
+
+TOPOLOGY_FORM = ("write each topology as a string '<tp>x<cp>' in a list: topologies: [1x1, 2x1] in config.yaml, "
+                 "or --config topologies='[\"1x1\",\"2x1\"]' on the command line")
+
+
+def _first_error(found: list[Any]) -> Any:
+    """The error to report: an item's own error before its list's (``topologies: [3]`` is a bad item
+    before it is a list too short)."""
+    first = found[0]
+    deeper = [e for e in found[1:] if list(e.absolute_path)[:len(first.absolute_path)] == list(first.absolute_path)
+              and len(e.absolute_path) > len(first.absolute_path)]
+    return deeper[0] if first.validator == "minItems" and deeper else first
 
 
 def closest_keys(unknown: Sequence[str], allowed: Sequence[str]) -> str:
@@ -109,6 +125,11 @@ def _schema_message(error: Any, origin: Origin) -> str:
         )
     if error.validator == "required":
         return f"config key {key!r}: {error.message}; add it (see the default config.yaml)"
+    path = list(error.absolute_path)
+    if path[:1] == ["topologies"] and len(path) == 2 and error.validator in ("type", "pattern"):
+        return f"{origin.describe(key, error.instance)}: {shown(error.instance)} is not <tp>x<cp>; {TOPOLOGY_FORM}"
+    if key == "topologies" and error.validator == "type":
+        return f"{origin.describe(key, error.instance)}: not a list; {TOPOLOGY_FORM}"
     if error.validator == "minItems" and key == "topologies":
         return f"{origin.describe('topologies', error.instance)}: {matrix_problem(len(error.instance))}"
     return f"{origin.describe(key, error.instance)}: {error.message}; {origin.fix(key)}"
@@ -386,7 +407,7 @@ def check_config(config: dict[str, Any], origin: Origin = Origin()) -> dict[str,
     validator = schemas.validator("config")
     found = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if found:
-        raise WorkflowConfigError(_schema_message(found[0], origin))
+        raise WorkflowConfigError(_schema_message(_first_error(found), origin))
     unsafe = path_problems(config, origin)
     if unsafe:
         raise WorkflowConfigError("; ".join(unsafe))

@@ -1,7 +1,7 @@
 """Backend ``cpu-vocab-parallel-logp-ws2``: the eager backend with its chunk loops in compiled C.
 
 The per-rank compute (tile partials of the forward, the local gradient of the backward)
-runs in ``rl_engine/logprob/_fused_cpu.c``: per (row, tile), one pass upcasts the tile into
+runs in ``rl_engine/logprob/backends/fused_cpu/_fused_cpu.c``: per (row, tile), one pass upcasts the tile into
 an L1-resident buffer with its max, and one pass computes ``E`` and accumulates the lane
 sums ``G`` and ``G*`` in vector registers, then folds the 128 lanes with ``F``; one pass per
 row for the gradient (recompute ``E(x - lse)``, scale, add the target term, canonical NaN,
@@ -35,19 +35,19 @@ from functools import lru_cache
 
 import torch
 
-from rl_engine.logprob.contract import LogprobContract, LogprobContractError
-from rl_engine.logprob.storage import require_readable
-from rl_engine.logprob.tiles import rows_finite
-from rl_engine.logprob.vocab_parallel import (
+from rl_engine.arith.tiles import rows_finite
+from rl_engine.logprob.backends.eager.vocab_parallel import (
     BackwardTerms,
     LocalEngine,
     VocabParallelLogprob,
     real_local_columns,
 )
+from rl_engine.logprob.contract import LogprobContract, LogprobContractError
+from rl_engine.logprob.storage import require_readable
 from rl_engine.tables import FUSED_CPU_BACKEND
 
 FUSED_CPU_ID = FUSED_CPU_BACKEND
-MODULE = "rl_engine.logprob._fused_cpu"
+MODULE = "rl_engine.logprob.backends.fused_cpu._fused_cpu"
 ABI_VERSION = 4
 ISA_AUTO, ISA_BASELINE, ISA_AVX2, ISA_AVX512 = 0, 1, 2, 3
 ISA_NAMES = {"auto": ISA_AUTO, "baseline": ISA_BASELINE, "avx2": ISA_AVX2, "avx512": ISA_AVX512}

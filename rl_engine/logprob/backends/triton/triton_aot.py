@@ -4,7 +4,7 @@
 through the ptxas Triton ships) for NVIDIA targets and the AMDGCN ISA (and an hsaco) for AMD
 ones. This module compiles the kernels of ``triton-vocab-parallel-logp-ws2`` **with the
 specialization Triton applies at launch**: the backend's own launches
-(:func:`rl_engine.logprob.triton_backend.forward_launch` and ``backward_launches``) go through
+(:func:`rl_engine.logprob.backends.triton.triton_backend.forward_launch` and ``backward_launches``) go through
 Triton's own binder, which marks every pointer aligned to 16 bytes and every integer divisible
 by 16 with ``tt.divisibility=16`` (and makes an integer equal to 1 a constant), exactly as
 ``kernel[grid](...)`` does before it compiles. A bare signature is another program (at the
@@ -31,7 +31,7 @@ Checks (:func:`ptx_findings`, :func:`amdgcn_findings`) classify every floating-p
   v_div_fixup_f32``; an FMA-class instruction inside such a sequence is a division step,
   outside it a multiply-add, and those must be exactly the specification's.
 
-The roofline (:func:`roofline`, ``python -m rl_engine.logprob.triton_aot --roofline
+The roofline (:func:`roofline`, ``python -m rl_engine.logprob.backends.triton.triton_aot --roofline
 --output-dir DIR``) compiles the default case's launches for sm_90 and reads each cubin's SASS
 with the ``nvdisasm`` and ``cuobjdump`` the Triton wheel ships: instructions per thread,
 registers, local memory (spills), whether the code loops; and predicts the time of the forward
@@ -55,14 +55,14 @@ from typing import Any
 
 import torch
 
-from rl_engine.logprob.contract import LogprobContract
-from rl_engine.logprob.triton_backend import (
+from rl_engine.logprob.backends.eager.vocab_parallel import backward_terms
+from rl_engine.logprob.backends.triton.triton_backend import (
     Launch,
     backward_launches,
     forward_launch,
     load_kernels,
 )
-from rl_engine.logprob.vocab_parallel import backward_terms
+from rl_engine.logprob.contract import LogprobContract
 
 NVIDIA_TARGETS: tuple[int, ...] = (80, 90, 100)
 AMD_TARGET = "gfx942"
@@ -79,7 +79,7 @@ ROOFLINE_ROWS = 8192
 # docs/arithmetic.md: fused multiply-adds per column: E has 9 (step 2, two of step 4, six of
 # step 5), the entropy's G* one more; the backward's E 9
 FMA_PER_COLUMN = {"forward": 9, "forward_entropy": 10, "backward": 9}
-# With a temperature, Markstein's division adds two per step (rl_engine.division.STEPS: one step for a
+# With a temperature, Markstein's division adds two per step (rl_engine.arith.division.STEPS: one step for a
 # bf16 or binary16 logit, two for a binary32 logit and for the gradient), and the guard's IEEE path
 # repeats the forward's second pass and the backward's E (the IEEE division itself is one div.rn)
 MARKSTEIN_FMA_PER_STEP = 2
@@ -623,7 +623,7 @@ def roofline(output_dir: Path, arch: int = ROOFLINE_ARCH, rows: int = ROOFLINE_R
     }
 
 
-# The variants beside the default case (python -m rl_engine.logprob.triton_aot --roofline --variants):
+# The variants beside the default case (python -m rl_engine.logprob.backends.triton.triton_aot --roofline --variants):
 # name -> roofline() arguments other than the default's
 ROOFLINE_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("default", {}),
@@ -660,7 +660,7 @@ def roofline_variants(output_dir: Path, names: tuple[str, ...] | None = None) ->
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rl_engine.logprob.triton_aot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m rl_engine.logprob.backends.triton.triton_aot", description=__doc__.split("\n\n")[0])
     parser.add_argument("--roofline", action="store_true", help="write roofline.json and the cubins into --output-dir")
     parser.add_argument("--output-dir", type=Path, default=None)
     parser.add_argument("--all", action="store_true", help="check every launch variant's PTX (default: the default case's bf16)")
@@ -674,7 +674,7 @@ def main(argv: list[str]) -> int:
         if args.output_dir is None:
             parser.error("--roofline needs --output-dir DIR")
         from rl_engine import schemas
-        from rl_engine.temperature import TemperatureError, temperature32
+        from rl_engine.arith.temperature import TemperatureError, temperature32
 
         try:
             temperature32(args.temperature, "--temperature")

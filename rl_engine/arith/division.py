@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from rl_engine.spec_numpy import fma32
+from rl_engine.arith.spec_numpy import fma32
 
 F32 = np.float32
 

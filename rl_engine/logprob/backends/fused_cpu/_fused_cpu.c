@@ -2,11 +2,11 @@
  * Fused CPU kernels of backend cpu-vocab-parallel-logp-ws2: docs/arithmetic.md
  * (rl-engine-arith/2) sections 1, 3, 4, 6 (steps 1-4), 7 and 8, in plain C.
  *
- * Built by setup.py as the extension module rl_engine.logprob._fused_cpu with
+ * Built by setup.py as the extension module rl_engine.logprob.backends.fused_cpu._fused_cpu with
  * -O3 -ffp-contract=off -fno-fast-math: every a * b + c below is a multiply then an add,
  * each rounded, and every fusedMultiplyAdd the specification writes is written here as one
  * (RLE_VFMA in _fused_cpu_lanes.h): no contraction, no reassociation. Python loads the
- * module's file with ctypes (rl_engine/logprob/fused_cpu.py) and passes tensor data
+ * module's file with ctypes (rl_engine/logprob/backends/fused_cpu/fused_cpu.py) and passes tensor data
  * pointers; ctypes releases the GIL for the call.
  *
  * Forward, per (row, tile): one pass upcasts the tile into an L1-resident FP32 buffer (with

@@ -5,7 +5,7 @@ the tile width or the tile count, never on the number of rows, the chunk size, t
 thread count or which rank computes the tile. ``torch.sum`` is not used: on the CPU it
 splits a long row across threads when there are few rows, which changes the bits.
 
-The exp and log are the portable ones of :mod:`rl_engine.logprob.portable`: every number is
+The exp and log are the portable ones of :mod:`rl_engine.arith.portable`: every number is
 the one ``docs/arithmetic.md`` (sections 6-8) defines, on any IEEE-754 device. A tile's sums
 are the lane sums ``G`` of section 4 (:class:`LanePlan`: 128 lanes, each in column order,
 then the fold ``F``); the merge across tiles is ``F``.
@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from rl_engine.logprob.portable import (
+from rl_engine.arith.portable import (
     _MIDPOINT,
     _MIDPOINT_MASK,
     ExpScratch,
@@ -131,7 +131,7 @@ class LanePlan:
         The products ``u_c * v_c`` are exact in binary64 (``prod`` and ``wide``: binary64
         buffers of ``u``'s shape, or allocated); each step adds one chunk's products to the
         lanes in binary64 and rounds the sums once to binary32: the fma, except where a sum sits
-        on a binary32 midpoint (:func:`rl_engine.logprob.portable.fma_into`). Those lanes are
+        on a binary32 midpoint (:func:`rl_engine.arith.portable.fma_into`). Those lanes are
         noted and, at the end, recomputed with every fma rounded to odd first. A lane's result
         below ``2**-125`` is an exact binary64 sum (its terms ``e * max(y, LO)`` are ``<= 0``, so
         nothing cancels, and a tiny one needs a tiny ``y``, where ``e = 1``), so only the

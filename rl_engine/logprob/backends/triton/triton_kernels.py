@@ -42,7 +42,7 @@ over an axis of exactly two values (:func:`lane_fold`): one addition, whose oper
 cannot change its result (IEEE addition commutes). Every fused multiply-add is a ``tl.fma`` written here;
 launches pass ``enable_fp_fusion=False``, so the compiler contracts nothing else.
 
-This file is loaded twice by :mod:`rl_engine.logprob.triton_backend`, once per mode: with
+This file is loaded twice by :mod:`rl_engine.logprob.backends.triton.triton_backend`, once per mode: with
 ``KERNEL_MODE = "compiled"`` every function is a ``triton.jit`` function; with
 ``"interpreter"`` each is Triton's ``InterpretedFunction`` (NumPy on CPU tensors, one IEEE
 operation at a time). The mode is chosen by the caller, never by a fallback.
@@ -207,7 +207,7 @@ def lane_fold(v):
 
 @device
 def markstein(x, t32, inv_t, DTYPE: tl.constexpr):
-    """``RN32(x / T32)`` on the division's domain (rl_engine/division.py): ``q = x * r``, then per
+    """``RN32(x / T32)`` on the division's domain (rl_engine/arith/division.py): ``q = x * r``, then per
     step ``e = fma(q, T32, -x)``, ``q = fma(-e, r, q)``; one step for bf16 and binary16 logits, two
     for binary32 values. ``x = -0`` gives ``-0``."""
     q = x * inv_t
@@ -571,7 +571,7 @@ L_MIN_NORMAL: tl.constexpr = tl.constexpr(2.0**-126)
 
 @device
 def spec_log(x, L4, L3, L2, L1):
-    """``L(x)`` of section 5, operation for operation as :func:`rl_engine.logprob.portable.log`
+    """``L(x)`` of section 5, operation for operation as :func:`rl_engine.arith.portable.log`
     (the IEEE division of ``s = f / (f + 2)`` is ``tl.div_rn``); ``L4 .. L1``: its polynomial."""
     sub = (x > 0.0) & (x < L_MIN_NORMAL)
     xs = tl.where(sub, x * L_TWO23, x)  # exact for a positive subnormal

@@ -1,5 +1,5 @@
 /*
- * The vector kernels of rl_engine/logprob/_fused_cpu.c, included once per instruction set
+ * The vector kernels of rl_engine/logprob/backends/fused_cpu/_fused_cpu.c, included once per instruction set
  * with LANES (binary32 values per vector: SSE2 4, AVX2 8, AVX-512 16), RLE_NAME (a name
  * suffix) and RLE_HW_FMA (1 where the variant is compiled for an FMA instruction) defined.
  * The vector width changes how many elements one instruction handles, never an operation or

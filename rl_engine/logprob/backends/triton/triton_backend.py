@@ -1,6 +1,6 @@
 """Backend ``triton-vocab-parallel-logp-ws2``: the eager backend with its chunk loops in Triton.
 
-The per-rank compute runs in the Triton kernels of :mod:`rl_engine.logprob.triton_kernels`
+The per-rank compute runs in the Triton kernels of :mod:`rl_engine.logprob.backends.triton.triton_kernels`
 (the forward's tile partials, one program per (row, tile); the fused backward, one program
 per (row, block of columns)); validation, the all-gather of partials, the merge, autograd and
 the rank agreement are the eager backend's code, so logp, LSE, entropy and gradient are the
@@ -42,17 +42,17 @@ from typing import Any
 
 import torch
 
-from rl_engine.division import kernel_bounds
-from rl_engine.logprob.contract import LogprobContract, LogprobContractError
-from rl_engine.logprob.portable import LOG_POLY
-from rl_engine.logprob.vocab_parallel import (
+from rl_engine.arith.division import kernel_bounds
+from rl_engine.arith.portable import LOG_POLY
+from rl_engine.arith.temperature import inverse_temperature
+from rl_engine.logprob.backends.eager.vocab_parallel import (
     BackwardTerms,
     LocalEngine,
     VocabParallelLogprob,
     real_local_columns,
 )
+from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.tables import TRITON_BACKEND, TRITON_MODE_ENV
-from rl_engine.temperature import inverse_temperature
 
 TRITON_ID = TRITON_BACKEND
 MODES: tuple[str, ...] = ("compiled", "interpreter")
@@ -208,7 +208,7 @@ def _launch(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], meta: dic
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch: the kernel's name, grid, arguments, constants and warps per program
-    (what the backend launches, and what :mod:`rl_engine.logprob.triton_aot` compiles)."""
+    (what the backend launches, and what :mod:`rl_engine.logprob.backends.triton.triton_aot` compiles)."""
 
     kernel: str
     grid: tuple[int, ...]
@@ -222,7 +222,7 @@ class Launch:
 
 def division_args(t32: float) -> tuple[float, float, float, int, float]:
     """``(T32, r, hi, lo_key, shift_min)``, the kernels' arguments for the division by ``T32``
-    (:func:`rl_engine.division.kernel_bounds`; ``lo_key = 2 * bits(lo) - 2``, the backward's
+    (:func:`rl_engine.arith.division.kernel_bounds`; ``lo_key = 2 * bits(lo) - 2``, the backward's
     integer key of the smallest magnitude in the domain); neutral without a temperature."""
     if t32 == 1.0:
         return 1.0, 1.0, math.inf, 0, 0.0

@@ -7,7 +7,7 @@ every rank merges the ``[tokens, num_tiles]`` partials in global tile order. The
 logit is copied from the rank that owns its column. Backward recomputes the softmax from
 the stored low-precision logits, chunk by chunk, and writes only the local gradient.
 Both chunk loops reuse one FP32 workspace per worker and share the chunks out between
-``torch.get_num_threads()`` single-threaded workers (:mod:`rl_engine.logprob.chunk_threads`):
+``torch.get_num_threads()`` single-threaded workers (:mod:`rl_engine.logprob.backends.eager.chunk_threads`):
 one join per loop instead of one parallel region per operation and chunk.
 
 TP decides who computes which tile, never how numbers are grouped, so the bytes of the
@@ -25,20 +25,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rl_engine.distributed.mesh import group_geometry
-from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device, tensor_digest
-from rl_engine.logprob.chunk_threads import for_each_chunk
-from rl_engine.logprob.contract import RANK_LOCAL_FIELDS, LogprobContract, LogprobContractError
-from rl_engine.logprob.portable import (
+from rl_engine.arith.portable import (
     ArithmeticEnvironmentError,
     canonical_nan_,
     require_gradual_underflow,
     rounded,
 )
-from rl_engine.logprob.portable import exp as portable_exp
-from rl_engine.logprob.portable import log as portable_log
-from rl_engine.logprob.storage import require_readable
-from rl_engine.logprob.tiles import (
+from rl_engine.arith.portable import exp as portable_exp
+from rl_engine.arith.portable import log as portable_log
+from rl_engine.arith.tiles import (
     NEG_INF,
     ChunkWorkspace,
     GradWorkspace,
@@ -47,6 +42,11 @@ from rl_engine.logprob.tiles import (
     rows_finite,
     temperature_divisor,
 )
+from rl_engine.distributed.mesh import group_geometry
+from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device, tensor_digest
+from rl_engine.logprob.backends.eager.chunk_threads import for_each_chunk
+from rl_engine.logprob.contract import RANK_LOCAL_FIELDS, LogprobContract, LogprobContractError
+from rl_engine.logprob.storage import require_readable
 from rl_engine.tables import EAGER_BACKEND
 
 BACKEND_ID = EAGER_BACKEND
@@ -502,7 +502,7 @@ class LocalEngine:
 
     Everything else (validation, exchange, merge, autograd) is shared. The eager engine
     runs PyTorch elementwise ops in cache-sized row chunks; a compiled engine
-    (:mod:`rl_engine.logprob.fused_cpu`) must give the same bytes.
+    (:mod:`rl_engine.logprob.backends.fused_cpu.fused_cpu`) must give the same bytes.
     """
 
     def local_partials(

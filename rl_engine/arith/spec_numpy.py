@@ -23,7 +23,7 @@ Public API::
     make_inputs(batch, seq, prompt_tokens, real_vocab, padded_vocab, seed, logit_scale)
     canon_nan(x), round_bf16(x), round_f16(x)
     head_logits(hidden, weight, dtype)   # section 12: the fused head's logits
-    measure_ulp()        # also: python -m rl_engine.spec_numpy --measure
+    measure_ulp()        # also: python -m rl_engine.arith.spec_numpy --measure
 
 bfloat16 values are carried as their uint16 bit patterns (NumPy has no bfloat16 type).
 """
@@ -666,4 +666,4 @@ if __name__ == "__main__":  # pragma: no cover
     if "--measure" in sys.argv[1:]:
         measure_ulp(full="--quick" not in sys.argv[1:])
     else:
-        print("usage: python -m rl_engine.spec_numpy --measure [--quick]")
+        print("usage: python -m rl_engine.arith.spec_numpy --measure [--quick]")
