@@ -173,8 +173,13 @@ def test_every_default_case_launch_compiles_to_the_specs_operations(
     chosen = [v for name, v in variants.items() if "-default-" in name]
     assert len(chosen) == 15  # 3 dtypes x (2 forward flag sets + 3 backward launches)
     for variant in chosen:
-        # the forward's and the whole blocks' lanes are all real: exactly the spec's FMAs
-        _check(variant, backend, arch, exact=variant.kernel == "forward_partials_kernel" or "-blocks" in variant.name)
+        # the forward's and the whole blocks' lanes are all real: exactly the spec's FMAs; but gfx942's
+        # compiler keeps fewer than the two passes of the binary16 forward write (712 of 722 a thread
+        # without entropy, Triton 3.9.0): there, none beyond them
+        exact = variant.kernel == "forward_partials_kernel" or "-blocks" in variant.name
+        if backend == "hip" and variant.name.startswith("forward-default-fp16"):
+            exact = False
+        _check(variant, backend, arch, exact=exact)
 
 
 @pytest.mark.slow
