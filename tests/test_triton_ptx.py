@@ -8,7 +8,8 @@ Every floating-point instruction of the PTX must be an IEEE round-to-nearest ope
 fused multiply-adds exactly the ones ``docs/arithmetic.md`` writes: 10 per column in the forward
 with entropy (9 in ``E``, one in ``G*``), 9 in the backward (the binary16 forward: its fast
 pass's, one more for ``x - sh`` written as an FMA with an exact product, and its exact pass's); the
-AMD ISA the same (for the binary16 forward, at most as many), outside any division sequence. Negative controls: the forward with fusion on holds more FMAs; a plain ``/``
+AMD ISA the same (for the binary16 forward, at most as many), outside any division sequence.
+Negative controls: the forward with fusion on holds more FMAs; a plain ``/``
 gives a non-IEEE division on NVIDIA; the AMD rule classifies ``div_rn``'s FMA steps as division
 steps. The roofline of the launched binaries (``python -m rl_engine.logprob.backends.triton.triton_aot
 --roofline``) meets the roofline targets: no local memory, no loop, at most 25 SASS instructions
