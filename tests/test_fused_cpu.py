@@ -525,9 +525,10 @@ def test_a_stale_kernel_abi_is_refused(
     assert real is not None and real.origin is not None
     copy = tmp_path / "copy.so"
     shutil.copy(real.origin, copy)
-    assert fused_cpu.ABI_VERSION == 4  # /2 dividing by T32 (/1: 1, /2 before the temperature: 2, multiplying by r: 3)
+    # /2 with a temperature per row (/1: 1, /2 before the temperature: 2, multiplying by r: 3, dividing by T32: 4)
+    assert fused_cpu.ABI_VERSION == 5
     monkeypatch.setattr(fused_cpu, "ABI_VERSION", 999)
-    with pytest.raises(fused_cpu.FusedKernelError, match="kernel ABI 4, this code needs 999"):
+    with pytest.raises(fused_cpu.FusedKernelError, match="kernel ABI 5, this code needs 999"):
         fused_cpu.load_kernel()
 
 

@@ -137,6 +137,33 @@ def test_the_head_is_the_materialised_logprob_at_the_temperature() -> None:
     assert tensor_bytes(out.entropy) == tensor_bytes(ref.entropy.masked_fill(labels[:, 1:] == -100, 0.0))
 
 
+def test_the_head_takes_a_temperature_per_token_per_call() -> None:
+    """``model(..., fused_lm_head=True, temperature=tensor)``: each token at its own temperature, the
+    bytes of ``selected_logprob`` of the model's logits with that tensor; without the fused head the
+    argument is refused (the model returns its logits)."""
+    from rl_engine.integrations.trl import add_rl_engine_lm_head
+    from rl_engine.logprob import selected_logprob
+
+    model = _model()
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    temps = torch.tensor([0.7, 1.2]).repeat_interleave(8).reshape(2, 8)  # two requests, two temperatures
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, :-1]
+    add_rl_engine_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"), chunk_tokens=64)
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True, temperature=temps)
+        ref = selected_logprob(logits, labels[:, 1:], temperature=temps, compute_entropy=True)
+        patched = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert tensor_bytes(out.log_probs) == tensor_bytes(ref.selected_logp)
+    assert tensor_bytes(out.entropy) == tensor_bytes(ref.entropy.masked_fill(labels[:, 1:] == -100, 0.0))
+    assert tensor_bytes(out.log_probs[0]) == tensor_bytes(patched.log_probs[0])  # the first request is at 0.7
+    assert tensor_bytes(out.log_probs[1]) != tensor_bytes(patched.log_probs[1])
+    with pytest.raises(LogprobContractError, match="temperature= is a fused_lm_head=True argument"):
+        model(input_ids=ids, temperature=temps)
+
+
 def _moe_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ids = torch.randint(3, VOCAB, (3, 9), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)

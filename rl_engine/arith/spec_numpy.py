@@ -398,17 +398,35 @@ def _check_spec(spec: str) -> str:
     return spec
 
 
-def temperature32(temperature) -> np.float32:
-    """Section 6 step 0: ``T32 = RN32(T)``, which must lie in ``[2**-64, 2**64]``."""
+def temperature32(temperature):
+    """Section 6 step 0: ``T32 = RN32(T)``, which must lie in ``[2**-64, 2**64]``: a np.float32 for a
+    number, a float32 ``[rows]`` array for a temperature per row (an array of ``T``, each rounded once)."""
+    if np.ndim(temperature):
+        t32 = np.asarray(temperature).astype(F32)
+        inside = (t32 >= F32(2.0 ** -64)) & (t32 <= F32(2.0 ** 64))
+        if not inside.all():
+            i = int(np.flatnonzero(~inside)[0])
+            raise ValueError(f"temperature[{i}]={np.asarray(temperature)[i]!r} outside [2**-64, 2**64] in binary32")
+        return t32
     t32 = F32(temperature)
     if not (F32(2.0 ** -64) <= t32 <= F32(2.0 ** 64)):
         raise ValueError(f"temperature {temperature!r} outside [2**-64, 2**64] in binary32")
     return t32
 
 
+def _untempered(temperature) -> bool:
+    """Whether the call has no temperature: the number 1 (a per-row array is a temperature)."""
+    return not np.ndim(temperature) and temperature == 1.0
+
+
 def _tempered(x: np.ndarray, temperature) -> np.ndarray:
-    """Step 0: ``x' = RN32(x / T32)`` (IEEE binary32 division); the identity (skipped) when ``T32 = 1``."""
+    """Step 0: ``x' = RN32(x / T32)`` (IEEE binary32 division; per row, each row by its ``T32``); the
+    identity (skipped) when ``T32 = 1``."""
     t32 = temperature32(temperature)
+    if np.ndim(t32):
+        if t32.shape != (x.shape[0],):
+            raise ValueError(f"temperature has shape {t32.shape}; a temperature per row needs ({x.shape[0]},)")
+        return np.divide(x, t32[:, None])
     return x if t32 == ONE else np.divide(x, t32)
 
 
@@ -416,9 +434,10 @@ def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int
             with_entropy: bool, spec: str = SPEC_VERSION, temperature: float = 1.0):
     """Section 6 over the full vocabulary in one process. Returns (logp, lse, entropy|None).
 
-    ``temperature`` (``/2`` only): step 0 divides every logit by ``T32 = RN32(T)``."""
+    ``temperature`` (``/2`` only): step 0 divides every logit by ``T32 = RN32(T)``; an array of one
+    ``T`` per row divides each row by its own."""
     v1 = _check_spec(spec) == SPEC_V1
-    if v1 and temperature != 1.0:
+    if v1 and not _untempered(temperature):
         raise ValueError(f"{SPEC_V1} has no temperature; got {temperature!r}")
     exp = exp32_v1 if v1 else exp32
     x_all, rows, vp, targets, active = _check_common(
@@ -477,17 +496,18 @@ def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
     """Section 7 gradient, rounded once to the logits' representation (section 8).
 
     ``grad_logp`` / ``grad_lse``: float32 [rows] or None (absent = 0). Returns uint16 bf16
-    bits, np.float16 or np.float32 of the logits' shape. ``temperature``: step 0 on the logits,
-    and the gradient divided by ``T32`` before its rounding (step 2, the chain rule of the division). ``grad_entropy`` (float32
-    [rows] or None) with the forward's ``entropy``: step 1's entropy term.
+    bits, np.float16 or np.float32 of the logits' shape. ``temperature`` (a number, or one per row):
+    step 0 on the logits, and the gradient divided by ``T32`` before its rounding (step 2, the chain
+    rule of the division). ``grad_entropy`` (float32 [rows] or None) with the forward's ``entropy``: step 1's entropy term.
     """
     v1 = _check_spec(spec) == SPEC_V1
-    if v1 and temperature != 1.0:
+    if v1 and not _untempered(temperature):
         raise ValueError(f"{SPEC_V1} has no temperature; got {temperature!r}")
     exp = exp32_v1 if v1 else exp32
     x_all, rows, vp, targets, active = _check_common(
         logits, dtype, targets, active, real_vocab, num_tiles)
     t32 = temperature32(temperature)
+    per_row = bool(np.ndim(t32))
     with np.errstate(over="ignore", invalid="ignore"):
         x_all = _tempered(x_all, temperature)
     lse = _f32(_as_1d(lse, rows, F32, "lse"))
@@ -524,7 +544,9 @@ def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
             tc = targets[r0:r1][act]
             base = g[ar, tc]
             g[ar, tc] = np.add(base, gl[r0:r1][act])  # 2. ... except round(0 + gl) at target
-            if t32 != ONE:
+            if per_row:
+                g = np.divide(g, t32[r0:r1, None])  # 2. each row's T32
+            elif t32 != ONE:
                 g = np.divide(g, t32)  # 2. the temperature's chain rule (+0 stays +0: T32 > 0)
             g[:, real_vocab:] = ZERO  # padding columns are +0
             out[r0:r1] = _round_to(_chk(g), dtype)  # 3.

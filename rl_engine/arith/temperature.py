@@ -18,6 +18,9 @@ on a GPU computes ``x * RN32(1/T32)``, not this.)
 Triton kernels use it inside Markstein's correction, which gives ``RN32(x / T32)`` exactly from
 ``x * r`` and two fused multiply-adds (docs/arithmetic.md, "Dividing by T32 on a GPU").
 
+A temperature per row (a tensor of one ``T`` per row, each row's ``T32`` this module's rounding of
+it) is :mod:`rl_engine.logprob.row_temperature`'s; the range below is the same.
+
 Torch-free (the workflow's config check reads it). ``RN32`` of a binary64 value is
 ``struct.pack("f")`` (round to nearest even); ``RN32(RN64(1 / T32))`` is the correctly rounded
 binary32 quotient, since binary64 has more than ``2 * 24 + 2`` bits (double rounding is harmless

@@ -277,16 +277,20 @@ class ChunkWorkspace:
         s_out: torch.Tensor,
         t_out: torch.Tensor | None,
         row_min_out: torch.Tensor | None,
+        row_t32: torch.Tensor | None = None,
     ) -> None:
         """Write the chunk's tile partials into ``m_out``, ``s_out`` (and ``t_out``).
 
         ``row_min_out``, when given, receives the minimum over each row's real columns
         (a validation aid: with the tile maxima it tells whether a row is all finite).
+        ``row_t32``, when given, holds the chunk's rows' ``T32`` (a temperature per row, in place
+        of the workspace's one).
         """
         v = self.views(chunk.shape[0])
         v.buf.copy_(chunk)
-        if self.divisor is not None:
-            v.buf.div_(self.divisor)  # binary32 division by T32 (IEEE, correctly rounded)
+        divisor = self.divisor if row_t32 is None else row_t32.unsqueeze(1)
+        if divisor is not None:
+            v.buf.div_(divisor)  # binary32 division by T32 (IEEE, correctly rounded)
         if row_min_out is not None and self.real_local > 0:
             torch.amin(v.real, dim=1, out=row_min_out)
         if v.padding is not None:
@@ -323,10 +327,12 @@ class GradWorkspace:
         out: torch.Tensor,
         g_ent: torch.Tensor | None = None,
         mb: torch.Tensor | None = None,
+        row_t32: torch.Tensor | None = None,
     ) -> None:
         """``out = coef * E(x - lse)``, plus ``target_add`` at ``target_col`` in FP32, divided by
-        the workspace's ``T32`` (the temperature, skipped when 1), NaN made canonical, rounded once to
-        ``out``'s dtype (``docs/arithmetic.md`` sections 7-8; ``x`` is the chunk divided by ``T32``).
+        the workspace's ``T32`` (the temperature, skipped when 1; with ``row_t32``, each row's), NaN
+        made canonical, rounded once to ``out``'s dtype (``docs/arithmetic.md`` sections 7-8; ``x`` is
+        the chunk divided by ``T32``).
 
         Adding ``-0.0`` is the identity for every FP32 value, so rows that own no target
         carry ``-0.0`` in ``target_add`` and keep their bits. ``scatter_add_`` adds exactly
@@ -336,7 +342,7 @@ class GradWorkspace:
         buf = self.buf[:rows]
         sc = self.scratch.rows(rows)
         buf.copy_(chunk)
-        divisor = self.divisor
+        divisor = self.divisor if row_t32 is None else row_t32.unsqueeze(1)
         if divisor is not None:
             buf.div_(divisor)  # section 6 step 0
         x = buf.clone() if g_ent is not None else None  # the entropy term reads x after E overwrote buf

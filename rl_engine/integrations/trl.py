@@ -135,7 +135,10 @@ def add_rl_engine_lm_head(model: Any, temperature: float = 1.0, cast_lm_head_to_
     and ``loss`` adds ``router_aux_loss_coef * aux_loss``. Without ``fused_lm_head`` the model's
     forward is the one it had (generation is unchanged). ``num_vocab_tiles``, ``chunk_tokens``,
     ``backend``, ``grad_weight_fp32`` (default True: the weight's gradient summed in binary32, at TRL's
-    accuracy) and ``matmul`` are :func:`selected_logprob_from_hidden`'s."""
+    accuracy) and ``matmul`` are :func:`selected_logprob_from_hidden`'s. TRL samples a batch at one
+    temperature (``GRPOConfig.temperature``), the patched one; a trainer whose rows were sampled at
+    different temperatures passes ``temperature=`` to the fused call, a tensor of the targets' shape
+    (``labels[:, 1:]``, or ``shift_labels``): one per token, in place of the patched number."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     unknown = [name for name in outputs if name not in SUPPORTED_OUTPUTS]
@@ -148,10 +151,14 @@ def add_rl_engine_lm_head(model: Any, temperature: float = 1.0, cast_lm_head_to_
         raise LogprobContractError(problem)
     want_entropy = "entropy" in outputs
     original_forward = model.forward
+    patched_temperature = temperature
 
     @functools.wraps(type(model).forward)
     def _forward(self: Any, *args: Any, fused_lm_head: bool = False, labels: Any = None, shift_labels: Any = None,
-                 num_items_in_batch: Any = None, **kwargs: Any) -> Any:
+                 num_items_in_batch: Any = None, temperature: Any = None, **kwargs: Any) -> Any:
+        if temperature is not None and not fused_lm_head:
+            raise LogprobContractError("temperature= is a fused_lm_head=True argument (the head's temperature); "
+                                       "without the fused head the model returns its logits: divide them yourself")
         if not fused_lm_head:
             for name, value in (("labels", labels), ("shift_labels", shift_labels),
                                 ("num_items_in_batch", num_items_in_batch)):
@@ -185,7 +192,8 @@ def add_rl_engine_lm_head(model: Any, temperature: float = 1.0, cast_lm_head_to_
         precision = torch.autocast(hidden.device.type, enabled=False) if cast_lm_head_to_fp32 else contextlib.nullcontext()
         with precision, _gather_lm_head(weight):
             out = selected_logprob_from_hidden(hidden, weight.float() if cast_lm_head_to_fp32 else weight, targets,
-                                               num_vocab_tiles=num_vocab_tiles, temperature=temperature,
+                                               num_vocab_tiles=num_vocab_tiles,
+                                               temperature=patched_temperature if temperature is None else temperature,
                                                compute_entropy=want_entropy, chunk_tokens=chunk_tokens, backend=backend,
                                                grad_weight_fp32=grad_weight_fp32, matmul=matmul)
         _gather_in_backward(out, weight)

@@ -18,6 +18,10 @@ The output dtype: float32, whatever the logits' dtype (the arithmetic's binary32
 logits' dtype), return the logits' dtype: bf16 for bf16 logits (with flash-attn its log-probs are
 float32). ``cast_to_logits_dtype=True`` returns ours rounded once to the logits' dtype (to nearest,
 ties to even), for code that expects verl's dtype; the gradient flows through that cast.
+
+``temperature`` is a number (verl's ``temperature``, one for the batch) or a tensor of the labels'
+shape (one per token: a batch whose rows were sampled at different temperatures), as
+:func:`rl_engine.logprob.api.selected_logprob` takes it.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ def _all_active(labels: torch.Tensor) -> torch.Tensor:
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True, *,
-                         num_vocab_tiles: int | str = AUTO, temperature: float = 1.0, backend: str = AUTO,
+                         num_vocab_tiles: int | str = AUTO, temperature: float | torch.Tensor = 1.0,
+                         backend: str = AUTO,
                          real_vocab_size: int | None = None, cast_to_logits_dtype: bool = False) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` at ``labels``: ``[..., vocab]`` logits, ``[...]`` labels
     (``inplace_backward`` is accepted for verl's signature; this backward never writes the logits).
@@ -59,7 +64,8 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_bac
     return _out(out.selected_logp, logits, cast_to_logits_dtype)
 
 
-def entropy_from_logits(logits: torch.Tensor, *, num_vocab_tiles: int | str = AUTO, temperature: float = 1.0,
+def entropy_from_logits(logits: torch.Tensor, *, num_vocab_tiles: int | str = AUTO,
+                        temperature: float | torch.Tensor = 1.0,
                         backend: str = AUTO, real_vocab_size: int | None = None,
                         cast_to_logits_dtype: bool = False) -> torch.Tensor:
     """The entropy of ``softmax(logits / temperature)`` per row, differentiable. Float32, or the
@@ -74,7 +80,8 @@ def entropy_from_logits(logits: torch.Tensor, *, num_vocab_tiles: int | str = AU
 
 
 def logprobs_and_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True, *,
-                                     num_vocab_tiles: int | str = AUTO, temperature: float = 1.0, backend: str = AUTO,
+                                     num_vocab_tiles: int | str = AUTO, temperature: float | torch.Tensor = 1.0,
+                         backend: str = AUTO,
                                      real_vocab_size: int | None = None,
                                      cast_to_logits_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs_from_logits(logits, labels), entropy_from_logits(logits))`` from one pass of the op

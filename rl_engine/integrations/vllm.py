@@ -305,27 +305,22 @@ class _Recorder:
                         f"request {req} sets {name}={value!r}: processed logprobs after it are not rl_engine's (only "
                         f"the temperature is); use logprobs='raw', or sample without {name}")
 
-    def _ours(self, logits: torch.Tensor, targets: torch.Tensor, temps: list[float]) -> torch.Tensor:
-        """selected_logprob of ``logits`` rows at ``targets``, one call per distinct temperature."""
+    def _ours(self, logits: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor | None) -> torch.Tensor:
+        """selected_logprob of ``logits`` rows at ``targets`` in one call: ``temps`` holds each row's
+        temperature (vLLM's float32 values, taken exactly: a temperature per row), ``None`` is 1."""
         from rl_engine.logprob import selected_logprob
 
-        out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
-        temps_t = torch.tensor(temps, dtype=torch.float64)
-        for t in sorted(set(temps)):
-            rows = (temps_t == t).nonzero().flatten().to(logits.device)
-            got = selected_logprob(logits.index_select(0, rows), targets.index_select(0, rows),
-                                   torch.ones(rows.numel(), dtype=torch.bool, device=logits.device),
-                                   num_vocab_tiles=self.options.num_vocab_tiles, backend=self.options.backend,
-                                   real_vocab_size=self.options.real_vocab_size, temperature=t)
-            out.index_copy_(0, rows, got.selected_logp)
-        return out
+        got = selected_logprob(logits, targets, torch.ones(targets.shape, dtype=torch.bool, device=logits.device),
+                               num_vocab_tiles=self.options.num_vocab_tiles, backend=self.options.backend,
+                               real_vocab_size=self.options.real_vocab_size,
+                               temperature=1.0 if temps is None else temps)
+        return got.selected_logp
 
     def _replace(self, logits: torch.Tensor, sampled: torch.Tensor, temps: torch.Tensor, tensors: Any) -> None:
         """Overwrite the logprob values vLLM is about to return with ours (same token ids, same shape)."""
         values = tensors.logprobs
         ids = tensors.logprob_token_ids
         rows = logits.shape[0]
-        temps_host = [1.0] * rows if self.options.logprobs == "raw" else temps.cpu().tolist()
         if ids.numel() == 0:  # logprobs=-1: every column of every row
             raise VLLMIntegrationError("logprobs=-1 (every vocabulary entry) with rl_engine's logprob is refused: "
                                        "ask for the sampled token and a top-k (logprobs=k)")
@@ -333,7 +328,7 @@ class _Recorder:
         flat_rows = torch.arange(rows, device=logits.device).repeat_interleave(width)
         flat_ids = ids.to(torch.int64).reshape(-1)
         ours = self._ours(logits.index_select(0, flat_rows), flat_ids,
-                          [temps_host[i] for i in flat_rows.cpu().tolist()])
+                          None if self.options.logprobs == "raw" else temps.index_select(0, flat_rows))
         values.copy_(ours.reshape(rows, width).to(values.dtype))
 
     def _reports_raw_logprob(self) -> bool:
@@ -379,7 +374,7 @@ class _Recorder:
             flat = token_col.to(torch.int64)
             width = flat.shape[1]
             rows = torch.arange(logits.shape[0], device=logits.device).repeat_interleave(width)
-            ours = self._ours(logits.index_select(0, rows), flat.reshape(-1), [1.0] * rows.numel())
+            ours = self._ours(logits.index_select(0, rows), flat.reshape(-1), None)
             values = ours.reshape(values.shape).to(values.dtype)
             out = type(out)(token_col, values, *out[2:]) if isinstance(out, tuple) else out
         if self.options.capture and self.options.prompt_rows:

@@ -22,6 +22,7 @@ from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_devic
 from rl_engine.logprob.backends.eager.vocab_parallel import LogprobOutput, vocab_parallel_backward
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
 from rl_engine.logprob.registry import dispatch
+from rl_engine.logprob.row_temperature import is_row_temperature, row_temperature32
 from rl_engine.logprob.storage import require_readable
 from rl_engine.tables import AUTO, MAX_TP
 
@@ -89,7 +90,7 @@ def selected_logprob(
     backend: str = AUTO,
     ignore_index: int = -100,
     max_tp: int = MAX_TP,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
 ) -> LogprobOutput:
     """Selected-token logprob of full-vocabulary logits on one rank (TP=1, CP=1).
 
@@ -112,7 +113,11 @@ def selected_logprob(
     logit divided by ``T32 = RN32(T)`` after its exact upcast, the gradient divided by ``T32``: the
     bytes of ``selected_logprob(logits.float() / T32)`` and autograd's gradient through that
     division), so no divided copy of the logits is made; ``1.0`` gives exactly the bytes without a
-    temperature.
+    temperature. A tensor of the shape of ``targets`` gives each row its own temperature (a rollout
+    batch mixes requests): bf16, fp16 or fp32 values taken exactly, float64 ones rounded once to
+    binary32 like a number; each row's bytes are those of the call at that row's ``T32``, a row at 1
+    those without a temperature (:mod:`rl_engine.logprob.row_temperature`; one host read of the
+    tensor checks every value, naming the first refused one).
 
     ``logits`` may be a DTensor sharded on the vocabulary (``Shard(-1)`` on one mesh dimension,
     ``Replicate`` on any other: loss parallel, a ``ColwiseParallel`` lm_head with
@@ -146,6 +151,7 @@ def selected_logprob(
                               compute_entropy, validate, backend, ignore_index, max_tp, chunk_rows, temperature)
     require_readable("logits", logits)  # before the reshape, which cannot view sparse memory
     targets, active = trainer_inputs(targets, active, lead, ignore_index)
+    temperature, row_t32 = split_temperature(temperature, lead, logits.device)
     vocab = logits.shape[-1]
     tiles = resolve_vocab_tiles(num_vocab_tiles, vocab, max_tp)
     num_sequences, seq_len = (1, lead[0]) if len(lead) == 1 else lead
@@ -163,6 +169,7 @@ def selected_logprob(
     out = chosen.op(
         logits.reshape(-1, vocab), targets.reshape(-1), active.reshape(-1), contract,
         compute_entropy=compute_entropy, validate=validate, chunk_rows=chunk_rows,
+        **({} if row_t32 is None else {"temperature": row_t32.reshape(-1)}),
     )
     return LogprobOutput(
         out.selected_logp.reshape(lead),
@@ -170,6 +177,16 @@ def selected_logprob(
         out.entropy.reshape(lead) if out.entropy is not None else None,
         {**chosen.provenance(), "num_vocab_tiles": tiles},
     )
+
+
+def split_temperature(temperature: Any, lead: tuple[int, ...],
+                      device: torch.device) -> tuple[Any, torch.Tensor | None]:
+    """``(the contract's temperature, the rows' T32 or None)``: a number goes to the contract (which
+    checks it); a tensor is each row's (:func:`rl_engine.logprob.row_temperature.row_temperature32`),
+    with the contract's temperature 1."""
+    if _is_dtensor(temperature) or is_row_temperature(temperature):
+        return 1.0, row_temperature32(temperature, lead, device)
+    return temperature, None
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -197,7 +214,7 @@ def _replicated_local(name: str, value: Any) -> Any:
 def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int | str,
                   real_vocab_size: int | None, compute_entropy: bool, validate: bool,
                   chunk_rows: int | None, backend: str, ignore_index: int, max_tp: int,
-                  temperature: float = 1.0) -> LogprobOutput:
+                  temperature: Any = 1.0) -> LogprobOutput:
     """The TP op on a DTensor's local shard, with the group and the columns its mesh gives."""
     from torch.distributed.tensor import Replicate, Shard
 
@@ -222,6 +239,16 @@ def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int |
     bounds = tuple((min(r * width, vocab), min((r + 1) * width, vocab)) for r in range(tp))
     targets, active = trainer_inputs(_replicated_local("targets", targets), _replicated_local("active", active),
                                      lead, ignore_index)
+    local = logits.to_local()  # differentiable: the gradient comes back as a DTensor
+    row_t32 = None
+    if _is_dtensor(temperature) or is_row_temperature(temperature):
+        # the shape here (as the targets'); the values in the op's local checks, whose verdict every
+        # rank of the TP group raises together
+        row_t32 = _replicated_local("temperature", temperature)
+        if tuple(row_t32.shape) != lead:
+            raise LogprobContractError(f"temperature.shape={tuple(row_t32.shape)} must equal logits.shape[:-1]={lead} "
+                                       "(one temperature per row, the shape of targets)")
+        temperature = 1.0
     tiles = resolve_vocab_tiles(num_vocab_tiles, vocab, max_tp)
     num_sequences, seq_len = (1, lead[0]) if len(lead) == 1 else lead
     contract = LogprobContract(
@@ -229,11 +256,10 @@ def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int |
         num_vocab_tiles=tiles["resolved"], num_sequences=num_sequences, seq_len=seq_len,
         tp_world_size=tp, tp_rank=tp_rank, vocab_shard_bounds=bounds,
         logits_dtype=DTYPE_NAMES[logits.dtype], ignore_index=ignore_index, temperature=temperature)
-    local = logits.to_local()  # differentiable: the gradient comes back as a DTensor
     chosen = dispatch(backend, contract, local.device.type)
     out = chosen.op(local.reshape(-1, local.shape[-1]), targets.reshape(-1), active.reshape(-1), contract,
                     group=mesh.get_group(dim), compute_entropy=compute_entropy, validate=validate,
-                    chunk_rows=chunk_rows)
+                    chunk_rows=chunk_rows, **({} if row_t32 is None else {"temperature": row_t32.reshape(-1)}))
     return LogprobOutput(
         out.selected_logp.reshape(lead), out.lse.reshape(lead),
         out.entropy.reshape(lead) if out.entropy is not None else None,
@@ -245,13 +271,16 @@ def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int |
 def _compiled_call(logits: torch.Tensor, targets: Any, active: Any, lead: tuple[int, ...],
                    num_vocab_tiles: int | str, real_vocab_size: int | None, compute_entropy: bool,
                    validate: bool, backend: str, ignore_index: int, max_tp: int,
-                   chunk_rows: int | None, temperature: float = 1.0) -> LogprobOutput:
+                   chunk_rows: int | None, temperature: Any = 1.0) -> LogprobOutput:
     """Under ``torch.compile``: ``rl_engine::selected_logprob`` (:func:`selected_logprob_op`, below),
-    whose real implementation is this function's eager path; no provenance in the graph."""
+    whose real implementation is this function's eager path; no provenance in the graph. A per-row
+    temperature is the op's tensor argument ``row_temperature`` (checked in the eager call)."""
     tiles = resolve_vocab_tiles(num_vocab_tiles, logits.shape[-1], max_tp)["resolved"]
+    rows = temperature if isinstance(temperature, torch.Tensor) else None
     logp, lse, entropy = selected_logprob_op(
         logits, targets, active, logits.shape[-1] if real_vocab_size is None else real_vocab_size, tiles,
-        ignore_index, compute_entropy, validate, backend, chunk_rows, temperature)
+        ignore_index, compute_entropy, validate, backend, chunk_rows, 1.0 if rows is not None else temperature,
+        rows)
     return LogprobOutput(logp, lse, entropy if compute_entropy else None, None)
 
 
@@ -413,23 +442,27 @@ BACKWARD_OP = "rl_engine::selected_logprob_backward"
 
 def _eager(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None, real_vocab_size: int,
            num_vocab_tiles: int, ignore_index: int, compute_entropy: bool, validate: bool,
-           backend: str, chunk_rows: int | None, temperature: float) -> Any:
+           backend: str, chunk_rows: int | None, temperature: float,
+           row_temperature: torch.Tensor | None = None) -> Any:
     return selected_logprob(logits, targets, active, num_vocab_tiles=num_vocab_tiles,
                             real_vocab_size=real_vocab_size, compute_entropy=compute_entropy,
                             validate=validate, backend=backend, ignore_index=ignore_index,
-                            chunk_rows=chunk_rows, temperature=temperature)
+                            chunk_rows=chunk_rows,
+                            temperature=temperature if row_temperature is None else row_temperature)
 
 
 @torch.library.custom_op(OP, mutates_args=())
 def selected_logprob_op(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
                         real_vocab_size: int, num_vocab_tiles: int, ignore_index: int,
                         compute_entropy: bool, validate: bool, backend: str, chunk_rows: int | None,
-                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        temperature: float = 1.0, row_temperature: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp, lse, entropy)`` of :func:`rl_engine.logprob.api.selected_logprob` run eagerly,
-    every check included (entropy empty without ``compute_entropy``)."""
+    every check included (entropy empty without ``compute_entropy``); ``row_temperature``: a
+    temperature per row (the eager call's tensor ``temperature``), with ``temperature`` 1."""
     with torch.no_grad():
         out = _eager(logits, targets, active, real_vocab_size, num_vocab_tiles, ignore_index,
-                     compute_entropy, validate, backend, chunk_rows, temperature)
+                     compute_entropy, validate, backend, chunk_rows, temperature, row_temperature)
     entropy = out.entropy if out.entropy is not None else logits.new_empty(0, dtype=torch.float32)
     return out.selected_logp.clone(), out.lse.clone(), entropy.clone()
 
@@ -437,7 +470,8 @@ def selected_logprob_op(logits: torch.Tensor, targets: torch.Tensor, active: tor
 @selected_logprob_op.register_fake
 def _(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None, real_vocab_size: int,
       num_vocab_tiles: int, ignore_index: int, compute_entropy: bool, validate: bool,
-      backend: str, chunk_rows: int | None, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+      backend: str, chunk_rows: int | None, temperature: float = 1.0,
+      row_temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     per_token = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
     entropy = torch.empty_like(per_token) if compute_entropy else logits.new_empty(0, dtype=torch.float32)
     return per_token, torch.empty_like(per_token), entropy
@@ -449,11 +483,13 @@ def selected_logprob_backward_op(logits: torch.Tensor, targets: torch.Tensor, ac
                                  grad_lse: torch.Tensor | None, real_vocab_size: int, num_vocab_tiles: int,
                                  ignore_index: int,
                                  backend: str, temperature: float = 1.0, grad_entropy: torch.Tensor | None = None,
-                                 entropy: torch.Tensor | None = None) -> torch.Tensor:
+                                 entropy: torch.Tensor | None = None,
+                                 row_temperature: torch.Tensor | None = None) -> torch.Tensor:
     """The gradient to the logits: the eager op's own backward (``vocab_parallel_backward`` with
     the backend's engine), one rounding to the logits' dtype."""
     vocab, lead = logits.shape[-1], tuple(logits.shape[:-1])
     targets, active = trainer_inputs(targets, active, lead, ignore_index)
+    row_t32 = None if row_temperature is None else row_temperature32(row_temperature, lead, logits.device)
     num_sequences, seq_len = (1, lead[0]) if len(lead) == 1 else lead
     contract = LogprobContract(real_vocab_size=real_vocab_size, padded_vocab_size=vocab,
                                num_vocab_tiles=num_vocab_tiles, num_sequences=num_sequences,
@@ -466,7 +502,8 @@ def selected_logprob_backward_op(logits: torch.Tensor, targets: torch.Tensor, ac
                                    None if grad_lse is None else grad_lse.reshape(-1), contract,
                                    op.default_chunk_rows(contract, logits.device), op.engine(),
                                    None if grad_entropy is None else grad_entropy.reshape(-1),
-                                   None if entropy is None else entropy.reshape(-1))
+                                   None if entropy is None else entropy.reshape(-1),
+                                   None if row_t32 is None else row_t32.reshape(-1))
     return grad.reshape(logits.shape)
 
 
@@ -474,25 +511,26 @@ def selected_logprob_backward_op(logits: torch.Tensor, targets: torch.Tensor, ac
 def _(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None, lse: torch.Tensor,
       grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None, real_vocab_size: int,
       num_vocab_tiles: int, ignore_index: int, backend: str, temperature: float = 1.0,
-      grad_entropy: torch.Tensor | None = None, entropy: torch.Tensor | None = None) -> torch.Tensor:
+      grad_entropy: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+      row_temperature: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_like(logits)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    logits, targets, active, real_vocab_size, num_vocab_tiles, ignore_index, _, _, backend, _, temperature = inputs
-    ctx.save_for_backward(logits, targets, active, output[1], output[2])
+    logits, targets, active, real_vocab_size, num_vocab_tiles, ignore_index, _, _, backend, _, temperature, rows = inputs
+    ctx.save_for_backward(logits, targets, active, output[1], output[2], rows)
     ctx.fields = (real_vocab_size, num_vocab_tiles, ignore_index, backend, temperature)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None,
               grad_entropy: torch.Tensor | None) -> tuple[Any, ...]:
-    logits, targets, active, lse, entropy = ctx.saved_tensors
+    logits, targets, active, lse, entropy, rows = ctx.saved_tensors
     if entropy.shape != lse.shape:  # no entropy was computed
         grad_entropy = None
     grad = selected_logprob_backward_op(logits, targets, active, lse, grad_logp, grad_lse, *ctx.fields,
-                                        grad_entropy, entropy if grad_entropy is not None else None)
-    return (grad,) + (None,) * 10
+                                        grad_entropy, entropy if grad_entropy is not None else None, rows)
+    return (grad,) + (None,) * 11
 
 
 selected_logprob_op.register_autograd(_backward, setup_context=_setup_context)
@@ -506,5 +544,6 @@ __all__ = [
     "selected_logprob",
     "selected_logprob_backward_op",
     "selected_logprob_op",
+    "split_temperature",
     "trainer_inputs",
 ]

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device, tensor_digest
-from rl_engine.logprob.api import DTYPE_NAMES, resolve_vocab_tiles, trainer_inputs
+from rl_engine.logprob.api import DTYPE_NAMES, resolve_vocab_tiles, split_temperature, trainer_inputs
 from rl_engine.logprob.backends.eager.vocab_parallel import LogprobOutput
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.head_matmul import choose_matmul
@@ -162,13 +162,14 @@ class Prepared:
 
 def prepare(hidden: Any, resolved: HeadWeight, targets: Any, active: Any, *, num_vocab_tiles: int | str,
             real_vocab_size: int | None, compute_entropy: bool, validate: bool, chunk_tokens: int, backend: str,
-            ignore_index: int, max_tp: int, grad_weight_fp32: bool, temperature: float, hidden_grad: str,
+            ignore_index: int, max_tp: int, grad_weight_fp32: bool, temperature: Any, hidden_grad: str,
             matmul: str, compute_dtype: torch.dtype | None, autocast: str | None) -> Prepared:
     """Every local check of a call, and its plan (no collective; raises LogprobContractError)."""
     meta = resolved.meta
     _check_inputs(hidden, meta, compute_dtype, autocast, grad_weight_fp32, hidden_grad, chunk_tokens)
     lead = tuple(hidden.shape[:-1])
     targets, active = trainer_inputs(targets, active, lead, ignore_index)
+    temperature, row_t32 = split_temperature(temperature, lead, hidden.device)
     group = resolved.group
     tp, tp_rank = group_geometry(group)
     tiles = resolve_vocab_tiles(num_vocab_tiles, resolved.vocab, max_tp)
@@ -186,7 +187,8 @@ def prepare(hidden: Any, resolved: HeadWeight, targets: Any, active: Any, *, num
     choice = choose_matmul(matmul, hidden.device)
     chosen = dispatch(backend, contract, hidden.device.type)
     plan = HeadPlan(contract, chosen.op, chunk_tokens, compute_entropy, validate, choice, compute_dtype,
-                    grad_weight_fp32, group, tp > 1 and hidden_grad == "all_reduce")
+                    grad_weight_fp32, group, tp > 1 and hidden_grad == "all_reduce",
+                    None if row_t32 is None else row_t32.reshape(-1))
     provenance = {**chosen.provenance(), "num_vocab_tiles": tiles, "chunk_tokens": chunk_tokens,
                   "matmul": choice.record(), "autocast": autocast, "grad_weight_fp32": grad_weight_fp32}
     if resolved.record is not None:
@@ -209,7 +211,7 @@ def selected_logprob_from_hidden(
     ignore_index: int = -100,
     max_tp: int = MAX_TP,
     grad_weight_fp32: bool = True,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     group: Any = None,
     hidden_grad: str = "all_reduce",
     matmul: str = "auto",
@@ -295,13 +297,14 @@ BACKWARD_OP = "rl_engine::selected_logprob_from_hidden_backward"
 def _prepare(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
              real_vocab_size: int, num_vocab_tiles: int, ignore_index: int, compute_entropy: bool, validate: bool,
              backend: str, chunk_tokens: int, grad_weight_fp32: bool, temperature: float, matmul: str,
-             autocast_dtype: torch.dtype | None) -> Any:
+             autocast_dtype: torch.dtype | None, row_temperature: torch.Tensor | None = None) -> Any:
     compute_dtype = hidden.dtype if autocast_dtype is None else autocast_dtype
     autocast = None if autocast_dtype is None else DTYPE_NAMES.get(autocast_dtype, str(autocast_dtype))
     return prepare(hidden, head_weight(weight, None, "mean"), targets, active, num_vocab_tiles=num_vocab_tiles,
                    real_vocab_size=real_vocab_size, compute_entropy=compute_entropy, validate=validate,
                    chunk_tokens=chunk_tokens, backend=backend, ignore_index=ignore_index, max_tp=1,
-                   grad_weight_fp32=grad_weight_fp32, temperature=temperature, hidden_grad="all_reduce",
+                   grad_weight_fp32=grad_weight_fp32,
+                   temperature=temperature if row_temperature is None else row_temperature, hidden_grad="all_reduce",
                    matmul=matmul, compute_dtype=compute_dtype, autocast=autocast)
 
 
@@ -313,11 +316,14 @@ def _compute_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def from_hidden_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
                    real_vocab_size: int, num_vocab_tiles: int, ignore_index: int, compute_entropy: bool,
                    validate: bool, backend: str, chunk_tokens: int, grad_weight_fp32: bool, temperature: float,
-                   matmul: str, autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   matmul: str, autocast_dtype: torch.dtype | None,
+                   row_temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp, lse, entropy)`` per token of the eager fused head (entropy empty without
-    ``compute_entropy``), every check included."""
+    ``compute_entropy``), every check included; ``row_temperature``: a temperature per token (the
+    eager call's tensor ``temperature``), with ``temperature`` 1."""
     call = _prepare(hidden, weight, targets, active, real_vocab_size, num_vocab_tiles, ignore_index, compute_entropy,
-                    validate, backend, chunk_tokens, grad_weight_fp32, temperature, matmul, autocast_dtype)
+                    validate, backend, chunk_tokens, grad_weight_fp32, temperature, matmul, autocast_dtype,
+                    row_temperature)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         logp, lse, entropy = forward_chunks(hidden.reshape(call.tokens, -1), _compute_weight(weight, call.plan.compute_dtype),
                                             call.targets, active_rows(call.active), call.plan)
@@ -329,7 +335,8 @@ def from_hidden_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
       real_vocab_size: int, num_vocab_tiles: int, ignore_index: int, compute_entropy: bool, validate: bool,
       backend: str, chunk_tokens: int, grad_weight_fp32: bool, temperature: float, matmul: str,
-      autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+      autocast_dtype: torch.dtype | None,
+      row_temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     per_token = hidden.new_empty(hidden.shape[:-1], dtype=torch.float32)
     entropy = torch.empty_like(per_token) if compute_entropy else hidden.new_empty(0, dtype=torch.float32)
     return per_token, torch.empty_like(per_token), entropy
@@ -342,10 +349,12 @@ def from_hidden_backward_op(hidden: torch.Tensor, weight: torch.Tensor, targets:
                             grad_entropy: torch.Tensor | None, real_vocab_size: int, num_vocab_tiles: int,
                             ignore_index: int, compute_entropy: bool, backend: str, chunk_tokens: int,
                             grad_weight_fp32: bool, temperature: float, matmul: str,
-                            autocast_dtype: torch.dtype | None, want_hidden: bool, want_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                            autocast_dtype: torch.dtype | None, want_hidden: bool, want_weight: bool,
+                            row_temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of ``hidden`` and ``weight`` (empty where not wanted): the eager backward."""
     call = _prepare(hidden, weight, targets, active, real_vocab_size, num_vocab_tiles, ignore_index, compute_entropy,
-                    False, backend, chunk_tokens, grad_weight_fp32, temperature, matmul, autocast_dtype)
+                    False, backend, chunk_tokens, grad_weight_fp32, temperature, matmul, autocast_dtype,
+                    row_temperature)
     flat = (lambda t: None if t is None else t.reshape(-1))  # noqa: E731 - four uses below
     with torch.autocast(hidden.device.type, enabled=False):
         grad_hidden, grad_weight = backward_chunks(
@@ -363,29 +372,29 @@ def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, active:
       grad_entropy: torch.Tensor | None, real_vocab_size: int, num_vocab_tiles: int, ignore_index: int,
       compute_entropy: bool, backend: str, chunk_tokens: int, grad_weight_fp32: bool, temperature: float,
       matmul: str, autocast_dtype: torch.dtype | None, want_hidden: bool,
-      want_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+      want_weight: bool, row_temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.empty_like(hidden) if want_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if want_weight else weight.new_empty(0))
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
     hidden, weight, targets, active = inputs[:4]
-    ctx.save_for_backward(hidden, weight, targets, active, output[1], output[2])
+    ctx.save_for_backward(hidden, weight, targets, active, output[1], output[2], inputs[15])
     (ctx.real_vocab_size, ctx.num_vocab_tiles, ctx.ignore_index, ctx.compute_entropy, _, ctx.backend,
-     ctx.chunk_tokens, ctx.grad_weight_fp32, ctx.temperature, ctx.matmul, ctx.autocast_dtype) = inputs[4:]
+     ctx.chunk_tokens, ctx.grad_weight_fp32, ctx.temperature, ctx.matmul, ctx.autocast_dtype) = inputs[4:15]
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None,
               grad_entropy: torch.Tensor | None) -> tuple[Any, ...]:
-    hidden, weight, targets, active, lse, entropy = ctx.saved_tensors
+    hidden, weight, targets, active, lse, entropy, row_temperature = ctx.saved_tensors
     want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     grad_hidden, grad_weight = from_hidden_backward_op(
         hidden, weight, targets, active, lse, entropy, grad_logp, grad_lse,
         grad_entropy if ctx.compute_entropy else None, ctx.real_vocab_size, ctx.num_vocab_tiles, ctx.ignore_index,
         ctx.compute_entropy, ctx.backend, ctx.chunk_tokens, ctx.grad_weight_fp32, ctx.temperature, ctx.matmul,
-        ctx.autocast_dtype, want_hidden, want_weight)
-    return (grad_hidden if want_hidden else None, grad_weight if want_weight else None) + (None,) * 13
+        ctx.autocast_dtype, want_hidden, want_weight, row_temperature)
+    return (grad_hidden if want_hidden else None, grad_weight if want_weight else None) + (None,) * 14
 
 
 from_hidden_op.register_autograd(_backward, setup_context=_setup_context)
@@ -394,16 +403,17 @@ from_hidden_op.register_autograd(_backward, setup_context=_setup_context)
 def compiled_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, active: Any, *,
                          num_vocab_tiles: int | str, real_vocab_size: int | None, compute_entropy: bool,
                          validate: bool, chunk_tokens: int, backend: str, ignore_index: int, max_tp: int,
-                         grad_weight_fp32: bool, temperature: float, hidden_grad: str,
+                         grad_weight_fp32: bool, temperature: Any, hidden_grad: str,
                          matmul: str) -> LogprobOutput:
     """Under ``torch.compile``: ``rl_engine::selected_logprob_from_hidden``, with the tile count and the
     logits' dtype (autocast's, where it is enabled) resolved at tracing; no provenance in the graph."""
     tiles = resolve_vocab_tiles(num_vocab_tiles, weight.shape[0], max_tp)["resolved"]
     compute_dtype, autocast = compute_dtype_of(hidden)
+    rows = temperature if isinstance(temperature, torch.Tensor) else None  # a temperature per token
     logp, lse, entropy = from_hidden_op(
         hidden, weight, targets, active, weight.shape[0] if real_vocab_size is None else real_vocab_size, tiles,
-        ignore_index, compute_entropy, validate, backend, chunk_tokens, grad_weight_fp32, temperature, matmul,
-        None if autocast is None else compute_dtype)
+        ignore_index, compute_entropy, validate, backend, chunk_tokens, grad_weight_fp32,
+        1.0 if rows is not None else temperature, matmul, None if autocast is None else compute_dtype, rows)
     return LogprobOutput(logp, lse, entropy if compute_entropy else None, None)
 
 

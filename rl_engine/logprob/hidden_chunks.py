@@ -46,6 +46,7 @@ class HeadPlan:
     grad_weight_fp32: bool
     group: Any
     reduce_hidden: bool
+    row_t32: torch.Tensor | None = None  # a temperature per token: binary32 [tokens], each token's T32
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_tokens, bool) or not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1:
@@ -87,8 +88,9 @@ def forward_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         index = rows[start:end]
         logits = head_logits(_chunk_hidden(hidden, rows, start, end, plan.compute_dtype), weight, plan.matmul)
         ones = torch.ones(end - start, dtype=torch.bool, device=hidden.device)
+        per_row = {} if plan.row_t32 is None else {"temperature": plan.row_t32.index_select(0, index)}
         out = plan.op(logits, targets.index_select(0, index), ones, plan.chunk_contract(end - start),
-                      group=plan.group, compute_entropy=plan.compute_entropy, validate=plan.validate)
+                      group=plan.group, compute_entropy=plan.compute_entropy, validate=plan.validate, **per_row)
         logp[index] = out.selected_logp
         lse[index] = out.lse
         if plan.compute_entropy:
@@ -123,7 +125,8 @@ def backward_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
                 None if grad_lse is None else grad_lse.index_select(0, index), part,
                 plan.op.default_chunk_rows(part, logits.device), plan.op.engine(),
                 None if grad_entropy is None else grad_entropy.index_select(0, index),
-                None if grad_entropy is None or entropy is None else entropy.index_select(0, index))
+                None if grad_entropy is None or entropy is None else entropy.index_select(0, index),
+                None if plan.row_t32 is None else plan.row_t32.index_select(0, index))
             del logits
             if grad_rows is not None:
                 grad_rows[start:end] = grad_logits @ weight

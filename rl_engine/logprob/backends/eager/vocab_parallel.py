@@ -46,6 +46,7 @@ from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device, tensor_digest
 from rl_engine.logprob.backends.eager.chunk_threads import for_each_chunk
 from rl_engine.logprob.contract import RANK_LOCAL_FIELDS, LogprobContract, LogprobContractError
+from rl_engine.logprob.row_temperature import row_temperature32
 from rl_engine.logprob.storage import require_readable
 from rl_engine.tables import EAGER_BACKEND
 
@@ -104,6 +105,8 @@ AGREEMENT_HINTS: dict[str, str] = {
     "(inactive rows are ignored): take them from the same batch.",
     "active": "Every TP rank of a CP rank must get the same active mask: take it from the "
     "same batch.",
+    "row_temperature": "Every TP rank of a CP rank must get the same per-row temperatures (or none): "
+    "take them from the same batch.",
 }
 
 
@@ -152,6 +155,7 @@ def call_record(
     validate: Any,
     verdict: str | None,
     on_invalid: Any = "raise",
+    row_t32: Any = None,
 ) -> CallRecord:
     """This rank's agreement record: its verdict and every per-call field TP peers share.
 
@@ -176,9 +180,10 @@ def call_record(
     fields.append(("on_invalid", on_invalid if on_invalid in ON_INVALID else UNKNOWN))
     if verdict is None:
         effective = targets.masked_fill(~active, contract.ignore_index)
-        fields += [("targets", tensor_digest(effective)), ("active", tensor_digest(active))]
+        fields += [("targets", tensor_digest(effective)), ("active", tensor_digest(active)),
+                   ("row_temperature", "none" if row_t32 is None else tensor_digest(row_t32))]
     else:
-        fields += [("targets", UNKNOWN), ("active", UNKNOWN)]
+        fields += [("targets", UNKNOWN), ("active", UNKNOWN), ("row_temperature", UNKNOWN)]
     return CallRecord(CALL, verdict, tuple(fields))
 
 
@@ -209,12 +214,14 @@ def _local_partials(
     chunk_rows: int,
     with_entropy: bool,
     validate: bool,
+    row_t32: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Tile partials of the local shard, one cache-sized chunk of rows at a time.
 
     One workspace serves every chunk (no allocation in the loop, no host sync). With
     ``validate`` the per-row "all real columns finite" flag comes from the tile maxima
     and one extra min pass on the chunk while it is in cache; otherwise it is ``None``.
+    ``row_t32``: each row's ``T32`` (a temperature per row) in place of the contract's.
     """
     rows = logits.shape[0]
     width = contract.tile_width
@@ -239,6 +246,7 @@ def _local_partials(
             s[start:stop],
             t[start:stop] if t is not None else None,
             row_min[start:stop] if row_min is not None else None,
+            row_t32[start:stop] if row_t32 is not None else None,
         )
 
     for_each_chunk(rows, chunk_rows, workspace, work, threaded=logits.device.type == "cpu")
@@ -247,13 +255,13 @@ def _local_partials(
 
 
 def _local_target_logit(
-    logits: torch.Tensor, targets: torch.Tensor, contract: LogprobContract
+    logits: torch.Tensor, targets: torch.Tensor, contract: LogprobContract, row_t32: torch.Tensor | None = None
 ) -> torch.Tensor:
     local = targets - contract.vocab_start
     owned = (local >= 0) & (local < contract.local_vocab_size)
     index = torch.where(owned, local, torch.zeros_like(local)).unsqueeze(1)
     value = logits.gather(1, index).squeeze(1).float()
-    divisor = temperature_divisor(contract.temperature32, value.device)
+    divisor = temperature_divisor(contract.temperature32, value.device) if row_t32 is None else row_t32
     if divisor is not None:
         value = value / divisor  # section 6 step 0, as every engine scales its tiles
     return torch.where(owned, value, torch.zeros_like(value))
@@ -314,16 +322,23 @@ def vocab_parallel_forward(
     validate: bool,
     engine: "LocalEngine | None" = None,
     on_invalid: str = "raise",
+    row_t32: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Forward without autograd: ``(selected_logp, lse, entropy)`` in FP32 for the local rows.
 
     ``engine`` computes the local tile partials (default: the eager chunk loop); the
     exchange, the merge and everything after are the same for every engine. With ``validate``
     and ``on_invalid="nan"`` an invalid active row gets logp NaN instead of a refusal (no host sync).
+    ``row_t32`` (binary32 ``[rows]``, checked by the caller): each row's ``T32`` in place of the
+    contract's temperature (:mod:`rl_engine.logprob.row_temperature`).
     """
     engine = engine or EAGER_ENGINE
-    m, s, t, finite = engine.local_partials(logits, contract, chunk_rows, with_entropy, validate)
-    target_value = _local_target_logit(logits, targets, contract)
+    if row_t32 is None:
+        m, s, t, finite = engine.local_partials(logits, contract, chunk_rows, with_entropy, validate)
+    else:
+        m, s, t, finite = engine.local_partials(logits, contract, chunk_rows, with_entropy, validate,
+                                                row_t32=row_t32)
+    target_value = _local_target_logit(logits, targets, contract, row_t32)
     check = validate and contract.num_tokens > 0
     if check:
         # A non-finite logit lives on one TP rank only. Its row's target-logit slot is sent
@@ -391,6 +406,13 @@ class BackwardTerms:
     # the entropy gradient (section 7 step 1): g_ent per row and Mb = LSE - H; None without one
     g_ent: torch.Tensor | None = None
     mb: torch.Tensor | None = None
+    # a temperature per row: each row's T32 (binary32 [rows]) in place of t32 (which is then 1)
+    row_t32: torch.Tensor | None = None
+
+    @property
+    def tempered(self) -> bool:
+        """Whether section 6 step 0 and section 7 step 2 divide (a temperature, per call or per row)."""
+        return self.row_t32 is not None or self.t32 != 1.0
 
     def zero_rows(self) -> torch.Tensor:
         """Rows the section 7 override writes as +0: coef == 0 and no entropy term."""
@@ -408,6 +430,7 @@ def backward_terms(
     contract: LogprobContract,
     grad_entropy: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    row_t32: torch.Tensor | None = None,
 ) -> BackwardTerms:
     local_vocab = logits.shape[1]
     zeros = torch.zeros_like(lse)
@@ -425,7 +448,7 @@ def backward_terms(
         g_ent = grad_entropy.float().contiguous()
         mb = (lse - entropy).contiguous()  # Mb = LSE - H, one binary32 subtraction (section 7)
     return BackwardTerms(coef, target_col, target_add, real_local_columns(contract), contract.temperature32,
-                         g_ent, mb)
+                         g_ent, mb, row_t32)
 
 
 def _eager_backward(
@@ -445,6 +468,7 @@ def _eager_backward(
             grad[start:stop],
             None if terms.g_ent is None else terms.g_ent[start:stop],
             None if terms.mb is None else terms.mb[start:stop],
+            None if terms.row_t32 is None else terms.row_t32[start:stop],
         )
 
     def workspace() -> GradWorkspace:
@@ -462,7 +486,8 @@ def _eager_backward(
     if zero_rows.numel():
         grad.index_fill_(0, zero_rows, 0.0)
         at_target = target_add[zero_rows] + 0.0  # +0.0 + g
-        divisor = temperature_divisor(terms.t32, at_target.device)
+        divisor = (temperature_divisor(terms.t32, at_target.device) if terms.row_t32 is None
+                   else terms.row_t32[zero_rows])
         if divisor is not None:
             at_target = at_target / divisor  # (+0 + gl) / T32
         at_target = rounded(canonical_nan_(at_target), grad.dtype)
@@ -512,8 +537,11 @@ class LocalEngine:
         chunk_rows: int,
         with_entropy: bool,
         validate: bool,
+        row_t32: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        return _local_partials(logits, contract, chunk_rows, with_entropy, validate)
+        """``(m, s, t, finite)``: the tile partials of the local shard (``row_t32``: each row's
+        ``T32`` in place of the contract's temperature)."""
+        return _local_partials(logits, contract, chunk_rows, with_entropy, validate, row_t32)
 
     def local_backward(
         self, logits: torch.Tensor, lse: torch.Tensor, terms: BackwardTerms, chunk_rows: int
@@ -544,6 +572,7 @@ def vocab_parallel_backward(
     engine: LocalEngine | None = None,
     grad_entropy: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    row_t32: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Local logits gradient, recomputed chunk by chunk from the stored logits.
 
@@ -556,9 +585,11 @@ def vocab_parallel_backward(
     the loop has no host sync. Rows without upstream gradient are overwritten after the
     loop with what the FP32 sequence gives them (zeros, and ``0.0 + g`` at the target),
     which costs one index look-up per call instead of a masked pass per chunk.
-    ``engine`` replaces the chunk loop (default: the eager one); the terms are shared.
+    ``engine`` replaces the chunk loop (default: the eager one); the terms are shared. ``row_t32``:
+    each row's ``T32`` (a temperature per row) in place of the contract's.
     """
-    terms = backward_terms(logits, targets, active, lse, grad_logp, grad_lse, contract, grad_entropy, entropy)
+    terms = backward_terms(logits, targets, active, lse, grad_logp, grad_lse, contract, grad_entropy, entropy,
+                           row_t32)
     return (engine or EAGER_ENGINE).local_backward(logits, lse, terms, chunk_rows)
 
 
@@ -576,11 +607,14 @@ class _VocabParallelLogprob(torch.autograd.Function):
         validate: bool,
         engine: LocalEngine,
         on_invalid: str,
+        row_t32: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logp, lse, entropy = vocab_parallel_forward(
-            logits, targets, active, contract, group, chunk_rows, with_entropy, validate, engine, on_invalid
+            logits, targets, active, contract, group, chunk_rows, with_entropy, validate, engine, on_invalid,
+            row_t32,
         )
         ctx.contract = contract
+        ctx.row_t32 = row_t32  # not an autograd input: the op gives the temperature no gradient
         ctx.chunk_rows = chunk_rows
         ctx.engine = engine
         ctx.set_materialize_grads(False)  # an output the loss does not use gives None, not zeros
@@ -608,10 +642,11 @@ class _VocabParallelLogprob(torch.autograd.Function):
                 grad_lse.detach() if grad_lse is not None else None,
                 ctx.contract, ctx.chunk_rows, ctx.engine,
                 grad_entropy.detach() if grad_entropy is not None else None, entropy.detach(),
+                ctx.row_t32,
             )
         if create_graph and logits.requires_grad:
             grad = _FirstOrderOnly.apply(logits, [grad])
-        return grad, None, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None, None
 
 
 class VocabParallelLogprob:
@@ -649,8 +684,16 @@ class VocabParallelLogprob:
         validate: bool = True,
         chunk_rows: int | None = None,
         on_invalid: str = "raise",
+        temperature: torch.Tensor | None = None,
     ) -> LogprobOutput:
+        """The op on this rank's rows. ``temperature`` (default ``None``: the contract's): a temperature
+        per local row, a floating-point tensor of shape ``[contract.num_tokens]`` on the logits' device
+        (:func:`rl_engine.logprob.row_temperature.row_temperature32` says what it accepts), with the
+        contract's temperature 1; under CP each rank passes its own rows', and the ranks of a TP group
+        must pass the same (the agreement step compares their digests). A refused value is this rank's
+        verdict: every rank of the group raises it."""
         verdict: str | None = None
+        row_t32: torch.Tensor | None = None
         record: CallRecord | None = None
         try:
             if not isinstance(contract, LogprobContract):
@@ -664,6 +707,12 @@ class VocabParallelLogprob:
             check_chunk_rows(chunk_rows)
             check_group(contract, group)
             contract.check_inputs(logits, targets, active)
+            if temperature is not None and contract.tempered:
+                raise LogprobContractError(
+                    f"temperature is given per row and contract.temperature={contract.temperature!r}; pass one of "
+                    "them: the per-row tensor with the contract's temperature 1.0, or no tensor")
+            if temperature is not None:
+                row_t32 = row_temperature32(temperature, (contract.num_tokens,), logits.device)
             if logits.device.type not in self.devices:
                 raise LogprobContractError(
                     f"logits.device={logits.device} is not served by backend {self.backend_id!r} "
@@ -678,7 +727,8 @@ class VocabParallelLogprob:
                 contract.check_targets(targets, active)
             if size > 1:  # digests of the targets and the mask: inside the checks too
                 record = call_record(
-                    contract, self.backend_id, targets, active, compute_entropy, validate, None, on_invalid
+                    contract, self.backend_id, targets, active, compute_entropy, validate, None, on_invalid,
+                    row_t32,
                 )
         except LogprobContractError as exc:
             verdict = str(exc)
@@ -690,7 +740,8 @@ class VocabParallelLogprob:
         if size > 1:
             if verdict is not None or record is None:
                 record = call_record(
-                    contract, self.backend_id, targets, active, compute_entropy, validate, verdict, on_invalid
+                    contract, self.backend_id, targets, active, compute_entropy, validate, verdict, on_invalid,
+                    row_t32,
                 )
             agree(record, group, record_device(logits), role="TP", hints=AGREEMENT_HINTS)
         elif verdict is not None:
@@ -703,7 +754,7 @@ class VocabParallelLogprob:
         logits, targets, active = (t.resolve_neg() for t in (logits, targets, active))
         logp, lse, entropy = _VocabParallelLogprob.apply(
             logits, targets, active, contract, group, int(chunk_rows), compute_entropy, validate,
-            self.engine(), on_invalid,
+            self.engine(), on_invalid, row_t32,
         )
         return LogprobOutput(logp, lse, entropy if compute_entropy else None)
 

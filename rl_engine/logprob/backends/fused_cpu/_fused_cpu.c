@@ -162,6 +162,7 @@ typedef struct {
     int64_t rows, row_stride, local_vocab, tile_width, real_local;
     float *m, *s, *t, *row_min; /* t, row_min may be NULL */
     float t32;                  /* the temperature's T32 (section 6 step 0); 1: no division */
+    const float *row_t32;       /* a temperature per row: row r's T32 in place of t32; NULL: none */
 } fwd_args;
 
 typedef struct {
@@ -173,6 +174,7 @@ typedef struct {
     void *grad; /* [rows, local_vocab] contiguous, dtype of the logits */
     float t32;  /* the temperature's T32: x / T32 before E, the gradient / T32 before its rounding */
     const float *g_ent, *mb; /* the entropy gradient and Mb = LSE - H per row; both NULL without one */
+    const float *row_t32;    /* a temperature per row: row r's T32 in place of t32; NULL: none */
 } bwd_args;
 
 /* ------------------------------------------------------------------ the three variants */
@@ -332,29 +334,29 @@ static int run_split(int kind, int isa, const void *args, int64_t rows, int thre
 __attribute__((visibility("default"))) int rle_forward_partials(
     const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t local_vocab,
     int64_t tile_width, int64_t real_local, float *m, float *s, float *t, float *row_min,
-    float t32, int threads, int isa) {
+    float t32, const float *row_t32, int threads, int isa) {
     if (logits == NULL || m == NULL || s == NULL || tile_width < 1 || local_vocab < 1 ||
         local_vocab % tile_width != 0 || dtype < DT_F32 || dtype > DT_F16 || rows < 0 ||
         row_stride < local_vocab || real_local < 0 || real_local > local_vocab || !(t32 > 0.0f) ||
-        t32 == __builtin_inff())
+        t32 == __builtin_inff() || (row_t32 != NULL && t32 != 1.0f))
         return RLE_BAD_ARG;
     fwd_args a = {logits, dtype, rows, row_stride, local_vocab, tile_width, real_local,
-                  m, s, t, row_min, t32};
+                  m, s, t, row_min, t32, row_t32};
     return run_split(0, isa, &a, rows, threads);
 }
 
 __attribute__((visibility("default"))) int rle_backward(
     const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t local_vocab,
     int64_t real_local, const float *lse, const float *coef, const int64_t *target_col,
-    const float *target_add, void *grad, float t32, const float *g_ent, const float *mb, int threads,
-    int isa) {
+    const float *target_add, void *grad, float t32, const float *g_ent, const float *mb,
+    const float *row_t32, int threads, int isa) {
     if (logits == NULL || grad == NULL || lse == NULL || coef == NULL || target_col == NULL ||
         target_add == NULL || local_vocab < 1 || dtype < DT_F32 || dtype > DT_F16 || rows < 0 ||
         row_stride < local_vocab || real_local < 0 || real_local > local_vocab || !(t32 > 0.0f) ||
-        t32 == __builtin_inff() || (g_ent == NULL) != (mb == NULL))
+        t32 == __builtin_inff() || (g_ent == NULL) != (mb == NULL) || (row_t32 != NULL && t32 != 1.0f))
         return RLE_BAD_ARG;
     bwd_args a = {logits, dtype, rows, row_stride, local_vocab, real_local,
-                  lse, coef, target_add, target_col, grad, t32, g_ent, mb};
+                  lse, coef, target_add, target_col, grad, t32, g_ent, mb, row_t32};
     return run_split(1, isa, &a, rows, threads);
 }
 
@@ -395,7 +397,7 @@ __attribute__((visibility("default"))) void rle_upcast_f16_array(const uint16_t 
     for (int64_t i = 0; i < n; i++) out[i] = upcast(x, DT_F16, i);
 }
 
-__attribute__((visibility("default"))) int rle_abi_version(void) { return 4; }
+__attribute__((visibility("default"))) int rle_abi_version(void) { return 5; }
 
 __attribute__((visibility("default"))) int rle_selected_isa(int isa) { return resolve_isa(isa); }
 

@@ -305,6 +305,7 @@ static __attribute__((noinline)) void RLE_NAME(fwd_rows)(const fwd_args *a, int6
     float lt[RLE_LANE_COUNT] __attribute__((aligned(64)));
     for (int64_t row = r0; row < r1; row++) {
         const char *rowp = (const char *)a->logits + (size_t)row * (size_t)a->row_stride * esz;
+        const float t32 = a->row_t32 != NULL ? a->row_t32[row] : a->t32; /* this row's T32 */
         float rmin = __builtin_inff();
         int rnan = 0;
         for (int64_t j = 0; j < tiles; j++) {
@@ -314,17 +315,17 @@ static __attribute__((noinline)) void RLE_NAME(fwd_rows)(const fwd_args *a, int6
             float mn;
             float mx = RLE_NAME(tile_upcast_max)(rowp, a->dtype, c0, nreal, wv, x,
                                                  a->row_min != NULL, &mn);
-            if (a->t32 != 1.0f) {
+            if (t32 != 1.0f) {
                 /* section 6 step 0: x = x / T32, the IEEE division (vector and scalar alike).
                  * T32 > 0 and rounding is monotone, so the max and min of the quotients are the
                  * quotients of the max and min (NaN ignored as before; -inf stays -inf). */
-                const VF vt = VS(a->t32);
+                const VF vt = VS(t32);
                 int64_t c = 0;
                 for (; c + LANES <= nreal; c += LANES)
                     RLE_NAME(vstore)(x + c, RLE_NAME(vload)(x + c) / vt);
-                for (; c < nreal; c++) x[c] = x[c] / a->t32;
-                mx = mx / a->t32;
-                mn = mn / a->t32;
+                for (; c < nreal; c++) x[c] = x[c] / t32;
+                mx = mx / t32;
+                mn = mn / t32;
             }
             if (nreal > 0) rmin = mn < rmin ? mn : rmin;
             /* Section 6 steps 1-2 take m = NaN when a column is NaN; here the shift comes from
@@ -424,7 +425,7 @@ static __attribute__((noinline)) void RLE_NAME(bwd_rows)(const bwd_args *a, int6
         const float coef = a->coef[row];
         const float lse = a->lse[row];
         const int64_t tc = a->target_col[row];
-        const float t32 = a->t32;
+        const float t32 = a->row_t32 != NULL ? a->row_t32[row] : a->t32; /* this row's T32 */
         const float ge = a->g_ent != NULL ? a->g_ent[row] : 0.0f;
         const float mb = a->mb != NULL ? a->mb[row] : 0.0f;
         if (coef == 0.0f && ge == 0.0f) {

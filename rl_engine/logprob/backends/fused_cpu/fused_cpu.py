@@ -48,7 +48,7 @@ from rl_engine.tables import FUSED_CPU_BACKEND
 
 FUSED_CPU_ID = FUSED_CPU_BACKEND
 MODULE = "rl_engine.logprob.backends.fused_cpu._fused_cpu"
-ABI_VERSION = 4
+ABI_VERSION = 5
 ISA_AUTO, ISA_BASELINE, ISA_AVX2, ISA_AVX512 = 0, 1, 2, 3
 ISA_NAMES = {"auto": ISA_AUTO, "baseline": ISA_BASELINE, "avx2": ISA_AVX2, "avx512": ISA_AVX512}
 MAX_THREADS = 256  # the size of the kernel's job table (run_split in _fused_cpu.c)
@@ -113,12 +113,12 @@ def _load() -> FusedKernel:
     lib.rle_forward_partials.restype = ctypes.c_int
     lib.rle_forward_partials.argtypes = [
         _c_p, ctypes.c_int, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64,
-        _c_p, _c_p, _c_p, _c_p, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+        _c_p, _c_p, _c_p, _c_p, ctypes.c_float, _c_p, ctypes.c_int, ctypes.c_int,
     ]
     lib.rle_backward.restype = ctypes.c_int
     lib.rle_backward.argtypes = [
         _c_p, ctypes.c_int, _c_i64, _c_i64, _c_i64, _c_i64,
-        _c_p, _c_p, _c_p, _c_p, _c_p, ctypes.c_float, _c_p, _c_p, ctypes.c_int, ctypes.c_int,
+        _c_p, _c_p, _c_p, _c_p, _c_p, ctypes.c_float, _c_p, _c_p, _c_p, ctypes.c_int, ctypes.c_int,
     ]
     for name in ("rle_round_f16_array", "rle_round_bf16_array", "rle_upcast_f16_array"):
         fn = getattr(lib, name)
@@ -209,9 +209,12 @@ def fused_partials(
     *,
     threads: int | None = None,
     isa: str = "auto",
+    row_t32: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(m, s, t, finite)`` of the local shard: what the eager ``_local_partials`` returns."""
+    """``(m, s, t, finite)`` of the local shard: what the eager ``_local_partials`` returns
+    (``row_t32``: each row's ``T32``, binary32 ``[rows]``, in place of the contract's temperature)."""
     kernel = load_kernel()
+    rt = None if row_t32 is None else _c_operand("temperature", row_t32.float())
     x = _c_operand("logits", logits)
     rows = x.shape[0]
     width = contract.tile_width
@@ -225,7 +228,7 @@ def fused_partials(
         status = kernel.lib.rle_forward_partials(
             x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), contract.local_vocab_size,
             width, real_local, m.data_ptr(), s.data_ptr(), _ptr(t), _ptr(row_min),
-            contract.temperature32, _threads(threads), ISA_NAMES[isa],
+            1.0 if rt is not None else contract.temperature32, _ptr(rt), _threads(threads), ISA_NAMES[isa],
         )
         kernel.check(status, "forward")
     finite = rows_finite(m, row_min, width, real_local) if row_min is not None else None
@@ -252,10 +255,12 @@ def fused_backward(
         add = _c_operand("target_add", terms.target_add.float())
         g_ent = None if terms.g_ent is None else _c_operand("grad_entropy", terms.g_ent.float())
         mb = None if terms.mb is None else _c_operand("mb", terms.mb.float())
+        rt = None if terms.row_t32 is None else _c_operand("temperature", terms.row_t32.float())
         status = kernel.lib.rle_backward(
             x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), local_vocab,
             terms.real_local, lse_c.data_ptr(), coef.data_ptr(), col.data_ptr(),
-            add.data_ptr(), grad.data_ptr(), terms.t32, _ptr(g_ent), _ptr(mb), _threads(threads),
+            add.data_ptr(), grad.data_ptr(), 1.0 if rt is not None else terms.t32, _ptr(g_ent), _ptr(mb), _ptr(rt),
+            _threads(threads),
             ISA_NAMES[isa],
         )
         kernel.check(status, "backward")
@@ -294,9 +299,10 @@ class FusedCpuEngine(LocalEngine):
         self.threads = threads
         self.isa = isa
 
-    def local_partials(self, logits, contract, chunk_rows, with_entropy, validate):  # type: ignore[override]
+    def local_partials(self, logits, contract, chunk_rows, with_entropy, validate,  # type: ignore[override]
+                       row_t32=None):
         return fused_partials(
-            logits, contract, with_entropy, validate, threads=self.threads, isa=self.isa
+            logits, contract, with_entropy, validate, threads=self.threads, isa=self.isa, row_t32=row_t32
         )
 
     def local_backward(self, logits, lse, terms, chunk_rows):  # type: ignore[override]

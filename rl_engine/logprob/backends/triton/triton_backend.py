@@ -230,22 +230,53 @@ def division_args(t32: float) -> tuple[float, float, float, int, float]:
     return t32, inverse_temperature(t32), hi, 2 * struct.unpack("<I", struct.pack("<f", lo))[0] - 2, shift_min
 
 
+def row_division_args(row_t32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor]:
+    """:func:`division_args` of every row's ``T32`` (binary32 ``[rows]``), as tensors on its device:
+    ``(T32, r, hi, lo_key, shift_min)``, binary32 but ``lo_key`` (int64); the neutral values on rows
+    at ``T32 = 1``. Computed on the device with exact operations (one IEEE division for ``r``, the rest
+    integer operations on the bits: every bound is a power of two), so no host copy: the same values
+    as :func:`rl_engine.arith.division.kernel_bounds` (tested on many temperatures)."""
+    t = row_t32.detach().to(torch.float32).contiguous()
+    inv = torch.ones_like(t) / t  # r = RN32(1 / T32): a tensor by a tensor is a true division everywhere
+    b = ((t.view(torch.int32) >> 23) & 0xFF) - 127  # T32 = B * 2**b, B in [1, 2) (T32 is normal)
+    low = torch.clamp(b - 125, min=-102)  # lo = 2**low: max(2**-102, 2**(b - 125))
+    lo_bits = (low + 127) << 23
+    hi_bits = torch.where(b <= 0, (254 + b) << 23, torch.full_like(b, 0x7F800000))  # 2**(127 + b), else inf
+    r_bits = inv.view(torch.int32)
+    er = ((r_bits >> 23) & 0xFF) - 127  # r = R * 2**er
+    # tiny = 2**ceil(log2(2 * max(lo * r, 2**-126))): lo * r = R * 2**(er + low), so the ceiling is
+    # er + low + 1, one more when R > 1; and at least -125
+    tiny = torch.clamp(er + low + 1 + ((r_bits & 0x7FFFFF) != 0).to(torch.int32), min=-125)
+    shift_bits = (tiny + 30 + 127) << 23  # shift_min = 2**(SHIFT_MARGIN + tiny)
+    one = t == 1.0
+    hi = torch.where(one, torch.full_like(t, math.inf), hi_bits.to(torch.int32).view(torch.float32))
+    lo_key = torch.where(one, 0, 2 * lo_bits.to(torch.int64) - 2)
+    shift_min = torch.where(one, 0.0, shift_bits.to(torch.int32).view(torch.float32))
+    return t, torch.where(one, 1.0, inv), hi, lo_key, shift_min
+
+
 def forward_launch(
     x: torch.Tensor, contract: LogprobContract, m: torch.Tensor, s: torch.Tensor,
     t: torch.Tensor | None, bad: torch.Tensor | None, with_entropy: bool, validate: bool,
-    logits_dtype: torch.dtype,
+    logits_dtype: torch.dtype, row_t32: torch.Tensor | None = None,
 ) -> Launch:
-    """The forward launch: one program (one warp) per (row, tile)."""
+    """The forward launch: one program (one warp) per (row, tile); ``row_t32``: a temperature per row
+    (each program loads its row's division arguments)."""
     width = contract.tile_width
     tiles = contract.local_vocab_size // width
     real_local = real_local_columns(contract)
-    tempered = contract.tempered
-    t32, inv_t, hi, _, shift_min = division_args(contract.temperature32)
+    tempered = contract.tempered or row_t32 is not None
+    if row_t32 is None:
+        t32, inv_t, hi, _, shift_min = division_args(contract.temperature32)
+    else:
+        t32, inv_t, hi, _, shift_min = row_division_args(row_t32)
     args = (x, m, s, t if t is not None else m, bad if bad is not None else m, x.stride(0), real_local,
             t32, inv_t, hi, shift_min)
     meta = {"TILES": tiles, "WIDTH": width, "DTYPE": _DTYPE_CODES[logits_dtype],
             "WITH_ENTROPY": with_entropy, "VALIDATE": validate,
-            "PADDED": real_local < contract.local_vocab_size, "TEMPERED": tempered}
+            "PADDED": real_local < contract.local_vocab_size, "TEMPERED": tempered,
+            "ROW_T": row_t32 is not None}
     return Launch("forward_partials_kernel", (x.shape[0] * tiles,), args, meta, FORWARD_WARPS)
 
 
@@ -266,30 +297,34 @@ def backward_launches(
     gent = terms.g_ent.float().contiguous() if entropy_grad else lse  # (unread without ENTROPY_GRAD)
     mb = terms.mb.float().contiguous() if entropy_grad else lse
     common = (x, lse, coef, out, gent, mb, x.stride(0), local_vocab, terms.real_local)
-    tempered = terms.t32 != 1.0
-    divide = division_args(terms.t32)
+    tempered = terms.tempered
+    per_row = terms.row_t32 is not None
+    divide = division_args(terms.t32) if not per_row else row_division_args(terms.row_t32)
     if whole:
         found.append(Launch("backward_kernel", (rows * whole,), common + (0, *divide),
                             {"BLOCKS": whole, "BLOCK": BACKWARD_BLOCK, "DTYPE": dtype, "MASKED": False,
-                             "PADDED": padded, "TEMPERED": tempered, "ENTROPY_GRAD": entropy_grad}, BACKWARD_WARPS))
+                             "PADDED": padded, "TEMPERED": tempered, "ENTROPY_GRAD": entropy_grad, "ROW_T": per_row},
+                            BACKWARD_WARPS))
     if rest:
         found.append(Launch("backward_kernel", (rows,), common + (whole * BACKWARD_BLOCK, *divide),
                             {"BLOCKS": 1, "BLOCK": next_pow2(rest), "DTYPE": dtype, "MASKED": True,
-                             "PADDED": padded, "TEMPERED": tempered, "ENTROPY_GRAD": entropy_grad}, BACKWARD_WARPS))
+                             "PADDED": padded, "TEMPERED": tempered, "ENTROPY_GRAD": entropy_grad, "ROW_T": per_row},
+                            BACKWARD_WARPS))
     target = (x, lse, coef, terms.target_col.to(torch.int64).contiguous(),
               terms.target_add.float().contiguous(), out, gent, mb, rows, x.stride(0), local_vocab,
-              terms.real_local, terms.t32)
+              terms.real_local, divide[0] if per_row else terms.t32)
     found.append(Launch("backward_target_kernel", (-(-rows // TARGET_ROWS),), target,
-                        {"ROWS": TARGET_ROWS, "DTYPE": dtype, "TEMPERED": tempered, "ENTROPY_GRAD": entropy_grad},
-                        TARGET_WARPS))
+                        {"ROWS": TARGET_ROWS, "DTYPE": dtype, "TEMPERED": tempered, "ENTROPY_GRAD": entropy_grad,
+                         "ROW_T": per_row}, TARGET_WARPS))
     return found
 
 
 def triton_partials(
     logits: torch.Tensor, contract: LogprobContract, with_entropy: bool, validate: bool,
-    mode: str = "compiled",
+    mode: str = "compiled", row_t32: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(m, s, t, finite)`` of the local shard: what the eager ``_local_partials`` returns."""
+    """``(m, s, t, finite)`` of the local shard: what the eager ``_local_partials`` returns
+    (``row_t32``: each row's ``T32`` in place of the contract's temperature)."""
     k = load_kernels(mode)
     x = _raw(logits)
     rows = x.shape[0]
@@ -300,7 +335,7 @@ def triton_partials(
     t = torch.empty_like(m) if with_entropy else None
     bad = torch.zeros(rows, tiles, dtype=torch.int8, device=dev) if validate else None
     if rows and tiles:
-        forward_launch(x, contract, m, s, t, bad, with_entropy, validate, logits.dtype).run(k)
+        forward_launch(x, contract, m, s, t, bad, with_entropy, validate, logits.dtype, row_t32).run(k)
     finite = None
     if bad is not None:
         finite = bad.amax(dim=1) == 0 if tiles else torch.ones(rows, dtype=torch.bool, device=dev)
@@ -368,8 +403,9 @@ class TritonEngine(LocalEngine):
     def log(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return triton_log(x, self.mode)
 
-    def local_partials(self, logits, contract, chunk_rows, with_entropy, validate):  # type: ignore[override]
-        return triton_partials(logits, contract, with_entropy, validate, self.mode)
+    def local_partials(self, logits, contract, chunk_rows, with_entropy, validate,  # type: ignore[override]
+                       row_t32=None):
+        return triton_partials(logits, contract, with_entropy, validate, self.mode, row_t32)
 
     def local_backward(self, logits, lse, terms, chunk_rows):  # type: ignore[override]
         return triton_backward(logits, lse, terms, self.mode)
@@ -404,6 +440,7 @@ __all__ = [
     "TritonKernelError",
     "TritonLogprob",
     "load_kernels",
+    "row_division_args",
     "mode_device",
     "triton_backward",
     "triton_mode",

@@ -325,9 +325,10 @@ def lane_extremes(base, lane, real_left, DTYPE: tl.constexpr, FULL: tl.constexpr
 @kernel
 def forward_partials_kernel(
     x_ptr, m_ptr, s_ptr, t_ptr, bad_ptr,
-    row_stride, real_local, t32, inv_t, hi_x, sh_min,
+    row_stride, real_local, t32_arg, inv_t_arg, hi_x_arg, sh_min_arg,
     TILES: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr,
     WITH_ENTROPY: tl.constexpr, VALIDATE: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr,
+    ROW_T: tl.constexpr,
 ):
     """Section 6 steps 1-4 for the tile ``pid % TILES`` of row ``pid // TILES`` (a constant
     divisor: integer multiply and shift, no division sequence).
@@ -339,12 +340,26 @@ def forward_partials_kernel(
     infinity, or a quotient that could overflow) or whose maximum's magnitude is below ``sh_min`` (a
     logit below the division's domain could then change ``y``) computes its sums again with the
     IEEE division, a branch every thread of the program takes alike (docs/arithmetic.md,
-    "Dividing by T32 on a GPU")."""
+    "Dividing by T32 on a GPU").
+
+    With a temperature per row (``ROW_T``, with ``TEMPERED``) the four division arguments are
+    pointers to one value per row, and the program loads its row's: the guard's thresholds are
+    that row's, still one branch for the whole program."""
     FULL: tl.constexpr = WIDTH // LANES
     REST: tl.constexpr = WIDTH - FULL * LANES
     pid = tl.program_id(0)
     row = (pid // TILES).to(tl.int64)
     tile = pid % TILES
+    if ROW_T:
+        t32 = tl.load(t32_arg + row)
+        inv_t = tl.load(inv_t_arg + row)
+        hi_x = tl.load(hi_x_arg + row)
+        sh_min = tl.load(sh_min_arg + row)
+    else:
+        t32 = t32_arg
+        inv_t = inv_t_arg
+        hi_x = hi_x_arg
+        sh_min = sh_min_arg
     base = x_ptr + row * row_stride + tile * WIDTH
     real_left = real_local - tile * WIDTH  # the tile's real columns (PADDED only)
     lane = tl.arange(0, LANES)
@@ -464,9 +479,10 @@ def column_grad(raw, lse, coef, ge, mb, t32, inv_t, DTYPE: tl.constexpr, ENTROPY
 @kernel
 def backward_kernel(
     x_ptr, lse_ptr, coef_ptr, g_ptr, gent_ptr, mb_ptr,
-    row_stride, local_vocab, real_local, col0, t32, inv_t, hi_x, lo_key, sh_min,
+    row_stride, local_vocab, real_local, col0, t32_arg, inv_t_arg, hi_x_arg, lo_key_arg, sh_min_arg,
     BLOCKS: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
     MASKED: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
+    ROW_T: tl.constexpr,
 ):
     """Section 7 (and 8) for columns ``col0 + [b * BLOCK, (b + 1) * BLOCK)`` of row
     ``pid // BLOCKS``, every column but the target term (:func:`backward_target_kernel`).
@@ -476,9 +492,22 @@ def backward_kernel(
     when a logit or a gradient of it has a magnitude ``>= hi_x`` (an infinity, or a quotient that
     could overflow), a non-zero gradient one below the domain (``lo_key`` is ``2 * bits(lo) - 2``), or the
     row's ``lse`` (or, with the entropy term, ``Mb``) one below ``sh_min`` (a logit below the
-    domain could then change ``x - lse`` or ``Mb - x``): a branch the whole program takes alike."""
+    domain could then change ``x - lse`` or ``Mb - x``): a branch the whole program takes alike.
+    With a temperature per row (``ROW_T``) the five division arguments point to one value per row."""
     pid = tl.program_id(0)
     row = (pid // BLOCKS).to(tl.int64)
+    if ROW_T:
+        t32 = tl.load(t32_arg + row)
+        inv_t = tl.load(inv_t_arg + row)
+        hi_x = tl.load(hi_x_arg + row)
+        lo_key = tl.load(lo_key_arg + row)
+        sh_min = tl.load(sh_min_arg + row)
+    else:
+        t32 = t32_arg
+        inv_t = inv_t_arg
+        hi_x = hi_x_arg
+        lo_key = lo_key_arg
+        sh_min = sh_min_arg
     cols = col0 + (pid % BLOCKS) * BLOCK + tl.arange(0, BLOCK)
     lse = tl.load(lse_ptr + row)
     coef = tl.load(coef_ptr + row)
@@ -517,17 +546,22 @@ def backward_kernel(
 @kernel
 def backward_target_kernel(
     x_ptr, lse_ptr, coef_ptr, col_ptr, add_ptr, g_ptr, gent_ptr, mb_ptr,
-    rows, row_stride, local_vocab, real_local, t32,
+    rows, row_stride, local_vocab, real_local, t32_arg,
     ROWS: tl.constexpr, DTYPE: tl.constexpr, TEMPERED: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
+    ROW_T: tl.constexpr,
 ):
     """Section 7 step 2 for ``ROWS`` rows: the target column's value, ``coef * E(x - lse) + gl``
     (``+0 + gl`` where ``coef == 0``), divided by ``T32`` with a temperature (the IEEE division:
     one column per row), canonical NaN, rounded once; ``gl`` is ``-0`` (the identity) on rows that
     own no target, so their column gets the main kernel's value again. Padding columns are left to
-    the main kernel's ``+0``."""
+    the main kernel's ``+0``. With a temperature per row (``ROW_T``) ``t32_arg`` points to each row's."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     inside = r < rows
     row = r.to(tl.int64)
+    if ROW_T:
+        t32 = tl.load(t32_arg + r, mask=inside, other=1.0)
+    else:
+        t32 = t32_arg
     col = tl.load(col_ptr + r, mask=inside, other=0)
     lse = tl.load(lse_ptr + r, mask=inside, other=0.0)
     coef = tl.load(coef_ptr + r, mask=inside, other=0.0)
