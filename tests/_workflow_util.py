@@ -57,10 +57,20 @@ def copy_repo(dest: Path, name: str = "repo") -> Path:
     return repo
 
 
+def merged(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with ``overrides`` as Snakemake merges a ``--configfile`` or ``--config`` into the
+    config it has: a mapping into a mapping key by key, anything else replaced (so a test's
+    ``regression: {tests: [...]}`` keeps config.yaml's ``regression.pytest_args``)."""
+    out = dict(config)
+    for key, value in overrides.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def write_config(repo: Path, overrides: dict[str, Any], name: str = CONFIG) -> Path:
-    """The repo's ``config.yaml`` with ``overrides`` (top-level keys replaced) at ``repo/name``."""
-    config = yaml.safe_load((repo / "config.yaml").read_text())
-    config.update(overrides)
+    """The repo's ``config.yaml`` with ``overrides`` (:func:`merged`) at ``repo/name``: the config the
+    workflow runs with ``--configfile name``."""
+    config = merged(yaml.safe_load((repo / "config.yaml").read_text()), overrides)
     path = repo / name
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -70,10 +80,8 @@ def run_name_of(repo: Path, configfile: str = CONFIG, **overrides: Any) -> str:
     """The run name the workflow gives ``repo``'s ``configfile`` with ``--config`` ``overrides``."""
     from rl_engine.workflow import run_name
 
-    config = yaml.safe_load((repo / "config.yaml").read_text())
-    config.update(yaml.safe_load((repo / configfile).read_text()))
-    config.update(overrides)
-    return run_name(config, repo)
+    config = merged(yaml.safe_load((repo / "config.yaml").read_text()), yaml.safe_load((repo / configfile).read_text()))
+    return run_name(merged(config, overrides), repo)
 
 
 def env_for(repo: Path, extra: dict[str, str] | None = None, prepend: Path | None = None) -> dict[str, str]:
@@ -153,5 +161,5 @@ def archive_of(repo: Path) -> Path:
 
 __all__ = [
     "CONFIG", "REPO", "SHORT_REGRESSION", "SMALL_VOCAB", "archive_of", "copy_repo", "env_for",
-    "jobs_run", "run_name_of", "snakemake", "snakemake_cmd", "verify", "write_config",
+    "jobs_run", "merged", "run_name_of", "snakemake", "snakemake_cmd", "verify", "write_config",
 ]

@@ -5,6 +5,12 @@ built the same tiny run (two torchrun topologies and a pytest subprocess) in a m
 they now share :func:`tiny_run` and :func:`tiny_archive`, built once, on first use. Tests must
 not change them: a test that edits evidence copies the run (test_evidence's ``run`` fixture) or
 rebuilds archive members in memory (the verifier tests' ``Good.entries``).
+
+Under pytest-xdist each worker has its own session fixtures, and the modules that read the tiny run
+land on both workers: the first worker to ask builds it (two torchrun topologies, five ranks, and a
+pytest) in its temporary folder, under a lock in the folder the workers share, and the other worker
+reads the same run (:func:`_once.built_once`). That folder is this session's, so a second copy of the
+suite running beside this one builds its own.
 """
 
 from __future__ import annotations
@@ -15,13 +21,14 @@ import pytest
 
 from _archive_util import Good, read_archive
 from _evidence_run import build_run, pack
+from _once import built_once
 
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A complete, passing tiny-vocabulary run directory (up to SUMMARY.md), made by the real verbs."""
-    base = tmp_path_factory.mktemp("tiny-run")
-    return build_run(base / "rl-engine-test-run", base / "focused-tests")
+    return built_once(tmp_path_factory, "tiny-run",
+                       lambda base: build_run(base / "rl-engine-test-run", base / "focused-tests"))
 
 
 @pytest.fixture(scope="session")
@@ -36,13 +43,20 @@ def tiny_archive(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Go
 
 # The full suite runs on two workers, a module to a worker (README: ``-n 2 --dist loadfile``).
 # Workers take modules in collection order, so the long ones start first and the short ones fill
-# in behind them; otherwise the Slurm module (mostly waiting on the executor's status checks)
-# would start last and run alone at the end. Only the order between modules changes: a module's
-# own tests keep their order, and no test depends on another module having run.
+# in behind them (longest first: the two workers then end close together); otherwise the Slurm
+# module (mostly waiting on the executor's status checks) would start last and run alone at the
+# end. Only the order between modules changes: a module's own tests keep their order, and no test
+# depends on another module having run. The order after Slurm (CI's) and the op's fresh environment
+# (its first build in a checkout) is the modules' summed test time in a full run of 2026-12-07
+# (docs/install.md), longest first, down to the modules of about a minute.
 LONG_FIRST: tuple[str, ...] = (
-    "test_slurm.py", "test_gates_workflow.py", "test_workflow.py", "test_workflow_signals.py",
-    "test_fused_campaign.py", "test_evidence.py", "test_triton_ptx.py", "test_workflow_hostile.py",
-    "test_distributed_logprob_comparison.py", "test_triton_versions.py", "test_bench.py",
+    "test_slurm.py", "test_op_install.py", "test_capture_campaign.py", "test_trl_zero3.py", "test_vllm.py",
+    "test_portable_arith.py", "test_verify.py", "test_gpu_smoke.py", "test_parity.py", "test_triton_backend.py",
+    "test_vocab_parallel_logp.py", "test_gates_workflow.py", "test_provenance.py", "test_trl_grpo.py",
+    "test_fused_cpu.py", "test_bench.py", "test_gates_config.py", "test_workflow_signals.py", "test_temperature.py",
+    "test_workflow_hostile.py", "test_workflow.py", "test_reuse.py", "test_evidence.py", "test_trainer_compile.py",
+    "test_spec_numpy.py", "test_gates_archives.py", "test_fused_campaign.py", "test_triton_campaign.py",
+    "test_distributed_logprob_comparison.py", "test_triton_versions.py",
 )
 
 

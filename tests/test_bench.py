@@ -385,3 +385,26 @@ def test_the_head_paths_need_a_hidden_size_and_a_hidden_size_needs_them() -> Non
     with pytest.raises(BenchError, match="hidden_size=64 is given but no path uses it"):
         BenchConfig(tokens=(8,), vocab=512, tiles=4, paths=("candidate",), hidden_size=64)
     assert not {"lm_head", "fused_lm_head"} & set(paths.default_paths())
+
+
+def test_the_naive_head_is_what_a_trainer_writes_and_the_fused_head_s_ratio_is_taken_against_it() -> None:
+    """``naive_lm_head``: ``log_softmax((hidden @ weight.T).float()).gather`` with autograd (its bytes
+    and its gradients are torch's own, computed here again); ``fused_lm_head``'s ratios name it."""
+    import torch
+
+    config = BenchConfig(tokens=(8,), vocab=512, tiles=4, dtype="fp32", paths=("naive_lm_head", "fused_lm_head"),
+                         hidden_size=16)
+    inputs = make_inputs(8, 512, "fp32", 7, hidden_size=16)
+    forward, _ = paths.build_step("naive_lm_head", "forward", inputs, config)
+    h, w = inputs.hidden.clone().requires_grad_(True), inputs.weight.clone().requires_grad_(True)
+    want = torch.log_softmax(h @ w.T, dim=-1).gather(1, inputs.targets.unsqueeze(1)).squeeze(1)
+    assert tensor_bytes(forward()) == tensor_bytes(want.detach())
+    both, _ = paths.build_step("naive_lm_head", "forward_backward", inputs, config)
+    want.sum().backward()
+    assert [tensor_bytes(g) for g in both()] == [tensor_bytes(h.grad), tensor_bytes(w.grad)]
+    rows = [{"path": p, "phase": "forward", "tokens": 8, "median_s": t, "peak_mem_bytes": None}
+            for p, t in (("naive_lm_head", 2.0), ("fused_lm_head", 1.5))]
+    ratios = report.compute_path_ratios(rows)["fused_lm_head"]["8"]["forward"]
+    assert ratios["time_vs_naive_lm_head"] == 0.75
+    names = {t["target"]: t["met"] for t in report.evaluate_targets({}, {"fused_lm_head": {"8": {"forward": ratios}}})}
+    assert names["fused lm_head forward time <= 1.2x naive lm_head"] is True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -43,8 +44,9 @@ def test_schema_enums_are_the_tables() -> None:
     assert CONFIG_SCHEMA["topologies"]["minItems"] == tables.MIN_MATRIX_TOPOLOGIES
     assert set(tables.TORCH_DTYPE_NAMES.values()) <= set(DEFS["torch_dtype_name"]["enum"])
     # every field is required but the optional capture record (a case on the input recipe has none)
-    # and the temperature (absent at 1)
-    assert set(DEFS["case_common"]["required"]) == {f.name for f in dataclasses.fields(Case)} - {"capture", "temperature"}
+    # and the temperature (absent at 1) and the processed-logprob parameters (absent when off)
+    optional = {"capture", "temperature", "top_k", "top_p", "min_p"}
+    assert set(DEFS["case_common"]["required"]) == {f.name for f in dataclasses.fields(Case)} - optional
     assert set(DEFS["case_common"]["properties"]) == {f.name for f in dataclasses.fields(Case)}
 
 
@@ -239,11 +241,12 @@ def test_the_run_name_and_verify_hash_the_case_through_one_builder(monkeypatch: 
     """The workflow's run name (from the config) and verify's check of it (from the evidence) call
     the case module's one hash builder; the default config's case hash is the one every run of it
     has carried (a change of the builder that moved it would rename every run and fail every
-    archive's run-name check)."""
+    archive's run-name check). It moved once, from ``c7d2b29e``, when the default focused suite
+    became the six files less their ``ranks`` tests: the regression's arguments are part of the case."""
     from rl_engine.campaign import casename
 
     config = wfconfig.load_config(REPO / "config.yaml")
-    assert wfconfig.config_case_hash(config) == "c7d2b29e"
+    assert wfconfig.config_case_hash(config) == "20acd3ab"
     calls: list[str] = []
     real = casemod.case_hash
     monkeypatch.setattr(casemod, "case_hash", lambda *a, **k: calls.append("hash") or real(*a, **k))
@@ -252,8 +255,9 @@ def test_the_run_name_and_verify_hash_the_case_through_one_builder(monkeypatch: 
     document = wfconfig.config_case(config)
     plan = {"case": document["case"], "topologies": document["topologies"]}
     tests = config["regression"]["tests"]
-    regression = {"tests": tests, "command": " ".join(["python -m pytest -q -rs", *tests, "--junitxml=j.xml"])}
-    assert config["regression"]["pytest_args"] == []
+    args = config["regression"]["pytest_args"]
+    assert args == ["-m", "not slow and not ranks"]
+    regression = {"tests": tests, "command": " ".join(["python -m pytest -q -rs", *tests, shlex.join(args), "--junitxml=j.xml"])}
     assert casename.evidence_case_hash(plan, regression) == named
     assert calls == ["hash", "hash"]
 

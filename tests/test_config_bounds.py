@@ -147,7 +147,7 @@ def test_an_integer_beyond_binary64_is_refused_naming_the_key_and_check_config_e
 
     monkeypatch.chdir(REPO)
     config = {**base(), **HUGE_KEYS[key]}
-    named = "parity.ratio_bounds.1" if key == "ratio_bounds" else key
+    named = "parity.ratio_bounds[1]" if key == "ratio_bounds" else key
     expected = (f"config key {named!r} has value {HUGE_SHOWN}: not a finite number: an integer beyond binary64's "
                 "range (about 1.8e308) has no float value; use a finite value")
     with pytest.raises(WorkflowConfigError) as raised:

@@ -278,6 +278,7 @@ def _keys(world: int) -> list[tuple[str, str]]:
     return keys
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_mesh_runs_are_bitwise_equal_to_single_process(
     world: int, mesh_results: dict[int, list[dict[str, Any]]],
@@ -296,6 +297,7 @@ def test_mesh_runs_are_bitwise_equal_to_single_process(
         assert tensor_bytes(grad) == tensor_bytes(expected["grad"]), f"{key}: gradient bytes"
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_only_transport_collectives(
     world: int, mesh_results: dict[int, list[dict[str, Any]]]
@@ -315,6 +317,7 @@ def test_baseline_is_not_trivial(baseline: dict[str, dict[str, Any]]) -> None:
     assert clip != fingerprint(torch.tensor(0.0))
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 def test_other_tile_count_changes_the_bytes(
     mesh_results: dict[int, list[dict[str, Any]]], baseline: dict[str, dict[str, Any]],
 ) -> None:
@@ -333,6 +336,7 @@ def test_other_tile_count_changes_the_bytes(
         assert got == want, key
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 def test_preflight_mismatch_raises_on_every_rank_before_numerics(
     mesh_results: dict[int, list[dict[str, Any]]],
 ) -> None:
@@ -345,6 +349,7 @@ def test_preflight_mismatch_raises_on_every_rank_before_numerics(
         assert beta["collectives"] == [("all_gather", "torch.int64")], beta["collectives"]
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 def test_bad_input_on_one_rank_raises_on_every_rank(
     mesh_results: dict[int, list[dict[str, Any]]],
 ) -> None:
@@ -358,6 +363,7 @@ def test_bad_input_on_one_rank_raises_on_every_rank(
         assert reward["collectives"] == [("all_gather", "torch.int64")]
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 def test_non_finite_logits_on_one_tp_rank_raise_the_same_error_on_every_rank(
     mesh_results: dict[int, list[dict[str, Any]]],
 ) -> None:
@@ -369,6 +375,7 @@ def test_non_finite_logits_on_one_tp_rank_raise_the_same_error_on_every_rank(
     assert "is active and holds a non-finite value in its real columns" in raised[0], raised[0]
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 def test_empty_sequence_is_rejected_on_every_rank_before_numerics(
     mesh_results: dict[int, list[dict[str, Any]]],
 ) -> None:
@@ -380,6 +387,7 @@ def test_empty_sequence_is_rejected_on_every_rank_before_numerics(
         assert empty["collectives"] == [("all_gather", "torch.int64")]
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 def test_actions_that_differ_on_a_tp_peer_raise_on_every_rank_before_numerics(
     mesh_results: dict[int, list[dict[str, Any]]],
 ) -> None:
@@ -393,6 +401,7 @@ def test_actions_that_differ_on_a_tp_peer_raise_on_every_rank_before_numerics(
         assert actions["collectives"] == [("all_gather", "torch.int64")]
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 def test_advantages_given_on_one_rank_only_raise_on_every_rank_before_numerics(
     mesh_results: dict[int, list[dict[str, Any]]],
 ) -> None:

@@ -439,6 +439,7 @@ def matrix_worker(rank: int, case_fields: dict[str, Any]) -> dict[tuple[str, int
     return out
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 def test_fingerprints_equal_across_tp_cp_and_layouts() -> None:
     fields = {**CASE, "dist_backend": None, "atol": None, "rtol": None}
     per_rank = run_workers(matrix_worker, 8, fields, timeout_s=240)
@@ -497,6 +498,7 @@ def test_torchrun_tp2_cp2_writes_a_passing_schema_valid_report(tmp_path: Path) -
     assert {k: report["bitwise_fingerprints"][k] for k in FP_KEYS} == {k: reference[k] for k in FP_KEYS}
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 def test_torchrun_perturbed_candidate_is_reported_as_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rc, plan_path = _plan(tmp_path, "--tp", "1", "--cp", "2")
     assert rc == 0

@@ -45,6 +45,13 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict
     return code, out, jsonio.load(out / "smoke.json")
 
 
+def _reuse_the_kernel_stages(monkeypatch: pytest.MonkeyPatch, result: dict[str, Any]) -> None:
+    """The negative controls below change one input of the verdict; the bitwise table (Triton's
+    interpreter) and the timing are :func:`smoke_run`'s, not computed again for each of them."""
+    monkeypatch.setattr(gpu_smoke, "bitwise_checks", lambda case, device, tokens: result["bitwise"])
+    monkeypatch.setattr(gpu_smoke, "time_paths", lambda case, device, tokens, repeats: result["timing"]["rows"])
+
+
 @pytest.mark.slow
 def test_cpu_only_smoke_passes_with_identical_fingerprints(smoke_run) -> None:
     code, out, result = smoke_run
@@ -87,6 +94,7 @@ def test_a_differing_cpu_fingerprint_fails_naming_topology_and_field(
     monkeypatch.setattr(gpu_smoke, "run_device_campaign", lambda case, topologies, run_dir, timeout_s: reports)
     monkeypatch.setattr(gpu_smoke, "crosscheck_run", lambda run, min_topologies: ({}, []))
     monkeypatch.setattr(gpu_smoke, "cpu_replays", lambda case: forged)
+    _reuse_the_kernel_stages(monkeypatch, result)
     code = gpu_smoke.main(["--cpu-only", "--config", str(_small_config(tmp_path)), "--output-dir",
                            str(tmp_path / "out"), "--tokens", "8", "--repeats", "1"])
     assert code == 1
@@ -118,6 +126,7 @@ def test_a_smoke_document_that_does_not_match_its_schema_is_not_written(
     monkeypatch.setattr(gpu_smoke, "run_device_campaign", lambda case, topologies, run_dir, timeout_s: reports)
     monkeypatch.setattr(gpu_smoke, "crosscheck_run", lambda run, min_topologies: ({}, []))
     monkeypatch.setattr(gpu_smoke, "cpu_replays", lambda case: result["cpu_fingerprints"])
+    _reuse_the_kernel_stages(monkeypatch, result)
     monkeypatch.setattr(gpu_smoke, "time_paths", lambda case, device, tokens, repeats: rows)
     code = gpu_smoke.main(["--cpu-only", "--config", str(_small_config(tmp_path)), "--output-dir",
                            str(tmp_path / "out"), "--tokens", "8", "--repeats", "1"])

@@ -64,7 +64,7 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     (dict(ignore_index=5), "ignore_index=5"),
     (dict(ignore_index=0), "ignore_index=0"),
     (dict(real_vocab_size=1025), "real_vocab_size=1025"),
-    (dict(num_vocab_tiles=10), "num_vocab_tiles=10"),
+    (dict(num_vocab_tiles=33), "num_vocab_tiles=33 leaves its last tile with no column"),
     (dict(tp_world_size=2, tp_rank=2), "tp_rank=2"),
     (dict(cp_world_size=2, cp_rank=2), "cp_rank=2"),
     (dict(tp_world_size=32), "tp_world_size=32"),

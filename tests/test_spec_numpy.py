@@ -505,8 +505,11 @@ def test_a_minus_inf_logit_adds_nothing_to_the_entropy():
 def test_forward_rejects_bad_arguments():
     x = np.zeros((2, 8), F32)
     t, a = np.zeros(2, np.int64), np.ones(2, bool)
-    with pytest.raises(ValueError):
-        sn.forward(x, "float32", t, a, 8, 3, False)
+    with pytest.raises(ValueError, match="leaves a tile with no column"):
+        sn.forward(x, "float32", t, a, 8, 4 + 3, False)  # 7 tiles of 2 columns: the last past the 8
+    with pytest.raises(ValueError, match="must divide"):
+        sn.forward(x, "float32", t, a, 8, 3, False, spec=sn.SPEC_V1)  # /1 takes only a dividing count
+    sn.forward(x, "float32", t, a, 8, 3, False)  # /2: tiles of 3, 3, 2 columns (section 6)
     with pytest.raises(ValueError):
         sn.forward(x, "float32", np.array([0, 8]), a, 8, 2, False)
     with pytest.raises(TypeError):

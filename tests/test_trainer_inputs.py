@@ -116,10 +116,12 @@ def test_auto_tiles_for_the_common_vocabularies_are_the_documented_table() -> No
         # the smallest: no smaller multiple of 8 divides with tiles of at most 4096 columns
         assert not any(vocab % t == 0 and vocab // t <= 4096 for t in range(8, tiles, 8))
     with pytest.raises(BoundsError, match=re.escape("padded_vocab=50257 and max_tp=8")) as caught:
-        auto_vocab_tiles(50257, 8)
+        auto_vocab_tiles(50257, 8, divisible=True)  # the campaign's rule
     assert "padded_vocab_size=50272, the smallest that has one" in str(caught.value)
     assert auto_vocab_tiles(50272, 8) == 16
-    assert "| 50257 | refused |" in text
+    # no count divides 50257: the op's rule takes 16 tiles of ceil(50257 / 16) = 3142 columns
+    assert auto_vocab_tiles(50257, 8) == 16
+    assert "| 50257 | 16 | 3142 (the last tile 3127" in text
 
 
 def test_auto_is_the_default_gives_the_explicit_count_s_bytes_and_is_recorded() -> None:
@@ -134,8 +136,8 @@ def test_auto_is_the_default_gives_the_explicit_count_s_bytes_and_is_recorded() 
     assert _all_bytes(other)[:2] != _all_bytes(given)[:2]  # the count is part of the numerical identity
     with pytest.raises(LogprobContractError, match="num_vocab_tiles='many' must be a positive integer or 'auto'"):
         selected_logprob(logits, targets, active, num_vocab_tiles="many")
-    with pytest.raises(LogprobContractError, match="pad the vocabulary"):
-        selected_logprob(torch.zeros(2, 50257, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(LogprobContractError, match="every count leaves a tile or a TP rank without a column"):
+        selected_logprob(torch.zeros(2, 20, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int64))
 
 
 def _mesh(tp: int, tp_rank: int = 0) -> Any:

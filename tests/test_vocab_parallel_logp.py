@@ -347,12 +347,13 @@ def test_active_target_outside_the_real_vocabulary_raises(small: Batch, target: 
     assert ("ignore_index=-100" in str(info.value)) == (target == -100)
 
 
-def test_misaligned_shard_and_tiles_not_dividing_padded_raise() -> None:
+def test_misaligned_shard_and_a_tile_without_a_column_raise() -> None:
     with pytest.raises(LogprobContractError, match="not aligned to the tile width 64"):
         LogprobContract(1000, 1024, 16, 1, 8, tp_world_size=2,
                         vocab_shard_bounds=((0, 480), (480, 1024)))
-    with pytest.raises(LogprobContractError, match="num_vocab_tiles=24 does not divide"):
-        LogprobContract(1000, 1024, 24, 1, 8)
+    with pytest.raises(LogprobContractError, match="num_vocab_tiles=33 leaves its last tile with no column"):
+        LogprobContract(1000, 1024, 33, 1, 8)  # 33 tiles of 32: the last one past the vocabulary
+    assert LogprobContract(1000, 1024, 24, 1, 8).tile_width == 43  # 24 tiles of ceil(1024 / 24)
 
 
 def test_a_tp_contract_without_a_group_raises_before_any_collective(small: Batch) -> None:
@@ -377,6 +378,10 @@ MESH_CASES: dict[str, tuple[str, int, int, int]] = {  # dtype, real, padded, til
     "bf16-padded": ("bf16", 1000, 1024, 16),
     "bf16-padded-rank7-all-padding": ("bf16", 850, 1024, 16),
     "fp16-padded": ("fp16", 1000, 1024, 16),
+    # tiles that do not divide the vocabulary (docs/arithmetic.md section 6): GPT-2's 50257 in 64
+    # tiles of 786 (the last rank's shard narrower), and 1003 columns (1000 real) in 16 tiles of 63
+    "bf16-gpt2-50257": ("bf16", 50257, 50257, 64),
+    "fp32-1003-grid-padding": ("fp32", 1000, 1003, 16),
 }
 WORLD = 8
 
@@ -414,6 +419,7 @@ def mesh_runs() -> tuple[dict[str, Batch], list[dict[Any, Any]]]:
     return batches, run_workers(_mesh_worker, WORLD, batches, timeout_s=240)
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 def test_mesh_groups_are_tp_fastest(mesh_runs: Any) -> None:
     _, results = mesh_runs
     for rank, res in enumerate(results):
@@ -458,6 +464,7 @@ def _assemble(results: list[dict[Any, Any]], key: Any, b: Batch) -> dict[str, to
     return out
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 @pytest.mark.parametrize("case", list(MESH_CASES))
 def test_tp_and_cp_outputs_are_byte_identical_to_tp1(mesh_runs: Any, case: str) -> None:
     batches, results = mesh_runs
@@ -470,6 +477,7 @@ def test_tp_and_cp_outputs_are_byte_identical_to_tp1(mesh_runs: Any, case: str) 
     assert mismatches == []
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 def test_padding_only_rank_at_tp8_contributes_nothing_but_still_runs(mesh_runs: Any) -> None:
     batches, results = mesh_runs
     key = ("bf16-padded-rank7-all-padding", 8, 1, "contiguous")
@@ -542,6 +550,7 @@ def _bad_input_worker(rank: int, b: Batch) -> dict[str, tuple[str, str, int]]:
     return out
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 def test_bad_input_across_ranks_raises_on_every_rank() -> None:
     b = make_batch("bf16", real=1000, padded=1024, tiles=16, seed=51, num_sequences=1, seq_len=8)
     results = run_workers(_bad_input_worker, 2, b, timeout_s=120)
@@ -587,6 +596,7 @@ def _harness_worker(rank: int, mode: str) -> Any:
     return rank
 
 
+@pytest.mark.ranks  # several processes: left out of the default workflow's focused suite (docs/workflow.md)
 def test_run_workers_returns_values_and_reports_failures(monkeypatch: pytest.MonkeyPatch) -> None:
     from _multiproc import WorkerError
 

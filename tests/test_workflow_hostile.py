@@ -26,7 +26,6 @@ from pathlib import Path
 import pytest
 
 from rl_engine.proctree import alive
-from rl_engine.record.regression import KILL_GRACE_S
 
 from _procs import parent
 from _workflow_util import SMALL_VOCAB, copy_repo, env_for, run_name_of, snakemake, snakemake_cmd, write_config
@@ -38,7 +37,9 @@ PROBE = "tests/test_probe_of_pytest_args.py"
 # conftest (torch and the helpers: a 5.0 s start on a quiet 2-core VM) is emptied (2.4 s, the
 # plugins), and the limit is eight times that
 TIME_LIMIT_S = 20
-SLEEP_S = 120
+# an hour: a run that ends at all had its sleeping test stopped by the limit (no bound on how long the
+# stop took, which a loaded machine stretches; snakemake's own timeout bounds a failure)
+SLEEP_S = 3600
 
 
 def test_pytest_args_reach_pytest_whole_and_run_nothing_in_the_shell(tmp_path: Path) -> None:
@@ -74,7 +75,7 @@ def test_pytest_args_reach_pytest_whole_and_run_nothing_in_the_shell(tmp_path: P
     assert done.returncode != 0, text[-3000:]
     log = (repo / "results" / name / "logs" / "regression.log").read_text()
     assert f"pytest exceeded --timeout-s={TIME_LIMIT_S}" in log, log[-3000:]
-    assert elapsed < TIME_LIMIT_S + KILL_GRACE_S + 60, elapsed
+    assert elapsed < SLEEP_S, elapsed
 
 
 # ----- 13. killing the workflow during the archive stage --------------------------------------

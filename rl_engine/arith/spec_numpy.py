@@ -20,6 +20,8 @@ Public API::
     to_f32(bits_or_array, dtype)
     forward(logits, dtype, targets, active, real_vocab, num_tiles, with_entropy, spec=SPEC_VERSION)
     backward(logits, dtype, targets, active, lse, grad_logp, grad_lse, real_vocab, num_tiles, spec=SPEC_VERSION)
+    kept_set(x, real_vocab, num_tiles, top_k, top_p, min_p)    # section 13: the processed kept set
+    forward_processed(...), backward_processed(...)           # section 13: forward / backward on it
     make_inputs(batch, seq, prompt_tokens, real_vocab, padded_vocab, seed, logit_scale)
     canon_nan(x), round_bf16(x), round_f16(x)
     head_logits(hidden, weight, dtype)   # section 12: the fused head's logits
@@ -369,7 +371,7 @@ def _as_1d(a, rows: int, dtype, name: str) -> np.ndarray:
     return a.astype(dtype, copy=False)
 
 
-def _check_common(logits, dtype, targets, active, real_vocab, num_tiles):
+def _check_common(logits, dtype, targets, active, real_vocab, num_tiles, v1=False):
     _check_dtype(dtype)
     x_all = to_f32(logits, dtype)
     if x_all.ndim != 2:
@@ -377,8 +379,10 @@ def _check_common(logits, dtype, targets, active, real_vocab, num_tiles):
     rows, vp = x_all.shape
     if not (1 <= real_vocab <= vp):
         raise ValueError("need 1 <= real_vocab <= padded_vocab")
-    if num_tiles < 1 or vp % num_tiles:
-        raise ValueError("num_tiles must divide padded_vocab")
+    if num_tiles < 1 or (v1 and vp % num_tiles):
+        raise ValueError("num_tiles must divide padded_vocab (rl-engine-arith/1)")
+    if (num_tiles - 1) * -(-vp // num_tiles) >= vp:  # section 6: w = ceil(Vp / T)
+        raise ValueError("num_tiles leaves a tile with no column of padded_vocab")
     targets = _as_1d(targets, rows, np.int64, "targets")
     active = _as_1d(active, rows, bool, "active")
     if np.any(active & ((targets < 0) | (targets >= vp))):
@@ -431,21 +435,25 @@ def _tempered(x: np.ndarray, temperature) -> np.ndarray:
 
 
 def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int,
-            with_entropy: bool, spec: str = SPEC_VERSION, temperature: float = 1.0):
+            with_entropy: bool, spec: str = SPEC_VERSION, temperature: float = 1.0, keep=None):
     """Section 6 over the full vocabulary in one process. Returns (logp, lse, entropy|None).
 
     ``temperature`` (``/2`` only): step 0 divides every logit by ``T32 = RN32(T)``; an array of one
-    ``T`` per row divides each row by its own."""
+    ``T`` per row divides each row by its own. ``keep`` (bool ``[rows, Vp]``, section 13): every column
+    outside it reads as ``-inf`` after step 0."""
     v1 = _check_spec(spec) == SPEC_V1
     if v1 and not _untempered(temperature):
         raise ValueError(f"{SPEC_V1} has no temperature; got {temperature!r}")
     exp = exp32_v1 if v1 else exp32
     x_all, rows, vp, targets, active = _check_common(
-        logits, dtype, targets, active, real_vocab, num_tiles)
+        logits, dtype, targets, active, real_vocab, num_tiles, v1)
     with np.errstate(over="ignore", invalid="ignore"):
         x_all = _tempered(x_all, temperature)
+    if keep is not None:
+        x_all = np.where(keep, x_all, NEG_INF)
     T = int(num_tiles)
-    w = vp // T
+    w = -(-vp // T)  # section 6: tiles of ceil(Vp / T) columns; the grid's columns >= Vp are padding
+    vt = T * w
     logp = np.empty(rows, F32)
     lse = np.empty(rows, F32)
     ent = np.empty(rows, F32) if with_entropy else None
@@ -454,7 +462,10 @@ def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         for r0 in range(0, rows, blk):
             r1 = min(rows, r0 + blk)
-            x = _masked_block(x_all, r0, r1, real_vocab).reshape(r1 - r0, T, w)
+            x = _masked_block(x_all, r0, r1, real_vocab)
+            if vt > vp:
+                x = np.concatenate([x, np.full((r1 - r0, vt - vp), NEG_INF, F32)], axis=1)
+            x = x.reshape(r1 - r0, T, w)
             m = np.maximum.reduce(x, axis=2)  # 1. NaN propagates (np.maximum)
             m = np.add(m, ZERO)  # -0 + 0 = +0
             sh = np.where(np.equal(m, NEG_INF), ZERO, m)  # 2.
@@ -480,7 +491,7 @@ def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int
                 ent[r0:r1] = canon_nan(_chk(np.subtract(L, M)))
             act = active[r0:r1]
             tg = np.where(act, targets[r0:r1], 0)
-            xt = x.reshape(r1 - r0, vp)[np.arange(r1 - r0), tg]  # copied, never summed
+            xt = x.reshape(r1 - r0, vt)[np.arange(r1 - r0), tg]  # copied, never summed
             lp = np.where(act, np.subtract(xt, L), ZERO)  # 9.
             logp[r0:r1] = canon_nan(_chk(lp))  # 10.
             lse[r0:r1] = canon_nan(_chk(L))
@@ -492,28 +503,35 @@ def forward(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int
 # ------------------------------------------------------------------------------------
 def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
              real_vocab: int, num_tiles: int, spec: str = SPEC_VERSION, temperature: float = 1.0,
-             grad_entropy=None, entropy=None):
+             grad_entropy=None, entropy=None, keep=None):
     """Section 7 gradient, rounded once to the logits' representation (section 8).
 
     ``grad_logp`` / ``grad_lse``: float32 [rows] or None (absent = 0). Returns uint16 bf16
     bits, np.float16 or np.float32 of the logits' shape. ``temperature`` (a number, or one per row):
     step 0 on the logits, and the gradient divided by ``T32`` before its rounding (step 2, the chain
     rule of the division). ``grad_entropy`` (float32 [rows] or None) with the forward's ``entropy``: step 1's entropy term.
+    ``keep`` (bool ``[rows, Vp]``, section 13 step 5): columns outside it read as ``-inf`` and get
+    ``+0``; a row whose active target is outside it has ``gl = 0``.
     """
     v1 = _check_spec(spec) == SPEC_V1
     if v1 and not _untempered(temperature):
         raise ValueError(f"{SPEC_V1} has no temperature; got {temperature!r}")
     exp = exp32_v1 if v1 else exp32
     x_all, rows, vp, targets, active = _check_common(
-        logits, dtype, targets, active, real_vocab, num_tiles)
+        logits, dtype, targets, active, real_vocab, num_tiles, v1)
     t32 = temperature32(temperature)
     per_row = bool(np.ndim(t32))
     with np.errstate(over="ignore", invalid="ignore"):
         x_all = _tempered(x_all, temperature)
+    if keep is not None:
+        x_all = np.where(keep, x_all, NEG_INF)
+        kept = keep[np.arange(rows), np.where(active, targets, 0)]
+    else:
+        kept = np.ones(rows, bool)
     lse = _f32(_as_1d(lse, rows, F32, "lse"))
     g_logp = np.zeros(rows, F32) if grad_logp is None else _as_1d(grad_logp, rows, F32, "grad_logp")
     g_lse = np.zeros(rows, F32) if grad_lse is None else _as_1d(grad_lse, rows, F32, "grad_lse")
-    gl = np.where(active, g_logp, ZERO)
+    gl = np.where(active & kept, g_logp, ZERO)
     coef = np.subtract(g_lse, gl)
     if grad_entropy is not None:
         if v1:
@@ -548,9 +566,125 @@ def backward(logits, dtype: str, targets, active, lse, grad_logp, grad_lse,
                 g = np.divide(g, t32[r0:r1, None])  # 2. each row's T32
             elif t32 != ONE:
                 g = np.divide(g, t32)  # 2. the temperature's chain rule (+0 stays +0: T32 > 0)
+            if keep is not None:
+                g = np.where(keep[r0:r1], g, ZERO)  # section 13 step 5: +0 outside the kept set
             g[:, real_vocab:] = ZERO  # padding columns are +0
             out[r0:r1] = _round_to(_chk(g), dtype)  # 3.
     return out
+
+
+# ------------------------------------------------------------------------------------
+# Section 13: processed logprobs (top-k, top-p, min-p)
+# ------------------------------------------------------------------------------------
+def _per_row(value, rows: int, dtype, name: str) -> np.ndarray:
+    a = np.asarray(value)
+    if a.ndim == 0:
+        a = np.full(rows, a)
+    if a.shape != (rows,):
+        raise ValueError(f"{name} must be a number or have shape ({rows},), got {a.shape}")
+    return a.astype(dtype)
+
+
+def sampling32(top_k, top_p, min_p, rows: int):
+    """Per-row ``k`` (int64), ``p32 = RN32(top_p)``, ``mp32 = RN32(min_p)``; refuses values out of range."""
+    k = _per_row(top_k, rows, np.int64, "top_k")
+    p32 = _per_row(top_p, rows, F32, "top_p")
+    mp32 = _per_row(min_p, rows, F32, "min_p")
+    if np.any(k < 0):
+        raise ValueError("top_k must be >= 0 (0 = off; vLLM's -1 is refused: pass 0)")
+    if np.any(~((p32 > ZERO) & (p32 <= ONE))):
+        raise ValueError("top_p must lie in (0, 1] in binary32 (1 = off)")
+    if np.any(~((mp32 >= ZERO) & (mp32 <= ONE))):
+        raise ValueError("min_p must lie in [0, 1] in binary32 (0 = off)")
+    return k, p32, mp32
+
+
+def _z_prefix(e_row: np.ndarray, member: np.ndarray, num_tiles: int) -> np.float32:
+    """``Z(P)``: the lane sum ``G`` of each tile's ``e_c`` (``+0`` off ``P``), folded by ``F`` over the tiles."""
+    terms = np.where(member, e_row, ZERO).astype(F32)
+    return F32(fold(lane_sum(terms.reshape(num_tiles, -1))))
+
+
+def _top_p_prefix(prefix: np.ndarray, e: np.ndarray, num_tiles: int, p32: np.float32) -> np.ndarray:
+    """The shortest prefix of ``prefix`` (columns in key order) with ``Z >= tau = RN32(p32 * Z(prefix))``,
+    by bisection on its length (``Z`` is non-decreasing along prefixes)."""
+    def z(n: int) -> np.float32:
+        m = np.zeros(e.shape[0], bool)
+        m[prefix[:n]] = True
+        return _z_prefix(e, m, num_tiles)
+
+    tau = np.multiply(p32, z(len(prefix)))
+    lo, hi = 1, len(prefix)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if z(mid) >= tau:
+            hi = mid
+        else:
+            lo = mid + 1
+    return prefix[:lo]
+
+
+def kept_set(x, real_vocab: int, num_tiles: int, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
+    """Section 13's kept set ``K`` of every row: bool ``[rows, Vp]`` (padding never kept).
+
+    ``x``: the tempered binary32 logits of section 6 step 0, ``[rows, Vp]``. Min-p, then top-k,
+    then top-p, each on the row's key order (``x`` descending, ties by the lower column id) from a
+    sort; top-p's shortest prefix by bisection on its length. A row with a non-finite maximum
+    (a NaN, a ``+inf``, or every real logit ``-inf``) keeps every real column.
+    """
+    x = _f32(x)
+    rows, vp = x.shape
+    if num_tiles < 1 or (num_tiles - 1) * -(-vp // num_tiles) >= vp:  # section 6: w = ceil(Vp / T)
+        raise ValueError("num_tiles leaves a tile with no column of padded_vocab")
+    grid = num_tiles * -(-vp // num_tiles)  # whole tiles; the columns past Vp are +0 terms of Z
+    k, p32, mp32 = sampling32(top_k, top_p, min_p, rows)
+    keep = np.zeros((rows, vp), bool)
+    keep[:, :real_vocab] = True
+    ids = np.arange(real_vocab)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for r in range(rows):
+            xr = x[r, :real_vocab]
+            big = np.maximum.reduce(xr)  # NaN propagates
+            if not np.isfinite(big) or (k[r] == 0 and p32[r] == ONE and mp32[r] == ZERO):
+                continue
+            y = np.subtract(xr, big)
+            member = np.ones(real_vocab, bool)
+            if mp32[r] > ZERO:  # 1. min-p
+                member = y >= log32(np.array([mp32[r]], F32))[0]
+            order = np.lexsort((ids, np.negative(xr)))  # key order: x descending, then the id
+            prefix = order[member[order]]
+            if k[r] > 0:  # 2. top-k
+                prefix = prefix[: k[r]]
+            if p32[r] < ONE:  # 3. top-p
+                e = np.zeros(grid, F32)
+                e[:real_vocab] = exp32(y)
+                prefix = _top_p_prefix(prefix, e, num_tiles, p32[r])
+            keep[r, :real_vocab] = False
+            keep[r, prefix] = True
+    return keep
+
+
+def forward_processed(logits, dtype: str, targets, active, real_vocab: int, num_tiles: int,
+                      with_entropy: bool, temperature: float = 1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """Section 13's forward: ``(logp, lse, entropy|None, target_kept, keep)``.
+
+    Section 6 on the logits with every column outside the kept set at ``-inf``; an active row
+    whose target is outside it has ``logp = -inf`` and ``target_kept`` False."""
+    x_all, rows, _vp, targets, active = _check_common(logits, dtype, targets, active, real_vocab, num_tiles)
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = _tempered(x_all, temperature)
+    keep = kept_set(x, real_vocab, num_tiles, top_k, top_p, min_p)
+    logp, lse, ent = forward(logits, dtype, targets, active, real_vocab, num_tiles, with_entropy,
+                             temperature=temperature, keep=keep)
+    kept = ~active | keep[np.arange(rows), np.where(active, targets, 0)]
+    return logp, lse, ent, kept, keep
+
+
+def backward_processed(logits, dtype: str, targets, active, lse, grad_logp, grad_lse, real_vocab: int,
+                       num_tiles: int, keep, temperature: float = 1.0, grad_entropy=None, entropy=None):
+    """Section 13 step 5: :func:`backward` on the kept set ``keep`` (from :func:`forward_processed`)."""
+    return backward(logits, dtype, targets, active, lse, grad_logp, grad_lse, real_vocab, num_tiles,
+                    temperature=temperature, grad_entropy=grad_entropy, entropy=entropy, keep=keep)
 
 
 # ------------------------------------------------------------------------------------

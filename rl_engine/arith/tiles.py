@@ -20,7 +20,7 @@ and nothing of size ``tokens x vocab`` in FP32 exists.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -196,6 +196,7 @@ def canonical_zero_(x: torch.Tensor) -> torch.Tensor:
 
 class _ChunkViews(NamedTuple):
     buf: torch.Tensor  # [rows, local_vocab] FP32
+    stored: torch.Tensor  # the chunk's own columns (all but the grid's padding past the vocabulary)
     tiles: torch.Tensor  # the same memory as [rows, tiles, tile_width]
     real: torch.Tensor  # real columns
     padding: torch.Tensor | None  # padding columns, if any
@@ -226,9 +227,16 @@ class ChunkWorkspace:
         with_entropy: bool,
         device: torch.device,
         t32: float = 1.0,
+        vocab_start: int | None = None,
+        stored: int | None = None,
     ) -> None:
         if local_vocab % tile_width:
             raise ValueError(f"local_vocab={local_vocab} is not a multiple of tile_width={tile_width}")
+        # the chunk's own columns; the rest of the buffer up to whole tiles is the grid's padding past
+        # the vocabulary (docs/arithmetic.md section 6), filled with -inf like every padding column
+        self.stored = local_vocab if stored is None else stored
+        if not real_local <= self.stored <= local_vocab:
+            raise ValueError(f"stored={self.stored} must lie in [real_local={real_local}, local_vocab={local_vocab}]")
         self.chunk_rows = chunk_rows
         self.local_vocab = local_vocab
         self.tile_width = tile_width
@@ -238,6 +246,8 @@ class ChunkWorkspace:
         # section 6 step 0: x' = x / T32 after the upcast (skipped when T32 = 1); a float32 tensor on
         # the device, so that CUDA divides too (a Python float divisor is a reciprocal multiply there)
         self.divisor = temperature_divisor(t32, device)
+        # processed logprobs (section 13): the global ids of the local columns, for the kept set's cut
+        self.cols = _column_ids(vocab_start, local_vocab, device)
         self.buf = torch.empty(chunk_rows, local_vocab, dtype=torch.float32, device=device)
         self.exp_buf = torch.empty_like(self.buf)
         self.shift = torch.empty(chunk_rows, self.tiles, dtype=torch.float32, device=device)
@@ -257,6 +267,7 @@ class ChunkWorkspace:
             lane_scratch = self.lane_scratch.rows(rows) if self.lane_scratch is not None else None
             found = _ChunkViews(
                 buf=buf,
+                stored=buf[:, : self.stored],
                 tiles=buf.view(shape),
                 real=buf[:, : self.real_local],
                 padding=buf[:, self.real_local :] if self.real_local < self.local_vocab else None,
@@ -278,20 +289,31 @@ class ChunkWorkspace:
         t_out: torch.Tensor | None,
         row_min_out: torch.Tensor | None,
         row_t32: torch.Tensor | None = None,
+        keep: Any = None,
     ) -> None:
         """Write the chunk's tile partials into ``m_out``, ``s_out`` (and ``t_out``).
 
         ``row_min_out``, when given, receives the minimum over each row's real columns
         (a validation aid: with the tile maxima it tells whether a row is all finite).
         ``row_t32``, when given, holds the chunk's rows' ``T32`` (a temperature per row, in place
-        of the workspace's one).
+        of the workspace's one). ``keep`` (section 13, a :class:`rl_engine.logprob.processed.KeptCut`;
+        typed ``Any``: ``arith/`` sits below ``logprob/``): the columns its cut drops read as ``-inf``
+        after step 0; then ``row_min_out`` is NaN on a row whose real maximum is not finite (the tile
+        maxima no longer show it), so that the check sees the logits as given.
         """
         v = self.views(chunk.shape[0])
-        v.buf.copy_(chunk)
+        v.stored.copy_(chunk)
         divisor = self.divisor if row_t32 is None else row_t32.unsqueeze(1)
         if divisor is not None:
-            v.buf.div_(divisor)  # binary32 division by T32 (IEEE, correctly rounded)
-        if row_min_out is not None and self.real_local > 0:
+            v.stored.div_(divisor)  # binary32 division by T32 (IEEE, correctly rounded)
+        if keep is not None:
+            assert self.cols is not None, "build the workspace with vocab_start for a kept set"
+            if row_min_out is not None and self.real_local > 0:
+                # the check reads the logits before the cut drops any: min, or NaN when the max is not finite
+                low, high = torch.aminmax(v.real, dim=1)
+                row_min_out.copy_(torch.where(torch.isfinite(high), low, math.nan))
+            v.buf.masked_fill_(keep.dropped(v.buf, self.cols), NEG_INF)
+        elif row_min_out is not None and self.real_local > 0:
             torch.amin(v.real, dim=1, out=row_min_out)
         if v.padding is not None:
             v.padding.fill_(NEG_INF)
@@ -312,10 +334,12 @@ class ChunkWorkspace:
 class GradWorkspace:
     """Reusable FP32 chunk buffer (and exp scratch) of one backward call."""
 
-    def __init__(self, chunk_rows: int, local_vocab: int, device: torch.device, t32: float = 1.0) -> None:
+    def __init__(self, chunk_rows: int, local_vocab: int, device: torch.device, t32: float = 1.0,
+                 vocab_start: int | None = None) -> None:
         self.buf = torch.empty(chunk_rows, local_vocab, dtype=torch.float32, device=device)
         self.scratch = ExpScratch((chunk_rows, local_vocab), device)
         self.divisor = temperature_divisor(t32, device)  # T32 (section 6 step 0, section 7 step 2)
+        self.cols = _column_ids(vocab_start, local_vocab, device)  # section 13's kept set
 
     def softmax_times(
         self,
@@ -328,6 +352,7 @@ class GradWorkspace:
         g_ent: torch.Tensor | None = None,
         mb: torch.Tensor | None = None,
         row_t32: torch.Tensor | None = None,
+        keep: Any = None,
     ) -> None:
         """``out = coef * E(x - lse)``, plus ``target_add`` at ``target_col`` in FP32, divided by
         the workspace's ``T32`` (the temperature, skipped when 1; with ``row_t32``, each row's), NaN
@@ -337,6 +362,8 @@ class GradWorkspace:
         Adding ``-0.0`` is the identity for every FP32 value, so rows that own no target
         carry ``-0.0`` in ``target_add`` and keep their bits. ``scatter_add_`` adds exactly
         one value to one element per row: a single rounded addition.
+
+        ``keep`` (section 13): the columns its cut drops read as ``-inf`` after step 0 and get ``+0``.
         """
         rows = chunk.shape[0]
         buf = self.buf[:rows]
@@ -345,6 +372,11 @@ class GradWorkspace:
         divisor = self.divisor if row_t32 is None else row_t32.unsqueeze(1)
         if divisor is not None:
             buf.div_(divisor)  # section 6 step 0
+        dropped = None
+        if keep is not None:
+            assert self.cols is not None, "build the workspace with vocab_start for a kept set"
+            dropped = keep.dropped(buf, self.cols)
+            buf.masked_fill_(dropped, NEG_INF)
         x = buf.clone() if g_ent is not None else None  # the entropy term reads x after E overwrote buf
         buf.sub_(lse.unsqueeze(1))
         exp_into(buf, buf, sc)
@@ -360,8 +392,17 @@ class GradWorkspace:
         buf.scatter_add_(1, target_col.unsqueeze(1), target_add.unsqueeze(1))
         if divisor is not None:
             buf.div_(divisor)  # section 7 step 2: the chain rule of the division by T32
+        if dropped is not None:
+            buf.masked_fill_(dropped, 0.0)  # section 13 step 5: +0 outside the kept set
         canonical_nan_(buf, sc.mask)
         round_into(buf, out, sc.ka)
+
+
+def _column_ids(vocab_start: int | None, local_vocab: int, device: torch.device) -> torch.Tensor | None:
+    """Global ids of the local columns (int64), or None without a kept set."""
+    if vocab_start is None:
+        return None
+    return torch.arange(vocab_start, vocab_start + local_vocab, dtype=torch.int64, device=device)
 
 
 def temperature_divisor(t32: float, device: torch.device) -> torch.Tensor | None:

@@ -11,7 +11,11 @@ from rl_engine.tables import BENCH_PATHS, BENCH_PHASES
 PATHS: tuple[str, ...] = BENCH_PATHS
 # From the last hidden state and the lm_head weight (--hidden-size): the logits made whole
 # (lm_head) or chunk by chunk (fused_lm_head, selected_logprob_from_hidden); asked for by name.
-HEAD_PATHS: tuple[str, ...] = ("lm_head", "fused_lm_head")
+HEAD_PATHS: tuple[str, ...] = ("lm_head", "fused_lm_head", "naive_lm_head")
+# The eager candidate computing processed logprobs (docs/arithmetic.md section 13) with these
+# parameters on every row, against the candidate's raw logprob in the same run; asked for by name.
+PROCESSED_PATH = "processed"
+PROCESSED_PARAMS: dict[str, float] = {"top_k": 0, "top_p": 0.9, "min_p": 0.0}
 # The benchmarked backends: path name -> backend id ("candidate" is the eager reference).
 BACKEND_PATHS: dict[str, str] = {
     "candidate": "pytorch-vocab-parallel-logp-ws2",
@@ -21,7 +25,7 @@ BACKEND_PATHS: dict[str, str] = {
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 # The paths a configuration runs unless told otherwise: triton is asked for by name (on the cpu it
 # runs only under Triton's interpreter, whose timings are not a GPU's).
-CPU_PATHS: tuple[str, ...] = tuple(p for p in PATHS if p != "triton" and p not in HEAD_PATHS)
+CPU_PATHS: tuple[str, ...] = tuple(p for p in PATHS if p not in ("triton", PROCESSED_PATH) and p not in HEAD_PATHS)
 PHASES: tuple[str, ...] = BENCH_PHASES
 
 

@@ -13,7 +13,8 @@
 - ``lm_head`` and ``fused_lm_head`` (asked for by name, with ``--hidden-size``): the logprob
   from a hidden state and an lm_head weight, the logits made whole (``hidden @ weight.T``, then
   ``selected_logprob``) or chunk by chunk (``selected_logprob_from_hidden``); forward+backward
-  gives the gradients of both;
+  gives the gradients of both; ``naive_lm_head``: ``torch.log_softmax((hidden @ weight.T).float(),
+  -1).gather(...)`` with autograd, what a trainer writes without this engine;
 - ``floor``: one pass over the (local) logits in row chunks, upcast and row max (the least any
   exact method must do); its backward adds one more read of the logits and one write of a
   gradient in the logits dtype. The floor runs its chunks through the same chunk runner
@@ -29,7 +30,15 @@ from typing import Any, Callable
 
 import torch
 
-from rl_engine.benchmark.config import BACKEND_PATHS, HEAD_PATHS, PATHS, BenchConfig, BenchError
+from rl_engine.benchmark.config import (
+    BACKEND_PATHS,
+    HEAD_PATHS,
+    PATHS,
+    PROCESSED_PARAMS,
+    PROCESSED_PATH,
+    BenchConfig,
+    BenchError,
+)
 from rl_engine.benchmark.inputs import Inputs
 from rl_engine.logprob.backends.eager.chunk_threads import for_each_chunk
 from rl_engine.logprob.contract import LogprobContract
@@ -44,11 +53,11 @@ def default_paths(device: str = "cpu") -> tuple[str, ...]:
     if device == "cuda":
         from rl_engine.logprob.backends.triton.triton_backend import triton_unavailable
 
-        return tuple(p for p in PATHS if p != "fused" and p not in HEAD_PATHS
+        return tuple(p for p in PATHS if p not in ("fused", PROCESSED_PATH) and p not in HEAD_PATHS
                      and (p != "triton" or triton_unavailable() is None))
     from rl_engine.logprob.backends.fused_cpu.fused_cpu import kernel_unavailable
 
-    return tuple(p for p in PATHS if p != "triton" and p not in HEAD_PATHS
+    return tuple(p for p in PATHS if p not in ("triton", PROCESSED_PATH) and p not in HEAD_PATHS
                  and (p != "fused" or kernel_unavailable() is None))
 
 
@@ -145,6 +154,8 @@ def _head_step(path: str, phase: str, inputs: Inputs, config: BenchConfig) -> tu
     targets, active = inputs.targets, inputs.active
 
     def run() -> Any:
+        if path == "naive_lm_head":  # what a trainer writes without this engine, in autograd
+            return _naive_logp(hidden @ weight.T, targets, active)
         if path == "lm_head":
             return selected_logprob(hidden @ weight.T, targets, active, num_vocab_tiles=config.tiles,
                                     validate=config.validate)
@@ -161,8 +172,37 @@ def _head_step(path: str, phase: str, inputs: Inputs, config: BenchConfig) -> tu
                 return run()
     else:
         def step() -> Any:
-            run().selected_logp.sum().backward()
+            out = run()
+            (out if path == "naive_lm_head" else out.selected_logp).sum().backward()
             return hidden.grad, weight.grad
+    return step, reset
+
+
+def _processed_step(phase: str, inputs: Inputs, config: BenchConfig, contract: LogprobContract, group: Any,
+                    leaf: torch.Tensor) -> tuple[Step, Step]:
+    """``processed``: the eager candidate with :data:`PROCESSED_PARAMS` on every row (section 13)."""
+    from rl_engine.logprob.processed import sampling_from
+    from rl_engine.logprob.registry import dispatch
+
+    logits, targets, active = inputs.logits, inputs.targets, inputs.active
+    op = dispatch(BACKEND_PATHS["candidate"], contract, logits.device.type, processed=True).op
+    sampling = sampling_from(PROCESSED_PARAMS["top_k"], PROCESSED_PARAMS["top_p"], PROCESSED_PARAMS["min_p"],
+                             (logits.shape[0],), logits.device)
+
+    def reset() -> None:
+        leaf.grad = None
+
+    if phase == "forward":
+        def step() -> Any:
+            with torch.no_grad():
+                return op(logits, targets, active, contract, group=group, validate=config.validate,
+                          chunk_rows=config.chunk_rows, sampling=sampling)
+    else:
+        def step() -> Any:
+            out = op(leaf, targets, active, contract, group=group, validate=config.validate,
+                     chunk_rows=config.chunk_rows, sampling=sampling)
+            torch.where(out.target_kept, out.selected_logp, 0.0).sum().backward()
+            return leaf.grad
     return step, reset
 
 
@@ -216,6 +256,8 @@ def build_step(path: str, phase: str, inputs: Inputs, config: BenchConfig,
                 return leaf.grad
     elif path in HEAD_PATHS:
         return _head_step(path, phase, inputs, config)
+    elif path == PROCESSED_PATH:
+        return _processed_step(phase, inputs, config, contract, group, leaf)
     elif path == "floor":
         if phase == "forward":
             def step() -> Any:

@@ -43,6 +43,8 @@ HEAD_TARGETS: tuple[tuple[str, str, str, float], ...] = (
     ("fused lm_head forward+backward peak memory <= 0.25x lm_head", "forward_backward", "peak_mem_vs_lm_head", 0.25),
     ("fused lm_head forward time <= 1.2x lm_head", "forward", "time_vs_lm_head", 1.2),
     ("fused lm_head forward+backward time <= 1.2x lm_head", "forward_backward", "time_vs_lm_head", 1.2),
+    ("fused lm_head forward time <= 1.2x naive lm_head", "forward", "time_vs_naive_lm_head", 1.2),
+    ("fused lm_head forward+backward time <= 1.2x naive lm_head", "forward_backward", "time_vs_naive_lm_head", 1.2),
 )
 
 
@@ -81,10 +83,10 @@ def compute_path_ratios(
     index = {(r["path"], r["phase"], r["tokens"]): r for r in rows if r.get("tp", 1) == 1}
     out: dict[str, dict[str, dict[str, dict[str, float | None]]]] = {}
     for (path, phase, tokens), row in sorted(index.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
-        if path not in ("fused", "triton", "fused_lm_head"):
+        if path not in ("fused", "triton", "fused_lm_head", "processed"):
             continue
         entry: dict[str, float | None] = {}
-        for other in ("lm_head",) if path == "fused_lm_head" else ("naive", "floor", "candidate"):
+        for other in ("lm_head", "naive_lm_head") if path == "fused_lm_head" else ("naive", "floor", "candidate"):
             ref = index.get((other, phase, tokens))
             if ref is None:
                 continue

@@ -30,6 +30,7 @@ import argparse
 import hashlib
 import json
 import os
+import struct
 import sys
 from dataclasses import asdict, dataclass
 from dataclasses import fields as dataclass_fields
@@ -216,6 +217,8 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
             temperature32(values["temperature"])
         except TemperatureError as exc:
             add("temperature", str(exc))
+    for name, problem in sampling_problems(values):
+        add(name, problem)
     if has("cp_layout"):
         add("cp_layout", choice_problem("cp_layout", values["cp_layout"], CP_LAYOUTS, "is unknown"))
     if has("real_vocab", "padded_vocab") and values["real_vocab"] > values["padded_vocab"]:
@@ -233,6 +236,37 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
             "token there is no logprob to compare; lower prompt_tokens or raise seq")
     if values.get("capture") is not None:
         found += [("capture", m) for m in capture_problems(values["capture"], values)]
+    return found
+
+
+SAMPLING_DEFAULTS: dict[str, Any] = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}  # every one off
+
+
+def sampling_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The processed-logprob parameters of a case (docs/arithmetic.md section 13), where present:
+    ``top_k`` an integer >= 0 (vLLM's -1 refused with "use 0"), ``top_p`` in (0, 1] and ``min_p`` in
+    [0, 1], each in binary32 (numpy-free: ``struct`` rounds to binary32 as the engine does)."""
+    found: list[tuple[str, str]] = []
+    if "top_k" in values:
+        k = values["top_k"]
+        problem = int_problem("top_k", k, 0)
+        if problem is not None and k == -1 and not isinstance(k, bool):
+            problem = "top_k=-1 is vLLM's 'off'; here top-k is off at 0: use top_k: 0 (or leave it out)"
+        if problem is not None:
+            found.append(("top_k", problem))
+    for name, low_open in (("top_p", True), ("min_p", False)):
+        if name not in values:
+            continue
+        v = values[name]
+        problem = real_problem(name, v)
+        if problem is None:
+            v32 = struct.unpack("f", struct.pack("f", float(v)))[0] if abs(float(v)) < 3.4e38 else float(v)
+            ok = (0.0 < v32 <= 1.0) if low_open else (0.0 <= v32 <= 1.0)
+            if not ok:
+                bounds = "(0, 1]; 1 = off" if low_open else "[0, 1]; 0 = off"
+                problem = f"{name}={v!r} (binary32 {v32!r}) must lie in {bounds}"
+        if problem is not None:
+            found.append((name, problem))
     return found
 
 
@@ -284,7 +318,7 @@ def capture_problems(record: Any, values: Mapping[str, Any]) -> list[str]:
     return found
 
 
-FLOAT_FIELDS: tuple[str, ...] = ("logit_scale", "atol", "rtol", "timeout_s", "temperature")
+FLOAT_FIELDS: tuple[str, ...] = ("logit_scale", "atol", "rtol", "timeout_s", "temperature", "top_p", "min_p")
 # (config.yaml key, Case field) of every field the config holds by name: the one mapping both ways
 # (the workflow builds a case from a config with it, SUMMARY.md's reproduce.yaml a config from a
 # case). dist_backend follows the device, atol/rtol the dtype's tolerances, capture the inputs
@@ -294,8 +328,9 @@ CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
     ("padded_vocab", "padded_vocab"), ("num_vocab_tiles", "num_vocab_tiles"), ("batch", "batch"), ("seq", "seq"),
     ("prompt_tokens", "prompt_tokens"), ("seed", "seed"), ("logit_scale", "logit_scale"), ("cp_layout", "cp_layout"),
     ("threads_per_rank", "threads_per_rank"), ("pg_timeout_s", "timeout_s"), ("temperature", "temperature"),
+    ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
 )
-OPTIONAL_FIELDS: frozenset[str] = frozenset({"temperature"})
+OPTIONAL_FIELDS: frozenset[str] = frozenset({"temperature", *SAMPLING_DEFAULTS})
 # The case fields the topology rules read: check_topology needs each of them valid.
 TOPOLOGY_FIELDS: tuple[str, ...] = ("padded_vocab", "num_vocab_tiles", "seq", "cp_layout")
 
@@ -315,6 +350,8 @@ def config_case_fields(config: Mapping[str, Any], capture: Mapping[str, Any] | N
         **({} if capture is None else {"capture": dict(capture)}),
         # as given: the case's rules check it (Case makes it a float only once they pass)
         **({"temperature": config["temperature"]} if config.get("temperature", 1) != 1 else {}),
+        **{name: config[name] for name, off in SAMPLING_DEFAULTS.items()
+           if name in config and (config[name] != off or isinstance(config[name], bool))},
     }
 
 
@@ -459,6 +496,10 @@ class Case:
     capture: dict[str, Any] | None = None
     # docs/arithmetic.md section 6 step 0 (rl_engine.arith.temperature); 1.0: none
     temperature: float = 1.0
+    # docs/arithmetic.md section 13, the processed logprob (every row alike); at their defaults: off
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         problems = case_problems(self.to_dict())
@@ -481,7 +522,8 @@ class Case:
         fields.setdefault("cp_layout", "contiguous")
         fields.setdefault("logit_scale", 1.0)
         fields.setdefault("threads_per_rank", 1)
-        missing = [f.name for f in dataclass_fields(cls) if f.name not in fields and f.name not in ("capture", "temperature")]
+        optional = ("capture", "temperature", *SAMPLING_DEFAULTS)
+        missing = [f.name for f in dataclass_fields(cls) if f.name not in fields and f.name not in optional]
         if missing:
             raise CaseError(f"case fields {missing} are missing; give each of them")
         return cls(**fields)
@@ -495,6 +537,9 @@ class Case:
             del values["capture"]
         if values["temperature"] == 1.0:
             del values["temperature"]
+        for name, off in SAMPLING_DEFAULTS.items():  # absent when off: the case hashes as before they existed
+            if values[name] == off:
+                del values[name]
         return values
 
     @property
@@ -506,7 +551,14 @@ class Case:
             f"-{self.cp_layout}-scale{self.logit_scale:g}"
             + ("" if self.capture is None else f"-capture{self.capture['sha256'][:16]}")
             + ("" if self.temperature == 1.0 else f"-temp{self.temperature:g}")
+            + ("" if self.top_k == 0 else f"-topk{self.top_k}")
+            + ("" if self.top_p == 1.0 else f"-topp{self.top_p:g}")
+            + ("" if self.min_p == 0.0 else f"-minp{self.min_p:g}")
         )
+
+    def sampling(self, rows: int, device: Any = "cpu") -> Any:
+        """:func:`record_sampling` of this case."""
+        return record_sampling(self.to_dict(), rows, device)
 
     def contract(self, tp: int = 1, cp: int = 1, tp_rank: int = 0, cp_rank: int = 0, *,
                  num_sequences: int | None = None, seq_len: int | None = None) -> Any:
@@ -557,6 +609,18 @@ def record_contract(record: Mapping[str, Any], tp: int = 1, cp: int = 1, tp_rank
     )
 
 
+def record_sampling(record: Mapping[str, Any], rows: int, device: Any = "cpu") -> Any:
+    """The :class:`~rl_engine.logprob.processed.Sampling` of ``rows`` rows of a case record (every row
+    alike), or ``None`` when the case has no processed-logprob parameter."""
+    import torch  # not at parse time
+
+    from rl_engine.logprob.processed import sampling_from
+
+    params = {name: record.get(name, off) for name, off in SAMPLING_DEFAULTS.items()}
+    return sampling_from(int(params["top_k"]), float(params["top_p"]), float(params["min_p"]), (rows,),
+                         torch.device(device))
+
+
 def record_oracle_drift(record: Mapping[str, Any], logp: Any, lse: Any, logits_fp32: Any, targets: Any,
                         active: Any) -> dict[str, Any]:
     """The report's ``drift`` of a case record's candidate ``logp``/``lse`` against both oracles on the
@@ -567,7 +631,8 @@ def record_oracle_drift(record: Mapping[str, Any], logp: Any, lse: Any, logits_f
     from rl_engine.logprob.comparison import oracle_drift  # imports torch: not at parse time
 
     return oracle_drift(logp, lse, logits_fp32, targets, active, record["real_vocab"], record["dtype"],
-                        record["atol"], record["rtol"], record.get("temperature", 1.0))
+                        record["atol"], record["rtol"], record.get("temperature", 1.0),
+                        record_sampling(record, int(targets.shape[0])))
 
 
 def case_document(case: Case, topologies: Sequence[tuple[int, int]]) -> dict[str, Any]:

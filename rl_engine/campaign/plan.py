@@ -152,7 +152,7 @@ def remove_outputs(output: str | os.PathLike[str]) -> None:
 CASE_FLAGS: tuple[str, ...] = (
     "device", "dist_backend", "dtype", "backend", "real_vocab", "padded_vocab", "num_vocab_tiles",
     "batch", "seq", "prompt_tokens", "seed", "cp_layout", "logit_scale", "atol", "rtol",
-    "threads_per_rank", "timeout_s", "temperature",
+    "threads_per_rank", "timeout_s", "temperature", "top_k", "top_p", "min_p",
 )
 
 
@@ -182,6 +182,9 @@ def build_parser(prog: str = "python -m rl_engine plan") -> argparse.ArgumentPar
     flags.add_argument("--logit-scale", type=float, help="default 1.0")
     flags.add_argument("--temperature", type=float,
                        help="default 1.0 (none): docs/arithmetic.md section 6 step 0, every logit times RN32(1/RN32(T))")
+    flags.add_argument("--top-k", type=int, help="default 0 (off): docs/arithmetic.md section 13, processed logprobs")
+    flags.add_argument("--top-p", type=float, help="default 1.0 (off): docs/arithmetic.md section 13")
+    flags.add_argument("--min-p", type=float, help="default 0.0 (off): docs/arithmetic.md section 13")
     flags.add_argument("--atol", type=float, help=f"default by dtype: {tolerances}")
     flags.add_argument("--rtol", type=float, help="default 0")
     flags.add_argument("--threads-per-rank", type=int, help="default 1")

@@ -26,7 +26,7 @@ import torch
 from rl_engine.arith import spec_numpy
 from rl_engine.arith.portable import SPEC_VERSION
 from rl_engine.campaign.captured import case_inputs, replay_source
-from rl_engine.campaign.case import record_contract
+from rl_engine.campaign.case import SAMPLING_DEFAULTS, record_contract, record_sampling
 from rl_engine.campaign.inputs import inputs_sha256
 from rl_engine.logprob.backends.description import arith_backends as described_arith_backends
 from rl_engine.logprob.registry import dispatch
@@ -99,9 +99,11 @@ def replay_candidate(case: Mapping[str, Any], backend: str | None = None,
         return replay_numpy(case, spec, capture)
     logits, targets, active = case_inputs(case, capture)
     contract = record_contract(case)
-    op = dispatch(backend or str(case["backend"]), contract, "cpu").op
+    sampling = record_sampling(case, contract.num_tokens)  # docs/arithmetic.md section 13; None: raw
+    op = dispatch(backend or str(case["backend"]), contract, "cpu", processed=sampling is not None).op
     x = logits.to(contract.torch_dtype).requires_grad_(True)
-    out = op(x, targets, active, contract, compute_entropy=True)
+    out = op(x, targets, active, contract, compute_entropy=True,
+             **({"sampling": sampling} if sampling is not None else {}))
     out.selected_logp.backward(torch.ones_like(out.selected_logp))
     assert x.grad is not None and out.entropy is not None
     computed = {"logp": out.selected_logp, "lse": out.lse, "entropy": out.entropy}
@@ -130,9 +132,20 @@ def replay_numpy(case: Mapping[str, Any], spec: str, capture: str | os.PathLike[
     t, a = targets.numpy(), active.numpy()
     real, tiles = contract.real_vocab_size, contract.num_vocab_tiles
     temperature = contract.temperature
-    logp, lse, entropy = spec_numpy.forward(bits, dtype, t, a, real, tiles, True, spec=spec, temperature=temperature)
-    grad = spec_numpy.backward(bits, dtype, t, a, lse, np.ones(len(t), np.float32), None, real, tiles, spec=spec,
-                               temperature=temperature)
+    params = {name: case[name] for name in SAMPLING_DEFAULTS if name in case}
+    if params and spec == spec_numpy.SPEC_V1:
+        raise ReplayError(f"{spec_numpy.SPEC_V1} has no processed logprobs (top_k / top_p / min_p); the case holds "
+                          f"{sorted(params)}: an archive of that version cannot carry them")
+    if params:  # docs/arithmetic.md section 13
+        logp, lse, entropy, _kept, keep = spec_numpy.forward_processed(
+            bits, dtype, t, a, real, tiles, True, temperature=temperature, **params)
+        grad = spec_numpy.backward_processed(bits, dtype, t, a, lse, np.ones(len(t), np.float32), None, real,
+                                             tiles, keep, temperature=temperature)
+    else:
+        logp, lse, entropy = spec_numpy.forward(bits, dtype, t, a, real, tiles, True, spec=spec,
+                                                temperature=temperature)
+        grad = spec_numpy.backward(bits, dtype, t, a, lse, np.ones(len(t), np.float32), None, real, tiles, spec=spec,
+                                   temperature=temperature)
     computed = {"logp": logp, "lse": lse, "entropy": entropy}
     tensors = {name: torch.from_numpy(np.ascontiguousarray(computed[name])) for name in TENSOR_NAMES}
     if x.dtype == torch.bfloat16:

@@ -97,10 +97,11 @@ def compute_rank(
     selected = dispatch(case.backend, contract, device.type)
     local, targets, active = case_rank_inputs(case.to_dict(), contract)  # on a capture, run_topology checked its hash
     local = local.to(device=device, dtype=contract.torch_dtype).contiguous().requires_grad_(True)
+    sampling = case.sampling(contract.num_tokens, device)  # docs/arithmetic.md section 13; None: raw
     start = time.perf_counter()
     out = selected.op(
         local, targets.to(device), active.to(device), contract,
-        group=group, compute_entropy=True,
+        group=group, compute_entropy=True, **({"sampling": sampling} if sampling is not None else {}),
     )
     if device.type == "cuda":
         torch.cuda.synchronize(device)

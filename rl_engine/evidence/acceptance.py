@@ -72,6 +72,9 @@ class TensorCheck:
         }
 
 
+SAMPLING_FIELDS = ("top_k", "top_p", "min_p")  # a case's processed-logprob parameters (docs/arithmetic.md section 13)
+
+
 def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
@@ -81,8 +84,9 @@ def check_tensor_values(name: str, data: bytes, active: np.ndarray | None, where
 
     ``logp = x_target - LSE`` with ``LSE = B + L(S)``, ``S >= 1`` (the row's maximum contributes
     ``E(0) = 1``), ``L(S) >= 0`` and ``x_target <= B``, so ``logp <= 0`` on an active token (never
-    NaN: the candidate refuses an active row with a non-finite real logit), and ``logp = +0`` on an
-    inactive one; ``LSE`` of an active row is finite. Nothing is claimed of the entropy: rounding can
+    NaN: the candidate refuses an active row with a non-finite real logit; ``-inf`` where a
+    processed case's sampler drops the target, section 13), and ``logp = +0`` on an inactive one;
+    ``LSE`` of an active row is finite. Nothing is claimed of the entropy: rounding can
     make a near-one-hot row's entropy a little negative, and extreme logits can overflow it.
     ``active`` is the case's mask (:func:`rl_engine.campaign.mask.report_active`: the recipe's rule or
     a capture's own mask); None when the report cannot say, which :func:`check_report` names.
@@ -216,9 +220,18 @@ def _check_drift(found: list[Finding], where: str, report: Any, case: dict[str, 
                 value = stats.get(key)
                 if not is_number(value):
                     found.append(Finding(where, field_path(base + (key,)), f"is {value!r}; must be a finite number"))
-            if quantity in counts and stats.get("count") != counts[quantity]:
+            processed = quantity == "dlogp" and any(name in case for name in SAMPLING_FIELDS)
+            count = stats.get("count")
+            if processed and quantity in counts:
+                # section 13: dlogp is over the active rows whose target the sampler keeps (verify
+                # --recompute recomputes the exact count with the kept set)
+                if not (isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= counts[quantity]):
+                    found.append(Finding(where, field_path(base + ("count",)),
+                                         f"is {count!r}; a processed case (top_k/top_p/min_p) counts the active rows "
+                                         f"whose target is kept: at most {counts[quantity]}"))
+            elif quantity in counts and count != counts[quantity]:
                 found.append(Finding(where, field_path(base + ("count",)),
-                                     f"is {stats.get('count')!r}; the case has {counts[quantity]} "
+                                     f"is {count!r}; the case has {counts[quantity]} "
                                      f"{'rows' if quantity == 'lse' else 'active rows'}"))
             if oracle != GATING_ORACLE:
                 continue

@@ -534,6 +534,8 @@ def _case_line(case: dict[str, Any]) -> str:
             f"batch {case.get('batch')}, sequence {case.get('seq')}, prompt tokens {case.get('prompt_tokens')}, "
             f"seed {case.get('seed')}, logit scale {case.get('logit_scale')}, CP layout {case.get('cp_layout')}, "
             + (f"temperature {md_cell(str(case.get('temperature')))} (section 6 step 0), " if "temperature" in case else "")
+            + "".join(f"{name} {md_cell(str(case.get(name)))}, " for name in ("top_k", "top_p", "min_p") if name in case)
+            + ("processed logprobs (section 13), " if any(n in case for n in ("top_k", "top_p", "min_p")) else "")
             + f"explicit {case.get('backend')}, {case.get('device')}/{case.get('dist_backend')}.")
 
 

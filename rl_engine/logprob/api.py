@@ -21,6 +21,7 @@ from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device
 from rl_engine.logprob.backends.eager.vocab_parallel import LogprobOutput, vocab_parallel_backward
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
+from rl_engine.logprob.processed import sampling_from
 from rl_engine.logprob.registry import dispatch
 from rl_engine.logprob.row_temperature import is_row_temperature, row_temperature32
 from rl_engine.logprob.storage import require_readable
@@ -91,6 +92,9 @@ def selected_logprob(
     ignore_index: int = -100,
     max_tp: int = MAX_TP,
     temperature: float | torch.Tensor = 1.0,
+    top_k: Any = 0,
+    top_p: Any = 1.0,
+    min_p: Any = 0.0,
 ) -> LogprobOutput:
     """Selected-token logprob of full-vocabulary logits on one rank (TP=1, CP=1).
 
@@ -119,6 +123,14 @@ def selected_logprob(
     those without a temperature (:mod:`rl_engine.logprob.row_temperature`; one host read of the
     tensor checks every value, naming the first refused one).
 
+    ``top_k`` (0 = off), ``top_p`` (1 = off), ``min_p`` (0 = off): the processed logprob of the
+    distribution the sampler drew from (docs/arithmetic.md section 13, vLLM's order: temperature,
+    min-p, top-k, top-p), each a Python number for every row or a tensor of shape
+    ``logits.shape[:-1]`` (a rollout batch mixes requests). The LSE, entropy and gradient are those
+    of the kept set; an active token whose target the sampler removed has logp ``-inf`` and
+    ``out.target_kept`` False (zero gradient through its logp). All off: the raw bytes, and
+    ``out.target_kept`` is None. The same bytes at every TP degree.
+
     ``logits`` may be a DTensor sharded on the vocabulary (``Shard(-1)`` on one mesh dimension,
     ``Replicate`` on any other: loss parallel, a ``ColwiseParallel`` lm_head with
     ``use_local_output=False``): the mesh dimension's group is the TP group, each rank's columns
@@ -134,7 +146,8 @@ def selected_logprob(
     """
     if _is_dtensor(logits):  # sharded on the vocabulary: its mesh gives the group and the columns
         return _dtensor_call(logits, targets, active, num_vocab_tiles, real_vocab_size, compute_entropy,
-                             validate, chunk_rows, backend, ignore_index, max_tp, temperature)
+                             validate, chunk_rows, backend, ignore_index, max_tp, temperature,
+                             (top_k, top_p, min_p))
     if not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3):
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise LogprobContractError(
@@ -147,11 +160,13 @@ def selected_logprob(
         )
     lead = tuple(logits.shape[:-1])
     if torch.compiler.is_compiling():  # one registered op: its checks run outside the graph
+        _refuse_compiled_sampling(top_k, top_p, min_p)
         return _compiled_call(logits, targets, active, lead, num_vocab_tiles, real_vocab_size,
                               compute_entropy, validate, backend, ignore_index, max_tp, chunk_rows, temperature)
     require_readable("logits", logits)  # before the reshape, which cannot view sparse memory
     targets, active = trainer_inputs(targets, active, lead, ignore_index)
-    temperature, row_t32 = split_temperature(temperature, lead, logits.device)
+    temperature, row_t32 = split_temperature(temperature, lead, logits.device, validate)
+    sampling = sampling_from(top_k, top_p, min_p, lead, logits.device)
     vocab = logits.shape[-1]
     tiles = resolve_vocab_tiles(num_vocab_tiles, vocab, max_tp)
     num_sequences, seq_len = (1, lead[0]) if len(lead) == 1 else lead
@@ -165,28 +180,40 @@ def selected_logprob(
         ignore_index=ignore_index,
         temperature=temperature,
     )
-    chosen = dispatch(backend, contract, logits.device.type)
+    chosen = dispatch(backend, contract, logits.device.type, processed=sampling is not None)
     out = chosen.op(
         logits.reshape(-1, vocab), targets.reshape(-1), active.reshape(-1), contract,
         compute_entropy=compute_entropy, validate=validate, chunk_rows=chunk_rows,
         **({} if row_t32 is None else {"temperature": row_t32.reshape(-1)}),
+        **({"sampling": sampling} if sampling is not None else {}),
     )
     return LogprobOutput(
         out.selected_logp.reshape(lead),
         out.lse.reshape(lead),
         out.entropy.reshape(lead) if out.entropy is not None else None,
         {**chosen.provenance(), "num_vocab_tiles": tiles},
+        out.target_kept.reshape(lead) if out.target_kept is not None else None,
     )
 
 
-def split_temperature(temperature: Any, lead: tuple[int, ...],
-                      device: torch.device) -> tuple[Any, torch.Tensor | None]:
+def split_temperature(temperature: Any, lead: tuple[int, ...], device: torch.device,
+                      validate: bool = True) -> tuple[Any, torch.Tensor | None]:
     """``(the contract's temperature, the rows' T32 or None)``: a number goes to the contract (which
     checks it); a tensor is each row's (:func:`rl_engine.logprob.row_temperature.row_temperature32`),
-    with the contract's temperature 1."""
+    with the contract's temperature 1. Its values are read on the host only with ``validate``."""
     if _is_dtensor(temperature) or is_row_temperature(temperature):
-        return 1.0, row_temperature32(temperature, lead, device)
+        return 1.0, row_temperature32(temperature, lead, device, check_values=validate)
     return temperature, None
+
+
+def _refuse_compiled_sampling(top_k: Any, top_p: Any, min_p: Any) -> None:
+    """Processed logprobs are not in the registered op yet: refuse them under ``torch.compile``."""
+    off = (isinstance(top_k, int) and top_k == 0 and isinstance(top_p, (int, float)) and top_p == 1
+           and isinstance(min_p, (int, float)) and min_p == 0)
+    if not off:
+        raise LogprobContractError(
+            "top_k / top_p / min_p are not supported under torch.compile yet; call selected_logprob "
+            "outside the compiled region (torch.compiler.disable) for processed logprobs")
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -214,7 +241,7 @@ def _replicated_local(name: str, value: Any) -> Any:
 def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int | str,
                   real_vocab_size: int | None, compute_entropy: bool, validate: bool,
                   chunk_rows: int | None, backend: str, ignore_index: int, max_tp: int,
-                  temperature: Any = 1.0) -> LogprobOutput:
+                  temperature: Any = 1.0, params: tuple[Any, Any, Any] = (0, 1.0, 0.0)) -> LogprobOutput:
     """The TP op on a DTensor's local shard, with the group and the columns its mesh gives."""
     from torch.distributed.tensor import Replicate, Shard
 
@@ -249,6 +276,8 @@ def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int |
             raise LogprobContractError(f"temperature.shape={tuple(row_t32.shape)} must equal logits.shape[:-1]={lead} "
                                        "(one temperature per row, the shape of targets)")
         temperature = 1.0
+    sampling = sampling_from(*(_replicated_local(n, v) for n, v in zip(("top_k", "top_p", "min_p"), params)),
+                             lead, logits.device)
     tiles = resolve_vocab_tiles(num_vocab_tiles, vocab, max_tp)
     num_sequences, seq_len = (1, lead[0]) if len(lead) == 1 else lead
     contract = LogprobContract(
@@ -256,15 +285,17 @@ def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int |
         num_vocab_tiles=tiles["resolved"], num_sequences=num_sequences, seq_len=seq_len,
         tp_world_size=tp, tp_rank=tp_rank, vocab_shard_bounds=bounds,
         logits_dtype=DTYPE_NAMES[logits.dtype], ignore_index=ignore_index, temperature=temperature)
-    chosen = dispatch(backend, contract, local.device.type)
+    chosen = dispatch(backend, contract, local.device.type, processed=sampling is not None)
     out = chosen.op(local.reshape(-1, local.shape[-1]), targets.reshape(-1), active.reshape(-1), contract,
                     group=mesh.get_group(dim), compute_entropy=compute_entropy, validate=validate,
-                    chunk_rows=chunk_rows, **({} if row_t32 is None else {"temperature": row_t32.reshape(-1)}))
+                    chunk_rows=chunk_rows, **({} if row_t32 is None else {"temperature": row_t32.reshape(-1)}),
+                    **({"sampling": sampling} if sampling is not None else {}))
     return LogprobOutput(
         out.selected_logp.reshape(lead), out.lse.reshape(lead),
         out.entropy.reshape(lead) if out.entropy is not None else None,
         {**chosen.provenance(), "num_vocab_tiles": tiles,
          "dtensor": {"mesh_dim": dim, "tp": tp, "tp_rank": tp_rank, "columns": list(bounds[tp_rank])}},
+        out.target_kept.reshape(lead) if out.target_kept is not None else None,
     )
 
 
@@ -295,6 +326,9 @@ def selected_logprob_tp(
     compute_entropy: bool = False,
     validate: bool = True,
     chunk_rows: int | None = None,
+    top_k: Any = 0,
+    top_p: Any = 1.0,
+    min_p: Any = 0.0,
 ) -> LogprobOutput:
     """This rank's selected-token logprob under TP x CP: its tokens (``contract.token_indices``)
     and its vocabulary columns (``contract.vocab_start:vocab_end``) of the logits.
@@ -302,11 +336,15 @@ def selected_logprob_tp(
     The backend is chosen by :func:`rl_engine.logprob.registry.dispatch` for ``mesh``'s device
     (``backend="auto"`` records its choice; an explicit id fails closed, nothing falls back) and
     runs over ``mesh.tp_group``; :func:`gather_tokens` over ``mesh.cp_group`` puts the tokens back
-    in the global order. ``mesh`` is :func:`rl_engine.distributed.mesh.init_mesh`'s.
+    in the global order. ``mesh`` is :func:`rl_engine.distributed.mesh.init_mesh`'s. ``top_k``,
+    ``top_p``, ``min_p``: as in :func:`selected_logprob` (numbers, or one value per local row:
+    shape ``targets.shape``), the same bytes at every TP degree.
     """
-    chosen = dispatch(backend, contract, mesh.device.type)
+    sampling = sampling_from(top_k, top_p, min_p, tuple(targets.shape), logits.device)
+    chosen = dispatch(backend, contract, mesh.device.type, processed=sampling is not None)
     return chosen.op(logits, targets, active, contract, group=mesh.tp_group, compute_entropy=compute_entropy,
-                     validate=validate, chunk_rows=chunk_rows)
+                     validate=validate, chunk_rows=chunk_rows,
+                     **({"sampling": sampling} if sampling is not None else {}))
 
 
 def resolve_vocab_tiles(num_vocab_tiles: int | str, padded_vocab: int, max_tp: int = MAX_TP) -> dict[str, Any]:

@@ -127,18 +127,29 @@ def oracle_drift(
     atol: float,
     rtol: float,
     temperature: float = 1.0,
+    sampling: Any = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """The report's ``drift``: LSE (all rows) and dlogp (active rows) against both oracles.
 
     FP32 oracle: the unrounded FP32 logits. FP64 oracle: the logits rounded to ``dtype``
     (what the candidate saw), computed in FP64. With a ``temperature`` both see the logits
     divided by ``T`` in binary64 (the distribution the candidate's ``x / T32`` approximates).
+
+    With ``sampling`` (a :class:`~rl_engine.logprob.processed.Sampling`: processed logprobs,
+    docs/arithmetic.md section 13) the kept set is the FP64 oracle's own
+    (:func:`~rl_engine.logprob.oracle.processed_fp64_oracle`, on the candidate's tempered binary32
+    logits); the FP32 oracle is the unrounded logits' ``log_softmax`` over that set. The candidate's
+    dropped targets (``-inf``) must be exactly the oracle's (else :class:`ComparisonError` names the
+    first token that differs); dlogp is taken over the active rows whose target is kept.
     """
     if dtype not in LOGITS_DTYPES:
         raise ComparisonError(f"dtype={dtype!r} is unknown; use one of {list(LOGITS_DTYPES)}")
     if logits_fp32.dtype != torch.float32:
         raise ComparisonError(f"logits_fp32.dtype={logits_fp32.dtype} must be torch.float32")
     all_rows = torch.ones_like(active)
+    if sampling is not None:
+        return _processed_drift(candidate_logp, candidate_lse, logits_fp32, targets, active, real_vocab, dtype,
+                                atol, rtol, temperature, sampling)
     rounded = logits_fp32.to(LOGITS_DTYPES[dtype])
     unrounded = logits_fp32
     if temperature != 1.0:
@@ -152,6 +163,38 @@ def oracle_drift(
             "dlogp": drift_stats(candidate_logp, oracle.selected_logp, active, targets, atol, rtol),
         }
     return out
+
+
+def _processed_drift(candidate_logp: torch.Tensor, candidate_lse: torch.Tensor, logits_fp32: torch.Tensor,
+                     targets: torch.Tensor, active: torch.Tensor, real_vocab: int, dtype: str, atol: float,
+                     rtol: float, temperature: float, sampling: Any) -> dict[str, dict[str, dict[str, Any]]]:
+    """:func:`oracle_drift` of a processed case (section 13): both oracles on the FP64 oracle's kept set."""
+    from rl_engine.arith.temperature import temperature32
+    from rl_engine.logprob.oracle import processed_fp64_oracle
+
+    x32 = logits_fp32.to(LOGITS_DTYPES[dtype]).float()
+    t32 = temperature32(temperature)
+    if t32 != 1.0:
+        x32 = x32 / torch.tensor(t32, dtype=torch.float32)  # section 6 step 0, as the candidate divides
+    ref64, keep = processed_fp64_oracle(x32, targets, active, real_vocab, sampling.top_k, sampling.top_p,
+                                        sampling.min_p)
+    unrounded = logits_fp32 if temperature == 1.0 else (logits_fp32.double() / temperature).float()
+    masked = torch.where(keep, unrounded[:, :real_vocab], torch.full_like(unrounded[:, :real_vocab], float("-inf")))
+    ref32 = fp32_oracle(masked, targets, active, real_vocab)
+    safe = torch.where(active, targets, torch.zeros_like(targets)).clamp(0, real_vocab - 1)
+    dropped = active & ~keep.gather(1, safe.unsqueeze(1)).squeeze(1)
+    mismatch = dropped != (active & torch.isneginf(candidate_logp))
+    if bool(mismatch.any()):
+        token = int(mismatch.nonzero()[0, 0])
+        raise ComparisonError(
+            f"global token {token}: the candidate's logprob is {float(candidate_logp[token])!r} but the FP64 "
+            f"oracle's kept set {'drops' if bool(dropped[token]) else 'keeps'} its target {int(targets[token])} "
+            "(docs/arithmetic.md section 13); the kept sets differ")
+    kept_rows = active & ~dropped
+    all_rows = torch.ones_like(active)
+    return {name: {"lse": drift_stats(candidate_lse, oracle.lse, all_rows, targets, atol, rtol),
+                   "dlogp": drift_stats(candidate_logp, oracle.selected_logp, kept_rows, targets, atol, rtol)}
+            for name, oracle in (("fp32_oracle", ref32), ("fp64_oracle", ref64))}
 
 
 def drift_failures(drift: dict[str, dict[str, dict[str, Any]]]) -> list[str]:

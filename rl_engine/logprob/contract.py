@@ -26,6 +26,7 @@ from rl_engine.distributed.bounds import (
     check_cp_split,
     check_vocab_shards,
     even_vocab_shards,
+    grid_tile_width,
     token_indices,
 )
 from rl_engine.logprob.errors import LogprobContractError
@@ -128,11 +129,10 @@ class LogprobContract:
                 f"real_vocab_size={self.real_vocab_size} exceeds padded_vocab_size="
                 f"{self.padded_vocab_size}; the padded vocabulary must be >= the real one"
             )
-        if self.padded_vocab_size % self.num_vocab_tiles != 0:
-            raise LogprobContractError(
-                f"num_vocab_tiles={self.num_vocab_tiles} does not divide padded_vocab_size="
-                f"{self.padded_vocab_size}; choose a divisor (e.g. 64 for 151936)"
-            )
+        try:
+            grid_tile_width(self.padded_vocab_size, self.num_vocab_tiles)
+        except BoundsError as exc:
+            raise LogprobContractError(str(exc).replace("padded_vocab=", "padded_vocab_size=")) from None
         if self.tp_rank >= self.tp_world_size:
             raise LogprobContractError(
                 f"tp_rank={self.tp_rank} must be < tp_world_size={self.tp_world_size}"
@@ -247,7 +247,9 @@ class LogprobContract:
     # ----- derived geometry -------------------------------------------------------------
     @property
     def tile_width(self) -> int:
-        return self.padded_vocab_size // self.num_vocab_tiles
+        """``w = ceil(padded_vocab_size / num_vocab_tiles)`` (docs/arithmetic.md section 6): the
+        quotient where the count divides the vocabulary; otherwise the last tile ends past it."""
+        return -(-self.padded_vocab_size // self.num_vocab_tiles)
 
     @property
     def vocab_start(self) -> int:
@@ -266,7 +268,20 @@ class LogprobContract:
     @property
     def local_tiles(self) -> tuple[int, int]:
         """Half-open range of global tile indices this TP rank computes."""
-        return self.vocab_start // self.tile_width, self.vocab_end // self.tile_width
+        return self.vocab_start // self.tile_width, -(-self.vocab_end // self.tile_width)
+
+    @property
+    def local_tile_count(self) -> int:
+        """Tiles this TP rank computes."""
+        first, end = self.local_tiles
+        return end - first
+
+    @property
+    def local_grid_width(self) -> int:
+        """Columns of this rank's whole tiles: ``local_vocab_size``, plus the grid's padding past the
+        vocabulary on the rank holding the last tile when the tiles do not divide it (those columns
+        are never stored: they read as ``-inf``)."""
+        return self.local_tile_count * self.tile_width
 
     @property
     def token_indices(self) -> tuple[int, ...]:

@@ -54,13 +54,14 @@ from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.head_matmul import choose_matmul
 from rl_engine.logprob.hidden_chunks import HeadPlan, active_rows, backward_chunks, forward_chunks
 from rl_engine.logprob.hidden_dtensor import HeadWeight, head_weight, is_dtensor
+from rl_engine.logprob.processed import sampling_from
 from rl_engine.logprob.registry import dispatch
 from rl_engine.tables import AUTO, MAX_TP
 
 DEFAULT_CHUNK_TOKENS = 256
 HIDDEN_GRADS = ("all_reduce", "partial")
 CALL = "selected_logprob_from_hidden"
-AGREED_FIELDS = ("tokens", "active", "chunk_tokens", "matmul", "hidden_grad")
+AGREED_FIELDS = ("tokens", "active", "chunk_tokens", "matmul", "hidden_grad", "sampling")
 
 
 class _FromHidden(torch.autograd.Function):
@@ -68,27 +69,29 @@ class _FromHidden(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
         plan: HeadPlan,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         compute = weight if weight.dtype == plan.compute_dtype else weight.detach().to(plan.compute_dtype)
-        logp, lse, entropy = forward_chunks(hidden, compute, targets, rows, plan)
-        ctx.save_for_backward(hidden, compute, targets, rows, lse, entropy)
+        logp, lse, entropy, kept = forward_chunks(hidden, compute, targets, rows, plan)
+        ctx.save_for_backward(hidden, compute, targets, rows, lse, entropy, kept)
         ctx.plan, ctx.weight_dtype = plan, weight.dtype
         ctx.set_materialize_grads(False)  # an output the loss does not use gives None, not zeros
         if not plan.compute_entropy:
             ctx.mark_non_differentiable(entropy)
-        return logp, lse, entropy
+        ctx.mark_non_differentiable(kept)
+        return logp, lse, entropy, kept
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None,
-        grad_entropy: torch.Tensor | None,
+        grad_entropy: torch.Tensor | None, _grad_kept: Any = None,
     ) -> tuple[Any, ...]:
-        hidden, compute, targets, rows, lse, entropy = ctx.saved_tensors
+        hidden, compute, targets, rows, lse, entropy, kept = ctx.saved_tensors
         if not ctx.plan.compute_entropy:
             grad_entropy = None
         grad_hidden, grad_weight = backward_chunks(
             hidden, compute, targets, rows, lse, entropy, grad_logp, grad_lse, grad_entropy, ctx.plan,
-            ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.weight_dtype)
+            ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.weight_dtype,
+            kept if ctx.plan.sampling is not None else None)
         return grad_hidden, grad_weight, None, None, None
 
 
@@ -163,13 +166,15 @@ class Prepared:
 def prepare(hidden: Any, resolved: HeadWeight, targets: Any, active: Any, *, num_vocab_tiles: int | str,
             real_vocab_size: int | None, compute_entropy: bool, validate: bool, chunk_tokens: int, backend: str,
             ignore_index: int, max_tp: int, grad_weight_fp32: bool, temperature: Any, hidden_grad: str,
-            matmul: str, compute_dtype: torch.dtype | None, autocast: str | None) -> Prepared:
+            matmul: str, compute_dtype: torch.dtype | None, autocast: str | None,
+            top_k: Any = 0, top_p: Any = 1.0, min_p: Any = 0.0) -> Prepared:
     """Every local check of a call, and its plan (no collective; raises LogprobContractError)."""
     meta = resolved.meta
     _check_inputs(hidden, meta, compute_dtype, autocast, grad_weight_fp32, hidden_grad, chunk_tokens)
     lead = tuple(hidden.shape[:-1])
     targets, active = trainer_inputs(targets, active, lead, ignore_index)
-    temperature, row_t32 = split_temperature(temperature, lead, hidden.device)
+    temperature, row_t32 = split_temperature(temperature, lead, hidden.device, validate)
+    sampling = sampling_from(top_k, top_p, min_p, lead, hidden.device)
     group = resolved.group
     tp, tp_rank = group_geometry(group)
     tiles = resolve_vocab_tiles(num_vocab_tiles, resolved.vocab, max_tp)
@@ -185,10 +190,10 @@ def prepare(hidden: Any, resolved: HeadWeight, targets: Any, active: Any, *, num
             f"into {tp} tile-aligned shards ({contract.vocab_end - contract.vocab_start} rows); shard the lm_head "
             "evenly")
     choice = choose_matmul(matmul, hidden.device)
-    chosen = dispatch(backend, contract, hidden.device.type)
+    chosen = dispatch(backend, contract, hidden.device.type, processed=sampling is not None)
     plan = HeadPlan(contract, chosen.op, chunk_tokens, compute_entropy, validate, choice, compute_dtype,
                     grad_weight_fp32, group, tp > 1 and hidden_grad == "all_reduce",
-                    None if row_t32 is None else row_t32.reshape(-1))
+                    None if row_t32 is None else row_t32.reshape(-1), sampling)
     provenance = {**chosen.provenance(), "num_vocab_tiles": tiles, "chunk_tokens": chunk_tokens,
                   "matmul": choice.record(), "autocast": autocast, "grad_weight_fp32": grad_weight_fp32}
     if resolved.record is not None:
@@ -216,6 +221,9 @@ def selected_logprob_from_hidden(
     hidden_grad: str = "all_reduce",
     matmul: str = "auto",
     weight_grad_reduce: str = "mean",
+    top_k: Any = 0,
+    top_p: Any = 1.0,
+    min_p: Any = 0.0,
 ) -> LogprobOutput:
     """Selected-token logprob of ``hidden @ weight.T`` made ``chunk_tokens`` active tokens at a time.
 
@@ -230,6 +238,9 @@ def selected_logprob_from_hidden(
     parallelism (FSDP2, ``group=None``) it is gathered and its gradient reduced over its mesh
     (``weight_grad_reduce``: ``"mean"`` or ``"sum"``); sharded on the vocabulary over the TP mesh
     whose group is ``group`` it is the rank's shard. See the module docstring for the bits.
+    ``top_k``, ``top_p``, ``min_p``: the processed logprob of section 13 of docs/arithmetic.md, as in
+    :func:`rl_engine.logprob.api.selected_logprob` (``out.target_kept``); the backward finds each
+    chunk's kept set again from the same logits.
     """
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise LogprobContractError(
@@ -240,6 +251,9 @@ def selected_logprob_from_hidden(
                    ignore_index=ignore_index, max_tp=max_tp, grad_weight_fp32=grad_weight_fp32,
                    temperature=temperature, hidden_grad=hidden_grad, matmul=matmul)
     if torch.compiler.is_compiling() and group is None and not is_dtensor(weight) and not is_dtensor(hidden):
+        from rl_engine.logprob.api import _refuse_compiled_sampling
+
+        _refuse_compiled_sampling(top_k, top_p, min_p)
         return compiled_from_hidden(hidden, weight, targets, active, **options)
     together = _agreement_group(weight, group)
     failure: LogprobContractError | None = None
@@ -247,10 +261,12 @@ def selected_logprob_from_hidden(
     try:  # local checks record a verdict: under TP or a DTensor's mesh every rank raises it together
         resolved = head_weight(weight, group, weight_grad_reduce)
         compute_dtype, autocast = compute_dtype_of(hidden) if isinstance(hidden, torch.Tensor) else (None, None)
-        call = prepare(hidden, resolved, targets, active, compute_dtype=compute_dtype, autocast=autocast, **options)
+        call = prepare(hidden, resolved, targets, active, compute_dtype=compute_dtype, autocast=autocast,
+                       top_k=top_k, top_p=top_p, min_p=min_p, **options)
         if call.plan.group is not None:  # the TP ranks cut the same chunks only if they agree on the active rows
             fields = {"tokens": str(call.tokens), "active": tensor_digest(call.active),
-                      "chunk_tokens": str(chunk_tokens), "matmul": call.plan.matmul.used, "hidden_grad": hidden_grad}
+                      "chunk_tokens": str(chunk_tokens), "matmul": call.plan.matmul.used, "hidden_grad": hidden_grad,
+                      "sampling": call.plan.sampling.digest() if call.plan.sampling is not None else "off"}
     except LogprobContractError as exc:
         failure = exc
     if group_geometry(together)[0] > 1:
@@ -262,11 +278,11 @@ def selected_logprob_from_hidden(
     elif failure is not None:
         raise failure
     with torch.autocast(hidden.device.type, enabled=False):
-        logp, lse, entropy = _FromHidden.apply(hidden.reshape(call.tokens, -1), call.weight.tensor(), call.targets,
-                                               active_rows(call.active), call.plan)
+        logp, lse, entropy, kept = _FromHidden.apply(hidden.reshape(call.tokens, -1), call.weight.tensor(),
+                                                     call.targets, active_rows(call.active), call.plan)
     lead = call.lead
     return LogprobOutput(logp.reshape(lead), lse.reshape(lead), entropy.reshape(lead) if compute_entropy else None,
-                         call.provenance)
+                         call.provenance, kept.reshape(lead) if call.plan.sampling is not None else None)
 
 
 
@@ -325,7 +341,7 @@ def from_hidden_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
                     validate, backend, chunk_tokens, grad_weight_fp32, temperature, matmul, autocast_dtype,
                     row_temperature)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        logp, lse, entropy = forward_chunks(hidden.reshape(call.tokens, -1), _compute_weight(weight, call.plan.compute_dtype),
+        logp, lse, entropy, _ = forward_chunks(hidden.reshape(call.tokens, -1), _compute_weight(weight, call.plan.compute_dtype),
                                             call.targets, active_rows(call.active), call.plan)
     return logp.reshape(call.lead), lse.reshape(call.lead), \
         entropy.reshape(call.lead) if compute_entropy else entropy

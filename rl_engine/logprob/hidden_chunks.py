@@ -27,6 +27,7 @@ import torch
 from rl_engine.logprob.backends.eager.vocab_parallel import vocab_parallel_backward
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.head_matmul import MatmulChoice, head_logits
+from rl_engine.logprob.processed import Sampling
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -47,6 +48,7 @@ class HeadPlan:
     group: Any
     reduce_hidden: bool
     row_t32: torch.Tensor | None = None  # a temperature per token: binary32 [tokens], each token's T32
+    sampling: Sampling | None = None  # per token (flat); docs/arithmetic.md section 13
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_tokens, bool) or not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1:
@@ -69,16 +71,25 @@ def active_rows(active: torch.Tensor) -> torch.Tensor:
     return active.nonzero().reshape(-1)
 
 
+def _chunk_sampling(plan: HeadPlan, index: torch.Tensor) -> Sampling | None:
+    s = plan.sampling
+    if s is None:
+        return None
+    return Sampling(s.top_k.index_select(0, index), s.top_p.index_select(0, index), s.min_p.index_select(0, index))
+
+
 def _chunk_hidden(hidden: torch.Tensor, rows: torch.Tensor, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
     return hidden.index_select(0, rows[start:end]).to(dtype)
 
 
 def forward_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
-                   plan: HeadPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logp, lse, entropy)`` of every token (``+0`` on inactive rows; entropy empty without
-    ``compute_entropy``). ``hidden`` is ``[tokens, H]``, ``weight`` the compute dtype's copy of the
-    rank's rows, ``rows`` the active rows' indices."""
+                   plan: HeadPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, lse, entropy, target_kept)`` of every token (``+0`` on inactive rows; entropy empty
+    without ``compute_entropy``; ``target_kept`` True but where the plan's sampling drops an active
+    target). ``hidden`` is ``[tokens, H]``, ``weight`` the compute dtype's copy of the rank's rows,
+    ``rows`` the active rows' indices."""
     tokens = hidden.shape[0]
+    kept = torch.ones(tokens, dtype=torch.bool, device=hidden.device)
     logp = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
     lse = torch.zeros_like(logp)
     entropy = torch.zeros_like(logp) if plan.compute_entropy else logp.new_empty(0)
@@ -89,23 +100,31 @@ def forward_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         logits = head_logits(_chunk_hidden(hidden, rows, start, end, plan.compute_dtype), weight, plan.matmul)
         ones = torch.ones(end - start, dtype=torch.bool, device=hidden.device)
         per_row = {} if plan.row_t32 is None else {"temperature": plan.row_t32.index_select(0, index)}
+        sampling = _chunk_sampling(plan, index)
         out = plan.op(logits, targets.index_select(0, index), ones, plan.chunk_contract(end - start),
-                      group=plan.group, compute_entropy=plan.compute_entropy, validate=plan.validate, **per_row)
+                      group=plan.group, compute_entropy=plan.compute_entropy, validate=plan.validate,
+                      **per_row, **({"sampling": sampling} if sampling is not None else {}))
         logp[index] = out.selected_logp
+        if out.target_kept is not None:
+            kept[index] = out.target_kept
         lse[index] = out.lse
         if plan.compute_entropy:
             entropy[index] = out.entropy
         del logits, out
-    return logp, lse, entropy
+    return logp, lse, entropy, kept
 
 
 def backward_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
                     lse: torch.Tensor, entropy: torch.Tensor | None, grad_logp: torch.Tensor | None,
                     grad_lse: torch.Tensor | None, grad_entropy: torch.Tensor | None, plan: HeadPlan,
                     want_hidden: bool, want_weight: bool,
-                    weight_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                    weight_dtype: torch.dtype,
+                    target_kept: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The gradients of ``hidden`` (``+0`` rows where inactive, all-reduced over the TP group when
-    the plan says so) and of the weight (in ``weight_dtype``), from the forward's LSE and entropy."""
+    the plan says so) and of the weight (in ``weight_dtype``), from the forward's LSE and entropy.
+    With the plan's sampling, each chunk's kept set is found again (the same cut: the same logits;
+    under TP its collectives run on every rank in the same chunk order) and ``target_kept`` is the
+    forward's."""
     count = rows.numel()
     grad_rows = torch.empty(count, hidden.shape[1], dtype=plan.compute_dtype, device=hidden.device) \
         if want_hidden else None
@@ -119,14 +138,19 @@ def backward_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
             logits = head_logits(chunk, weight, plan.matmul)
             part = plan.chunk_contract(end - start)
             ones = torch.ones(end - start, dtype=torch.bool, device=hidden.device)
+            sampling = _chunk_sampling(plan, index)
+            chunk_rows = plan.op.default_chunk_rows(part, logits.device)
+            row_t32 = None if plan.row_t32 is None else plan.row_t32.index_select(0, index)
+            keep = None if sampling is None else plan.op.engine().kept_cut(
+                logits, part, sampling, plan.group, chunk_rows, **({} if row_t32 is None else {"row_t32": row_t32}))
             grad_logits = vocab_parallel_backward(
                 logits, targets.index_select(0, index), ones, lse.index_select(0, index),
                 None if grad_logp is None else grad_logp.index_select(0, index),
                 None if grad_lse is None else grad_lse.index_select(0, index), part,
-                plan.op.default_chunk_rows(part, logits.device), plan.op.engine(),
+                chunk_rows, plan.op.engine(),
                 None if grad_entropy is None else grad_entropy.index_select(0, index),
                 None if grad_entropy is None or entropy is None else entropy.index_select(0, index),
-                None if plan.row_t32 is None else plan.row_t32.index_select(0, index))
+                row_t32, keep, None if keep is None or target_kept is None else target_kept.index_select(0, index))
             del logits
             if grad_rows is not None:
                 grad_rows[start:end] = grad_logits @ weight

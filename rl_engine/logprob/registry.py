@@ -44,9 +44,12 @@ class BackendCapabilities:
     exports_lse: bool
     determinism_scopes: frozenset[str]
     devices: frozenset[str]
+    processed_logprobs: bool = False  # top_k / top_p / min_p (docs/arithmetic.md section 13)
 
-    def reasons_incapable(self, contract: LogprobContract, device: str) -> list[str]:
+    def reasons_incapable(self, contract: LogprobContract, device: str, processed: bool = False) -> list[str]:
         reasons = []
+        if processed and not self.processed_logprobs:
+            reasons.append("processed logprobs (top_k / top_p / min_p) not supported yet")
         if contract.logits_dtype not in self.dtypes:
             reasons.append(f"dtype {contract.logits_dtype} not in {sorted(self.dtypes)}")
         if contract.tp_world_size > self.max_tp_world_size:
@@ -75,6 +78,7 @@ class BackendCapabilities:
             "exports_lse": self.exports_lse,
             "determinism_scopes": sorted(self.determinism_scopes),
             "devices": sorted(self.devices),
+            "processed_logprobs": self.processed_logprobs,
         }
 
 
@@ -137,6 +141,7 @@ def _arith_capabilities(backend_id: str, root: str | os.PathLike[str] | None = N
         exports_lse=True,
         determinism_scopes=frozenset(DETERMINISM_SCOPES),
         devices=frozenset(backend_table_devices(backend_id, root)),
+        processed_logprobs={d.backend_id: d.processed_logprobs for d in descriptions(root)}[backend_id],
     )
 
 
@@ -178,8 +183,8 @@ def machine_lacks(device: str) -> str | None:
     return None
 
 
-def _rejection(spec: BackendSpec, contract: LogprobContract, device: str) -> str | None:
-    reasons = spec.capabilities.reasons_incapable(contract, device)
+def _rejection(spec: BackendSpec, contract: LogprobContract, device: str, processed: bool = False) -> str | None:
+    reasons = spec.capabilities.reasons_incapable(contract, device, processed)
     if reasons:
         return "incapable: " + "; ".join(reasons)
     unavailable = spec.availability() or machine_lacks(device)
@@ -203,8 +208,12 @@ def dispatch(
     contract: LogprobContract,
     device: str,
     registry: dict[str, BackendSpec] | None = None,
+    processed: bool = False,
 ) -> Dispatch:
-    """Choose the backend for ``contract`` on ``device``; explicit ids never fall back."""
+    """Choose the backend for ``contract`` on ``device``; explicit ids never fall back.
+
+    ``processed``: the call has sampling parameters (section 13); a backend without processed
+    logprobs is incapable of it (``auto`` passes over it, an explicit request raises)."""
     registry = registry if registry is not None else default_registry()
     if requested != AUTO:
         if requested not in registry:
@@ -212,7 +221,7 @@ def dispatch(
                 f"backend={requested!r} is not registered; use one of {list(registry)} "
                 f"or {AUTO!r}"
             )
-        reason = _rejection(registry[requested], contract, device)
+        reason = _rejection(registry[requested], contract, device, processed)
         if reason is not None:
             raise BackendUnavailableError(
                 f"backend={requested!r} was requested explicitly and cannot serve this call "
@@ -223,7 +232,7 @@ def dispatch(
     rejections: list[tuple[str, str]] = []
     eligible_rejected = False
     for spec in registry.values():
-        reason = _rejection(spec, contract, device)
+        reason = _rejection(spec, contract, device, processed)
         if reason is None and spec.auto_devices is not None and device not in spec.auto_devices:
             reason = f"not chosen by auto on device {device} (auto takes it on {sorted(spec.auto_devices)})"
         if reason is None:

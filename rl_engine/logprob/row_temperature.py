@@ -42,12 +42,14 @@ def _is_dtensor(value: Any) -> bool:
 
 
 def row_temperature32(temperature: Any, lead: tuple[int, ...], device: torch.device,
-                      field: str = "temperature") -> torch.Tensor:
+                      field: str = "temperature", check_values: bool = True) -> torch.Tensor:
     """The rows' ``T32`` as a contiguous binary32 tensor of shape ``lead`` on ``device``.
 
     Refuses (:class:`LogprobContractError`, naming ``field``, the value and the fix) another shape,
     a non-floating dtype, another device, a tensor requiring a gradient, and a ``T32`` that is not
-    finite or lies outside ``[2**-64, 2**64]``."""
+    finite or lies outside ``[2**-64, 2**64]``. The last check reads the values on the host (one
+    sync); ``check_values=False`` (the op's ``validate=False``, which skips the targets' range check
+    too) leaves it out, so that a call without validation stays free of host round trips."""
     if _is_dtensor(temperature):
         from torch.distributed.tensor import Replicate
 
@@ -75,6 +77,8 @@ def row_temperature32(temperature: Any, lead: tuple[int, ...], device: torch.dev
         raise LogprobContractError(
             f"{field}.requires_grad=True: the op gives no gradient to the temperature; pass {field}.detach()")
     t32 = temperature.detach().to(torch.float32).contiguous()  # exact from <= 32 bits; RN32 from float64
+    if not check_values:
+        return t32
     bad = ~((t32 >= MIN_TEMPERATURE) & (t32 <= MAX_TEMPERATURE))  # NaN compares false: bad
     if t32.numel() and bool(bad.any()):
         index = tuple(int(i) for i in bad.nonzero()[0])

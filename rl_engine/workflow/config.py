@@ -436,7 +436,8 @@ def resolve_auto_tiles(config: dict[str, Any], origin: Origin = Origin()) -> Non
         return
     max_tp = max(t.tp for t in config_topologies(config))
     try:
-        config["num_vocab_tiles"] = auto_vocab_tiles(config["padded_vocab"], max_tp)
+        # the campaign's rule: a count that divides padded_vocab (the case and its hash hold one)
+        config["num_vocab_tiles"] = auto_vocab_tiles(config["padded_vocab"], max_tp, divisible=True)
     except BoundsError as exc:
         raise WorkflowConfigError(f"{origin.describe('num_vocab_tiles', 'auto')}: {exc}") from None
 

@@ -70,6 +70,7 @@ class BackendDescription:
     interpreter_devices: tuple[str, ...] = ()
     auto_devices: tuple[str, ...] | None = None
     mode: str | None = None
+    processed_logprobs: bool = False  # top_k / top_p / min_p (docs/arithmetic.md section 13); else refused by name
 
     def __post_init__(self) -> None:
         problems = []

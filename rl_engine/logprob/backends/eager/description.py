@@ -12,4 +12,5 @@ DESCRIPTION = BackendDescription(
     engine="rl_engine.logprob.backends.eager.vocab_parallel:VocabParallelLogprob",
     priority=0,
     arith_versions=("rl-engine-arith/2",),
+    processed_logprobs=True,
 )

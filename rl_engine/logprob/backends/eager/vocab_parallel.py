@@ -46,6 +46,7 @@ from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device, tensor_digest
 from rl_engine.logprob.backends.eager.chunk_threads import for_each_chunk
 from rl_engine.logprob.contract import RANK_LOCAL_FIELDS, LogprobContract, LogprobContractError
+from rl_engine.logprob.processed import KeptCut, Sampling, kept_cut
 from rl_engine.logprob.row_temperature import row_temperature32
 from rl_engine.logprob.storage import require_readable
 from rl_engine.tables import EAGER_BACKEND
@@ -60,12 +61,18 @@ class LogprobOutput:
     ``provenance`` is the backend choice when the call went through a dispatch
     (:func:`rl_engine.logprob.api.selected_logprob`): requested and actual backend, the reason,
     the mode, every rejection; ``None`` when an op was called directly.
+
+    ``target_kept`` (processed logprobs, ``docs/arithmetic.md`` section 13): per token, whether
+    the target is in the kept set (False only on an active row whose target the sampler's
+    top-k / top-p / min-p removed: its logp is ``-inf``); ``None`` for a call without sampling
+    parameters, where every target is kept.
     """
 
     selected_logp: torch.Tensor
     lse: torch.Tensor
     entropy: torch.Tensor | None
     provenance: dict[str, Any] | None = None
+    target_kept: torch.Tensor | None = None
 
 
 def check_group(contract: LogprobContract, group: Any) -> None:
@@ -101,6 +108,7 @@ AGREEMENT_HINTS: dict[str, str] = {
     "compute_entropy": "Pass the same compute_entropy on every rank.",
     "validate": "Pass the same validate on every rank.",
     "on_invalid": "Pass the same on_invalid on every rank.",
+    "sampling": "Pass the same top_k, top_p and min_p (per row) on every TP rank.",
     "targets": "Every TP rank of a CP rank must get the same targets on its active rows "
     "(inactive rows are ignored): take them from the same batch.",
     "active": "Every TP rank of a CP rank must get the same active mask: take it from the "
@@ -156,6 +164,7 @@ def call_record(
     verdict: str | None,
     on_invalid: Any = "raise",
     row_t32: Any = None,
+    sampling: Sampling | None = None,
 ) -> CallRecord:
     """This rank's agreement record: its verdict and every per-call field TP peers share.
 
@@ -182,8 +191,12 @@ def call_record(
         effective = targets.masked_fill(~active, contract.ignore_index)
         fields += [("targets", tensor_digest(effective)), ("active", tensor_digest(active)),
                    ("row_temperature", "none" if row_t32 is None else tensor_digest(row_t32))]
+        if sampling is not None:
+            fields.append(("sampling", sampling.digest()))
     else:
         fields += [("targets", UNKNOWN), ("active", UNKNOWN), ("row_temperature", UNKNOWN)]
+        if sampling is not None:
+            fields.append(("sampling", UNKNOWN))
     return CallRecord(CALL, verdict, tuple(fields))
 
 
@@ -215,6 +228,7 @@ def _local_partials(
     with_entropy: bool,
     validate: bool,
     row_t32: torch.Tensor | None = None,
+    keep: KeptCut | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Tile partials of the local shard, one cache-sized chunk of rows at a time.
 
@@ -226,7 +240,7 @@ def _local_partials(
     rows = logits.shape[0]
     width = contract.tile_width
     real_local = real_local_columns(contract)
-    tiles = contract.local_vocab_size // width
+    tiles = contract.local_tile_count
     m = torch.empty(rows, tiles, dtype=torch.float32, device=logits.device)
     s = torch.empty_like(m)
     t = torch.empty_like(m) if with_entropy else None
@@ -235,8 +249,9 @@ def _local_partials(
     def workspace() -> ChunkWorkspace:
         require_gradual_underflow(logits.device)  # per worker thread
         return ChunkWorkspace(
-            min(chunk_rows, rows), contract.local_vocab_size, width, real_local, with_entropy,
-            logits.device, contract.temperature32,
+            min(chunk_rows, rows), contract.local_grid_width, width, real_local, with_entropy,
+            logits.device, contract.temperature32, contract.vocab_start if keep is not None else None,
+            stored=contract.local_vocab_size,
         )
 
     def work(ws: ChunkWorkspace, start: int, stop: int) -> None:
@@ -247,10 +262,15 @@ def _local_partials(
             t[start:stop] if t is not None else None,
             row_min[start:stop] if row_min is not None else None,
             row_t32[start:stop] if row_t32 is not None else None,
+            keep.rows_slice(start, stop) if keep is not None else None,
         )
 
     for_each_chunk(rows, chunk_rows, workspace, work, threaded=logits.device.type == "cpu")
-    finite = rows_finite(m, row_min, width, real_local) if row_min is not None else None
+    finite = None
+    if row_min is not None and keep is not None:  # row_min is NaN where the real max is not finite
+        finite = torch.isfinite(row_min) if real_local > 0 else torch.ones(rows, dtype=torch.bool, device=logits.device)
+    elif row_min is not None:
+        finite = rows_finite(m, row_min, width, real_local)
     return m, s, t, finite
 
 
@@ -295,7 +315,7 @@ def _exchange(
         return tile_pieces, target_value.unsqueeze(1)
     assert contract.vocab_shard_bounds is not None
     width = contract.tile_width
-    tiles_per_rank = [(end - start) // width for start, end in contract.vocab_shard_bounds]
+    tiles_per_rank = [-(-end // width) - start // width for start, end in contract.vocab_shard_bounds]
     slot = max(tiles_per_rank)
     rows = target_value.shape[0]
     buf = torch.zeros(rows, slot * len(tile_pieces) + 1, dtype=torch.float32, device=target_value.device)
@@ -332,12 +352,40 @@ def vocab_parallel_forward(
     ``row_t32`` (binary32 ``[rows]``, checked by the caller): each row's ``T32`` in place of the
     contract's temperature (:mod:`rl_engine.logprob.row_temperature`).
     """
+    logp, lse, entropy, _ = processed_forward(
+        logits, targets, active, contract, group, chunk_rows, with_entropy, validate, engine, on_invalid,
+        row_t32=row_t32)
+    return logp, lse, entropy
+
+
+def processed_forward(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    active: torch.Tensor,
+    contract: LogprobContract,
+    group: Any,
+    chunk_rows: int,
+    with_entropy: bool,
+    validate: bool,
+    engine: "LocalEngine | None" = None,
+    on_invalid: str = "raise",
+    keep: KeptCut | None = None,
+    row_t32: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`vocab_parallel_forward` on the kept set ``keep`` (``docs/arithmetic.md`` section 13;
+    ``None``: every column, the raw forward), with ``target_kept`` (``None`` without ``keep``).
+    ``row_t32``: each row's ``T32`` (a temperature per row), as in :func:`vocab_parallel_forward`.
+
+    An active row whose target the cut drops gets ``logp = -inf`` (never NaN) and
+    ``target_kept`` False; the target logit is the owner's copy, so every rank decides alike.
+    """
     engine = engine or EAGER_ENGINE
-    if row_t32 is None:
-        m, s, t, finite = engine.local_partials(logits, contract, chunk_rows, with_entropy, validate)
-    else:
-        m, s, t, finite = engine.local_partials(logits, contract, chunk_rows, with_entropy, validate,
-                                                row_t32=row_t32)
+    extra: dict[str, Any] = {}
+    if row_t32 is not None:
+        extra["row_t32"] = row_t32
+    if keep is not None:
+        extra["keep"] = keep
+    m, s, t, finite = engine.local_partials(logits, contract, chunk_rows, with_entropy, validate, **extra)
     target_value = _local_target_logit(logits, targets, contract, row_t32)
     check = validate and contract.num_tokens > 0
     if check:
@@ -381,12 +429,16 @@ def vocab_parallel_forward(
         owner = _owner_rank(targets, contract).unsqueeze(1)
         target_logit = targets_by_rank.gather(1, owner).squeeze(1)
     logp = (target_logit - lse).masked_fill_(~active, 0.0)
+    target_kept = None
+    if keep is not None:
+        target_kept = ~(active & keep.dropped(target_logit.unsqueeze(1), targets.unsqueeze(1)).squeeze(1))
+        logp.masked_fill_(~target_kept, float("-inf"))
     if poisoned is not None:
         logp.masked_fill_(poisoned, float("nan"))  # canonical below
     for out in (logp, lse, entropy):
         if out is not None:
             canonical_nan_(out)
-    return logp, lse, entropy
+    return logp, lse, entropy, target_kept
 
 
 @dataclass(frozen=True)
@@ -408,6 +460,10 @@ class BackwardTerms:
     mb: torch.Tensor | None = None
     # a temperature per row: each row's T32 (binary32 [rows]) in place of t32 (which is then 1)
     row_t32: torch.Tensor | None = None
+    # processed logprobs (section 13): the kept set's cut and the global id of local column 0;
+    # every column the cut drops gets +0
+    keep: KeptCut | None = None
+    vocab_start: int = 0
 
     @property
     def tempered(self) -> bool:
@@ -431,9 +487,13 @@ def backward_terms(
     grad_entropy: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     row_t32: torch.Tensor | None = None,
+    keep: KeptCut | None = None,
+    target_kept: torch.Tensor | None = None,
 ) -> BackwardTerms:
     local_vocab = logits.shape[1]
     zeros = torch.zeros_like(lse)
+    if target_kept is not None:
+        active = active & target_kept  # a dropped target's logp is the constant -inf: gl = 0
     g_logp = torch.where(active, grad_logp, zeros) if grad_logp is not None else zeros
     g_lse = grad_lse if grad_lse is not None else zeros
     coef = g_lse - g_logp
@@ -448,7 +508,7 @@ def backward_terms(
         g_ent = grad_entropy.float().contiguous()
         mb = (lse - entropy).contiguous()  # Mb = LSE - H, one binary32 subtraction (section 7)
     return BackwardTerms(coef, target_col, target_add, real_local_columns(contract), contract.temperature32,
-                         g_ent, mb, row_t32)
+                         g_ent, mb, row_t32, keep, contract.vocab_start)
 
 
 def _eager_backward(
@@ -469,11 +529,13 @@ def _eager_backward(
             None if terms.g_ent is None else terms.g_ent[start:stop],
             None if terms.mb is None else terms.mb[start:stop],
             None if terms.row_t32 is None else terms.row_t32[start:stop],
+            None if terms.keep is None else terms.keep.rows_slice(start, stop),
         )
 
     def workspace() -> GradWorkspace:
         require_gradual_underflow(logits.device)  # per worker thread
-        return GradWorkspace(min(chunk_rows, rows), local_vocab, logits.device, terms.t32)
+        return GradWorkspace(min(chunk_rows, rows), local_vocab, logits.device, terms.t32,
+                             terms.vocab_start if terms.keep is not None else None)
 
     for_each_chunk(
         rows,
@@ -495,6 +557,28 @@ def _eager_backward(
     if terms.real_local < local_vocab:
         grad[:, terms.real_local:] = 0.0
     return grad
+
+
+def check_sampling(sampling: Any, contract: LogprobContract, device: torch.device, backend_id: str,
+                   engine: "LocalEngine") -> None:
+    """``sampling`` is ``None`` or a :class:`Sampling` of the local rows on the logits' device, and
+    the backend's engine computes processed logprobs (a local check, before any collective)."""
+    if sampling is None:
+        return
+    if not isinstance(sampling, Sampling):
+        raise LogprobContractError(
+            f"sampling={sampling!r} must be a Sampling (rl_engine.logprob.processed.sampling_from) or None")
+    if sampling.rows != contract.num_tokens:
+        raise LogprobContractError(
+            f"sampling has {sampling.rows} rows but the call has num_tokens={contract.num_tokens}: give one "
+            "top_k / top_p / min_p per local row")
+    if sampling.top_k.device != device:
+        raise LogprobContractError(
+            f"sampling is on {sampling.top_k.device}, the logits on {device}: move it to the logits' device")
+    if not engine.supports_processed:
+        raise LogprobContractError(
+            f"backend {backend_id!r} does not compute processed logprobs (top_k / top_p / min_p) yet; "
+            "nothing falls back: request backend='pytorch-vocab-parallel-logp-ws2' or turn the parameters off")
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -528,7 +612,15 @@ class LocalEngine:
     Everything else (validation, exchange, merge, autograd) is shared. The eager engine
     runs PyTorch elementwise ops in cache-sized row chunks; a compiled engine
     (:mod:`rl_engine.logprob.backends.fused_cpu.fused_cpu`) must give the same bytes.
+
+    Processed logprobs (section 13, :mod:`rl_engine.logprob.processed`): an engine with
+    ``supports_processed`` gets the kept set as a :class:`~rl_engine.logprob.processed.KeptCut`
+    in ``local_partials(..., keep=)`` and in ``BackwardTerms.keep`` (drop after step 0; ``+0``
+    gradient on dropped columns), and finds it with :meth:`kept_cut`. An engine without it is
+    never given one: the op refuses the call naming the backend.
     """
+
+    supports_processed: bool = True
 
     def local_partials(
         self,
@@ -538,10 +630,19 @@ class LocalEngine:
         with_entropy: bool,
         validate: bool,
         row_t32: torch.Tensor | None = None,
+        keep: KeptCut | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(m, s, t, finite)``: the tile partials of the local shard (``row_t32``: each row's
-        ``T32`` in place of the contract's temperature)."""
-        return _local_partials(logits, contract, chunk_rows, with_entropy, validate, row_t32)
+        ``T32`` in place of the contract's temperature; ``keep``: the kept set's cut, section 13)."""
+        return _local_partials(logits, contract, chunk_rows, with_entropy, validate, row_t32, keep)
+
+    def kept_cut(
+        self, logits: torch.Tensor, contract: LogprobContract, sampling: Sampling, group: Any, chunk_rows: int,
+        row_t32: torch.Tensor | None = None,
+    ) -> KeptCut:
+        """The kept set's cut of every local row; runs collectives on ``group`` (every TP rank calls
+        it in the same order). The eager search of :func:`rl_engine.logprob.processed.kept_cut`."""
+        return kept_cut(logits, contract, sampling, group, chunk_rows, row_t32)
 
     def local_backward(
         self, logits: torch.Tensor, lse: torch.Tensor, terms: BackwardTerms, chunk_rows: int
@@ -573,6 +674,8 @@ def vocab_parallel_backward(
     grad_entropy: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     row_t32: torch.Tensor | None = None,
+    keep: KeptCut | None = None,
+    target_kept: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Local logits gradient, recomputed chunk by chunk from the stored logits.
 
@@ -589,7 +692,7 @@ def vocab_parallel_backward(
     each row's ``T32`` (a temperature per row) in place of the contract's.
     """
     terms = backward_terms(logits, targets, active, lse, grad_logp, grad_lse, contract, grad_entropy, entropy,
-                           row_t32)
+                           row_t32, keep, target_kept)
     return (engine or EAGER_ENGINE).local_backward(logits, lse, terms, chunk_rows)
 
 
@@ -608,9 +711,13 @@ class _VocabParallelLogprob(torch.autograd.Function):
         engine: LocalEngine,
         on_invalid: str,
         row_t32: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logp, lse, entropy = vocab_parallel_forward(
-            logits, targets, active, contract, group, chunk_rows, with_entropy, validate, engine, on_invalid,
+        sampling: Sampling | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        keep = (engine.kept_cut(logits, contract, sampling, group, chunk_rows,
+                                **({} if row_t32 is None else {"row_t32": row_t32}))
+                if sampling is not None else None)
+        logp, lse, entropy, kept = processed_forward(
+            logits, targets, active, contract, group, chunk_rows, with_entropy, validate, engine, on_invalid, keep,
             row_t32,
         )
         ctx.contract = contract
@@ -621,14 +728,21 @@ class _VocabParallelLogprob(torch.autograd.Function):
         if entropy is None:
             entropy = torch.empty(0, dtype=torch.float32, device=logits.device)
             ctx.mark_non_differentiable(entropy)
-        ctx.save_for_backward(logits, targets, active, lse, entropy)  # the entropy: Mb of section 7
-        return logp, lse, entropy
+        if kept is None:
+            kept = torch.empty(0, dtype=torch.bool, device=logits.device)
+        ctx.mark_non_differentiable(kept)
+        cut = (keep.value, keep.index) if keep is not None else (torch.empty(0), torch.empty(0))
+        # the entropy: Mb of section 7; the cut and target_kept: section 13's masked backward
+        ctx.save_for_backward(logits, targets, active, lse, entropy, kept, *cut)
+        return logp, lse, entropy, kept
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: Any, grad_logp: torch.Tensor, grad_lse: torch.Tensor, grad_entropy: torch.Tensor | None
+        ctx: Any, grad_logp: torch.Tensor, grad_lse: torch.Tensor, grad_entropy: torch.Tensor | None,
+        _grad_kept: Any = None,
     ) -> tuple[Any, ...]:
-        logits, targets, active, lse, entropy = ctx.saved_tensors
+        logits, targets, active, lse, entropy, kept, cut_value, cut_index = ctx.saved_tensors
+        keep = KeptCut(cut_value, cut_index) if kept.shape == lse.shape else None
         if grad_entropy is not None and entropy.shape != lse.shape:
             grad_entropy = None  # no entropy was computed: it carried no gradient
         # the saved logits' storage may have been freed since the forward (FSDP); no
@@ -643,10 +757,11 @@ class _VocabParallelLogprob(torch.autograd.Function):
                 ctx.contract, ctx.chunk_rows, ctx.engine,
                 grad_entropy.detach() if grad_entropy is not None else None, entropy.detach(),
                 ctx.row_t32,
+                keep, kept if keep is not None else None,
             )
         if create_graph and logits.requires_grad:
             grad = _FirstOrderOnly.apply(logits, [grad])
-        return grad, None, None, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None, None, None
 
 
 class VocabParallelLogprob:
@@ -685,13 +800,16 @@ class VocabParallelLogprob:
         chunk_rows: int | None = None,
         on_invalid: str = "raise",
         temperature: torch.Tensor | None = None,
+        sampling: Sampling | None = None,
     ) -> LogprobOutput:
         """The op on this rank's rows. ``temperature`` (default ``None``: the contract's): a temperature
         per local row, a floating-point tensor of shape ``[contract.num_tokens]`` on the logits' device
         (:func:`rl_engine.logprob.row_temperature.row_temperature32` says what it accepts), with the
         contract's temperature 1; under CP each rank passes its own rows', and the ranks of a TP group
         must pass the same (the agreement step compares their digests). A refused value is this rank's
-        verdict: every rank of the group raises it."""
+        verdict: every rank of the group raises it. ``sampling`` (per-row top-k / top-p / min-p of the
+        local rows, or ``None``): the processed logprob of ``docs/arithmetic.md`` section 13; an engine
+        without ``supports_processed`` refuses it."""
         verdict: str | None = None
         row_t32: torch.Tensor | None = None
         record: CallRecord | None = None
@@ -712,7 +830,9 @@ class VocabParallelLogprob:
                     f"temperature is given per row and contract.temperature={contract.temperature!r}; pass one of "
                     "them: the per-row tensor with the contract's temperature 1.0, or no tensor")
             if temperature is not None:
-                row_t32 = row_temperature32(temperature, (contract.num_tokens,), logits.device)
+                row_t32 = row_temperature32(temperature, (contract.num_tokens,), logits.device,
+                                            check_values=validate)
+            check_sampling(sampling, contract, logits.device, self.backend_id, self.engine())
             if logits.device.type not in self.devices:
                 raise LogprobContractError(
                     f"logits.device={logits.device} is not served by backend {self.backend_id!r} "
@@ -728,7 +848,7 @@ class VocabParallelLogprob:
             if size > 1:  # digests of the targets and the mask: inside the checks too
                 record = call_record(
                     contract, self.backend_id, targets, active, compute_entropy, validate, None, on_invalid,
-                    row_t32,
+                    row_t32, sampling,
                 )
         except LogprobContractError as exc:
             verdict = str(exc)
@@ -741,7 +861,7 @@ class VocabParallelLogprob:
             if verdict is not None or record is None:
                 record = call_record(
                     contract, self.backend_id, targets, active, compute_entropy, validate, verdict, on_invalid,
-                    row_t32,
+                    row_t32, sampling,
                 )
             agree(record, group, record_device(logits), role="TP", hints=AGREEMENT_HINTS)
         elif verdict is not None:
@@ -752,11 +872,12 @@ class VocabParallelLogprob:
         # copy_ ignores the neg bit and compiled kernels read raw memory, so resolve it here
         # (a differentiable copy, only for such views).
         logits, targets, active = (t.resolve_neg() for t in (logits, targets, active))
-        logp, lse, entropy = _VocabParallelLogprob.apply(
+        logp, lse, entropy, kept = _VocabParallelLogprob.apply(
             logits, targets, active, contract, group, int(chunk_rows), compute_entropy, validate,
-            self.engine(), on_invalid, row_t32,
+            self.engine(), on_invalid, row_t32, sampling,
         )
-        return LogprobOutput(logp, lse, entropy if compute_entropy else None)
+        return LogprobOutput(logp, lse, entropy if compute_entropy else None, None,
+                             kept if sampling is not None else None)
 
 
 __all__ = [
@@ -770,6 +891,8 @@ __all__ = [
     "VocabParallelLogprob",
     "call_record",
     "check_chunk_rows",
+    "check_sampling",
+    "processed_forward",
     "check_group",
     "real_local_columns",
     "real_rows_finite",

@@ -335,9 +335,12 @@ __attribute__((visibility("default"))) int rle_forward_partials(
     const void *logits, int dtype, int64_t rows, int64_t row_stride, int64_t local_vocab,
     int64_t tile_width, int64_t real_local, float *m, float *s, float *t, float *row_min,
     float t32, const float *row_t32, int threads, int isa) {
+    /* local_vocab: the columns of the rank's whole tiles, which may run past the columns stored
+     * (the grid's padding past the vocabulary, section 6); only the real columns [0, real_local)
+     * of a row are read, so a row needs real_local stored columns. */
     if (logits == NULL || m == NULL || s == NULL || tile_width < 1 || local_vocab < 1 ||
         local_vocab % tile_width != 0 || dtype < DT_F32 || dtype > DT_F16 || rows < 0 ||
-        row_stride < local_vocab || real_local < 0 || real_local > local_vocab || !(t32 > 0.0f) ||
+        row_stride < real_local || real_local < 0 || real_local > local_vocab || !(t32 > 0.0f) ||
         t32 == __builtin_inff() || (row_t32 != NULL && t32 != 1.0f))
         return RLE_BAD_ARG;
     fwd_args a = {logits, dtype, rows, row_stride, local_vocab, tile_width, real_local,

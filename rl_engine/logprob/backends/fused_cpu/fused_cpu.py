@@ -219,14 +219,14 @@ def fused_partials(
     rows = x.shape[0]
     width = contract.tile_width
     real_local = real_local_columns(contract)
-    tiles = contract.local_vocab_size // width
+    tiles = contract.local_tile_count
     m = torch.empty(rows, tiles, dtype=torch.float32)
     s = torch.empty_like(m)
     t = torch.empty_like(m) if with_entropy else None
     row_min = torch.empty(rows, dtype=torch.float32) if validate else None
     if rows:
         status = kernel.lib.rle_forward_partials(
-            x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), contract.local_vocab_size,
+            x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), contract.local_grid_width,
             width, real_local, m.data_ptr(), s.data_ptr(), _ptr(t), _ptr(row_min),
             1.0 if rt is not None else contract.temperature32, _ptr(rt), _threads(threads), ISA_NAMES[isa],
         )
@@ -285,6 +285,8 @@ def fused_exp(y: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
 
 class FusedCpuEngine(LocalEngine):
     """:class:`LocalEngine` on the compiled kernel (``chunk_rows`` is not used: rows stream)."""
+
+    supports_processed = False  # section 13 not in this kernel yet: the op refuses such a call
 
     def __init__(self, threads: int | None = None, isa: str = "auto") -> None:
         if isa not in ISA_NAMES:

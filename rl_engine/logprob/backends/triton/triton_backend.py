@@ -264,7 +264,7 @@ def forward_launch(
     """The forward launch: one program (one warp) per (row, tile); ``row_t32``: a temperature per row
     (each program loads its row's division arguments)."""
     width = contract.tile_width
-    tiles = contract.local_vocab_size // width
+    tiles = contract.local_tile_count
     real_local = real_local_columns(contract)
     tempered = contract.tempered or row_t32 is not None
     if row_t32 is None:
@@ -275,7 +275,7 @@ def forward_launch(
             t32, inv_t, hi, shift_min)
     meta = {"TILES": tiles, "WIDTH": width, "DTYPE": _DTYPE_CODES[logits_dtype],
             "WITH_ENTROPY": with_entropy, "VALIDATE": validate,
-            "PADDED": real_local < contract.local_vocab_size, "TEMPERED": tempered,
+            "PADDED": real_local < contract.local_grid_width, "TEMPERED": tempered,
             "ROW_T": row_t32 is not None}
     return Launch("forward_partials_kernel", (x.shape[0] * tiles,), args, meta, FORWARD_WARPS)
 
@@ -328,7 +328,7 @@ def triton_partials(
     k = load_kernels(mode)
     x = _raw(logits)
     rows = x.shape[0]
-    tiles = contract.local_vocab_size // contract.tile_width
+    tiles = contract.local_tile_count
     dev = logits.device
     m = torch.empty(rows, tiles, dtype=torch.float32, device=dev)
     s = torch.empty_like(m)
@@ -393,6 +393,8 @@ def triton_divide(x: torch.Tensor, t32: float, dtype: torch.dtype, markstein: bo
 
 class TritonEngine(LocalEngine):
     """:class:`LocalEngine` on the Triton kernels (``chunk_rows`` is not used: one launch)."""
+
+    supports_processed = False  # section 13 not in this kernel yet: the op refuses such a call
 
     def __init__(self, mode: str = "compiled") -> None:
         self.mode = check_mode(mode)
