@@ -93,7 +93,8 @@ def _contract(temperature: float = 1.0) -> LogprobContract:
 
 
 def count(active: list[OpCounter], entropy: bool, validate: bool, temperature: float = 1.0,
-          targets: torch.Tensor | None = None) -> tuple[OpCounter, OpCounter]:
+          targets: torch.Tensor | None = None,
+          row_temperature: torch.Tensor | None = None) -> tuple[OpCounter, OpCounter]:
     """``(forward, backward)`` counters of one call of the Triton op (interpreter mode, stubbed)."""
     op = TritonLogprob(mode="interpreter")
     x = torch.zeros(ROWS, 1024, dtype=torch.bfloat16, requires_grad=True)
@@ -104,7 +105,8 @@ def count(active: list[OpCounter], entropy: bool, validate: bool, temperature: f
     fwd, bwd = OpCounter(), OpCounter()
     active.append(fwd)
     with fwd:
-        out = op(x, targets, active_rows, contract, compute_entropy=entropy, validate=validate)
+        out = op(x, targets, active_rows, contract, compute_entropy=entropy, validate=validate,
+                 **({} if row_temperature is None else {"temperature": row_temperature}))
     active[-1] = bwd
     with bwd:
         torch.autograd.grad((out.selected_logp, out.lse), x, grads)
@@ -226,3 +228,14 @@ def test_the_owner_rank_builds_no_tensor_from_host_data(tp: int) -> None:
     ends = torch.tensor([end for _, end in contract.vocab_shard_bounds])
     want = torch.searchsorted(ends, targets.clamp(0, 1023), right=True).clamp(0, tp - 1)
     assert got.numpy().tobytes() == want.numpy().tobytes()
+
+
+def test_a_temperature_per_row_adds_no_host_sync_without_validation(stubbed: list[OpCounter]) -> None:
+    """The per-row temperatures' values are checked on the host only when validating (as the
+    targets' range is): without validation the call stays free of host round trips."""
+    temps = torch.full((ROWS,), 0.7)
+    for entropy in (False, True):
+        fwd, bwd = count(stubbed, entropy, validate=False, row_temperature=temps)
+        assert fwd.syncs == 0 and bwd.syncs == 0, (dict(fwd.ops), dict(bwd.ops))
+        fwd, _ = count(stubbed, entropy, validate=True, row_temperature=temps)
+        assert fwd.syncs >= 2, dict(fwd.ops)  # the temperatures' check reads too (negative control)

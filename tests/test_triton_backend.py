@@ -156,10 +156,6 @@ def _apply_kernel(src_ptr, out_ptr, BLOCK: tl.constexpr):  # type: ignore[no-unt
     tl.store(out_ptr + offs, _element_fn(tl.load(src_ptr + offs)))  # noqa: F821
 
 
-def _upcast_f16(raw):  # type: ignore[no-untyped-def]
-    return load_kernels(INTERP).upcast(raw, 2)
-
-
 def _forward_exp(y):  # type: ignore[no-untyped-def]
     return load_kernels(INTERP).spec_exp_forward(y)[0]
 
@@ -198,26 +194,86 @@ def test_kernel_log_is_the_eager_log_bit_for_bit() -> None:
     assert ours.view(torch.int32).numpy().tobytes() == portable.log(x).view(torch.int32).numpy().tobytes()
 
 
-def test_kernel_binary16_rounding_and_upcast_are_ieee() -> None:
+def _f16_rounding_inputs() -> np.ndarray:
+    """binary32 values around every binary16 rounding decision: each binary16 value, each midpoint
+    between neighbours and the binary32 values either side of it, the overflow threshold, the
+    subnormal range, every 8209th binary32 bit pattern (523,204 of them, NaNs of every sign and
+    payload included) and the special values."""
     halves = np.arange(0, 1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-    finite = halves[np.isfinite(halves)]
+    finite = np.sort(halves[np.isfinite(halves)])
     mids = ((finite[:-1].astype(np.float64) + finite[1:].astype(np.float64)) / 2).astype(np.float32)
-    rng = np.random.default_rng(1)
-    x = np.concatenate([finite, mids, np.nextafter(mids, np.float32(np.inf)),
-                        rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.uint32).view(np.float32),
-                        np.array([np.inf, -np.inf, 1e-30, 7e4, 65520.0], dtype=np.float32)])
-    x = np.where(np.isnan(x), np.float32(np.nan), x).astype(np.float32)  # canonical NaN first
+    strided = np.arange(0, 1 << 32, 8209, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    return np.concatenate([finite, mids, np.nextafter(mids, np.float32(np.inf)),
+                           np.nextafter(mids, np.float32(-np.inf)), strided,
+                           np.array([np.inf, -np.inf, 1e-30, -1e-30, 7e4, 65520.0, -65520.0, 65519.996,
+                                     2.0**-25, 2.0**-25 * 1.0000001, -(2.0**-25)], dtype=np.float32)])
+
+
+def test_kernel_binary16_rounding_is_ieee_on_a_dense_set_of_binary32_values() -> None:
+    """Section 8's rounding (round_f16_bits, binary32 operations): IEEE round to nearest even with
+    subnormals and overflow, every NaN the canonical 0x7E00, against NumPy's conversion."""
+    x = _f16_rounding_inputs()
     ours = _elementwise("round_f16_bits", x.view(np.int32), torch.int32).numpy() & 0xFFFF
-    ref = torch.from_numpy(x.copy()).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
-    assert np.array_equal(ours.astype(np.uint16), ref)
+    with np.errstate(over="ignore"):
+        ref = x.astype(np.float16).view(np.uint16)
+    ref = np.where(np.isnan(x), np.uint16(0x7E00), ref)
+    assert np.array_equal(ours.astype(np.uint16), ref), x[ours.astype(np.uint16) != ref][:8]
+
+
+def _upcast_f16(raw):  # type: ignore[no-untyped-def]
+    return load_kernels(INTERP).upcast(raw, 2)
+
+
+def _upcast_f16_placed(raw):  # type: ignore[no-untyped-def]
+    return load_kernels(INTERP).upcast(raw, 3)
+
+
+def _upcast_f16_finite(raw):  # type: ignore[no-untyped-def]
+    return load_kernels(INTERP).upcast(raw, 4)
+
+
+def test_kernel_binary16_upcast_is_exact_on_every_bit_pattern() -> None:
+    """All 65,536 binary16 bit patterns: the exact upcast gives NumPy's binary32 for every non-NaN
+    and, for a NaN, sign | 0x7F800000 | significand << 13 (its payload kept); the forward's fast
+    reading (DT_F16_PLACED) is h * 2**-112 exactly for every finite h, of magnitude >= 2**-96 for
+    every infinity and NaN (what sends a tile to the exact path), and times 2**112 (DT_F16_FINITE) the
+    exact value."""
     h = np.arange(0, 1 << 16, dtype=np.uint32).astype(np.uint16).view(np.int16)
-    globals()["_element_fn"] = InterpretedFunction(_upcast_f16)
-    up = torch.empty(1 << 16, dtype=torch.float32)
-    InterpretedFunction(_apply_kernel)[(1,)](torch.from_numpy(h.copy()), up, BLOCK=1 << 16)
     exact = h.view(np.float16).astype(np.float32)
-    finite16 = ~np.isnan(exact)
-    assert np.array_equal(up.numpy().view(np.uint32)[finite16], exact.view(np.uint32)[finite16])
-    assert bool(np.isnan(up.numpy()[~finite16]).all())
+    finite = np.isfinite(exact)
+    bits = h.view(np.uint16).astype(np.uint32)
+    nan_bits = ((bits & 0x8000) << 16) | 0x7F800000 | ((bits & 0x3FF) << 13)
+    want = np.where(np.isnan(exact), nan_bits, exact.view(np.uint32))
+    for fn, check in ((_upcast_f16, "exact"), (_upcast_f16_placed, "placed"), (_upcast_f16_finite, "finite")):
+        globals()["_element_fn"] = fn
+        up = torch.empty(1 << 16, dtype=torch.float32)
+        InterpretedFunction(_apply_kernel)[(1,)](torch.from_numpy(h.copy()), up, BLOCK=1 << 16)
+        got = up.numpy()
+        if check == "exact":
+            assert np.array_equal(got.view(np.uint32), want.astype(np.uint32))
+        elif check == "placed":
+            scaled = (exact[finite].astype(np.float64) * 2.0**-112).astype(np.float32)
+            assert np.array_equal(got[finite].view(np.uint32), scaled.view(np.uint32))
+            assert bool((np.abs(got[~finite]) >= 2.0**-96).all()) and bool(np.isfinite(got).all())
+        else:
+            assert np.array_equal(got[finite].view(np.uint32), exact[finite].view(np.uint32))
+
+
+def test_a_binary16_tile_with_an_infinity_or_nan_is_read_again_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward reads binary16 the fast way (an infinity or NaN becomes a finite value) and reads
+    a tile again exactly when its extremes show one: the eager bytes. Negative control: with that
+    check off (no tile is special) the bytes differ."""
+    x, targets, active = _inputs("fp16", 997, 1001, 6, seed=9, specials=True)
+    x[4, 7] = float("nan")
+    x[4, 300] = float("-inf")
+    x[5, 500] = float("inf")
+    active[4] = active[5] = False
+    contract = _contract("fp16", 997, 1001, 7, 6)
+    eager = _run(VocabParallelLogprob(), x, targets, active, contract, False)
+    assert _run(_triton(), x, targets, active, contract, False) == eager
+    monkeypatch.setattr(load_kernels(INTERP), "F16_SCALED_SPECIAL", tl.constexpr(float("inf")))
+    unchecked = _run(_triton(), x, targets, active, contract, False)
+    assert unchecked["lse"] != eager["lse"]
 
 
 # ----- negative controls -------------------------------------------------------------------------

@@ -22,6 +22,15 @@ Written with IEEE-754 basic operations and the fused multiply-adds the specifica
   (``E`` and ``L`` of binary32 tensors, one launch each) serve the element tests.
 * :func:`backward_terms_kernel`: the backward's per-row terms (``coef``, the target column and
   its addend, ``Mb``) in one launch.
+* binary16 logits are read with binary32 operations, not conversions: :func:`f16_scaled` places a
+  binary16's bits into a binary32 (two integer operations) whose value is the logit times
+  ``2**-112``, exactly, for every finite one. The forward takes its first pass's extremes of those
+  values (times ``2**112`` once per tile) and computes ``x - sh`` as ``fma(v, 2**112, -sh)``: one
+  rounding of the same exact value. A tile whose extremes show an infinity or NaN (placed, they
+  are finite values of magnitude ``>= 2**-96``) is read again with the exact upcast, a branch
+  every thread takes alike; the backward's upcast selects the infinity or NaN per column. The
+  one rounding to binary16 (:func:`round_f16_bits`) is binary32 arithmetic too: an addition of
+  a constant of the logit's binade rounds it to binary16's grid.
 * :func:`backward_target_kernel`: the one column per row that gets the target term
   (``coef * E(x - lse) + gl``, or ``+0 + gl`` where ``coef == 0``), launched after the
   others on the same stream, so it overwrites that column's value: no per-column compare in
@@ -83,9 +92,23 @@ E_C2: tl.constexpr = tl.constexpr(float.fromhex("0x1.fffffcp-2"))
 CANONICAL_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)
 NEG_INF_BITS: tl.constexpr = tl.constexpr(-8388608)  # 0xFF800000
 POS_INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)
+# binary16 by integer operations (section 1) and the one rounding to it (section 8)
+F16_PLACED_BITS: tl.constexpr = tl.constexpr(-1879056384)  # 0x8FFFE000: sign, exponent and significand in place
+F16_EXPONENT_BITS: tl.constexpr = tl.constexpr(0x0F800000)  # binary16 exponent 31 once placed
+F16_SPECIAL_BITS: tl.constexpr = tl.constexpr(0x70000000)  # raises a placed exponent 31 to 0xFF
+F16_SCALE: tl.constexpr = tl.constexpr(2.0**112)  # 2**(127 - 15)
+F16_UNSCALE: tl.constexpr = tl.constexpr(2.0**-112)
+F16_SCALED_SPECIAL: tl.constexpr = tl.constexpr(2.0**-96)  # a placed exponent 31: 2**(31 - 127)
+F16_OVERFLOW: tl.constexpr = tl.constexpr(65536.0)  # 2**16: rounds to binary16 infinity
+F16_MIN_NORMAL: tl.constexpr = tl.constexpr(2.0**-14)
+F16_MAGIC: tl.constexpr = tl.constexpr(12288.0)  # 1.5 * 2**13: its ulp at 2**e is binary16's at 2**e
 DT_F32: tl.constexpr = tl.constexpr(0)
 DT_BF16: tl.constexpr = tl.constexpr(1)
 DT_F16: tl.constexpr = tl.constexpr(2)
+# binary16 read the forward's fast way (a tile without an infinity or NaN): as ``h * 2**-112`` for the
+# first pass's extremes, and as its exact value where it is known finite (f16_scaled, f16_unscaled)
+DT_F16_PLACED: tl.constexpr = tl.constexpr(3)
+DT_F16_FINITE: tl.constexpr = tl.constexpr(4)
 DIV_NONE: tl.constexpr = tl.constexpr(0)  # no temperature: step 0 is skipped
 DIV_MARKSTEIN: tl.constexpr = tl.constexpr(1)  # x / T32 by Markstein's correction (its domain)
 DIV_IEEE: tl.constexpr = tl.constexpr(2)  # x / T32 by the IEEE division (div.rn)
@@ -141,24 +164,41 @@ def spec_exp(y):
 @device
 def upcast(raw, DTYPE: tl.constexpr):
     """Section 1's exact conversion to binary32: bf16 and binary16 (given as int16 bits) by
-    integer operations; binary32 is returned as it is."""
+    integer operations (and, for binary16, one exact multiply: :func:`f16_scaled`); binary32 is
+    returned as it is. ``DT_F16_PLACED``: binary16 as ``h * 2**-112`` (no multiply, an infinity or
+    NaN finite); ``DT_F16_FINITE``: binary16 exactly where it is finite (no select)."""
     if DTYPE == DT_F32:
         out = raw
     elif DTYPE == DT_BF16:
-        out = ((raw.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        out = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    elif DTYPE == DT_F16_PLACED:
+        out = f16_scaled(raw)
+    elif DTYPE == DT_F16_FINITE:
+        out = f16_unscaled(f16_scaled(raw))
     else:
-        h = raw.to(tl.int32) & 0xFFFF
-        sign = (h & 0x8000) << 16
-        e = (h >> 10) & 0x1F
-        m = h & 0x3FF
-        special = sign | 0x7F800000 | (m << 13)
-        normal = sign | ((e + 112) << 23) | (m << 13)
-        # zero or subnormal: m * 2**-24, exact in binary32 (a normal number or zero)
-        small = sign | (m.to(tl.float32) * 5.9604644775390625e-08).to(tl.int32, bitcast=True)
-        out = tl.where(e == 0x1F, special, tl.where(e != 0, normal, small)).to(tl.float32, bitcast=True)
+        v = f16_scaled(raw)
+        u = v.to(tl.int32, bitcast=True)
+        # exponent 31 (infinity, NaN): the exponent field 0xFF, the significand's bits kept
+        special = (u | F16_SPECIAL_BITS).to(tl.float32, bitcast=True)
+        out = tl.where((u & F16_EXPONENT_BITS) == F16_EXPONENT_BITS, special, f16_unscaled(v))
     return out
 
 
+@device
+def f16_scaled(raw):
+    """A binary16 ``h`` (int16 bits) as the binary32 ``h * 2**-112``, exact for every finite
+    ``h``: its sign, exponent and significand moved into binary32's places by two integer
+    operations (a binary16 subnormal becomes a binary32 subnormal of the same significand).
+    An infinity or NaN (exponent 31) becomes a finite value of magnitude ``>= 2**-96``
+    (:data:`F16_SCALED_SPECIAL`): the caller tells them apart."""
+    return (((raw.to(tl.int32) << 16) >> 3) & F16_PLACED_BITS).to(tl.float32, bitcast=True)
+
+
+@device
+def f16_unscaled(v):
+    """``v * 2**112``: the finite binary16 value of :func:`f16_scaled`'s ``v``, exactly (a power
+    of two times a binary32 value that stays normal)."""
+    return v * F16_SCALE
 @device
 def lane_fold(v):
     """``F`` (section 4) over the 128 lane sums ``v``: ``v[i] + v[i + 64]``, then ``+ 32``, ...
@@ -238,7 +278,11 @@ def lane_terms(base, col0, lane, real_left, sh, s, t, t32, inv_t, DTYPE: tl.cons
                PADDED: tl.constexpr, WITH_ENTROPY: tl.constexpr, DIVIDE: tl.constexpr):
     """The second pass over one chunk (section 6 steps 3-4): ``s += E(y)``, ``t = fma(E(y), yc, t)``."""
     x, _ = chunk(base, col0, lane, real_left, t32, inv_t, DTYPE, VALID, PADDED, DIVIDE)
-    e, yc = spec_exp_forward(x - sh)
+    if DTYPE == DT_F16_PLACED:  # x is the binary16 logit times 2**-112: the product x * 2**112 is exact,
+        y = tl.fma(x, F16_SCALE, -sh)  # so the one rounding is the subtraction's, x_c - sh's value
+    else:
+        y = x - sh
+    e, yc = spec_exp_forward(y)
     s = s + e
     if WITH_ENTROPY:
         t = tl.fma(e, yc, t)
@@ -263,6 +307,23 @@ def pass_two(base, lane, real_left, sh, t32, inv_t, DTYPE: tl.constexpr, FULL: t
         s, t = lane_terms(base, FULL * LANES, lane, real_left, sh, s, t, t32, inv_t, DTYPE, REST, PADDED,
                           WITH_ENTROPY, DIVIDE)
     return s, t
+
+
+@device
+def lane_extremes(base, lane, real_left, DTYPE: tl.constexpr, FULL: tl.constexpr, REST: tl.constexpr,
+                  PADDED: tl.constexpr, MINIMA: tl.constexpr):
+    """Section 6 step 1's first pass over the tile: the 128 lanes' maxima and (``MINIMA``) minima."""
+    mx = tl.full((LANES,), NEG_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    mn = tl.full((LANES,), POS_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
+    if FULL <= MAX_UNROLL:
+        for k in tl.static_range(FULL):
+            mx, mn = extremes(base, k * LANES, lane, real_left, mx, mn, DTYPE, LANES, PADDED, MINIMA)
+    else:
+        for k in range(FULL):
+            mx, mn = extremes(base, k * LANES, lane, real_left, mx, mn, DTYPE, LANES, PADDED, MINIMA)
+    if REST > 0:
+        mx, mn = extremes(base, FULL * LANES, lane, real_left, mx, mn, DTYPE, REST, PADDED, MINIMA)
+    return mx, mn
 
 
 @kernel
@@ -306,18 +367,25 @@ def forward_partials_kernel(
     base = x_ptr + row * row_stride + tile * WIDTH
     real_left = real_local - tile * WIDTH  # the tile's real columns (PADDED only)
     lane = tl.arange(0, LANES)
-    mx = tl.full((LANES,), NEG_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
-    mn = tl.full((LANES,), POS_INF_BITS, tl.int32).to(tl.float32, bitcast=True)
-    MINIMA: tl.constexpr = VALIDATE or TEMPERED
+    # binary16: both passes read the logits the fast way (no select per column for infinity and NaN);
+    # a tile that holds an infinity or NaN (which the first pass's extremes show) is read again exactly
+    FAST: tl.constexpr = DTYPE == DT_F16
+    MINIMA: tl.constexpr = VALIDATE or TEMPERED or FAST
     # 1. the lanes' maxima (a max does not depend on grouping)
-    if FULL <= MAX_UNROLL:
-        for k in tl.static_range(FULL):
-            mx, mn = extremes(base, k * LANES, lane, real_left, mx, mn, DTYPE, LANES, PADDED, MINIMA)
+    if FAST:
+        mx, mn = lane_extremes(base, lane, real_left, DT_F16_PLACED, FULL, REST, PADDED, MINIMA)
+        # an infinity or NaN in the tile (h * 2**-112 of magnitude >= 2**-96; rare): its exact extremes
+        special = tl.reduce(tl.maximum(mx, -mn), 0, MAX) >= F16_SCALED_SPECIAL
+        if special:
+            mx, mn = lane_extremes(base, lane, real_left, DTYPE, FULL, REST, PADDED, MINIMA)
+        else:  # the extremes of h * 2**-112: times 2**112, exactly
+            mx = f16_unscaled(mx)
+            mn = f16_unscaled(mn)
+        # the second pass without a temperature reads h * 2**-112 and subtracts by an FMA (lane_terms)
+        PASS_TWO: tl.constexpr = DT_F16_FINITE if TEMPERED else DT_F16_PLACED
     else:
-        for k in range(FULL):
-            mx, mn = extremes(base, k * LANES, lane, real_left, mx, mn, DTYPE, LANES, PADDED, MINIMA)
-    if REST > 0:
-        mx, mn = extremes(base, FULL * LANES, lane, real_left, mx, mn, DTYPE, REST, PADDED, MINIMA)
+        mx, mn = lane_extremes(base, lane, real_left, DTYPE, FULL, REST, PADDED, MINIMA)
+        PASS_TWO: tl.constexpr = DTYPE
     lane_nan = mx != mx
     nan = tl.reduce(lane_nan.to(tl.int32), 0, MAX)
     m = tl.reduce(tl.where(lane_nan, float("-inf"), mx), 0, MAX)
@@ -328,17 +396,24 @@ def forward_partials_kernel(
         m = tl.div_rn(m, t32)
         low = tl.div_rn(low, t32)
         exotic = exotic | (tl.abs(m) < sh_min)
+        if FAST:
+            exotic = exotic | special
     m = tl.where(nan > 0, float("nan"), m) + tl.full((1,), 0.0, tl.float32)  # m + 0: one sign for zero
     sh = tl.where(m == float("-inf"), 0.0, m)  # 2.
     # 3.-4. the lane sums, each lane in column order
     if TEMPERED:  # Markstein's straight after the first pass (its loads are the first pass's registers) ...
-        s, t = pass_two(base, lane, real_left, sh, t32, inv_t, DTYPE, FULL, REST, PADDED, WITH_ENTROPY,
+        s, t = pass_two(base, lane, real_left, sh, t32, inv_t, PASS_TWO, FULL, REST, PADDED, WITH_ENTROPY,
                         DIV_MARKSTEIN)
         if exotic:  # ... and again with the IEEE division where it may not be exact (rare)
             s, t = pass_two(base, lane, real_left, sh, t32, inv_t, DTYPE, FULL, REST, PADDED, WITH_ENTROPY,
                             DIV_IEEE)
     else:
-        s, t = pass_two(base, lane, real_left, sh, t32, inv_t, DTYPE, FULL, REST, PADDED, WITH_ENTROPY, DIV_NONE)
+        s, t = pass_two(base, lane, real_left, sh, t32, inv_t, PASS_TWO, FULL, REST, PADDED, WITH_ENTROPY,
+                        DIV_NONE)
+        if FAST:
+            if special:  # an infinity or NaN in the tile: the sums again, of the exact values
+                s, t = pass_two(base, lane, real_left, sh, t32, inv_t, DTYPE, FULL, REST, PADDED, WITH_ENTROPY,
+                                DIV_NONE)
     out = row * TILES + tile + tl.arange(0, 1)
     tl.store(m_ptr + out, m)
     tl.store(s_ptr + out, lane_fold(s))
@@ -352,38 +427,38 @@ def forward_partials_kernel(
 
 @device
 def round_f16_bits(u):
-    """Section 8: binary32 bits (NaN canonical) to binary16 bits, round to nearest even, with
-    subnormal results and overflow to infinity; integer operations only."""
-    sign = (u >> 16) & 0x8000
-    a = u & 0x7FFFFFFF
-    r = a - 0x38000000  # |f| >= 2**-14: rebias the exponent (127 - 15 = 112)
-    q = r >> 13
-    rem = r & 0x1FFF
-    q = tl.where((rem > 0x1000) | ((rem == 0x1000) & ((q & 1) == 1)), q + 1, q)
-    q = tl.where(q >= 0x7C00, 0x7C00, q)
-    e = a >> 23  # a binary16 subnormal or zero: units of 2**-24
-    shift = tl.where(e < 102, 24, tl.where(e > 112, 14, 126 - e))
-    mant = (a & 0x007FFFFF) | 0x00800000
-    qs = mant >> shift
-    rems = mant & ((1 << shift) - 1)
-    half = 1 << (shift - 1)
-    qs = tl.where((rems > half) | ((rems == half) & ((qs & 1) == 1)), qs + 1, qs)
-    qs = tl.where(e < 102, 0, qs)
-    out = tl.where(a >= 0x38800000, q, qs)
-    return tl.where(a > 0x7F800000, 0x7E00, sign | out)  # NaN: the canonical 0x7E00
+    """Section 8: binary32 bits ``u`` to binary16 bits (in the low 16 bits), IEEE round to nearest
+    even with subnormal results and overflow to infinity, any NaN the canonical ``0x7E00``; with
+    binary32 operations, each exact but the one addition that rounds:
+
+    ``a = min(|f|, 2**16)`` (``2**16`` and above round to infinity); ``c = 1.5 * 2**13 * max(2**e,
+    2**-14)`` for ``a``'s binade ``2**e`` (its ulp is binary16's ulp at ``a``: ``2**(e - 10)``, and
+    ``2**-24`` for a binary16 subnormal), so ``(a + c) - c`` is ``a`` rounded to binary16 (the
+    addition rounds to nearest even on the same grid, the subtraction is exact); times ``2**-112``
+    its binary32 bits shifted right by 13 are the binary16 magnitude's bits (a binary16 subnormal
+    becomes a binary32 subnormal, ``2**16`` the exponent 31 of infinity); then the sign."""
+    f = u.to(tl.float32, bitcast=True)
+    a = tl.minimum(tl.abs(f), F16_OVERFLOW)
+    binade = (a.to(tl.int32, bitcast=True) & POS_INF_BITS).to(tl.float32, bitcast=True)
+    c = tl.maximum(binade, F16_MIN_NORMAL) * F16_MAGIC
+    r = (a + c) - c
+    out = ((r * F16_UNSCALE).to(tl.int32, bitcast=True) >> 13) | ((u >> 16) & 0x8000)
+    return tl.where(f != f, 0x7E00, out)
 
 
 @device
 def store_rounded(ptr, g, mask, DTYPE: tl.constexpr, MASKED: tl.constexpr):
-    """Section 7 step 3 and section 8: canonical NaN, then the one rounding to the logits dtype."""
+    """Section 7 step 3 and section 8: canonical NaN, then the one rounding to the logits dtype
+    (:func:`round_f16_bits` makes any NaN binary16's canonical one itself)."""
     bits = g.to(tl.int32, bitcast=True)
-    bits = tl.where(g != g, CANONICAL_NAN_BITS, bits)
-    if DTYPE == DT_F32:
-        value = bits.to(tl.float32, bitcast=True)
-    elif DTYPE == DT_BF16:
-        value = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
-    else:
+    if DTYPE == DT_F16:
         value = round_f16_bits(bits).to(tl.int16)
+    else:
+        bits = tl.where(g != g, CANONICAL_NAN_BITS, bits)
+        if DTYPE == DT_F32:
+            value = bits.to(tl.float32, bitcast=True)
+        else:
+            value = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
     if MASKED:
         tl.store(ptr, value, mask=mask)
     else:
