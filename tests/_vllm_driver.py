@@ -11,8 +11,14 @@ into OUT, what the tests check in rl_engine's environment:
 - ``rollout``: the example's ragged rollout (vLLM's default ``raw_logprobs``), and ``rollout-ours``,
   the same requests with our raw logprob returned;
 - ``stopped``: a greedy rollout that stops on a token (vLLM's asynchronous scheduling samples once more);
+- ``P``: vLLM's own ``processed_logprobs`` on requests that mix temperature, top-k, top-p and min-p in
+  one batch: the capture (its ``reported_processed_logp`` is vLLM's) and vLLM's full processed rows
+  (``logprobs=-1``: ``-inf`` outside vLLM's kept set), for the measurement of docs/capture.md;
+- ``Q``: the same requests with our processed logprob returned (``logprobs="processed"``, top 2);
 - ``refused.json``: the messages of what must be refused (our logprob under ``raw_logits``, missing
-  prompt rows, a processed-logprob request with top_k).
+  prompt rows, a processed-logprob request with a repetition penalty).
+
+``python tests/_vllm_driver.py OUT processed`` runs only ``P`` and ``Q``.
 """
 
 from __future__ import annotations
@@ -70,7 +76,39 @@ def _refusal(call) -> str:
     return "not refused"
 
 
-def main(out: Path) -> None:
+# (temperature, top_k, top_p, min_p) of the processed requests, each on every prompt, all in one batch
+PROCESSED_PARAMS = ((0.7, 5, 1.0, 0.0), (1.0, 0, 0.9, 0.0), (0.7, 0, 1.0, 0.05), (0.8, 50, 0.8, 0.02), (1.0, 2, 1.0, 0.0))
+
+
+def processed(out: Path, model: Path, prompts: list) -> None:
+    """``P`` and ``Q`` (module docstring)."""
+    import vllm_rollout as ex
+    from safetensors.torch import save_file
+    from vllm import SamplingParams
+
+    from rl_engine.capture import write_capture
+    from rl_engine.integrations import vllm as rv
+
+    def params(logprobs: int) -> list:
+        return [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, max_tokens=8, seed=11 + i, ignore_eos=True,
+                               logprobs=logprobs) for i, (t, k, p, m) in enumerate(PROCESSED_PARAMS) for _ in prompts]
+
+    batch = [prompt for _ in PROCESSED_PARAMS for prompt in prompts]
+    llm = ex.engine(str(model), logprobs_mode="processed_logprobs", max_logprobs=-1)
+    rv.install(llm, capture=True)
+    outs = llm.generate(batch, params(-1))
+    write_capture(out / "P.safetensors", rv.collect(llm, outs, model_name="tiny-qwen2"))
+    save_file({"rows": raw_rows(outs)}, str(out / "P-vllm.safetensors"))
+    rv.uninstall(llm)
+    del llm
+    llm = ex.engine(str(model))
+    rv.install(llm, capture=True, logprobs="processed")
+    outs = llm.generate(batch, params(2))
+    write_capture(out / "Q.safetensors", rv.collect(llm, outs, model_name="tiny-qwen2"))
+    save_file(returned(outs), str(out / "Q-vllm.safetensors"))
+
+
+def main(out: Path, only: str = "") -> None:
     import vllm_rollout as ex
     from safetensors.torch import save_file
     from vllm import SamplingParams
@@ -82,6 +120,9 @@ def main(out: Path) -> None:
     model = out / "model"
     ex.make_model(model)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in ex.prompts(4096)]
+    processed(out, model, prompts)
+    if only == "processed":
+        return
     refused = {}
     # vLLM's own raw logits (logprobs_mode="raw_logits"), bf16 and float32 models: float32 rows are the
     # ones vLLM's sampler divides by the temperature in place
@@ -128,11 +169,11 @@ def main(out: Path) -> None:
     unasked = llm.generate(prompts[1:2], SamplingParams(max_tokens=2, seed=2))
     refused["mixed_logprobs"] = _refusal(lambda: rv.collect(llm, asked + unasked))
     rv.install(llm, capture=True, logprobs="processed")
-    refused["top_k"] = _refusal(lambda: llm.generate(prompts[:1], SamplingParams(temperature=0.7, top_k=5, max_tokens=2,
-                                                                                  logprobs=0)))
+    refused["repetition_penalty"] = _refusal(lambda: llm.generate(prompts[:1], SamplingParams(
+        temperature=0.7, top_k=5, repetition_penalty=1.2, max_tokens=2, logprobs=0)))
     (out / "refused.json").write_text(json.dumps(refused))
     (out / "done.json").write_text(json.dumps({"vllm": __import__("vllm").__version__}))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), *sys.argv[2:3])

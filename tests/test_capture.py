@@ -281,3 +281,85 @@ def test_the_tiny_model_needs_no_network(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(sum(n - 1 for n in LENGTHS)), str(VOCAB)]
     assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").rglob("*.safetensors"))
+
+
+def _sampling(tokens: int = 6) -> dict[str, torch.Tensor]:
+    return {"temperature": torch.tensor([0.7, 1.0, 1.0, 0.7, 0.7, 1.3])[:tokens],
+            "top_k": torch.tensor([5, 0, 0, 5, 5, 3])[:tokens],
+            "top_p": torch.tensor([0.9, 1.0, 1.0, 0.9, 0.9, 1.0])[:tokens],
+            "min_p": torch.tensor([0.0, 0.05, 0.0, 0.0, 0.0, 0.1])[:tokens],
+            "reported_processed_logp": torch.tensor([-0.5, -1.0, float("nan"), float("-inf"), -0.25, -2.0])[:tokens]}
+
+
+def _sampled_capture(t: dict[str, torch.Tensor]) -> Capture:
+    from rl_engine.capture import RowSampling
+
+    sampling = RowSampling(t["temperature"], t["top_k"], t["top_p"], t["min_p"])
+    return Capture(t["logits"], t["targets"], t["active"], None, _meta(), sampling=sampling,
+                   reported_processed_logp=t["reported_processed_logp"])
+
+
+def test_a_capture_carries_each_rows_sampling_parameters_and_the_processed_report(tmp_path: Path) -> None:
+    """Written and read back as the same bytes; -inf (a target outside the engine's kept set) is a valid
+    processed report on an active token, NaN on an inactive one is not looked at; a capture without them
+    (every capture written before they existed) reads with ``sampling`` None."""
+    t = {**_tensors(), **_sampling()}
+    path = tmp_path / "c.safetensors"
+    write_capture(path, _sampled_capture(t))
+    back = read_capture(path)
+    assert back.sampling is not None and back.reported_logp is None
+    for name in ("temperature", "top_k", "top_p", "min_p"):
+        assert tensor_bytes(getattr(back.sampling, name)) == tensor_bytes(t[name]), name
+    assert tensor_bytes(back.reported_processed_logp) == tensor_bytes(t["reported_processed_logp"])
+    plain = _written(tmp_path / "old")
+    assert read_capture(plain).sampling is None and read_capture(plain).reported_processed_logp is None
+    joined = concat_captures([back, back])
+    assert tensor_bytes(joined.sampling.top_k) == tensor_bytes(torch.cat([t["top_k"]] * 2))
+    assert tensor_bytes(joined.reported_processed_logp) == tensor_bytes(torch.cat([t["reported_processed_logp"]] * 2))
+    with pytest.raises(CaptureError, match="sampling is present in some captures only"):
+        concat_captures([back, read_capture(plain)])
+
+
+SAMPLING_REFUSALS = {
+    "temperature-zero": (lambda t: t["temperature"].__setitem__(4, 0.0), r"tensor temperature is 0.0 at token 4.*> 0"),
+    "top-k-minus-one": (lambda t: t["top_k"].__setitem__(2, -1), r"tensor top_k is -1 at token 2.*write vLLM's -1 as 0"),
+    "top-p-zero": (lambda t: t["top_p"].__setitem__(0, 0.0), r"tensor top_p is 0.0 at token 0.*\(0, 1\]"),
+    "min-p-above-one": (lambda t: t["min_p"].__setitem__(5, 1.5), r"tensor min_p is 1.5 at token 5.*\[0, 1\]"),
+    "processed-nan": (lambda t: t["reported_processed_logp"].__setitem__(1, float("nan")),
+                      r"tensor reported_processed_logp is nan at active token 1.*or -inf"),
+    "processed-plus-inf": (lambda t: t["reported_processed_logp"].__setitem__(0, float("inf")),
+                           r"reported_processed_logp is inf at active token 0"),
+    "processed-dtype": (lambda t: t.update(reported_processed_logp=t["reported_processed_logp"].double()),
+                        r"tensor reported_processed_logp has dtype"),
+    "top-k-shape": (lambda t: t.update(top_k=t["top_k"][:5]), r"tensor top_k has shape \[5\]; it must be \[6\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLING_REFUSALS))
+def test_bad_sampling_parameters_are_refused_at_write_and_at_read(case: str, tmp_path: Path) -> None:
+    t = {**_tensors(), **_sampling()}
+    change, message = SAMPLING_REFUSALS[case]
+    change(t)
+    path = tmp_path / "c.safetensors"
+    with pytest.raises(CaptureError, match=message):
+        write_capture(path, _sampled_capture(t))
+    assert list(tmp_path.iterdir()) == []
+    t.pop("reported_logp")
+    save_file(t, str(path), metadata=_meta())
+    with pytest.raises(CaptureError, match=message):
+        read_capture(path)
+
+
+@pytest.mark.parametrize("drop, message", [
+    (("min_p",), r"sampling parameter tensor\(s\) \['min_p'\] are missing.*all of"),
+    (("temperature", "top_k", "top_p", "min_p"), r"reported_processed_logp is present without the sampling parameters"),
+])
+def test_sampling_parameters_come_all_four_and_before_a_processed_report(drop: tuple[str, ...], message: str,
+                                                                         tmp_path: Path) -> None:
+    t = {**_tensors(), **_sampling()}
+    for name in drop:
+        t.pop(name)
+    path = tmp_path / "c.safetensors"
+    save_file(t, str(path), metadata=_meta())
+    with pytest.raises(CaptureError, match=message):
+        read_capture(path)

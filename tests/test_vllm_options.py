@@ -95,15 +95,72 @@ def _recorder(logprobs: str | None, capture: bool = True, **params: object) -> r
     return rv._Recorder(runner, rv.Options(capture=capture, logprobs=logprobs))
 
 
-@pytest.mark.parametrize("param, value", [("top_k", 5), ("top_p", 0.9), ("min_p", 0.05), ("presence_penalty", 0.5),
-                                          ("frequency_penalty", 0.1), ("repetition_penalty", 1.1),
-                                          ("logit_bias", {3: 1.0}), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
-                                          ("min_tokens", 2)])
-def test_processed_logprobs_refuse_every_parameter_beyond_the_temperature(param: str, value: object) -> None:
+@pytest.mark.parametrize("param, value", [("presence_penalty", 0.5), ("frequency_penalty", 0.1),
+                                          ("repetition_penalty", 1.1), ("logit_bias", {3: 1.0}),
+                                          ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("min_tokens", 2)])
+def test_processed_logprobs_refuse_every_parameter_beyond_temperature_and_truncation(param: str, value: object) -> None:
     with pytest.raises(rv.VLLMIntegrationError, match=f"sets {param}="):
         _recorder("processed", **{param: value})._check_processing(["0-aaaaaaaa"])
     _recorder("raw", **{param: value})._check_processing(["0-aaaaaaaa"])  # raw logprobs ignore them: accepted
     _recorder("processed")._check_processing(["0-aaaaaaaa"])  # the control: the neutral values pass
+    assert _recorder(None, **{param: value})._unmodelled("0-aaaaaaaa").startswith(f"{param}=")  # a capture names it
+
+
+@pytest.mark.parametrize("param, value", [("top_k", 5), ("top_k", -1), ("top_p", 0.9), ("min_p", 0.05)])
+def test_processed_logprobs_accept_the_samplers_truncation(param: str, value: object) -> None:
+    recorder = _recorder("processed", **{param: value})
+    recorder._check_processing(["0-aaaaaaaa"])
+    assert recorder._unmodelled("0-aaaaaaaa") == ""
+
+
+def _requests(*params: dict) -> dict:
+    defaults = dict(top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                    logit_bias=None, allowed_token_ids=None, bad_words=[], min_tokens=0, structured_outputs=None)
+    return {f"{i}-aaaaaaaa": SimpleNamespace(sampling_params=SimpleNamespace(**{**defaults, **p}))
+            for i, p in enumerate(params)}
+
+
+def test_each_requests_truncation_becomes_per_row_parameters_of_our_processed_logprob() -> None:
+    """Three requests in one step, each with its own temperature and truncation (vLLM's top_k=-1 is off):
+    the values written over vLLM's are, byte for byte, selected_logprob of each row alone with that row's
+    parameters (the op is batch invariant); raw logprobs ignore the parameters (the control)."""
+    import torch
+
+    from rl_engine.logprob import selected_logprob
+    from rl_engine.tensorio import tensor_bytes
+
+    requests = _requests(dict(top_k=5), dict(top_k=-1, top_p=0.8), dict(min_p=0.1))
+    reqs = list(requests)
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(3, 256, generator=gen) * 3).to(torch.bfloat16)  # bf16: ties among the large values
+    temps = torch.tensor([0.7, 1.0, 0.7])
+    ids = torch.stack([logits[r].float().argsort(descending=True)[[9, 0, 1]] for r in range(3)])  # 9th: outside top-5
+    got = {}
+    for mode in ("processed", "raw"):
+        recorder = rv._Recorder(SimpleNamespace(requests=requests), rv.Options(capture=False, logprobs=mode))
+        params = recorder._sampler_params(reqs)
+        assert params[0].tolist() == [5, 0, 0] and params[1].tolist() == [1.0, pytest.approx(0.8), 1.0]
+        assert params[2].tolist() == [0.0, 0.0, pytest.approx(0.1)]
+        tensors = SimpleNamespace(logprobs=torch.zeros(3, 3), logprob_token_ids=ids.to(torch.int32))
+        recorder._replace(logits, ids[:, 0], temps, tensors, params)
+        got[mode] = tensors.logprobs
+    for r, (t, kwargs) in enumerate([(0.7, dict(top_k=5)), (1.0, dict(top_p=0.8)), (0.7, dict(min_p=0.1))]):
+        alone = selected_logprob(logits[r:r + 1].expand(3, -1).contiguous(), ids[r], temperature=t, **kwargs)
+        assert tensor_bytes(got["processed"][r]) == tensor_bytes(alone.selected_logp), r
+        raw = selected_logprob(logits[r:r + 1].expand(3, -1).contiguous(), ids[r])
+        assert tensor_bytes(got["raw"][r]) == tensor_bytes(raw.selected_logp), r
+    assert got["processed"][0, 0] == float("-inf")  # the 10th largest is outside top_k=5
+    assert tensor_bytes(got["processed"]) != tensor_bytes(got["raw"])
+
+
+@pytest.mark.parametrize("ours, mode, kind", [(None, "raw_logprobs", "raw"), (None, "processed_logprobs", "processed"),
+                                              (None, "raw_logits", None), (None, "processed_logits", None),
+                                              ("raw", "raw_logprobs", "raw"), ("processed", "raw_logprobs", "processed"),
+                                              ("processed", "processed_logprobs", "processed")])
+def test_the_returned_values_go_to_the_captures_tensor_of_their_kind(ours: str | None, mode: str, kind: str | None) -> None:
+    """raw: reported_logp (temperature 1); processed: reported_processed_logp; logits: neither."""
+    recorder = rv._Recorder(SimpleNamespace(requests={}), rv.Options(logprobs=ours, vllm_logprobs_mode=mode))
+    assert recorder._reported_kind() == kind
 
 
 def test_a_capture_refuses_structured_outputs_whose_masks_are_applied_to_the_rows() -> None:

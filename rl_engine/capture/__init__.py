@@ -10,6 +10,7 @@ from rl_engine.capture.format import (
     Capture,
     CaptureError,
     Header,
+    RowSampling,
     build_metadata,
     read_capture,
     read_header,
@@ -18,6 +19,6 @@ from rl_engine.capture.format import (
 )
 
 __all__ = [
-    "FORMAT", "Capture", "CaptureError", "Header", "build_metadata", "read_capture",
+    "FORMAT", "Capture", "CaptureError", "Header", "RowSampling", "build_metadata", "read_capture",
     "read_header", "read_rows", "write_capture",
 ]

@@ -6,7 +6,14 @@ A capture is a safetensors file (``docs/capture.md``) holding
 * ``targets``: ``[tokens]``, int64; on active tokens within ``[0, vocab)``;
 * ``active``: ``[tokens]``, bool, at least one true;
 * ``reported_logp`` (optional): ``[tokens]``, fp32, finite on active tokens: what the engine
-  itself reported for each target;
+  itself reported for each target, as a raw logprob (temperature 1, no truncation);
+* the sampling parameters (optional, all four or none): ``temperature`` (fp32, finite, ``> 0``),
+  ``top_k`` (int64, ``>= 0``, 0 = off), ``top_p`` (fp32, in ``(0, 1]``) and ``min_p`` (fp32, in
+  ``[0, 1]``), each ``[tokens]``: the distribution the engine sampled each row's target from, as
+  :func:`rl_engine.logprob.selected_logprob` takes them (docs/arithmetic.md section 13);
+* ``reported_processed_logp`` (optional, only with the sampling parameters): ``[tokens]``, fp32,
+  finite or ``-inf`` on active tokens: the engine's logprob of each target under those parameters
+  (vLLM's ``processed_logprobs``; ``-inf``: a target outside the kept set);
 
 and, in the header's ``__metadata__`` (strings only, as safetensors requires), ``format``
 (:data:`FORMAT`), ``engine``, ``engine_version``, ``model``, ``dtype`` (the logits' dtype
@@ -43,7 +50,10 @@ LOGITS = "logits"
 TARGETS = "targets"
 ACTIVE = "active"
 REPORTED = "reported_logp"
-TENSORS = (LOGITS, TARGETS, ACTIVE, REPORTED)
+TEMPERATURE, TOP_K, TOP_P, MIN_P = "temperature", "top_k", "top_p", "min_p"
+SAMPLING = (TEMPERATURE, TOP_K, TOP_P, MIN_P)
+REPORTED_PROCESSED = "reported_processed_logp"
+TENSORS = (LOGITS, TARGETS, ACTIVE, REPORTED, *SAMPLING, REPORTED_PROCESSED)
 REQUIRED_TENSORS = (LOGITS, TARGETS, ACTIVE)
 METADATA_KEYS = ("format", "engine", "engine_version", "model", "dtype", "tp", "notes")
 
@@ -56,7 +66,8 @@ _ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "BOOL": 1}
 LOGITS_ST = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 DTYPE_NAMES = {v: k for k, v in {"bf16": torch.bfloat16, "fp16": torch.float16,
                                  "fp32": torch.float32}.items()}
-_EXPECTED_ST = {TARGETS: "I64", ACTIVE: "BOOL", REPORTED: "F32"}
+_EXPECTED_ST = {TARGETS: "I64", ACTIVE: "BOOL", REPORTED: "F32", TEMPERATURE: "F32", TOP_K: "I64", TOP_P: "F32",
+                MIN_P: "F32", REPORTED_PROCESSED: "F32"}
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own cap on the JSON header
 _UNPRINTABLE = re.compile(f"[{UNPRINTABLE_CLASS}]")  # refused in every metadata value, at write and read
 
@@ -177,7 +188,17 @@ def _check_layout(entries: dict[str, TensorEntry], where: str) -> None:
     missing = [n for n in REQUIRED_TENSORS if n not in entries]
     if missing:
         raise CaptureError(f"{where}: tensor(s) {missing} missing; a capture holds {list(REQUIRED_TENSORS)} "
-                           f"and optionally {REPORTED!r}")
+                           f"and optionally {REPORTED!r}, the sampling parameters {list(SAMPLING)} and "
+                           f"{REPORTED_PROCESSED!r}")
+    present = [n for n in SAMPLING if n in entries]
+    if present and len(present) != len(SAMPLING):
+        raise CaptureError(f"{where}: the sampling parameter tensor(s) {[n for n in SAMPLING if n not in entries]} "
+                           f"are missing while {present} are present; a capture carries all of {list(SAMPLING)} "
+                           "or none (off is temperature 1, top_k 0, top_p 1, min_p 0)")
+    if REPORTED_PROCESSED in entries and not present:
+        raise CaptureError(f"{where}: tensor {REPORTED_PROCESSED} is present without the sampling parameters "
+                           f"{list(SAMPLING)} it was computed under; add them, or name the tensor {REPORTED!r} "
+                           "if it is a raw logprob (temperature 1, no truncation)")
     unknown = sorted(set(entries) - set(TENSORS))
     if unknown:
         raise CaptureError(f"{where}: unknown tensor(s) {unknown}; a capture holds only {list(TENSORS)}")
@@ -288,6 +309,25 @@ def parse_header(handle: BinaryIO, size: int, where: str) -> Header:
 
 
 @dataclass(frozen=True)
+class RowSampling:
+    """Each row's sampling parameters (tensors ``[tokens]``): what the engine sampled the row's
+    target from, in :func:`rl_engine.logprob.selected_logprob`'s terms (off: temperature 1,
+    top_k 0, top_p 1, min_p 0). Dtypes, shapes and values are checked by :class:`Capture`."""
+
+    temperature: torch.Tensor  # fp32
+    top_k: torch.Tensor  # int64
+    top_p: torch.Tensor  # fp32
+    min_p: torch.Tensor  # fp32
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {TEMPERATURE: self.temperature, TOP_K: self.top_k, TOP_P: self.top_p, MIN_P: self.min_p}
+
+    def rows(self, index: torch.Tensor) -> "RowSampling":
+        """The parameters of the rows ``index`` (int64)."""
+        return RowSampling(*(t.index_select(0, index) for t in self.tensors().values()))
+
+
+@dataclass(frozen=True)
 class Capture:
     """The tensors and metadata of one capture, checked on construction."""
 
@@ -297,12 +337,26 @@ class Capture:
     reported_logp: torch.Tensor | None = None
     metadata: Mapping[str, str] = field(default_factory=dict)
     source: str = "<memory>"
+    sampling: RowSampling | None = None
+    reported_processed_logp: torch.Tensor | None = None
 
-    def __post_init__(self) -> None:
-        where = self.source
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the capture by its name in the file."""
         tensors = {LOGITS: self.logits, TARGETS: self.targets, ACTIVE: self.active}
         if self.reported_logp is not None:
             tensors[REPORTED] = self.reported_logp
+        if self.sampling is not None:
+            tensors.update(self.sampling.tensors())
+        if self.reported_processed_logp is not None:
+            tensors[REPORTED_PROCESSED] = self.reported_processed_logp
+        return tensors
+
+    def __post_init__(self) -> None:
+        where = self.source
+        if self.sampling is not None and not isinstance(self.sampling, RowSampling):
+            raise CaptureError(f"{where}: sampling is a {type(self.sampling).__name__}; give a RowSampling "
+                               "(temperature, top_k, top_p, min_p tensors) or None")
+        tensors = self.tensors()
         entries = {}
         for name, tensor in tensors.items():
             if not isinstance(tensor, torch.Tensor):
@@ -315,6 +369,7 @@ class Capture:
         meta = _check_metadata(self.metadata, LOGITS_ST[entries[LOGITS].dtype], where)
         object.__setattr__(self, "metadata", meta)
         check_values(self.logits, self.targets, self.active, self.reported_logp, where)
+        check_sampling(self.active, self.sampling, self.reported_processed_logp, where)
         _require_active(self.active, where)
 
     @property
@@ -366,6 +421,33 @@ def check_values(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tens
                                "reported_logp out when the engine reported nothing)")
 
 
+def check_sampling(active: torch.Tensor, sampling: RowSampling | None, reported_processed: torch.Tensor | None,
+                   where: str) -> None:
+    """The value rules of the sampling parameters (every row, so that a per-row call of
+    ``selected_logprob`` accepts them) and of ``reported_processed_logp`` (finite or ``-inf`` on
+    active tokens: a target the engine's sampler removed has logprob ``-inf``, never NaN)."""
+    if sampling is not None:
+        t, k, p, m = sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
+        rules = ((TEMPERATURE, ~(torch.isfinite(t) & (t > 0)), "finite and > 0 (1 = off)"),
+                 (TOP_K, k < 0, ">= 0 (0 = off; write vLLM's -1 as 0)"),
+                 (TOP_P, ~((p > 0) & (p <= 1)), "in (0, 1] (1 = off)"),
+                 (MIN_P, ~((m >= 0) & (m <= 1)), "in [0, 1] (0 = off)"))
+        for name, bad, rule in rules:
+            if bool(bad.any()):
+                row = _first(bad)
+                value = getattr(sampling, name)[row].item()
+                raise CaptureError(f"{where}: tensor {name} is {value} at token {row} ({int(bad.sum())} such "
+                                   f"token(s)); it must be {rule} on every token (inactive ones too: write the "
+                                   "off value there)")
+    if reported_processed is not None:
+        bad = active & (torch.isnan(reported_processed) | (reported_processed == float("inf")))
+        if bool(bad.any()):
+            row = _first(bad)
+            raise CaptureError(f"{where}: tensor {REPORTED_PROCESSED} is {float(reported_processed[row])} at "
+                               f"active token {row}; it must be finite, or -inf for a target outside the "
+                               "kept set (leave the tensor out when the engine reported nothing)")
+
+
 def _require_active(active: torch.Tensor, where: str) -> None:
     if not bool(active.any()):
         raise CaptureError(f"{where}: tensor active has no true value; a capture must mark at "
@@ -401,9 +483,7 @@ def write_capture(path: str | os.PathLike[str], capture: Capture) -> str:
     """
     from safetensors.torch import save
 
-    tensors = {LOGITS: capture.logits, TARGETS: capture.targets, ACTIVE: capture.active}
-    if capture.reported_logp is not None:
-        tensors[REPORTED] = capture.reported_logp
+    tensors = capture.tensors()
     data = canonical_header(save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
                                  metadata=dict(capture.metadata)))
     parse_header(io.BytesIO(data), len(data), str(path))
@@ -423,8 +503,10 @@ def read_capture(path: str | os.PathLike[str]) -> Capture:
     header = read_header(path)
     with _open(path) as handle:
         tensors = {name: handle.get_tensor(name) for name in header.entries}
+    sampling = RowSampling(*(tensors[n] for n in SAMPLING)) if TEMPERATURE in tensors else None
     return Capture(tensors[LOGITS], tensors[TARGETS], tensors[ACTIVE], tensors.get(REPORTED),
-                   header.metadata, source=str(path))
+                   header.metadata, source=str(path), sampling=sampling,
+                   reported_processed_logp=tensors.get(REPORTED_PROCESSED))
 
 
 def read_tokens(path: str | os.PathLike[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -467,6 +549,7 @@ def read_rows(path: str | os.PathLike[str], header: Header, rows: list[int] | ra
 
 
 __all__ = [
-    "Capture", "CaptureError", "FORMAT", "Header", "build_metadata", "canonical_header", "check_values",
+    "Capture", "CaptureError", "FORMAT", "Header", "RowSampling", "build_metadata", "canonical_header",
+    "check_sampling", "check_values",
     "read_capture", "read_header", "read_rows", "read_tokens", "write_capture",
 ]

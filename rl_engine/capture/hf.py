@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.capture.format import DTYPE_NAMES, Capture, CaptureError, build_metadata
+from rl_engine.capture.format import DTYPE_NAMES, SAMPLING, Capture, CaptureError, RowSampling, build_metadata
 
 
 def capture_causal_lm(
@@ -98,18 +98,23 @@ def concat_captures(captures: list[Capture], notes: str | None = None) -> Captur
         if cap.vocab != first.vocab:
             raise CaptureError(f"concat_captures: capture {i} has vocab {cap.vocab}, capture 0 "
                                f"{first.vocab}; join captures of one model only")
-    reported = [c.reported_logp for c in captures]
-    if any(r is None for r in reported) and not all(r is None for r in reported):
-        raise CaptureError("concat_captures: reported_logp is present in some captures only; "
-                           "give it for all or none")
+    joined: dict[str, torch.Tensor] = {}
+    for name in ("reported_logp", "sampling", "reported_processed_logp"):
+        parts = [getattr(c, name) for c in captures]
+        if any(r is None for r in parts) and not all(r is None for r in parts):
+            raise CaptureError(f"concat_captures: {name} is present in some captures only; "
+                               "give it for all or none")
+        if parts[0] is not None and name != "sampling":
+            joined[name] = torch.cat(parts)
+    sampling = None if first.sampling is None else RowSampling(
+        *(torch.cat([c.sampling.tensors()[n] for c in captures]) for n in SAMPLING))  # type: ignore[union-attr]
     metadata = dict(first.metadata)
     metadata["notes"] = notes if notes is not None else " | ".join(
         dict.fromkeys(c.metadata["notes"] for c in captures))
     return Capture(
         torch.cat([c.logits for c in captures]), torch.cat([c.targets for c in captures]),
-        torch.cat([c.active for c in captures]),
-        None if reported[0] is None else torch.cat(reported),  # type: ignore[arg-type]
-        metadata,
+        torch.cat([c.active for c in captures]), joined.get("reported_logp"), metadata,
+        sampling=sampling, reported_processed_logp=joined.get("reported_processed_logp"),
     )
 
 

@@ -1,14 +1,19 @@
 """``python -m rl_engine parity ROLLOUT TRAINER --output-dir DIR``: where two engines' logprobs part.
 
 Two captures of the same tokens (``docs/capture.md``), one from the rollout engine and one from
-the trainer, are compared in five sections, each per token and in aggregate:
+the trainer, are compared in five sections (six when the rollout carries sampling parameters),
+each per token and in aggregate:
 
 1. targets and mask: must be identical, else the verb refuses naming the first differing token;
 2. logits: bitwise equal or not, tokens and columns that differ, max abs and relative difference;
 3. our logprob (the candidate backend, recorded) on each side's logits, their difference, and a
    control: the rollout's logits again in reversed row order give the same bytes;
 4. each engine's ``reported_logp`` against our recompute on that engine's logits;
-5. the importance ratio ``exp(logp_trainer - logp_rollout)``.
+5. the importance ratio ``exp(logp_trainer - logp_rollout)``;
+6. when the rollout capture carries its sampling parameters: our processed logprob on the rollout's
+   logits (temperature, top-k, top-p, min-p per row), against the engine's
+   ``reported_processed_logp`` when it has one, and how much of the gap between the engine's report
+   and our raw logprob the sampler's processing explains (:func:`processed_section`).
 
 Writes ``DIR/parity.json`` (``schemas/parity.schema.json``) and ``DIR/parity.png`` and prints
 a short table. Exit 0: our logprobs of the two sides are bitwise equal (and the control holds);
@@ -56,6 +61,14 @@ ROW_BLOCK = 32  # rows of logits compared at a time (bounds the float64 temporar
 RATIO_METHOD = ("binary32 E(logp_trainer - logp_rollout): the portable exp of docs/arithmetic.md "
                 "on the binary32 difference (a report statistic, not the candidate's path)")
 MEAN_METHOD = "math.fsum of float64 values over active tokens, divided by their count"
+PROCESSED_METHOD = (
+    "per active token, binary32 subtractions: gap = engine_reported_processed - our_raw, explained = "
+    "our_processed - our_raw (= temperature_part + truncation_part up to rounding: temperature_part = "
+    "our_tempered - our_raw, truncation_part = our_processed - our_tempered), residual = "
+    "engine_reported_processed - our_processed; our_raw is section 3's logprob of the rollout's logits, "
+    "our_tempered at the row's temperature only, our_processed with the row's top_k / top_p / min_p too "
+    "(docs/arithmetic.md section 13). Aggregates over the counted tokens: active, our target kept and the "
+    "engine's report finite. fraction_explained = 1 - fsum|residual| / fsum|gap|")
 
 
 class ParityError(ValueError):
@@ -275,7 +288,7 @@ def _ratio(log_new: torch.Tensor, log_old: torch.Tensor, active: torch.Tensor,
 
 
 def compute(rollout: Capture, trainer: Capture, options: ParityOptions) -> dict[str, Any]:
-    """Every section of the report (sections 1-5) from two checked captures."""
+    """Every section of the report (sections 1-6) from two checked captures."""
     check_same_tokens(rollout, trainer)
     active = rollout.active
     ours: dict[str, torch.Tensor] = {}
@@ -326,12 +339,120 @@ def compute(rollout: Capture, trainer: Capture, options: ParityOptions) -> dict[
             "engines": (_ratio(trainer.reported_logp, rollout.reported_logp, active,  # type: ignore[arg-type]
                                options.ratio_bounds) if both else None),
         },
+        "processed": processed_section(rollout, ours["rollout"], options),
     }
 
 
 def _side_record(path: Path, cap: Capture) -> dict[str, Any]:
     return {"path": str(path), "sha256": jsonio.sha256_file(path), "metadata": dict(cap.metadata),
-            "has_reported_logp": cap.reported_logp is not None}
+            "has_reported_logp": cap.reported_logp is not None, "has_sampling": cap.sampling is not None,
+            "has_reported_processed_logp": cap.reported_processed_logp is not None}
+
+
+def sampled_logprob(capture: Capture, options: ParityOptions, truncate: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our logprob of the distribution each row of ``capture`` was sampled from, with the row's
+    sampling parameters (the capture must carry them): at its temperature, and with its top-k,
+    top-p and min-p when ``truncate``. One call of the op per distinct temperature, the truncation
+    parameters per row (the op is batch invariant: the grouping changes no byte). Returns
+    ``(logp, target_kept)`` in capture order (``target_kept`` all true without truncation)."""
+    from rl_engine.logprob.processed import sampling_from
+    from rl_engine.logprob.registry import dispatch
+
+    sampling = capture.sampling
+    if sampling is None:
+        raise ParityError(f"{capture.source}: the capture carries no sampling parameters")
+    tiles = vocab_tiles(capture.vocab, options)["resolved"]
+    logp = torch.empty(capture.num_tokens, dtype=torch.float32)
+    kept = torch.ones(capture.num_tokens, dtype=torch.bool)
+    temps = sampling.temperature
+    for t in sorted(set(temps.tolist())):
+        rows = (temps == t).nonzero().flatten()
+        part = sampling.rows(rows)
+        try:
+            contract = LogprobContract(
+                real_vocab_size=capture.vocab, padded_vocab_size=capture.vocab, num_vocab_tiles=tiles,
+                num_sequences=1, seq_len=rows.numel(), logits_dtype=capture.logits_dtype, temperature=t)
+            sampler = (sampling_from(part.top_k, part.top_p, part.min_p, (rows.numel(),), torch.device("cpu"))
+                       if truncate else None)
+            chosen = dispatch(options.backend, contract, "cpu", processed=sampler is not None)
+        except LogprobContractError as exc:
+            raise ParityError(f"{capture.source}: the rows at temperature {t}: {exc}") from None
+        out = chosen.op(capture.logits.index_select(0, rows).contiguous(), capture.targets.index_select(0, rows),
+                        capture.active.index_select(0, rows), contract,
+                        **({"sampling": sampler} if sampler is not None else {}))
+        logp.index_copy_(0, rows, out.selected_logp)
+        if out.target_kept is not None:
+            kept.index_copy_(0, rows, out.target_kept)
+    return logp, kept
+
+
+def _abs_stats(values: list[float]) -> dict[str, float | None]:
+    return {"max_abs": max((abs(v) for v in values), default=None), "mean_abs": _mean([abs(v) for v in values]),
+            "mean": _mean(values)}
+
+
+def _per_token(values: torch.Tensor, active: list[bool]) -> list[float | None]:
+    return [v if on and math.isfinite(v) else None for v, on in zip(values.tolist(), active)]
+
+
+def processed_section(rollout: Capture, raw: torch.Tensor, options: ParityOptions) -> dict[str, Any] | None:
+    """Section 6 (None when the rollout capture carries no sampling parameters): our processed
+    logprob of the rollout's rows, its split from our raw logprob ``raw`` (section 3's) into the
+    temperature's part and the truncation's, and, when the capture has ``reported_processed_logp``,
+    the engine's report against it and the share of the engine's raw-to-processed gap our processing
+    explains (:data:`PROCESSED_METHOD`). Active tokens whose target is outside our kept set (our
+    logprob ``-inf``) or outside the engine's (its report ``-inf``) are counted and listed, and left
+    out of the aggregates."""
+    sampling = rollout.sampling
+    if sampling is None:
+        return None
+    tempered, _ = sampled_logprob(rollout, options, truncate=False)
+    processed, kept = sampled_logprob(rollout, options)
+    reported = rollout.reported_processed_logp
+    act = rollout.active.tolist()
+    kept_list = kept.tolist()
+    truncating = ((sampling.top_k > 0) | (sampling.top_p < 1) | (sampling.min_p > 0)) & rollout.active
+    not_kept = [i for i, on in enumerate(act) if on and not kept_list[i]]
+    engine_not_kept = ([] if reported is None else
+                       [i for i, on in enumerate(act) if on and reported[i].item() == float("-inf")])
+    counted = [i for i, on in enumerate(act) if on and kept_list[i] and i not in set(engine_not_kept)]
+    parts = {"explained": processed - raw, "temperature_part": tempered - raw, "truncation_part": processed - tempered}
+    if reported is not None:
+        parts["gap"] = reported - raw
+        parts["residual"] = reported - processed
+    stats: dict[str, Any] = {}
+    for name in ("gap", "explained", "temperature_part", "truncation_part", "residual"):
+        stats[name] = None if name not in parts else _abs_stats([parts[name][i].item() for i in counted])
+    fraction = None
+    if reported is not None:
+        gap = math.fsum(abs(parts["gap"][i].item()) for i in counted)
+        residual = math.fsum(abs(parts["residual"][i].item()) for i in counted)
+        fraction = 1.0 - residual / gap if gap > 0 else None
+        differ = [i for i in counted if reported[i:i + 1].view(torch.int32).item()
+                  != processed[i:i + 1].view(torch.int32).item()]
+        stats["residual"].update(bitwise_equal=not differ and not engine_not_kept and not not_kept,
+                                 tokens_differing=len(differ))
+    return {
+        "method": PROCESSED_METHOD,
+        "parameters_from": "rollout",
+        "active_tokens": int(rollout.active.sum()),
+        "truncated_tokens": int(truncating.sum()),
+        "counted_tokens": len(counted),
+        "engine_reported": reported is not None,
+        "target_not_kept": {"count": len(not_kept), "tokens": not_kept},
+        "engine_target_not_kept": None if reported is None else {"count": len(engine_not_kept),
+                                                                  "tokens": engine_not_kept},
+        **stats,
+        "fraction_explained": fraction,
+        "per_token": {
+            "processed_logp": _per_token(processed, act), "tempered_logp": _per_token(tempered, act),
+            "target_kept": [bool(k) or not on for k, on in zip(kept_list, act)],
+            "reported_processed_logp": None if reported is None else _per_token(reported, act),
+            **{name: (_per_token(parts[name], act) if name in parts else None)
+               for name in ("gap", "explained", "residual")},
+        },
+    }
 
 
 def build_report(rollout_path: Path, trainer_path: Path, options: ParityOptions) -> dict[str, Any]:
@@ -396,8 +517,9 @@ def figure_panels(report: dict[str, Any]) -> list[Panel]:
     """The panels of parity.png, every number from the report (parity.json): our logprob difference
     (trainer - rollout), the logits' largest difference per token, our importance ratio with its
     truncation bounds, the same ratio's distance from 1 on a log scale (ratios within 1e-5 of 1 are
-    one bar on the linear panel, whose axis spans the bounds; here each decade has its bins), and each
-    engine's reported logprob against ours where the capture has one."""
+    one bar on the linear panel, whose axis spans the bounds; here each decade has its bins), each
+    engine's reported logprob against ours where the capture has one, and the rollout engine's
+    processed logprob against our processed one (section 6) where the capture has it."""
     act = report["targets_and_mask"]["per_token"]["active"]
     active = sum(1 for on in act if on)
 
@@ -425,6 +547,10 @@ def figure_panels(report: dict[str, Any]) -> list[Panel]:
         if stats is not None:
             panels.append(diff_panel(f"{side} engine's reported logprob - ours", stats["per_token"]["diff"],
                                      "logprob difference (nats)"))
+    processed = report.get("processed")
+    if processed is not None and processed["engine_reported"]:
+        panels.append(diff_panel("rollout engine's processed logprob - our processed", processed["per_token"]["residual"],
+                                 "logprob difference (nats)"))
     return panels
 
 
@@ -555,6 +681,13 @@ def print_table(report: dict[str, Any]) -> None:
     low = "n/a" if rt["min"] is None else f"{rt['min']:.6g}"
     table.add_row("5 ratio (ours)", f"mean {mean}, min {low}, "
                   f"outside {report['importance_ratio']['bounds']}: {rt['share_outside_bounds']:.2%}")
+    pr = report.get("processed")
+    if pr is not None:
+        kept = f"{pr['target_not_kept']['count']} target(s) outside our kept set"
+        table.add_row("6 processed (rollout)", kept if not pr["engine_reported"] else
+                      f"engine vs ours: {pr['residual']['tokens_differing']} tokens differ, max abs "
+                      f"{_g(pr['residual']['max_abs'])}; fraction of the gap explained "
+                      f"{_g(pr['fraction_explained'])}; {kept}")
     Console(stderr=False, width=120).print(table)
 
 

@@ -462,7 +462,8 @@ def _ratio_text(stats: Any, bounds: Any) -> str:
 
 
 def parity_section(parity: dict[str, Any]) -> Section:
-    """The parity stage's five sections in one table, every figure read from parity.json."""
+    """The parity stage's five sections (six with sampling parameters) in one table, every figure read from
+    parity.json."""
     tokens, logits, ours = (parity.get(k) or {} for k in ("targets_and_mask", "logits", "our_logprob"))
     ratio = parity.get("importance_ratio") or {}
     control = "holds" if _get(ours, "control", "bitwise_equal") is True else "FAILED"
@@ -484,7 +485,25 @@ def parity_section(parity: dict[str, Any]) -> Section:
             ("4 Trainer engine's reported - ours", _differ_text((parity.get("engine_vs_ours") or {}).get("trainer"))),
             ("5 Importance ratio (ours)", _ratio_text(ratio.get("ours"), ratio.get("bounds"))),
             ("5 Importance ratio (engines' reported)", _ratio_text(ratio.get("engines"), ratio.get("bounds")))]
+    processed = parity.get("processed")
+    if isinstance(processed, dict):  # only when the rollout capture carries sampling parameters
+        rows.append(("6 Processed logprob (rollout's sampling parameters)", _processed_text(processed)))
     return Section("Parity: rollout versus trainer", ("Section", "Result"), tuple(rows))
+
+
+def _processed_text(section: dict[str, Any]) -> str:
+    """Section 6 of parity.json in one cell: the engine's processed logprob against ours, the share of
+    the raw-to-processed gap our processing explains, and the targets outside either kept set."""
+    outside = (f"{_get(section, 'target_not_kept', 'count')} target(s) outside our kept set"
+               + (f", {_get(section, 'engine_target_not_kept', 'count')} reported -inf by the engine"
+                  if section.get("engine_reported") is True else ""))
+    if section.get("engine_reported") is not True:
+        return (f"no reported_processed_logp in the capture; our processed - our raw: mean abs "
+                f"{_exact(_get(section, 'explained', 'mean_abs'))}; {outside}")
+    residual = section.get("residual") or {}
+    return (f"engine - ours: {residual.get('tokens_differing')} of {section.get('counted_tokens')} counted tokens differ, "
+            f"max abs {_exact(residual.get('max_abs'))}; fraction of the gap explained "
+            f"{_exact(section.get('fraction_explained'))}; {outside}")
 
 
 def sections(ev: Evidence, run: Run) -> dict[str, Section]:

@@ -4,19 +4,22 @@ Two services on an offline ``vllm.LLM`` (vLLM 0.32, V1 engine; CPU and GPU build
 
 - **capture**: every row the sampler samples from (the raw logits, before temperature or any
   processor, in the model's dtype), the sampled token, vLLM's returned logprob of it and the
-  request's sampling parameters, kept as tensors in the worker (no Python object per vocabulary
-  entry), and on request the prompt rows; :func:`collect` turns them into an
-  ``rl-engine-capture/1`` :class:`~rl_engine.capture.Capture`, one sequence after another in the
-  order of ``llm.generate``'s outputs, checked against the token ids vLLM returned.
+  request's sampling parameters (temperature, top-k, top-p, min-p), kept as tensors in the worker
+  (no Python object per vocabulary entry), and on request the prompt rows; :func:`collect` turns
+  them into an ``rl-engine-capture/1`` :class:`~rl_engine.capture.Capture` (the parameters as its
+  per-row sampling tensors), one sequence after another in the order of ``llm.generate``'s
+  outputs, checked against the token ids vLLM returned.
 - **our logprob inside vLLM** (``logprobs="raw"`` or ``"processed"``): the logprobs vLLM returns
   (the sampled token and the top-k it was asked for, and the prompt tokens' with
   ``prompt_logprobs``) are :func:`rl_engine.logprob.selected_logprob` of the very rows it sampled
-  from: ``"raw"`` at temperature 1 (vLLM's default ``raw_logprobs``), ``"processed"`` at the
-  request's temperature (``x / T``, as vLLM's sampler divides; greedy requests at 1, as vLLM's
-  ``processed_logprobs``). The rollout and the trainer then run one logprob implementation, and
-  the bytes do not depend on the batch the request was scheduled in (our op is batch invariant).
-  Top-k, top-p and min-p truncation is not ours yet: a request that asks for them under
-  ``"processed"`` is refused, naming the parameter.
+  from: ``"raw"`` at temperature 1 (vLLM's default ``raw_logprobs``), ``"processed"`` the processed
+  logprob of the distribution the request sampled from: its temperature (``x / T``, as vLLM's
+  sampler divides; greedy requests at 1, as vLLM's ``processed_logprobs``) and its top-k, top-p and
+  min-p as per-row parameters of ``selected_logprob`` (docs/arithmetic.md section 13, vLLM's order:
+  temperature, min-p, top-k, top-p). The rollout and the trainer then run one logprob
+  implementation, and the bytes do not depend on the batch the request was scheduled in (our op is
+  batch invariant). The kept set is ours, not vLLM's: where they differ (vLLM keeps every tie at the
+  k-th value) the token vLLM sampled may lie outside ours, and its returned logprob is ``-inf``.
 
 How, and what of vLLM it relies on (all of it private, so :func:`install` checks each piece and
 names vLLM's version when one is missing): ``LLM.collective_rpc`` (public) runs a function of this
@@ -41,17 +44,29 @@ from typing import Any
 
 import torch
 
-from rl_engine.capture.format import DTYPE_NAMES, Capture, CaptureError, build_metadata
+from rl_engine.capture.format import (
+    DTYPE_NAMES,
+    REPORTED,
+    REPORTED_PROCESSED,
+    SAMPLING,
+    Capture,
+    CaptureError,
+    RowSampling,
+    build_metadata,
+)
 
 SUPPORTED_VERSIONS = ("0.32",)
 LOGPROB_MODES = (None, "raw", "processed")
 # vLLM's logprobs_mode under which each of our modes replaces values of the same kind: ours "raw" are
-# logprobs at T = 1 (vLLM's raw_logprobs), ours "processed" logprobs at the request's temperature.
+# logprobs at T = 1 (vLLM's raw_logprobs), ours "processed" logprobs under the request's temperature and truncation.
 LOGPROBS_MODES_FOR = {"raw": ("raw_logprobs",), "processed": ("raw_logprobs", "processed_logprobs")}
-# Sampling parameters that change the distribution vLLM samples from beyond the temperature, with the
-# value that leaves it unchanged: a processed logprob of rl_engine ignores them, so they are refused.
-PROCESSING_PARAMS = (("top_k", (0, -1, None)), ("top_p", (1.0, None)), ("min_p", (0.0, None)),
-                     ("presence_penalty", (0.0, None)), ("frequency_penalty", (0.0, None)),
+# The sampler's truncation parameters, which our processed logprob models (per row, section 13).
+SAMPLER_PARAMS = ("top_k", "top_p", "min_p")
+# Sampling parameters that change the distribution vLLM samples from beyond the temperature and the
+# truncation, with the value that leaves it unchanged: a processed logprob of rl_engine does not model
+# them, so they are refused under logprobs="processed", and a capture of a request that sets one does
+# not record sampling parameters (it would claim a distribution vLLM did not sample from).
+PROCESSING_PARAMS = (("presence_penalty", (0.0, None)), ("frequency_penalty", (0.0, None)),
                      ("repetition_penalty", (1.0, None)), ("logit_bias", (None, {})), ("allowed_token_ids", (None, [])),
                      ("bad_words", (None, [])), ("min_tokens", (0, None)), ("structured_outputs", (None,)))
 _STATE = "_rl_engine_vllm"
@@ -82,7 +97,7 @@ class Options:
         if self.logprobs not in LOGPROB_MODES:
             raise VLLMIntegrationError(f"logprobs={self.logprobs!r} is not one of {list(LOGPROB_MODES)}: "
                                        "None keeps vLLM's own, 'raw' returns ours at temperature 1, "
-                                       "'processed' ours at the request's temperature")
+                                       "'processed' ours under the request's temperature, top_k, top_p and min_p")
         for name in ("capture", "prompt_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise VLLMIntegrationError(f"{name}={getattr(self, name)!r} must be True or False")
@@ -111,6 +126,10 @@ class _Rows:
     tokens: list[int] = field(default_factory=list)
     reported: list[float] = field(default_factory=list)
     temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    unmodelled: str = ""  # the first parameter beyond temperature and truncation the request sets
     prompt: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -261,10 +280,11 @@ class _Recorder:
         temps = self._temperatures(metadata, num, logits.device)
         tensors = output.logprobs_tensors
         self._check_processing(req_ids)
+        params = self._sampler_params(req_ids)
         if self.options.logprobs is not None:
             if tensors is not None:
-                self._replace(logits, sampled, temps, tensors)
-        reported = self._reported(tensors, sampled) if self._reports_raw_logprob() else None
+                self._replace(logits, sampled, temps, tensors, params)
+        reported = self._reported(tensors, sampled) if self._reported_kind() is not None else None
         if not self.options.capture:
             return
         rows = logits.detach().to("cpu", copy=True)
@@ -278,6 +298,8 @@ class _Recorder:
             rec.tokens.append(tokens[i])
             rec.reported.append(math.nan if reported is None else float(reported[i]))
             rec.temperature = temps_host[i]
+            rec.top_k, rec.top_p, rec.min_p = (params[0][i].item(), params[1][i].item(), params[2][i].item())
+            rec.unmodelled = self._unmodelled(req)
 
     def _temperatures(self, metadata: Any, num: int, device: torch.device) -> torch.Tensor:
         """Each row's temperature as vLLM's sampler applies it (greedy rows: 1)."""
@@ -298,44 +320,76 @@ class _Recorder:
                                            "sampling, so they are not the model's logits; capture without them")
             if self.options.logprobs != "processed":
                 continue
-            for name, neutral in PROCESSING_PARAMS:
-                value = getattr(params, name, None)
-                if value not in neutral:
-                    raise VLLMIntegrationError(
-                        f"request {req} sets {name}={value!r}: processed logprobs after it are not rl_engine's (only "
-                        f"the temperature is); use logprobs='raw', or sample without {name}")
+            unmodelled = self._unmodelled(req)
+            if unmodelled:
+                raise VLLMIntegrationError(
+                    f"request {req} sets {unmodelled}: processed logprobs after it are not rl_engine's (the "
+                    "temperature, top_k, top_p and min_p are); use logprobs='raw', or sample without it")
 
-    def _ours(self, logits: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor | None) -> torch.Tensor:
+    def _unmodelled(self, req: str) -> str:
+        """``name=value`` of the first parameter of ``req`` beyond temperature and truncation ('' if none)."""
+        params = getattr(self.runner.requests[req], "sampling_params", None)
+        for name, neutral in PROCESSING_PARAMS:
+            value = getattr(params, name, None)
+            if value not in neutral:
+                return f"{name}={value!r}"
+        return ""
+
+    def _sampler_params(self, req_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's ``(top_k int64, top_p float32, min_p float32)`` as vLLM applies them (off: 0, 1, 0;
+        vLLM's ``top_k=-1`` and ``0`` are off; a greedy request's are off, as vLLM's SamplingParams sets)."""
+        ks, ps, ms = [], [], []
+        for req in req_ids:
+            params = getattr(self.runner.requests[req], "sampling_params", None)
+            k = getattr(params, "top_k", 0)
+            p = getattr(params, "top_p", 1.0)
+            m = getattr(params, "min_p", 0.0)
+            ks.append(int(k) if k is not None and k > 0 else 0)
+            ps.append(1.0 if p is None else float(p))
+            ms.append(0.0 if m is None else float(m))
+        return (torch.tensor(ks, dtype=torch.int64), torch.tensor(ps, dtype=torch.float32),
+                torch.tensor(ms, dtype=torch.float32))
+
+    def _ours(self, logits: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor | None,
+              params: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """selected_logprob of ``logits`` rows at ``targets`` in one call: ``temps`` holds each row's
-        temperature (vLLM's float32 values, taken exactly: a temperature per row), ``None`` is 1."""
+        temperature (vLLM's float32 values, taken exactly: a temperature per row), ``None`` is 1;
+        ``params``: each row's ``(top_k, top_p, min_p)``, per-row parameters of the call (None: off)."""
         from rl_engine.logprob import selected_logprob
 
+        sampler = {} if params is None else {name: value.to(logits.device) for name, value in zip(SAMPLER_PARAMS, params)}
         got = selected_logprob(logits, targets, torch.ones(targets.shape, dtype=torch.bool, device=logits.device),
                                num_vocab_tiles=self.options.num_vocab_tiles, backend=self.options.backend,
                                real_vocab_size=self.options.real_vocab_size,
-                               temperature=1.0 if temps is None else temps)
+                               temperature=1.0 if temps is None else temps, **sampler)
         return got.selected_logp
 
-    def _replace(self, logits: torch.Tensor, sampled: torch.Tensor, temps: torch.Tensor, tensors: Any) -> None:
+    def _replace(self, logits: torch.Tensor, sampled: torch.Tensor, temps: torch.Tensor, tensors: Any,
+                 params: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         """Overwrite the logprob values vLLM is about to return with ours (same token ids, same shape)."""
         values = tensors.logprobs
         ids = tensors.logprob_token_ids
         rows = logits.shape[0]
+        processed = self.options.logprobs == "processed"
         if ids.numel() == 0:  # logprobs=-1: every column of every row
             raise VLLMIntegrationError("logprobs=-1 (every vocabulary entry) with rl_engine's logprob is refused: "
                                        "ask for the sampled token and a top-k (logprobs=k)")
         width = ids.shape[1]
         flat_rows = torch.arange(rows, device=logits.device).repeat_interleave(width)
         flat_ids = ids.to(torch.int64).reshape(-1)
+        index = flat_rows.cpu()
         ours = self._ours(logits.index_select(0, flat_rows), flat_ids,
-                          None if self.options.logprobs == "raw" else temps.index_select(0, flat_rows))
+                          temps.index_select(0, flat_rows) if processed else None,
+                          tuple(p.index_select(0, index) for p in params) if processed else None)  # type: ignore[arg-type]
         values.copy_(ours.reshape(rows, width).to(values.dtype))
 
-    def _reports_raw_logprob(self) -> bool:
-        """Whether the values vLLM returns are logprobs at temperature 1 (what a capture's reported_logp is)."""
+    def _reported_kind(self) -> str | None:
+        """What the values vLLM returns are: ``"raw"`` (logprobs at temperature 1: a capture's
+        ``reported_logp``), ``"processed"`` (under the request's temperature and truncation: its
+        ``reported_processed_logp``), or None (logits, not logprobs)."""
         if self.options.logprobs is not None:
-            return self.options.logprobs == "raw"
-        return self.options.vllm_logprobs_mode == "raw_logprobs"
+            return self.options.logprobs
+        return {"raw_logprobs": "raw", "processed_logprobs": "processed"}.get(self.options.vllm_logprobs_mode)
 
     @staticmethod
     def _reported(tensors: Any, sampled: torch.Tensor) -> torch.Tensor | None:
@@ -385,7 +439,7 @@ class _Recorder:
 
     # export ----------------------------------------------------------------------------------
     def export(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"__options__": dict(self.options.__dict__)}
+        out: dict[str, Any] = {"__options__": dict(self.options.__dict__), "__reported__": self._reported_kind()}
         for req, rec in self.records.items():
             prompt = [rec.prompt[k] for k in sorted(rec.prompt)]
             out[req] = {
@@ -393,6 +447,7 @@ class _Recorder:
                 "tokens": torch.tensor(rec.tokens, dtype=torch.int64),
                 "reported": torch.tensor(rec.reported, dtype=torch.float32),
                 "temperature": rec.temperature,
+                "top_k": rec.top_k, "top_p": rec.top_p, "min_p": rec.min_p, "unmodelled": rec.unmodelled,
                 "prompt_positions": sorted(rec.prompt),
                 "prompt_logits": torch.stack([p[0] for p in prompt]) if prompt else None,
                 "prompt_targets": torch.stack([p[1] for p in prompt]) if prompt else None,
@@ -440,7 +495,7 @@ def install(llm: Any, *, capture: bool = True, prompt_rows: bool = False, logpro
     ``capture``: keep every sampled row for :func:`collect`; ``prompt_rows``: keep the prompt rows
     too (the requests must ask for ``prompt_logprobs``, which is when vLLM computes them);
     ``logprobs``: ``None`` leaves vLLM's returned logprobs alone, ``"raw"`` makes them ours at
-    temperature 1, ``"processed"`` ours at the request's temperature. ``num_vocab_tiles`` and
+    temperature 1, ``"processed"`` ours under the request's temperature, top-k, top-p and min-p. ``num_vocab_tiles`` and
     ``backend`` are :func:`~rl_engine.logprob.selected_logprob`'s (the trainer must use the same
     tile count to get the same bytes: ``auto`` is the API's rule on both sides)."""
     version = _version()
@@ -497,18 +552,25 @@ def collect(llm: Any, outputs: list[Any], *, model_name: str | None = None, note
 
     Per request: its prompt rows when they were recorded (inactive; row ``i`` predicts prompt
     token ``i + 1``), then one active row per generated token (the row it was sampled from, the
-    token as target, vLLM's returned logprob as ``reported_logp``). The rows are those of a
-    trainer's capture of ``prompt + generated`` tokens; each request's temperature is in ``notes``.
-    ``reported_logp`` is kept only where vLLM returned logprobs at temperature 1 (its default
-    ``raw_logprobs``, or ours with ``logprobs="raw"``). Refused: an output whose recorded tokens are not
+    token as target, vLLM's returned logprob). The rows are those of a trainer's capture of
+    ``prompt + generated`` tokens. Each row's sampling parameters (temperature, top-k, top-p, min-p as
+    vLLM applied them; off on prompt rows) are the capture's sampling tensors, and per request in
+    ``notes``; a request that sets a parameter our processed logprob does not model (a penalty,
+    ``logit_bias``, ...) leaves the sampling tensors out, and ``notes`` names it. vLLM's returned
+    logprob is ``reported_logp`` where it is a logprob at temperature 1 (its default ``raw_logprobs``,
+    or ours with ``logprobs="raw"``), ``reported_processed_logp`` where it is the processed one (its
+    ``processed_logprobs``, or ours with ``logprobs="processed"``). Refused: an output whose recorded tokens are not
     the ones vLLM returned, a request with ``n > 1``, a request whose prompt rows are missing when
     prompt rows were asked for. With vLLM's asynchronous scheduling a request that stopped (EOS, a stop
     token) was sampled once more before the stop was seen and vLLM dropped that token: recorded rows past
-    the returned tokens are dropped too, and counted in ``notes``."""
+    the returned tokens are dropped too, and counted in ``notes``. The capture's ``notes`` are one line
+    of JSON (a capture's metadata holds no newline); the caller's ``notes`` are its ``"notes"`` key."""
     version = _version()
     recorded = dict(_rpc(llm, "collect", (clear,))[0])
     options = recorded.pop("__options__", {})
+    kind = recorded.pop("__reported__", None)
     logits, targets, active, reported, per_request, gen_reported = [], [], [], [], [], []
+    sampling: dict[str, list[torch.Tensor]] = {name: [] for name in SAMPLING}
     dtype = None
     for out in outputs:
         if len(out.outputs) != 1:
@@ -545,6 +607,8 @@ def collect(llm: Any, outputs: list[Any], *, model_name: str | None = None, note
             targets.append(rec["prompt_targets"])
             active.append(torch.zeros(len(prompt) - 1, dtype=torch.bool))
             reported.append(torch.zeros(len(prompt) - 1, dtype=torch.float32))
+            _extend_sampling(sampling, len(prompt) - 1, 1.0, 0, 1.0, 0.0)
+        _extend_sampling(sampling, len(generated), rec["temperature"], rec["top_k"], rec["top_p"], rec["min_p"])
         logits.append(rec["logits"])
         targets.append(rec["tokens"])
         active.append(torch.ones(len(generated), dtype=torch.bool))
@@ -553,6 +617,8 @@ def collect(llm: Any, outputs: list[Any], *, model_name: str | None = None, note
         dtype = rec["logits"].dtype
         per_request.append({"request_id": out.request_id, "prompt_tokens": len(prompt),
                             "generated_tokens": len(generated), "temperature": rec["temperature"],
+                            "top_k": rec["top_k"], "top_p": rec["top_p"], "min_p": rec["min_p"],
+                            "unmodelled": rec["unmodelled"],
                             "first_token": prompt[0] if prompt else None, "rows_after_stop_dropped": max(extra, 0),
                             "prompt_rows": rec["prompt_logits"] is not None})
     if not per_request:
@@ -561,20 +627,42 @@ def collect(llm: Any, outputs: list[Any], *, model_name: str | None = None, note
         raise CaptureError(f"vLLM sampled from {dtype} logits; a capture holds bf16, fp16 or fp32")
     rep = torch.cat(reported)
     act = torch.cat(active)
-    finite = [bool(torch.isfinite(r).all()) for r in gen_reported]  # a request with no token has nothing to miss
-    if any(finite) and not all(finite):  # all or none: a capture's reported_logp covers every active token
-        missing = [req["request_id"] for req, ok in zip(per_request, finite) if not ok]
+    # a request with no token has nothing to miss; a processed logprob may be -inf (outside the kept set)
+    found = [bool((~torch.isnan(r)).all()) for r in gen_reported]
+    if any(found) and not all(found):  # all or none: a capture's reported logprob covers every active token
+        missing = [req["request_id"] for req, ok in zip(per_request, found) if not ok]
         raise VLLMIntegrationError(f"vLLM returned a reported logprob for some requests but not for {missing}: "
                                    "ask every request for logprobs=0 (or more), or none of them")
-    has_reported = all(finite)
+    has_reported = all(found) and kind is not None
+    unmodelled = {req["request_id"]: req["unmodelled"] for req in per_request if req["unmodelled"]}
+    rows = None if unmodelled else RowSampling(*(torch.cat(sampling[name]).to(SAMPLING_DTYPES[name])
+                                                 for name in SAMPLING))
+    tensor = {"raw": REPORTED, "processed": REPORTED_PROCESSED}.get(kind or "") if has_reported else None
+    if tensor == REPORTED_PROCESSED and rows is None:
+        tensor = None  # a processed logprob under parameters the capture cannot state is not kept
     model, tp = _engine_info(llm)
-    info = {"vllm": {"requests": per_request, "reported_logp": "returned by vLLM" if has_reported else "absent"}}
+    why = ", ".join(f"{r} {u}" for r, u in unmodelled.items())
+    vllm_info = {"requests": per_request,
+                 "reported_logp": "returned by vLLM" if tensor == REPORTED else "absent",
+                 "reported_processed_logp": "returned by vLLM" if tensor == REPORTED_PROCESSED else "absent",
+                 "sampling": "recorded" if rows is not None else f"absent: parameters rl_engine does not model: {why}"}
+    info = {**({"notes": notes} if notes else {}), "vllm": vllm_info}
     text = json.dumps(info, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return Capture(logits=torch.cat(logits), targets=torch.cat(targets), active=act,
-                   reported_logp=rep if has_reported else None,
+                   reported_logp=rep if tensor == REPORTED else None,
                    metadata=build_metadata(engine="vllm", engine_version=version, model=model_name or model,
-                                           dtype=DTYPE_NAMES[dtype], tp=tp,
-                                           notes=(notes + "\n" if notes else "") + text))
+                                           dtype=DTYPE_NAMES[dtype], tp=tp, notes=text),
+                   sampling=rows, reported_processed_logp=rep if tensor == REPORTED_PROCESSED else None)
+
+
+SAMPLING_DTYPES = {"temperature": torch.float32, "top_k": torch.int64, "top_p": torch.float32, "min_p": torch.float32}
+
+
+def _extend_sampling(sampling: dict[str, list[torch.Tensor]], rows: int, temperature: float, top_k: int,
+                     top_p: float, min_p: float) -> None:
+    """Append ``rows`` rows of one request's parameters to the capture's sampling columns."""
+    for name, value in zip(SAMPLING, (temperature, top_k, top_p, min_p)):
+        sampling[name].append(torch.full((rows,), value, dtype=SAMPLING_DTYPES[name]))
 
 
 __all__ = ["LOGPROB_MODES", "SUPPORTED_VERSIONS", "WORKER_EXTENSION", "Options", "VLLMIntegrationError",
