@@ -379,7 +379,7 @@ def triton_forward(
     k = load_kernels(mode)
     x = _raw(logits)
     rows = x.shape[0]
-    tiles = contract.local_vocab_size // contract.tile_width
+    tiles = contract.local_tile_count  # whole tiles: the last may reach past the vocabulary (section 6)
     dev = logits.device
     m = torch.empty(rows, tiles, dtype=torch.float32, device=dev)
     s = torch.empty_like(m)
