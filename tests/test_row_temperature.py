@@ -286,7 +286,8 @@ def test_verl_s_drop_ins_and_the_vllm_integration_take_each_row_s_temperature(mo
     row_temps = torch.tensor([0.7, 1.0, 0.7], dtype=torch.float32)
     ids = torch.randint(0, 128, (3, 2), generator=g)
     tensors = SimpleNamespace(logprobs=torch.zeros(3, 2), logprob_token_ids=ids)
-    recorder._replace(rows, ids[:, 0], row_temps, tensors)
+    off = (torch.zeros(3, dtype=torch.int64), torch.ones(3), torch.zeros(3))  # top_k, top_p, min_p: off
+    recorder._replace(rows, ids[:, 0], row_temps, tensors, off)
     assert len(calls) == 1 and isinstance(calls[0], torch.Tensor)
     for i in range(3):
         want = real(rows[i:i + 1].expand(2, 128), ids[i], num_vocab_tiles=recorder.options.num_vocab_tiles,

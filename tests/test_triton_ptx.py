@@ -388,7 +388,7 @@ def test_the_roofline_of_the_launched_kernels_meets_the_targets(tmp_path: Path, 
 @pytest.mark.slow
 @pytest.mark.parametrize("entropy,validate", [(True, True), (False, False)])
 def test_the_fp16_kernels_are_within_1_3x_of_the_h100_floor(tmp_path: Path, entropy: bool, validate: bool) -> None:
-    """binary16 logits (issue 42's "fp16 at the floor"), without a temperature: forward and
+    """binary16 logits ("fp16 at the floor"), without a temperature: forward and
     forward+backward within 1.3x of the H100 floor on the launched kernels' fast path (no spill, no
     loop); the forward's exact pass for a tile with an infinity or NaN is code the fast path skips."""
     doc = triton_aot.roofline(tmp_path, dtype=torch.float16, entropy=entropy, validate=validate)
