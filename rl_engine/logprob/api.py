@@ -23,7 +23,7 @@ from rl_engine.logprob.backends.eager.vocab_parallel import LogprobOutput, vocab
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
 from rl_engine.logprob.processed import sampling_from
 from rl_engine.logprob.registry import dispatch
-from rl_engine.logprob.row_temperature import is_row_temperature, row_temperature32
+from rl_engine.logprob.row_temperature import is_dtensor, is_row_temperature, row_temperature32
 from rl_engine.logprob.storage import require_readable
 from rl_engine.tables import AUTO, MAX_TP
 
@@ -144,7 +144,7 @@ def selected_logprob(
     are in ``out.provenance``. An explicit id that cannot serve the call raises
     ``BackendUnavailableError``; nothing falls back.
     """
-    if _is_dtensor(logits):  # sharded on the vocabulary: its mesh gives the group and the columns
+    if is_dtensor(logits):  # sharded on the vocabulary: its mesh gives the group and the columns
         return _dtensor_call(logits, targets, active, num_vocab_tiles, real_vocab_size, compute_entropy,
                              validate, chunk_rows, backend, ignore_index, max_tp, temperature,
                              (top_k, top_p, min_p))
@@ -201,7 +201,7 @@ def split_temperature(temperature: Any, lead: tuple[int, ...], device: torch.dev
     """``(the contract's temperature, the rows' T32 or None)``: a number goes to the contract (which
     checks it); a tensor is each row's (:func:`rl_engine.logprob.row_temperature.row_temperature32`),
     with the contract's temperature 1. Its values are read on the host only with ``validate``."""
-    if _is_dtensor(temperature) or is_row_temperature(temperature):
+    if is_dtensor(temperature) or is_row_temperature(temperature):
         return 1.0, row_temperature32(temperature, lead, device, check_values=validate)
     return temperature, None
 
@@ -216,18 +216,10 @@ def _refuse_compiled_sampling(top_k: Any, top_p: Any, min_p: Any) -> None:
             "outside the compiled region (torch.compiler.disable) for processed logprobs")
 
 
-def _is_dtensor(value: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(value, DTensor)
-
-
 def _replicated_local(name: str, value: Any) -> Any:
     """A plain tensor as it is; a DTensor that every rank holds whole (``Replicate`` placements)
     as its local tensor; any other placement raises naming it."""
-    if not _is_dtensor(value):
+    if not is_dtensor(value):
         return value
     from torch.distributed.tensor import Replicate
 
@@ -268,7 +260,7 @@ def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int |
                                      lead, ignore_index)
     local = logits.to_local()  # differentiable: the gradient comes back as a DTensor
     row_t32 = None
-    if _is_dtensor(temperature) or is_row_temperature(temperature):
+    if is_dtensor(temperature) or is_row_temperature(temperature):
         # the shape here (as the targets'); the values in the op's local checks, whose verdict every
         # rank of the TP group raises together
         row_t32 = _replicated_local("temperature", temperature)

@@ -12,7 +12,7 @@ shape without the vocabulary), on the logits' device, not requiring a gradient, 
 dtype. bf16, binary16 and binary32 values convert to binary32 exactly; a float64 value is rounded
 once, ``T32 = RN32(T)``, as a Python number is. Every ``T32`` must be finite and lie in
 ``[2**-64, 2**64]`` (then ``T32`` and ``1 / T32`` are normal binary32 numbers); the first that does
-not is named with its index and value. The check reads the ``[rows]`` tensor once on the host,
+not is named with its index and value. With validation the check reads the ``[rows]`` tensor once on the host,
 before any collective of the call.
 """
 
@@ -24,6 +24,7 @@ import torch
 
 from rl_engine.arith.temperature import MAX_TEMPERATURE, MIN_TEMPERATURE
 from rl_engine.logprob.contract import LogprobContractError
+from rl_engine.logprob.hidden_dtensor import is_dtensor
 
 FIX = "pass temperatures > 0 such as 0.7 (1.0 for a row sampled without temperature)"
 
@@ -31,14 +32,6 @@ FIX = "pass temperatures > 0 such as 0.7 (1.0 for a row sampled without temperat
 def is_row_temperature(temperature: Any) -> bool:
     """Whether ``temperature`` is a tensor (per row) rather than a number (the whole call)."""
     return isinstance(temperature, torch.Tensor)
-
-
-def _is_dtensor(value: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(value, DTensor)
 
 
 def row_temperature32(temperature: Any, lead: tuple[int, ...], device: torch.device,
@@ -50,7 +43,7 @@ def row_temperature32(temperature: Any, lead: tuple[int, ...], device: torch.dev
     finite or lies outside ``[2**-64, 2**64]``. The last check reads the values on the host (one
     sync); ``check_values=False`` (the op's ``validate=False``, which skips the targets' range check
     too) leaves it out, so that a call without validation stays free of host round trips."""
-    if _is_dtensor(temperature):
+    if is_dtensor(temperature):
         from torch.distributed.tensor import Replicate
 
         if not all(isinstance(p, Replicate) for p in temperature.placements):
