@@ -59,7 +59,8 @@ CASE: dict[str, Any] = {
 }
 HANG_LIMIT_S = 20
 DOWNSTREAM = {"validation": 1, "crosscheck": 1, "summary": 1, "archive": 1, "verify_archive": 1}
-HOOK = '''"""Test hook of tests/test_gates_workflow.py: hold one fsync so the test can kill the process there."""
+HOOK = '''"""Test hook of tests/test_gates_workflow.py: hold one fsync so the test can kill the process there,
+or act while it is held and then release it (a file named as the marker plus ".release")."""
 import json
 import os
 import re
@@ -79,7 +80,9 @@ if _MARKER and _PATTERN:
             with open(_MARKER + ".part", "w") as handle:
                 handle.write(f"{os.getpid()} {name}")
             os.replace(_MARKER + ".part", _MARKER)
-            time.sleep(300)
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and not os.path.exists(_MARKER + ".release"):
+                time.sleep(0.05)
         return _real_fsync(fd)
 
     os.fsync = _held_fsync
@@ -212,20 +215,26 @@ def test_killed_rank_fails_only_its_topology_and_leaves_no_report(wf: Workflow) 
     assert not any(p.exists() for p in wf.finals)
 
 
-def test_rerun_redoes_the_killed_topology_alone_while_a_second_run_is_locked_out(wf: Workflow, tmp_path: Path) -> None:
+def test_rerun_redoes_the_killed_topology_alone_while_a_second_run_is_locked_out(wf: Workflow, hold_hook: Path,
+                                                                             tmp_path: Path) -> None:
     """The next plain ``snakemake --cores 8`` reruns TP=2 x CP=1 alone and ends in a verified
-    archive; a second snakemake started on the same directory meanwhile is refused by the lock."""
+    archive; a second snakemake started on the same directory meanwhile is refused by the lock. The
+    first run is held at its archive's ``.sha256`` (work still to do, the lock taken) until the second
+    has been refused, then released: the verdict does not depend on how fast the machine is."""
     assert not wf.report("tp2-cp1").exists(), "starts where the killed-rank test left the run"
     kept = [p for label in ("tp1-cp1", "tp1-cp2") for p in wf.files_of(label)]
     before = mtimes(kept)
     locks = wf.repo / ".snakemake" / "locks"
     first_log = tmp_path / "first.log"
+    marker = tmp_path / "held"
     with open(first_log, "w") as out:
-        first = subprocess.Popen(snakemake_cmd(), cwd=wf.repo, env=env_for(wf.repo), stdout=out,
-                                 stderr=subprocess.STDOUT, text=True)
+        first = subprocess.Popen(snakemake_cmd(), cwd=wf.repo, env=hold_env(wf, hold_hook, marker, hold_sidecar(wf.name)),
+                                 stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for(lambda: locks.is_dir() and any(locks.glob("*.lock")), first, "the first run took its lock")
+        wait_for(marker.exists, first, "the first run reached its archive's .sha256")
+        assert locks.is_dir() and any(locks.glob("*.lock")), "the first run holds its lock"
         second = snakemake(wf.repo, timeout=300)
+        (tmp_path / "held.release").write_text("")
         first_rc = first.wait(timeout=600)
     finally:
         if first.poll() is None:
