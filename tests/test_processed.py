@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _doc_blocks import run_trainer_block
 
 from rl_engine.arith import spec_numpy as S
 from rl_engine.logprob.api import selected_logprob
@@ -484,15 +485,7 @@ def test_tp_and_cp_give_the_tp1_bytes(mesh_runs: Any, case: str) -> None:
 
 
 def test_the_documented_block_of_docs_trainer_md_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
-    import re
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[1] / "docs" / "trainer.md").read_text(encoding="utf-8")
-    mark = "<!-- run by tests/test_processed.py -->"
-    assert text.count(mark) == 1
-    block = re.search(re.escape(mark) + r"\n```python\n(.*?)^```", text, re.S | re.M)
-    assert block is not None
-    exec(compile(block.group(1), "docs/trainer.md", "exec"), {"__name__": "__main__"})
+    run_trainer_block("<!-- run by tests/test_processed.py -->")
     assert "torch.Size([2, 6]) torch.Size([2, 6]) True" in capsys.readouterr().out
 
 

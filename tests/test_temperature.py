@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _doc_blocks import run_trainer_block
 
 from rl_engine.arith import spec_numpy
 from rl_engine.arith.temperature import TemperatureError, inverse_temperature, rn32, temperature32
@@ -288,13 +289,5 @@ def test_a_temperature_gives_the_same_bytes_at_every_tp_and_cp_degree() -> None:
 
 
 def test_the_documented_block_of_docs_trainer_md_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
-    import re
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[1] / "docs" / "trainer.md").read_text(encoding="utf-8")
-    mark = "<!-- run by tests/test_temperature.py -->"
-    assert text.count(mark) == 1
-    block = re.search(re.escape(mark) + r"\n```python\n(.*?)^```", text, re.S | re.M)
-    assert block is not None
-    exec(compile(block.group(1), "docs/trainer.md", "exec"), {"__name__": "__main__"})
+    run_trainer_block("<!-- run by tests/test_temperature.py -->")
     assert "torch.Size([4]) torch.Size([4]) torch.bfloat16" in capsys.readouterr().out

@@ -8,11 +8,9 @@ drop-ins, the gradient of a loss that uses both in one backward, and, on request
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 import torch
+from _doc_blocks import run_trainer_block
 
 from rl_engine.integrations.verl import entropy_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits
 from rl_engine.logprob.contract import LogprobContractError
@@ -101,10 +99,5 @@ def test_a_bad_cast_flag_is_refused_by_name() -> None:
 
 
 def test_the_documented_call_site_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
-    text = (Path(__file__).resolve().parents[1] / "docs" / "trainer.md").read_text(encoding="utf-8")
-    mark = "<!-- run by tests/test_verl.py -->"
-    assert text.count(mark) == 1
-    block = re.search(re.escape(mark) + r"\n```python\n(.*?)^```", text, re.S | re.M)
-    assert block is not None
-    exec(compile(block.group(1), "docs/trainer.md", "exec"), {"__name__": "__main__"})
+    run_trainer_block("<!-- run by tests/test_verl.py -->")
     assert capsys.readouterr().out.strip() == "torch.float32 torch.bfloat16 torch.Size([6]) torch.Size([6])"
