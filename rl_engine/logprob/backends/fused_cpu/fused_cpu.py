@@ -48,8 +48,8 @@ from rl_engine.logprob.backends.fused_cpu.fused_kept import (
     fused_kept_cut,
     fused_kept_partials,
 )
+from rl_engine.logprob.backends.fused_cpu.operands import c_operand, partials_buffers, ptr
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
-from rl_engine.logprob.storage import require_readable
 from rl_engine.tables import FUSED_CPU_BACKEND
 
 FUSED_CPU_ID = FUSED_CPU_BACKEND
@@ -176,28 +176,6 @@ def kernel_unavailable() -> str | None:
     return str(found) if isinstance(found, FusedKernelError) else None
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _row_major(logits: torch.Tensor) -> torch.Tensor:
-    """Rows with unit column stride (the kernel reads rows at a row stride)."""
-    if logits.dim() == 2 and logits.stride(1) == 1 and logits.stride(0) >= logits.shape[1]:
-        return logits
-    return logits.contiguous()
-
-
-def _c_operand(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """What the kernel may read: inside its storage (checked), the neg bit resolved, unit stride.
-
-    The kernel reads raw memory, so a negative view (``torch._neg_view``) would be read
-    un-negated: ``resolve_neg`` copies it negated first (conj bits exist only on complex
-    tensors, which the dtype check refuses).
-    """
-    require_readable(name, tensor)
-    return _row_major(tensor.detach().resolve_neg())
-
-
 def check_threads(threads: object) -> None:
     """``threads`` is ``None`` or an integer in ``[1, MAX_THREADS]``."""
     if threads is None:
@@ -235,21 +213,17 @@ def fused_partials(
     """``(m, s, t, finite)`` of the local shard: what the eager ``_local_partials`` returns
     (``row_t32``: each row's ``T32``, binary32 ``[rows]``, in place of the contract's temperature)."""
     kernel = load_kernel()
-    rt = None if row_t32 is None else _c_operand("temperature", row_t32.float())
-    x = _c_operand("logits", logits)
+    rt = None if row_t32 is None else c_operand("temperature", row_t32.float())
+    x = c_operand("logits", logits)
     rows = x.shape[0]
     width = contract.tile_width
     real_local = real_local_columns(contract)
-    tiles = contract.local_tile_count
-    m = torch.empty(rows, tiles, dtype=torch.float32)
-    s = torch.empty_like(m)
-    t = torch.empty_like(m) if with_entropy else None
-    row_min = torch.empty(rows, dtype=torch.float32) if validate else None
+    m, s, t, row_min = partials_buffers(rows, contract, with_entropy, validate)
     if rows:
         status = kernel.lib.rle_forward_partials(
             x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), contract.local_grid_width,
-            width, real_local, m.data_ptr(), s.data_ptr(), _ptr(t), _ptr(row_min),
-            1.0 if rt is not None else contract.temperature32, _ptr(rt), _threads(threads), ISA_NAMES[isa],
+            width, real_local, m.data_ptr(), s.data_ptr(), ptr(t), ptr(row_min),
+            1.0 if rt is not None else contract.temperature32, ptr(rt), _threads(threads), ISA_NAMES[isa],
         )
         kernel.check(status, "forward")
     finite = rows_finite(m, row_min, width, real_local) if row_min is not None else None
@@ -266,21 +240,21 @@ def fused_backward(
 ) -> torch.Tensor:
     """The local gradient (section 7-8), with the ``coef == 0`` overrides and zero padding."""
     kernel = load_kernel()
-    x = _c_operand("logits", logits)
+    x = c_operand("logits", logits)
     rows, local_vocab = x.shape
     grad = torch.empty((rows, local_vocab), dtype=x.dtype)
     if rows:
-        lse_c = _c_operand("lse", lse.float())
-        coef = _c_operand("coef", terms.coef.float())
-        col = _c_operand("target_col", terms.target_col.to(torch.int64))
-        add = _c_operand("target_add", terms.target_add.float())
-        g_ent = None if terms.g_ent is None else _c_operand("grad_entropy", terms.g_ent.float())
-        mb = None if terms.mb is None else _c_operand("mb", terms.mb.float())
-        rt = None if terms.row_t32 is None else _c_operand("temperature", terms.row_t32.float())
+        lse_c = c_operand("lse", lse.float())
+        coef = c_operand("coef", terms.coef.float())
+        col = c_operand("target_col", terms.target_col.to(torch.int64))
+        add = c_operand("target_add", terms.target_add.float())
+        g_ent = None if terms.g_ent is None else c_operand("grad_entropy", terms.g_ent.float())
+        mb = None if terms.mb is None else c_operand("mb", terms.mb.float())
+        rt = None if terms.row_t32 is None else c_operand("temperature", terms.row_t32.float())
         status = kernel.lib.rle_backward(
             x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), local_vocab,
             terms.real_local, lse_c.data_ptr(), coef.data_ptr(), col.data_ptr(),
-            add.data_ptr(), grad.data_ptr(), 1.0 if rt is not None else terms.t32, _ptr(g_ent), _ptr(mb), _ptr(rt),
+            add.data_ptr(), grad.data_ptr(), 1.0 if rt is not None else terms.t32, ptr(g_ent), ptr(mb), ptr(rt),
             _threads(threads),
             ISA_NAMES[isa],
         )
@@ -295,7 +269,7 @@ def fused_exp(y: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
     """``E(y)`` (section 3, the general form) of a binary32 CPU tensor, by the compiled kernel."""
     if y.dtype != torch.float32 or y.device.type != "cpu":
         raise LogprobContractError(f"fused_exp takes a binary32 CPU tensor, got {y.dtype} on {y.device}")
-    src = _c_operand("y", y).contiguous()
+    src = c_operand("y", y).contiguous()
     out = torch.empty_like(src)
     if src.numel():
         kernel = load_kernel()

@@ -20,10 +20,10 @@ import torch
 
 from rl_engine.arith.portable import log as portable_log
 from rl_engine.logprob.backends.eager.vocab_parallel import BackwardTerms, real_local_columns
+from rl_engine.logprob.backends.fused_cpu.operands import c_operand, partials_buffers, ptr
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.kept_search import engine_cut, top_p_cut
 from rl_engine.logprob.processed import KEEP_ALL, KeptCut, Sampling
-from rl_engine.logprob.storage import require_readable
 
 
 @dataclass(frozen=True)
@@ -37,20 +37,6 @@ class KernelCall:
     threads: int
     isa: int
     dtype_codes: Mapping[torch.dtype, int]
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _operand(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """What the kernel may read: inside its storage (checked), the neg bit resolved, rows of unit
-    column stride (as ``fused_cpu``'s operands)."""
-    require_readable(name, tensor)
-    t = tensor.detach().resolve_neg()
-    if t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= t.shape[1]:
-        return t
-    return t.contiguous()
 
 
 def local_cut(keep: KeptCut, vocab_start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,18 +82,15 @@ def fused_kept_partials(
     its own maximum: ``s`` is then section 13's lane sum of ``E(RN32(x_c - B))`` over the kept
     columns of each tile (top-p's ``Z`` is ``F`` of it over the tiles in global order). The
     validation flag reads every real column, kept or not."""
-    x = _operand("logits", logits)
+    x = c_operand("logits", logits)
     rows = x.shape[0]
     width = contract.tile_width
     real_local = real_local_columns(contract)
-    tiles = contract.local_tile_count
-    m = torch.empty(rows, tiles, dtype=torch.float32)
-    s = torch.empty_like(m)
-    t = torch.empty_like(m) if with_entropy else None
-    row_min = torch.empty(rows, dtype=torch.float32) if validate else None
+    m, s, t, row_min = partials_buffers(rows, contract, with_entropy, validate)
+    tiles = m.shape[1]
     kv, kid = local_cut(keep, contract.vocab_start)
-    sh = None if shift is None else _operand("shift", shift.float())
-    rt = None if row_t32 is None else _operand("temperature", row_t32.float())
+    sh = None if shift is None else c_operand("shift", shift.float())
+    rt = None if row_t32 is None else c_operand("temperature", row_t32.float())
     if count is not None and (count.dtype != torch.int32 or tuple(count.shape) != (rows, tiles)
                               or not count.is_contiguous()):
         raise LogprobContractError(
@@ -117,9 +100,9 @@ def fused_kept_partials(
     if rows:
         status = call.lib.rle_forward_kept(
             x.data_ptr(), call.dtype_codes[x.dtype], rows, x.stride(0), contract.local_grid_width,
-            width, real_local, m.data_ptr(), s.data_ptr(), _ptr(t), _ptr(row_min),
-            1.0 if rt is not None else contract.temperature32, _ptr(rt), kv.data_ptr(), kid.data_ptr(), _ptr(sh),
-            _ptr(count), call.threads, call.isa,
+            width, real_local, m.data_ptr(), s.data_ptr(), ptr(t), ptr(row_min),
+            1.0 if rt is not None else contract.temperature32, ptr(rt), kv.data_ptr(), kid.data_ptr(), ptr(sh),
+            ptr(count), call.threads, call.isa,
         )
         call.check(status, "processed forward")
     finite = kept_rows_finite(m, row_min, real_local) if row_min is not None else None
@@ -138,23 +121,23 @@ def fused_kept_backward(
     ``gl = 0``)."""
     if terms.keep is None:
         raise LogprobContractError("fused_kept_backward needs terms.keep (the kept set's cut)")
-    x = _operand("logits", logits)
+    x = c_operand("logits", logits)
     rows, local_vocab = x.shape
     grad = torch.empty((rows, local_vocab), dtype=x.dtype)
     if rows:
         kv, kid = local_cut(terms.keep, terms.vocab_start)
-        lse_c = _operand("lse", lse.float())
-        coef = _operand("coef", terms.coef.float())
-        col = _operand("target_col", terms.target_col.to(torch.int64))
-        add = _operand("target_add", terms.target_add.float())
-        g_ent = None if terms.g_ent is None else _operand("grad_entropy", terms.g_ent.float())
-        mb = None if terms.mb is None else _operand("mb", terms.mb.float())
-        rt = None if terms.row_t32 is None else _operand("temperature", terms.row_t32.float())
+        lse_c = c_operand("lse", lse.float())
+        coef = c_operand("coef", terms.coef.float())
+        col = c_operand("target_col", terms.target_col.to(torch.int64))
+        add = c_operand("target_add", terms.target_add.float())
+        g_ent = None if terms.g_ent is None else c_operand("grad_entropy", terms.g_ent.float())
+        mb = None if terms.mb is None else c_operand("mb", terms.mb.float())
+        rt = None if terms.row_t32 is None else c_operand("temperature", terms.row_t32.float())
         status = call.lib.rle_backward_kept(
             x.data_ptr(), call.dtype_codes[x.dtype], rows, x.stride(0), local_vocab,
             terms.real_local, lse_c.data_ptr(), coef.data_ptr(), col.data_ptr(),
-            add.data_ptr(), grad.data_ptr(), 1.0 if rt is not None else terms.t32, _ptr(g_ent), _ptr(mb),
-            _ptr(rt), kv.data_ptr(), kid.data_ptr(), call.threads, call.isa,
+            add.data_ptr(), grad.data_ptr(), 1.0 if rt is not None else terms.t32, ptr(g_ent), ptr(mb),
+            ptr(rt), kv.data_ptr(), kid.data_ptr(), call.threads, call.isa,
         )
         call.check(status, "processed backward")
     return grad
@@ -183,7 +166,7 @@ def fused_candidates(
 ) -> Candidates:
     """Section 13 steps 1-2 on this shard: ``K1 = {c : RN32(x_c - B) >= lmp}`` (every real column
     where ``lmp`` is ``-inf``) and its first ``top_k`` columns in key order (none where 0)."""
-    x = _operand("logits", logits)
+    x = c_operand("logits", logits)
     rows = x.shape[0]
     kmax = int(top_k.max()) if rows else 0
     count = torch.zeros(rows, dtype=torch.int64)
@@ -191,13 +174,13 @@ def fused_candidates(
     value = torch.full((rows, kmax), float("-inf"))
     column = torch.full((rows, kmax), -1, dtype=torch.int64)
     if rows:
-        b = _operand("row_max", row_max.float())
-        lm = _operand("lmp", lmp.float())
-        k = _operand("top_k", top_k.to(torch.int64))
-        rt = None if row_t32 is None else _operand("temperature", row_t32.float())
+        b = c_operand("row_max", row_max.float())
+        lm = c_operand("lmp", lmp.float())
+        k = c_operand("top_k", top_k.to(torch.int64))
+        rt = None if row_t32 is None else c_operand("temperature", row_t32.float())
         status = call.lib.rle_kept_candidates(
             x.data_ptr(), call.dtype_codes[x.dtype], rows, x.stride(0), real_local_columns(contract),
-            1.0 if rt is not None else contract.temperature32, _ptr(rt), b.data_ptr(), lm.data_ptr(), k.data_ptr(), kmax,
+            1.0 if rt is not None else contract.temperature32, ptr(rt), b.data_ptr(), lm.data_ptr(), k.data_ptr(), kmax,
             count.data_ptr(), least.data_ptr(), value.data_ptr(), column.data_ptr(),
             call.threads, call.isa,
         )
