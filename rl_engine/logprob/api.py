@@ -298,7 +298,10 @@ def _compiled_call(logits: torch.Tensor, targets: Any, active: Any, lead: tuple[
                    chunk_rows: int | None, temperature: Any = 1.0) -> LogprobOutput:
     """Under ``torch.compile``: ``rl_engine::selected_logprob`` (:func:`selected_logprob_op`, below),
     whose real implementation is this function's eager path; no provenance in the graph. A per-row
-    temperature is the op's tensor argument ``row_temperature`` (checked in the eager call)."""
+    temperature is the op's tensor argument ``row_temperature`` (checked in the eager call); the rest
+    is the op's settings text, built and checked while the graph is traced
+    (:func:`rl_engine.logprob.op_settings.settings_text`): a constant of the graph, so another
+    temperature is another text and a recompile, as the float argument specialized on its value was."""
     tiles = resolve_vocab_tiles(num_vocab_tiles, logits.shape[-1], max_tp)["resolved"]
     rows = temperature if isinstance(temperature, torch.Tensor) else None
     settings = settings_text(LogitsOpSettings, real_vocab_size=logits.shape[-1] if real_vocab_size is None
@@ -462,7 +465,10 @@ def gather_tokens(local: torch.Tensor, contract: LogprobContract, group: Any = N
 # time its real implementation is the eager call itself, every check included: the checks run
 # outside the graph, the bytes are those of the eager call (tested), and a refusal raises the
 # same :class:`~rl_engine.logprob.contract.LogprobContractError`. The gradient is a second op,
-# ``rl_engine::selected_logprob_backward``, registered as the first one's autograd formula.
+# ``rl_engine::selected_logprob_backward``, registered as the first one's autograd formula. Both take
+# their tensors and one ``str``: the JSON text of a :class:`rl_engine.logprob.op_settings.LogitsOpSettings`
+# (every other setting of the call), which the fake implementation, ``setup_context`` and the backward
+# read by field name.
 #
 # What the compiled call does not carry: ``out.provenance`` is ``None`` (the backend choice is
 # Python the graph does not hold: call once without compiling to record it), and a TP or CP group

@@ -303,8 +303,10 @@ def selected_logprob_from_hidden(
 # ``rl_engine::selected_logprob_from_hidden_backward``, registered as the first one's autograd
 # formula, which recomputes each chunk's logits as the eager backward does.
 #
-# Autocast is resolved when the graph is traced (the logits' dtype is an argument of the op), so the
-# op computes the same dtype whether or not autocast is active around the compiled code at run time.
+# Autocast is resolved when the graph is traced (the logits' dtype name is a field of the op's settings,
+# :class:`rl_engine.logprob.op_settings.HeadOpSettings`, the op's one non-tensor argument as its JSON
+# text), so the op computes the same dtype whether or not autocast is active around the compiled code
+# at run time.
 # What the compiled call does not carry: ``out.provenance`` is ``None`` (call once without compiling
 # to record it), and ``group=`` or a DTensor weight (those calls stay eager: a graph break).
 
