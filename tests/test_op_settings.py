@@ -61,15 +61,26 @@ def test_a_different_temperature_is_a_different_text_and_the_same_one_the_same_t
     assert len(texts) == 2
 
 
+def _non_tensor_arguments(schema: Any) -> list[tuple[str, str]]:
+    """``(name, type)`` of every argument that is neither a Tensor nor an optional Tensor."""
+    def tensor(kind: Any) -> bool:
+        if isinstance(kind, torch.OptionalType):
+            kind = kind.getElementType()
+        return isinstance(kind, torch.TensorType)
+
+    return [(a.name, str(a.type)) for a in schema.arguments if not tensor(a.type)]
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_each_op_schema_holds_exactly_one_non_tensor_argument_the_settings_text(op: str) -> None:
     schema = getattr(torch.ops.rl_engine, op).default._schema
-    others = [a for a in schema.arguments if not isinstance(a.type, (torch.TensorType, torch.OptionalType))
-              or (isinstance(a.type, torch.OptionalType) and not isinstance(a.type.getElementType(), torch.TensorType))]
-    assert [(a.name, str(a.type)) for a in others] == [("settings", "str")], str(schema)
+    assert _non_tensor_arguments(schema) == [("settings", "str")], str(schema)
     assert schema.arguments[-1].name == "settings"
-    tensors = [a for a in schema.arguments if a.name != "settings"]
-    assert all("Tensor" in str(a.type) for a in tensors), str(schema)
+
+
+def test_negative_control_scalar_arguments_are_seen_in_a_schema() -> None:
+    schema = torch._C.parse_schema("f(Tensor x, Tensor? rows, int n, float? t, str settings) -> Tensor")
+    assert _non_tensor_arguments(schema) == [("n", "int"), ("t", "Optional[float]"), ("settings", "str")]
 
 
 def _good_text() -> str:

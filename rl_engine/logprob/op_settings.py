@@ -75,8 +75,8 @@ class OpSettings:
 
     def encode(self) -> str:
         """The canonical text: sorted keys, no spaces, no NaN or Infinity."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, allow_nan=False,  # type: ignore[call-overload]
-                          separators=(",", ":"))
+        fields = dataclasses.asdict(self)  # type: ignore[call-overload]  # every subclass is a dataclass
+        return json.dumps(fields, sort_keys=True, allow_nan=False, separators=(",", ":"))
 
     @classmethod
     def decode(cls, text: Any) -> Any:
@@ -99,7 +99,7 @@ class OpSettings:
     def _from_mapping(cls, raw: Any, text: str, fix: str) -> Any:
         if not isinstance(raw, dict):
             raise LogprobContractError(f"settings={text!r} must be a JSON object of {cls.__name__}'s fields; {fix}")
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]  # every subclass is a dataclass
         missing, unknown = sorted(names - set(raw)), sorted(set(raw) - names)
         if missing or unknown:
             raise LogprobContractError(
