@@ -42,22 +42,52 @@ SLEEPING_TEST = f"tests/test_sleeps_for_interrupt_{os.getpid()}.py"
 SLEEP_S = 3600
 WAIT_LIMIT_S = 300.0
 CHILD_SLEEP = f"import time; time.sleep({SLEEP_S})  # child of test_workflow_signals {os.getpid()}"
+# Patched when torch is imported, not imported here: snakemake and every job start through this hook,
+# and most never import torch (the fake launches, the sources rule), so an import here cost each one
+# torch's start (about 1.4 s of CPU).
 FAKE_CUDA = '''"""Test hook of tests/test_workflow_signals.py: torch reports CUDA with FAKE_GPUS devices."""
 import os
+import sys
 
 if os.environ.get("FAKE_GPUS"):
-    import torch
-    import torch.distributed
+    from importlib.abc import MetaPathFinder
+    from importlib.machinery import PathFinder
 
-    torch.cuda.is_available = lambda: True
-    torch.cuda.device_count = lambda: int(os.environ["FAKE_GPUS"])
-    torch.distributed.is_nccl_available = lambda: True
+    def _fake_cuda(torch):
+        import torch.distributed
+
+        torch.cuda.is_available = lambda: True
+        torch.cuda.device_count = lambda: int(os.environ["FAKE_GPUS"])
+        torch.distributed.is_nccl_available = lambda: True
+
+    class _PatchTorchOnImport(MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name != "torch":
+                return None
+            spec = PathFinder.find_spec(name, path)
+            if spec is None or spec.loader is None:
+                return spec
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                _fake_cuda(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _PatchTorchOnImport())
 '''
 
 
 def test_ctrl_c_reaches_the_regression_job_at_once(tmp_path: Path) -> None:
+    """The sleeping test says it is inside its sleep (a file); the SIGINT follows that, not a guess
+    at how long pytest takes to start. The copy's conftest is emptied: the probe needs no torch."""
     repo = copy_repo(tmp_path)
-    (repo / SLEEPING_TEST).write_text(f"import time\n\n\ndef test_sleeps():\n    time.sleep({SLEEP_S})\n")
+    (repo / "tests" / "conftest.py").write_text('"""Emptied in this scratch copy: the sleeping test needs a quick start."""\n')
+    inside = tmp_path / "inside-the-sleeping-test"
+    (repo / SLEEPING_TEST).write_text(f"import pathlib\nimport time\n\n\ndef test_sleeps():\n"
+                                      f"    pathlib.Path({str(inside)!r}).write_text('')\n    time.sleep({SLEEP_S})\n")
     write_config(repo, {**SMALL_VOCAB, "topologies": ["1x1", "2x1"], "regression": {"tests": [SLEEPING_TEST]}})
     target = f"results/{run_name_of(repo)}/regression.json"
     log = tmp_path / "snakemake.log"
@@ -66,11 +96,11 @@ def test_ctrl_c_reaches_the_regression_job_at_once(tmp_path: Path) -> None:
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + WAIT_LIMIT_S
-        while not [p for p in mentioning(SLEEPING_TEST) if p != proc.pid]:
+        while not inside.exists():  # pytest is inside the sleeping test
             assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "pytest did not start"
-            time.sleep(0.2)
-        time.sleep(2.0)  # pytest is inside the sleeping test
+            assert time.monotonic() < deadline, "pytest did not reach the sleeping test"
+            time.sleep(0.05)
+        assert [p for p in mentioning(SLEEPING_TEST) if p != proc.pid], "the sleeping pytest is found by its command line"
         start = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
         try:
@@ -159,7 +189,7 @@ p.add_argument("--timeout-s"); p.add_argument("--ranks-per-node")
 a = p.parse_args()
 run = Path(a.plan).parent
 start = time.time()
-time.sleep(3)
+time.sleep(2)
 with open(os.environ["FAKE_LAUNCH_LOG"], "a") as log:
     log.write(json.dumps({"tp": a.tp, "cp": a.cp, "start": start, "end": time.time()}) + "\\n")
 for suffix in (".json", ".logp.f32", ".lse.f32", ".entropy.f32"):
@@ -205,10 +235,17 @@ def test_topologies_never_hold_more_gpus_together_than_the_node_has(fake_cuda: t
             fake.unlink()
 
 
-def test_topology_jobs_claim_one_gpu_per_rank(fake_cuda: tuple[Path, Path]) -> None:
+@pytest.fixture(scope="module")
+def four_given(fake_cuda: tuple[Path, Path]) -> str:
+    """A dry run on a machine with 2 GPUs given ``--resources gpus=4``: the claims of the jobs it plans,
+    and the control of the parse-time refusal (the same campaign plans when 4 are provided). The
+    machine's own count (FAKE_GPUS=4, no ``--resources``) plans the scheduled runs below."""
     repo, hook = fake_cuda
-    text = dry_run(repo, hook, 4)
-    assert topology_gpus(text) == {"tp1-cp1": 1, "tp2-cp1": 2, "tp2-cp2": 4, "tp4-cp1": 4}, text[-3000:]
+    return dry_run(repo, hook, 2, "--resources", "gpus=4")
+
+
+def test_topology_jobs_claim_one_gpu_per_rank(four_given: str) -> None:
+    assert topology_gpus(four_given) == {"tp1-cp1": 1, "tp2-cp1": 2, "tp2-cp2": 4, "tp4-cp1": 4}, four_given[-3000:]
 
 
 def test_the_machine_provides_its_gpu_count_unless_given() -> None:
@@ -237,7 +274,7 @@ def test_the_machine_provides_its_gpu_count_unless_given() -> None:
     assert workflow.provide_gpus(FakeWorkflow({}), dict(config, device="cpu")) is None
 
 
-def test_a_topology_with_more_ranks_than_gpus_is_refused_at_parse_time(fake_cuda: tuple[Path, Path]) -> None:
+def test_a_topology_with_more_ranks_than_gpus_is_refused_at_parse_time(fake_cuda: tuple[Path, Path], four_given: str) -> None:
     """Snakemake scales a claim above what is provided down and starts the job: 4 ranks on 2 GPUs."""
     repo, hook = fake_cuda
     done = subprocess.run(snakemake_cmd("-n"), cwd=repo, env=env_for(repo, {"FAKE_GPUS": "2"}, prepend=hook),
@@ -249,7 +286,7 @@ def test_a_topology_with_more_ranks_than_gpus_is_refused_at_parse_time(fake_cuda
                 "provided (torch.cuda.device_count() on this machine)") in text, text[-3000:]
     assert "'1x1'" not in text and "'2x1'" not in text and "Building DAG of jobs" not in text
     assert 'File "' not in text
-    dry_run(repo, hook, 2, "--resources", "gpus=4")  # control: 4 GPUs provided, the same campaign plans
+    assert "Building DAG of jobs" in four_given  # control: 4 GPUs provided, the same campaign plans (rc 0)
 
 
 def test_cpu_topology_jobs_claim_no_gpu(fake_cuda: tuple[Path, Path]) -> None:
