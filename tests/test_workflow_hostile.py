@@ -80,7 +80,8 @@ def test_pytest_args_reach_pytest_whole_and_run_nothing_in_the_shell(tmp_path: P
 
 # ----- 13. killing the workflow during the archive stage --------------------------------------
 
-FAKE_ARCHIVE = '''"""Stands in for `python -m rl_engine archive` in a scratch copy: says it started, waits, writes."""
+FAKE_ARCHIVE = '''"""Stands in for `python -m rl_engine archive` in a scratch copy: says it started, waits for the
+test's release (a file named as the marker plus ".release"; at most an hour), writes."""
 import argparse, os, time
 from pathlib import Path
 
@@ -92,11 +93,16 @@ a = p.parse_args()
 marker = Path(os.environ["FAKE_ARCHIVE_MARKER"])
 marker.with_suffix(".tmp").write_text(str(os.getpid()))
 marker.with_suffix(".tmp").rename(marker)
-time.sleep(float(os.environ["FAKE_ARCHIVE_SLEEP"]))
+release = Path(str(marker) + ".release")
+deadline = time.monotonic() + 3600
+while not release.exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
 Path(a.output).write_bytes(b"an archive written after the job was killed")
 Path(a.output + ".sha256").write_text("0" * 64 + "  x\\n")
 '''
-ARCHIVE_SLEEP_S = 6.0
+# After the job's kill the test releases the stand-in and waits this long for an archive process that
+# outlived the job to exit: released, it writes and exits at once (the bound only ends a failure)
+OUTLIVE_LIMIT_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -125,11 +131,16 @@ def archive_stage(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return repo, target
 
 
-def _start(repo: Path, target: str, marker: Path, sleep_s: float, log: Path) -> subprocess.Popen[bytes]:
+def _release(marker: Path) -> Path:
+    return Path(f"{marker}.release")
+
+
+def _start(repo: Path, target: str, marker: Path, log: Path) -> subprocess.Popen[bytes]:
     marker.unlink(missing_ok=True)
+    _release(marker).unlink(missing_ok=True)
     for left in (repo / target, repo / f"{target}.sha256"):  # from an earlier test
         left.unlink(missing_ok=True)
-    env = env_for(repo, {"FAKE_ARCHIVE_MARKER": str(marker), "FAKE_ARCHIVE_SLEEP": str(sleep_s)})
+    env = env_for(repo, {"FAKE_ARCHIVE_MARKER": str(marker)})
     with open(log, "w") as out:
         return subprocess.Popen(snakemake_cmd(target), cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -158,10 +169,11 @@ def test_a_sigkill_of_the_archive_job_leaves_no_archive_process_and_no_archive(
 ) -> None:
     """The archive job's process is the archive process itself: were it ``bash -c '...; python -m
     rl_engine archive ...'``, SIGKILL would kill bash, the archive process would go on, and its
-    archive would appear after the job had failed."""
+    archive would appear after the job had failed. The stand-in is released once snakemake has
+    ended, and an archive process that outlived the job would write then."""
     repo, target = archive_stage
     marker, log = tmp_path / "started", tmp_path / "snakemake.log"
-    proc = _start(repo, target, marker, ARCHIVE_SLEEP_S, log)
+    proc = _start(repo, target, marker, log)
     archive = 0
     try:
         archive = _archive_pid(proc, marker, log)
@@ -170,10 +182,12 @@ def test_a_sigkill_of_the_archive_job_leaves_no_archive_process_and_no_archive(
             job = parent(job)
             assert job > 1, "the archive process does not descend from snakemake"
         os.kill(job, signal.SIGKILL)
-        killed = time.monotonic()
         rc = proc.wait(timeout=120)
-        time.sleep(max(0.0, killed + ARCHIVE_SLEEP_S + 2 - time.monotonic()))  # past the archive's write
         left = alive(archive)
+        _release(marker).write_text("")  # a surviving archive process writes its archive now...
+        deadline = time.monotonic() + OUTLIVE_LIMIT_S
+        while alive(archive) and time.monotonic() < deadline:  # ...and exits
+            time.sleep(0.05)
     finally:
         _kill_group(proc, archive)
     text = log.read_text()
@@ -189,7 +203,7 @@ def test_a_killed_snakemake_leaves_a_lock_that_unlock_clears_and_the_rerun_compl
     """docs/workflow.md, "A killed run": kill the whole process group, ``--unlock``, run again."""
     repo, target = archive_stage
     marker, log = tmp_path / "started", tmp_path / "snakemake.log"
-    proc = _start(repo, target, marker, 60, log)
+    proc = _start(repo, target, marker, log)
     archive = 0
     try:
         archive = _archive_pid(proc, marker, log)
@@ -201,7 +215,8 @@ def test_a_killed_snakemake_leaves_a_lock_that_unlock_clears_and_the_rerun_compl
         assert not alive(archive)
     finally:
         _kill_group(proc, archive)
-    env = env_for(repo, {"FAKE_ARCHIVE_MARKER": str(marker), "FAKE_ARCHIVE_SLEEP": "0"})
+    _release(marker).write_text("")  # the rerun's stand-in writes at once
+    env = env_for(repo, {"FAKE_ARCHIVE_MARKER": str(marker)})
     refused = snakemake(repo, target, env=env, timeout=300)
     assert refused.returncode != 0 and "Directory cannot be locked" in refused.stdout + refused.stderr
     assert "--unlock" in refused.stdout + refused.stderr
