@@ -27,6 +27,7 @@ from rl_engine import jsonio
 from _workflow_util import (
     REPO,
     SHORT_REGRESSION,
+    SMALL_VOCAB,
     archive_of,
     copy_repo,
     html_report,
@@ -163,20 +164,6 @@ def test_an_edited_engine_source_reruns_what_depends_on_it(default_run) -> None:
     assert "rl_engine evidence workflow: result" not in back.stdout + back.stderr  # a dry run: no table
 
 
-def test_second_run_has_nothing_to_do_and_ends_with_the_verdict_table(default_run) -> None:
-    repo, _, _ = default_run
-    done = snakemake(repo)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "Nothing to be done" in done.stdout + done.stderr
-    assert jobs_run(done.stdout + done.stderr) == {}
-    # a no-op run still ends with the run's verdict table, read from disk
-    name = run_name_of(repo)
-    table = done.stdout[done.stdout.index("rl_engine evidence workflow: result"):]
-    for text in ("VERIFIED", f"results/{name}.tar.gz", f"python -m rl_engine verify results/{name}.tar.gz"):
-        assert text in table, (text, table)
-    assert table.rstrip("\n").splitlines()[-1].startswith("└")
-
-
 def test_the_html_report_holds_what_a_reviewer_reads(default_run, tmp_path: Path) -> None:
     """``snakemake --report report.html`` made a 3 MB report with no result in it. Read from the HTML:
     SUMMARY.md and the two verdict files are embedded byte for byte, the verification's labels are the
@@ -216,18 +203,23 @@ def test_verify_rejects_a_tampered_archive(default_run, tmp_path: Path) -> None:
 
 def test_a_changed_campaign_gets_its_own_run_and_going_back_has_nothing_to_do(default_run) -> None:
     """--config topologies=... ran in the default campaign's directory and failed validation on
-    reports "left from an earlier plan"; going back failed the same way; seed=7 overwrote the archive."""
+    reports "left from an earlier plan"; going back failed the same way; seed=7 overwrote the archive.
+    The changed campaign also takes the small vocabulary (its topologies run in seconds); the run name
+    that the topologies alone change is checked in the process. Going back is the default campaign's
+    second run: it has nothing to do and still ends with the run's verdict table, read from disk."""
     repo, _, _ = default_run
     first = run_name_of(repo)
     first_archive = repo / "results" / f"{first}.tar.gz"
     kept = {p: p.read_bytes() for p in (first_archive, first_archive.with_name(first_archive.name + ".sha256"))}
     other = ["1x1", "2x1"]
-    done = snakemake(repo, "--config", f"topologies={json.dumps(other)}")
+    assert run_name_of(repo, topologies=other) != first  # the topologies alone name another run
+    done = snakemake(repo, "--config", f"topologies={json.dumps(other)}", *(f"{k}={v}" for k, v in SMALL_VOCAB.items()))
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-6000:]
     assert "left from an earlier plan" not in text
-    second = run_name_of(repo, topologies=other)
+    second = run_name_of(repo, topologies=other, **SMALL_VOCAB)
     assert second != first and second.startswith("rl-engine-logprob-nogit-case-")
+    assert jsonio.load(repo / "results" / second / "tp1-cp1.json")["case"]["real_vocab"] == SMALL_VOCAB["real_vocab"]
     assert sorted(p.name for p in (repo / "results" / second).glob("tp*-cp*.json")) == ["tp1-cp1.json", "tp2-cp1.json"]
     assert jobs_run(text).get("verify_archive") == 1  # the new archive verified in the run (rc 0)
     # a new case of the same code: the environment capture and the focused suite are copied, not run
@@ -242,6 +234,11 @@ def test_a_changed_campaign_gets_its_own_run_and_going_back_has_nothing_to_do(de
     back = snakemake(repo)
     assert back.returncode == 0, (back.stdout + back.stderr)[-4000:]
     assert "Nothing to be done" in back.stdout + back.stderr
+    assert jobs_run(back.stdout + back.stderr) == {}
+    table = back.stdout[back.stdout.index("rl_engine evidence workflow: result"):]  # the first run's verdict
+    for part in ("VERIFIED", f"results/{first}.tar.gz", f"python -m rl_engine verify results/{first}.tar.gz"):
+        assert part in table, (part, table)
+    assert table.rstrip("\n").splitlines()[-1].startswith("└")
     seed = snakemake(repo, "-n", "--config", "seed=7")  # a new seed plans a new run and a new archive
     planned = set(re.findall(r"results/([^/\s]+?)(?:\.tar\.gz|/)", seed.stdout + seed.stderr)) - {"logs"}
     assert planned == {run_name_of(repo, seed=7)} and run_name_of(repo, seed=7) not in (first, second), planned
