@@ -275,7 +275,7 @@ def test_chunk_size_invariance(big: Batch) -> None:
     c = big.contract()
     base = _with_threads(1, lambda: prints(run_local(c, big)))
     for chunk_rows in (1, 3, 7, 4096):
-        assert _with_threads(1, lambda: prints(run_local(c, big, chunk_rows=chunk_rows))) == base, chunk_rows
+        assert _with_threads(1, lambda n=chunk_rows: prints(run_local(c, big, chunk_rows=n))) == base, chunk_rows
 
 
 def test_another_tile_count_changes_the_bytes(big: Batch) -> None:
