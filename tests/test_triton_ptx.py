@@ -155,7 +155,8 @@ def test_representative_kernels_compile_to_ieee_operations_and_the_specs_fmas(
 def tempered_fma(variant: triton_aot.Variant, threads: int) -> int:
     """PTX FMAs per thread of a tempered launch: the specification's, Markstein's two per step
     (one step for a bf16 or binary16 logit, two for a binary32 one and for the gradient) on the fast
-    path, and the specification's again on the guard's IEEE path (its divisions are div.rn)."""
+    path (the forward's split quotient: one), and the specification's again on the guard's IEEE path
+    (its divisions are div.rn)."""
     if variant.kernel in NO_COLUMN_FMA:
         return NO_COLUMN_FMA[variant.kernel](variant, threads)
     dtype = {0: "float32", 1: "bfloat16", 2: "float16"}[int(_const(variant, "DTYPE"))]
@@ -163,8 +164,12 @@ def tempered_fma(variant: triton_aot.Variant, threads: int) -> int:
     if variant.kernel == "forward_partials_kernel":
         slots = -(-_width(variant) // 128) * 128
         per = triton_aot.FMA_PER_COLUMN["forward_entropy" if _flag(variant, "WITH_ENTROPY") else "forward"]
+        if _flag(variant, "SPLIT"):  # one temperature its check accepts: the split quotient, not Markstein's step
+            steps = triton_aot.SPLIT_FMA_PER_COLUMN
         return (2 * per + steps) * slots // threads
     if variant.kernel == "backward_kernel":
+        if _flag(variant, "SPLIT"):  # the logit's division: the split quotient
+            steps = triton_aot.SPLIT_FMA_PER_COLUMN
         grad_steps = division.STEPS["float32"] * triton_aot.MARKSTEIN_FMA_PER_STEP
         return (2 * triton_aot.FMA_PER_COLUMN["backward"] + steps + grad_steps) * int(_const(variant, "BLOCK")) // threads
     return triton_aot.FMA_PER_COLUMN["backward"] * int(_const(variant, "ROWS")) // threads
