@@ -858,6 +858,8 @@ ROOFLINE_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("no-entropy-no-validation", {"entropy": False, "validate": False}),
     ("entropy-gradient", {"entropy_grad": True}),
     ("temperature-0.7", {"temperature": 0.7}),
+    ("temperature-0.7-no-validation", {"temperature": 0.7, "validate": False}),
+    ("temperature-0.7-entropy-gradient", {"temperature": 0.7, "entropy_grad": True}),
     ("fp16-temperature-0.7", {"dtype": torch.float16, "temperature": 0.7}),
     ("tp8", {"tp": 8}),
     ("fp16-tp8", {"dtype": torch.float16, "tp": 8}),
