@@ -80,8 +80,10 @@ def test_negative_control_the_unregistered_op_breaks_the_full_graph() -> None:
 
 
 def test_chunk_rows_reaches_the_compiled_call() -> None:
-    """The compiled call passes ``chunk_rows`` to the eager one: a bad value is refused there, and a
-    good one gives the default's bytes (the chunk size never changes the bytes)."""
+    """The compiled call passes ``chunk_rows`` to the eager one: a good value gives the default's bytes
+    (the chunk size never changes the bytes), and a bad one is refused by the op's settings while the
+    graph is traced: a LogprobContractError without ``fullgraph``; with ``fullgraph=True`` dynamo's
+    "Observed exception", whose message holds the same refusal."""
     torch._dynamo.reset()
     logits, ids, mask = _inputs()
 
@@ -90,8 +92,12 @@ def test_chunk_rows_reaches_the_compiled_call() -> None:
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=False)
     assert tensor_bytes(compiled(logits, 3)) == tensor_bytes(step(logits, 5))
-    with pytest.raises(LogprobContractError, match="chunk_rows"):
+    refusal = re.escape("chunk_rows=0 must be >= 1 (or None)")
+    with pytest.raises(Exception, match=refusal) as full:
         compiled(logits, 0)
+    assert "Observed exception" in str(full.value)
+    with pytest.raises(LogprobContractError, match=refusal):
+        torch.compile(step, backend="aot_eager", dynamic=False)(logits, 0)
 
 
 def test_a_temperature_reaches_the_compiled_call_and_its_gradient() -> None:

@@ -21,6 +21,7 @@ from rl_engine.distributed.mesh import group_geometry
 from rl_engine.logprob.agreement import UNKNOWN, CallRecord, agree, record_device
 from rl_engine.logprob.backends.eager.vocab_parallel import LogprobOutput, vocab_parallel_backward
 from rl_engine.logprob.contract import LOGITS_DTYPES, LogprobContract, LogprobContractError
+from rl_engine.logprob.op_settings import LogitsOpSettings, settings_text
 from rl_engine.logprob.processed import sampling_from
 from rl_engine.logprob.registry import dispatch
 from rl_engine.logprob.row_temperature import is_dtensor, is_row_temperature, row_temperature32
@@ -297,13 +298,17 @@ def _compiled_call(logits: torch.Tensor, targets: Any, active: Any, lead: tuple[
                    chunk_rows: int | None, temperature: Any = 1.0) -> LogprobOutput:
     """Under ``torch.compile``: ``rl_engine::selected_logprob`` (:func:`selected_logprob_op`, below),
     whose real implementation is this function's eager path; no provenance in the graph. A per-row
-    temperature is the op's tensor argument ``row_temperature`` (checked in the eager call)."""
+    temperature is the op's tensor argument ``row_temperature`` (checked in the eager call); the rest
+    is the op's settings text, built and checked while the graph is traced
+    (:func:`rl_engine.logprob.op_settings.settings_text`): a constant of the graph, so another
+    temperature is another text and a recompile, as the float argument specialized on its value was."""
     tiles = resolve_vocab_tiles(num_vocab_tiles, logits.shape[-1], max_tp)["resolved"]
     rows = temperature if isinstance(temperature, torch.Tensor) else None
-    logp, lse, entropy = selected_logprob_op(
-        logits, targets, active, logits.shape[-1] if real_vocab_size is None else real_vocab_size, tiles,
-        ignore_index, compute_entropy, validate, backend, chunk_rows, 1.0 if rows is not None else temperature,
-        rows)
+    settings = settings_text(LogitsOpSettings, real_vocab_size=logits.shape[-1] if real_vocab_size is None
+                             else real_vocab_size, num_vocab_tiles=tiles, ignore_index=ignore_index,
+                             compute_entropy=compute_entropy, validate=validate, backend=backend,
+                             chunk_rows=chunk_rows, temperature=1.0 if rows is not None else temperature)
+    logp, lse, entropy = selected_logprob_op(logits, targets, active, rows, settings)
     return LogprobOutput(logp, lse, entropy if compute_entropy else None, None)
 
 
@@ -460,7 +465,10 @@ def gather_tokens(local: torch.Tensor, contract: LogprobContract, group: Any = N
 # time its real implementation is the eager call itself, every check included: the checks run
 # outside the graph, the bytes are those of the eager call (tested), and a refusal raises the
 # same :class:`~rl_engine.logprob.contract.LogprobContractError`. The gradient is a second op,
-# ``rl_engine::selected_logprob_backward``, registered as the first one's autograd formula.
+# ``rl_engine::selected_logprob_backward``, registered as the first one's autograd formula. Both take
+# their tensors and one ``str``: the JSON text of a :class:`rl_engine.logprob.op_settings.LogitsOpSettings`
+# (every other setting of the call), which the fake implementation, ``setup_context`` and the backward
+# read by field name.
 #
 # What the compiled call does not carry: ``out.provenance`` is ``None`` (the backend choice is
 # Python the graph does not hold: call once without compiling to record it), and a TP or CP group
@@ -470,39 +478,36 @@ OP = "rl_engine::selected_logprob"
 BACKWARD_OP = "rl_engine::selected_logprob_backward"
 
 
-def _eager(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None, real_vocab_size: int,
-           num_vocab_tiles: int, ignore_index: int, compute_entropy: bool, validate: bool,
-           backend: str, chunk_rows: int | None, temperature: float,
-           row_temperature: torch.Tensor | None = None) -> Any:
-    return selected_logprob(logits, targets, active, num_vocab_tiles=num_vocab_tiles,
-                            real_vocab_size=real_vocab_size, compute_entropy=compute_entropy,
-                            validate=validate, backend=backend, ignore_index=ignore_index,
-                            chunk_rows=chunk_rows,
-                            temperature=temperature if row_temperature is None else row_temperature)
+def _eager(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
+           row_temperature: torch.Tensor | None, settings: LogitsOpSettings) -> Any:
+    return selected_logprob(logits, targets, active, num_vocab_tiles=settings.num_vocab_tiles,
+                            real_vocab_size=settings.real_vocab_size, compute_entropy=settings.compute_entropy,
+                            validate=settings.validate, backend=settings.backend,
+                            ignore_index=settings.ignore_index, chunk_rows=settings.chunk_rows,
+                            temperature=settings.temperature if row_temperature is None else row_temperature)
 
 
 @torch.library.custom_op(OP, mutates_args=())
 def selected_logprob_op(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
-                        real_vocab_size: int, num_vocab_tiles: int, ignore_index: int,
-                        compute_entropy: bool, validate: bool, backend: str, chunk_rows: int | None,
-                        temperature: float = 1.0, row_temperature: torch.Tensor | None = None,
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        row_temperature: torch.Tensor | None,
+                        settings: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp, lse, entropy)`` of :func:`rl_engine.logprob.api.selected_logprob` run eagerly,
-    every check included (entropy empty without ``compute_entropy``); ``row_temperature``: a
-    temperature per row (the eager call's tensor ``temperature``), with ``temperature`` 1."""
+    every check included (entropy empty without ``compute_entropy``). ``settings``: the text of a
+    :class:`~rl_engine.logprob.op_settings.LogitsOpSettings` (its ``encode()``), the op's one
+    non-tensor argument; ``row_temperature``: a temperature per row (the eager call's tensor
+    ``temperature``), with the settings' ``temperature`` 1."""
+    call = LogitsOpSettings.decode(settings)
     with torch.no_grad():
-        out = _eager(logits, targets, active, real_vocab_size, num_vocab_tiles, ignore_index,
-                     compute_entropy, validate, backend, chunk_rows, temperature, row_temperature)
+        out = _eager(logits, targets, active, row_temperature, call)
     entropy = out.entropy if out.entropy is not None else logits.new_empty(0, dtype=torch.float32)
     return out.selected_logp.clone(), out.lse.clone(), entropy.clone()
 
 
 @selected_logprob_op.register_fake
-def _(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None, real_vocab_size: int,
-      num_vocab_tiles: int, ignore_index: int, compute_entropy: bool, validate: bool,
-      backend: str, chunk_rows: int | None, temperature: float = 1.0,
-      row_temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
+      row_temperature: torch.Tensor | None, settings: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     per_token = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
+    compute_entropy = LogitsOpSettings.decode(settings).compute_entropy
     entropy = torch.empty_like(per_token) if compute_entropy else logits.new_empty(0, dtype=torch.float32)
     return per_token, torch.empty_like(per_token), entropy
 
@@ -510,22 +515,21 @@ def _(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None, 
 @torch.library.custom_op(BACKWARD_OP, mutates_args=())
 def selected_logprob_backward_op(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
                                  lse: torch.Tensor, grad_logp: torch.Tensor | None,
-                                 grad_lse: torch.Tensor | None, real_vocab_size: int, num_vocab_tiles: int,
-                                 ignore_index: int,
-                                 backend: str, temperature: float = 1.0, grad_entropy: torch.Tensor | None = None,
-                                 entropy: torch.Tensor | None = None,
-                                 row_temperature: torch.Tensor | None = None) -> torch.Tensor:
+                                 grad_lse: torch.Tensor | None, grad_entropy: torch.Tensor | None,
+                                 entropy: torch.Tensor | None, row_temperature: torch.Tensor | None,
+                                 settings: str) -> torch.Tensor:
     """The gradient to the logits: the eager op's own backward (``vocab_parallel_backward`` with
-    the backend's engine), one rounding to the logits' dtype."""
+    the backend's engine), one rounding to the logits' dtype; ``settings`` as the forward's."""
+    call = LogitsOpSettings.decode(settings)
     vocab, lead = logits.shape[-1], tuple(logits.shape[:-1])
-    targets, active = trainer_inputs(targets, active, lead, ignore_index)
+    targets, active = trainer_inputs(targets, active, lead, call.ignore_index)
     row_t32 = None if row_temperature is None else row_temperature32(row_temperature, lead, logits.device)
     num_sequences, seq_len = (1, lead[0]) if len(lead) == 1 else lead
-    contract = LogprobContract(real_vocab_size=real_vocab_size, padded_vocab_size=vocab,
-                               num_vocab_tiles=num_vocab_tiles, num_sequences=num_sequences,
+    contract = LogprobContract(real_vocab_size=call.real_vocab_size, padded_vocab_size=vocab,
+                               num_vocab_tiles=call.num_vocab_tiles, num_sequences=num_sequences,
                                seq_len=seq_len, logits_dtype=DTYPE_NAMES[logits.dtype],
-                               ignore_index=ignore_index, temperature=temperature)
-    op = dispatch(backend, contract, logits.device.type).op
+                               ignore_index=call.ignore_index, temperature=call.temperature)
+    op = dispatch(call.backend, contract, logits.device.type).op
     flat = logits.reshape(-1, vocab).resolve_neg()
     grad = vocab_parallel_backward(flat, targets.reshape(-1), active.reshape(-1), lse.reshape(-1),
                                    None if grad_logp is None else grad_logp.reshape(-1),
@@ -539,28 +543,28 @@ def selected_logprob_backward_op(logits: torch.Tensor, targets: torch.Tensor, ac
 
 @selected_logprob_backward_op.register_fake
 def _(logits: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None, lse: torch.Tensor,
-      grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None, real_vocab_size: int,
-      num_vocab_tiles: int, ignore_index: int, backend: str, temperature: float = 1.0,
-      grad_entropy: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
-      row_temperature: torch.Tensor | None = None) -> torch.Tensor:
+      grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None, grad_entropy: torch.Tensor | None,
+      entropy: torch.Tensor | None, row_temperature: torch.Tensor | None, settings: str) -> torch.Tensor:
+    LogitsOpSettings.decode(settings)
     return torch.empty_like(logits)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    logits, targets, active, real_vocab_size, num_vocab_tiles, ignore_index, _, _, backend, _, temperature, rows = inputs
+    logits, targets, active, rows, settings = inputs
     ctx.save_for_backward(logits, targets, active, output[1], output[2], rows)
-    ctx.fields = (real_vocab_size, num_vocab_tiles, ignore_index, backend, temperature)
+    ctx.settings = LogitsOpSettings.decode(settings)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None,
               grad_entropy: torch.Tensor | None) -> tuple[Any, ...]:
     logits, targets, active, lse, entropy, rows = ctx.saved_tensors
-    if entropy.shape != lse.shape:  # no entropy was computed
+    if not ctx.settings.compute_entropy:  # the entropy output is empty: nothing flows through it
         grad_entropy = None
-    grad = selected_logprob_backward_op(logits, targets, active, lse, grad_logp, grad_lse, *ctx.fields,
-                                        grad_entropy, entropy if grad_entropy is not None else None, rows)
-    return (grad,) + (None,) * 11
+    grad = selected_logprob_backward_op(logits, targets, active, lse, grad_logp, grad_lse, grad_entropy,
+                                        entropy if grad_entropy is not None else None, rows,
+                                        ctx.settings.encode())
+    return grad, None, None, None, None
 
 
 selected_logprob_op.register_autograd(_backward, setup_context=_setup_context)

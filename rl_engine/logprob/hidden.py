@@ -40,6 +40,7 @@ all-gather), so the ranks cut the same chunks. A DTensor weight (FSDP2, a TP pla
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.head_matmul import choose_matmul
 from rl_engine.logprob.hidden_chunks import HeadPlan, active_rows, backward_chunks, forward_chunks
 from rl_engine.logprob.hidden_dtensor import HeadWeight, head_weight, is_dtensor
+from rl_engine.logprob.op_settings import HeadGradSettings, HeadOpSettings, settings_text
 from rl_engine.logprob.processed import sampling_from
 from rl_engine.logprob.registry import dispatch
 from rl_engine.tables import AUTO, MAX_TP
@@ -301,8 +303,10 @@ def selected_logprob_from_hidden(
 # ``rl_engine::selected_logprob_from_hidden_backward``, registered as the first one's autograd
 # formula, which recomputes each chunk's logits as the eager backward does.
 #
-# Autocast is resolved when the graph is traced (the logits' dtype is an argument of the op), so the
-# op computes the same dtype whether or not autocast is active around the compiled code at run time.
+# Autocast is resolved when the graph is traced (the logits' dtype name is a field of the op's settings,
+# :class:`rl_engine.logprob.op_settings.HeadOpSettings`, the op's one non-tensor argument as its JSON
+# text), so the op computes the same dtype whether or not autocast is active around the compiled code
+# at run time.
 # What the compiled call does not carry: ``out.provenance`` is ``None`` (call once without compiling
 # to record it), and ``group=`` or a DTensor weight (those calls stay eager: a graph break).
 
@@ -311,17 +315,16 @@ BACKWARD_OP = "rl_engine::selected_logprob_from_hidden_backward"
 
 
 def _prepare(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
-             real_vocab_size: int, num_vocab_tiles: int, ignore_index: int, compute_entropy: bool, validate: bool,
-             backend: str, chunk_tokens: int, grad_weight_fp32: bool, temperature: float, matmul: str,
-             autocast_dtype: torch.dtype | None, row_temperature: torch.Tensor | None = None) -> Any:
-    compute_dtype = hidden.dtype if autocast_dtype is None else autocast_dtype
-    autocast = None if autocast_dtype is None else DTYPE_NAMES.get(autocast_dtype, str(autocast_dtype))
-    return prepare(hidden, head_weight(weight, None, "mean"), targets, active, num_vocab_tiles=num_vocab_tiles,
-                   real_vocab_size=real_vocab_size, compute_entropy=compute_entropy, validate=validate,
-                   chunk_tokens=chunk_tokens, backend=backend, ignore_index=ignore_index, max_tp=1,
-                   grad_weight_fp32=grad_weight_fp32,
-                   temperature=temperature if row_temperature is None else row_temperature, hidden_grad="all_reduce",
-                   matmul=matmul, compute_dtype=compute_dtype, autocast=autocast)
+             row_temperature: torch.Tensor | None, settings: HeadOpSettings) -> Any:
+    return prepare(hidden, head_weight(weight, None, "mean"), targets, active,
+                   num_vocab_tiles=settings.num_vocab_tiles, real_vocab_size=settings.real_vocab_size,
+                   compute_entropy=settings.compute_entropy, validate=settings.validate,
+                   chunk_tokens=settings.chunk_tokens, backend=settings.backend, ignore_index=settings.ignore_index,
+                   max_tp=1, grad_weight_fp32=settings.grad_weight_fp32,
+                   temperature=settings.temperature if row_temperature is None else row_temperature,
+                   hidden_grad="all_reduce", matmul=settings.matmul,
+                   compute_dtype=hidden.dtype if settings.autocast is None else settings.autocast_dtype,
+                   autocast=settings.autocast)
 
 
 def _compute_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -330,30 +333,27 @@ def _compute_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @torch.library.custom_op(OP, mutates_args=())
 def from_hidden_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
-                   real_vocab_size: int, num_vocab_tiles: int, ignore_index: int, compute_entropy: bool,
-                   validate: bool, backend: str, chunk_tokens: int, grad_weight_fp32: bool, temperature: float,
-                   matmul: str, autocast_dtype: torch.dtype | None,
-                   row_temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   row_temperature: torch.Tensor | None,
+                   settings: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp, lse, entropy)`` per token of the eager fused head (entropy empty without
-    ``compute_entropy``), every check included; ``row_temperature``: a temperature per token (the
-    eager call's tensor ``temperature``), with ``temperature`` 1."""
-    call = _prepare(hidden, weight, targets, active, real_vocab_size, num_vocab_tiles, ignore_index, compute_entropy,
-                    validate, backend, chunk_tokens, grad_weight_fp32, temperature, matmul, autocast_dtype,
-                    row_temperature)
+    ``compute_entropy``), every check included. ``settings``: the text of a
+    :class:`~rl_engine.logprob.op_settings.HeadOpSettings` (its ``encode()``), the op's one non-tensor
+    argument; ``row_temperature``: a temperature per token (the eager call's tensor ``temperature``),
+    with the settings' ``temperature`` 1."""
+    head = HeadOpSettings.decode(settings)
+    call = _prepare(hidden, weight, targets, active, row_temperature, head)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         logp, lse, entropy, _ = forward_chunks(hidden.reshape(call.tokens, -1), _compute_weight(weight, call.plan.compute_dtype),
                                             call.targets, active_rows(call.active), call.plan)
     return logp.reshape(call.lead), lse.reshape(call.lead), \
-        entropy.reshape(call.lead) if compute_entropy else entropy
+        entropy.reshape(call.lead) if head.compute_entropy else entropy
 
 
 @from_hidden_op.register_fake
 def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
-      real_vocab_size: int, num_vocab_tiles: int, ignore_index: int, compute_entropy: bool, validate: bool,
-      backend: str, chunk_tokens: int, grad_weight_fp32: bool, temperature: float, matmul: str,
-      autocast_dtype: torch.dtype | None,
-      row_temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+      row_temperature: torch.Tensor | None, settings: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     per_token = hidden.new_empty(hidden.shape[:-1], dtype=torch.float32)
+    compute_entropy = HeadOpSettings.decode(settings).compute_entropy
     entropy = torch.empty_like(per_token) if compute_entropy else hidden.new_empty(0, dtype=torch.float32)
     return per_token, torch.empty_like(per_token), entropy
 
@@ -362,22 +362,21 @@ def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, active:
 def from_hidden_backward_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                             active: torch.Tensor | None, lse: torch.Tensor, entropy: torch.Tensor,
                             grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None,
-                            grad_entropy: torch.Tensor | None, real_vocab_size: int, num_vocab_tiles: int,
-                            ignore_index: int, compute_entropy: bool, backend: str, chunk_tokens: int,
-                            grad_weight_fp32: bool, temperature: float, matmul: str,
-                            autocast_dtype: torch.dtype | None, want_hidden: bool, want_weight: bool,
-                            row_temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients of ``hidden`` and ``weight`` (empty where not wanted): the eager backward."""
-    call = _prepare(hidden, weight, targets, active, real_vocab_size, num_vocab_tiles, ignore_index, compute_entropy,
-                    False, backend, chunk_tokens, grad_weight_fp32, temperature, matmul, autocast_dtype,
-                    row_temperature)
+                            grad_entropy: torch.Tensor | None, row_temperature: torch.Tensor | None,
+                            settings: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``hidden`` and ``weight`` (empty where not wanted): the eager backward.
+    ``settings``: the text of a :class:`~rl_engine.logprob.op_settings.HeadGradSettings` (the
+    forward's settings and the gradients wanted); the forward's checks of the values are not redone."""
+    grads = HeadGradSettings.decode(settings)
+    head = dataclasses.replace(grads.head, validate=False)
+    call = _prepare(hidden, weight, targets, active, row_temperature, head)
     flat = (lambda t: None if t is None else t.reshape(-1))  # noqa: E731 - four uses below
     with torch.autocast(hidden.device.type, enabled=False):
         grad_hidden, grad_weight = backward_chunks(
             hidden.reshape(call.tokens, -1), _compute_weight(weight, call.plan.compute_dtype), call.targets,
-            active_rows(call.active), flat(lse), flat(entropy) if compute_entropy else None, flat(grad_logp),
-            flat(grad_lse), flat(grad_entropy) if compute_entropy else None, call.plan, want_hidden, want_weight,
-            weight.dtype)
+            active_rows(call.active), flat(lse), flat(entropy) if head.compute_entropy else None, flat(grad_logp),
+            flat(grad_lse), flat(grad_entropy) if head.compute_entropy else None, call.plan, grads.want_hidden,
+            grads.want_weight, weight.dtype)
     return (hidden.new_empty(0) if grad_hidden is None else grad_hidden.reshape(hidden.shape),
             weight.new_empty(0) if grad_weight is None else grad_weight)
 
@@ -385,19 +384,17 @@ def from_hidden_backward_op(hidden: torch.Tensor, weight: torch.Tensor, targets:
 @from_hidden_backward_op.register_fake
 def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
       lse: torch.Tensor, entropy: torch.Tensor, grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None,
-      grad_entropy: torch.Tensor | None, real_vocab_size: int, num_vocab_tiles: int, ignore_index: int,
-      compute_entropy: bool, backend: str, chunk_tokens: int, grad_weight_fp32: bool, temperature: float,
-      matmul: str, autocast_dtype: torch.dtype | None, want_hidden: bool,
-      want_weight: bool, row_temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty_like(hidden) if want_hidden else hidden.new_empty(0),
-            torch.empty_like(weight) if want_weight else weight.new_empty(0))
+      grad_entropy: torch.Tensor | None, row_temperature: torch.Tensor | None,
+      settings: str) -> tuple[torch.Tensor, torch.Tensor]:
+    grads = HeadGradSettings.decode(settings)
+    return (torch.empty_like(hidden) if grads.want_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if grads.want_weight else weight.new_empty(0))
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    hidden, weight, targets, active = inputs[:4]
-    ctx.save_for_backward(hidden, weight, targets, active, output[1], output[2], inputs[15])
-    (ctx.real_vocab_size, ctx.num_vocab_tiles, ctx.ignore_index, ctx.compute_entropy, _, ctx.backend,
-     ctx.chunk_tokens, ctx.grad_weight_fp32, ctx.temperature, ctx.matmul, ctx.autocast_dtype) = inputs[4:15]
+    hidden, weight, targets, active, rows, settings = inputs
+    ctx.save_for_backward(hidden, weight, targets, active, output[1], output[2], rows)
+    ctx.settings = HeadOpSettings.decode(settings)
     ctx.set_materialize_grads(False)
 
 
@@ -405,12 +402,11 @@ def _backward(ctx: Any, grad_logp: torch.Tensor | None, grad_lse: torch.Tensor |
               grad_entropy: torch.Tensor | None) -> tuple[Any, ...]:
     hidden, weight, targets, active, lse, entropy, row_temperature = ctx.saved_tensors
     want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grads = HeadGradSettings(ctx.settings, want_hidden, want_weight)
     grad_hidden, grad_weight = from_hidden_backward_op(
         hidden, weight, targets, active, lse, entropy, grad_logp, grad_lse,
-        grad_entropy if ctx.compute_entropy else None, ctx.real_vocab_size, ctx.num_vocab_tiles, ctx.ignore_index,
-        ctx.compute_entropy, ctx.backend, ctx.chunk_tokens, ctx.grad_weight_fp32, ctx.temperature, ctx.matmul,
-        ctx.autocast_dtype, want_hidden, want_weight, row_temperature)
-    return (grad_hidden if want_hidden else None, grad_weight if want_weight else None) + (None,) * 14
+        grad_entropy if ctx.settings.compute_entropy else None, row_temperature, grads.encode())
+    return grad_hidden if want_hidden else None, grad_weight if want_weight else None, None, None, None, None
 
 
 from_hidden_op.register_autograd(_backward, setup_context=_setup_context)
@@ -422,14 +418,18 @@ def compiled_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          grad_weight_fp32: bool, temperature: Any, hidden_grad: str,
                          matmul: str) -> LogprobOutput:
     """Under ``torch.compile``: ``rl_engine::selected_logprob_from_hidden``, with the tile count and the
-    logits' dtype (autocast's, where it is enabled) resolved at tracing; no provenance in the graph."""
+    logits' dtype (autocast's, where it is enabled) resolved at tracing into the op's one settings text
+    (:func:`rl_engine.logprob.op_settings.settings_text`: another temperature is another text, a
+    recompile); no provenance in the graph."""
     tiles = resolve_vocab_tiles(num_vocab_tiles, weight.shape[0], max_tp)["resolved"]
-    compute_dtype, autocast = compute_dtype_of(hidden)
+    _, autocast = compute_dtype_of(hidden)
     rows = temperature if isinstance(temperature, torch.Tensor) else None  # a temperature per token
-    logp, lse, entropy = from_hidden_op(
-        hidden, weight, targets, active, weight.shape[0] if real_vocab_size is None else real_vocab_size, tiles,
-        ignore_index, compute_entropy, validate, backend, chunk_tokens, grad_weight_fp32,
-        1.0 if rows is not None else temperature, matmul, None if autocast is None else compute_dtype, rows)
+    settings = settings_text(
+        HeadOpSettings, real_vocab_size=weight.shape[0] if real_vocab_size is None else real_vocab_size,
+        num_vocab_tiles=tiles, ignore_index=ignore_index, compute_entropy=compute_entropy, validate=validate,
+        backend=backend, chunk_tokens=chunk_tokens, grad_weight_fp32=grad_weight_fp32,
+        temperature=1.0 if rows is not None else temperature, matmul=matmul, autocast=autocast)
+    logp, lse, entropy = from_hidden_op(hidden, weight, targets, active, rows, settings)
     return LogprobOutput(logp, lse, entropy if compute_entropy else None, None)
 
 
