@@ -389,6 +389,9 @@ def forward_partials_kernel(
     # binary16: both passes read the logits the fast way (no select per column for infinity and NaN);
     # a tile that holds an infinity or NaN (which the first pass's extremes show) is read again exactly
     FAST: tl.constexpr = DTYPE == DT_F16
+    # bf16 with the split quotient divides the tile's maximum by it too (binary16's constants are for
+    # h * 2**-112: the IEEE division of its maximum costs fewer instructions there than the scaling)
+    SPLIT_TOP: tl.constexpr = SPLIT and DTYPE == DT_BF16
     MINIMA: tl.constexpr = VALIDATE or TEMPERED or FAST
     # 1. the lanes' maxima (a max does not depend on grouping)
     if FAST:
@@ -415,7 +418,12 @@ def forward_partials_kernel(
         low = tl.reduce(mn, 0, MIN)  # never NaN: the lanes' minima leave NaN out
     if TEMPERED:  # step 0 on the maximum (and, in the exotic branch below, the minimum): exact, once per tile
         exotic = (m >= hi_x) | (low <= -hi_x)
-        m = tl.div_rn(m, t32)
+        top = m
+        if SPLIT_TOP:  # the split quotient of the maximum: the quotient wherever the tile is not exotic (a
+            m = split_quotient(m, r_hi, r_lo)  # maximum below the domain gives one below sh_min either way);
+            m = tl.where(top == float("-inf"), top, m)  # -inf kept (-inf * r_lo is NaN when r_lo = 0),
+        else:  # and the exotic branch divides again
+            m = tl.div_rn(m, t32)
         exotic = exotic | (tl.abs(m) < sh_min)
         if FAST:
             exotic = exotic | special
@@ -430,6 +438,9 @@ def forward_partials_kernel(
             s, t = pass_two(base, lane, real_left, sh, t32, inv_t, PASS_TWO, FULL, REST, PADDED, WITH_ENTROPY,
                             DIV_MARKSTEIN)
         if exotic:  # ... and again with the IEEE division where it may not be exact (rare)
+            if SPLIT_TOP:  # the maximum's IEEE quotient, and the shift of it
+                m = tl.where(nan > 0, float("nan"), tl.div_rn(top, t32)) + tl.full((1,), 0.0, tl.float32)
+                sh = tl.where(m == float("-inf"), 0.0, m)
             if VALIDATE:  # the minimum's quotient is -inf only if the minimum is -inf or <= -hi_x: an
                 low = tl.div_rn(low, t32)  # exotic tile, so elsewhere the minimum itself says as much
             s, t = pass_two(base, lane, real_left, sh, t32, inv_t, DTYPE, FULL, REST, PADDED, WITH_ENTROPY,
