@@ -5,7 +5,8 @@
 #                                 start munged, slurmctld, `slurmd -N node1` and `slurmd -N node2`,
 #                                 and wait until both nodes are idle
 #   .ci/slurm-cluster.sh stop     cancel every job, stop the four daemons by the PIDs in their
-#                                 pidfiles, and fail if any of them is still running
+#                                 pidfiles, remove the slurm.conf this script wrote, and fail if
+#                                 any daemon is still running
 #   .ci/slurm-cluster.sh status   exit 0 when the cluster answers and both nodes are up
 #
 # Both nodes are this host (NodeAddr 127.0.0.1, one slurmd port each); Debian's build runs
@@ -13,15 +14,20 @@
 # `sacct` fails: the Snakemake executor must poll with `squeue`, which works because MinJobAge
 # keeps finished jobs visible far longer than its first status check. The config lives at
 # /etc/slurm/slurm.conf because the executor's job steps drop SLURM_CONF from the environment.
+# `stop` removes it again: a config naming a controller that no longer runs makes every Slurm
+# client wait for it (`scontrol show config`: 9 s), and the Snakemake Slurm executor plugin runs
+# that command when it is imported, at every `snakemake` start, whatever the executor.
+# (RL_ENGINE_SLURM_CONF and RL_ENGINE_MUNGE_PID move both files, for tests/test_slurm_script.py.)
 set -euo pipefail
 
 STATE=${RL_ENGINE_SLURM_STATE:-/var/tmp/rl-engine-slurm}
-CONF=/etc/slurm/slurm.conf
+CONF=${RL_ENGINE_SLURM_CONF:-/etc/slurm/slurm.conf}
+CONF_MARKER="# Written by .ci/slurm-cluster.sh"
 CTLD_PORT=${RL_ENGINE_SLURM_PORT:-16817}
 NODES=(node1 node2)
 NODE_CPUS=${RL_ENGINE_SLURM_CPUS:-8}
 MUNGE_SOCKET=/run/munge/munge.socket.2
-MUNGE_PID=/run/munge/munged.pid
+MUNGE_PID=${RL_ENGINE_MUNGE_PID:-/run/munge/munged.pid}
 
 log() { echo "slurm-cluster: $*" >&2; }
 
@@ -36,7 +42,7 @@ install_packages() {
 }
 
 write_conf() {
-    mkdir -p /etc/slurm "$STATE/ctld" "$STATE/log"
+    mkdir -p "$(dirname "$CONF")" "$STATE/ctld" "$STATE/log"
     for node in "${NODES[@]}"; do mkdir -p "$STATE/$node"; done
     local port=$((CTLD_PORT + 1)) node_lines=""
     for node in "${NODES[@]}"; do
@@ -44,7 +50,7 @@ write_conf() {
         port=$((port + 1))
     done
     cat >"$CONF" <<EOF
-# Written by .ci/slurm-cluster.sh: two slurmd (node1, node2) on this one host.
+$CONF_MARKER: two slurmd (node1, node2) on this one host.
 ClusterName=rlengine
 SlurmctldHost=$(hostname)(127.0.0.1)
 SlurmctldPort=$CTLD_PORT
@@ -147,6 +153,8 @@ stop() {
         if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null || true; left+=("$pid"); fi
     done
     for file in $(pidfiles); do rm -f "$file"; done
+    # only a config this script wrote (its first line says so); another one is the machine's own
+    if [ -f "$CONF" ] && head -n 1 "$CONF" | grep -qF "$CONF_MARKER"; then rm -f "$CONF"; fi
     # job steps (slurmstepd) end with their jobs; one still running after the daemons is a leak
     for _ in $(seq 1 100); do
         pgrep -x slurmstepd >/dev/null || break
