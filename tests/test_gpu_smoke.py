@@ -40,7 +40,7 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict
     config = _small_config(tmp)
     out = tmp / "out"
     code = gpu_smoke.main(["--cpu-only", "--config", str(config), "--output-dir", str(out),
-                           "--tokens", "64", "--repeats", "2",
+                           "--tokens", "64", "--repeats", "2", "--bitwise-tokens", "4",
                            "--backends", "pytorch-vocab-parallel-logp-ws2,cpu-vocab-parallel-logp-ws2"])
     return code, out, jsonio.load(out / "smoke.json")
 
@@ -361,7 +361,8 @@ def test_the_sass_of_launched_binaries_is_compared_with_the_roofline_s(small_roo
     other constants) match no roofline kernel and are listed apart with their SASS."""
     from rl_engine.logprob.backends.triton import triton_aot
 
-    launched = [triton_aot.launched_binary(c) for c in _compiled_launches()]
+    compiled = _compiled_launches()
+    launched = [triton_aot.launched_binary(c) for c in compiled]
     table = gpu_smoke.sass_table(small_roofline, launched)
     names = [row["name"] for row in table["sass"]]
     assert names == [k["name"] for k in small_roofline["kernels"]] and table["launched_only"] == []
@@ -369,7 +370,6 @@ def test_the_sass_of_launched_binaries_is_compared_with_the_roofline_s(small_roo
     for row in table["sass"]:
         assert row["launched"] is not None and all(row["equal"].values()), row
     # what launched_binaries reads on a GPU: each jit function's per-device caches
-    compiled = _compiled_launches()
     module = type("Kernels", (), {name: type("Jit", (), {"device_caches": {0: (
         {str(i): c for i, c in enumerate(compiled) if c.src.fn.__name__ == name}, {}, None, None, None)}})
         for name in ("forward_partials_kernel", "merge_kernel", "backward_terms_kernel", "backward_kernel",

@@ -54,6 +54,28 @@ def variants() -> dict[str, triton_aot.Variant]:
     return {v.name: v for v in triton_aot.launch_variants()}
 
 
+@pytest.fixture(scope="module")
+def roofline_of(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``triton_aot.roofline`` once per case in this module: ``(directory, document)``. The roofline
+    tests and the variants' table ask for the same cases (the default, fp16); each is compiled and
+    disassembled once."""
+    import inspect
+
+    real = triton_aot.roofline
+    made: dict[str, tuple[Path, dict[str, Any]]] = {}
+
+    def of(**kwargs: Any) -> tuple[Path, dict[str, Any]]:
+        bound = inspect.signature(real).bind(None, **kwargs)
+        bound.apply_defaults()
+        key = repr(sorted((k, v) for k, v in bound.arguments.items() if k != "output_dir"))
+        if key not in made:
+            out = tmp_path_factory.mktemp("roofline")
+            made[key] = (out, real(out, **kwargs))
+        return made[key]
+
+    return of
+
+
 def _compile(variant: triton_aot.Variant, backend: str, arch: Any, fusion: bool) -> dict[str, Any]:
     fn = getattr(load_kernels("compiled"), variant.kernel)
     try:
@@ -378,15 +400,16 @@ def test_roofline_output_dir_that_is_a_file_is_refused_naming_it(tmp_path: Path,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_the_roofline_of_the_launched_kernels_meets_the_targets(tmp_path: Path, temperature: float) -> None:
+def test_the_roofline_of_the_launched_kernels_meets_the_targets(tmp_path: Path, roofline_of: Any,
+                                                               temperature: float) -> None:
     """The SASS budget of the launched kernels' fast path, without and with a temperature (whose
     guard's IEEE path is code the fast path skips: its longest path is longer, its static count too)."""
-    doc = triton_aot.roofline(tmp_path, temperature=temperature)
+    out, doc = roofline_of(temperature=temperature)
     assert doc["case"]["temperature"] == temperature
     schemas.write_validated(tmp_path / "roofline.json", doc, "roofline")
     assert json.loads((tmp_path / "roofline.json").read_text())["kernels"] == doc["kernels"]
     for kernel in doc["kernels"]:
-        assert (tmp_path / kernel["cubin"]).stat().st_size > 0
+        assert (out / kernel["cubin"]).stat().st_size > 0
         assert kernel["local_bytes"] == 0 and kernel["loops"] is False, kernel["name"]
         found = (kernel["name"], kernel["path_per_thread"], kernel["sass_per_thread"], kernel["longest_path_per_thread"])
         if kernel["kernel"] == "merge_kernel":  # L's and the entropy's div.rn: a slow-path call the fast path skips
@@ -426,11 +449,11 @@ def test_the_bf16_kernels_at_a_temperature_are_within_1_25x_of_the_h100_floor(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("entropy,validate", [(True, True), (False, False)])
-def test_the_fp16_kernels_are_within_1_3x_of_the_h100_floor(tmp_path: Path, entropy: bool, validate: bool) -> None:
+def test_the_fp16_kernels_are_within_1_3x_of_the_h100_floor(roofline_of: Any, entropy: bool, validate: bool) -> None:
     """binary16 logits ("fp16 at the floor"), without a temperature: forward and
     forward+backward within 1.3x of the H100 floor on the launched kernels' fast path (no spill, no
     loop); the forward's exact pass for a tile with an infinity or NaN is code the fast path skips."""
-    doc = triton_aot.roofline(tmp_path, dtype=torch.float16, entropy=entropy, validate=validate)
+    _, doc = roofline_of(dtype=torch.float16, entropy=entropy, validate=validate)
     assert doc["case"]["dtype"] == "fp16"
     for kernel in doc["kernels"]:
         assert kernel["local_bytes"] == 0 and kernel["loops"] is False, kernel["name"]
@@ -549,12 +572,15 @@ def test_the_roofline_compiles_every_launch_the_backend_makes(monkeypatch: pytes
 
 
 @pytest.mark.slow
-def test_the_roofline_variants_are_listed_with_their_own_case(tmp_path: Path) -> None:
+def test_the_roofline_variants_are_listed_with_their_own_case(tmp_path: Path, roofline_of: Any,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """``--variants``: fp16, entropy and validation off, the entropy gradient, TP 8, sm_100 and gfx942
     beside the default, each its own compiled kernels (no spill), its case recorded; TP 8 is rank 0's
     shard (an eighth of the columns: the same per-column work, an eighth of the floor); no entropy and
     no validation is less work per column than the default, the entropy gradient more backward; gfx942
-    has its own model (amd_model) and the MI300X's prediction."""
+    has its own model (amd_model) and the MI300X's prediction. Each NVIDIA variant's roofline is
+    :func:`roofline_of`'s (the default and fp16 ones the tests above made)."""
+    monkeypatch.setattr(triton_aot, "roofline", lambda output_dir, **kwargs: roofline_of(**kwargs)[1])
     names = ("default", "fp16", "no-entropy-no-validation", "entropy-gradient", "tp8", "sm_100", "gfx942")
     rows = {row["name"]: row for row in triton_aot.roofline_variants(tmp_path, names)}
     assert list(rows) == list(names)
@@ -576,6 +602,6 @@ def test_the_roofline_variants_are_listed_with_their_own_case(tmp_path: Path) ->
     assert lean["forward"] < base["forward"] and lean["backward"] == base["backward"], (base, lean)
     assert rows["tp8"]["padded_vocab"] == 151936 and rows["tp8"]["predicted"]["h100"]["forward_ms"] < \
         rows["default"]["predicted"]["h100"]["forward_ms"]
-    assert (tmp_path / "tp8" / "forward.sm_90.cubin").stat().st_size > 0
+    assert (roofline_of(tp=8)[0] / "forward.sm_90.cubin").stat().st_size > 0
     with pytest.raises(triton_aot.AotError, match="tp=3 must divide padded_vocab=151936"):
         triton_aot.roofline(tmp_path / "bad", tp=3)
