@@ -412,8 +412,8 @@ def test_the_fused_head_is_measured_against_the_logits_made_whole(tmp_path: Path
     logits = tokens * vocab * 2
     assert rows[("lm_head", "forward")]["peak_mem_bytes"] >= logits * 0.95
     # The whole logits would put the fused path at 1.0 or more; its chunks (256 of 1024 tokens) and
-    # the allocator's arenas of two threads measured 0.4 to 0.59 of them (RSS moves in the kernel's
-    # pages, huge ones included), so the bound sits between the two, not at the chunks' quarter.
+    # the allocator's arenas of two threads measured 0.34 of them on a quiet machine and 0.59 on a
+    # loaded one (RSS moves in the kernel's pages, huge ones included): the bound sits between.
     assert rows[("fused_lm_head", "forward")]["peak_mem_bytes"] < logits * 0.75
     for phase in PHASES:
         got, ref = rows[("fused_lm_head", phase)], rows[("lm_head", phase)]
