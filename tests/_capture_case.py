@@ -6,9 +6,6 @@ three positions of each sequence inactive with target -100 (as a trainer masks a
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -71,14 +68,17 @@ def capture_case(path: Path, archive: bool = False, **changes: Any) -> Case:
 
 
 def launch_topology(plan: Path, topology: str) -> int:
-    """``python -m rl_engine launch`` of one topology (``"TPxCP"``) of ``plan``; its exit code."""
+    """The ``launch`` verb of one topology (``"TPxCP"``) of ``plan``, in this process (its torchrun and
+    ranks are the processes), with no ``RL_ENGINE_FAULT`` of the caller's; its exit code."""
+    import pytest
+
+    from rl_engine import cli
+
     tp, cp = topology.split("x")
-    env = {k: v for k, v in os.environ.items() if k != "RL_ENGINE_FAULT"}
-    done = subprocess.run(
-        [sys.executable, "-m", "rl_engine", "launch", "--plan", str(plan), "--tp", tp, "--cp", cp,
-         "--timeout-s", "120", "--log", str(plan.parent / "logs" / f"tp{tp}-cp{cp}.log")],
-        env=env, capture_output=True, text=True, timeout=180, check=False)
-    return done.returncode
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("RL_ENGINE_FAULT", raising=False)
+        return cli.main(["launch", "--plan", str(plan), "--tp", tp, "--cp", cp, "--timeout-s", "120",
+                         "--log", str(plan.parent / "logs" / f"tp{tp}-cp{cp}.log")])
 
 
 def verify_archive(archive: Path, tmp_path: Path, *flags: str) -> tuple[int, dict[str, dict]]:
@@ -91,12 +91,15 @@ def verify_archive(archive: Path, tmp_path: Path, *flags: str) -> tuple[int, dic
     return code, {c["name"]: c for c in jsonio.load(out)["checks"]}
 
 
-def campaign_to_archive(tmp_path: Path, case: Case, topologies: tuple[str, ...]) -> tuple[Path, Path]:
-    """``case`` through every verb (plan, each topology's launch, env, a one-test regression, validate,
-    crosscheck, summary, archive): the run directory and the archive. Asserts each verb's success."""
+def campaign_to_archive(tmp_path: Path, case: Case, topologies: tuple[str, ...],
+                        recorded_from: Path) -> tuple[Path, Path]:
+    """``case`` through every verb (plan, each topology's launch, validate, crosscheck, summary, archive),
+    with the environment and focused-suite files of the session's run ``recorded_from`` (conftest's tiny
+    run: :func:`_evidence_run.copy_recorded`): the run directory and the archive. Asserts each verb's
+    success."""
     from rl_engine import cli
 
-    from _evidence_run import PYTEST_ARGS, TINY_TESTS, pack
+    from _evidence_run import copy_recorded, pack
 
     run_dir = tmp_path / "rl-engine-test-run"
     (run_dir / "logs").mkdir(parents=True)
@@ -106,11 +109,7 @@ def campaign_to_archive(tmp_path: Path, case: Case, topologies: tuple[str, ...])
         tp, cp = topology.split("x")
         assert launch_topology(run_dir / "plan.json", topology) == 0, (run_dir / "logs").joinpath(
             f"tp{tp}-cp{cp}.log").read_text(errors="replace")[-3000:]
-    assert cli.main(["env", "--output-dir", str(run_dir), "--repo", str(Path(__file__).resolve().parents[1])]) == 0
-    tiny = tmp_path / "focused" / "test_tiny_focused.py"
-    tiny.parent.mkdir()
-    tiny.write_text(TINY_TESTS, encoding="utf-8")
-    assert cli.main(["regression", "--output-dir", str(run_dir), "--tests", str(tiny), *PYTEST_ARGS]) == 0
+    copy_recorded(recorded_from, run_dir)
     for verb, out in (("validate", "validation.json"), ("crosscheck", "crosscheck.json"), ("summary", "SUMMARY.md")):
         assert cli.main([verb, "--run-dir", str(run_dir), "--output", str(run_dir / out)]) == 0, verb
     archive = tmp_path / "out" / f"{run_dir.name}.tar.gz"

@@ -10,9 +10,7 @@ ranks), ``env``, ``regression`` (a real pytest subprocess), ``validate``, ``cros
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 from rl_engine import cli, schemas
@@ -39,18 +37,17 @@ PYTEST_ARGS = ["--pytest-arg=-p", "--pytest-arg=no:cacheprovider"]
 
 
 def launch(run_dir: Path, topology: str, fault: str | None = None) -> int:
-    """Run one planned topology with the real ``launch`` verb; return its exit code."""
+    """Run one planned topology with the real ``launch`` verb, in this process (its torchrun and ranks
+    are the processes), under ``RL_ENGINE_FAULT=fault`` (none when None); return its exit code."""
+    import pytest
+
     tp, cp = topology.split("x")
-    env = dict(os.environ)
-    env.pop("RL_ENGINE_FAULT", None)
-    if fault:
-        env["RL_ENGINE_FAULT"] = fault
-    proc = subprocess.run(
-        [sys.executable, "-m", "rl_engine", "launch", "--plan", str(run_dir / "plan.json"),
-         "--tp", tp, "--cp", cp, "--timeout-s", "180", "--log", str(run_dir / "logs" / f"tp{tp}-cp{cp}.log")],
-        env=env, capture_output=True, text=True, timeout=240, check=False,
-    )
-    return proc.returncode
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("RL_ENGINE_FAULT", raising=False)
+        if fault:
+            env.setenv("RL_ENGINE_FAULT", fault)
+        return cli.main(["launch", "--plan", str(run_dir / "plan.json"), "--tp", tp, "--cp", cp,
+                         "--timeout-s", "180", "--log", str(run_dir / "logs" / f"tp{tp}-cp{cp}.log")])
 
 
 def logs(run_dir: Path) -> str:
@@ -58,9 +55,24 @@ def logs(run_dir: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted((run_dir / "logs").glob("*")))
 
 
-def build_run(run_dir: Path, tests_dir: Path, case_flags: list[str] = CASE_FLAGS) -> Path:
+RECORDED = ("environment.json", "environment.txt", "regression.json", "pytest-focused.log", "pytest-junit.xml")
+
+
+def copy_recorded(source: Path, run_dir: Path) -> None:
+    """The ``env`` and ``regression`` verbs' files (:data:`RECORDED`) of the run ``source`` copied into
+    ``run_dir``: what they record (this checkout, a one-test suite) is not the case's, so a test whose
+    claim is about the campaign shares the session's one capture (the ``env`` verb alone runs a Python
+    that imports torch, and the suite is a pytest process)."""
+    for name in RECORDED:
+        shutil.copy(source / name, run_dir / name)
+
+
+def build_run(run_dir: Path, tests_dir: Path, case_flags: list[str] = CASE_FLAGS,
+              recorded_from: Path | None = None) -> Path:
     """A complete, passing run directory (up to SUMMARY.md), like the workflow makes, of the case
-    ``case_flags`` (``plan``'s flags) over :data:`TOPOLOGIES`."""
+    ``case_flags`` (``plan``'s flags) over :data:`TOPOLOGIES`. With ``recorded_from`` (a run this
+    function built) its environment and regression files are copied (:func:`copy_recorded`) instead
+    of running ``env`` and ``regression`` again."""
     (run_dir / "logs").mkdir(parents=True)
     args = plan.build_parser().parse_args([*case_flags, "--topologies", ",".join(TOPOLOGIES), "--output", "-"])
     document = case_document(*plan.case_from_args(args))
@@ -69,11 +81,14 @@ def build_run(run_dir: Path, tests_dir: Path, case_flags: list[str] = CASE_FLAGS
     for topology in TOPOLOGIES:
         code = launch(run_dir, topology)
         assert code == 0, logs(run_dir)
-    assert cli.main(["env", "--output-dir", str(run_dir), "--repo", str(Path(__file__).resolve().parent.parent)]) == 0
-    tests_dir.mkdir(parents=True, exist_ok=True)
-    tiny = tests_dir / "test_tiny_focused.py"
-    tiny.write_text(TINY_TESTS, encoding="utf-8")
-    assert cli.main(["regression", "--output-dir", str(run_dir), "--tests", str(tiny), *PYTEST_ARGS]) == 0
+    if recorded_from is not None:
+        copy_recorded(recorded_from, run_dir)
+    else:
+        assert cli.main(["env", "--output-dir", str(run_dir), "--repo", str(Path(__file__).resolve().parent.parent)]) == 0
+        tests_dir.mkdir(parents=True, exist_ok=True)
+        tiny = tests_dir / "test_tiny_focused.py"
+        tiny.write_text(TINY_TESTS, encoding="utf-8")
+        assert cli.main(["regression", "--output-dir", str(run_dir), "--tests", str(tiny), *PYTEST_ARGS]) == 0
     assert cli.main(["validate", "--run-dir", str(run_dir), "--output", str(run_dir / "validation.json")]) == 0
     assert cli.main(["crosscheck", "--run-dir", str(run_dir), "--output", str(run_dir / "crosscheck.json")]) == 0
     assert cli.main(["summary", "--run-dir", str(run_dir), "--output", str(run_dir / "SUMMARY.md")]) == 0

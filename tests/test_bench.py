@@ -356,6 +356,49 @@ def test_on_a_gpu_the_clock_waits_for_the_kernels_before_it_starts_and_stops() -
     assert events == ["step", "sync", "step", "sync", "sync", "step", "sync"]  # warm-up unsynced
 
 
+def test_each_sample_starts_after_a_collection_and_the_heap_is_unfrozen_after() -> None:
+    """The collection before each sample frees the cyclic garbage of the step before (the objects
+    alive when timing began are frozen: the collection traverses only the steps' own); the freeze
+    ends with the timing, also when a step raises."""
+    import gc
+    import weakref
+
+    from rl_engine.benchmark.timing import time_round_robin
+
+    class Cycle:
+        pass
+
+    made: list[weakref.ref[Cycle]] = []
+    alive_at_start: list[bool] = []
+    alive_after_step: list[bool] = []
+
+    def step() -> None:
+        alive_at_start.append(bool(made) and made[-1]() is not None)
+        cycle = Cycle()
+        cycle.self = cycle  # type: ignore[attr-defined]  # freed by the collector only
+        made.append(weakref.ref(cycle))
+
+    def reset() -> None:
+        alive_after_step.append(made[-1]() is not None)
+
+    assert gc.get_freeze_count() == 0
+    gc.disable()  # no automatic collection between a step and its reset: only the loop's own
+    try:
+        time_round_robin({"a": (step, reset), "b": (step, reset)}, warmup=1, repeats=3)
+    finally:
+        gc.enable()
+    assert gc.get_freeze_count() == 0
+    assert alive_at_start[2:] == [False] * 6  # each sample: the previous step's cycle was collected
+    assert all(alive_after_step)  # control: until the collection, the cycle lives
+
+    def failing() -> None:
+        raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError, match="step failed"):
+        time_round_robin({"a": (failing, lambda: None)}, warmup=0, repeats=1)
+    assert gc.get_freeze_count() == 0
+
+
 @pytest.mark.slow  # four memory-probe subprocesses
 def test_the_fused_head_is_measured_against_the_logits_made_whole(tmp_path: Path) -> None:
     """``lm_head`` (hidden @ weight.T, then the op) and ``fused_lm_head`` (selected_logprob_from_hidden,
@@ -368,7 +411,10 @@ def test_the_fused_head_is_measured_against_the_logits_made_whole(tmp_path: Path
     assert set(rows) == {(p, ph) for p in ("lm_head", "fused_lm_head") for ph in PHASES}
     logits = tokens * vocab * 2
     assert rows[("lm_head", "forward")]["peak_mem_bytes"] >= logits * 0.95
-    assert rows[("fused_lm_head", "forward")]["peak_mem_bytes"] < logits * 0.5
+    # The whole logits would put the fused path at 1.0 or more; its chunks (256 of 1024 tokens) and
+    # the allocator's arenas of two threads measured 0.34 of them on a quiet machine and 0.59 on a
+    # loaded one (RSS moves in the kernel's pages, huge ones included): the bound sits between.
+    assert rows[("fused_lm_head", "forward")]["peak_mem_bytes"] < logits * 0.75
     for phase in PHASES:
         got, ref = rows[("fused_lm_head", phase)], rows[("lm_head", phase)]
         assert doc["path_ratios"]["fused_lm_head"][str(tokens)][phase] == {

@@ -1,15 +1,17 @@
 """A campaign on a captured file (case ``capture``): the case's parse-time rules, and (slow) the
 TP x CP matrix on a tiny capture written here: the real ``plan`` and ``launch`` verbs (torchrun,
-gloo ranks that each read only their tokens and columns), identical fingerprints at 1x1, 2x1
-and 2x2, the capture's SHA-256 and metadata in every report, and a rank that refuses a file
-whose bytes are not the recorded ones.
+gloo ranks that each read only their tokens and columns), identical fingerprints at 1x1 and 2x2
+(TP and CP sharding both; more topologies' bytes on a capture: tests/test_capture_shards.py), the
+capture's SHA-256 and metadata in every report, and a rank that refuses a file whose bytes are not
+the recorded ones.
 
 The same run (its case says ``archive: true``) is then completed by the real verbs (copy-capture,
-env, regression, parity, validate, crosscheck, summary, archive) into an archive that holds the
-capture and a parity report: ``verify --recompute`` passes on it without ``--capture``; without
-the capture member, or with other bytes in it, it is refused naming the file and the hash. The
-capture's path is not part of the run name; rank 0 hashes the capture once; the ``parity:``
-section of config.yaml is checked before any job. Last, the same kind of config runs through
+parity, validate, crosscheck, summary, archive; the environment and focused-suite files are the
+session's tiny run's, conftest's ``tiny_run``) into an archive that holds the capture and a parity
+report: ``verify --recompute`` passes on it without ``--capture``; without the capture member, or
+with other bytes in it, it is refused naming the file and the hash. The capture's path is not part
+of the run name; rank 0 hashes the capture once; the ``parity:`` section of config.yaml is checked
+before any job. Last, the same kind of config runs through
 ``snakemake`` end to end, with the capture and parity stages, to an archive ``verify --recompute``
 passes."""
 
@@ -32,7 +34,7 @@ from _capture_case import CASE_FIELDS, campaign_to_archive, capture_case, write_
 from _capture_case import launch_topology as _launch
 from _capture_case import verify_archive as _verify
 
-TOPOLOGIES = ("1x1", "2x1", "2x2")
+TOPOLOGIES = ("1x1", "2x2")
 FIELDS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256",
           "candidate_grad_sha256")
 
@@ -116,7 +118,7 @@ def test_the_matrix_on_a_capture_gives_identical_fingerprints_and_records_the_ca
         assert report["case_id"].endswith(record["sha256"][:16])
     for field in FIELDS:
         assert len({r["bitwise_fingerprints"][field] for r in reports.values()}) == 1, field
-    for topology in ("2x1", "2x2"):
+    for topology in ("2x2",):
         for rank in reports[topology]["topology"]["ranks"]:
             lo, hi = rank["vocab_bounds"]
             assert hi - lo == 32  # each TP rank held its 32 of the 64 columns only
@@ -394,7 +396,7 @@ def _pack(run_dir: Path, output: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def capture_archive(capture_run, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def capture_archive(capture_run, tmp_path_factory: pytest.TempPathFactory, tiny_run: Path) -> dict[str, Path]:
     """:func:`capture_run` completed by the real verbs, with a parity stage, archived under its run name."""
     import shutil
 
@@ -404,24 +406,22 @@ def capture_archive(capture_run, tmp_path_factory: pytest.TempPathFactory) -> di
     base = tmp_path_factory.mktemp("capture-archive")
     run_dir = base / "run"
     shutil.copytree(source, run_dir)
-    return _complete(run_dir, base, path, write_trainer_side(base / "trainer.safetensors"))
+    return _complete(run_dir, base, path, write_trainer_side(base / "trainer.safetensors"), tiny_run)
 
 
-def _complete(run_dir: Path, base: Path, path: Path, trainer: Path) -> dict[str, Path]:
+def _complete(run_dir: Path, base: Path, path: Path, trainer: Path, recorded_from: Path) -> dict[str, Path]:
     """A launched capture campaign in ``run_dir`` (:func:`_campaign` of ``path``) completed by the real
-    verbs, with a parity stage against ``trainer``, archived under its run name in ``base / "out"``."""
+    verbs, with a parity stage against ``trainer``, archived under its run name in ``base / "out"``. The
+    environment and focused-suite files are the session's run ``recorded_from``'s (conftest's tiny run:
+    :func:`_evidence_run.copy_recorded`): what they record is not the capture's."""
     from rl_engine import jsonio
     from rl_engine.campaign.casename import RunName, evidence_case_hash
     from rl_engine.rundir import CAPTURE
 
-    from _evidence_run import PYTEST_ARGS, TINY_TESTS
+    from _evidence_run import copy_recorded
 
     assert cli.main(["copy-capture", "--case", str(run_dir / "case.json"), "--output", str(run_dir / CAPTURE)]) == 0
-    assert cli.main(["env", "--output-dir", str(run_dir), "--repo", str(Path(__file__).resolve().parents[1])]) == 0
-    tiny = base / "focused" / "test_tiny_focused.py"
-    tiny.parent.mkdir()
-    tiny.write_text(TINY_TESTS, encoding="utf-8")
-    assert cli.main(["regression", "--output-dir", str(run_dir), "--tests", str(tiny), *PYTEST_ARGS]) == 0
+    copy_recorded(recorded_from, run_dir)
     assert cli.main(["parity", str(path), str(trainer), "--output-dir", str(run_dir),
                      "--difference-exit-code", "0"]) == 0  # a difference: exit 0 as the workflow asks
     for verb, out in (("validate", "validation.json"), ("crosscheck", "crosscheck.json"), ("summary", "SUMMARY.md")):
@@ -636,7 +636,7 @@ HOSTILE_DIR = "caps <img src=x onerror=alert(1)>"
 
 @pytest.mark.slow
 def test_hostile_capture_strings_reach_summary_md_and_the_console_as_text_and_the_archive_verifies(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+        tmp_path_factory: pytest.TempPathFactory, tiny_run: Path) -> None:
     """A campaign and a parity stage on captures whose metadata and paths hold HTML, a Markdown image, a
     fake ``## Status`` heading and sign-off, and ``qwen [/]``: every verb runs (``summary`` prints them
     as text), the archive verifies (SUMMARY.md is rendered again from the evidence and compared), and
@@ -662,7 +662,7 @@ def test_hostile_capture_strings_reach_summary_md_and_the_console_as_text_and_th
                                    build_metadata(dtype="fp32", engine_version="0", **HOSTILE_META)))
     run_dir = base / "run"
     _campaign(run_dir, path, ("1x1", "2x1"))
-    done = _complete(run_dir, base, path, trainer)
+    done = _complete(run_dir, base, path, trainer, tiny_run)
     code, checks = _verify(done["archive"], base)
     assert code == 0 and checks["SUMMARY.md"]["status"] == "PASS", [
         (n, c["status"], _text(c)) for n, c in checks.items() if c["status"] not in ("PASS", "note")]
@@ -692,7 +692,8 @@ def test_a_capture_and_parity_config_runs_through_snakemake_to_a_verified_archiv
     run plans the ``capture`` and ``parity`` stages and writes nothing; the real run copies the
     capture, writes the parity report (the sides differ: a finding, the stage passes), packs both
     into an archive its own ``verify_archive`` job passes, and the reviewer's ``verify --recompute``
-    replays it from the archived capture, no ``--capture`` given; ``snakemake --lint`` is clean.
+    replays it (the verb in this process) from the archived capture, no ``--capture`` given;
+    ``snakemake --lint`` is clean.
     The negative control (the good config plans neither stage) is
     tests/test_gates_config.py::test_snakemake_dry_run_of_a_good_config_plans_every_job."""
     import tarfile
@@ -710,7 +711,6 @@ def test_a_capture_and_parity_config_runs_through_snakemake_to_a_verified_archiv
         jobs_run,
         run_name_of,
         snakemake,
-        verify,
         write_config,
     )
 
@@ -749,10 +749,10 @@ def test_a_capture_and_parity_config_runs_through_snakemake_to_a_verified_archiv
     with tarfile.open(archive) as tar:
         names = set(tar.getnames())
     assert {f"{name}/{CAPTURE}", f"{name}/{PARITY_JSON}", f"{name}/{PARITY_PNG}", f"{name}/logs/parity.log"} <= names
-    verdict = tmp_path / "reviewer.json"
-    reviewed = verify(repo, archive, "--recompute", "--json", str(verdict))  # the archived capture: no --capture
-    assert reviewed.returncode == 0, reviewed.stdout[-6000:] + reviewed.stderr[-3000:]
-    checks = {c["name"]: c["status"] for c in jsonio.load(verdict)["checks"]}
+    (tmp_path / "reviewer").mkdir()
+    code, reviewed = _verify(archive, tmp_path / "reviewer", "--recompute")  # the archived capture: no --capture
+    assert code == 0, {n: c["problems"] for n, c in reviewed.items() if c["status"] == "FAIL"}
+    checks = {n: c["status"] for n, c in reviewed.items()}
     assert checks["inputs regenerated"] == checks["candidate replayed"] == "PASS", checks
 
     # the HTML report embeds parity.png, labelled with the counts of parity.json
@@ -770,7 +770,7 @@ def test_a_capture_and_parity_config_runs_through_snakemake_to_a_verified_archiv
 
 # ----- a capture whose prompts differ in length ------------------------------------------------
 @pytest.mark.slow  # two torchrun topologies and the real verbs end to end
-def test_a_capture_with_ragged_prompts_runs_to_a_verified_archive(tmp_path: Path) -> None:
+def test_a_capture_with_ragged_prompts_runs_to_a_verified_archive(tmp_path: Path, tiny_run: Path) -> None:
     """Prompts of 2 and 5 tokens in one batch (the case says ``prompt_tokens: 3``, which shapes nothing
     on a capture): the campaign ran both topologies and then failed validation ("token 2 is inactive (a
     prompt token) but holds ..."), acceptance having taken the mask from ``prompt_tokens``. Each report
@@ -791,7 +791,7 @@ def test_a_capture_with_ragged_prompts_runs_to_a_verified_archive(tmp_path: Path
     path = tmp_path / "captures" / "ragged.safetensors"
     path.parent.mkdir()
     write_capture(path, capture)
-    run_dir, archive = campaign_to_archive(tmp_path, capture_case(path), ("1x1", "2x2"))
+    run_dir, archive = campaign_to_archive(tmp_path, capture_case(path), ("1x1", "2x2"), tiny_run)
     report = jsonio.load(run_dir / "tp2-cp2.json")
     assert report["active_mask"] == pack_mask(capture.active.numpy())
     assert report["drift"]["fp32_oracle"]["dlogp"]["count"] == int(capture.active.sum()) == 9  # not 2 * (8 - 3)

@@ -520,12 +520,12 @@ def test_torchrun_world_size_disagreeing_with_tp_cp_is_rejected(tmp_path: Path) 
     rc, plan = _plan(tmp_path, "--tp", "2", "--cp", "1")
     assert rc == 0
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",  # one rank: the cheapest mismatch
          "-m", "rl_engine.campaign.run", str(plan), "--tp", "2", "--cp", "1"],
         capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode != 0
-    assert "WORLD_SIZE=3 disagrees with dp*cp*tp=1*1*2=2" in proc.stderr
+    assert "WORLD_SIZE=1 disagrees with dp*cp*tp=1*1*2=2" in proc.stderr
     assert "--nproc-per-node=2" in proc.stderr
     assert not output.exists()
 

@@ -210,3 +210,72 @@ def test_the_kernels_markstein_is_numpys_under_the_interpreter(dtype: str) -> No
         ieee = triton_divide(torch.from_numpy(x.copy()), t32, torch_dtype, markstein=False, mode="interpreter").numpy()
         ref = np.divide(x, F32(t32))
         assert ((_bits(ieee) == _bits(ref)) | (np.isnan(ieee) & np.isnan(ref))).all(), t
+
+
+# a binary16 temperature whose split quotient is off on some significand (found by scanning
+# 0.05 + 0.0137 k): the host divides with Markstein's step there
+SPLIT_REFUSED_F16 = float(F32(1.3926000595092773))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_split_quotient_is_the_quotient_for_every_value_in_the_domain(dtype: str) -> None:
+    """Every finite bf16 (binary16) value at every listed temperature the check accepts (all but
+    1.8123 for bf16, all but a few for binary16): ``fma(x, r_lo, x * r_hi)`` is the IEEE quotient on
+    the domain, ``-0`` keeps its sign, and below the domain it stays under ``tiny_bound`` (the guard's
+    reasoning holds as for Markstein's sequence)."""
+    x = _values(dtype)
+    x = np.concatenate([x, np.array([-0.0, 0.0], F32)])
+    accepted = 0
+    for t in TEMPERATURES:
+        t32 = float(F32(t))
+        parts = division.split_reciprocal(t32, dtype)
+        if parts is None:
+            assert dtype == "float16" or t == 1.8123, t
+            assert division.split_mismatches(t32, dtype).size > 0
+            continue
+        accepted += 1
+        got = division.split_quotient(x, *parts)
+        inside = division.in_domain(x, t32)
+        assert np.array_equal(_bits(got[inside]), _bits(np.divide(x[inside], F32(t32)))), t
+        assert _bits(got[-2:]).tolist() == [0x80000000, 0], t
+        low = ~inside & (np.abs(x) < division.domain(t32)[0])
+        assert (np.abs(got[low].astype(np.float64)) < division.tiny_bound(t32)).all(), t
+    assert accepted >= len(TEMPERATURES) - 2
+
+
+def test_the_split_check_refuses_a_temperature_where_a_significand_is_off() -> None:
+    """Negative control: at :data:`SPLIT_REFUSED_F16` some binary16 significand's split quotient is
+    not the IEEE quotient, so ``split_reciprocal`` returns ``None`` (bf16 is accepted there: its
+    reciprocal keeps 16 bits in ``r_hi``, binary16's 13); ``split_parts`` keeps ``r_hi`` to its bits."""
+    bad = division.split_mismatches(SPLIT_REFUSED_F16, "float16")
+    assert bad.size > 0 and division.split_reciprocal(SPLIT_REFUSED_F16, "float16") is None
+    r_hi, r_lo = division.split_parts(SPLIT_REFUSED_F16, "float16")
+    assert _bits(division.split_quotient(bad, r_hi, r_lo)).tolist() != _bits(np.divide(bad, F32(SPLIT_REFUSED_F16))).tolist()
+    assert division.split_reciprocal(SPLIT_REFUSED_F16, "bfloat16") is not None
+    for dtype, bits in division.SPLIT_BITS.items():
+        r_hi, _ = division.split_parts(0.7, dtype)
+        assert int(_bits(np.array([r_hi], F32))[0]) & ((1 << (24 - bits)) - 1) == 0
+    with pytest.raises(ValueError, match="dtype='float32'"):
+        division.split_parts(0.7, "float32")
+    assert division.split_reciprocal(0.7, "float32") is None and division.split_reciprocal(1.0, "bfloat16") is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the test extra installs triton")
+def test_the_binary16_split_constants_carry_two_to_the_112() -> None:
+    """The forward reads binary16 as ``v = h * 2**-112`` (exact, a binary32 subnormal for small
+    ``h``); ``split_args`` passes ``r_hi * 2**112`` and ``r_lo * 2**112``, so ``fma(v, r_lo', v * r_hi')``
+    is the split quotient of ``h``, on every finite binary16 value; ``None`` where the check refuses
+    the temperature, for binary32 logits, and where ``r_hi * 2**112`` would overflow (``T32 = 2**-20``)."""
+    from rl_engine.logprob.backends.triton.triton_backend import split_args
+
+    h = _values("float16")
+    v = np.multiply(h, F32(2.0 ** -112))
+    assert np.array_equal(np.multiply(v, F32(2.0 ** 112)), h)
+    for t in (0.7, 2.7, 0.0731, 1e-4):
+        t32 = float(F32(t))
+        r_hi, r_lo = split_args(t32, torch.float16)
+        got = fma32(v, np.full_like(v, F32(r_lo)), np.multiply(v, F32(r_hi)))
+        assert np.array_equal(_bits(got), _bits(division.split_quotient(h, *division.split_reciprocal(t32, "float16")))), t
+        assert np.array_equal(_bits(got), _bits(np.divide(h, F32(t32)))), t
+    assert split_args(SPLIT_REFUSED_F16, torch.float16) is None and split_args(0.7, torch.float32) is None
+    assert split_args(2.0 ** -20, torch.float16) is None and split_args(2.0 ** -20, torch.bfloat16) is not None

@@ -29,7 +29,17 @@ from rl_engine.evidence import archive, crosscheck, summary, validation
 from rl_engine.record import environment, gitstate, regression
 from rl_engine.rundir import Finding, Run, load_json
 
-from _evidence_run import PYTEST_ARGS, TOPOLOGIES, declared_files, launch, pack, schema_files, spec_file, workflow_files
+from _evidence_run import (
+    PYTEST_ARGS,
+    TOPOLOGIES,
+    copy_recorded,
+    declared_files,
+    launch,
+    pack,
+    schema_files,
+    spec_file,
+    workflow_files,
+)
 
 BAD = "tp2-cp2"  # the topology the corruptions target (the reference is tp1-cp1)
 
@@ -50,8 +60,7 @@ def perturbed_run(good_run: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     assert cli.main(["plan", "--case", str(run / "case.json"), "--output", str(run / "plan.json")]) == 0
     assert launch(run, "1x1") == 0
     assert launch(run, "2x2", fault="perturb:2x2") == 1  # report written, acceptance failed
-    for name in ("environment.json", "environment.txt", "regression.json", "pytest-focused.log", "pytest-junit.xml"):
-        shutil.copy(good_run / name, run / name)
+    copy_recorded(good_run, run)
     assert cli.main(["crosscheck", "--run-dir", str(run), "--output", str(run / "crosscheck.json")]) == 1
     return run
 
@@ -913,6 +922,24 @@ def test_file_errors_end_in_a_message_without_a_traceback(argv: list[str], tmp_p
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     assert done.returncode in (1, 2), done.stderr
     assert "No such file or directory" in done.stderr and "Traceback" not in done.stderr and 'File "' not in done.stderr
+
+
+def test_env_refuses_an_output_dir_it_cannot_make_before_any_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The ``env`` verb makes its output directory before it runs the probes (git, a Python that imports
+    torch, nvidia-smi, nvcc: seconds), so a directory it cannot make is refused at once, naming it."""
+    probed: list[str] = []
+    monkeypatch.setattr(environment, "probe", lambda *a: probed.append("probe") or pytest.fail("probed"))
+    monkeypatch.setattr(environment, "raw_text", lambda *a: probed.append("raw_text") or pytest.fail("ran commands"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x", encoding="utf-8")
+    assert cli.main(["env", "--output-dir", str(blocker / "run"), "--repo", str(tmp_path)]) == 2
+    assert f"env: [Errno 20] Not a directory: '{blocker / 'run'}'" in capsys.readouterr().err
+    assert probed == []
+    # negative control: a directory it can make is made, and then the probes run
+    with pytest.raises(pytest.fail.Exception, match="probed"):
+        cli.main(["env", "--output-dir", str(tmp_path / "made" / "run"), "--repo", str(tmp_path)])
+    assert probed == ["probe"] and (tmp_path / "made" / "run").is_dir()
 
 
 def test_plan_not_built_from_the_case_file_fails_validation(run: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,19 +1,17 @@
 """A campaign run with the fused backend gives the eager backend's fingerprints, every topology.
 
 Real runs: ``plan`` and ``launch`` (torchrun, gloo ranks that each load the compiled kernel)
-for TP x CP = 1x1, 1x2, 2x1, 2x2, 4x1, 4x2 with the contiguous layout and the CP=2 ones with
-zigzag, with backend ``cpu-vocab-parallel-logp-ws2``; the same case with
-``pytorch-vocab-parallel-logp-ws2`` at 1x1 and 2x2. Every report's four fingerprints (logp,
-LSE, entropy, gradient) equal the eager backend's single-process replay, and ``crosscheck
---against`` passes across the two backends' runs, and fails when one fingerprint is changed.
+for TP x CP = 1x1, 2x1, 4x2 with the contiguous layout and 2x2 with zigzag, with backend
+``cpu-vocab-parallel-logp-ws2``; the same case with ``pytorch-vocab-parallel-logp-ws2`` at 1x1
+and 2x1 (crosscheck asks for two topologies a run).
+Every report's four fingerprints (logp, LSE, entropy, gradient) equal the eager backend's
+single-process replay, and ``crosscheck --against`` passes across the two backends' runs, and
+fails when one fingerprint is changed.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,9 +28,10 @@ EAGER = "pytorch-vocab-parallel-logp-ws2"
 FUSED = "cpu-vocab-parallel-logp-ws2"
 CASE = {"dtype": "bf16", "real_vocab": 1000, "padded_vocab": 1024, "num_vocab_tiles": 8,
         "batch": 2, "seq": 8, "prompt_tokens": 3, "seed": 7, "logit_scale": 2.0}
-# Torchrun campaigns cost about 11 s a topology here; TP 1-8 shards of the kernel are compared
-# byte for byte in-process (tests/test_fused_cpu.py), so these runs cover TP=1/2/4, CP=2 in both
-# layouts and the 8-rank topology through the real launcher.
+# Every rank is a process that imports torch; TP 1-8 shards of the kernel are compared byte for byte
+# in-process (tests/test_fused_cpu.py), so these runs cover TP=1/2/4, CP=2 in both layouts and the
+# 8-rank topology through the real launcher. The eager campaign is the crosscheck's other side: the
+# eager backend's own TP x CP matrix is tests/test_distributed_logprob_comparison.py's.
 FIELDS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256",
           "candidate_grad_sha256")
 
@@ -43,19 +42,21 @@ def _flags(backend: str, layout: str) -> list[str]:
 
 def _campaign(run_dir: Path, backend: str, layout: str, topologies: tuple[str, ...]) -> dict[str, dict]:
     (run_dir / "logs").mkdir(parents=True)
-    assert cli.main(["plan", *_flags(backend, layout), "--topologies", ",".join(topologies),
-                     "--output", str(run_dir / "plan.json")]) == 0
+    if len(topologies) == 1:  # a plan of one topology names it alone (crosscheck does not run on it)
+        tp, cp = topologies[0].split("x")
+        chosen = ["--tp", tp, "--cp", cp]
+    else:
+        chosen = ["--topologies", ",".join(topologies)]
+    assert cli.main(["plan", *_flags(backend, layout), *chosen, "--output", str(run_dir / "plan.json")]) == 0
     reports = {}
     for topology in topologies:
         tp, cp = topology.split("x")
         log = run_dir / "logs" / f"tp{tp}-cp{cp}.log"
-        env = {k: v for k, v in os.environ.items() if k != "RL_ENGINE_FAULT"}
-        done = subprocess.run(
-            [sys.executable, "-m", "rl_engine", "launch", "--plan", str(run_dir / "plan.json"),
-             "--tp", tp, "--cp", cp, "--timeout-s", "240", "--log", str(log)],
-            env=env, capture_output=True, text=True, timeout=300, check=False,
-        )
-        assert done.returncode == 0, log.read_text(errors="replace")[-3000:] if log.exists() else done.stderr
+        with pytest.MonkeyPatch.context() as env:
+            env.delenv("RL_ENGINE_FAULT", raising=False)
+            code = cli.main(["launch", "--plan", str(run_dir / "plan.json"), "--tp", tp, "--cp", cp,
+                             "--timeout-s", "240", "--log", str(log)])
+        assert code == 0, log.read_text(errors="replace")[-3000:] if log.exists() else code
         reports[topology] = json.loads((run_dir / f"tp{tp}-cp{cp}.json").read_text())
     return reports
 
@@ -66,9 +67,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict
     return {
         "fused-contiguous": (base / "fused-contiguous",
                              _campaign(base / "fused-contiguous", FUSED, "contiguous", ("1x1", "2x1", "4x2"))),
-        "fused-zigzag": (base / "fused-zigzag", _campaign(base / "fused-zigzag", FUSED, "zigzag", ("1x2", "2x2"))),
+        "fused-zigzag": (base / "fused-zigzag", _campaign(base / "fused-zigzag", FUSED, "zigzag", ("2x2",))),
         "eager-contiguous": (base / "eager-contiguous",
-                             _campaign(base / "eager-contiguous", EAGER, "contiguous", ("1x1", "2x2"))),
+                             _campaign(base / "eager-contiguous", EAGER, "contiguous", ("1x1", "2x1"))),
     }
 
 
@@ -126,7 +127,7 @@ def test_verify_replays_a_fused_run_with_the_eager_reference_without_the_kernel(
         registry.dispatch(FUSED, replay_case_contract(), "cpu")
     check = verify.replay(Run.load(runs["fused-zigzag"][0]))
     assert check.passed is True, check.problems
-    assert "equals the logp, LSE and entropy bytes and the four fingerprints of all 2" in check.detail
+    assert "equals the logp, LSE and entropy bytes and the four fingerprints of all 1" in check.detail
 
 
 def replay_case_contract():

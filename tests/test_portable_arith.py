@@ -54,40 +54,52 @@ SMALL_FP16_CASE = {**DEFAULT_CASE, "dtype": "fp16", "real_vocab": 1000, "padded_
 FP32_CASE = {**DEFAULT_CASE, "dtype": "fp32", "logit_scale": 4.0}
 
 _ISA_SCRIPT = r"""
-import json, os, sys
+import json, sys
 import torch
-from rl_engine.arith import portable
 import rl_engine.arith.tiles as tiles
+import rl_engine.campaign.inputs as recipe   # replay reads the recipe through this module
 import rl_engine.campaign.replay as replay
-swap = os.environ.get("SWAP", "")
-if swap == "torch-exp":   # negative control: the library exp and log
-    def library_exp_into(y, out, sc):
-        return torch.exp(y, out=out)
-    tiles.exp_into = library_exp_into
-    tiles.exp = torch.exp
-    tiles.log = torch.log
-if swap == "randn-inputs":   # negative control: the old input recipe (a library generator)
-    def randn_inputs(case):
-        g = torch.Generator().manual_seed(int(case["seed"]))
-        n = int(case["batch"]) * int(case["seq"])
-        logits = torch.randn(n, int(case["padded_vocab"]), generator=g) * float(case["logit_scale"])
-        targets = torch.randint(0, int(case["real_vocab"]), (n,), generator=g)
-        active = (torch.arange(n) % int(case["seq"])) >= int(case["prompt_tokens"])
-        return logits, targets, active
-    import rl_engine.campaign.inputs as recipe   # replay reads the recipe through this module
-    recipe.make_inputs = randn_inputs
+
+def library_exp_into(y, out, sc):
+    return torch.exp(y, out=out)
+
+def randn_inputs(case):
+    g = torch.Generator().manual_seed(int(case["seed"]))
+    n = int(case["batch"]) * int(case["seq"])
+    logits = torch.randn(n, int(case["padded_vocab"]), generator=g) * float(case["logit_scale"])
+    targets = torch.randint(0, int(case["real_vocab"]), (n,), generator=g)
+    active = (torch.arange(n) % int(case["seq"])) >= int(case["prompt_tokens"])
+    return logits, targets, active
+
+SWAPS = {  # module, attribute, replacement: each applied for its own cases, then undone
+    "torch-exp": [(tiles, "exp_into", library_exp_into), (tiles, "exp", torch.exp), (tiles, "log", torch.log)],
+    "randn-inputs": [(recipe, "make_inputs", randn_inputs)],
+}
 out = {"capability": torch.backends.cpu.get_cpu_capability()}
-for name, case in json.loads(sys.argv[1]).items():
-    out[name] = replay.replay_candidate(case).fingerprints()
+for swap, cases in json.loads(sys.argv[1]):
+    saved = [(m, a, getattr(m, a)) for m, a, _ in SWAPS.get(swap, [])]
+    for m, a, new in SWAPS.get(swap, []):
+        setattr(m, a, new)
+    for name, case in cases.items():
+        out[f"{swap}:{name}" if swap else name] = replay.replay_candidate(case).fingerprints()
+    for m, a, old in saved:
+        setattr(m, a, old)
 print(json.dumps(out))
 """
+ISA_CASES = {"default": DEFAULT_CASE, "fp16": SMALL_FP16_CASE, "fp32": FP32_CASE}
+# the negative controls, run after the portable cases in the same interpreter (one torch import
+# fewer each): the old input recipe under the scalar and the AVX2 kernels (its bytes differ
+# between them), and the library exp and log under the scalar one
+CONTROLS = {"randn-inputs": ("default",), "torch-exp": ("default", "fp32")}
 
 
-def _run_isa(capability: str, swap: str = "") -> dict[str, Any]:
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO), "SWAP": swap}
-    cases = json.dumps({"default": DEFAULT_CASE, "fp16": SMALL_FP16_CASE, "fp32": FP32_CASE})
-    done = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, cases], env=env, capture_output=True,
+def _run_isa(capability: str) -> dict[str, Any]:
+    """The cases (keys ``default``, ``fp16``, ``fp32``) and the negative controls that apply under
+    ``capability`` (keys ``<swap>:<case>``), in one interpreter."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    jobs = [("", ISA_CASES)] + [(swap, {n: ISA_CASES[n] for n in names}) for swap, names in CONTROLS.items()
+                                    if capability == "default" or (swap, capability) == ("randn-inputs", "avx2")]
+    done = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, json.dumps(jobs)], env=env, capture_output=True,
                           text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -103,6 +115,7 @@ def _capabilities() -> list[str]:
 
 @pytest.fixture(scope="module")
 def isa_runs() -> dict[str, dict[str, Any]]:
+    """One subprocess per capability: the portable cases and, after them, the negative controls."""
     if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
         pytest.skip("this CPU offers no vector kernel to compare with the scalar one")
     return {cap: _run_isa(cap) for cap in _capabilities()}
@@ -120,14 +133,13 @@ def test_fingerprints_are_identical_under_every_cpu_capability(isa_runs: dict[st
 
 
 @pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
-def test_the_cross_isa_harness_sees_an_isa_dependent_step() -> None:
+def test_the_cross_isa_harness_sees_an_isa_dependent_step(isa_runs: dict[str, dict[str, Any]]) -> None:
     """Negative control: with the old input recipe (``torch.randn``, whose AVX2 kernel gives
     other bytes than its scalar one) the same harness finds different fingerprints."""
-    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
-        pytest.skip("this CPU offers no vector kernel to compare with the scalar one")
-    scalar = _run_isa("default", swap="randn-inputs")
-    vector = _run_isa("avx2", swap="randn-inputs")
-    assert scalar["default"] != vector["default"]
+    scalar, vector = isa_runs["default"]["randn-inputs:default"], isa_runs["avx2"]["randn-inputs:default"]
+    assert scalar != vector
+    # the recipe really was swapped: its bytes are not the portable recipe's
+    assert scalar != isa_runs["default"]["default"]
 
 
 @pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
@@ -139,9 +151,9 @@ def test_the_library_exp_is_not_the_spec(isa_runs: dict[str, dict[str, Any]]) ->
     equality here; it breaks the equality with the specification (and so with the NumPy
     implementation, and with any device whose exp differs: NumPy's float32 exp, a GPU's expf).
     """
-    swapped = _run_isa("default", swap="torch-exp")
-    assert swapped["fp32"]["candidate_grad_sha256"] != isa_runs["default"]["fp32"]["candidate_grad_sha256"]
-    assert swapped["default"] != isa_runs["default"]["default"]
+    run = isa_runs["default"]
+    assert run["torch-exp:fp32"]["candidate_grad_sha256"] != run["fp32"]["candidate_grad_sha256"]
+    assert run["torch-exp:default"] != run["default"]
 
 
 def test_the_numpy_comparison_fails_with_the_library_exp(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -242,12 +242,86 @@ def test_the_triton_kernels_guard_takes_the_ieee_division_where_markstein_is_not
     t32, r = temperature32(temperature), inverse_temperature(temperature)
     monkeypatch.setattr(triton_backend, "division_args", lambda t: (t32, r, 0.0, 2**40, float("inf")))
     assert _edge_run(triton, x, targets, active, w_logp, w_lse, contract) == want  # IEEE everywhere
+    # the forward's split quotient is exact at T = 0.25 (a power of two) even outside the domain: the
+    # controls below are of Markstein's sequence, so the forward divides with it here
+    monkeypatch.setattr(triton_backend, "split_args", lambda *args, **kwargs: None)
     monkeypatch.setattr(triton_backend, "division_args", lambda t: (t32, r, float("inf"), 0, 0.0))
     off = _edge_run(triton, x, targets, active, w_logp, w_lse, contract)
     assert off["lse"] != want["lse"] and off["grad"] != want["grad"], {k: off[k] == want[k] for k in off}
     nudged = float(np.float32(r) * np.float32(1 + 2.0 ** -5))
     monkeypatch.setattr(triton_backend, "division_args", lambda t: (*real_args(t)[:1], nudged, *real_args(t)[2:]))
     assert _edge_run(triton, x, targets, active, w_logp, w_lse, contract)["lse"] != want["lse"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_the_triton_kernels_split_quotient_gives_numpys_bytes_and_is_what_runs(
+        dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At ``T = 0.7`` the forward and the backward divide the logits with the split quotient
+    ``fma(x, r_lo, x * r_hi)`` (``split_args``: the temperature passes the check on every
+    significand) and every branch of the guard (:func:`_edge_inputs`'s rows) gives NumPy's bytes,
+    gradient included. Controls: the launches say ``SPLIT``; with ``r_lo`` nudged by ``2**-4`` of
+    itself the LSE's and the gradient's bytes change (the ordinary rows run the split quotient); with
+    the split refused (``None``: Markstein's step) the bytes are the same."""
+    pytest.importorskip("triton")
+    from rl_engine.logprob.backends.triton import triton_backend
+
+    temperature, tiles = 0.7, 4
+    x, targets, active, w_logp, w_lse = _edge_inputs(dtype)
+    contract = _contract(dtype, 300, 320, tiles, 8, temperature=temperature)
+    arr = x.view(torch.int16).numpy().view(np.uint16) if dtype == "bf16" else x.numpy()
+    logp, lse, ent = spec_numpy.forward(arr, NUMPY_DTYPES[dtype], targets.numpy(), active.numpy(), 300, tiles,
+                                        True, temperature=temperature)
+    grad = spec_numpy.backward(arr, NUMPY_DTYPES[dtype], targets.numpy(), active.numpy(), lse, w_logp.numpy(),
+                               w_lse.numpy(), 300, tiles, temperature=temperature)
+    want = {"logp": logp.tobytes(), "lse": lse.tobytes(), "entropy": ent.tobytes(), "grad": grad.tobytes()}
+    triton = _engines()["triton"]
+    torch_dtype = DTYPES_TORCH[dtype]
+    t32 = temperature32(temperature)
+    real_split = triton_backend.split_args
+
+    def launched() -> list[bool]:
+        buffers = (torch.empty(8, tiles),) * 4
+        terms = triton_backend.empty_terms(8, x.device, 300, t32, False)
+        return [triton_backend.forward_launch(x, contract, *buffers, True, True, torch_dtype).meta["SPLIT"]] + [
+            launch.meta["SPLIT"] for launch in triton_backend.backward_launches(x, torch.empty(8), terms, x, torch_dtype)
+            if launch.kernel == "backward_kernel"]
+
+    assert real_split(t32, torch_dtype) is not None and real_split(t32, torch_dtype, placed=False) is not None
+    assert launched() == [True, True]  # the forward's partials, the backward's one (last) block of 320 columns
+    assert _edge_run(triton, x, targets, active, w_logp, w_lse, contract) == want
+    monkeypatch.setattr(triton_backend, "split_args", lambda *args, **kwargs: (
+        real_split(*args, **kwargs)[0], real_split(*args, **kwargs)[1] * (1 + 2.0 ** -4)))
+    nudged = _edge_run(triton, x, targets, active, w_logp, w_lse, contract)
+    assert nudged["lse"] != want["lse"] and nudged["grad"] != want["grad"]
+    monkeypatch.setattr(triton_backend, "split_args", lambda *args, **kwargs: None)
+    assert launched() == [False, False]
+    assert _edge_run(triton, x, targets, active, w_logp, w_lse, contract) == want
+
+
+@pytest.mark.parametrize("temperature", [0.25, 0.7])
+def test_a_tile_without_a_finite_logit_under_the_split_quotient(temperature: float) -> None:
+    """bf16 with the split quotient divides each tile's maximum by it too; a tile without a real
+    column (the last of 4 tiles of 80 when the real vocabulary is 230: maximum ``-inf``, minimum
+    ``+inf``, not exotic) keeps ``-inf`` (at ``T = 0.25``, ``r_lo = 0`` and ``-inf * r_lo`` is NaN),
+    and so does a tile of real ``-inf`` logits (row 0's second: exotic): NumPy's bytes, gradient
+    included, on :func:`_edge_inputs`' rows (``r_lo`` as said: ``0`` at 0.25, positive at 0.7)."""
+    pytest.importorskip("triton")
+    from rl_engine.logprob.backends.triton import triton_backend
+
+    tiles, real = 4, 230
+    x, targets, active, w_logp, w_lse = _edge_inputs("bf16")
+    x[0, 80:160] = float("-inf")
+    targets = targets % real
+    contract = _contract("bf16", real, 320, tiles, 8, temperature=temperature)
+    r_lo = triton_backend.split_args(temperature32(temperature), torch.bfloat16)[1]
+    assert (r_lo == 0.0) == (temperature == 0.25)
+    arr = x.view(torch.int16).numpy().view(np.uint16)
+    logp, lse, ent = spec_numpy.forward(arr, NUMPY_DTYPES["bf16"], targets.numpy(), active.numpy(), real, tiles,
+                                        True, temperature=temperature)
+    grad = spec_numpy.backward(arr, NUMPY_DTYPES["bf16"], targets.numpy(), active.numpy(), lse, w_logp.numpy(),
+                               w_lse.numpy(), real, tiles, temperature=temperature)
+    want = {"logp": logp.tobytes(), "lse": lse.tobytes(), "entropy": ent.tobytes(), "grad": grad.tobytes()}
+    assert _edge_run(_engines()["triton"], x, targets, active, w_logp, w_lse, contract) == want
 
 
 def _tp_worker(rank: int, case: dict) -> dict:

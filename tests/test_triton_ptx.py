@@ -54,6 +54,28 @@ def variants() -> dict[str, triton_aot.Variant]:
     return {v.name: v for v in triton_aot.launch_variants()}
 
 
+@pytest.fixture(scope="module")
+def roofline_of(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``triton_aot.roofline`` once per case in this module: ``(directory, document)``. The roofline
+    tests and the variants' table ask for the same cases (the default, fp16); each is compiled and
+    disassembled once."""
+    import inspect
+
+    real = triton_aot.roofline
+    made: dict[str, tuple[Path, dict[str, Any]]] = {}
+
+    def of(**kwargs: Any) -> tuple[Path, dict[str, Any]]:
+        bound = inspect.signature(real).bind(None, **kwargs)
+        bound.apply_defaults()
+        key = repr(sorted((k, v) for k, v in bound.arguments.items() if k != "output_dir"))
+        if key not in made:
+            out = tmp_path_factory.mktemp("roofline")
+            made[key] = (out, real(out, **kwargs))
+        return made[key]
+
+    return of
+
+
 def _compile(variant: triton_aot.Variant, backend: str, arch: Any, fusion: bool) -> dict[str, Any]:
     fn = getattr(load_kernels("compiled"), variant.kernel)
     try:
@@ -155,7 +177,8 @@ def test_representative_kernels_compile_to_ieee_operations_and_the_specs_fmas(
 def tempered_fma(variant: triton_aot.Variant, threads: int) -> int:
     """PTX FMAs per thread of a tempered launch: the specification's, Markstein's two per step
     (one step for a bf16 or binary16 logit, two for a binary32 one and for the gradient) on the fast
-    path, and the specification's again on the guard's IEEE path (its divisions are div.rn)."""
+    path (the forward's split quotient: one), and the specification's again on the guard's IEEE path
+    (its divisions are div.rn)."""
     if variant.kernel in NO_COLUMN_FMA:
         return NO_COLUMN_FMA[variant.kernel](variant, threads)
     dtype = {0: "float32", 1: "bfloat16", 2: "float16"}[int(_const(variant, "DTYPE"))]
@@ -163,11 +186,22 @@ def tempered_fma(variant: triton_aot.Variant, threads: int) -> int:
     if variant.kernel == "forward_partials_kernel":
         slots = -(-_width(variant) // 128) * 128
         per = triton_aot.FMA_PER_COLUMN["forward_entropy" if _flag(variant, "WITH_ENTROPY") else "forward"]
-        return (2 * per + steps) * slots // threads
+        top = 0
+        if _flag(variant, "SPLIT"):  # one temperature its check accepts: the split quotient, not Markstein's step
+            steps = triton_aot.SPLIT_FMA_PER_COLUMN
+            top = triton_aot.SPLIT_FMA_PER_COLUMN if dtype == "bfloat16" else 0  # bf16: the tile maximum's too
+        return (2 * per + steps) * slots // threads + top
     if variant.kernel == "backward_kernel":
+        if _flag(variant, "SPLIT"):  # the logit's division: the split quotient
+            steps = triton_aot.SPLIT_FMA_PER_COLUMN
         grad_steps = division.STEPS["float32"] * triton_aot.MARKSTEIN_FMA_PER_STEP
         return (2 * triton_aot.FMA_PER_COLUMN["backward"] + steps + grad_steps) * int(_const(variant, "BLOCK")) // threads
     return triton_aot.FMA_PER_COLUMN["backward"] * int(_const(variant, "ROWS")) // threads
+
+
+# FMA-class instructions of one IEEE division on gfx942 (v_fma_f32 five times and v_div_fmas_f32: the
+# _divide_probe's div_rn, tests/test_triton_ptx.py::test_amd_rule_tells_division_steps_from_contracted_multiply_adds)
+AMD_DIVISION_FMA = 6
 
 
 @pytest.mark.parametrize("backend,arch", [("cuda", 90), ("hip", triton_aot.AMD_TARGET)], ids=lambda t: str(t))
@@ -175,7 +209,7 @@ def test_tempered_kernels_compile_to_ieee_operations_markstein_and_div_rn(backen
     """With a temperature (section 6 step 0): IEEE operations only, the division's ``div.rn.f32``
     (the guard's path, and the tile maximum's) among them, and on sm_90 exactly the FMAs of
     :func:`tempered_fma` in the default case's whole tiles and blocks (bf16 and binary32 logits); on
-    gfx942 at least those outside the division sequences, and division steps inside them."""
+    gfx942 division steps, and at least those plus the divisions' own in all."""
     wanted = ("forward-default-bf16-entropy1-validate1-tempered", "backward-default-bf16-blocks-tempered",
               "backward-default-fp32-blocks-tempered", "backward-default-bf16-target-tempered")
     tempered = {v.name: v for v in triton_aot.launch_variants(cases=(triton_aot.CASES[0],), tempered=True)
@@ -190,9 +224,16 @@ def test_tempered_kernels_compile_to_ieee_operations_markstein_and_div_rn(backen
             assert found["forbidden"] == [] and found["unknown"] == [], (name, found)
             assert "div.rn.f32" in found["float_ops"] and found["fma"] == want, (name, found["fma"], want)
         else:
+            # the scheduler interleaves the specification's FMAs with the division sequences (the text
+            # between a v_div_scale_f32 and its v_div_fixup_f32), so they are counted in all: at least
+            # the specification's and the split's, plus the IEEE division's own (AMD_DIVISION_FMA each)
+            # but for two (the forward's scalar divisions of the tile's maximum and minimum, on the guard's
+            # path, by one divisor: bf16 at T = 0.7 shows 6 FMAs fewer for each, Triton 3.9.0)
             found = triton_aot.amdgcn_findings(asm["amdgcn"])
             assert found["forbidden"] == [] and found["fma_in_division"] > 0, (name, found)
-            assert found["fma_outside_division"] >= want, (name, found, want)
+            divisions = asm["amdgcn"].count("v_div_fixup_f32")
+            total = found["fma_outside_division"] + found["fma_in_division"]
+            assert total >= want + AMD_DIVISION_FMA * (divisions - 2), (name, found, want, divisions)
 
 
 @pytest.mark.slow
@@ -329,10 +370,11 @@ def test_the_roofline_command_refuses_a_temperature_the_arithmetic_refuses(
 
 
 # the roofline targets (instructions per column forward and backward, forward and forward+backward over
-# the H100 floor): without a temperature, and with one (section 6 step 0's division: Markstein's
-# sequence, 3 instructions per column forward in bf16, 8 backward, and the guard; measured 26.2, 42.4,
-# 1.31x and 1.15x with Triton 3.9.0, against 23.8, 29.1, 1.19x and 1.06x for the multiply by r it replaced)
-ROOFLINE_TARGETS = {1.0: (25, 35, 1.25, 1.25), 0.7: (27, 44, 1.35, 1.2)}
+# the H100 floor): without a temperature, and with one (section 6 step 0's division: the split quotient,
+# 2 instructions per column in bf16, the backward's gradient Markstein's 5, and the guard; measured 24.7,
+# 41.0, 1.239x and 1.10x with Triton 3.9.0, the installed one these run under (3.6.0: 24.8, 44.6, 1.241x,
+# 1.16x); Markstein's step on the logits gave 26.3, 42.4, 1.32x, 1.15x): issue 42's bound, 1.25x, both ways
+ROOFLINE_TARGETS = {1.0: (25, 35, 1.25, 1.25), 0.7: (25, 42, 1.25, 1.25)}
 
 
 def test_roofline_output_dir_that_is_a_file_is_refused_naming_it(tmp_path: Path,
@@ -358,15 +400,16 @@ def test_roofline_output_dir_that_is_a_file_is_refused_naming_it(tmp_path: Path,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_the_roofline_of_the_launched_kernels_meets_the_targets(tmp_path: Path, temperature: float) -> None:
+def test_the_roofline_of_the_launched_kernels_meets_the_targets(tmp_path: Path, roofline_of: Any,
+                                                               temperature: float) -> None:
     """The SASS budget of the launched kernels' fast path, without and with a temperature (whose
     guard's IEEE path is code the fast path skips: its longest path is longer, its static count too)."""
-    doc = triton_aot.roofline(tmp_path, temperature=temperature)
+    out, doc = roofline_of(temperature=temperature)
     assert doc["case"]["temperature"] == temperature
     schemas.write_validated(tmp_path / "roofline.json", doc, "roofline")
     assert json.loads((tmp_path / "roofline.json").read_text())["kernels"] == doc["kernels"]
     for kernel in doc["kernels"]:
-        assert (tmp_path / kernel["cubin"]).stat().st_size > 0
+        assert (out / kernel["cubin"]).stat().st_size > 0
         assert kernel["local_bytes"] == 0 and kernel["loops"] is False, kernel["name"]
         found = (kernel["name"], kernel["path_per_thread"], kernel["sass_per_thread"], kernel["longest_path_per_thread"])
         if kernel["kernel"] == "merge_kernel":  # L's and the entropy's div.rn: a slow-path call the fast path skips
@@ -386,12 +429,31 @@ def test_the_roofline_of_the_launched_kernels_meets_the_targets(tmp_path: Path, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("entropy,validate,entropy_grad", [(True, False, False), (False, False, False),
+                                                           (True, True, True)])
+def test_the_bf16_kernels_at_a_temperature_are_within_1_25x_of_the_h100_floor(
+        tmp_path: Path, entropy: bool, validate: bool, entropy_grad: bool) -> None:
+    """bf16 at ``T = 0.7`` (issue 42's bound: 1.25x), the variants beside the default's (which
+    :func:`test_the_roofline_of_the_launched_kernels_meets_the_targets` holds to it): without
+    validation, with neither, with the entropy's gradient; forward and forward+backward over the
+    H100 floor, the forward and the backward's blocks dividing the logits by the split quotient."""
+    doc = triton_aot.roofline(tmp_path, temperature=0.7, entropy=entropy, validate=validate,
+                              entropy_grad=entropy_grad)
+    for kernel in doc["kernels"]:
+        assert kernel["local_bytes"] == 0 and kernel["loops"] is False, kernel["name"]
+        if kernel["kernel"] in ("forward_partials_kernel", "backward_kernel"):
+            assert kernel["constants"]["SPLIT"] is True, kernel["name"]
+    h100 = doc["predicted"]["h100"]
+    assert h100["forward_over_floor"] <= 1.25 and h100["forward_backward_over_floor"] <= 1.25, h100
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("entropy,validate", [(True, True), (False, False)])
-def test_the_fp16_kernels_are_within_1_3x_of_the_h100_floor(tmp_path: Path, entropy: bool, validate: bool) -> None:
+def test_the_fp16_kernels_are_within_1_3x_of_the_h100_floor(roofline_of: Any, entropy: bool, validate: bool) -> None:
     """binary16 logits ("fp16 at the floor"), without a temperature: forward and
     forward+backward within 1.3x of the H100 floor on the launched kernels' fast path (no spill, no
     loop); the forward's exact pass for a tile with an infinity or NaN is code the fast path skips."""
-    doc = triton_aot.roofline(tmp_path, dtype=torch.float16, entropy=entropy, validate=validate)
+    _, doc = roofline_of(dtype=torch.float16, entropy=entropy, validate=validate)
     assert doc["case"]["dtype"] == "fp16"
     for kernel in doc["kernels"]:
         assert kernel["local_bytes"] == 0 and kernel["loops"] is False, kernel["name"]
@@ -441,6 +503,7 @@ def test_amd_rule_tells_division_steps_from_contracted_multiply_adds() -> None:
                         "hip", triton_aot.AMD_TARGET, False)
     found = triton_aot.amdgcn_findings(division["amdgcn"])
     assert found["fma_in_division"] > 0 and found["fma_outside_division"] == 0, found
+    assert found["fma_in_division"] == AMD_DIVISION_FMA * division["amdgcn"].count("v_div_fixup_f32"), found
     fused = _compile_probe(_divide_probe, PROBE_SIGNATURE, {"MULADD": True, "PLAIN": False},
                      "hip", triton_aot.AMD_TARGET, True)
     found_fused = triton_aot.amdgcn_findings(fused["amdgcn"])
@@ -509,12 +572,15 @@ def test_the_roofline_compiles_every_launch_the_backend_makes(monkeypatch: pytes
 
 
 @pytest.mark.slow
-def test_the_roofline_variants_are_listed_with_their_own_case(tmp_path: Path) -> None:
+def test_the_roofline_variants_are_listed_with_their_own_case(tmp_path: Path, roofline_of: Any,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """``--variants``: fp16, entropy and validation off, the entropy gradient, TP 8, sm_100 and gfx942
     beside the default, each its own compiled kernels (no spill), its case recorded; TP 8 is rank 0's
     shard (an eighth of the columns: the same per-column work, an eighth of the floor); no entropy and
     no validation is less work per column than the default, the entropy gradient more backward; gfx942
-    has its own model (amd_model) and the MI300X's prediction."""
+    has its own model (amd_model) and the MI300X's prediction. Each NVIDIA variant's roofline is
+    :func:`roofline_of`'s (the default and fp16 ones the tests above made)."""
+    monkeypatch.setattr(triton_aot, "roofline", lambda output_dir, **kwargs: roofline_of(**kwargs)[1])
     names = ("default", "fp16", "no-entropy-no-validation", "entropy-gradient", "tp8", "sm_100", "gfx942")
     rows = {row["name"]: row for row in triton_aot.roofline_variants(tmp_path, names)}
     assert list(rows) == list(names)
@@ -536,6 +602,6 @@ def test_the_roofline_variants_are_listed_with_their_own_case(tmp_path: Path) ->
     assert lean["forward"] < base["forward"] and lean["backward"] == base["backward"], (base, lean)
     assert rows["tp8"]["padded_vocab"] == 151936 and rows["tp8"]["predicted"]["h100"]["forward_ms"] < \
         rows["default"]["predicted"]["h100"]["forward_ms"]
-    assert (tmp_path / "tp8" / "forward.sm_90.cubin").stat().st_size > 0
+    assert (roofline_of(tp=8)[0] / "forward.sm_90.cubin").stat().st_size > 0
     with pytest.raises(triton_aot.AotError, match="tp=3 must divide padded_vocab=151936"):
         triton_aot.roofline(tmp_path / "bad", tp=3)

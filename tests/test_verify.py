@@ -121,14 +121,15 @@ def test_good_archive_verifies_with_recompute(good: Good, sandbox: Sandbox, caps
 
 @pytest.mark.slow  # two torchrun topologies and the real verbs end to end
 def test_a_campaign_at_a_temperature_verifies_with_recompute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
+                                                             capsys: pytest.CaptureFixture[str], tiny_run: Path) -> None:
     """An honest campaign at T = 0.7 (the tiny run's case with ``--temperature 0.7``, 1x1 and 2x2) is
     VERIFIED with ``--recompute``: verify recomputes the oracle drift at the case's temperature
     (``campaign.case.record_oracle_drift``, the runner's own), where its second spelling of the oracle's
     arguments left it out and failed "drift.fp32_oracle.lse.passed: reported True, recomputed False"."""
     from _evidence_run import CASE_FLAGS, build_run
 
-    run = build_run(tmp_path / "rl-engine-test-run", tmp_path / "focused", [*CASE_FLAGS, "--temperature", "0.7"])
+    run = build_run(tmp_path / "rl-engine-test-run", tmp_path / "focused", [*CASE_FLAGS, "--temperature", "0.7"],
+                    recorded_from=tiny_run)  # the session's environment and focused-suite capture
     report = jsonio.load(run / "tp2-cp2.json")
     assert report["case"]["temperature"] == 0.7 and report["passed"]
     assert report["drift"]["fp32_oracle"]["lse"]["max_abs"] < 0.01  # the oracle at 0.7: the candidate is close

@@ -166,7 +166,8 @@ def test_a_rollout_that_stops_keeps_the_rows_of_the_returned_tokens(driven: Path
     assert notes[0]["rows_after_stop_dropped"] in (0, 1)
 
 
-def test_a_ragged_vllm_capture_runs_the_campaign_to_a_verified_archive(driven: Path, tmp_path: Path) -> None:
+def test_a_ragged_vllm_capture_runs_the_campaign_to_a_verified_archive(driven: Path, tmp_path: Path,
+                                                                       tiny_run: Path) -> None:
     from rl_engine.campaign.mask import pack_mask
 
     from _capture_case import campaign_to_archive, capture_case, verify_archive
@@ -176,7 +177,7 @@ def test_a_ragged_vllm_capture_runs_the_campaign_to_a_verified_archive(driven: P
     assert cap.num_tokens == 48 and int(cap.active.sum()) == 27
     case = capture_case(rollout, real_vocab=4096, padded_vocab=4096, num_vocab_tiles=8, batch=2, seq=24,
                         cp_layout="zigzag")
-    run_dir, archive = campaign_to_archive(tmp_path, case, ("1x1", "2x2"))
+    run_dir, archive = campaign_to_archive(tmp_path, case, ("1x1", "2x2"), tiny_run)
     report = jsonio.load(run_dir / "tp2-cp2.json")
     assert report["active_mask"] == pack_mask(cap.active.numpy())
     code, checks = verify_archive(archive, tmp_path, "--recompute", "--capture", str(rollout))

@@ -22,6 +22,18 @@ and ``T32``. Outside the domain (infinities, overflow, quotients or residuals be
 it is not exact (an infinity gives NaN; a subnormal quotient can be one unit off), and the
 kernels use the IEEE division there (``docs/arithmetic.md``, "Dividing by T32 on a GPU").
 
+A bf16 or binary16 logit has 8 or 11 significant bits, so its product with a reciprocal cut to
+``24 - 8`` (``24 - 11``) significant bits is exact, and two operations give the quotient at most
+temperatures (:func:`split_reciprocal`, the forward kernel's fast path with one temperature per call)::
+
+    q = fma(x, r_lo, x * r_hi)         # RN(x * (r_hi + r_lo)): one rounding of x times 1 / T32 to ~2**-40
+
+``r_hi + r_lo`` is ``1 / T32`` to about ``2**-40`` (binary16: ``2**-37``), and ``x / T32`` is never
+that close to a rounding boundary relative to itself for most ``T32``: which ones it holds for is
+checked, per temperature, on every significand of the precision (128 or 1024 values, exactly), so
+the host takes it only where that check passes and Markstein's step elsewhere (``r_lo >= 0``, so
+``x = -0`` gives ``-0``).
+
 Checks (NumPy, exact: ``spec_numpy.fma32`` is a correctly rounded fusedMultiplyAdd):
 :func:`significand_mismatches` (every ``A`` of a precision against given ``B``), used by
 ``tests/test_division.py`` on samples and by ``scripts/markstein_proof.py`` exhaustively.
@@ -29,6 +41,7 @@ Checks (NumPy, exact: ``spec_numpy.fma32`` is a correctly rounded fusedMultiplyA
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -104,6 +117,73 @@ def kernel_bounds(t32: float) -> tuple[float, float, float]:
     return hi, lo, 2.0 ** SHIFT_MARGIN * tiny_bound(t32)
 
 
+# Significant bits of r_hi per dtype: with the logit's 8 (bf16) or 11 (binary16) bits, 24 in all, so
+# x * r_hi is exact wherever it is a normal binary32 number.
+SPLIT_BITS: dict[str, int] = {"bfloat16": 16, "float16": 13}
+
+
+def split_parts(t32: float, dtype: str) -> tuple[float, float]:
+    """``(r_hi, r_lo)``: ``1 / T32`` rounded down to :data:`SPLIT_BITS` significant bits, and the rest
+    (``>= 0``) rounded to binary32 (exact rational arithmetic, then one rounding to binary64 and one
+    to binary32: a deterministic choice, checked by :func:`split_mismatches`). ``r_lo >= 0`` keeps
+    the sign of zero: ``fma(-0, r_lo, -0 * r_hi)`` is ``-0 + -0``."""
+    if dtype not in SPLIT_BITS:
+        raise ValueError(f"dtype={dtype!r}: the split quotient needs a logit of at most 11 significant bits; "
+                         f"pass one of {sorted(SPLIT_BITS)}")
+    from fractions import Fraction
+
+    inverse = Fraction(1) / Fraction(float(F32(t32)))
+    unit = (1 << (24 - SPLIT_BITS[dtype])) - 1
+    bits = int(np.array([reciprocal(t32)], F32).view(np.uint32)[0]) & ~unit
+    if Fraction(_float32(bits)) > inverse:  # RN32(1 / T32) rounded up: one unit of the kept bits less
+        bits -= unit + 1
+    r_hi = _float32(bits)
+    return r_hi, float(F32(float(inverse - Fraction(r_hi))))
+
+
+def _float32(bits: int) -> float:
+    return float(np.array([bits], np.uint32).view(F32)[0])
+
+
+def split_quotient(x: np.ndarray, r_hi: float, r_lo: float) -> np.ndarray:
+    """The split quotient ``fma(x, r_lo, x * r_hi)`` in binary32 (``x * r_hi`` rounded as the
+    kernels' multiplication rounds it; exact where :func:`split_reciprocal` promises it)."""
+    x = np.asarray(x, F32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return fma32(x, np.full_like(x, r_lo), np.multiply(x, F32(r_hi)))
+
+
+def split_mismatches(t32: float, dtype: str) -> np.ndarray:
+    """The significands ``A`` in ``[1, 2)`` of ``dtype`` (every one: 128 or 1024) where the split
+    quotient of ``A`` differs from ``RN32(A / T32)`` (compared as bits)."""
+    a = significands(FRACTION_BITS[dtype])
+    r_hi, r_lo = split_parts(t32, dtype)
+    return a[split_quotient(a, r_hi, r_lo).view(np.uint32) != np.divide(a, F32(t32)).view(np.uint32)]
+
+
+def split_reciprocal(t32: float, dtype: str) -> tuple[float, float] | None:
+    """``(r_hi, r_lo)`` when the split quotient ``fma(x, r_lo, x * r_hi)`` is ``RN32(x / T32)`` for
+    every ``x`` of ``dtype`` (bf16 or binary16) in :func:`domain`, else ``None`` (Markstein's step
+    then: about one temperature in fifty for binary16, one in 10,000 sampled from ``[0.05, 5]`` for bf16).
+
+    Why it holds where the check passes: on the domain ``x = A * 2**a`` with ``A`` a significand of
+    the dtype, ``x * r_hi`` is exact (24 significant bits, a normal number: the quotient is normal
+    there and ``r_hi <= r``), the FMA rounds ``x * (r_hi + r_lo)`` once, and that and ``x / T32`` are
+    ``2**a`` times the values for ``A`` (scaling by a power of two commutes with rounding to a normal
+    result); so checking every ``A`` against the IEEE quotient checks every ``x``. Below the domain
+    the split quotient stays under :func:`tiny_bound`, as Markstein's does (the guard's reasoning
+    holds unchanged); ``x = -0`` gives ``-0``."""
+    if dtype not in SPLIT_BITS or t32 == 1.0:
+        return None
+    return _split_checked(float(F32(t32)), dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _split_checked(t32: float, dtype: str) -> tuple[float, float] | None:
+    """:func:`split_reciprocal` once per temperature and dtype a process meets (128 or 1024 exact FMAs)."""
+    return split_parts(t32, dtype) if split_mismatches(t32, dtype).size == 0 else None
+
+
 def in_domain(x: np.ndarray, t32: float) -> np.ndarray:
     """Where :func:`markstein` is proved to be ``RN32(x / T32)`` (a bool array)."""
     lo, hi = domain(t32)
@@ -137,5 +217,6 @@ def significand_mismatches(a: np.ndarray, b: np.ndarray, steps: int) -> np.ndarr
     return np.nonzero(q.view(np.uint32) != want.view(np.uint32))[0]
 
 
-__all__ = ["FRACTION_BITS", "LOW_EXPONENT", "SHIFT_MARGIN", "STEPS", "domain", "in_domain", "kernel_bounds",
-           "kernel_quotient", "markstein", "reciprocal", "significand_mismatches", "significands", "step", "tiny_bound"]
+__all__ = ["FRACTION_BITS", "LOW_EXPONENT", "SHIFT_MARGIN", "SPLIT_BITS", "STEPS", "domain", "in_domain",
+           "kernel_bounds", "kernel_quotient", "markstein", "reciprocal", "significand_mismatches", "significands",
+           "split_mismatches", "split_parts", "split_quotient", "split_reciprocal", "step", "tiny_bound"]

@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.repo.is_dir():
         parser.error(f"--repo {args.repo} is not a directory")
     repo = args.repo.resolve()
+    # an output directory that cannot be made is refused before the probes (git, pip, nvidia-smi: seconds)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
     env = probe(repo, args.timeout_s)
     key = reuse.environment_key(env) if args.reuse_dir is not None else ""
     origin = reuse.lookup(args.reuse_dir, "environment", key, [ENVIRONMENT, ENVIRONMENT_TEXT])
@@ -269,7 +271,6 @@ def main(argv: list[str] | None = None) -> int:
               f"environment.txt copied from {cached}")
     else:
         text = raw_text(repo, args.timeout_s)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
     try:
         schemas.write_validated(args.output_dir / ENVIRONMENT, env, "environment")
     except schemas.ArtifactSchemaError as exc:

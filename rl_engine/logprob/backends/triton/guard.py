@@ -17,9 +17,10 @@ call, in torch on the host, and counts the programs that take the IEEE path:
   gradient ``g_ent != 0`` and ``|Mb| < sh_min``. ``g`` is section 7 step 1's value before the
   division: ``coef * E(x / T32 - LSE)`` (with the entropy term), computed with the portable ``E``.
 
-``x / T32`` is the IEEE quotient here where the kernels use Markstein's sequence; they agree on
-the division's domain, so a decision can differ only where a value lies outside it, which the
-guard's own conditions flag in the cases the tests build. ``tests/test_guard_frequency.py``
+``x / T32`` is the IEEE quotient here where the kernels use Markstein's sequence (or the split
+quotient, ``rl_engine.arith.division.split_reciprocal``); they agree on the division's domain, so
+a decision can differ only where a value lies outside it, which the guard's own conditions flag in
+the cases the tests build. ``tests/test_guard_frequency.py``
 compares these counts with the programs that really take the IEEE path under Triton's
 interpreter (counted inside the kernels).
 """

@@ -86,11 +86,14 @@ FMA_PER_COLUMN = {"forward": 9, "forward_entropy": 10, "backward": 9}
 # bf16 or binary16 logit, two for a binary32 logit and for the gradient), and the guard's IEEE path
 # repeats the forward's second pass and the backward's E (the IEEE division itself is one div.rn)
 MARKSTEIN_FMA_PER_STEP = 2
+# The forward's split quotient (a bf16 or binary16 logit at a temperature its check accepts, one for the
+# call: rl_engine.arith.division.split_reciprocal) is fma(x, r_lo, x * r_hi): one FMA where Markstein's step has two
+SPLIT_FMA_PER_COLUMN = 1
 # Without a temperature, the binary16 forward computes E's argument x - sh as fma(v, 2**112, -sh) from
 # v = x * 2**-112 (an exact product: the subtraction's one rounding) on its fast path, and again as
 # x - sh where a tile holds an infinity or NaN
 F16_FAST_FMA_PER_COLUMN = 1
-TEMPERED_PROBE = 0.7  # the temperature of the tempered variants (any other than 1 compiles alike)
+TEMPERED_PROBE = 0.7  # the temperature of the tempered variants (its bf16 and binary16 forwards take the split quotient)
 
 _TORCH_TYPES = {torch.float32: "*fp32", torch.int16: "*i16", torch.int32: "*i32",
                 torch.int8: "*i8", torch.int64: "*i64"}
@@ -855,6 +858,8 @@ ROOFLINE_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("no-entropy-no-validation", {"entropy": False, "validate": False}),
     ("entropy-gradient", {"entropy_grad": True}),
     ("temperature-0.7", {"temperature": 0.7}),
+    ("temperature-0.7-no-validation", {"temperature": 0.7, "validate": False}),
+    ("temperature-0.7-entropy-gradient", {"temperature": 0.7, "entropy_grad": True}),
     ("fp16-temperature-0.7", {"dtype": torch.float16, "temperature": 0.7}),
     ("tp8", {"tp": 8}),
     ("fp16-tp8", {"dtype": torch.float16, "tp": 8}),

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from rl_engine.arith.division import kernel_bounds
+from rl_engine.arith.division import kernel_bounds, split_reciprocal
 from rl_engine.arith.portable import LOG_POLY
 from rl_engine.arith.temperature import inverse_temperature
 from rl_engine.logprob.backends.eager.vocab_parallel import (
@@ -266,6 +266,20 @@ def row_division_args(row_t32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return t, torch.where(one, 1.0, inv), hi, lo_key, shift_min
 
 
+def split_args(t32: float, logits_dtype: torch.dtype, placed: bool = True) -> tuple[float, float] | None:
+    """``(r_hi, r_lo)`` of the split quotient (:func:`rl_engine.arith.division.split_reciprocal`) for
+    one temperature and bf16 or binary16 logits, or ``None`` where Markstein's step divides (binary32
+    logits, a temperature the check refuses). The forward reads binary16 as ``h * 2**-112``
+    (``placed``), so its constants are times ``2**112`` (exact; ``None`` where ``r_hi * 2**112`` would
+    not be finite); the backward divides the exact ``h`` (``placed=False``)."""
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(logits_dtype)
+    parts = None if name is None else split_reciprocal(t32, name)
+    if parts is None or logits_dtype != torch.float16 or not placed:
+        return parts
+    scale = 2.0 ** 112
+    return (parts[0] * scale, parts[1] * scale) if parts[0] * scale < 2.0 ** 128 else None
+
+
 def forward_launch(
     x: torch.Tensor, contract: LogprobContract, m: torch.Tensor, s: torch.Tensor,
     t: torch.Tensor | None, bad: torch.Tensor | None, with_entropy: bool, validate: bool,
@@ -277,16 +291,20 @@ def forward_launch(
     tiles = contract.local_tile_count
     real_local = real_local_columns(contract)
     tempered = contract.tempered or row_t32 is not None
+    split = None
     if row_t32 is None:
         t32, inv_t, hi, _, shift_min = division_args(contract.temperature32)
+        if tempered:
+            split = split_args(contract.temperature32, logits_dtype)
     else:
         t32, inv_t, hi, _, shift_min = row_division_args(row_t32)
+    r_hi, r_lo = split if split is not None else (1.0, 0.0)
     args = (x, m, s, t if t is not None else m, bad if bad is not None else m, x.stride(0), real_local,
-            t32, inv_t, hi, shift_min)
+            t32, inv_t, hi, shift_min, r_hi, r_lo)
     meta = {"TILES": tiles, "WIDTH": width, "DTYPE": _DTYPE_CODES[logits_dtype],
             "WITH_ENTROPY": with_entropy, "VALIDATE": validate,
             "PADDED": real_local < contract.local_grid_width, "TEMPERED": tempered,
-            "ROW_T": row_t32 is not None}
+            "ROW_T": row_t32 is not None, "SPLIT": split is not None}
     return Launch("forward_partials_kernel", (x.shape[0] * tiles,), args, meta, FORWARD_WARPS)
 
 
@@ -310,15 +328,19 @@ def backward_launches(
     tempered = terms.tempered
     per_row = terms.row_t32 is not None
     divide = division_args(terms.t32) if not per_row else row_division_args(terms.row_t32)
+    split = split_args(terms.t32, logits_dtype, placed=False) if tempered and not per_row else None
+    divide = (*divide, *(split if split is not None else (1.0, 0.0)))
     if whole:
         found.append(Launch("backward_kernel", (rows * whole,), common + (0, *divide),
                             {"BLOCKS": whole, "BLOCK": BACKWARD_BLOCK, "DTYPE": dtype, "MASKED": False,
-                             "PADDED": padded, "TEMPERED": tempered, "ENTROPY_GRAD": entropy_grad, "ROW_T": per_row},
+                             "PADDED": padded, "TEMPERED": tempered, "ENTROPY_GRAD": entropy_grad, "ROW_T": per_row,
+                             "SPLIT": split is not None},
                             BACKWARD_WARPS))
     if rest:
         found.append(Launch("backward_kernel", (rows,), common + (whole * BACKWARD_BLOCK, *divide),
                             {"BLOCKS": 1, "BLOCK": next_pow2(rest), "DTYPE": dtype, "MASKED": True,
-                             "PADDED": padded, "TEMPERED": tempered, "ENTROPY_GRAD": entropy_grad, "ROW_T": per_row},
+                             "PADDED": padded, "TEMPERED": tempered, "ENTROPY_GRAD": entropy_grad, "ROW_T": per_row,
+                             "SPLIT": split is not None},
                             BACKWARD_WARPS))
     target = (x, lse, coef, terms.target_col.to(torch.int64).contiguous(),
               terms.target_add.float().contiguous(), out, gent, mb, rows, x.stride(0), local_vocab,
@@ -640,6 +662,7 @@ __all__ = [
     "TritonLogprob",
     "load_kernels",
     "row_division_args",
+    "split_args",
     "mode_device",
     "triton_backward",
     "triton_backward_terms",

@@ -112,6 +112,7 @@ DT_F16_FINITE: tl.constexpr = tl.constexpr(4)
 DIV_NONE: tl.constexpr = tl.constexpr(0)  # no temperature: step 0 is skipped
 DIV_MARKSTEIN: tl.constexpr = tl.constexpr(1)  # x / T32 by Markstein's correction (its domain)
 DIV_IEEE: tl.constexpr = tl.constexpr(2)  # x / T32 by the IEEE division (div.rn)
+DIV_SPLIT: tl.constexpr = tl.constexpr(3)  # x / T32 as fma(x, r_lo, x * r_hi) (a temperature it is checked for)
 LANES: tl.constexpr = tl.constexpr(128)  # L of the lane sum G (section 4)
 LANE_LEVELS: tl.constexpr = tl.constexpr(7)  # log2(LANES): the levels of F over the lanes
 MAX_UNROLL: tl.constexpr = tl.constexpr(32)  # chunks of a tile unrolled (a wider tile loops)
@@ -224,15 +225,29 @@ def markstein(x, t32, inv_t, DTYPE: tl.constexpr):
 
 
 @device
-def scaled(raw, t32, inv_t, DTYPE: tl.constexpr, DIVIDE: tl.constexpr):
+def split_quotient(x, r_hi, r_lo):
+    """``RN32(x / T32)`` as ``fma(x, r_lo, x * r_hi)`` for a bf16 or binary16 ``x``: the product
+    ``x * r_hi`` is exact (``r_hi`` has ``24 -`` the logit's significant bits) and the FMA rounds
+    ``x * (r_hi + r_lo)`` once; the host passes ``r_hi, r_lo`` only for a temperature where that is the
+    quotient of every significand (rl_engine/arith/division.py, ``split_reciprocal``). Two operations
+    where Markstein's step is three."""
+    return tl.fma(x, r_lo, x * r_hi)
+
+
+@device
+def scaled(raw, d0, d1, DTYPE: tl.constexpr, DIVIDE: tl.constexpr):
     """Section 6 step 0: the exact upcast, then ``x / T32`` by :func:`markstein` (``DIVIDE ==
-    DIV_MARKSTEIN``, where every value lies in its domain or cannot change a result) or by the IEEE
-    division (``DIV_IEEE``); without a temperature (``DIV_NONE``) no operation at all."""
+    DIV_MARKSTEIN``, where every value lies in its domain or cannot change a result; ``d0, d1`` are
+    ``T32, r``), by :func:`split_quotient` (``DIV_SPLIT``, the same domain; ``d0, d1`` are ``r_hi,
+    r_lo``, for binary16 read as ``h * 2**-112`` both times ``2**112``) or by the IEEE division
+    (``DIV_IEEE``, ``d0`` is ``T32``); without a temperature (``DIV_NONE``) no operation at all."""
     x = upcast(raw, DTYPE)
     if DIVIDE == DIV_MARKSTEIN:
-        x = markstein(x, t32, inv_t, DTYPE)
+        x = markstein(x, d0, d1, DTYPE)
+    elif DIVIDE == DIV_SPLIT:
+        x = split_quotient(x, d0, d1)
     elif DIVIDE == DIV_IEEE:
-        x = tl.div_rn(x, t32)
+        x = tl.div_rn(x, d0)
     return x
 
 
@@ -265,7 +280,7 @@ def chunk(base, col0, lane, real_left, t32, inv_t, DTYPE: tl.constexpr, VALID: t
 def extremes(base, col0, lane, real_left, mx, mn, DTYPE: tl.constexpr, VALID: tl.constexpr,
              PADDED: tl.constexpr, VALIDATE: tl.constexpr):
     """The first pass over one chunk: the lanes' maxima (NaN propagates) and minima, of the logits
-    as they are (a temperature divides the tile's maximum and minimum once, after the pass)."""
+    as they are (a temperature divides the tile's maximum once, after the pass)."""
     x, xmin = chunk(base, col0, lane, real_left, 1.0, 1.0, DTYPE, VALID, PADDED, DIV_NONE)
     mx = tl.maximum(mx, x, propagate_nan=tl.PropagateNan.ALL)
     if VALIDATE:
@@ -278,9 +293,9 @@ def lane_terms(base, col0, lane, real_left, sh, s, t, t32, inv_t, DTYPE: tl.cons
                PADDED: tl.constexpr, WITH_ENTROPY: tl.constexpr, DIVIDE: tl.constexpr):
     """The second pass over one chunk (section 6 steps 3-4): ``s += E(y)``, ``t = fma(E(y), yc, t)``."""
     x, _ = chunk(base, col0, lane, real_left, t32, inv_t, DTYPE, VALID, PADDED, DIVIDE)
-    if DTYPE == DT_F16_PLACED:  # x is the binary16 logit times 2**-112: the product x * 2**112 is exact,
-        y = tl.fma(x, F16_SCALE, -sh)  # so the one rounding is the subtraction's, x_c - sh's value
-    else:
+    if DTYPE == DT_F16_PLACED and DIVIDE == DIV_NONE:  # x is the binary16 logit times 2**-112: the product
+        y = tl.fma(x, F16_SCALE, -sh)  # x * 2**112 is exact, so the one rounding is the subtraction's
+    else:  # (with DIV_SPLIT x is already the quotient: its constants carry the 2**112)
         y = x - sh
     e, yc = spec_exp_forward(y)
     s = s + e
@@ -329,22 +344,26 @@ def lane_extremes(base, lane, real_left, DTYPE: tl.constexpr, FULL: tl.constexpr
 @kernel
 def forward_partials_kernel(
     x_ptr, m_ptr, s_ptr, t_ptr, bad_ptr,
-    row_stride, real_local, t32_arg, inv_t_arg, hi_x_arg, sh_min_arg,
+    row_stride, real_local, t32_arg, inv_t_arg, hi_x_arg, sh_min_arg, r_hi, r_lo,
     TILES: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr,
     WITH_ENTROPY: tl.constexpr, VALIDATE: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr,
-    ROW_T: tl.constexpr,
+    ROW_T: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Section 6 steps 1-4 for the tile ``pid % TILES`` of row ``pid // TILES`` (a constant
     divisor: integer multiply and shift, no division sequence).
 
     With a temperature (``TEMPERED``): the first pass reads the logits as they are, and the tile's
-    maximum and minimum are divided by ``T32`` once (IEEE division: ``x -> RN32(x / T32)`` is
-    monotone, so they are the maximum and minimum of the quotients). The second pass divides every
+    maximum is divided by ``T32`` once (IEEE division: ``x -> RN32(x / T32)`` is monotone, so it is
+    the maximum of the quotients; the minimum, which only validation reads, in the exotic branch
+    alone: elsewhere its quotient is finite, ``-inf`` exactly when it is). The second pass divides every
     column by :func:`markstein`; a tile that holds a real logit of magnitude ``>= hi_x`` (an
     infinity, or a quotient that could overflow) or whose maximum's magnitude is below ``sh_min`` (a
     logit below the division's domain could then change ``y``) computes its sums again with the
     IEEE division, a branch every thread of the program takes alike (docs/arithmetic.md,
-    "Dividing by T32 on a GPU").
+    "Dividing by T32 on a GPU"). With ``SPLIT`` (one temperature for the call, checked on the host
+    for every significand of the logits' precision) the second pass's quotient is
+    :func:`split_quotient` of ``r_hi, r_lo`` instead: two operations a column where Markstein's step
+    is three, and for binary16 no multiply by ``2**112`` (the constants carry it).
 
     With a temperature per row (``ROW_T``, with ``TEMPERED``) the four division arguments are
     pointers to one value per row, and the program loads its row's: the guard's thresholds are
@@ -370,6 +389,9 @@ def forward_partials_kernel(
     # binary16: both passes read the logits the fast way (no select per column for infinity and NaN);
     # a tile that holds an infinity or NaN (which the first pass's extremes show) is read again exactly
     FAST: tl.constexpr = DTYPE == DT_F16
+    # bf16 with the split quotient divides the tile's maximum by it too (binary16's constants are for
+    # h * 2**-112: the IEEE division of its maximum costs fewer instructions there than the scaling)
+    SPLIT_TOP: tl.constexpr = SPLIT and DTYPE == DT_BF16
     MINIMA: tl.constexpr = VALIDATE or TEMPERED or FAST
     # 1. the lanes' maxima (a max does not depend on grouping)
     if FAST:
@@ -381,30 +403,46 @@ def forward_partials_kernel(
         else:  # the extremes of h * 2**-112: times 2**112, exactly
             mx = f16_unscaled(mx)
             mn = f16_unscaled(mn)
-        # the second pass without a temperature reads h * 2**-112 and subtracts by an FMA (lane_terms)
-        PASS_TWO: tl.constexpr = DT_F16_FINITE if TEMPERED else DT_F16_PLACED
+        # the second pass without a temperature reads h * 2**-112 and subtracts by an FMA (lane_terms),
+        # and so does the split quotient (its constants carry the 2**112); Markstein's step needs h itself
+        PASS_TWO: tl.constexpr = DT_F16_FINITE if TEMPERED and not SPLIT else DT_F16_PLACED
     else:
         mx, mn = lane_extremes(base, lane, real_left, DTYPE, FULL, REST, PADDED, MINIMA)
         PASS_TWO: tl.constexpr = DTYPE
-    lane_nan = mx != mx
-    nan = tl.reduce(lane_nan.to(tl.int32), 0, MAX)
-    m = tl.reduce(tl.where(lane_nan, float("-inf"), mx), 0, MAX)
+    # the maximum of the lanes' maxima (a NaN lane left out by the reduction's max, in the compiled
+    # kernel and the interpreter alike) and whether a lane is NaN, tracked apart: the tile's maximum
+    # is NaN then (below), and a NaN tile's sums are NaN whichever way its minimum sends the guard
+    nan = tl.reduce((mx != mx).to(tl.int32), 0, MAX)
+    m = tl.reduce(mx, 0, MAX)
     if MINIMA:
-        low = tl.reduce(tl.where(lane_nan, 0.0, mn), 0, MIN)
-    if TEMPERED:  # step 0 on the maximum and minimum: exact, and once per tile
+        low = tl.reduce(mn, 0, MIN)  # never NaN: the lanes' minima leave NaN out
+    if TEMPERED:  # step 0 on the maximum (and, in the exotic branch below, the minimum): exact, once per tile
         exotic = (m >= hi_x) | (low <= -hi_x)
-        m = tl.div_rn(m, t32)
-        low = tl.div_rn(low, t32)
+        top = m
+        if SPLIT_TOP:  # the split quotient of the maximum: the quotient wherever the tile is not exotic (a
+            m = split_quotient(m, r_hi, r_lo)  # maximum below the domain gives one below sh_min either way);
+            m = tl.where(top == float("-inf"), top, m)  # -inf kept (-inf * r_lo is NaN when r_lo = 0),
+        else:  # and the exotic branch divides again
+            m = tl.div_rn(m, t32)
         exotic = exotic | (tl.abs(m) < sh_min)
         if FAST:
             exotic = exotic | special
     m = tl.where(nan > 0, float("nan"), m) + tl.full((1,), 0.0, tl.float32)  # m + 0: one sign for zero
     sh = tl.where(m == float("-inf"), 0.0, m)  # 2.
     # 3.-4. the lane sums, each lane in column order
-    if TEMPERED:  # Markstein's straight after the first pass (its loads are the first pass's registers) ...
-        s, t = pass_two(base, lane, real_left, sh, t32, inv_t, PASS_TWO, FULL, REST, PADDED, WITH_ENTROPY,
-                        DIV_MARKSTEIN)
+    if TEMPERED:  # the fast quotient straight after the first pass (its loads are the first pass's registers) ...
+        if SPLIT:
+            s, t = pass_two(base, lane, real_left, sh, r_hi, r_lo, PASS_TWO, FULL, REST, PADDED, WITH_ENTROPY,
+                            DIV_SPLIT)
+        else:
+            s, t = pass_two(base, lane, real_left, sh, t32, inv_t, PASS_TWO, FULL, REST, PADDED, WITH_ENTROPY,
+                            DIV_MARKSTEIN)
         if exotic:  # ... and again with the IEEE division where it may not be exact (rare)
+            if SPLIT_TOP:  # the maximum's IEEE quotient, and the shift of it
+                m = tl.where(nan > 0, float("nan"), tl.div_rn(top, t32)) + tl.full((1,), 0.0, tl.float32)
+                sh = tl.where(m == float("-inf"), 0.0, m)
+            if VALIDATE:  # the minimum's quotient is -inf only if the minimum is -inf or <= -hi_x: an
+                low = tl.div_rn(low, t32)  # exotic tile, so elsewhere the minimum itself says as much
             s, t = pass_two(base, lane, real_left, sh, t32, inv_t, DTYPE, FULL, REST, PADDED, WITH_ENTROPY,
                             DIV_IEEE)
     else:
@@ -466,12 +504,12 @@ def store_rounded(ptr, g, mask, DTYPE: tl.constexpr, MASKED: tl.constexpr):
 
 
 @device
-def column_grad(raw, lse, coef, ge, mb, t32, inv_t, DTYPE: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
+def column_grad(raw, lse, coef, ge, mb, d0, d1, DTYPE: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
                 DIVIDE: tl.constexpr):
     """Section 7 step 1 for the loaded columns ``raw``, whose logits are divided by ``T32`` (step 0)
-    as ``DIVIDE`` says: the gradient before the temperature's chain rule, the override, the padding
-    and the rounding."""
-    x = scaled(raw, t32, inv_t, DTYPE, DIVIDE)
+    as ``DIVIDE`` says (``d0, d1``: :func:`scaled`'s): the gradient before the temperature's chain
+    rule, the override, the padding and the rounding."""
+    x = scaled(raw, d0, d1, DTYPE, DIVIDE)
     p = spec_exp(x - lse)
     g = coef * p  # 1. (any lse: the general form)
     if ENTROPY_GRAD:  # 1. the entropy term where g_ent != 0 and p != 0
@@ -483,10 +521,10 @@ def column_grad(raw, lse, coef, ge, mb, t32, inv_t, DTYPE: tl.constexpr, ENTROPY
 @kernel
 def backward_kernel(
     x_ptr, lse_ptr, coef_ptr, g_ptr, gent_ptr, mb_ptr,
-    row_stride, local_vocab, real_local, col0, t32_arg, inv_t_arg, hi_x_arg, lo_key_arg, sh_min_arg,
+    row_stride, local_vocab, real_local, col0, t32_arg, inv_t_arg, hi_x_arg, lo_key_arg, sh_min_arg, r_hi, r_lo,
     BLOCKS: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
     MASKED: tl.constexpr, PADDED: tl.constexpr, TEMPERED: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
-    ROW_T: tl.constexpr,
+    ROW_T: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Section 7 (and 8) for columns ``col0 + [b * BLOCK, (b + 1) * BLOCK)`` of row
     ``pid // BLOCKS``, every column but the target term (:func:`backward_target_kernel`).
@@ -497,6 +535,9 @@ def backward_kernel(
     could overflow), a non-zero gradient one below the domain (``lo_key`` is ``2 * bits(lo) - 2``), or the
     row's ``lse`` (or, with the entropy term, ``Mb``) one below ``sh_min`` (a logit below the
     domain could then change ``x - lse`` or ``Mb - x``): a branch the whole program takes alike.
+    With ``SPLIT`` (one temperature for the call, bf16 or binary16 logits, checked on the host) the
+    logit's division is :func:`split_quotient`'s two operations instead of Markstein's three; the
+    gradient's stays Markstein's (a binary32 value).
     With a temperature per row (``ROW_T``) the five division arguments point to one value per row."""
     pid = tl.program_id(0)
     row = (pid // BLOCKS).to(tl.int64)
@@ -529,7 +570,10 @@ def backward_kernel(
         mb = 0.0
         zero = coef == 0.0
     if TEMPERED:
-        g = column_grad(raw, lse, coef, ge, mb, t32, inv_t, DTYPE, ENTROPY_GRAD, DIV_MARKSTEIN)
+        if SPLIT:
+            g = column_grad(raw, lse, coef, ge, mb, r_hi, r_lo, DTYPE, ENTROPY_GRAD, DIV_SPLIT)
+        else:
+            g = column_grad(raw, lse, coef, ge, mb, t32, inv_t, DTYPE, ENTROPY_GRAD, DIV_MARKSTEIN)
         big = tl.reduce(tl.maximum(tl.abs(upcast(raw, DTYPE)), tl.abs(g)), 0, MAX)
         key = (g.to(tl.uint32, bitcast=True) << 1) - 2  # 2 |g| - 2 in the bits; +-0: the largest key
         small = tl.reduce(key, 0, MIN)
