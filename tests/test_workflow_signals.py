@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -189,7 +190,13 @@ p.add_argument("--timeout-s"); p.add_argument("--ranks-per-node")
 a = p.parse_args()
 run = Path(a.plan).parent
 start = time.time()
-time.sleep(2)
+peers = os.environ.get("FAKE_LAUNCH_PEERS")
+if peers:  # say it started, then hold on until a second launch has started (or a failure bound)
+    Path(peers, f"{a.tp}x{a.cp}").write_text("")
+    while len(os.listdir(peers)) < 2 and time.time() < start + 120:
+        time.sleep(0.05)
+else:
+    time.sleep(2)
 with open(os.environ["FAKE_LAUNCH_LOG"], "a") as log:
     log.write(json.dumps({"tp": a.tp, "cp": a.cp, "start": start, "end": time.time()}) + "\\n")
 for suffix in (".json", ".logp.f32", ".lse.f32", ".entropy.f32"):
@@ -197,16 +204,26 @@ for suffix in (".json", ".logp.f32", ".lse.f32", ".entropy.f32"):
 '''
 
 
-def scheduled(repo: Path, hook: Path, tmp_path: Path, *args: str) -> list[dict[str, float]]:
-    """Run the topology jobs (launch replaced by FAKE_LAUNCH) and return when each ran."""
+def scheduled(repo: Path, hook: Path, tmp_path: Path, *args: str, peers: bool = False) -> list[dict[str, float]]:
+    """Run the topology jobs (launch replaced by FAKE_LAUNCH) and return when each ran. With
+    ``peers`` each launch holds on until a second one has started: jobs the scheduler starts
+    together then overlap however late a loaded machine starts the second, and a launch that has
+    no peer to wait for (run alone) ends at the failure bound, its overlap missing."""
     name = run_name_of(repo)
     for stale in (repo / "results" / name).glob("tp*-cp*.*"):
         stale.unlink()
     record = tmp_path / "launches.jsonl"
     record.unlink(missing_ok=True)
+    extra = {}
+    if peers:
+        started = tmp_path / "started"
+        shutil.rmtree(started, ignore_errors=True)
+        started.mkdir()
+        extra["FAKE_LAUNCH_PEERS"] = str(started)
     targets = [f"results/{name}/{label}.json" for label in ("tp1-cp1", "tp2-cp1", "tp2-cp2", "tp4-cp1")]
     done = subprocess.run(snakemake_cmd(*targets, *args), cwd=repo, capture_output=True, text=True, timeout=600,
-                          env=env_for(repo, {"FAKE_GPUS": "4", "FAKE_LAUNCH_LOG": str(record)}, prepend=hook))
+                          env=env_for(repo, {"FAKE_GPUS": "4", "FAKE_LAUNCH_LOG": str(record), **extra},
+                                      prepend=hook))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return [json.loads(line) for line in record.read_text().splitlines()]
 
@@ -227,7 +244,8 @@ def test_topologies_never_hold_more_gpus_together_than_the_node_has(fake_cuda: t
     try:
         runs = scheduled(repo, hook, tmp_path)
         assert len(runs) == 4 and peak_gpus(runs) <= 4, runs
-        unbounded = scheduled(repo, hook, tmp_path, "--resources", "gpus=16")  # negative control: cores allow 8
+        # negative control: cores allow 8 ranks together
+        unbounded = scheduled(repo, hook, tmp_path, "--resources", "gpus=16", peers=True)
         assert peak_gpus(unbounded) > 4, unbounded
     finally:
         rule.write_text(original)
