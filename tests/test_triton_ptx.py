@@ -373,7 +373,7 @@ def test_the_roofline_command_refuses_a_temperature_the_arithmetic_refuses(
 # the H100 floor): without a temperature, and with one (section 6 step 0's division: the split quotient,
 # 2 instructions per column in bf16, the backward's gradient Markstein's 5, and the guard; measured 24.7,
 # 41.0, 1.239x and 1.10x with Triton 3.9.0, the installed one these run under (3.6.0: 24.8, 44.6, 1.241x,
-# 1.16x); Markstein's step on the logits gave 26.3, 42.4, 1.32x, 1.15x): issue 42's bound, 1.25x, both ways
+# 1.16x); Markstein's step on the logits gave 26.3, 42.4, 1.32x, 1.15x): the bound of docs/performance.md, 1.25x, both ways
 ROOFLINE_TARGETS = {1.0: (25, 35, 1.25, 1.25), 0.7: (25, 42, 1.25, 1.25)}
 
 
@@ -433,7 +433,7 @@ def test_the_roofline_of_the_launched_kernels_meets_the_targets(tmp_path: Path, 
                                                            (True, True, True)])
 def test_the_bf16_kernels_at_a_temperature_are_within_1_25x_of_the_h100_floor(
         tmp_path: Path, entropy: bool, validate: bool, entropy_grad: bool) -> None:
-    """bf16 at ``T = 0.7`` (issue 42's bound: 1.25x), the variants beside the default's (which
+    """bf16 at ``T = 0.7`` (the bf16 bound: 1.25x), the variants beside the default's (which
     :func:`test_the_roofline_of_the_launched_kernels_meets_the_targets` holds to it): without
     validation, with neither, with the entropy's gradient; forward and forward+backward over the
     H100 floor, the forward and the backward's blocks dividing the logits by the split quotient."""
