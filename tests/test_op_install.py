@@ -15,6 +15,8 @@ integrations); Snakemake, jsonschema, rich and PyYAML come with the ``workflow``
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -117,8 +120,28 @@ def _source_copy(dest: Path) -> Path:
     return dest
 
 
+@contextlib.contextmanager
+def _held(python_dir: Path) -> Iterator[None]:
+    """The environment to one test at a time: a second copy of the suite (or a second checkout whose
+    ``.ci/op-env`` is the same folder) would install into it while this one installs or probes, and
+    pip's own checks fail on the other's half-written files. The lock file sits beside the folder it
+    guards, where its real path is."""
+    lock = python_dir.resolve().parent / f"{python_dir.name}.lock"
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @pytest.mark.slow
 def test_a_fresh_environment_installs_the_op_without_the_workflow_s_packages(tmp_path: Path) -> None:
+    with _held(ROOT / ".ci" / "op-env"):
+        _install_probe_and_run_a_verb(tmp_path)
+
+
+def _install_probe_and_run_a_verb(tmp_path: Path) -> None:
     python = _op_env(ROOT / ".ci" / "op-env")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     (tmp_path / "src").mkdir()
