@@ -48,7 +48,7 @@ from rl_engine.logprob.backends.fused_cpu.fused_kept import (
     fused_kept_cut,
     fused_kept_partials,
 )
-from rl_engine.logprob.backends.fused_cpu.operands import c_operand, partials_buffers, ptr
+from rl_engine.logprob.backends.fused_cpu.operands import c_operand, gradient_operands, partials_buffers, ptr
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.tables import FUSED_CPU_BACKEND
 
@@ -244,13 +244,7 @@ def fused_backward(
     rows, local_vocab = x.shape
     grad = torch.empty((rows, local_vocab), dtype=x.dtype)
     if rows:
-        lse_c = c_operand("lse", lse.float())
-        coef = c_operand("coef", terms.coef.float())
-        col = c_operand("target_col", terms.target_col.to(torch.int64))
-        add = c_operand("target_add", terms.target_add.float())
-        g_ent = None if terms.g_ent is None else c_operand("grad_entropy", terms.g_ent.float())
-        mb = None if terms.mb is None else c_operand("mb", terms.mb.float())
-        rt = None if terms.row_t32 is None else c_operand("temperature", terms.row_t32.float())
+        lse_c, coef, col, add, g_ent, mb, rt = gradient_operands(lse, terms)
         status = kernel.lib.rle_backward(
             x.data_ptr(), _DTYPE_CODES[x.dtype], rows, x.stride(0), local_vocab,
             terms.real_local, lse_c.data_ptr(), coef.data_ptr(), col.data_ptr(),

@@ -20,7 +20,7 @@ import torch
 
 from rl_engine.arith.portable import log as portable_log
 from rl_engine.logprob.backends.eager.vocab_parallel import BackwardTerms, real_local_columns
-from rl_engine.logprob.backends.fused_cpu.operands import c_operand, partials_buffers, ptr
+from rl_engine.logprob.backends.fused_cpu.operands import c_operand, gradient_operands, partials_buffers, ptr
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.kept_search import engine_cut, top_p_cut
 from rl_engine.logprob.processed import KEEP_ALL, KeptCut, Sampling
@@ -126,13 +126,7 @@ def fused_kept_backward(
     grad = torch.empty((rows, local_vocab), dtype=x.dtype)
     if rows:
         kv, kid = local_cut(terms.keep, terms.vocab_start)
-        lse_c = c_operand("lse", lse.float())
-        coef = c_operand("coef", terms.coef.float())
-        col = c_operand("target_col", terms.target_col.to(torch.int64))
-        add = c_operand("target_add", terms.target_add.float())
-        g_ent = None if terms.g_ent is None else c_operand("grad_entropy", terms.g_ent.float())
-        mb = None if terms.mb is None else c_operand("mb", terms.mb.float())
-        rt = None if terms.row_t32 is None else c_operand("temperature", terms.row_t32.float())
+        lse_c, coef, col, add, g_ent, mb, rt = gradient_operands(lse, terms)
         status = call.lib.rle_backward_kept(
             x.data_ptr(), call.dtype_codes[x.dtype], rows, x.stride(0), local_vocab,
             terms.real_local, lse_c.data_ptr(), coef.data_ptr(), col.data_ptr(),

@@ -7,6 +7,8 @@ raw memory, so every operand is checked to lie inside its storage, has its neg b
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rl_engine.logprob.contract import LogprobContract
@@ -42,4 +44,17 @@ def partials_buffers(rows: int, contract: LogprobContract, with_entropy: bool,
     return m, torch.empty_like(m), t, row_min
 
 
-__all__ = ["c_operand", "partials_buffers", "ptr", "row_major"]
+def gradient_operands(lse: torch.Tensor, terms: Any) -> tuple[torch.Tensor, ...]:
+    """What the raw and the processed backward kernels read beside the logits, as their C operands:
+    ``lse``, the per-row ``coef``, ``target_col``, ``target_add`` (float32 and int64, contiguous),
+    then the optional entropy gradient, ``mb`` and per-row temperature (``None`` where absent)."""
+    def optional(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else c_operand(name, t.float())
+
+    return (c_operand("lse", lse.float()), c_operand("coef", terms.coef.float()),
+            c_operand("target_col", terms.target_col.to(torch.int64)),
+            c_operand("target_add", terms.target_add.float()), optional("grad_entropy", terms.g_ent),
+            optional("mb", terms.mb), optional("temperature", terms.row_t32))
+
+
+__all__ = ["c_operand", "gradient_operands", "partials_buffers", "ptr", "row_major"]
