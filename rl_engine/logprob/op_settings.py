@@ -58,6 +58,16 @@ def _text(name: str, value: Any) -> None:
         raise LogprobContractError(f"{name}={value!r} must be a non-empty string (an id such as 'auto')")
 
 
+def _check_shared(settings: Any) -> None:
+    """The fields both ops' settings share, checked alike."""
+    _int("real_vocab_size", settings.real_vocab_size, 1)
+    _int("num_vocab_tiles", settings.num_vocab_tiles, 1)
+    _int("ignore_index", settings.ignore_index)
+    _bool("compute_entropy", settings.compute_entropy)
+    _bool("validate", settings.validate)
+    _text("backend", settings.backend)
+
+
 def _temperature(settings: Any) -> None:
     """``temperature`` as a binary64 float the arithmetic accepts; an integer becomes its float
     exactly as the eager call's first step (``float(T)``) makes it, so the text has one spelling."""
@@ -139,12 +149,7 @@ class LogitsOpSettings(OpSettings):
     temperature: float
 
     def __post_init__(self) -> None:
-        _int("real_vocab_size", self.real_vocab_size, 1)
-        _int("num_vocab_tiles", self.num_vocab_tiles, 1)
-        _int("ignore_index", self.ignore_index)
-        _bool("compute_entropy", self.compute_entropy)
-        _bool("validate", self.validate)
-        _text("backend", self.backend)
+        _check_shared(self)
         check_chunk_rows(self.chunk_rows)  # the eager call's check and words
         if self.chunk_rows is not None:  # an integral type (numpy's) as the int of the same value: JSON's
             object.__setattr__(self, "chunk_rows", int(self.chunk_rows))
@@ -171,12 +176,7 @@ class HeadOpSettings(OpSettings):
     autocast: str | None
 
     def __post_init__(self) -> None:
-        _int("real_vocab_size", self.real_vocab_size, 1)
-        _int("num_vocab_tiles", self.num_vocab_tiles, 1)
-        _int("ignore_index", self.ignore_index)
-        _bool("compute_entropy", self.compute_entropy)
-        _bool("validate", self.validate)
-        _text("backend", self.backend)
+        _check_shared(self)
         _int("chunk_tokens", self.chunk_tokens, 1)
         _bool("grad_weight_fp32", self.grad_weight_fp32)
         if self.matmul not in MATMULS:
