@@ -229,12 +229,7 @@ def test_the_triton_kernels_guard_takes_the_ieee_division_where_markstein_is_not
     temperature, tiles = 0.25, 4
     x, targets, active, w_logp, w_lse = _edge_inputs(dtype)
     contract = _contract(dtype, 300, 320, tiles, 8, temperature=temperature)
-    arr = x.view(torch.int16).numpy().view(np.uint16) if dtype == "bf16" else x.numpy()
-    logp, lse, ent = spec_numpy.forward(arr, NUMPY_DTYPES[dtype], targets.numpy(), active.numpy(), 300, tiles,
-                                        True, temperature=temperature)
-    grad = spec_numpy.backward(arr, NUMPY_DTYPES[dtype], targets.numpy(), active.numpy(), lse, w_logp.numpy(),
-                               w_lse.numpy(), 300, tiles, temperature=temperature)
-    want = {"logp": logp.tobytes(), "lse": lse.tobytes(), "entropy": ent.tobytes(), "grad": grad.tobytes()}
+    want = _numpy_bytes(dtype, x, targets, active, w_logp, w_lse, tiles, temperature)
     for name, op in _engines().items():
         assert _edge_run(op, x, targets, active, w_logp, w_lse, contract) == want, name
     triton = _engines()["triton"]
@@ -253,6 +248,16 @@ def test_the_triton_kernels_guard_takes_the_ieee_division_where_markstein_is_not
     assert _edge_run(triton, x, targets, active, w_logp, w_lse, contract)["lse"] != want["lse"]
 
 
+def _numpy_bytes(dtype: str, x: torch.Tensor, targets: torch.Tensor, active: torch.Tensor, w_logp: torch.Tensor,
+                 w_lse: torch.Tensor, tiles: int, temperature: float) -> dict[str, bytes]:
+    """The NumPy spec's bytes of :func:`_edge_inputs`' rows (300 real columns): logp, LSE, entropy, gradient."""
+    arr = x.view(torch.int16).numpy().view(np.uint16) if dtype == "bf16" else x.numpy()
+    logp, lse, ent = spec_numpy.forward(arr, NUMPY_DTYPES[dtype], targets.numpy(), active.numpy(), 300, tiles,
+                                        True, temperature=temperature)
+    grad = spec_numpy.backward(arr, NUMPY_DTYPES[dtype], targets.numpy(), active.numpy(), lse, w_logp.numpy(),
+                               w_lse.numpy(), 300, tiles, temperature=temperature)
+    return {"logp": logp.tobytes(), "lse": lse.tobytes(), "entropy": ent.tobytes(), "grad": grad.tobytes()}
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_the_triton_kernels_split_quotient_gives_numpys_bytes_and_is_what_runs(
         dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -268,12 +273,7 @@ def test_the_triton_kernels_split_quotient_gives_numpys_bytes_and_is_what_runs(
     temperature, tiles = 0.7, 4
     x, targets, active, w_logp, w_lse = _edge_inputs(dtype)
     contract = _contract(dtype, 300, 320, tiles, 8, temperature=temperature)
-    arr = x.view(torch.int16).numpy().view(np.uint16) if dtype == "bf16" else x.numpy()
-    logp, lse, ent = spec_numpy.forward(arr, NUMPY_DTYPES[dtype], targets.numpy(), active.numpy(), 300, tiles,
-                                        True, temperature=temperature)
-    grad = spec_numpy.backward(arr, NUMPY_DTYPES[dtype], targets.numpy(), active.numpy(), lse, w_logp.numpy(),
-                               w_lse.numpy(), 300, tiles, temperature=temperature)
-    want = {"logp": logp.tobytes(), "lse": lse.tobytes(), "entropy": ent.tobytes(), "grad": grad.tobytes()}
+    want = _numpy_bytes(dtype, x, targets, active, w_logp, w_lse, tiles, temperature)
     triton = _engines()["triton"]
     torch_dtype = DTYPES_TORCH[dtype]
     t32 = temperature32(temperature)
