@@ -48,9 +48,9 @@ from rl_engine.logprob.kept_search import kept_keys, order_of, order_of16, value
 from rl_engine.logprob.processed import KeptCut  # noqa: E402
 
 INTERP = "interpreter"
-# small rows for the interpreter (each program runs in Python): tile width 128, the last tile
-# partly padding
-REAL, PADDED, TILES = 300, 384, 3
+# small rows for the interpreter (each program runs in Python, one program a row and tile: the cost is
+# the rows times the tiles): tile width 128, the last tile partly padding
+REAL, PADDED, TILES = 200, 256, 2
 SHAPE = (REAL, PADDED, TILES)
 ROWS = 8
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
@@ -74,12 +74,16 @@ def test_the_order_of_binary32_and_16_bit_values_round_trips_and_is_descending()
 def _keys_of_either_engine(dtype: str, temperature: float, x: torch.Tensor, k: torch.Tensor, p: torch.Tensor,
                            m: torch.Tensor) -> KeptCut:
     """The search on the key with the C and the Triton kernels' scans: both find the keys of the C
-    kernels' TP = 1 path (bytes compared). Returns the Triton engine's keys."""
+    kernels' TP = 1 path (bytes compared). Returns the Triton engine's keys. The search is the one
+    the engines make (:func:`rl_engine.logprob.kept_search.engine_cut`): 16-bit logits bisect their own
+    order; the binary32 bisection of 16-bit logits is held to the same keys with the C scans
+    (:func:`test_the_search_over_shards_finds_the_full_rows_keys`)."""
     contract = _contract(dtype, x.shape[0], temperature, shape=SHAPE)
     big = _row_max(x, contract)
     want = kept_keys_tp1(call(), x, contract, k, p, m, big)
-    by_c = kept_keys(FusedKeptScan(call(), x, contract), big, k, p, m, REAL)
-    by_triton = kept_keys(TritonKeptScan(TritonEngine(INTERP).kept_call(), x, contract), big, k, p, m, REAL)
+    how = dict(dtype=contract.torch_dtype, t32=contract.temperature32)
+    by_c = kept_keys(FusedKeptScan(call(), x, contract), big, k, p, m, REAL, **how)
+    by_triton = kept_keys(TritonKeptScan(TritonEngine(INTERP).kept_call(), x, contract), big, k, p, m, REAL, **how)
     assert _key_bytes(by_c) == _key_bytes(want)
     assert _key_bytes(by_triton) == _key_bytes(want)
     return by_triton
