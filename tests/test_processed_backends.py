@@ -186,23 +186,27 @@ def test_fused_c_at_tp_and_cp_gives_the_spec_bytes(mesh_runs: Any, case: str) ->
 
 
 # ----- Triton, under the interpreter ---------------------------------------------------------------
-SMALL = dict(real=300, padded=384, tiles=3)  # tile width 128, the last tile partly padding
+# tile width 128, the last tile partly padding; the interpreter runs a program a row and tile, so one rank
+# holds two tiles, and each of TP 3's ranks one
+SMALL = dict(real=200, padded=256, tiles=2)
+SMALL_TP3 = dict(real=300, padded=384, tiles=3)
 TRITON_PARAMS = {"all": dict(top_k=40, top_p=0.8, min_p=0.02), "top_p0.3": dict(top_p=0.3),
                  "per_row": "per_row"}
 
 
-def _small_batch(dtype: str, rows: int = 8, seed: int = 3) -> dict[str, Any]:
+def _small_batch(dtype: str, rows: int = 8, seed: int = 3, shape: dict[str, int] = SMALL) -> dict[str, Any]:
     """Logits on a grid of quarter units (ties at every threshold; NaN, +inf and all -inf inactive
     rows): tests/test_processed_kernels.py's data on the small vocabulary."""
     from test_processed_kernels import _data
 
     b = batch(dtype, rows=rows, seed=seed)
-    b["logits"], b["targets"], b["active"] = _data(dtype, rows, seed, SMALL["real"], SMALL["padded"])
+    b["logits"], b["targets"], b["active"] = _data(dtype, rows, seed, shape["real"], shape["padded"])
     b["active"][4] = False  # its real -inf columns: validation refuses an active row holding them
     return b
 
 
-def _small_spec(b: dict[str, Any], params: dict[str, Any], dtype: str, temperature: float = 1.0) -> dict[str, Any]:
+def _small_spec(b: dict[str, Any], params: dict[str, Any], dtype: str, temperature: float = 1.0,
+                shape: dict[str, int] = SMALL) -> dict[str, Any]:
     from test_processed import NP_DTYPE, np_logits
 
     from rl_engine.arith import spec_numpy as S
@@ -210,10 +214,10 @@ def _small_spec(b: dict[str, Any], params: dict[str, Any], dtype: str, temperatu
     p = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in params.items()}
     logits = np_logits(b["logits"], dtype)
     t, a = b["targets"].numpy(), b["active"].numpy()
-    logp, lse, ent, kept, keep = S.forward_processed(logits, NP_DTYPE[dtype], t, a, SMALL["real"], SMALL["tiles"],
+    logp, lse, ent, kept, keep = S.forward_processed(logits, NP_DTYPE[dtype], t, a, shape["real"], shape["tiles"],
                                                      True, temperature=temperature, **p)
     grad = S.backward_processed(logits, NP_DTYPE[dtype], t, a, lse, b["w_logp"].numpy().astype(np.float32),
-                                b["w_lse"].numpy().astype(np.float32), SMALL["real"], SMALL["tiles"], keep,
+                                b["w_lse"].numpy().astype(np.float32), shape["real"], shape["tiles"], keep,
                                 temperature=temperature, grad_entropy=b["w_ent"].numpy().astype(np.float32),
                                 entropy=ent)
     return dict(logp=logp, lse=lse, entropy=ent, kept=kept, grad=grad.view(np.int16) if dtype == "bf16" else grad)
@@ -243,7 +247,8 @@ def _triton_worker(rank: int, b: dict[str, Any], params: dict[str, Any]) -> dict
 
     os.environ["RL_ENGINE_TRITON_MODE"] = "interpreter"
     dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=300))
-    c = _contract("bf16", 8, SMALL["real"], SMALL["padded"], SMALL["tiles"], tp_world_size=3, tp_rank=rank)
+    c = _contract("bf16", 8, SMALL_TP3["real"], SMALL_TP3["padded"], SMALL_TP3["tiles"], tp_world_size=3,
+                  tp_rank=rank)
     r = run_op(_triton_op(), b, params, c, None, (c.vocab_start, c.vocab_end), dist.group.WORLD)
     return {"cols": (c.vocab_start, c.vocab_end), **r}
 
@@ -251,11 +256,11 @@ def _triton_worker(rank: int, b: dict[str, Any], params: dict[str, Any]) -> dict
 @pytest.mark.slow
 @pytest.mark.ranks
 def test_triton_interpreter_at_tp3_gives_the_spec_bytes() -> None:
-    b = _small_batch("bf16", seed=5)
+    b = _small_batch("bf16", seed=5, shape=SMALL_TP3)
     params = dict(top_k=20, top_p=0.7, min_p=0.01)
     results = run_workers(_triton_worker, 3, b, params, timeout_s=500)
-    want = _small_spec(b, params, "bf16")
-    grad = torch.zeros(8, SMALL["padded"], dtype=torch.bfloat16)
+    want = _small_spec(b, params, "bf16", shape=SMALL_TP3)
+    grad = torch.zeros(8, SMALL_TP3["padded"], dtype=torch.bfloat16)
     for r in results:
         grad[:, r["cols"][0]:r["cols"][1]] = r["grad"]
         assert _mismatches({**r, "grad": want["grad"]}, want) == []
