@@ -28,7 +28,7 @@ FIELDS = gpu_smoke.FIELDS
 def _small_config(tmp: Path, **over: Any) -> Path:
     config = yaml.safe_load((REPO / "config.yaml").read_text())
     config.update(real_vocab=1000, padded_vocab=1024, num_vocab_tiles=8, batch=2, seq=8,
-                  prompt_tokens=3, topologies=["1x1", "2x1"], **over)
+                  prompt_tokens=3, **{"topologies": ["2x1", "4x1"], **over})
     path = tmp / "small.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -39,8 +39,10 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict
     tmp = tmp_path_factory.mktemp("smoke")
     config = _small_config(tmp)
     out = tmp / "out"
-    code = gpu_smoke.main(["--cpu-only", "--config", str(config), "--output-dir", str(out),
-                           "--tokens", "64", "--repeats", "2", "--bitwise-tokens", "4",
+    # one topology runs, sharded (TP 2; 4x1 does not fit two ranks and is skipped): each costs a
+    # torchrun and its ranks, each a Python that imports torch, for each backend
+    code = gpu_smoke.main(["--cpu-only", "--config", str(config), "--output-dir", str(out), "--max-ranks", "2",
+                           "--tokens", "16", "--repeats", "2", "--bitwise-tokens", "4",
                            "--backends", "pytorch-vocab-parallel-logp-ws2,cpu-vocab-parallel-logp-ws2"])
     return code, out, jsonio.load(out / "smoke.json")
 
@@ -60,7 +62,7 @@ def _reuse_the_kernel_stages(monkeypatch: pytest.MonkeyPatch, result: dict[str, 
 def test_cpu_only_smoke_passes_with_identical_fingerprints(smoke_run) -> None:
     code, out, result = smoke_run
     assert code == 0 and result["passed"] is True and result["failures"] == []
-    assert result["device"] == "cpu" and result["topologies_run"] == ["1x1", "2x1"]
+    assert result["device"] == "cpu" and result["topologies_run"] == ["2x1"] and result["topologies_skipped"] == ["4x1"]
     assert result["campaign_backends"] == ["pytorch-vocab-parallel-logp-ws2", "cpu-vocab-parallel-logp-ws2"]
     assert set(result["cpu_fingerprints"]) == {"pytorch-vocab-parallel-logp-ws2",
                                                "cpu-vocab-parallel-logp-ws2"}
@@ -69,7 +71,7 @@ def test_cpu_only_smoke_passes_with_identical_fingerprints(smoke_run) -> None:
     assert result["cpu_fingerprints"]["cpu-vocab-parallel-logp-ws2"] == expected
     for backend in result["campaign_backends"]:
         runs = result["device_fingerprints"][backend]
-        assert sorted(runs) == ["tp1-cp1", "tp2-cp1"] and all(p == expected for p in runs.values())
+        assert sorted(runs) == ["tp2-cp1"] and all(p == expected for p in runs.values())
         assert (out / f"campaign-cpu-{backend}" / "plan.json").exists()
     rows = result["timing"]["rows"]
     timed = {(row["path"], row["phase"]): row for row in rows if "median_s" in row}
@@ -92,7 +94,7 @@ def test_a_differing_cpu_fingerprint_fails_naming_topology_and_field(
 ) -> None:
     _, out, result = smoke_run
     reports = {label: jsonio.load(out / "campaign-cpu-pytorch-vocab-parallel-logp-ws2" / f"{label}.json")
-               for label in ("tp1-cp1", "tp2-cp1")}
+               for label in ("tp2-cp1",)}
     forged = {b: dict(p) for b, p in result["cpu_fingerprints"].items()}
     forged["cpu-vocab-parallel-logp-ws2"]["candidate_grad_sha256"] = "0" * 64
     monkeypatch.setattr(gpu_smoke, "run_device_campaign", lambda case, topologies, run_dir, timeout_s: reports)
@@ -124,7 +126,7 @@ def test_a_smoke_document_that_does_not_match_its_schema_is_not_written(
 ) -> None:
     _, out, result = smoke_run
     reports = {label: jsonio.load(out / "campaign-cpu-pytorch-vocab-parallel-logp-ws2" / f"{label}.json")
-               for label in ("tp1-cp1", "tp2-cp1")}
+               for label in ("tp2-cp1",)}
     rows = [dict(row) for row in result["timing"]["rows"]]
     next(row for row in rows if row["path"] == "floor")["median_s"] = median
     monkeypatch.setattr(gpu_smoke, "run_device_campaign", lambda case, topologies, run_dir, timeout_s: reports)
