@@ -6,10 +6,10 @@ every comparison is of bytes, never ``allclose``:
 
 * logp, LSE, entropy and gradient equal ``VocabParallelLogprob``'s for bf16/fp16/fp32, padded
   vocabularies, tile widths 1, 3, 128, 143 and 2374 (one full row of vocabulary 151936), 1 to
-  33 rows, with and without an LSE gradient, and the special values the specification defines
+  17 rows, with and without an LSE gradient, and the special values the specification defines
   (``-inf`` columns, signed zeros, subnormals, an all ``-inf`` row, NaN and ``+inf``);
-* per TP shard (TP = 1 to 8, a padding-only rank at TP=8) the kernels' tile partials, validity
-  flags and local gradient equal the eager chunk loop's;
+* per TP shard (TP = 1, 3, 5 and 8: uneven shards, a padding-only rank at TP=8) the kernels' tile
+  partials, validity flags and local gradient equal the eager chunk loop's;
 * the kernels' element functions (``E``, its forward form, ``L``, the binary16 upcast and rounding)
   agree with the eager reference on a million probe values and every binary16;
 * negative controls: a library ``tl.exp`` in place of ``E``, or 64 lanes in place of the
@@ -61,13 +61,14 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:(invalid value|overflow) encountered:RuntimeWarning"
 )
 
-# (real, padded, tiles, rows): tile widths 128, 143 (padding inside a tile), 1, 3 (33 rows),
+# (real, padded, tiles, rows): tile widths 128, 143 (padding inside a tile), 1, 3 (17 rows: the merge
+# kernel's 16-row programs and a partial one),
 # 3 (one row); the width 2374 is the full row of test_one_full_row_of_vocabulary_151936
 SHAPES = [
     (1000, 1024, 8, 7),
     (997, 1001, 7, 5),
     (13, 16, 16, 3),
-    (20, 24, 8, 33),
+    (20, 24, 8, 17),
     (20, 24, 8, 1),
 ]
 
@@ -117,11 +118,12 @@ def test_subnormal_and_non_finite_inputs(dtype: str) -> None:
     assert _run(_triton(), x, targets, active, contract, True) == eager
 
 
-@pytest.mark.parametrize("tp", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("tp", [1, 3, 5, 8])
 def test_every_tp_shard_computes_the_eager_partials_and_gradient(tp: int) -> None:
     # real 890 of 1024 columns in 16 tiles of 64: uneven shards (given as vocab_shard_bounds)
-    # at TP=3, 5, 6, 7; the last rank holds padding only at TP=8. The dtype cycles with the
-    # degree (every dtype at several degrees).
+    # at TP=3 and 5; the last rank holds padding only at TP=8. The dtype cycles with the degree
+    # (fp16, bf16, fp32, fp32). Every degree interprets the whole vocabulary (its ranks' shards
+    # together): the other degrees would repeat these paths with other bounds.
     tiles = 16
     counts = [tiles // tp + (r < tiles % tp) for r in range(tp)]
     edges = [64 * sum(counts[:r]) for r in range(tp + 1)]
