@@ -118,8 +118,8 @@ def test_the_kernels_cut_keeps_the_eager_searchs_set() -> None:
 
 
 # ----- TP x CP with the fused C backend: one launch, many checks ------------------------------------
-TOPOLOGIES = [(2, 1, "contiguous"), (4, 1, "contiguous"), (8, 1, "contiguous"), (2, 2, "zigzag"),
-              (4, 2, "contiguous")]
+# TP 4 at CP 2 (every topology runs on all eight ranks: one less is a fifth less of the launch)
+TOPOLOGIES = [(2, 1, "contiguous"), (8, 1, "contiguous"), (2, 2, "zigzag"), (4, 2, "contiguous")]
 MESH_CASES = {"bf16-all": ("bf16", "all"), "bf16-per_row": ("bf16", "per_row"), "fp32-top_k3": ("fp32", "top_k3"),
               "fp16-top_p0.9": ("fp16", "top_p0.9")}
 SEQS, SEQ_LEN = 2, 12
