@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
+import functools
 import re
 import subprocess
 import sys
@@ -379,8 +380,14 @@ _BRANCH_TARGET = re.compile(r"`\(([.$][\w.$]+)\)")
 _PREDICATE_OPERAND = re.compile(r"^!?U?P[T0-9]+\s*,")
 
 
+@functools.lru_cache(maxsize=512)
 def read_sass(cubin: bytes) -> Sass:
-    """Disassemble a cubin (``nvdisasm -c``) and read its resources (``cuobjdump --dump-resource-usage``)."""
+    """Disassemble a cubin (``nvdisasm -c``) and read its resources (``cuobjdump --dump-resource-usage``).
+
+    Read once a process for each cubin (its bytes are the key): the roofline, its variants and gpu-smoke's
+    comparison of the launched binaries meet the same kernels again (the merge and target kernels of
+    every variant, a roofline kernel and its launched twin), and each reading is two processes. Callers
+    share the returned value and do not change it."""
     with tempfile.TemporaryDirectory(prefix="rl_engine-sass-") as tmp:
         path = Path(tmp) / "kernel.cubin"
         path.write_bytes(cubin)
