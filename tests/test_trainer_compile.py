@@ -189,8 +189,9 @@ def _count_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def _kept_across_recompiles(backend: str, lengths: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled step with ``keep_logits=True`` against the eager step without it: the same bytes at
-    each length, and the compiled backward makes no product (the forward op's fourth output, whose row
-    count the fake gives as a size known only at run time, reaches the backward op)."""
+    each length (under inductor the loss excepted: inductor's own sum), and the compiled backward
+    makes no product (the forward op's fourth output, whose row count the fake gives as a size known
+    only at run time, reaches the backward op)."""
     torch._dynamo.reset()
     compiled = torch.compile(_kept_step, fullgraph=True, backend=backend)
     calls = _count_products(monkeypatch)
@@ -206,7 +207,8 @@ def _kept_across_recompiles(backend: str, lengths: tuple[int, ...], monkeypatch:
             backward_products.append(len(calls))
             found.append([tensor_bytes(o) for o in outs] + [tensor_bytes(hidden.grad), tensor_bytes(weight.grad)])
         assert backward_products == [-(-(2 * seq - 2) // 5), 0], seq  # eager recomputes per chunk; kept: none
-        assert found[1] == found[0], seq
+        first = 1 if backend == "inductor" else 0  # inductor's loss is its own sum (see the inductor test below)
+        assert found[1][first:] == found[0][first:], seq
 
 
 def test_a_compiled_fused_head_keeping_its_logits_gives_the_recomputing_eager_bytes_across_recompiles(
