@@ -6,8 +6,9 @@ ISA), with the argument types, constants and the **specialization Triton applies
 own binder from the backend's own launches (:func:`rl_engine.logprob.backends.triton.triton_aot.launch_variants`).
 Every floating-point instruction of the PTX must be an IEEE round-to-nearest operation, and the
 fused multiply-adds exactly the ones ``docs/arithmetic.md`` writes: 10 per column in the forward
-with entropy (9 in ``E``, one in ``G*``), 9 in the backward, whatever the logits' dtype (a binary16
-logit is widened by ``cvt.f32.f16``, exact); the AMD ISA the same, outside any division sequence.
+with entropy (9 in ``E``, one in ``G*``), 9 in the backward (a binary16 gradient's rounding one more, its
+product exact; a binary16 logit is widened by ``cvt.f32.f16``, exact); the AMD ISA the same, outside
+any division sequence.
 Negative controls: the forward with fusion on holds more FMAs; a plain ``/``
 gives a non-IEEE division on NVIDIA; the AMD rule classifies ``div_rn``'s FMA steps as division
 steps. The roofline of the launched binaries (``python -m rl_engine.logprob.backends.triton.triton_aot
@@ -160,8 +161,13 @@ def spec_fma(variant: triton_aot.Variant, threads: int) -> int:
         per = triton_aot.FMA_PER_COLUMN["forward_entropy" if _flag(variant, "WITH_ENTROPY") else "forward"]
     else:
         slots = int(_const(variant, "BLOCK" if variant.kernel == "backward_kernel" else "ROWS"))
-        per = triton_aot.FMA_PER_COLUMN["backward"]
+        per = triton_aot.FMA_PER_COLUMN["backward"] + _f16_round(variant)
     return per * slots // threads
+
+
+def _f16_round(variant: triton_aot.Variant) -> int:
+    """The FMAs a column of the binary16 rounding adds to a backward launch (none for other dtypes)."""
+    return triton_aot.F16_ROUND_FMA_PER_COLUMN if int(_const(variant, "DTYPE")) == 2 else 0
 
 
 @pytest.mark.parametrize("backend,arch", TARGETS, ids=lambda t: str(t))
@@ -192,8 +198,10 @@ def tempered_fma(variant: triton_aot.Variant, threads: int) -> int:
         if _flag(variant, "SPLIT"):  # the logit's division: the split quotient
             steps = triton_aot.SPLIT_FMA_PER_COLUMN
         grad_steps = division.STEPS["float32"] * triton_aot.MARKSTEIN_FMA_PER_STEP
-        return (2 * triton_aot.FMA_PER_COLUMN["backward"] + steps + grad_steps) * int(_const(variant, "BLOCK")) // threads
-    return triton_aot.FMA_PER_COLUMN["backward"] * int(_const(variant, "ROWS")) // threads
+        per = 2 * triton_aot.FMA_PER_COLUMN["backward"] + steps + grad_steps + _f16_round(variant)
+        return per * int(_const(variant, "BLOCK")) // threads
+    per = triton_aot.FMA_PER_COLUMN["backward"] + _f16_round(variant)
+    return per * int(_const(variant, "ROWS")) // threads
 
 
 # FMA-class instructions of one IEEE division on gfx942 (v_fma_f32 five times and v_div_fmas_f32: the

@@ -90,8 +90,8 @@ CANONICAL_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)
 NEG_INF_BITS: tl.constexpr = tl.constexpr(-8388608)  # 0xFF800000
 POS_INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)
 # the one rounding to binary16 (section 8)
-F16_UNSCALE: tl.constexpr = tl.constexpr(2.0**-112)  # 2**(15 - 127)
-F16_OVERFLOW: tl.constexpr = tl.constexpr(65536.0)  # 2**16: rounds to binary16 infinity
+F16_GRID_BITS: tl.constexpr = tl.constexpr(0x06C1C400)  # bits(1.5 * 2**13) - bits(1.0) + (113 << 10)
+F16_INFINITY_BITS: tl.constexpr = tl.constexpr(0x7C00)  # binary16 infinity: the magnitude's cap
 F16_MIN_NORMAL: tl.constexpr = tl.constexpr(2.0**-14)
 F16_MAGIC: tl.constexpr = tl.constexpr(12288.0)  # 1.5 * 2**13: its ulp at 2**e is binary16's at 2**e
 DT_F32: tl.constexpr = tl.constexpr(0)
@@ -405,20 +405,24 @@ def forward_partials_kernel(
 def round_f16_bits(u):
     """Section 8: binary32 bits ``u`` to binary16 bits (in the low 16 bits), IEEE round to nearest
     even with subnormal results and overflow to infinity, any NaN the canonical ``0x7E00``; with
-    binary32 operations, each exact but the one addition that rounds:
+    binary32 operations, each exact but the one that rounds, and integer ones:
 
-    ``a = min(|f|, 2**16)`` (``2**16`` and above round to infinity); ``c = 1.5 * 2**13 * max(2**e,
-    2**-14)`` for ``a``'s binade ``2**e`` (its ulp is binary16's ulp at ``a``: ``2**(e - 10)``, and
-    ``2**-24`` for a binary16 subnormal), so ``(a + c) - c`` is ``a`` rounded to binary16 (the
-    addition rounds to nearest even on the same grid, the subtraction is exact); times ``2**-112``
-    its binary32 bits shifted right by 13 are the binary16 magnitude's bits (a binary16 subnormal
-    becomes a binary32 subnormal, ``2**16`` the exponent 31 of infinity); then the sign."""
+    ``b = max(2**e, 2**-14)`` for the binade ``2**e`` of ``f`` (its exponent bits) and ``c = 1.5 *
+    2**13 * b``, whose binade's ulp is binary16's ulp at ``|f|`` (``2**(e - 10)``, and ``2**-24`` for a
+    binary16 subnormal): ``s = fma(b, 1.5 * 2**13, |f|)`` (an exact product: the one rounding of
+    ``|f| + c``) is ``c`` plus ``|f|`` rounded to nearest even on binary16's grid and lies in ``c``'s
+    binade, so ``bits(s) - bits(c)`` counts the ulps of that rounded ``|f|``: ``2**10`` times its
+    significand with the implicit bit (its bits for a binary16 subnormal). Adding ``(e + 14) << 10``
+    (the binary16 exponent field less one; ``0`` below ``2**-14``) gives the magnitude's binary16 bits,
+    a carry into the exponent included: with ``bits(c) = bits(b) + 0x06C00000`` and ``(e + 14) << 10 =
+    (bits(b) >> 13) - 0x1C400``, ``bits(s) - bits(b) + (bits(b) >> 13) - 0x06C1C400``. From ``65520``
+    up that is ``0x7C00`` (infinity) or more, and where ``c`` or the sum overflows (``s`` infinite, ``f``
+    infinite included) it is negative: taken as unsigned and capped at ``0x7C00``. Then the sign."""
     f = u.to(tl.float32, bitcast=True)
-    a = tl.minimum(tl.abs(f), F16_OVERFLOW)
-    binade = (a.to(tl.int32, bitcast=True) & POS_INF_BITS).to(tl.float32, bitcast=True)
-    c = tl.maximum(binade, F16_MIN_NORMAL) * F16_MAGIC
-    r = (a + c) - c
-    out = ((r * F16_UNSCALE).to(tl.int32, bitcast=True) >> 13) | ((u >> 16) & 0x8000)
+    b = tl.maximum((u & POS_INF_BITS).to(tl.float32, bitcast=True), F16_MIN_NORMAL).to(tl.int32, bitcast=True)
+    s = tl.fma(b.to(tl.float32, bitcast=True), F16_MAGIC, tl.abs(f)).to(tl.int32, bitcast=True)
+    mag = tl.minimum(((s - b - F16_GRID_BITS) + (b >> 13)).to(tl.uint32, bitcast=True), F16_INFINITY_BITS)
+    out = mag.to(tl.int32, bitcast=True) | ((u >> 16) & 0x8000)
     return tl.where(f != f, 0x7E00, out)
 
 
