@@ -449,18 +449,20 @@ def test_the_bf16_kernels_at_a_temperature_are_within_1_25x_of_the_h100_floor(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("entropy,validate,temperature", [(True, True, 1.0), (False, False, 1.0), (True, True, 0.7),
-                                                          (False, False, 0.7)])
+@pytest.mark.parametrize("entropy,validate,temperature,entropy_grad", [
+    (True, True, 1.0, False), (False, False, 1.0, False), (True, True, 0.7, False), (False, False, 0.7, False),
+    (True, True, 0.7, True)])
 def test_the_fp16_kernels_are_within_1_3x_of_the_h100_floor(roofline_of: Any, entropy: bool, validate: bool,
-                                                            temperature: float) -> None:
-    """binary16 logits ("fp16 at the floor"), without and with a temperature: forward and
-    forward+backward within 1.3x of the H100 floor on the launched kernels' fast path (no spill, no
-    loop). Each logit is widened by one ``HADD2.F32`` (ptxas's ``cvt.f32.f16``, exact) that reads
+                                                            temperature: float, entropy_grad: bool) -> None:
+    """binary16 logits ("fp16 at the floor"), without and with a temperature (and the entropy's
+    gradient): forward and forward+backward within 1.3x of the H100 floor on the launched kernels'
+    fast path (no spill, no loop). Each logit is widened by one ``HADD2.F32`` (ptxas's ``cvt.f32.f16``, exact) that reads
     its half of a 32-bit register: 76 a thread in the forward (19 chunks of 4 columns, one reading
     for both passes; at ``T = 0.7`` 76 more on the guard's IEEE path, which reads the tile again) and
     16 in a backward block's thread; at ``T = 0.7`` the forward and the blocks divide by the split
     quotient. (The counts are static: without a temperature the code is straight.)"""
-    _, doc = roofline_of(dtype=torch.float16, entropy=entropy, validate=validate, temperature=temperature)
+    _, doc = roofline_of(dtype=torch.float16, entropy=entropy, validate=validate, temperature=temperature,
+                         entropy_grad=entropy_grad)
     assert doc["case"]["dtype"] == "fp16"
     for kernel in doc["kernels"]:
         assert kernel["local_bytes"] == 0 and kernel["loops"] is False, kernel["name"]
