@@ -125,14 +125,23 @@ def test_a_backend_without_per_row_temperature_in_processed_logprobs_is_refused_
     assert "sampling" not in dict(case_problems({**values, "sampling": "case"}))  # negative control
 
 
-def test_a_capture_without_sampling_tensors_is_refused_before_any_rank_reads_it(tmp_path: Path) -> None:
+def test_a_capture_without_sampling_tensors_is_refused_before_any_rank_reads_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """File-free, the case cannot see the tensors; where the file is read (the workflow's config check,
     every rank before any collective, the replay) it is refused naming the four tensors."""
+    from rl_engine.campaign import run
     from rl_engine.campaign.replay import replay_candidate
     from rl_engine.workflow import WorkflowConfigError, check_config
 
     bare = write_tiny_capture(tmp_path / "bare.safetensors")
     case = capture_case(bare, sampling="capture").to_dict()
+    write_case_file(tmp_path / "case.json", capture_case(bare, sampling="capture"), ((1, 1), (2, 2)))
+    assert cli.main(["plan", "--case", str(tmp_path / "case.json"), "--output", str(tmp_path / "plan.json")]) == 0
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)  # a rank of 1x1 in this process: it refuses before the process group
+    capsys.readouterr()
+    assert run.main([str(tmp_path / "plan.json"), "--tp", "1", "--cp", "1"]) == 2
+    assert "carries no sampling tensors" in capsys.readouterr().err and not (tmp_path / "tp1-cp1.json").exists()
     with pytest.raises(CaptureError, match=r"carries no sampling tensors \(temperature, top_k, top_p, min_p\)"):
         require_sampling_tensors(case)
     with pytest.raises(CaptureError, match="carries no sampling tensors"):
