@@ -259,6 +259,23 @@ def test_tp_and_cp_give_the_single_rank_bytes_at_the_captured_sampling(sampled_r
     assert {r["cp_rank"] for r in reports["2x2"]["topology"]["ranks"]} == {0, 1}
 
 
+def test_report_acceptance_counts_the_kept_targets_at_the_captured_sampling(sampled_run) -> None:
+    """The validation gate's acceptance of a report at the captured sampling: dlogp counted over the
+    active rows whose target each row's kept set holds; the same report read as a case without the
+    option (every active row counted) is refused naming the count."""
+    from rl_engine.evidence.acceptance import check_report
+
+    run_dir, reports = sampled_run
+    report = reports["2x2"]
+    assert check_report(report, "tp2-cp2.json", run_dir) == []
+    count = report["drift"]["fp32_oracle"]["dlogp"]["count"]
+    assert 0 < count < int(sampled_capture().active.sum())
+    plain = json.loads(json.dumps(report))
+    del plain["case"]["sampling"]
+    found = [f"{f.field}: {f.message}" for f in check_report(plain, "tp2-cp2.json", run_dir)]
+    assert any(f.startswith("drift.fp32_oracle.dlogp.count") for f in found), found
+
+
 def test_verify_recomputes_and_replays_the_run_and_refuses_a_tampered_sampling_tensor(
         sampled_run, sampled: Path, tmp_path: Path) -> None:
     """``verify``'s recompute (inputs, oracle drift at each row's parameters) and replay pass with the
@@ -327,3 +344,18 @@ def test_the_described_capability_is_what_each_engine_does(sampled: Path) -> Non
     with pytest.raises(LogprobContractError, match="does not compute processed logprobs .* with a temperature per row"):
         _refuse_row_temperature(kwargs["temperature"])
 
+
+
+def test_summary_and_reproduce_yaml_say_which_sampling_the_campaign_used(sampled: Path) -> None:
+    """SUMMARY.md's Inputs line names the sampling (the capture's per-row, or the case's own); its
+    reproduce.yaml carries ``sampling: capture`` back into a config whose case is this one."""
+    from rl_engine.campaign.case import config_case_fields, record_config
+    from rl_engine.evidence.summary import inputs_text
+
+    on, off = capture_case(sampled, sampling="capture"), capture_case(sampled)
+    assert "Sampling: each row's own temperature, top_k, top_p and min_p" in inputs_text(on.to_dict())
+    assert "Sampling: the case's own" in inputs_text(off.to_dict())
+    for case in (on, off):
+        config = {**record_config(case.to_dict(), ((1, 1), (2, 2))), "campaign": "x"}
+        assert ("sampling" in config) is (case is on)
+        assert Case(**config_case_fields(config, case.capture)) == case
