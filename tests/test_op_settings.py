@@ -206,3 +206,24 @@ def test_under_compile_another_temperature_recompiles_and_the_same_one_reuses_th
     if dynamic is False:
         assert frames == [1, 1, 2, 3, 3, 3, 4]
     assert found[0.3] != found[0.7]
+
+
+def test_the_encoder_carries_the_decorator_s_mark_and_importing_the_ops_leaves_dynamo_unloaded() -> None:
+    """``_encoded`` carries exactly what ``torch.compiler.assume_constant_result`` puts on a function (the
+    compile test above shows dynamo honours it: ``fullgraph`` traces the call as a constant, which it
+    cannot trace), and a Python that imports the ops (the API and the fused head) and calls them does
+    not load ``torch._dynamo`` (about 1 s of CPU a process)."""
+    import subprocess
+    import sys
+
+    from rl_engine.logprob import op_settings
+
+    marked = torch.compiler.assume_constant_result(lambda: None)
+    assert set(vars(marked)) == {"_dynamo_marked_constant"}
+    assert {name: getattr(op_settings._encoded, name, None) for name in vars(marked)} == vars(marked)
+    probe = ("import sys, torch; from rl_engine.logprob import selected_logprob, selected_logprob_from_hidden; "
+             "t = torch.tensor([1, 2]); selected_logprob(torch.zeros(2, 64), t, num_vocab_tiles=4); "
+             "selected_logprob_from_hidden(torch.zeros(1, 2, 8), torch.zeros(64, 8), t.view(1, 2), num_vocab_tiles=4); "
+             "print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0 and done.stdout.split() == ["False"], done.stderr[-2000:]

@@ -224,11 +224,17 @@ def concrete(value: Any) -> Any:
     return float.fromhex(value.hex())
 
 
-@torch.compiler.assume_constant_result
 def _encoded(cls: type[OpSettings], fields: tuple[tuple[str, Any], ...]) -> str:
     """Run outside the traced graph (dynamo cannot trace ``json``'s C encoder); its result is a
     constant of the graph, guarded by the values ``fields`` came from."""
     return cls(**dict(fields)).encode()
+
+
+# The mark ``torch.compiler.assume_constant_result`` puts on a function (dynamo reads it where it meets
+# the call), set here without that decorator's import of ``torch._dynamo``: about 1 s of CPU in every
+# process that imports the ops and never compiles (a trainer's workers, a benchmark's probes). The
+# attribute is held to the decorator's in tests/test_op_settings.py.
+_encoded._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def settings_text(cls: type[OpSettings], **fields: Any) -> str:
