@@ -53,10 +53,11 @@ def write_tiny_capture(path: Path, seed: int = 5) -> Path:
     return path
 
 
-def write_trainer_side(path: Path, seed: int = 5, scale: float = 1.001) -> Path:
-    """The same tokens, targets and mask as :func:`tiny_capture` (``seed``), the logits in fp32 and
-    scaled by ``scale``: a trainer's capture whose logits differ from the rollout's on every token."""
-    rollout = tiny_capture(seed)
+def write_trainer_side(path: Path, seed: int = 5, scale: float = 1.001, rollout: Capture | None = None) -> Path:
+    """The same tokens, targets and mask as ``rollout`` (default :func:`tiny_capture` of ``seed``), the
+    logits in fp32 and scaled by ``scale``: a trainer's capture whose logits differ from the rollout's on
+    every token."""
+    rollout = tiny_capture(seed) if rollout is None else rollout
     meta = build_metadata(engine="test-trainer", engine_version="0", model="seeded-randn", dtype="fp32",
                           notes=f"tests/_capture_case.py seed {seed} x {scale}")
     write_capture(path, Capture(rollout.logits.float() * scale, rollout.targets, rollout.active, None, meta))
