@@ -100,7 +100,7 @@ def campaign_to_archive(tmp_path: Path, case: Case, topologies: tuple[str, ...],
     success."""
     from rl_engine import cli
 
-    from _evidence_run import copy_recorded, pack
+    from _evidence_run import copy_recorded, declared_files, pack
 
     run_dir = tmp_path / "rl-engine-test-run"
     (run_dir / "logs").mkdir(parents=True)
@@ -114,5 +114,5 @@ def campaign_to_archive(tmp_path: Path, case: Case, topologies: tuple[str, ...],
     for verb, out in (("validate", "validation.json"), ("crosscheck", "crosscheck.json"), ("summary", "SUMMARY.md")):
         assert cli.main([verb, "--run-dir", str(run_dir), "--output", str(run_dir / out)]) == 0, verb
     archive = tmp_path / "out" / f"{run_dir.name}.tar.gz"
-    assert pack(run_dir, archive) == 0
+    assert pack(run_dir, archive, declared_files(run_dir, topologies)) == 0
     return run_dir, archive
