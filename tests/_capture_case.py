@@ -48,6 +48,43 @@ def ragged_capture(prompts: tuple[int, ...] = (2, 5), seed: int = 5) -> Capture:
     return Capture(base.logits, targets, active, None, meta)
 
 
+# Per-row sampling of a rollout batch that mixes requests (one value per token of the 16): rows at
+# temperature != 1, with and without truncation, every parameter alone and combined.
+ROW_TEMPERATURE = (1.0, 0.7, 1.3, 0.5, 1.0, 0.9, 2.0, 0.7, 1.0, 0.6, 1.1, 1.0, 0.8, 1.5, 0.7, 1.0)
+ROW_TOP_K = (0, 3, 0, 0, 5, 0, 2, 0, 0, 0, 4, 40, 0, 1, 0, 0)
+ROW_TOP_P = (1.0, 1.0, 0.9, 1.0, 1.0, 0.5, 1.0, 0.8, 1.0, 1.0, 0.7, 0.95, 1.0, 1.0, 0.3, 1.0)
+ROW_MIN_P = (0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.0, 0.2, 0.0, 0.0, 0.0, 0.02, 0.0, 0.0, 0.0)
+
+
+def row_sampling(**changes: tuple[float, ...]) -> Any:
+    """The per-row :class:`~rl_engine.capture.RowSampling` of :data:`ROW_TEMPERATURE` and the rest
+    (``changes`` replace a parameter's 16 values)."""
+    from rl_engine.capture.format import RowSampling
+
+    values = {"temperature": ROW_TEMPERATURE, "top_k": ROW_TOP_K, "top_p": ROW_TOP_P, "min_p": ROW_MIN_P, **changes}
+    return RowSampling(torch.tensor(values["temperature"], dtype=torch.float32),
+                       torch.tensor(values["top_k"], dtype=torch.int64),
+                       torch.tensor(values["top_p"], dtype=torch.float32),
+                       torch.tensor(values["min_p"], dtype=torch.float32))
+
+
+OUTSIDE_ROWS = (4, 13)  # active rows whose random target falls outside the row's kept set (top_k 5 and 1)
+
+
+def sampled_capture(seed: int = 5, **changes: tuple[float, ...]) -> Capture:
+    """:func:`tiny_capture` with the rollout's per-row sampling tensors (:func:`row_sampling`) and, as a
+    sampler draws them, targets among each active row's largest logits (the ``row % 3``-th largest),
+    except on :data:`OUTSIDE_ROWS`, which keep :func:`tiny_capture`'s random targets."""
+    base = tiny_capture(seed)
+    ranked = base.logits.float().argsort(dim=1, descending=True, stable=True)
+    rows = torch.arange(BATCH * SEQ)
+    targets = torch.where(base.active, ranked[rows, rows % 3], base.targets)
+    targets[list(OUTSIDE_ROWS)] = base.targets[list(OUTSIDE_ROWS)]
+    meta = build_metadata(engine="test", engine_version="0", model="seeded-randn", dtype="bf16",
+                          notes=f"tests/_capture_case.py seed {seed}, per-row sampling")
+    return Capture(base.logits, targets, base.active, None, meta, sampling=row_sampling(**changes))
+
+
 def write_tiny_capture(path: Path, seed: int = 5) -> Path:
     write_capture(path, tiny_capture(seed))
     return path

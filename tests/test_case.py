@@ -44,8 +44,12 @@ def test_schema_enums_are_the_tables() -> None:
     assert CONFIG_SCHEMA["topologies"]["minItems"] == tables.MIN_MATRIX_TOPOLOGIES
     assert set(tables.TORCH_DTYPE_NAMES.values()) <= set(DEFS["torch_dtype_name"]["enum"])
     # every field is required but the optional capture record (a case on the input recipe has none)
-    # and the temperature (absent at 1) and the processed-logprob parameters (absent when off)
-    optional = {"capture", "temperature", "top_k", "top_p", "min_p"}
+    # and the temperature (absent at 1), the processed-logprob parameters (absent when off) and the
+    # sampling source (absent at its default "case")
+    optional = {"capture", "temperature", "top_k", "top_p", "min_p", "sampling"}
+    assert CONFIG_SCHEMA["sampling"]["enum"] == list(casemod.SAMPLING_SOURCES)
+    assert DEFS["case_common"]["properties"]["sampling"]["const"] == casemod.CAPTURED_SAMPLING
+    assert set(casemod.SCALAR_SAMPLING) == {"temperature", *casemod.SAMPLING_DEFAULTS}
     assert set(DEFS["case_common"]["required"]) == {f.name for f in dataclasses.fields(Case)} - optional
     assert set(DEFS["case_common"]["properties"]) == {f.name for f in dataclasses.fields(Case)}
 

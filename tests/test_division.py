@@ -261,21 +261,21 @@ def test_the_split_check_refuses_a_temperature_where_a_significand_is_off() -> N
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the test extra installs triton")
-def test_the_binary16_split_constants_carry_two_to_the_112() -> None:
-    """The forward reads binary16 as ``v = h * 2**-112`` (exact, a binary32 subnormal for small
-    ``h``); ``split_args`` passes ``r_hi * 2**112`` and ``r_lo * 2**112``, so ``fma(v, r_lo', v * r_hi')``
-    is the split quotient of ``h``, on every finite binary16 value; ``None`` where the check refuses
-    the temperature, for binary32 logits, and where ``r_hi * 2**112`` would overflow (``T32 = 2**-20``)."""
+def test_the_kernels_split_constants_are_the_checked_ones() -> None:
+    """The Triton kernels widen a binary16 or bf16 logit exactly and divide it by ``split_args``'s
+    constants: :func:`division.split_reciprocal`'s as they are (for binary16 too: ``T32 = 2**-20``,
+    ``r_hi = 2**20``, included), so for binary16, whose every finite value is a normal binary32
+    value, ``fma(h, r_lo, h * r_hi)`` is the IEEE quotient on every one; ``None`` where the check
+    refuses the temperature and for binary32 logits."""
     from rl_engine.logprob.backends.triton.triton_backend import split_args
 
     h = _values("float16")
-    v = np.multiply(h, F32(2.0 ** -112))
-    assert np.array_equal(np.multiply(v, F32(2.0 ** 112)), h)
-    for t in (0.7, 2.7, 0.0731, 1e-4):
-        t32 = float(F32(t))
-        r_hi, r_lo = split_args(t32, torch.float16)
-        got = fma32(v, np.full_like(v, F32(r_lo)), np.multiply(v, F32(r_hi)))
-        assert np.array_equal(_bits(got), _bits(division.split_quotient(h, *division.split_reciprocal(t32, "float16")))), t
-        assert np.array_equal(_bits(got), _bits(np.divide(h, F32(t32)))), t
+    for dtype, torch_dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16)):
+        for t in (0.7, 2.7, 0.0731, 1e-4, 2.0 ** -20):
+            t32 = float(F32(t))
+            r_hi, r_lo = split_args(t32, torch_dtype)
+            assert (r_hi, r_lo) == division.split_reciprocal(t32, dtype), (dtype, t)
+            if dtype == "float16":
+                got = fma32(h, np.full_like(h, F32(r_lo)), np.multiply(h, F32(r_hi)))
+                assert np.array_equal(_bits(got), _bits(np.divide(h, F32(t32)))), t
     assert split_args(SPLIT_REFUSED_F16, torch.float16) is None and split_args(0.7, torch.float32) is None
-    assert split_args(2.0 ** -20, torch.float16) is None and split_args(2.0 ** -20, torch.bfloat16) is not None

@@ -286,7 +286,7 @@ def test_the_triton_kernels_split_quotient_gives_numpys_bytes_and_is_what_runs(
             launch.meta["SPLIT"] for launch in triton_backend.backward_launches(x, torch.empty(8), terms, x, torch_dtype)
             if launch.kernel == "backward_kernel"]
 
-    assert real_split(t32, torch_dtype) is not None and real_split(t32, torch_dtype, placed=False) is not None
+    assert real_split(t32, torch_dtype) is not None
     assert launched() == [True, True]  # the forward's partials, the backward's one (last) block of 320 columns
     assert _edge_run(triton, x, targets, active, w_logp, w_lse, contract) == want
     monkeypatch.setattr(triton_backend, "split_args", lambda *args, **kwargs: (
@@ -298,27 +298,28 @@ def test_the_triton_kernels_split_quotient_gives_numpys_bytes_and_is_what_runs(
     assert _edge_run(triton, x, targets, active, w_logp, w_lse, contract) == want
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("temperature", [0.25, 0.7])
-def test_a_tile_without_a_finite_logit_under_the_split_quotient(temperature: float) -> None:
-    """bf16 with the split quotient divides each tile's maximum by it too; a tile without a real
-    column (the last of 4 tiles of 80 when the real vocabulary is 230: maximum ``-inf``, minimum
-    ``+inf``, not exotic) keeps ``-inf`` (at ``T = 0.25``, ``r_lo = 0`` and ``-inf * r_lo`` is NaN),
-    and so does a tile of real ``-inf`` logits (row 0's second: exotic): NumPy's bytes, gradient
-    included, on :func:`_edge_inputs`' rows (``r_lo`` as said: ``0`` at 0.25, positive at 0.7)."""
+def test_a_tile_without_a_finite_logit_under_the_split_quotient(temperature: float, dtype: str) -> None:
+    """bf16 and binary16 with the split quotient divide each tile's maximum by it too; a tile without
+    a real column (the last of 4 tiles of 80 when the real vocabulary is 230: maximum ``-inf``,
+    minimum ``+inf``, not exotic) keeps ``-inf`` (at ``T = 0.25``, ``r_lo = 0`` and ``-inf * r_lo`` is
+    NaN), and so does a tile of real ``-inf`` logits (row 0's second: exotic): NumPy's bytes, gradient
+    included, on :func:`_edge_inputs`' rows (``r_lo`` as said: ``0`` at 0.25, non-zero at 0.7)."""
     pytest.importorskip("triton")
     from rl_engine.logprob.backends.triton import triton_backend
 
     tiles, real = 4, 230
-    x, targets, active, w_logp, w_lse = _edge_inputs("bf16")
+    x, targets, active, w_logp, w_lse = _edge_inputs(dtype)
     x[0, 80:160] = float("-inf")
     targets = targets % real
-    contract = _contract("bf16", real, 320, tiles, 8, temperature=temperature)
-    r_lo = triton_backend.split_args(temperature32(temperature), torch.bfloat16)[1]
+    contract = _contract(dtype, real, 320, tiles, 8, temperature=temperature)
+    r_lo = triton_backend.split_args(temperature32(temperature), DTYPES_TORCH[dtype])[1]
     assert (r_lo == 0.0) == (temperature == 0.25)
-    arr = x.view(torch.int16).numpy().view(np.uint16)
-    logp, lse, ent = spec_numpy.forward(arr, NUMPY_DTYPES["bf16"], targets.numpy(), active.numpy(), real, tiles,
+    arr = x.view(torch.int16).numpy().view(np.uint16) if dtype == "bf16" else x.numpy()
+    logp, lse, ent = spec_numpy.forward(arr, NUMPY_DTYPES[dtype], targets.numpy(), active.numpy(), real, tiles,
                                         True, temperature=temperature)
-    grad = spec_numpy.backward(arr, NUMPY_DTYPES["bf16"], targets.numpy(), active.numpy(), lse, w_logp.numpy(),
+    grad = spec_numpy.backward(arr, NUMPY_DTYPES[dtype], targets.numpy(), active.numpy(), lse, w_logp.numpy(),
                                w_lse.numpy(), real, tiles, temperature=temperature)
     want = {"logp": logp.tobytes(), "lse": lse.tobytes(), "entropy": ent.tobytes(), "grad": grad.tobytes()}
     assert _edge_run(_engines()["triton"], x, targets, active, w_logp, w_lse, contract) == want

@@ -30,7 +30,7 @@ import torch
 
 from rl_engine import jsonio
 from rl_engine.campaign import inputs  # inputs.make_inputs looked up at call time (a test spies on it)
-from rl_engine.capture.format import CaptureError, Header, read_capture, read_header
+from rl_engine.capture.format import CaptureError, Header, RowSampling, read_capture, read_header, read_sampling
 from rl_engine.capture.shard import rank_inputs
 from rl_engine.rundir import CAPTURE
 from rl_engine.verb_parsers import copy_capture_parser
@@ -152,6 +152,34 @@ def case_rank_inputs(case: Mapping[str, Any], contract: Any) -> tuple[torch.Tens
     return inputs.make_input_part(case, contract.token_indices, contract.vocab_start, contract.vocab_end)
 
 
+def captures_sampling(case: Mapping[str, Any]) -> bool:
+    """Whether a case record runs at its capture's per-row sampling (``sampling: capture``)."""
+    return case.get("sampling") == "capture" and case.get("capture") is not None
+
+
+def require_sampling_tensors(case: Mapping[str, Any], path: str | os.PathLike[str] | None = None) -> None:
+    """A case at its capture's sampling (``sampling: capture``) needs a capture that carries the four
+    sampling tensors: refused by name from the header alone, where the file is first read (the
+    workflow's config check, every rank before any collective), before any job or collective starts."""
+    if captures_sampling(case):
+        where = Path(path if path is not None else case["capture"]["path"])
+        header = read_header(where)
+        if "temperature" not in header.entries:
+            read_sampling(where, header)  # raises, naming the tensors and the fix
+
+
+def case_row_sampling(case: Mapping[str, Any], path: str | os.PathLike[str] | None = None,
+                      rows: Any = None) -> RowSampling | None:
+    """The capture's per-row sampling tensors (temperature, top_k, top_p, min_p) of the rows ``rows``
+    (default: every row) of a case at its capture's sampling (``sampling: capture``), read from
+    ``path`` (default: the recorded path; its hash is the caller's to check first), or None for any
+    other case (its sampling is its own, :func:`rl_engine.campaign.case.record_op_sampling`)."""
+    if not captures_sampling(case):
+        return None
+    where = Path(path if path is not None else case["capture"]["path"])
+    return read_sampling(where, read_header(where), None if rows is None else list(rows))
+
+
 def replay_source(record: Mapping[str, Any], root: str | os.PathLike[str],
                   given: str | os.PathLike[str] | None) -> Path:
     """The capture ``verify --recompute`` replays from: ``given`` (``--capture PATH``), else the
@@ -231,5 +259,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["capture_record", "case_inputs", "case_rank_inputs", "check_file", "check_header", "copy_capture", "file_sha256",
+__all__ = ["capture_record", "captures_sampling", "case_inputs", "case_rank_inputs", "case_row_sampling",
+           "check_file", "require_sampling_tensors", "check_header", "copy_capture", "file_sha256",
            "full_capture", "main", "replay_source"]

@@ -39,7 +39,11 @@ from typing import Any, Mapping, Sequence
 from rl_engine import jsonio, schemas
 from rl_engine.arith.temperature import TemperatureError, temperature32
 from rl_engine.distributed.bounds import BoundsError, check_cp_split, even_vocab_shards, tile_width
-from rl_engine.logprob.backends.description import backend_devices, interpreter_devices
+from rl_engine.logprob.backends.description import (
+    backend_devices,
+    interpreter_devices,
+    processed_row_temperature_backends,
+)
 from rl_engine.tables import (
     AUTO,
     CP_LAYOUTS,
@@ -236,6 +240,51 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
             "token there is no logprob to compare; lower prompt_tokens or raise seq")
     if values.get("capture") is not None:
         found += [("capture", m) for m in capture_problems(values["capture"], values)]
+    if "sampling" in values:
+        found += [("sampling", m) for m in sampling_source_problems(values, {n for n, _ in found})]
+    return found
+
+
+SAMPLING_SOURCES: tuple[str, ...] = ("case", "capture")  # the case field ``sampling``; "case" (the default) is absent
+CAPTURED_SAMPLING = "capture"
+# the case's scalar sampling fields and their off values: what sampling: capture takes per row from the capture
+SCALAR_SAMPLING: dict[str, Any] = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+
+
+def sampling_source_problems(values: Mapping[str, Any], broken: set[str]) -> list[str]:
+    """Why a case's ``sampling`` cannot be what it says (file-free; that the capture carries the four
+    sampling tensors is checked where its header is read: the workflow's config check and every rank
+    before any collective, :func:`rl_engine.campaign.captured.require_sampling_tensors`).
+
+    ``sampling: capture`` runs every topology, the replay and the oracle at each row's captured
+    ``temperature``, ``top_k``, ``top_p`` and ``min_p``: it needs a capture, no scalar of its own for
+    them (one source per parameter), and a backend whose engine takes processed-logprob parameters with
+    a temperature per row in one call (the backend descriptions' ``processed_row_temperature``)."""
+    source = values["sampling"]
+    if not isinstance(source, str) or source not in SAMPLING_SOURCES:
+        return [f"sampling={source!r} is unknown; use one of {list(SAMPLING_SOURCES)}: 'capture' takes each "
+                "row's temperature, top_k, top_p and min_p from the capture, 'case' (the default) the case's own"]
+    if source != CAPTURED_SAMPLING:
+        return []
+    found = []
+    if values.get("capture") is None:
+        found.append("sampling='capture' takes each row's temperature, top_k, top_p and min_p from the "
+                     "case's capture, but the case has none (the input recipe); set inputs: {capture: PATH} "
+                     "to a capture that carries them, or remove sampling")
+    scalars = [f"{name}={values[name]!r}" for name, off in SCALAR_SAMPLING.items()
+               if name in values and name not in broken and values[name] != off]
+    if scalars:
+        found.append(f"sampling='capture' takes each row's temperature, top_k, top_p and min_p from the "
+                     f"capture, but the case also sets {', '.join(scalars)}: one source per parameter; remove "
+                     f"{' and '.join(s.split('=')[0] for s in scalars)} (or remove sampling to use the case's "
+                     "own, every row alike)")
+    backend = values.get("backend")
+    able = processed_row_temperature_backends()
+    if "backend" not in broken and isinstance(backend, str) and backend in backend_devices() \
+            and backend not in able:
+        found.append(f"sampling='capture' needs processed logprobs with a temperature per row in one call, "
+                     f"which backend={backend!r} does not compute (its kernels take one temperature per "
+                     f"call); use one of {list(able)}, or remove sampling")
     return found
 
 
@@ -328,9 +377,9 @@ CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
     ("padded_vocab", "padded_vocab"), ("num_vocab_tiles", "num_vocab_tiles"), ("batch", "batch"), ("seq", "seq"),
     ("prompt_tokens", "prompt_tokens"), ("seed", "seed"), ("logit_scale", "logit_scale"), ("cp_layout", "cp_layout"),
     ("threads_per_rank", "threads_per_rank"), ("pg_timeout_s", "timeout_s"), ("temperature", "temperature"),
-    ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
+    ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"), ("sampling", "sampling"),
 )
-OPTIONAL_FIELDS: frozenset[str] = frozenset({"temperature", *SAMPLING_DEFAULTS})
+OPTIONAL_FIELDS: frozenset[str] = frozenset({"temperature", *SAMPLING_DEFAULTS, "sampling"})
 # The case fields the topology rules read: check_topology needs each of them valid.
 TOPOLOGY_FIELDS: tuple[str, ...] = ("padded_vocab", "num_vocab_tiles", "seq", "cp_layout")
 
@@ -352,6 +401,7 @@ def config_case_fields(config: Mapping[str, Any], capture: Mapping[str, Any] | N
         **({"temperature": config["temperature"]} if config.get("temperature", 1) != 1 else {}),
         **{name: config[name] for name, off in SAMPLING_DEFAULTS.items()
            if name in config and (config[name] != off or isinstance(config[name], bool))},
+        **({"sampling": config["sampling"]} if config.get("sampling", "case") != "case" else {}),
     }
 
 
@@ -500,6 +550,9 @@ class Case:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    # where each row's temperature and processed parameters come from: "case" (the four fields above,
+    # every row alike) or "capture" (the capture's per-row tensors, as the rollout sampled each row)
+    sampling: str = "case"
 
     def __post_init__(self) -> None:
         problems = case_problems(self.to_dict())
@@ -522,7 +575,7 @@ class Case:
         fields.setdefault("cp_layout", "contiguous")
         fields.setdefault("logit_scale", 1.0)
         fields.setdefault("threads_per_rank", 1)
-        optional = ("capture", "temperature", *SAMPLING_DEFAULTS)
+        optional = ("capture", "temperature", *SAMPLING_DEFAULTS, "sampling")
         missing = [f.name for f in dataclass_fields(cls) if f.name not in fields and f.name not in optional]
         if missing:
             raise CaseError(f"case fields {missing} are missing; give each of them")
@@ -540,6 +593,8 @@ class Case:
         for name, off in SAMPLING_DEFAULTS.items():  # absent when off: the case hashes as before they existed
             if values[name] == off:
                 del values[name]
+        if values["sampling"] == "case":  # the default: absent, so every case without it hashes as before
+            del values["sampling"]
         return values
 
     @property
@@ -554,11 +609,16 @@ class Case:
             + ("" if self.top_k == 0 else f"-topk{self.top_k}")
             + ("" if self.top_p == 1.0 else f"-topp{self.top_p:g}")
             + ("" if self.min_p == 0.0 else f"-minp{self.min_p:g}")
+            + ("" if self.sampling == "case" else "-capturesampling")
         )
 
-    def sampling(self, rows: int, device: Any = "cpu") -> Any:
+    def processed_sampling(self, rows: int, device: Any = "cpu") -> Any:
         """:func:`record_sampling` of this case."""
         return record_sampling(self.to_dict(), rows, device)
+
+    def op_sampling(self, rows: int, device: Any = "cpu", captured: Any = None) -> dict[str, Any]:
+        """:func:`record_op_sampling` of this case."""
+        return record_op_sampling(self.to_dict(), rows, device, captured)
 
     def contract(self, tp: int = 1, cp: int = 1, tp_rank: int = 0, cp_rank: int = 0, *,
                  num_sequences: int | None = None, seq_len: int | None = None) -> Any:
@@ -567,9 +627,10 @@ class Case:
         ranks, verify's replays, the GPU smoke's timing shape with ``num_sequences``/``seq_len``)."""
         return record_contract(self.to_dict(), tp, cp, tp_rank, cp_rank, num_sequences=num_sequences, seq_len=seq_len)
 
-    def drift(self, logp: Any, lse: Any, logits_fp32: Any, targets: Any, active: Any) -> dict[str, Any]:
+    def drift(self, logp: Any, lse: Any, logits_fp32: Any, targets: Any, active: Any,
+              captured: Any = None) -> dict[str, Any]:
         """The report's ``drift`` of this case's candidate (:func:`record_oracle_drift`)."""
-        return record_oracle_drift(self.to_dict(), logp, lse, logits_fp32, targets, active)
+        return record_oracle_drift(self.to_dict(), logp, lse, logits_fp32, targets, active, captured)
 
     def check_topology(self, tp: int, cp: int) -> None:
         """Every reason a ``tp x cp`` run of this case cannot be made, before anything starts."""
@@ -621,8 +682,36 @@ def record_sampling(record: Mapping[str, Any], rows: int, device: Any = "cpu") -
                          torch.device(device))
 
 
+def record_op_sampling(record: Mapping[str, Any], rows: int, device: Any = "cpu",
+                       captured: Any = None) -> dict[str, Any]:
+    """The op's sampling keywords for ``rows`` rows of a case record: ``{}`` (raw), ``{"sampling":
+    Sampling}`` (the case's own parameters, every row alike: :func:`record_sampling`; its scalar
+    temperature is the contract's) or, with ``sampling: capture``, each row's captured ``temperature``
+    (a binary32 tensor, the contract's temperature being 1) and, when any row truncates, its
+    ``Sampling``. ``captured``: the capture's :class:`~rl_engine.capture.format.RowSampling` of these
+    rows (:func:`rl_engine.campaign.captured.case_row_sampling`), needed exactly when the case says
+    ``sampling: capture``."""
+    import torch  # not at parse time
+
+    from rl_engine.logprob.processed import sampling_from
+
+    if record.get("sampling", "case") != CAPTURED_SAMPLING:
+        if captured is not None:
+            raise CaseError("the capture's per-row sampling was given for a case without sampling: capture; "
+                            "pass none (the case's own parameters apply to every row)")
+        sampling = record_sampling(record, rows, device)
+        return {} if sampling is None else {"sampling": sampling}
+    if captured is None or int(captured.temperature.shape[0]) != rows:
+        raise CaseError(f"the case says sampling='capture' but the capture's per-row sampling of its {rows} rows "
+                        "was not given; read it with rl_engine.campaign.captured.case_row_sampling")
+    where = torch.device(device)
+    sampling = sampling_from(captured.top_k.to(where), captured.top_p.to(where), captured.min_p.to(where),
+                             (rows,), where)
+    return {"temperature": captured.temperature.to(where), **({} if sampling is None else {"sampling": sampling})}
+
+
 def record_oracle_drift(record: Mapping[str, Any], logp: Any, lse: Any, logits_fp32: Any, targets: Any,
-                        active: Any) -> dict[str, Any]:
+                        active: Any, captured: Any = None) -> dict[str, Any]:
     """The report's ``drift`` of a case record's candidate ``logp``/``lse`` against both oracles on the
     case's whole inputs (:func:`rl_engine.logprob.comparison.oracle_drift`): the one place the oracle's
     case arguments are read from a case (real vocabulary, dtype, tolerance, temperature), for the
@@ -630,9 +719,10 @@ def record_oracle_drift(record: Mapping[str, Any], logp: Any, lse: Any, logits_f
     the two cannot judge one case by two oracles."""
     from rl_engine.logprob.comparison import oracle_drift  # imports torch: not at parse time
 
+    op = record_op_sampling(record, int(targets.shape[0]), "cpu", captured)
     return oracle_drift(logp, lse, logits_fp32, targets, active, record["real_vocab"], record["dtype"],
-                        record["atol"], record["rtol"], record.get("temperature", 1.0),
-                        record_sampling(record, int(targets.shape[0])))
+                        record["atol"], record["rtol"], op.get("temperature", record.get("temperature", 1.0)),
+                        op.get("sampling"))
 
 
 def case_document(case: Case, topologies: Sequence[tuple[int, int]]) -> dict[str, Any]:

@@ -25,8 +25,8 @@ import torch
 
 from rl_engine.arith import spec_numpy
 from rl_engine.arith.portable import SPEC_VERSION
-from rl_engine.campaign.captured import case_inputs, replay_source
-from rl_engine.campaign.case import SAMPLING_DEFAULTS, record_contract, record_sampling
+from rl_engine.campaign.captured import case_inputs, case_row_sampling, replay_source
+from rl_engine.campaign.case import SAMPLING_DEFAULTS, record_contract, record_op_sampling
 from rl_engine.campaign.inputs import inputs_sha256
 from rl_engine.logprob.backends.description import arith_backends as described_arith_backends
 from rl_engine.logprob.registry import dispatch
@@ -97,13 +97,13 @@ def replay_candidate(case: Mapping[str, Any], backend: str | None = None,
     """
     if spec != SPEC_VERSION:
         return replay_numpy(case, spec, capture)
-    logits, targets, active = case_inputs(case, capture)
+    logits, targets, active = case_inputs(case, capture)  # on a capture: its hash checked first
     contract = record_contract(case)
-    sampling = record_sampling(case, contract.num_tokens)  # docs/arithmetic.md section 13; None: raw
-    op = dispatch(backend or str(case["backend"]), contract, "cpu", processed=sampling is not None).op
+    # docs/arithmetic.md section 13, and each row's captured temperature (sampling: capture); {}: raw
+    sampling = record_op_sampling(case, contract.num_tokens, "cpu", case_row_sampling(case, capture))
+    op = dispatch(backend or str(case["backend"]), contract, "cpu", processed="sampling" in sampling).op
     x = logits.to(contract.torch_dtype).requires_grad_(True)
-    out = op(x, targets, active, contract, compute_entropy=True,
-             **({"sampling": sampling} if sampling is not None else {}))
+    out = op(x, targets, active, contract, compute_entropy=True, **sampling)
     out.selected_logp.backward(torch.ones_like(out.selected_logp))
     assert x.grad is not None and out.entropy is not None
     computed = {"logp": out.selected_logp, "lse": out.lse, "entropy": out.entropy}
@@ -131,8 +131,16 @@ def replay_numpy(case: Mapping[str, Any], spec: str, capture: str | os.PathLike[
     dtype = _NUMPY_DTYPES[str(case["dtype"])]
     t, a = targets.numpy(), active.numpy()
     real, tiles = contract.real_vocab_size, contract.num_vocab_tiles
-    temperature = contract.temperature
-    params = {name: case[name] for name in SAMPLING_DEFAULTS if name in case}
+    temperature: Any = contract.temperature
+    params: dict[str, Any] = {name: case[name] for name in SAMPLING_DEFAULTS if name in case}
+    captured = case_row_sampling(case, capture)  # sampling: capture: every row's own parameters
+    if captured is not None and spec == spec_numpy.SPEC_V1:
+        raise ReplayError(f"{spec_numpy.SPEC_V1} has neither a temperature nor processed logprobs; the case runs at "
+                          "its capture's per-row sampling (sampling: capture): an archive of that version cannot "
+                          "carry it")
+    if captured is not None:
+        temperature = captured.temperature.numpy()
+        params = {"top_k": captured.top_k.numpy(), "top_p": captured.top_p.numpy(), "min_p": captured.min_p.numpy()}
     if params and spec == spec_numpy.SPEC_V1:
         raise ReplayError(f"{spec_numpy.SPEC_V1} has no processed logprobs (top_k / top_p / min_p); the case holds "
                           f"{sorted(params)}: an archive of that version cannot carry them")

@@ -51,7 +51,13 @@ import torch.distributed as dist
 
 from rl_engine import jsonio, schemas
 from rl_engine.arith.portable import SPEC_VERSION
-from rl_engine.campaign.captured import case_inputs, case_rank_inputs, check_file
+from rl_engine.campaign.captured import (
+    case_inputs,
+    case_rank_inputs,
+    case_row_sampling,
+    check_file,
+    require_sampling_tensors,
+)
 from rl_engine.campaign.case import Case, CaseError
 from rl_engine.campaign.faults import Fault, FaultError, fault_from_env
 from rl_engine.campaign.inputs import inputs_sha256
@@ -94,15 +100,15 @@ def compute_rank(
 ) -> dict[str, Any]:
     """This rank's local results (CPU tensors) and provenance, ready to gather on rank 0."""
     contract = rank_contract(case, tp, cp, tp_rank, cp_rank)
-    selected = dispatch(case.backend, contract, device.type)
+    # docs/arithmetic.md section 13 (processed) and section 6 step 0 per row (sampling: capture): {} is raw
+    captured = case_row_sampling(case.to_dict(), rows=contract.token_indices)  # this rank's rows only
+    sampling = case.op_sampling(contract.num_tokens, device, captured)
+    selected = dispatch(case.backend, contract, device.type, processed="sampling" in sampling)
     local, targets, active = case_rank_inputs(case.to_dict(), contract)  # on a capture, run_topology checked its hash
     local = local.to(device=device, dtype=contract.torch_dtype).contiguous().requires_grad_(True)
-    sampling = case.sampling(contract.num_tokens, device)  # docs/arithmetic.md section 13; None: raw
     start = time.perf_counter()
-    out = selected.op(
-        local, targets.to(device), active.to(device), contract,
-        group=group, compute_entropy=True, **({"sampling": sampling} if sampling is not None else {}),
-    )
+    out = selected.op(local, targets.to(device), active.to(device), contract, group=group, compute_entropy=True,
+                      **sampling)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     forward_s = time.perf_counter() - start
@@ -289,7 +295,8 @@ def build_report(
     logits_fp32, targets, active = case_inputs(case.to_dict())
     if fault is not None and fault.kind == "perturb" and fault.applies(tp, cp):
         perturb(tensors["logp"], logits_fp32, targets, active, case)
-    drift = case.drift(tensors["logp"], tensors["lse"], logits_fp32, targets, active)
+    drift = case.drift(tensors["logp"], tensors["lse"], logits_fp32, targets, active,
+                       case_row_sampling(case.to_dict()))  # sampling: capture: every row's, after its hash
     failures += drift_failures(drift)
     timings = {**timings, "oracle_s": time.perf_counter() - start}
     n = case.batch * case.seq
@@ -361,6 +368,7 @@ def run_topology(plan_path: str, tp: int, cp: int) -> int:
         remove_outputs(output)
     if case.capture is not None:  # the recorded bytes, on every rank, before any collective
         check_file(case.capture)
+        require_sampling_tensors(case.to_dict())  # sampling: capture needs the capture's sampling tensors
     torch.set_num_threads(case.threads_per_rank)
     mesh = init_mesh(tp=tp, cp=cp, device=case.device, timeout_s=case.timeout_s)
     try:

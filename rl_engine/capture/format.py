@@ -548,8 +548,27 @@ def read_rows(path: str | os.PathLike[str], header: Header, rows: list[int] | ra
     return out
 
 
+def read_sampling(path: str | os.PathLike[str], header: Header,
+                  rows: list[int] | range | None = None) -> RowSampling:
+    """The sampling tensors of the rows ``rows`` (default: every row) of a checked capture, their values
+    checked (:func:`check_sampling`); a capture without them is refused naming the four tensors."""
+    missing = [name for name in SAMPLING if name not in header.entries]
+    if missing:
+        raise CaptureError(f"{path}: the capture carries no sampling tensors ({', '.join(SAMPLING)}): its rollout's "
+                           "per-row sampling parameters were not captured; capture it again with them "
+                           "(Capture(..., sampling=RowSampling(temperature, top_k, top_p, min_p)), docs/capture.md), "
+                           "or run at the case's own sampling")
+    with _open(path) as handle:
+        tensors = {name: handle.get_tensor(name) for name in SAMPLING}
+    sampling = RowSampling(*(tensors[name] for name in SAMPLING))
+    if rows is not None:
+        sampling = sampling.rows(torch.tensor(list(rows), dtype=torch.int64))
+    check_sampling(torch.zeros(sampling.temperature.shape[0], dtype=torch.bool), sampling, None, str(path))
+    return sampling
+
+
 __all__ = [
     "Capture", "CaptureError", "FORMAT", "Header", "RowSampling", "build_metadata", "canonical_header",
     "check_sampling", "check_values",
-    "read_capture", "read_header", "read_rows", "read_tokens", "write_capture",
+    "read_capture", "read_header", "read_rows", "read_sampling", "read_tokens", "write_capture",
 ]

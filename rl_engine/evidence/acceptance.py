@@ -220,14 +220,15 @@ def _check_drift(found: list[Finding], where: str, report: Any, case: dict[str, 
                 value = stats.get(key)
                 if not is_number(value):
                     found.append(Finding(where, field_path(base + (key,)), f"is {value!r}; must be a finite number"))
-            processed = quantity == "dlogp" and any(name in case for name in SAMPLING_FIELDS)
+            processed = quantity == "dlogp" and (any(name in case for name in SAMPLING_FIELDS)
+                                                 or case.get("sampling") == "capture")
             count = stats.get("count")
             if processed and quantity in counts:
                 # section 13: dlogp is over the active rows whose target the sampler keeps (verify
                 # --recompute recomputes the exact count with the kept set)
                 if not (isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= counts[quantity]):
                     found.append(Finding(where, field_path(base + ("count",)),
-                                         f"is {count!r}; a processed case (top_k/top_p/min_p) counts the active rows "
+                                         f"is {count!r}; a processed case (top_k/top_p/min_p, or sampling: capture) counts the active rows "
                                          f"whose target is kept: at most {counts[quantity]}"))
             elif quantity in counts and count != counts[quantity]:
                 found.append(Finding(where, field_path(base + ("count",)),

@@ -544,7 +544,18 @@ def inputs_text(case: dict[str, Any]) -> str:
                                              ("path", "sha256", "size", "tokens", "vocab", "dtype"))
     return (f"Inputs: the capture `{path}`, SHA-256 `{sha}`, {size} bytes, {tokens} tokens x {vocab} "
             f"{dtype} columns; its metadata: {described}; {held}. The capture's mask "
-            "is the active tokens (prompt tokens, seed and logit scale do not shape its inputs).")
+            "is the active tokens (prompt tokens, seed and logit scale do not shape its inputs). "
+            + sampling_text(case))
+
+
+def sampling_text(case: dict[str, Any]) -> str:
+    """Which sampling a campaign on a capture computed: each row's captured parameters, or the case's own."""
+    if case.get("sampling") == "capture":
+        return ("Sampling: each row's own temperature, top_k, top_p and min_p, the capture's sampling tensors "
+                "(`sampling: capture`; docs/arithmetic.md sections 6 and 13): the processed logprobs the rollout "
+                "sampled from, in every topology, the replay and the oracle.")
+    return ("Sampling: the case's own (temperature, top_k, top_p and min_p as the case line says, every row "
+            "alike), not any per-row sampling the capture carries (`sampling: capture` computes that).")
 
 
 def _case_line(case: dict[str, Any]) -> str:

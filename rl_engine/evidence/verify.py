@@ -648,8 +648,9 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
     the raw tensors."""
     import torch
 
+    from rl_engine.campaign.captured import case_row_sampling
     from rl_engine.campaign.case import record_oracle_drift
-    from rl_engine.campaign.replay import regenerate_inputs
+    from rl_engine.campaign.replay import case_source, regenerate_inputs
 
     planned, msg = _planned(run)
     msg = msg or replay_bound(run, planned, max_logits)
@@ -657,7 +658,7 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
         return Check("inputs regenerated", False, msg[0], msg), Check("oracle drift recomputed", False, msg[0], msg)
     input_problems: list[str] = []
     drift_problems: list[str] = []
-    cache: dict[tuple[Any, ...], tuple[Any, Any, Any, dict[str, str]]] = {}
+    cache: dict[tuple[Any, ...], tuple[Any, Any, Any, dict[str, str], Any]] = {}
     deviation: list[float] = [0.0]
     threads = torch.get_num_threads()
     try:
@@ -668,9 +669,10 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
                 continue
             key = _case_key(case)
             try:
-                if key not in cache:
-                    cache[key] = regenerate_inputs(case, run.root, capture)
-                logits, targets, active, hashes = cache[key]
+                if key not in cache:  # the inputs and, at sampling: capture, every row's captured sampling
+                    cache[key] = (*regenerate_inputs(case, run.root, capture),
+                                  case_row_sampling(case, case_source(case, run.root, capture)))
+                logits, targets, active, hashes, captured = cache[key]
             except (ValueError, TypeError) as exc:
                 input_problems.append(f"{item.file}: case: cannot regenerate inputs ({exc})")
                 drift_problems.append(f"{item.file}: drift not recomputed: no inputs (see inputs regenerated)")
@@ -697,7 +699,7 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
                                       f"the case has {n} tokens")
                 continue
             torch.set_num_threads(case.get("threads_per_rank", 1))  # bounded by replay_bound
-            drift = record_oracle_drift(case, logp, lse, logits, targets, active)  # the runner's oracle
+            drift = record_oracle_drift(case, logp, lse, logits, targets, active, captured)  # the runner's oracle
             for oracle, quantities in drift.items():
                 for quantity, stats in quantities.items():
                     reported = (report.get("drift") or {}).get(oracle, {}).get(quantity)

@@ -126,14 +126,15 @@ def oracle_drift(
     dtype: str,
     atol: float,
     rtol: float,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     sampling: Any = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """The report's ``drift``: LSE (all rows) and dlogp (active rows) against both oracles.
 
     FP32 oracle: the unrounded FP32 logits. FP64 oracle: the logits rounded to ``dtype``
     (what the candidate saw), computed in FP64. With a ``temperature`` both see the logits
-    divided by ``T`` in binary64 (the distribution the candidate's ``x / T32`` approximates).
+    divided by ``T`` in binary64 (the distribution the candidate's ``x / T32`` approximates);
+    a binary32 tensor ``[rows]`` is each row's ``T32`` (a rollout's per-row temperature).
 
     With ``sampling`` (a :class:`~rl_engine.logprob.processed.Sampling`: processed logprobs,
     docs/arithmetic.md section 13) the kept set is the FP64 oracle's own
@@ -152,9 +153,10 @@ def oracle_drift(
                                 atol, rtol, temperature, sampling)
     rounded = logits_fp32.to(LOGITS_DTYPES[dtype])
     unrounded = logits_fp32
-    if temperature != 1.0:
-        unrounded = (logits_fp32.double() / temperature).float()
-        rounded = rounded.double() / temperature
+    if _tempered(temperature):
+        divisor = _divisor64(temperature)
+        unrounded = (logits_fp32.double() / divisor).float()
+        rounded = rounded.double() / divisor
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name, oracle in (("fp32_oracle", fp32_oracle(unrounded, targets, active, real_vocab)),
                          ("fp64_oracle", fp64_oracle(rounded, targets, active, real_vocab))):
@@ -165,20 +167,38 @@ def oracle_drift(
     return out
 
 
+def _tempered(temperature: float | torch.Tensor) -> bool:
+    """Whether the oracle divides: a number other than 1, or a per-row tensor (each row its own ``T32``)."""
+    return isinstance(temperature, torch.Tensor) or temperature != 1.0
+
+
+def _divisor64(temperature: float | torch.Tensor) -> float | torch.Tensor:
+    """``T`` as the FP64 oracles divide by it: the number, or a per-row binary32 tensor as a binary64 column."""
+    if isinstance(temperature, torch.Tensor):
+        if temperature.dtype != torch.float32 or temperature.dim() != 1:
+            raise ComparisonError(f"a per-row temperature must be a 1-D float32 tensor (each row's T32), got "
+                                  f"{temperature.dtype} {tuple(temperature.shape)}")
+        return temperature.double().unsqueeze(1)
+    return temperature
+
+
 def _processed_drift(candidate_logp: torch.Tensor, candidate_lse: torch.Tensor, logits_fp32: torch.Tensor,
                      targets: torch.Tensor, active: torch.Tensor, real_vocab: int, dtype: str, atol: float,
-                     rtol: float, temperature: float, sampling: Any) -> dict[str, dict[str, dict[str, Any]]]:
-    """:func:`oracle_drift` of a processed case (section 13): both oracles on the FP64 oracle's kept set."""
+                     rtol: float, temperature: float | torch.Tensor,
+                     sampling: Any) -> dict[str, dict[str, dict[str, Any]]]:
+    """:func:`oracle_drift` of a processed case (section 13): both oracles on the FP64 oracle's kept set,
+    with each row's parameters (and, for a per-row ``temperature``, each row's ``T32``)."""
     from rl_engine.arith.temperature import temperature32
     from rl_engine.logprob.oracle import processed_fp64_oracle
 
     x32 = logits_fp32.to(LOGITS_DTYPES[dtype]).float()
-    t32 = temperature32(temperature)
-    if t32 != 1.0:
-        x32 = x32 / torch.tensor(t32, dtype=torch.float32)  # section 6 step 0, as the candidate divides
+    if isinstance(temperature, torch.Tensor):
+        x32 = x32 / _divisor64(temperature).float()  # each row's T32, in binary32 as the candidate divides
+    elif temperature32(temperature) != 1.0:
+        x32 = x32 / torch.tensor(temperature32(temperature), dtype=torch.float32)  # section 6 step 0
     ref64, keep = processed_fp64_oracle(x32, targets, active, real_vocab, sampling.top_k, sampling.top_p,
                                         sampling.min_p)
-    unrounded = logits_fp32 if temperature == 1.0 else (logits_fp32.double() / temperature).float()
+    unrounded = logits_fp32 if not _tempered(temperature) else (logits_fp32.double() / _divisor64(temperature)).float()
     masked = torch.where(keep, unrounded[:, :real_vocab], torch.full_like(unrounded[:, :real_vocab], float("-inf")))
     ref32 = fp32_oracle(masked, targets, active, real_vocab)
     safe = torch.where(active, targets, torch.zeros_like(targets)).clamp(0, real_vocab - 1)

@@ -347,6 +347,21 @@ def regression_problems(config: dict[str, Any], origin: Origin, root: Path | Non
     return problems
 
 
+def _sampling_tensor_problems(config: dict[str, Any], values: dict[str, Any], origin: Origin) -> list[str]:
+    """``sampling: capture`` on a capture without the four sampling tensors, named under ``sampling``
+    (the header is read, no tensor: :func:`rl_engine.campaign.captured.require_sampling_tensors`)."""
+    if values.get("sampling") != "capture" or values.get("capture") is None:
+        return []  # no capture: the case rule names it
+    from rl_engine.campaign.captured import require_sampling_tensors  # imports torch
+    from rl_engine.capture.format import CaptureError
+
+    try:
+        require_sampling_tensors(values, config["inputs"]["capture"])
+    except CaptureError as exc:
+        return [f"{origin.describe('sampling', config['sampling'])}: {exc}; {origin.fix('sampling')}"]
+    return []
+
+
 def _campaign_problems(config: dict[str, Any], origin: Origin) -> list[str]:
     """The runner's plan-time rules on a schema-valid config, as config-key messages."""
     problems: list[str] = regression_problems(config, origin)
@@ -361,6 +376,7 @@ def _campaign_problems(config: dict[str, Any], origin: Origin) -> list[str]:
         values = case_values(config, origin)
     except WorkflowConfigError as exc:
         return [*problems, str(exc)]
+    problems += _sampling_tensor_problems(config, values, origin)
     broken: set[str] = set()
     for case_field, message in case_problems(values):
         broken.add(case_field)

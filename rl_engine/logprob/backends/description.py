@@ -71,6 +71,9 @@ class BackendDescription:
     auto_devices: tuple[str, ...] | None = None
     mode: str | None = None
     processed_logprobs: bool = False  # top_k / top_p / min_p (docs/arithmetic.md section 13); else refused by name
+    # processed logprobs with a temperature per row in one call (a rollout capture's sampling tensors,
+    # a campaign's ``sampling: capture``); else the engine refuses that call by name
+    processed_row_temperature: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -95,6 +98,12 @@ class BackendDescription:
         if not isinstance(self.arith_versions, tuple) or not all(isinstance(v, str) for v in self.arith_versions):
             problems.append(f"arith_versions={self.arith_versions!r} must be a tuple of version strings "
                             "such as 'rl-engine-arith/2' (empty: computes none)")
+        for name in ("processed_logprobs", "processed_row_temperature"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.processed_row_temperature and not self.processed_logprobs:
+            problems.append("processed_row_temperature=True needs processed_logprobs=True (it is processed "
+                            "logprobs with a temperature per row)")
         if problems:
             raise BackendDescriptionError(f"backend description {self.backend_id!r}: " + "; ".join(problems))
 
@@ -154,6 +163,12 @@ def interpreter_devices(root: str | os.PathLike[str] | None = None) -> dict[str,
 def schema_enum(root: str | os.PathLike[str] | None = None) -> list[str]:
     """The ``backend_id`` enum ``schemas/defs.schema.json`` must hold."""
     return [d.backend_id for d in descriptions(root)]
+
+
+def processed_row_temperature_backends(root: str | os.PathLike[str] | None = None) -> tuple[str, ...]:
+    """The backends whose engines take processed-logprob parameters and a temperature per row in one
+    call: the ones a campaign at a capture's per-row sampling (``sampling: capture``) may name."""
+    return tuple(d.backend_id for d in descriptions(root) if d.processed_row_temperature)
 
 
 def arith_backends(version: str, root: str | os.PathLike[str] | None = None) -> tuple[str, ...]:

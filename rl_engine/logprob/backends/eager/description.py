@@ -13,4 +13,5 @@ DESCRIPTION = BackendDescription(
     priority=0,
     arith_versions=("rl-engine-arith/2",),
     processed_logprobs=True,
+    processed_row_temperature=True,
 )

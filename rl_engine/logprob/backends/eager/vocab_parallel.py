@@ -331,33 +331,6 @@ def _exchange(
     return merged, torch.stack([full[:, -1] for full in out], dim=1)
 
 
-def vocab_parallel_forward(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    active: torch.Tensor,
-    contract: LogprobContract,
-    group: Any,
-    chunk_rows: int,
-    with_entropy: bool,
-    validate: bool,
-    engine: "LocalEngine | None" = None,
-    on_invalid: str = "raise",
-    row_t32: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Forward without autograd: ``(selected_logp, lse, entropy)`` in FP32 for the local rows.
-
-    ``engine`` computes the local tile partials (default: the eager chunk loop); the
-    exchange, the merge and everything after are the same for every engine. With ``validate``
-    and ``on_invalid="nan"`` an invalid active row gets logp NaN instead of a refusal (no host sync).
-    ``row_t32`` (binary32 ``[rows]``, checked by the caller): each row's ``T32`` in place of the
-    contract's temperature (:mod:`rl_engine.logprob.row_temperature`).
-    """
-    logp, lse, entropy, _ = processed_forward(
-        logits, targets, active, contract, group, chunk_rows, with_entropy, validate, engine, on_invalid,
-        row_t32=row_t32)
-    return logp, lse, entropy
-
-
 def processed_forward(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -372,9 +345,15 @@ def processed_forward(
     keep: KeptCut | None = None,
     row_t32: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`vocab_parallel_forward` on the kept set ``keep`` (``docs/arithmetic.md`` section 13;
-    ``None``: every column, the raw forward), with ``target_kept`` (``None`` without ``keep``).
-    ``row_t32``: each row's ``T32`` (a temperature per row), as in :func:`vocab_parallel_forward`.
+    """Forward without autograd: ``(selected_logp, lse, entropy, target_kept)`` in FP32 for the local
+    rows, on the kept set ``keep`` (``docs/arithmetic.md`` section 13; ``None``: every column, the raw
+    forward, and ``target_kept`` is ``None``).
+
+    ``engine`` computes the local tile partials (default: the eager chunk loop); the exchange, the
+    merge and everything after are the same for every engine. With ``validate`` and
+    ``on_invalid="nan"`` an invalid active row gets logp NaN instead of a refusal (no host sync).
+    ``row_t32`` (binary32 ``[rows]``, checked by the caller): each row's ``T32`` in place of the
+    contract's temperature (:mod:`rl_engine.logprob.row_temperature`).
 
     An active row whose target the cut drops gets ``logp = -inf`` (never NaN) and
     ``target_kept`` False; the target logit is the owner's copy, so every rank decides alike.
@@ -978,6 +957,5 @@ __all__ = [
     "real_local_columns",
     "real_rows_finite",
     "vocab_parallel_backward",
-    "vocab_parallel_forward",
     "NEG_INF",
 ]

@@ -13,5 +13,6 @@ DESCRIPTION = BackendDescription(
     availability="rl_engine.logprob.backends.fused_cpu.fused_cpu:kernel_unavailable",
     priority=10,
     processed_logprobs=True,
+    processed_row_temperature=True,
     arith_versions=("rl-engine-arith/2",),
 )

@@ -89,10 +89,9 @@ MARKSTEIN_FMA_PER_STEP = 2
 # The forward's split quotient (a bf16 or binary16 logit at a temperature its check accepts, one for the
 # call: rl_engine.arith.division.split_reciprocal) is fma(x, r_lo, x * r_hi): one FMA where Markstein's step has two
 SPLIT_FMA_PER_COLUMN = 1
-# Without a temperature, the binary16 forward computes E's argument x - sh as fma(v, 2**112, -sh) from
-# v = x * 2**-112 (an exact product: the subtraction's one rounding) on its fast path, and again as
-# x - sh where a tile holds an infinity or NaN
-F16_FAST_FMA_PER_COLUMN = 1
+# The rounding of a gradient to binary16 (triton_kernels.round_f16_bits) adds one FMA a column, whose product
+# is exact: s = fma(b, 1.5 * 2**13, |f|)
+F16_ROUND_FMA_PER_COLUMN = 1
 TEMPERED_PROBE = 0.7  # the temperature of the tempered variants (its bf16 and binary16 forwards take the split quotient)
 
 _TORCH_TYPES = {torch.float32: "*fp32", torch.int16: "*i16", torch.int32: "*i32",
@@ -109,6 +108,7 @@ _PTX_ALLOWED = [
         r"^(abs|neg)\.f32$",
         r"^cvt\.rzi\.s32\.f32$",
         r"^cvt\.rn\.f32\.[su](8|16|32)$",
+        r"^cvt\.f32\.f16$",  # the exact widening of a binary16 logit (ptxas: HADD2.F32 on sm_90)
         r"^mov\.f32$",
         r"^(ld|st)\.[a-z.0-9]*f32$",
         r"^shfl\.sync\.[a-z]+\.[bf]32$",
@@ -530,7 +530,7 @@ MODEL: dict[str, Any] = {
     "vocab": 151936,
     "logit_bytes": 2,
     "half_rate": ["FMNMX", "FSETP", "FSEL", "SEL", "ISETP", "IADD3", "IMAD", "IMNMX", "SHF", "LOP3", "PRMT",
-                  "LEA", "SGXT", "IABS", "BMSK", "FCHK", "VIADD", "VIMNMX", "IADD", "ISCADD"],
+                  "LEA", "SGXT", "IABS", "BMSK", "FCHK", "VIADD", "VIMNMX", "VIADDMNMX", "IADD", "ISCADD"],
     "quarter_rate": ["F2I", "I2F", "F2F", "I2I", "F2FP", "MUFU", "POPC", "FLO", "BREV"],
 }
 

@@ -266,18 +266,13 @@ def row_division_args(row_t32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return t, torch.where(one, 1.0, inv), hi, lo_key, shift_min
 
 
-def split_args(t32: float, logits_dtype: torch.dtype, placed: bool = True) -> tuple[float, float] | None:
+def split_args(t32: float, logits_dtype: torch.dtype) -> tuple[float, float] | None:
     """``(r_hi, r_lo)`` of the split quotient (:func:`rl_engine.arith.division.split_reciprocal`) for
     one temperature and bf16 or binary16 logits, or ``None`` where Markstein's step divides (binary32
-    logits, a temperature the check refuses). The forward reads binary16 as ``h * 2**-112``
-    (``placed``), so its constants are times ``2**112`` (exact; ``None`` where ``r_hi * 2**112`` would
-    not be finite); the backward divides the exact ``h`` (``placed=False``)."""
+    logits, a temperature the check refuses). The forward and the backward divide the exact upcast
+    logit by them."""
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(logits_dtype)
-    parts = None if name is None else split_reciprocal(t32, name)
-    if parts is None or logits_dtype != torch.float16 or not placed:
-        return parts
-    scale = 2.0 ** 112
-    return (parts[0] * scale, parts[1] * scale) if parts[0] * scale < 2.0 ** 128 else None
+    return None if name is None else split_reciprocal(t32, name)
 
 
 def forward_launch(
@@ -328,7 +323,7 @@ def backward_launches(
     tempered = terms.tempered
     per_row = terms.row_t32 is not None
     divide = division_args(terms.t32) if not per_row else row_division_args(terms.row_t32)
-    split = split_args(terms.t32, logits_dtype, placed=False) if tempered and not per_row else None
+    split = split_args(terms.t32, logits_dtype) if tempered and not per_row else None
     divide = (*divide, *(split if split is not None else (1.0, 0.0)))
     if whole:
         found.append(Launch("backward_kernel", (rows * whole,), common + (0, *divide),

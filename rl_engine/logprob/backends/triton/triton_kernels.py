@@ -22,15 +22,12 @@ Written with IEEE-754 basic operations and the fused multiply-adds the specifica
   (``E`` and ``L`` of binary32 tensors, one launch each) serve the element tests.
 * :func:`backward_terms_kernel`: the backward's per-row terms (``coef``, the target column and
   its addend, ``Mb``) in one launch.
-* binary16 logits are read with binary32 operations, not conversions: :func:`f16_scaled` places a
-  binary16's bits into a binary32 (two integer operations) whose value is the logit times
-  ``2**-112``, exactly, for every finite one. The forward takes its first pass's extremes of those
-  values (times ``2**112`` once per tile) and computes ``x - sh`` as ``fma(v, 2**112, -sh)``: one
-  rounding of the same exact value. A tile whose extremes show an infinity or NaN (placed, they
-  are finite values of magnitude ``>= 2**-96``) is read again with the exact upcast, a branch
-  every thread takes alike; the backward's upcast selects the infinity or NaN per column. The
-  one rounding to binary16 (:func:`round_f16_bits`) is binary32 arithmetic too: an addition of
-  a constant of the logit's binade rounds it to binary16's grid.
+* binary16 logits are read by the exact widening conversion (``cvt.f32.f16``: every binary16, its
+  subnormals, infinities and NaN included, is a binary32 value), which ptxas emits for sm_90 as one
+  ``HADD2.F32`` a column that reads either half of a 32-bit register: one instruction where
+  bf16's shift or byte permute and shift are one and a half. The one rounding to binary16
+  (:func:`round_f16_bits`) is binary32 arithmetic: an addition of a constant of the logit's
+  binade rounds it to binary16's grid.
 * :func:`backward_target_kernel`: the one column per row that gets the target term
   (``coef * E(x - lse) + gl``, or ``+0 + gl`` where ``coef == 0``), launched after the
   others on the same stream, so it overwrites that column's value: no per-column compare in
@@ -92,23 +89,14 @@ E_C2: tl.constexpr = tl.constexpr(float.fromhex("0x1.fffffcp-2"))
 CANONICAL_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)
 NEG_INF_BITS: tl.constexpr = tl.constexpr(-8388608)  # 0xFF800000
 POS_INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)
-# binary16 by integer operations (section 1) and the one rounding to it (section 8)
-F16_PLACED_BITS: tl.constexpr = tl.constexpr(-1879056384)  # 0x8FFFE000: sign, exponent and significand in place
-F16_EXPONENT_BITS: tl.constexpr = tl.constexpr(0x0F800000)  # binary16 exponent 31 once placed
-F16_SPECIAL_BITS: tl.constexpr = tl.constexpr(0x70000000)  # raises a placed exponent 31 to 0xFF
-F16_SCALE: tl.constexpr = tl.constexpr(2.0**112)  # 2**(127 - 15)
-F16_UNSCALE: tl.constexpr = tl.constexpr(2.0**-112)
-F16_SCALED_SPECIAL: tl.constexpr = tl.constexpr(2.0**-96)  # a placed exponent 31: 2**(31 - 127)
-F16_OVERFLOW: tl.constexpr = tl.constexpr(65536.0)  # 2**16: rounds to binary16 infinity
+# the one rounding to binary16 (section 8)
+F16_GRID_BITS: tl.constexpr = tl.constexpr(0x06C1C400)  # bits(1.5 * 2**13) - bits(1.0) + (113 << 10)
+F16_INFINITY_BITS: tl.constexpr = tl.constexpr(0x7C00)  # binary16 infinity: the magnitude's cap
 F16_MIN_NORMAL: tl.constexpr = tl.constexpr(2.0**-14)
 F16_MAGIC: tl.constexpr = tl.constexpr(12288.0)  # 1.5 * 2**13: its ulp at 2**e is binary16's at 2**e
 DT_F32: tl.constexpr = tl.constexpr(0)
 DT_BF16: tl.constexpr = tl.constexpr(1)
 DT_F16: tl.constexpr = tl.constexpr(2)
-# binary16 read the forward's fast way (a tile without an infinity or NaN): as ``h * 2**-112`` for the
-# first pass's extremes, and as its exact value where it is known finite (f16_scaled, f16_unscaled)
-DT_F16_PLACED: tl.constexpr = tl.constexpr(3)
-DT_F16_FINITE: tl.constexpr = tl.constexpr(4)
 DIV_NONE: tl.constexpr = tl.constexpr(0)  # no temperature: step 0 is skipped
 DIV_MARKSTEIN: tl.constexpr = tl.constexpr(1)  # x / T32 by Markstein's correction (its domain)
 DIV_IEEE: tl.constexpr = tl.constexpr(2)  # x / T32 by the IEEE division (div.rn)
@@ -164,42 +152,19 @@ def spec_exp(y):
 
 @device
 def upcast(raw, DTYPE: tl.constexpr):
-    """Section 1's exact conversion to binary32: bf16 and binary16 (given as int16 bits) by
-    integer operations (and, for binary16, one exact multiply: :func:`f16_scaled`); binary32 is
-    returned as it is. ``DT_F16_PLACED``: binary16 as ``h * 2**-112`` (no multiply, an infinity or
-    NaN finite); ``DT_F16_FINITE``: binary16 exactly where it is finite (no select)."""
+    """Section 1's exact conversion to binary32 of a logit given as its bits: bf16 by integer
+    operations (its bits are binary32's upper half), binary16 by the exact widening conversion
+    (``cvt.f32.f16``; NumPy's ``astype`` under the interpreter), which keeps every subnormal,
+    infinity and NaN a NaN (its payload is not kept: no result depends on it, as every output is
+    a canonical NaN and the kernels' arithmetic does not keep one either); binary32 is returned
+    as it is."""
     if DTYPE == DT_F32:
         out = raw
     elif DTYPE == DT_BF16:
         out = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    elif DTYPE == DT_F16_PLACED:
-        out = f16_scaled(raw)
-    elif DTYPE == DT_F16_FINITE:
-        out = f16_unscaled(f16_scaled(raw))
     else:
-        v = f16_scaled(raw)
-        u = v.to(tl.int32, bitcast=True)
-        # exponent 31 (infinity, NaN): the exponent field 0xFF, the significand's bits kept
-        special = (u | F16_SPECIAL_BITS).to(tl.float32, bitcast=True)
-        out = tl.where((u & F16_EXPONENT_BITS) == F16_EXPONENT_BITS, special, f16_unscaled(v))
+        out = raw.to(tl.float16, bitcast=True).to(tl.float32)
     return out
-
-
-@device
-def f16_scaled(raw):
-    """A binary16 ``h`` (int16 bits) as the binary32 ``h * 2**-112``, exact for every finite
-    ``h``: its sign, exponent and significand moved into binary32's places by two integer
-    operations (a binary16 subnormal becomes a binary32 subnormal of the same significand).
-    An infinity or NaN (exponent 31) becomes a finite value of magnitude ``>= 2**-96``
-    (:data:`F16_SCALED_SPECIAL`): the caller tells them apart."""
-    return (((raw.to(tl.int32) << 16) >> 3) & F16_PLACED_BITS).to(tl.float32, bitcast=True)
-
-
-@device
-def f16_unscaled(v):
-    """``v * 2**112``: the finite binary16 value of :func:`f16_scaled`'s ``v``, exactly (a power
-    of two times a binary32 value that stays normal)."""
-    return v * F16_SCALE
 @device
 def lane_fold(v):
     """``F`` (section 4) over the 128 lane sums ``v``: ``v[i] + v[i + 64]``, then ``+ 32``, ...
@@ -239,7 +204,7 @@ def scaled(raw, d0, d1, DTYPE: tl.constexpr, DIVIDE: tl.constexpr):
     """Section 6 step 0: the exact upcast, then ``x / T32`` by :func:`markstein` (``DIVIDE ==
     DIV_MARKSTEIN``, where every value lies in its domain or cannot change a result; ``d0, d1`` are
     ``T32, r``), by :func:`split_quotient` (``DIV_SPLIT``, the same domain; ``d0, d1`` are ``r_hi,
-    r_lo``, for binary16 read as ``h * 2**-112`` both times ``2**112``) or by the IEEE division
+    r_lo``) or by the IEEE division
     (``DIV_IEEE``, ``d0`` is ``T32``); without a temperature (``DIV_NONE``) no operation at all."""
     x = upcast(raw, DTYPE)
     if DIVIDE == DIV_MARKSTEIN:
@@ -293,11 +258,7 @@ def lane_terms(base, col0, lane, real_left, sh, s, t, t32, inv_t, DTYPE: tl.cons
                PADDED: tl.constexpr, WITH_ENTROPY: tl.constexpr, DIVIDE: tl.constexpr):
     """The second pass over one chunk (section 6 steps 3-4): ``s += E(y)``, ``t = fma(E(y), yc, t)``."""
     x, _ = chunk(base, col0, lane, real_left, t32, inv_t, DTYPE, VALID, PADDED, DIVIDE)
-    if DTYPE == DT_F16_PLACED and DIVIDE == DIV_NONE:  # x is the binary16 logit times 2**-112: the product
-        y = tl.fma(x, F16_SCALE, -sh)  # x * 2**112 is exact, so the one rounding is the subtraction's
-    else:  # (with DIV_SPLIT x is already the quotient: its constants carry the 2**112)
-        y = x - sh
-    e, yc = spec_exp_forward(y)
+    e, yc = spec_exp_forward(x - sh)
     s = s + e
     if WITH_ENTROPY:
         t = tl.fma(e, yc, t)
@@ -362,8 +323,8 @@ def forward_partials_kernel(
     IEEE division, a branch every thread of the program takes alike (docs/arithmetic.md,
     "Dividing by T32 on a GPU"). With ``SPLIT`` (one temperature for the call, checked on the host
     for every significand of the logits' precision) the second pass's quotient is
-    :func:`split_quotient` of ``r_hi, r_lo`` instead: two operations a column where Markstein's step
-    is three, and for binary16 no multiply by ``2**112`` (the constants carry it).
+    :func:`split_quotient` of ``r_hi, r_lo`` instead (the tile's maximum's too): two operations a
+    column where Markstein's step is three.
 
     With a temperature per row (``ROW_T``, with ``TEMPERED``) the four division arguments are
     pointers to one value per row, and the program loads its row's: the guard's thresholds are
@@ -386,29 +347,12 @@ def forward_partials_kernel(
     base = x_ptr + row * row_stride + tile * WIDTH
     real_left = real_local - tile * WIDTH  # the tile's real columns (PADDED only)
     lane = tl.arange(0, LANES)
-    # binary16: both passes read the logits the fast way (no select per column for infinity and NaN);
-    # a tile that holds an infinity or NaN (which the first pass's extremes show) is read again exactly
-    FAST: tl.constexpr = DTYPE == DT_F16
-    # bf16 with the split quotient divides the tile's maximum by it too (binary16's constants are for
-    # h * 2**-112: the IEEE division of its maximum costs fewer instructions there than the scaling)
-    SPLIT_TOP: tl.constexpr = SPLIT and DTYPE == DT_BF16
-    MINIMA: tl.constexpr = VALIDATE or TEMPERED or FAST
+    # a bf16 or binary16 logit with the split quotient: the tile's maximum is divided by it too (one
+    # FMUL and one FFMA where the IEEE division is a call)
+    SPLIT_TOP: tl.constexpr = SPLIT and DTYPE != DT_F32
+    MINIMA: tl.constexpr = VALIDATE or TEMPERED
     # 1. the lanes' maxima (a max does not depend on grouping)
-    if FAST:
-        mx, mn = lane_extremes(base, lane, real_left, DT_F16_PLACED, FULL, REST, PADDED, MINIMA)
-        # an infinity or NaN in the tile (h * 2**-112 of magnitude >= 2**-96; rare): its exact extremes
-        special = tl.reduce(tl.maximum(mx, -mn), 0, MAX) >= F16_SCALED_SPECIAL
-        if special:
-            mx, mn = lane_extremes(base, lane, real_left, DTYPE, FULL, REST, PADDED, MINIMA)
-        else:  # the extremes of h * 2**-112: times 2**112, exactly
-            mx = f16_unscaled(mx)
-            mn = f16_unscaled(mn)
-        # the second pass without a temperature reads h * 2**-112 and subtracts by an FMA (lane_terms),
-        # and so does the split quotient (its constants carry the 2**112); Markstein's step needs h itself
-        PASS_TWO: tl.constexpr = DT_F16_FINITE if TEMPERED and not SPLIT else DT_F16_PLACED
-    else:
-        mx, mn = lane_extremes(base, lane, real_left, DTYPE, FULL, REST, PADDED, MINIMA)
-        PASS_TWO: tl.constexpr = DTYPE
+    mx, mn = lane_extremes(base, lane, real_left, DTYPE, FULL, REST, PADDED, MINIMA)
     # the maximum of the lanes' maxima (a NaN lane left out by the reduction's max, in the compiled
     # kernel and the interpreter alike) and whether a lane is NaN, tracked apart: the tile's maximum
     # is NaN then (below), and a NaN tile's sums are NaN whichever way its minimum sends the guard
@@ -425,17 +369,15 @@ def forward_partials_kernel(
         else:  # and the exotic branch divides again
             m = tl.div_rn(m, t32)
         exotic = exotic | (tl.abs(m) < sh_min)
-        if FAST:
-            exotic = exotic | special
     m = tl.where(nan > 0, float("nan"), m) + tl.full((1,), 0.0, tl.float32)  # m + 0: one sign for zero
     sh = tl.where(m == float("-inf"), 0.0, m)  # 2.
     # 3.-4. the lane sums, each lane in column order
     if TEMPERED:  # the fast quotient straight after the first pass (its loads are the first pass's registers) ...
         if SPLIT:
-            s, t = pass_two(base, lane, real_left, sh, r_hi, r_lo, PASS_TWO, FULL, REST, PADDED, WITH_ENTROPY,
+            s, t = pass_two(base, lane, real_left, sh, r_hi, r_lo, DTYPE, FULL, REST, PADDED, WITH_ENTROPY,
                             DIV_SPLIT)
         else:
-            s, t = pass_two(base, lane, real_left, sh, t32, inv_t, PASS_TWO, FULL, REST, PADDED, WITH_ENTROPY,
+            s, t = pass_two(base, lane, real_left, sh, t32, inv_t, DTYPE, FULL, REST, PADDED, WITH_ENTROPY,
                             DIV_MARKSTEIN)
         if exotic:  # ... and again with the IEEE division where it may not be exact (rare)
             if SPLIT_TOP:  # the maximum's IEEE quotient, and the shift of it
@@ -446,12 +388,8 @@ def forward_partials_kernel(
             s, t = pass_two(base, lane, real_left, sh, t32, inv_t, DTYPE, FULL, REST, PADDED, WITH_ENTROPY,
                             DIV_IEEE)
     else:
-        s, t = pass_two(base, lane, real_left, sh, t32, inv_t, PASS_TWO, FULL, REST, PADDED, WITH_ENTROPY,
+        s, t = pass_two(base, lane, real_left, sh, t32, inv_t, DTYPE, FULL, REST, PADDED, WITH_ENTROPY,
                         DIV_NONE)
-        if FAST:
-            if special:  # an infinity or NaN in the tile: the sums again, of the exact values
-                s, t = pass_two(base, lane, real_left, sh, t32, inv_t, DTYPE, FULL, REST, PADDED, WITH_ENTROPY,
-                                DIV_NONE)
     out = row * TILES + tile + tl.arange(0, 1)
     tl.store(m_ptr + out, m)
     tl.store(s_ptr + out, lane_fold(s))
@@ -467,20 +405,24 @@ def forward_partials_kernel(
 def round_f16_bits(u):
     """Section 8: binary32 bits ``u`` to binary16 bits (in the low 16 bits), IEEE round to nearest
     even with subnormal results and overflow to infinity, any NaN the canonical ``0x7E00``; with
-    binary32 operations, each exact but the one addition that rounds:
+    binary32 operations, each exact but the one that rounds, and integer ones:
 
-    ``a = min(|f|, 2**16)`` (``2**16`` and above round to infinity); ``c = 1.5 * 2**13 * max(2**e,
-    2**-14)`` for ``a``'s binade ``2**e`` (its ulp is binary16's ulp at ``a``: ``2**(e - 10)``, and
-    ``2**-24`` for a binary16 subnormal), so ``(a + c) - c`` is ``a`` rounded to binary16 (the
-    addition rounds to nearest even on the same grid, the subtraction is exact); times ``2**-112``
-    its binary32 bits shifted right by 13 are the binary16 magnitude's bits (a binary16 subnormal
-    becomes a binary32 subnormal, ``2**16`` the exponent 31 of infinity); then the sign."""
+    ``b = max(2**e, 2**-14)`` for the binade ``2**e`` of ``f`` (its exponent bits) and ``c = 1.5 *
+    2**13 * b``, whose binade's ulp is binary16's ulp at ``|f|`` (``2**(e - 10)``, and ``2**-24`` for a
+    binary16 subnormal): ``s = fma(b, 1.5 * 2**13, |f|)`` (an exact product: the one rounding of
+    ``|f| + c``) is ``c`` plus ``|f|`` rounded to nearest even on binary16's grid and lies in ``c``'s
+    binade, so ``bits(s) - bits(c)`` counts the ulps of that rounded ``|f|``: ``2**10`` times its
+    significand with the implicit bit (its bits for a binary16 subnormal). Adding ``(e + 14) << 10``
+    (the binary16 exponent field less one; ``0`` below ``2**-14``) gives the magnitude's binary16 bits,
+    a carry into the exponent included: with ``bits(c) = bits(b) + 0x06C00000`` and ``(e + 14) << 10 =
+    (bits(b) >> 13) - 0x1C400``, ``bits(s) - bits(b) + (bits(b) >> 13) - 0x06C1C400``. From ``65520``
+    up that is ``0x7C00`` (infinity) or more, and where ``c`` or the sum overflows (``s`` infinite, ``f``
+    infinite included) it is negative: taken as unsigned and capped at ``0x7C00``. Then the sign."""
     f = u.to(tl.float32, bitcast=True)
-    a = tl.minimum(tl.abs(f), F16_OVERFLOW)
-    binade = (a.to(tl.int32, bitcast=True) & POS_INF_BITS).to(tl.float32, bitcast=True)
-    c = tl.maximum(binade, F16_MIN_NORMAL) * F16_MAGIC
-    r = (a + c) - c
-    out = ((r * F16_UNSCALE).to(tl.int32, bitcast=True) >> 13) | ((u >> 16) & 0x8000)
+    b = tl.maximum((u & POS_INF_BITS).to(tl.float32, bitcast=True), F16_MIN_NORMAL).to(tl.int32, bitcast=True)
+    s = tl.fma(b.to(tl.float32, bitcast=True), F16_MAGIC, tl.abs(f)).to(tl.int32, bitcast=True)
+    mag = tl.minimum(((s - b - F16_GRID_BITS) + (b >> 13)).to(tl.uint32, bitcast=True), F16_INFINITY_BITS)
+    out = mag.to(tl.int32, bitcast=True) | ((u >> 16) & 0x8000)
     return tl.where(f != f, 0x7E00, out)
 
 
