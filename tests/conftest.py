@@ -12,7 +12,7 @@ pytest) in its temporary folder, under a lock in the folder the workers share, a
 reads the same run (:func:`_once.built_once`). That folder is this session's, so a second copy of the
 suite running beside this one builds its own.
 
-The other end-to-end campaigns (a temperature, top-p, a capture, a vLLM rollout) copy the tiny run's
+The other end-to-end campaigns (top-p, captures, a vLLM rollout) copy the tiny run's
 environment and focused-suite files (:func:`_evidence_run.copy_recorded`) instead of running ``env``
 (a Python that imports torch) and ``regression`` (a pytest) again: what those record is this checkout,
 not the case.
