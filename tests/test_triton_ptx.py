@@ -228,6 +228,7 @@ def test_tempered_kernels_compile_to_ieee_operations_markstein_and_div_rn(backen
             found = triton_aot.ptx_findings(asm["ptx"])
             assert found["forbidden"] == [] and found["unknown"] == [], (name, found)
             assert "div.rn.f32" in found["float_ops"] and found["fma"] == want, (name, found["fma"], want)
+            assert triton_aot.zero_subtractions(asm["ttir"]) == [], name  # Markstein's negations: fneg
         else:
             # the scheduler interleaves the specification's FMAs with the division sequences (the text
             # between a v_div_scale_f32 and its v_div_fixup_f32), so they are counted in all: at least
@@ -488,6 +489,34 @@ def _divide_probe(x_ptr, y_ptr, z_ptr, out_ptr, MULADD: tl.constexpr, PLAIN: tl.
 
 PROBE_SIGNATURE = {"x_ptr": "*fp32", "y_ptr": "*fp32", "z_ptr": "*fp32", "out_ptr": "*fp32",
                    "MULADD": "constexpr", "PLAIN": "constexpr"}
+
+
+NEGATE = load_kernels("compiled").negate
+
+
+@triton.jit
+def _negate_probe(x_ptr, y_ptr, out_ptr, FROM_ZERO: tl.constexpr):
+    offs = tl.arange(0, 64)
+    x = tl.load(x_ptr + offs)
+    minus = 0.0 - x if FROM_ZERO else NEGATE(x)
+    tl.store(out_ptr + offs, tl.fma(minus, tl.load(y_ptr + offs), x))
+
+
+NEGATE_SIGNATURE = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "FROM_ZERO": "constexpr"}
+
+
+def test_negate_is_ieee_negation_folded_into_the_fma_and_a_subtraction_from_zero_is_not() -> None:
+    """``triton_kernels.negate`` compiles to ``neg.f32`` (LLVM's ``fneg``: ``-(+0) = -0``), which
+    ptxas folds into the FMA reading it (no ``FADD``), on every supported Triton; ``0.0 - x`` (what
+    Triton 3.6 makes of a float's unary minus: ``+0 - (+0) = +0``) is flagged by
+    :func:`triton_aot.zero_subtractions` (negative control) and stays a ``sub.f32``."""
+    neg = _compile_probe(_negate_probe, NEGATE_SIGNATURE, {"FROM_ZERO": False}, "cuda", 90, False)
+    assert triton_aot.zero_subtractions(neg["ttir"]) == [] and "neg.f32" in neg["ptx"], neg["ttir"]
+    assert "sub.f32" not in neg["ptx"]
+    sass = triton_aot.read_sass(neg["cubin"]).opcodes
+    assert "FADD" not in sass and sass.get("FFMA") == 1, sass  # one column a thread (64 of 128 threads), one FFMA
+    sub = _compile_probe(_negate_probe, NEGATE_SIGNATURE, {"FROM_ZERO": True}, "cuda", 90, False)
+    assert len(triton_aot.zero_subtractions(sub["ttir"])) == 1 and "sub.f32" in sub["ptx"], sub["ttir"]
 
 
 def test_div_rn_is_ieee_on_nvidia_and_a_plain_division_is_not() -> None:
