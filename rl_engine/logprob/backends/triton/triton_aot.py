@@ -304,12 +304,14 @@ _TTIR_SUBF = re.compile(r"=\s*arith\.subf\s+(%[\w.]+),")
 
 
 def zero_subtractions(ttir: str) -> list[str]:
-    """The ``arith.subf +0, v`` of a Triton IR text: Triton 3.6 lowers a float's unary minus to it,
-    which is not IEEE negation (``+0 - (+0)`` is ``+0``) and which ptxas cannot fold into an FMA's
-    operand (a ``FADD`` each); the kernels negate by ``triton_kernels.negate`` (``fneg``)."""
+    """The ``arith.subf +0, v`` on tensors of a Triton IR text: Triton 3.6 lowers a float's unary
+    minus to it, which is not IEEE negation (``+0 - (+0)`` is ``+0``) and which ptxas cannot fold into
+    an FMA's operand (a ``FADD`` a column); the kernels negate a column's value by
+    ``triton_kernels.negate`` (``fneg``). A scalar's (the forward's ``-hi_x`` of a positive bound:
+    exact, once a program) is left out."""
     zeros = {m.group(1) for m in map(_TTIR_ZERO.match, ttir.splitlines()) if m}
     return [line.strip() for line in ttir.splitlines()
-            if (m := _TTIR_SUBF.search(line)) and m.group(1) in zeros]
+            if (m := _TTIR_SUBF.search(line)) and m.group(1) in zeros and ": tensor<" in line]
 
 
 def ptx_findings(ptx: str) -> dict[str, Any]:
