@@ -68,7 +68,7 @@ MAX_PG_TIMEOUT_S = 1e9
 
 # The benchmark's paths and phases (python -m rl_engine bench; rl_engine.benchmark.config says what each is).
 BENCH_PATHS: tuple[str, ...] = ("candidate", "fused", "triton", "naive", "floor", "lm_head", "fused_lm_head",
-                                 "naive_lm_head", "processed")
+                                 "fused_lm_head_kept", "naive_lm_head", "processed")
 BENCH_PHASES: tuple[str, ...] = ("forward", "forward_backward")
 PARITY_RATIO_BOUNDS: tuple[float, float] = (0.8, 1.2)  # parity's default: PPO-style clip; TIS users pass their own
 

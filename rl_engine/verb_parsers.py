@@ -69,7 +69,7 @@ def bench_parser() -> argparse.ArgumentParser:
                    help="where the inputs live and the backends run (cuda: --no-memory, no fused, no --tp)")
     p.add_argument("--tp", type=int, nargs="+", default=[], help="TP degrees: run the torchrun mode")
     p.add_argument("--hidden-size", type=int, default=None,
-                   help="the hidden size of the head paths (lm_head, fused_lm_head: asked for by name in --paths)")
+                   help="the hidden size of the head paths (lm_head, fused_lm_head[_kept], naive_lm_head: asked for by name)")
     p.add_argument("--output", default=None, help="write the JSON document here")
     p.add_argument("--probe", nargs=3, metavar=("PATH", "PHASE", "TOKENS"), help=argparse.SUPPRESS)
     p.add_argument("--tp-worker", metavar="OUTPUT", help=argparse.SUPPRESS)

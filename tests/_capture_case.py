@@ -90,10 +90,11 @@ def write_tiny_capture(path: Path, seed: int = 5) -> Path:
     return path
 
 
-def write_trainer_side(path: Path, seed: int = 5, scale: float = 1.001) -> Path:
-    """The same tokens, targets and mask as :func:`tiny_capture` (``seed``), the logits in fp32 and
-    scaled by ``scale``: a trainer's capture whose logits differ from the rollout's on every token."""
-    rollout = tiny_capture(seed)
+def write_trainer_side(path: Path, seed: int = 5, scale: float = 1.001, rollout: Capture | None = None) -> Path:
+    """The same tokens, targets and mask as ``rollout`` (default :func:`tiny_capture` of ``seed``), the
+    logits in fp32 and scaled by ``scale``: a trainer's capture whose logits differ from the rollout's on
+    every token."""
+    rollout = tiny_capture(seed) if rollout is None else rollout
     meta = build_metadata(engine="test-trainer", engine_version="0", model="seeded-randn", dtype="fp32",
                           notes=f"tests/_capture_case.py seed {seed} x {scale}")
     write_capture(path, Capture(rollout.logits.float() * scale, rollout.targets, rollout.active, None, meta))
@@ -136,7 +137,7 @@ def campaign_to_archive(tmp_path: Path, case: Case, topologies: tuple[str, ...],
     success."""
     from rl_engine import cli
 
-    from _evidence_run import copy_recorded, pack
+    from _evidence_run import copy_recorded, declared_files, pack
 
     run_dir = tmp_path / "rl-engine-test-run"
     (run_dir / "logs").mkdir(parents=True)
@@ -150,5 +151,5 @@ def campaign_to_archive(tmp_path: Path, case: Case, topologies: tuple[str, ...],
     for verb, out in (("validate", "validation.json"), ("crosscheck", "crosscheck.json"), ("summary", "SUMMARY.md")):
         assert cli.main([verb, "--run-dir", str(run_dir), "--output", str(run_dir / out)]) == 0, verb
     archive = tmp_path / "out" / f"{run_dir.name}.tar.gz"
-    assert pack(run_dir, archive) == 0
+    assert pack(run_dir, archive, declared_files(run_dir, topologies)) == 0
     return run_dir, archive

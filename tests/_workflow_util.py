@@ -126,6 +126,15 @@ def verify(repo: Path, archive: Path, *args: str) -> subprocess.CompletedProcess
     )
 
 
+def verify_here(archive: Path, *args: str) -> int:
+    """``verify <archive> *args`` in this process (what it prints goes to the test's captured output):
+    the verb without a Python start that imports torch again; the workflow's own ``verify_archive`` job
+    is the run's verify as a process."""
+    from rl_engine.evidence import verify as verb
+
+    return verb.main([str(archive), *args])
+
+
 def html_report(repo: Path, out: Path, configfile: str = CONFIG) -> tuple[dict[str, Any], str]:
     """``snakemake --report OUT`` in ``repo``; the report's results (file path -> record, its
     ``data_uri`` decoded into ``data``) and its workflow description, read from the HTML."""

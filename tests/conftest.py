@@ -12,7 +12,7 @@ pytest) in its temporary folder, under a lock in the folder the workers share, a
 reads the same run (:func:`_once.built_once`). That folder is this session's, so a second copy of the
 suite running beside this one builds its own.
 
-The other end-to-end campaigns (a temperature, top-p, a capture, a vLLM rollout) copy the tiny run's
+The other end-to-end campaigns (top-p, captures, a vLLM rollout) copy the tiny run's
 environment and focused-suite files (:func:`_evidence_run.copy_recorded`) instead of running ``env``
 (a Python that imports torch) and ``regression`` (a pytest) again: what those record is this checkout,
 not the case.
@@ -34,15 +34,16 @@ from pathlib import Path  # noqa: E402
 import pytest
 
 from _archive_util import Good, read_archive
-from _evidence_run import build_run, pack
+from _evidence_run import TINY_RUN_FLAGS, build_run, pack
 from _once import built_once
 
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A complete, passing tiny-vocabulary run directory (up to SUMMARY.md), made by the real verbs."""
+    """A complete, passing tiny-vocabulary run directory (up to SUMMARY.md), made by the real verbs, of
+    a case at temperature 0.7 (:data:`_evidence_run.TINY_RUN_FLAGS`)."""
     return built_once(tmp_path_factory, "tiny-run",
-                       lambda base: build_run(base / "rl-engine-test-run", base / "focused-tests"))
+                       lambda base: build_run(base / "rl-engine-test-run", base / "focused-tests", TINY_RUN_FLAGS))
 
 
 @pytest.fixture(scope="session")

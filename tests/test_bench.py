@@ -454,3 +454,25 @@ def test_the_naive_head_is_what_a_trainer_writes_and_the_fused_head_s_ratio_is_t
     assert ratios["time_vs_naive_lm_head"] == 0.75
     names = {t["target"]: t["met"] for t in report.evaluate_targets({}, {"fused_lm_head": {"8": {"forward": ratios}}})}
     assert names["fused lm_head forward time <= 1.2x naive lm_head"] is True
+
+
+def test_the_kept_head_path_keeps_the_logits_and_its_ratios_name_naive_and_the_recomputing_head() -> None:
+    """``fused_lm_head_kept``: ``selected_logprob_from_hidden(..., keep_logits=True)``, the gradients the
+    bytes of ``fused_lm_head``'s; its ratios are taken against ``naive_lm_head``, ``fused_lm_head`` (and
+    ``lm_head``), and its two targets are within 1.2x of the naive head."""
+    config = BenchConfig(tokens=(8,), vocab=512, tiles=4, dtype="fp32",
+                         paths=("naive_lm_head", "fused_lm_head", "fused_lm_head_kept"), hidden_size=16)
+    inputs = make_inputs(8, 512, "fp32", 7, hidden_size=16)
+    found = {}
+    for path in ("fused_lm_head", "fused_lm_head_kept"):
+        step, _ = paths.build_step(path, "forward_backward", inputs, config)
+        found[path] = [tensor_bytes(g) for g in step()]
+    assert found["fused_lm_head_kept"] == found["fused_lm_head"]
+    rows = [{"path": p, "phase": "forward_backward", "tokens": 8, "median_s": t, "peak_mem_bytes": None}
+            for p, t in (("naive_lm_head", 2.0), ("fused_lm_head", 3.0), ("fused_lm_head_kept", 1.5))]
+    ratios = report.compute_path_ratios(rows)["fused_lm_head_kept"]["8"]["forward_backward"]
+    assert ratios["time_vs_naive_lm_head"] == 0.75 and ratios["time_vs_fused_lm_head"] == 0.5
+    targets = report.evaluate_targets({}, {"fused_lm_head_kept": {"8": {"forward_backward": ratios}}})
+    met = {t["target"]: t["met"] for t in targets if t["path"] == "fused_lm_head_kept"}
+    assert met == {"kept fused lm_head forward time <= 1.2x naive lm_head": None,
+                   "kept fused lm_head forward+backward time <= 1.2x naive lm_head": True}

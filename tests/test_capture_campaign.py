@@ -1,25 +1,25 @@
-"""A campaign on a captured file (case ``capture``): the case's parse-time rules, and (slow) the
-TP x CP matrix on a tiny capture written here: the real ``plan`` and ``launch`` verbs (torchrun,
-gloo ranks that each read only their tokens and columns), identical fingerprints at 1x1 and 2x2
-(TP and CP sharding both; more topologies' bytes on a capture: tests/test_capture_shards.py), the
-capture's SHA-256 and metadata in every report, and a rank that refuses a file whose bytes are not
-the recorded ones.
+"""A campaign on a captured file (case ``capture``): the case's parse-time rules, and (slow) one
+end-to-end run shared by most slow tests: docs/capture.md's worked example through ``snakemake``
+(a dry run, then the real run) on a tiny capture whose prompts have 2 and 5 tokens, at 1x1 and 2x2,
+with ``inputs.archive: true`` and a parity stage. Its run and archive give: identical fingerprints at
+1x1 and 2x2 (TP and CP sharding both; more topologies' bytes on a capture:
+tests/test_capture_shards.py) from ranks that each read only their tokens and columns, the capture's
+SHA-256 and metadata in every report, each report's ``active_mask`` (the ragged mask, not
+``prompt_tokens``' rule), a rank that refuses a file whose bytes are not the recorded ones; the
+recompute and replay rows from ``--capture``, from the archived copy, from neither and from a wrong
+file; an archive holding the capture and a parity report that ``verify --recompute`` passes without
+``--capture``, and refuses without the capture member, or with other bytes in it, naming the file and
+the hash. The capture's path is not part of the run name; rank 0 hashes the capture once; the
+``parity:`` section of config.yaml is checked before any job.
 
-The same run (its case says ``archive: true``) is then completed by the real verbs (copy-capture,
-parity, validate, crosscheck, summary, archive; the environment and focused-suite files are the
-session's tiny run's, conftest's ``tiny_run``) into an archive that holds the capture and a parity
-report: ``verify --recompute`` passes on it without ``--capture``; without the capture member, or
-with other bytes in it, it is refused naming the file and the hash. The capture's path is not part
-of the run name; rank 0 hashes the capture once; the ``parity:`` section of config.yaml is checked
-before any job. Last, the same kind of config runs through
-``snakemake`` end to end, with the capture and parity stages, to an archive ``verify --recompute``
-passes."""
+A second, smaller campaign (1x1 and 2x1) runs the real verbs in this process on captures whose
+metadata and directory hold HTML and markup (paths the workflow's config check refuses): its
+SUMMARY.md shows them as text, and its archive (the capture not in it) verifies."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from rl_engine.campaign.captured import capture_record, check_file
 from rl_engine.campaign.case import Case, CaseError, case_document, write_case_file
 from rl_engine.capture import CaptureError
 
-from _capture_case import CASE_FIELDS, campaign_to_archive, capture_case, write_tiny_capture
+from _capture_case import CASE_FIELDS, capture_case, write_tiny_capture
 from _capture_case import launch_topology as _launch
 from _capture_case import verify_archive as _verify
 
@@ -85,10 +85,10 @@ def test_check_file_refuses_other_bytes_naming_the_recorded_hash(tmp_path: Path)
         check_file(record, other)
 
 
-def _campaign(run_dir: Path, path: Path, topologies: tuple[str, ...] = TOPOLOGIES) -> dict[str, dict]:
-    """The case (``archive: true``) of the capture at ``path``, planned and every topology launched."""
+def _campaign(run_dir: Path, path: Path, topologies: tuple[str, ...], archive: bool) -> dict[str, dict]:
+    """The case (``inputs.archive: archive``) of the capture at ``path``, planned and every topology launched."""
     (run_dir / "logs").mkdir(parents=True)
-    write_case_file(run_dir / "case.json", capture_case(path, archive=True),  # inputs.archive: true
+    write_case_file(run_dir / "case.json", capture_case(path, archive=archive),
                     tuple(tuple(int(x) for x in t.split("x")) for t in topologies))
     assert cli.main(["plan", "--case", str(run_dir / "case.json"), "--output", str(run_dir / "plan.json")]) == 0
     reports = {}
@@ -101,11 +101,135 @@ def _campaign(run_dir: Path, path: Path, topologies: tuple[str, ...] = TOPOLOGIE
     return reports
 
 
+@dataclass(frozen=True)
+class WorkflowRun:
+    """The module's one end-to-end run: docs/capture.md's worked example through ``snakemake`` (a dry run,
+    then the real run) on a tiny capture whose prompts have 2 and 5 tokens (``prompt_tokens: 3`` shapes
+    nothing on a capture), over :data:`TOPOLOGIES`, with ``inputs.archive: true`` and a parity stage
+    against a trainer side of the same tokens. Its run directory and archive are what the matrix, the
+    replay, the archive and the ragged-prompt tests read (each restores what it changes)."""
+
+    repo: Path
+    planned: str  # the dry run's console
+    done: str  # the real run's console
+    name: str  # the run name
+    rollout: Path
+    trainer: Path
+    capture: Any  # the rollout's Capture (its mask is the ragged one)
+
+    @property
+    def run(self) -> Path:
+        return self.repo / "results" / self.name
+
+    @property
+    def archive(self) -> Path:
+        return self.repo / "results" / f"{self.name}.tar.gz"
+
+
 @pytest.fixture(scope="module")
-def capture_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, dict]]:
-    run_dir = tmp_path_factory.mktemp("capture-campaign")
-    path = write_tiny_capture(tmp_path_factory.mktemp("captures") / "rollout.safetensors")  # outside the run
-    return run_dir, path, _campaign(run_dir, path)
+def capture_workflow(tmp_path_factory: pytest.TempPathFactory) -> WorkflowRun:
+    from rl_engine.capture import write_capture
+
+    from _capture_case import ragged_capture, write_trainer_side
+    from _workflow_util import SHORT_REGRESSION, copy_repo, run_name_of, snakemake, write_config
+
+    repo = copy_repo(tmp_path_factory.mktemp("capture-workflow"))
+    capture = ragged_capture((2, 5))
+    rollout = repo / "rollout.safetensors"
+    write_capture(rollout, capture)
+    trainer = write_trainer_side(repo / "trainer.safetensors", rollout=capture)
+    write_config(repo, {**{k: v for k, v in CASE_FIELDS.items() if k not in ("device", "backend", "seed")},
+                        "regression": SHORT_REGRESSION, "topologies": list(TOPOLOGIES),
+                        "inputs": {"capture": "rollout.safetensors", "archive": True},
+                        "parity": {"rollout": "rollout.safetensors", "trainer": "trainer.safetensors",
+                                   "ratio_bounds": [0.5, 2.0]}})
+    planned = snakemake(repo, "-n", "-p")
+    assert planned.returncode == 0, (planned.stdout + planned.stderr)[-6000:]
+    assert list((repo / "results").iterdir()) == []  # a dry run writes nothing
+    done = snakemake(repo)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-8000:]
+    with pytest.MonkeyPatch.context() as env:
+        env.chdir(repo)  # the config's capture paths are relative to the workflow's directory
+        name = run_name_of(repo)
+    return WorkflowRun(repo, planned.stdout + planned.stderr, done.stdout + done.stderr, name, rollout, trainer,
+                       capture)
+
+
+def _other_bytes(path: Path) -> Path:
+    """A capture of the workflow's shape, mask and size with other logits (another seed): another hash."""
+    from rl_engine.capture import write_capture
+
+    from _capture_case import ragged_capture
+
+    write_capture(path, ragged_capture((2, 5), seed=6))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reviewed(capture_workflow: WorkflowRun, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, dict]]:
+    """The reviewer's ``verify --recompute`` of the workflow's archive (the verb in this process), no
+    ``--capture`` given: the replay reads the archived capture."""
+    return _verify(capture_workflow.archive, tmp_path_factory.mktemp("reviewer"), "--recompute")
+
+
+@pytest.fixture(scope="module")
+def capture_run(capture_workflow: WorkflowRun) -> tuple[Path, Path, dict[str, dict]]:
+    """The workflow's run directory, its capture, and each topology's report."""
+    run = capture_workflow.run
+    reports = {t: json.loads((run / "tp{}-cp{}.json".format(*t.split("x"))).read_text()) for t in TOPOLOGIES}
+    return run, capture_workflow.rollout, reports
+
+
+@pytest.mark.slow
+def test_a_capture_and_parity_config_runs_through_snakemake_to_a_verified_archive(
+        capture_workflow: WorkflowRun, reviewed: tuple[int, dict[str, dict]], tmp_path: Path) -> None:
+    """End to end, the workflow of docs/capture.md's worked example on a tiny capture: the dry
+    run plans the ``capture`` and ``parity`` stages and writes nothing; the real run copies the
+    capture, writes the parity report (the sides differ: a finding, the stage passes), packs both
+    into an archive its own ``verify_archive`` job passes, and the reviewer's ``verify --recompute``
+    replays it (the verb in this process) from the archived capture, no ``--capture`` given;
+    ``snakemake --lint`` of this config (every rule, the capture and parity stages included) is
+    clean: tests/test_gates_config.py::test_snakemake_lint_is_clean.
+    The negative control (the good config plans neither stage) is
+    tests/test_gates_config.py::test_snakemake_dry_run_of_a_good_config_plans_every_job."""
+    import tarfile
+
+    from rl_engine import jsonio
+    from rl_engine.rundir import CAPTURE, PARITY_JSON, PARITY_PNG, SUMMARY
+
+    from _workflow_util import html_report, jobs_run
+
+    wf = capture_workflow
+    text = wf.planned
+    counts = jobs_run(text)
+    assert counts.get("capture") == 1 and counts.get("parity") == 1 and counts.get("topology") == 2, counts
+    parity_line = next(line for line in text.splitlines() if "rl_engine parity" in line)
+    assert "--ratio-bounds 0.5 2.0" in parity_line and "--difference-exit-code 0 > " in parity_line
+    archive_line = next(line for line in text.splitlines() if "rl_engine archive" in line)
+    assert "/capture.safetensors" in archive_line and "/parity.json" in archive_line
+    assert "/logs/parity.log" in archive_line and "copy-capture --case" in text
+
+    assert jobs_run(wf.done).get("capture") == 1 and jobs_run(wf.done).get("parity") == 1, jobs_run(wf.done)
+    name, run, archive = wf.name, wf.run, wf.archive
+    assert jsonio.load(wf.repo / "results" / f"{name}.verify.json")["passed"] is True  # the workflow's own verify
+    assert (run / CAPTURE).read_bytes() == wf.rollout.read_bytes()
+    parity = jsonio.load(run / PARITY_JSON)
+    assert parity["verdict"] == "different" and parity["logits"]["tokens_differing"] > 0
+    assert "## Parity: rollout versus trainer" in (run / SUMMARY).read_text()
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    assert {f"{name}/{CAPTURE}", f"{name}/{PARITY_JSON}", f"{name}/{PARITY_PNG}", f"{name}/logs/parity.log"} <= names
+    code, checks = reviewed  # the archived capture: no --capture
+    assert code == 0, {n: c["problems"] for n, c in checks.items() if c["status"] == "FAIL"}
+    assert checks["inputs regenerated"]["status"] == checks["candidate replayed"]["status"] == "PASS", checks
+
+    # the HTML report embeds parity.png, labelled with the counts of parity.json
+    results, _ = html_report(wf.repo, tmp_path / "report.html")
+    figure = results[f"results/{name}/{PARITY_PNG}"]
+    assert figure["data"] == (run / PARITY_PNG).read_bytes() and figure["mime_type"] == "image/png"
+    active = parity["targets_and_mask"]["active_tokens"]
+    assert figure["labels"]["Parity"] == "different" and figure["labels"]["Active tokens"] == str(active)
+    assert figure["labels"]["Ratio outside bounds"] == f"{parity['importance_ratio']['ours']['outside_bounds']} of {active}"
 
 
 @pytest.mark.slow
@@ -175,7 +299,8 @@ def test_summary_inputs_line_records_the_capture_hash_and_metadata(tmp_path: Pat
 
 
 @pytest.mark.slow
-def test_verify_recompute_replays_a_capture_campaign_from_capture_or_the_archived_copy(capture_run) -> None:
+def test_verify_recompute_replays_a_capture_campaign_from_capture_or_the_archived_copy(
+        capture_run, tmp_path: Path) -> None:
     import shutil
 
     from rl_engine.evidence.verify import recompute, replay
@@ -184,39 +309,45 @@ def test_verify_recompute_replays_a_capture_campaign_from_capture_or_the_archive
     run_dir, path, _ = capture_run
     run = Run.load(run_dir)
     sha = capture_record(path)["sha256"]
-    # --capture PATH: every topology's bytes and fingerprints replayed, drift recomputed
-    given = [*recompute(run, capture=path), replay(run, capture=path)]
-    assert all(c.passed for c in given), [(c.name, c.problems) for c in given]
-    # neither --capture nor an archived copy: refused, naming the file and its hash
-    neither = [*recompute(run), replay(run)]
-    assert all(c.passed is False for c in neither), [(c.name, c.passed, c.problems) for c in neither]
-    named = [neither[0], neither[2]]  # inputs regenerated, candidate replayed (drift: "no inputs")
-    assert all(sha in " ".join(c.problems) and str(path) in " ".join(c.problems) for c in named)
-    assert "drift not recomputed: no inputs" in " ".join(neither[1].problems)
-    assert "pass --capture PATH" in " ".join(neither[0].problems)
-    # a file with another hash: refused, naming the recorded hash
-    other = write_tiny_capture(run_dir.parent / "other.safetensors", seed=6)
-    wrong = [*recompute(run, capture=other), replay(run, capture=other)]
-    assert all(c.passed is False for c in wrong)
-    assert all(f"not that of the case's capture (sha256 {sha}" in " ".join(c.problems) for c in (wrong[0], wrong[2]))
-    # the archive's own copy (inputs.archive: true) is what a replay without --capture reads
-    shutil.copyfile(path, run_dir / CAPTURE)
+    aside = tmp_path / CAPTURE
+    shutil.move(run_dir / CAPTURE, aside)  # the workflow's copy, back in place below
     try:
+        # --capture PATH: every topology's bytes and fingerprints replayed, drift recomputed
+        given = [*recompute(run, capture=path), replay(run, capture=path)]
+        assert all(c.passed for c in given), [(c.name, c.problems) for c in given]
+        # neither --capture nor an archived copy: refused, naming the file and its hash
+        neither = [*recompute(run), replay(run)]
+        assert all(c.passed is False for c in neither), [(c.name, c.passed, c.problems) for c in neither]
+        named = [neither[0], neither[2]]  # inputs regenerated, candidate replayed (drift: "no inputs")
+        assert all(sha in " ".join(c.problems) and str(path) in " ".join(c.problems) for c in named)
+        assert "drift not recomputed: no inputs" in " ".join(neither[1].problems)
+        assert "pass --capture PATH" in " ".join(neither[0].problems)
+        # a file with another hash: refused, naming the recorded hash
+        other = _other_bytes(tmp_path / "other.safetensors")
+        wrong = [*recompute(run, capture=other), replay(run, capture=other)]
+        assert all(c.passed is False for c in wrong)
+        assert all(f"not that of the case's capture (sha256 {sha}" in " ".join(c.problems) for c in (wrong[0], wrong[2]))
+        # the archive's own copy (inputs.archive: true) is what a replay without --capture reads
+        shutil.copyfile(aside, run_dir / CAPTURE)
         archived = [*recompute(run), replay(run)]
         assert all(c.passed for c in archived), [(c.name, c.problems) for c in archived]
     finally:
-        (run_dir / CAPTURE).unlink()
+        if not (run_dir / CAPTURE).exists():
+            shutil.copyfile(aside, run_dir / CAPTURE)
 
 
 @pytest.mark.slow
-def test_a_rank_refuses_a_capture_whose_bytes_changed_after_the_plan(capture_run, tmp_path: Path) -> None:
+def test_a_rank_refuses_a_capture_whose_bytes_changed_after_the_plan(
+        capture_run, monkeypatch: pytest.MonkeyPatch) -> None:
     run_dir, path, _ = capture_run
+    monkeypatch.chdir(run_dir.parents[1])  # the workflow wrote the plan from its directory, naming it relatively
     original = path.read_bytes()
-    kept = {p: p.read_bytes() for p in run_dir.glob("tp1-cp1.*")}  # the refused run removes them
+    kept = {p: p.read_bytes() for p in [*run_dir.glob("tp1-cp1.*"), run_dir / "logs" / "tp1-cp1.log"]}  # the refused
+    # run removes the report and tensors and writes the log: all archived, restored below
     try:
-        write_tiny_capture(path, seed=6)  # the same shape, other logits: another hash
+        _other_bytes(path)  # the same shape and size, other logits: another hash
         report = run_dir / "tp1-cp1.json"
-        assert _launch(run_dir / "plan.json", "1x1") == 2
+        assert _launch(run_dir.relative_to(run_dir.parents[1]) / "plan.json", "1x1") == 2
         assert not report.exists()  # refused before any collective: no report left
         assert "has sha256" in (run_dir / "logs" / "tp1-cp1.log").read_text(errors="replace")
     finally:
@@ -386,33 +517,28 @@ def test_each_rank_hashes_the_capture_once_and_a_rewritten_file_again(tmp_path: 
 
 
 # ----- an archive that holds the capture (inputs.archive: true) and a parity report -------------
-def _pack(run_dir: Path, output: Path) -> int:
-    """The archive verb on every file of the run directory (all of them made by the verbs here)."""
+def _pack(run_dir: Path, output: Path, files: list[Path] | None = None) -> int:
+    """The archive verb on ``files`` of the run directory (default: every file, all of them made by the
+    verbs here)."""
     from _evidence_run import schema_files, spec_file, workflow_files
 
-    files = sorted(p for p in run_dir.rglob("*") if p.is_file())
+    files = sorted(p for p in run_dir.rglob("*") if p.is_file()) if files is None else files
     return cli.main(["archive", "--run-dir", str(run_dir), "--output", str(output), "--spec", str(spec_file()),
                      "--workflow", *map(str, workflow_files()), "--schemas", *map(str, schema_files()), "--files", *map(str, files)])
 
 
 @pytest.fixture(scope="module")
-def capture_archive(capture_run, tmp_path_factory: pytest.TempPathFactory, tiny_run: Path) -> dict[str, Path]:
-    """:func:`capture_run` completed by the real verbs, with a parity stage, archived under its run name."""
-    import shutil
-
-    from _capture_case import write_trainer_side
-
-    source, path, _ = capture_run
-    base = tmp_path_factory.mktemp("capture-archive")
-    run_dir = base / "run"
-    shutil.copytree(source, run_dir)
-    return _complete(run_dir, base, path, write_trainer_side(base / "trainer.safetensors"), tiny_run)
+def capture_archive(capture_workflow: WorkflowRun) -> dict[str, Path]:
+    """The workflow's archive (with the capture and a parity report), its run, and both captures."""
+    return {"archive": capture_workflow.archive, "run": capture_workflow.run, "capture": capture_workflow.rollout,
+            "trainer": capture_workflow.trainer}
 
 
 def _complete(run_dir: Path, base: Path, path: Path, trainer: Path, recorded_from: Path) -> dict[str, Path]:
     """A launched capture campaign in ``run_dir`` (:func:`_campaign` of ``path``) completed by the real
-    verbs, with a parity stage against ``trainer``, archived under its run name in ``base / "out"``. The
-    environment and focused-suite files are the session's run ``recorded_from``'s (conftest's tiny run:
+    verbs (``copy-capture`` where the case archives its capture), with a parity stage against
+    ``trainer``, archived under its run name in ``base / "out"``. The environment and focused-suite
+    files are the session's run ``recorded_from``'s (conftest's tiny run:
     :func:`_evidence_run.copy_recorded`): what they record is not the capture's."""
     from rl_engine import jsonio
     from rl_engine.campaign.casename import RunName, evidence_case_hash
@@ -420,7 +546,8 @@ def _complete(run_dir: Path, base: Path, path: Path, trainer: Path, recorded_fro
 
     from _evidence_run import copy_recorded
 
-    assert cli.main(["copy-capture", "--case", str(run_dir / "case.json"), "--output", str(run_dir / CAPTURE)]) == 0
+    if jsonio.load(run_dir / "case.json")["case"]["capture"].get("archive") is True:
+        assert cli.main(["copy-capture", "--case", str(run_dir / "case.json"), "--output", str(run_dir / CAPTURE)]) == 0
     copy_recorded(recorded_from, run_dir)
     assert cli.main(["parity", str(path), str(trainer), "--output-dir", str(run_dir),
                      "--difference-exit-code", "0"]) == 0  # a difference: exit 0 as the workflow asks
@@ -481,14 +608,14 @@ def _rebuilt(capture_archive: dict[str, Path], tmp_path: Path, capture_bytes: by
 
 @pytest.mark.slow
 def test_an_archive_holding_the_capture_verifies_with_recompute_and_no_capture_flag(
-        capture_archive: dict[str, Path], tmp_path: Path) -> None:
+        capture_archive: dict[str, Path], reviewed: tuple[int, dict[str, dict]], tmp_path: Path) -> None:
     import tarfile
 
     from rl_engine import jsonio
     from rl_engine.rundir import CAPTURE, PARITY_JSON, PARITY_PNG, SUMS
 
     archive, path = capture_archive["archive"], capture_archive["capture"]
-    code, checks = _verify(archive, tmp_path, "--recompute")
+    code, checks = reviewed  # verify --recompute, no --capture
     assert code == 0, {n: c["problems"] for n, c in checks.items() if c["status"] == "FAIL"}
     for name in ("run name", "SHA256SUMS", "archive members", "JSON schemas (shipped)", "report acceptance",
                  "SUMMARY.md", "inputs regenerated", "oracle drift recomputed", "candidate replayed"):
@@ -502,9 +629,11 @@ def test_an_archive_holding_the_capture_verifies_with_recompute_and_no_capture_f
     assert held == path.read_bytes()
     assert f"{capture_record(path)['sha256']}  {CAPTURE}\n" in sums
     assert {f"{top}/{PARITY_JSON}", f"{top}/{PARITY_PNG}"} <= set(names)
-    # byte-reproducible: the same run packed again is the same archive
+    # byte-reproducible: the run's files the workflow packed, packed again by the verb here, are the same archive
     again = tmp_path / "again" / archive.name
-    assert _pack(capture_archive["run"], again) == 0
+    packed = sorted(capture_archive["run"] / n[len(top) + 1:] for n in names
+                    if (capture_archive["run"] / n[len(top) + 1:]).is_file())
+    assert _pack(capture_archive["run"], again, packed) == 0
     assert again.read_bytes() == archive.read_bytes()
     # SUMMARY.md's parity section: its numbers are parity.json's
     summary = (capture_archive["run"] / "SUMMARY.md").read_text()
@@ -518,7 +647,8 @@ def test_an_archive_holding_the_capture_verifies_with_recompute_and_no_capture_f
 
 
 @pytest.mark.slow
-def test_the_summary_reproduce_config_gives_the_run_name_of_the_archive(capture_archive: dict[str, Path]) -> None:
+def test_the_summary_reproduce_config_gives_the_run_name_of_the_archive(
+        capture_archive: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     import yaml
     from snakemake.utils import update_config
 
@@ -528,9 +658,10 @@ def test_the_summary_reproduce_config_gives_the_run_name_of_the_archive(capture_
     block = text.split("`reproduce.yaml` (over the repository's `config.yaml`", 1)[1].split("\n\n", 2)[1]
     reproduce = yaml.safe_load("\n".join(line[4:] for line in block.splitlines()))
     assert reproduce["inputs"] == {"capture": str(capture_archive["capture"].resolve()), "archive": True}
-    assert reproduce["parity"]["trainer"] == str(capture_archive["trainer"])
+    assert reproduce["parity"]["trainer"] == capture_archive["trainer"].name  # as the workflow's config gave it
     config = yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())
     update_config(config, reproduce)
+    monkeypatch.chdir(capture_archive["run"].parents[1])  # the workflow's directory, where its config's paths are
     assert capture_archive["archive"].name.endswith(f"-case-{config_case_hash(config)}.tar.gz")
 
 
@@ -606,13 +737,8 @@ def test_an_archived_capture_larger_than_its_case_is_bounded_before_any_tensor_i
 
 @pytest.mark.slow
 def test_an_archived_capture_with_other_bytes_is_refused(capture_archive: dict[str, Path], tmp_path: Path) -> None:
-    from rl_engine.capture.format import write_capture
-
-    from _capture_case import tiny_capture
-
     sha = capture_record(capture_archive["capture"])["sha256"]
-    other = tmp_path / "other.safetensors"
-    write_capture(other, tiny_capture(seed=6))  # the same shape and size, other logits
+    other = _other_bytes(tmp_path / "other.safetensors")  # the same shape and size, other logits
     assert other.stat().st_size == capture_archive["capture"].stat().st_size
     code, checks = _verify(_rebuilt(capture_archive, tmp_path, other.read_bytes()), tmp_path, "--recompute")
     assert code == 1 and checks["SHA256SUMS"]["status"] == "PASS"
@@ -641,18 +767,23 @@ def test_hostile_capture_strings_reach_summary_md_and_the_console_as_text_and_th
     fake ``## Status`` heading and sign-off, and ``qwen [/]``: every verb runs (``summary`` prints them
     as text), the archive verifies (SUMMARY.md is rendered again from the evidence and compared), and
     SUMMARY.md rendered as Markdown has one Status heading, no HTML, no image and no link: the strings
-    are shown, escaped, as text."""
+    are shown, escaped, as text.
+
+    The capture's prompts have 2 and 5 tokens and the archive does not hold it (``inputs.archive:
+    false``), and it is removed before ``verify``: acceptance of a ragged capture's reports needs
+    nothing but the evidence (each report's ``active_mask``; the replay of such a run:
+    :func:`test_a_capture_with_ragged_prompts_runs_to_a_verified_archive`)."""
     import shutil
 
     from markdown_it import MarkdownIt
 
     from rl_engine.capture import Capture, build_metadata, write_capture
-    from rl_engine.rundir import SUMMARY
+    from rl_engine.rundir import CAPTURE, SUMMARY
 
-    from _capture_case import tiny_capture
+    from _capture_case import ragged_capture
 
     base = tmp_path_factory.mktemp("hostile")
-    rollout = tiny_capture()
+    rollout = ragged_capture((2, 5))
     folder = base / HOSTILE_DIR
     folder.mkdir()
     path, trainer = folder / "rollout.safetensors", folder / "trainer.safetensors"
@@ -661,15 +792,16 @@ def test_hostile_capture_strings_reach_summary_md_and_the_console_as_text_and_th
     write_capture(trainer, Capture(rollout.logits.float() * 1.001, rollout.targets, rollout.active, None,
                                    build_metadata(dtype="fp32", engine_version="0", **HOSTILE_META)))
     run_dir = base / "run"
-    _campaign(run_dir, path, ("1x1", "2x1"))
+    _campaign(run_dir, path, ("1x1", "2x1"), archive=False)
     done = _complete(run_dir, base, path, trainer, tiny_run)
+    assert not (run_dir / CAPTURE).exists()
+    shutil.rmtree(folder)  # the captures are not archived, and verify reads nothing but the archive
     code, checks = _verify(done["archive"], base)
     assert code == 0 and checks["SUMMARY.md"]["status"] == "PASS", [
         (n, c["status"], _text(c)) for n, c in checks.items() if c["status"] not in ("PASS", "note")]
     assert all(c["status"] in ("PASS", "note") for c in checks.values())
     text = (run_dir / SUMMARY).read_text(encoding="utf-8")
     assert "&lt;img src=https://evil.example/beacon.gif onerror=alert(1)&gt;" in text and "qwen [/]" in text
-    shutil.rmtree(folder)  # the captures are archived; nothing below reads them
 
     tokens, stack = [], list(reversed(MarkdownIt("commonmark").enable("table").parse(text)))
     while stack:
@@ -685,117 +817,31 @@ def test_hostile_capture_strings_reach_summary_md_and_the_console_as_text_and_th
     assert "engine vllm</td><script>alert(1)</script> 0, model qwen [/]" in shown
 
 
-@pytest.mark.slow
-def test_a_capture_and_parity_config_runs_through_snakemake_to_a_verified_archive(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """End to end, the workflow of docs/capture.md's worked example on a tiny capture: the dry
-    run plans the ``capture`` and ``parity`` stages and writes nothing; the real run copies the
-    capture, writes the parity report (the sides differ: a finding, the stage passes), packs both
-    into an archive its own ``verify_archive`` job passes, and the reviewer's ``verify --recompute``
-    replays it (the verb in this process) from the archived capture, no ``--capture`` given;
-    ``snakemake --lint`` is clean.
-    The negative control (the good config plans neither stage) is
-    tests/test_gates_config.py::test_snakemake_dry_run_of_a_good_config_plans_every_job."""
-    import tarfile
-
-    from rl_engine import jsonio
-    from rl_engine.rundir import CAPTURE, PARITY_JSON, PARITY_PNG, SUMMARY
-
-    from _capture_case import write_trainer_side
-    from _workflow_util import (
-        CONFIG,
-        SHORT_REGRESSION,
-        copy_repo,
-        env_for,
-        html_report,
-        jobs_run,
-        run_name_of,
-        snakemake,
-        write_config,
-    )
-
-    repo = copy_repo(tmp_path)
-    rollout = write_tiny_capture(repo / "rollout.safetensors")
-    write_trainer_side(repo / "trainer.safetensors")
-    write_config(repo, {**{k: v for k, v in CASE_FIELDS.items() if k not in ("device", "backend", "seed")},
-                        "regression": SHORT_REGRESSION, "topologies": ["1x1", "2x1"],
-                        "inputs": {"capture": "rollout.safetensors", "archive": True},
-                        "parity": {"rollout": "rollout.safetensors", "trainer": "trainer.safetensors",
-                                   "ratio_bounds": [0.5, 2.0]}})
-    planned = snakemake(repo, "-n", "-p")
-    text = planned.stdout + planned.stderr
-    assert planned.returncode == 0, text[-6000:]
-    counts = jobs_run(text)
-    assert counts.get("capture") == 1 and counts.get("parity") == 1 and counts.get("topology") == 2, counts
-    parity_line = next(line for line in text.splitlines() if "rl_engine parity" in line)
-    assert "--ratio-bounds 0.5 2.0" in parity_line and "--difference-exit-code 0 > " in parity_line
-    archive_line = next(line for line in text.splitlines() if "rl_engine archive" in line)
-    assert "/capture.safetensors" in archive_line and "/parity.json" in archive_line
-    assert "/logs/parity.log" in archive_line and "copy-capture --case" in text
-    assert list((repo / "results").iterdir()) == []  # a dry run writes nothing
-
-    done = snakemake(repo)
-    text = done.stdout + done.stderr
-    assert done.returncode == 0, text[-8000:]
-    assert jobs_run(text).get("capture") == 1 and jobs_run(text).get("parity") == 1, jobs_run(text)
-    monkeypatch.chdir(repo)  # the config's capture paths are relative to the workflow's directory
-    name = run_name_of(repo)
-    run, archive = repo / "results" / name, repo / "results" / f"{name}.tar.gz"
-    assert jsonio.load(repo / "results" / f"{name}.verify.json")["passed"] is True  # the workflow's own verify
-    assert (run / CAPTURE).read_bytes() == rollout.read_bytes()
-    parity = jsonio.load(run / PARITY_JSON)
-    assert parity["verdict"] == "different" and parity["logits"]["tokens_differing"] > 0
-    assert "## Parity: rollout versus trainer" in (run / SUMMARY).read_text()
-    with tarfile.open(archive) as tar:
-        names = set(tar.getnames())
-    assert {f"{name}/{CAPTURE}", f"{name}/{PARITY_JSON}", f"{name}/{PARITY_PNG}", f"{name}/logs/parity.log"} <= names
-    (tmp_path / "reviewer").mkdir()
-    code, reviewed = _verify(archive, tmp_path / "reviewer", "--recompute")  # the archived capture: no --capture
-    assert code == 0, {n: c["problems"] for n, c in reviewed.items() if c["status"] == "FAIL"}
-    checks = {n: c["status"] for n, c in reviewed.items()}
-    assert checks["inputs regenerated"] == checks["candidate replayed"] == "PASS", checks
-
-    # the HTML report embeds parity.png, labelled with the counts of parity.json
-    results, _ = html_report(repo, tmp_path / "report.html")
-    figure = results[f"results/{name}/{PARITY_PNG}"]
-    assert figure["data"] == (run / PARITY_PNG).read_bytes() and figure["mime_type"] == "image/png"
-    active = parity["targets_and_mask"]["active_tokens"]
-    assert figure["labels"]["Parity"] == "different" and figure["labels"]["Active tokens"] == str(active)
-    assert figure["labels"]["Ratio outside bounds"] == f"{parity['importance_ratio']['ours']['outside_bounds']} of {active}"
-
-    lint = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--configfile", CONFIG],
-                          cwd=repo, env=env_for(repo), capture_output=True, text=True, timeout=300)
-    assert "Congratulations, your workflow is in a good condition!" in lint.stdout + lint.stderr, lint.stdout[-3000:]
-
-
 # ----- a capture whose prompts differ in length ------------------------------------------------
-@pytest.mark.slow  # two torchrun topologies and the real verbs end to end
-def test_a_capture_with_ragged_prompts_runs_to_a_verified_archive(tmp_path: Path, tiny_run: Path) -> None:
+@pytest.mark.slow  # reads the module's snakemake run
+def test_a_capture_with_ragged_prompts_runs_to_a_verified_archive(
+        capture_workflow: WorkflowRun, reviewed: tuple[int, dict[str, dict]]) -> None:
     """Prompts of 2 and 5 tokens in one batch (the case says ``prompt_tokens: 3``, which shapes nothing
     on a capture): the campaign ran both topologies and then failed validation ("token 2 is inactive (a
     prompt token) but holds ..."), acceptance having taken the mask from ``prompt_tokens``. Each report
-    records the capture's mask (``active_mask``), acceptance reads it, and the run goes through every
-    verb to an archive ``verify --recompute --capture`` passes (the archive does not hold the capture:
-    plain acceptance needs nothing but the evidence). A report whose mask is the ``prompt_tokens`` rule's,
-    or is missing, fails naming ``active_mask``."""
+    records the capture's mask (``active_mask``), acceptance reads it, and the module's workflow run
+    (its capture is this one) goes through every stage to an archive ``verify --recompute`` passes. A
+    report whose mask is the ``prompt_tokens`` rule's, or is missing, fails naming ``active_mask``.
+    (Acceptance of such reports with no capture at hand, the archive not holding it:
+    :func:`test_hostile_capture_strings_reach_summary_md_and_the_console_as_text_and_the_archive_verifies`.)"""
     import numpy as np
 
     from rl_engine import jsonio
     from rl_engine.campaign.mask import pack_mask, recipe_active
-    from rl_engine.capture import write_capture
     from rl_engine.evidence.acceptance import check_report
 
-    from _capture_case import ragged_capture
-
-    capture = ragged_capture((2, 5))
-    path = tmp_path / "captures" / "ragged.safetensors"
-    path.parent.mkdir()
-    write_capture(path, capture)
-    run_dir, archive = campaign_to_archive(tmp_path, capture_case(path), ("1x1", "2x2"), tiny_run)
+    capture, run_dir = capture_workflow.capture, capture_workflow.run
+    active = capture.active.numpy()
+    assert active.tolist() != recipe_active(np.arange(16), 8, 3).tolist()  # the ragged mask is not the rule's
     report = jsonio.load(run_dir / "tp2-cp2.json")
-    assert report["active_mask"] == pack_mask(capture.active.numpy())
+    assert report["active_mask"] == pack_mask(active)
     assert report["drift"]["fp32_oracle"]["dlogp"]["count"] == int(capture.active.sum()) == 9  # not 2 * (8 - 3)
-    code, checks = _verify(archive, tmp_path, "--recompute", "--capture", str(path))
+    code, checks = reviewed
     assert code == 0, {n: c["problems"] for n, c in checks.items() if c["status"] == "FAIL"}
     for row in ("report acceptance", "inputs regenerated", "oracle drift recomputed", "candidate replayed"):
         assert checks[row]["status"] == "PASS", (row, checks[row])

@@ -276,7 +276,7 @@ def _fsdp(rank: int, mesh: Any) -> dict[str, Any]:
     found: dict[str, Any] = {}
     ids, labels = _model_inputs(100 + rank)
     for name, fused, head in (("library", True, {"matmul": "library", "chunk_tokens": 64}), ("fsdp", False, {}),
-                              ("fixed", True, {})):
+                              ("fixed", True, {}), ("fixed_kept", True, {"keep_logits": True})):
         torch.manual_seed(0)
         model = _TinyLM(fused, **head)
         fully_shard(model.lm_head, mesh=mesh)
@@ -295,7 +295,7 @@ def _fsdp(rank: int, mesh: Any) -> dict[str, Any]:
     return found
 
 
-def _tp_plan(rank: int, mesh: Any) -> dict[str, Any]:
+def _tp_plan(rank: int, mesh: Any, keep_logits: bool = False) -> dict[str, Any]:
     """A ``ColwiseParallel`` lm_head (weight Shard(0) on the TP mesh) read with ``group=`` the mesh's:
     the same tokens on both ranks, the vocabulary split in two."""
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -306,7 +306,7 @@ def _tp_plan(rank: int, mesh: Any) -> dict[str, Any]:
     ids, labels = _model_inputs(7)
     hidden = torch.tanh(model.proj(model.embed(ids))).detach().requires_grad_(True)
     out = selected_logprob_from_hidden(hidden, model.lm_head.weight, labels, real_vocab_size=REAL,
-                                       compute_entropy=True, group=mesh.get_group())
+                                       compute_entropy=True, group=mesh.get_group(), keep_logits=keep_logits)
     (-(out.selected_logp.sum()) - 0.01 * out.entropy.sum()).backward()
     grad = model.lm_head.weight.grad
     return {"logp": out.selected_logp.detach(), "lse": out.lse.detach(), "entropy": out.entropy.detach(),
@@ -331,6 +331,12 @@ def _ranks_worker(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     found: dict[str, Any] = {"group": {"logp": out.selected_logp.detach(), "lse": out.lse.detach(),
                                        "entropy": out.entropy.detach(), "grad_hidden": h.grad,
                                        "grad_shard": shard.grad}}
+    kept_shard, kept_h = shard.detach().clone().requires_grad_(True), hidden.clone().requires_grad_(True)
+    kept = selected_logprob_from_hidden(kept_h, kept_shard, ids, real_vocab_size=REAL, compute_entropy=True,
+                                        chunk_tokens=CHUNK, temperature=0.7, group=dist.group.WORLD, keep_logits=True)
+    _loss(kept).backward()
+    found["group_kept"] = {"logp": kept.selected_logp.detach(), "lse": kept.lse.detach(),
+                           "entropy": kept.entropy.detach(), "grad_hidden": kept_h.grad, "grad_shard": kept_shard.grad}
     other = ids.clone()
     if rank == 1:
         other[2, 40] = -100  # this rank alone deactivates a row
@@ -341,6 +347,7 @@ def _ranks_worker(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         found["disagree"] = str(exc)
     found["fsdp"] = _fsdp(rank, mesh)
     found["tp_plan"] = _tp_plan(rank, mesh)
+    found["tp_plan_kept"] = _tp_plan(rank, mesh, keep_logits=True)
     found["refused"] = _refusals(mesh, weight, hidden, ids)
     return found
 
@@ -434,6 +441,21 @@ def test_a_colwise_parallel_lm_head_takes_the_tp_path_with_the_one_rank_bytes(ra
         assert plan["grad_type"] == "DTensor"
         torch.testing.assert_close(plan["grad"], w.grad[rank * rows:(rank + 1) * rows], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(plan["grad_hidden"], h.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_kept_logits_give_the_recomputing_bytes_under_tp_fsdp2_and_a_tp_plan(ranks: list[dict[str, Any]]) -> None:
+    """``keep_logits=True`` on every TP/DTensor path: ``group=`` with a plain shard (T = 0.7, entropy in
+    the loss), an FSDP2 lm_head (gathered) and a ``ColwiseParallel`` one: each rank's outputs and
+    gradients (the hidden's all-reduced one, the shard's, the DTensor's, the layer below's) are the
+    bytes of the same call without it (``tests/test_keep_logits.py`` has the negative controls)."""
+    for r in ranks:
+        for name in ("logp", "lse", "entropy", "grad_hidden", "grad_shard"):
+            assert tensor_bytes(r["group_kept"][name]) == tensor_bytes(r["group"][name]), name
+        for name in ("logp", "lm_head", "proj"):
+            assert tensor_bytes(r["fsdp"]["fixed_kept"][name]) == tensor_bytes(r["fsdp"]["fixed"][name]), name
+        for name in ("logp", "lse", "entropy", "grad", "grad_hidden"):
+            assert tensor_bytes(r["tp_plan_kept"][name]) == tensor_bytes(r["tp_plan"][name]), name
+    assert tensor_bytes(ranks[0]["group_kept"]["grad_shard"]) != tensor_bytes(ranks[1]["group_kept"]["grad_shard"])
 
 
 def test_dtensor_weights_the_head_does_not_take_are_refused_naming_them(ranks: list[dict[str, Any]]) -> None:

@@ -533,14 +533,27 @@ def test_snakemake_dry_run_of_a_good_config_plans_every_job(dry_runs: tuple[Path
 
 
 @pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
-def test_snakemake_lint_is_clean(tmp_path: Path) -> None:
-    """``snakemake --lint`` finds nothing in the workflow (rules, the case rule's
-    params, the Snakefile's parse-time code)."""
-    repo = copy_repo(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "snakemake", "--lint"], cwd=repo, env=env_for(repo),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "Congratulations, your workflow is in a good condition!" in done.stdout + done.stderr
+def test_snakemake_lint_is_clean(dry_runs: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``snakemake --lint`` finds nothing in the workflow (rules, the case rule's params, the Snakefile's
+    parse-time code), under a config that includes every rule: a capture campaign with an archived
+    capture and a parity stage (docs/capture.md's worked example; the default config leaves the two
+    optional stages' rules out)."""
+    from _capture_case import CASE_FIELDS, write_tiny_capture, write_trainer_side
+
+    repo, _ = dry_runs
+    write_tiny_capture(repo / "rollout.safetensors")
+    write_trainer_side(repo / "trainer.safetensors")
+    path = write_config(repo, {**{k: v for k, v in CASE_FIELDS.items() if k not in ("device", "backend", "seed")},
+                               "topologies": ["1x1", "2x1"], "inputs": {"capture": "rollout.safetensors", "archive": True},
+                               "parity": {"rollout": "rollout.safetensors", "trainer": "trainer.safetensors"}},
+                        name="every-rule.yaml")
+    monkeypatch.chdir(repo)  # the config's paths are relative to the workflow's directory
+    assert wfconfig.stage_flags(check_config(yaml.safe_load(path.read_text()))) == {"capture": True, "parity": True}
+    done = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--configfile", "every-rule.yaml"], cwd=repo,
+                          env=env_for(repo), capture_output=True, text=True, timeout=300)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text
+    assert "Congratulations, your workflow is in a good condition!" in text
 
 
 def test_auto_tiles_resolve_when_the_workflow_is_parsed_to_the_api_s_count() -> None:

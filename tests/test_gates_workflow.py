@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,7 +44,7 @@ from _workflow_util import (
     run_name_of,
     snakemake,
     snakemake_cmd,
-    verify,
+    verify_here,
     write_config,
 )
 
@@ -264,8 +265,7 @@ def test_rerun_redoes_the_killed_topology_alone_while_a_second_run_is_locked_out
     assert mtimes(kept) == before  # the completed topologies were not redone
     assert jsonio.load(wf.report("tp2-cp1"))["fault_injection"] is None
     assert not locks.exists() or list(locks.iterdir()) == []
-    verified = verify(wf.repo, wf.archive, "--recompute")
-    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert verify_here(wf.archive, "--recompute") == 0  # its report: the captured stdout
     left_complete(wf)
 
 
@@ -299,7 +299,7 @@ def test_archive_verb_killed_mid_write_leaves_nothing_at_the_final_path(wf: Work
     assert sorted(p.name for p in out.parent.iterdir()) == [held]
     rerun = subprocess.run(cmd, cwd=wf.repo, env=env_for(wf.repo), capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
-    assert verify(wf.repo, out).returncode == 0
+    assert verify_here(out) == 0
     left_complete(wf)  # it wrote outside the run
 
 
@@ -447,8 +447,14 @@ def test_fingerprint_differing_in_one_topology_fails_the_crosscheck_rule(wf: Wor
         path.write_bytes(saved)
 
 
-def test_really_failing_topology_keeps_its_report_and_blocks_the_archive(wf: Workflow) -> None:
-    """TP=2 x CP=1 really runs with a perturbed candidate (RL_ENGINE_FAULT=perturb:2x1)."""
+def test_really_failing_topology_keeps_its_report_and_blocks_the_archive(
+        wf: Workflow, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """TP=2 x CP=1 really runs with a perturbed candidate (RL_ENGINE_FAULT=perturb:2x1): the workflow's
+    validation gate fails on it, and the two gates' verbs on (a copy of) the run it left, in this
+    process, fail too, naming that topology alone: ``validate`` its report (the others accepted),
+    ``crosscheck`` its fingerprint, which differs from the reference's; ``summary`` of it says FAILED."""
+    from rl_engine import cli
+
     wf.remove(*wf.files_of("tp2-cp1"), *wf.finals)
     done = snakemake(wf.repo, env=env_for(wf.repo, {"RL_ENGINE_FAULT": "perturb:2x1"}))
     text = text_of(done)
@@ -464,6 +470,25 @@ def test_really_failing_topology_keeps_its_report_and_blocks_the_archive(wf: Wor
     closing = done.stdout[done.stdout.rindex("rl_engine evidence workflow: result"):]  # the verdict
     assert "FAILED at validation gate (missing validation.json)" in closing, closing
     assert f"{wf.name}/logs/validation.log" in closing and "none: no archive is built" in closing
+    # the gates' verbs and the summary on a copy of that run (the workflow's directory is left as it is)
+    run = tmp_path / "run"
+    shutil.copytree(wf.run, run)
+    capsys.readouterr()
+    assert cli.main(["validate", "--run-dir", str(run), "--output", str(run / "validation.json")]) == 1
+    err = capsys.readouterr().err
+    val = jsonio.load(run / "validation.json")
+    assert val["passed"] is False and "tp2-cp1.json: passed: is False" in err, err
+    assert {r["topology"]: r["accepted"] for r in val["reports"]} == {
+        "tp1-cp1": True, "tp1-cp2": True, "tp2-cp1": False}, val["reports"]
+    assert cli.main(["crosscheck", "--run-dir", str(run), "--output", str(run / "crosscheck.json")]) == 1
+    err = capsys.readouterr().err
+    assert "tp2-cp1: bitwise_fingerprints.candidate_logp_sha256:" in err, err
+    assert "tp1-cp1: bitwise" not in err and "tp1-cp2: bitwise" not in err  # only the perturbed topology is named
+    # SUMMARY.md of the failing run says so, naming the failed topology's row
+    assert cli.main(["summary", "--run-dir", str(run), "--output", str(run / "SUMMARY.md")]) == 0
+    text = (run / "SUMMARY.md").read_text()
+    assert "FAILED:" in text and "| 2 | 1 | 2 |" in text and "| Failed |" in text, text
+    assert "2 of 3 topology reports passed" in text, text
 
 
 def test_hanging_rank_fails_the_rule_at_its_time_limit(wf: Workflow) -> None:

@@ -27,7 +27,8 @@ from rl_engine.tensorio import tensor_bytes
 LOGITS = dict(real_vocab_size=1000, num_vocab_tiles=8, ignore_index=-100, compute_entropy=True, validate=True,
               backend="auto", chunk_rows=None, temperature=0.7)
 HEAD = dict(real_vocab_size=1000, num_vocab_tiles=8, ignore_index=-100, compute_entropy=False, validate=True,
-            backend="auto", chunk_tokens=5, grad_weight_fp32=True, temperature=0.7, matmul="auto", autocast="bf16")
+            backend="auto", chunk_tokens=5, grad_weight_fp32=True, temperature=0.7, matmul="auto", autocast="bf16",
+            keep_logits=False)
 OPS = ("selected_logprob", "selected_logprob_backward", "selected_logprob_from_hidden",
        "selected_logprob_from_hidden_backward")
 
@@ -154,6 +155,7 @@ def test_the_logits_settings_refuse_a_bad_field_by_name(field: str, value: Any, 
 @pytest.mark.parametrize("field, value, problem", [
     ("chunk_tokens", 0, "chunk_tokens=0 must be >= 1"),
     ("grad_weight_fp32", "yes", "grad_weight_fp32='yes' must be True or False"),
+    ("keep_logits", 1, "keep_logits=1 must be True or False"),
     ("matmul", "blas", "matmul='blas' must be one of"),
     ("autocast", "torch.float64", "autocast='torch.float64' (autocast's dtype) is not one of"),
     ("temperature", 2.0**65, "is outside [2**-64, 2**64]"),

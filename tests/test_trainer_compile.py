@@ -134,11 +134,11 @@ def _head_inputs(seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
 
 
 def _head_step(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
-               mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+               mask: torch.Tensor, keep_logits: bool = False) -> tuple[torch.Tensor, ...]:
     from rl_engine.logprob import selected_logprob_from_hidden
 
     out = selected_logprob_from_hidden(hidden, weight, ids, mask, real_vocab_size=1000, compute_entropy=True,
-                                       chunk_tokens=5)
+                                       chunk_tokens=5, keep_logits=keep_logits)
     assert out.entropy is not None
     loss = -(out.selected_logp * 0.5).sum() + (out.lse * 0.25).sum() - 0.01 * out.entropy.sum()
     return loss, out.selected_logp, out.lse, out.entropy
@@ -166,6 +166,60 @@ def test_a_compiled_step_with_the_fused_head_has_no_graph_break_and_the_eager_by
     for seq in (6, 9, 13):
         eager, got = _eager_and_compiled(_head_step, compiled, seq)
         assert got == eager, seq
+
+
+def _kept_step(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
+               mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return _head_step(hidden, weight, ids, mask, keep_logits=True)
+
+
+def _count_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    import rl_engine.logprob.hidden_chunks as hidden_chunks
+
+    calls: list[int] = []
+    real = hidden_chunks.head_logits
+
+    def counted(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(hidden.shape[0])
+        return real(hidden, *args)
+
+    monkeypatch.setattr(hidden_chunks, "head_logits", counted)
+    return calls
+
+
+def _kept_across_recompiles(backend: str, lengths: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled step with ``keep_logits=True`` against the eager step without it: the same bytes at
+    each length (under inductor the loss excepted: inductor's own sum), and the compiled backward
+    makes no product (the forward op's fourth output, whose row count the fake gives as a size known
+    only at run time, reaches the backward op)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_kept_step, fullgraph=True, backend=backend)
+    calls = _count_products(monkeypatch)
+    for seq in lengths:
+        found, backward_products = [], []
+        for fn in (_head_step, compiled):
+            hidden, weight, ids, mask = _head_inputs(seq)
+            hidden.requires_grad_(True)
+            weight.requires_grad_(True)
+            outs = fn(hidden, weight, ids, mask)
+            calls.clear()
+            outs[0].backward()
+            backward_products.append(len(calls))
+            found.append([tensor_bytes(o) for o in outs] + [tensor_bytes(hidden.grad), tensor_bytes(weight.grad)])
+        assert backward_products == [-(-(2 * seq - 2) // 5), 0], seq  # eager recomputes per chunk; kept: none
+        first = 1 if backend == "inductor" else 0  # inductor's loss is its own sum (see the inductor test below)
+        assert found[1][first:] == found[0][first:], seq
+
+
+def test_a_compiled_fused_head_keeping_its_logits_gives_the_recomputing_eager_bytes_across_recompiles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _kept_across_recompiles("aot_eager", (6, 9, 13), monkeypatch)
+
+
+@pytest.mark.slow  # inductor compiles C++: a minute or more on a loaded 2-core machine
+def test_under_inductor_the_fused_head_keeping_its_logits_gives_the_recomputing_eager_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _kept_across_recompiles("inductor", (6, 9), monkeypatch)
 
 
 def test_the_compiled_fused_head_raises_the_eager_error_and_keeps_autocast() -> None:

@@ -137,6 +137,41 @@ def test_the_head_is_the_materialised_logprob_at_the_temperature() -> None:
     assert tensor_bytes(out.entropy) == tensor_bytes(ref.entropy.masked_fill(labels[:, 1:] == -100, 0.0))
 
 
+def test_keep_logits_reaches_the_head_and_gives_the_recomputing_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``add_rl_engine_lm_head(..., keep_logits=True)``: log-probs, entropies and the gradients of the LM
+    head and of the model below it are the bytes of ``keep_logits=False``, and the backward makes no
+    product again (counted; without it, one per chunk)."""
+    import rl_engine.logprob.hidden_chunks as hidden_chunks
+    from rl_engine.integrations.trl import add_rl_engine_lm_head
+
+    calls: list[int] = []
+    real = hidden_chunks.head_logits
+
+    def counted(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(hidden.shape[0])
+        return real(hidden, *args)
+
+    monkeypatch.setattr(hidden_chunks, "head_logits", counted)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    found = {}
+    for keep in (False, True):
+        torch.manual_seed(0)
+        model = _model()
+        add_rl_engine_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"), chunk_tokens=3,
+                              keep_logits=keep)
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        calls.clear()
+        (out.loss - 0.01 * out.entropy.sum()).backward()
+        found[keep] = {"products": len(calls), "log_probs": tensor_bytes(out.log_probs),
+                       "entropy": tensor_bytes(out.entropy),
+                       "lm_head": tensor_bytes(model.get_output_embeddings().weight.grad),
+                       "embed": tensor_bytes(model.get_input_embeddings().weight.grad)}
+    assert found[False].pop("products") == 4 and found[True].pop("products") == 0  # 10 active tokens, 3 a chunk
+    assert found[True] == found[False]
+
+
 def test_the_head_takes_a_temperature_per_token_per_call() -> None:
     """``model(..., fused_lm_head=True, temperature=tensor)``: each token at its own temperature, the
     bytes of ``selected_logprob`` of the model's logits with that tensor; without the fused head the

@@ -12,8 +12,8 @@ environment and checks, as bytes:
 - the example's ragged rollout (prompts of 5, 11 and 8 tokens) goes through ``parity`` with its
   defaults against a transformers capture of the same tokens; with our logprob returned, the
   engine's reported logprob is ours bit for bit (section 4 of the report);
-- the same ragged capture runs through the TP x CP campaign (1x1, 2x2 zigzag) to an archive that
-  ``verify --recompute`` passes;
+- the same ragged capture runs through the TP x CP campaign (1x1, 1x2 zigzag) to an archive that
+  ``verify --recompute`` passes (TP sharding of a capture: tests/test_capture_campaign.py);
 - a rollout that stops on a token keeps the rows of the tokens vLLM returned;
 - vLLM's own ``processed_logprobs`` (requests mixing temperature, top-k, top-p and min-p in one
   batch) against our processed logprob of the captured rows: the distance, which rows' kept sets
@@ -177,8 +177,8 @@ def test_a_ragged_vllm_capture_runs_the_campaign_to_a_verified_archive(driven: P
     assert cap.num_tokens == 48 and int(cap.active.sum()) == 27
     case = capture_case(rollout, real_vocab=4096, padded_vocab=4096, num_vocab_tiles=8, batch=2, seq=24,
                         cp_layout="zigzag")
-    run_dir, archive = campaign_to_archive(tmp_path, case, ("1x1", "2x2"), tiny_run)
-    report = jsonio.load(run_dir / "tp2-cp2.json")
+    run_dir, archive = campaign_to_archive(tmp_path, case, ("1x1", "1x2"), tiny_run)
+    report = jsonio.load(run_dir / "tp1-cp2.json")
     assert report["active_mask"] == pack_mask(cap.active.numpy())
     code, checks = verify_archive(archive, tmp_path, "--recompute", "--capture", str(rollout))
     assert code == 0, {n: c["problems"] for n, c in checks.items() if c["status"] == "FAIL"}

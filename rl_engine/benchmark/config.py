@@ -10,8 +10,9 @@ from rl_engine.tables import BENCH_PATHS, BENCH_PHASES
 
 PATHS: tuple[str, ...] = BENCH_PATHS
 # From the last hidden state and the lm_head weight (--hidden-size): the logits made whole
-# (lm_head) or chunk by chunk (fused_lm_head, selected_logprob_from_hidden); asked for by name.
-HEAD_PATHS: tuple[str, ...] = ("lm_head", "fused_lm_head", "naive_lm_head")
+# (lm_head) or chunk by chunk (fused_lm_head, selected_logprob_from_hidden; fused_lm_head_kept with
+# keep_logits=True); asked for by name.
+HEAD_PATHS: tuple[str, ...] = ("lm_head", "fused_lm_head", "fused_lm_head_kept", "naive_lm_head")
 # The eager candidate computing processed logprobs (docs/arithmetic.md section 13) with these
 # parameters on every row, against the candidate's raw logprob in the same run; asked for by name.
 PROCESSED_PATH = "processed"

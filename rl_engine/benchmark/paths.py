@@ -13,7 +13,8 @@
 - ``lm_head`` and ``fused_lm_head`` (asked for by name, with ``--hidden-size``): the logprob
   from a hidden state and an lm_head weight, the logits made whole (``hidden @ weight.T``, then
   ``selected_logprob``) or chunk by chunk (``selected_logprob_from_hidden``); forward+backward
-  gives the gradients of both; ``naive_lm_head``: ``torch.log_softmax((hidden @ weight.T).float(),
+  gives the gradients of both; ``fused_lm_head_kept``: ``selected_logprob_from_hidden`` with
+  ``keep_logits=True`` (the forward's logits kept for the backward); ``naive_lm_head``: ``torch.log_softmax((hidden @ weight.T).float(),
   -1).gather(...)`` with autograd, what a trainer writes without this engine;
 - ``floor``: one pass over the (local) logits in row chunks, upcast and row max (the least any
   exact method must do); its backward adds one more read of the logits and one write of a
@@ -144,7 +145,8 @@ def floor_backward(logits: torch.Tensor, chunk_rows: int) -> torch.Tensor:
 def _head_step(path: str, phase: str, inputs: Inputs, config: BenchConfig) -> tuple[Step, Step]:
     """``lm_head``: ``hidden @ weight.T`` made whole, then ``selected_logprob`` (backend auto);
     ``fused_lm_head``: ``selected_logprob_from_hidden`` (the same backend, the logits chunk by
-    chunk). With ``forward_backward`` both give the gradients of the hidden state and the weight."""
+    chunk; ``fused_lm_head_kept`` with ``keep_logits=True``). With ``forward_backward`` each gives the
+    gradients of the hidden state and the weight."""
     from rl_engine.logprob import selected_logprob, selected_logprob_from_hidden
 
     if inputs.hidden is None or inputs.weight is None:
@@ -160,7 +162,7 @@ def _head_step(path: str, phase: str, inputs: Inputs, config: BenchConfig) -> tu
             return selected_logprob(hidden @ weight.T, targets, active, num_vocab_tiles=config.tiles,
                                     validate=config.validate)
         return selected_logprob_from_hidden(hidden, weight, targets, active, num_vocab_tiles=config.tiles,
-                                            validate=config.validate)
+                                            validate=config.validate, keep_logits=path == "fused_lm_head_kept")
 
     def reset() -> None:
         hidden.grad = None

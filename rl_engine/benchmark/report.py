@@ -46,6 +46,17 @@ HEAD_TARGETS: tuple[tuple[str, str, str, float], ...] = (
     ("fused lm_head forward time <= 1.2x naive lm_head", "forward", "time_vs_naive_lm_head", 1.2),
     ("fused lm_head forward+backward time <= 1.2x naive lm_head", "forward_backward", "time_vs_naive_lm_head", 1.2),
 )
+# The fused head keeping its forward's logits (keep_logits=True): within 1.2x of the naive head.
+KEPT_HEAD_TARGETS: tuple[tuple[str, str, str, float], ...] = (
+    ("kept fused lm_head forward time <= 1.2x naive lm_head", "forward", "time_vs_naive_lm_head", 1.2),
+    ("kept fused lm_head forward+backward time <= 1.2x naive lm_head", "forward_backward",
+     "time_vs_naive_lm_head", 1.2),
+)
+# The paths each other-than-candidate path is compared with, by path_ratios.
+_RATIO_REFERENCES: dict[str, tuple[str, ...]] = {
+    "fused_lm_head": ("lm_head", "naive_lm_head"),
+    "fused_lm_head_kept": ("lm_head", "naive_lm_head", "fused_lm_head"),
+}
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
@@ -83,10 +94,10 @@ def compute_path_ratios(
     index = {(r["path"], r["phase"], r["tokens"]): r for r in rows if r.get("tp", 1) == 1}
     out: dict[str, dict[str, dict[str, dict[str, float | None]]]] = {}
     for (path, phase, tokens), row in sorted(index.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
-        if path not in ("fused", "triton", "fused_lm_head", "processed"):
+        if path not in ("fused", "triton", "fused_lm_head", "fused_lm_head_kept", "processed"):
             continue
         entry: dict[str, float | None] = {}
-        for other in ("lm_head", "naive_lm_head") if path == "fused_lm_head" else ("naive", "floor", "candidate"):
+        for other in _RATIO_REFERENCES.get(path, ("naive", "floor", "candidate")):
             ref = index.get((other, phase, tokens))
             if ref is None:
                 continue
@@ -143,6 +154,8 @@ def evaluate_targets(
         out += _targets_of("fused", path_ratios["fused"], FUSED_TARGETS)
     if path_ratios and "fused_lm_head" in path_ratios:
         out += _targets_of("fused_lm_head", path_ratios["fused_lm_head"], HEAD_TARGETS)
+    if path_ratios and "fused_lm_head_kept" in path_ratios:
+        out += _targets_of("fused_lm_head_kept", path_ratios["fused_lm_head_kept"], KEPT_HEAD_TARGETS)
     return out
 
 

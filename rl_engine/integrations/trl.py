@@ -123,7 +123,7 @@ def _gather_in_backward(out: Any, weight: torch.Tensor) -> None:
 def add_rl_engine_lm_head(model: Any, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
                           outputs: tuple[str, ...] = ("log_probs",), *, num_vocab_tiles: int | str = "auto",
                           chunk_tokens: int = DEFAULT_CHUNK_TOKENS, backend: str = "auto",
-                          grad_weight_fp32: bool = True, matmul: str = "auto") -> None:
+                          grad_weight_fp32: bool = True, matmul: str = "auto", keep_logits: bool = False) -> None:
     """Patch ``model`` as ``trl.trainer.utils.add_fused_lm_head`` does, computing with rl_engine.
 
     ``model(..., labels=labels, fused_lm_head=True)`` then returns TRL's ``FusedCausalLMOutput``:
@@ -135,7 +135,9 @@ def add_rl_engine_lm_head(model: Any, temperature: float = 1.0, cast_lm_head_to_
     and ``loss`` adds ``router_aux_loss_coef * aux_loss``. Without ``fused_lm_head`` the model's
     forward is the one it had (generation is unchanged). ``num_vocab_tiles``, ``chunk_tokens``,
     ``backend``, ``grad_weight_fp32`` (default True: the weight's gradient summed in binary32, at TRL's
-    accuracy) and ``matmul`` are :func:`selected_logprob_from_hidden`'s. TRL samples a batch at one
+    accuracy), ``matmul`` and ``keep_logits`` (default False: the backward makes each chunk's logits again;
+    True keeps the forward's, the memory of the whole logits of the completion tokens, for one product
+    fewer, the same bytes) are :func:`selected_logprob_from_hidden`'s. TRL samples a batch at one
     temperature (``GRPOConfig.temperature``), the patched one; a trainer whose rows were sampled at
     different temperatures passes ``temperature=`` to the fused call, a tensor of the targets' shape
     (``labels[:, 1:]``, or ``shift_labels``): one per token, in place of the patched number."""
@@ -195,7 +197,8 @@ def add_rl_engine_lm_head(model: Any, temperature: float = 1.0, cast_lm_head_to_
                                                num_vocab_tiles=num_vocab_tiles,
                                                temperature=patched_temperature if temperature is None else temperature,
                                                compute_entropy=want_entropy, chunk_tokens=chunk_tokens, backend=backend,
-                                               grad_weight_fp32=grad_weight_fp32, matmul=matmul)
+                                               grad_weight_fp32=grad_weight_fp32, matmul=matmul,
+                                               keep_logits=keep_logits)
         _gather_in_backward(out, weight)
         log_probs = out.selected_logp  # 0 on -100 labels (inactive rows)
         entropy = out.entropy.masked_fill(~mask, 0.0) if want_entropy else None

@@ -118,9 +118,12 @@ def choose_matmul(matmul: str, device: torch.device) -> MatmulChoice:
 
 
 def fixed_logits(hidden: torch.Tensor, weight: torch.Tensor, *, threads: int | None = None,
-                 isa: str = "auto") -> torch.Tensor:
+                 isa: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
     """``[rows, cols]`` logits of ``hidden`` ``[rows, H]`` and ``weight`` ``[cols, H]`` (CPU, one dtype
-    of bf16, fp16, fp32) in the fixed order of ``docs/arithmetic.md`` section 12, in that dtype."""
+    of bf16, fp16, fp32) in the fixed order of ``docs/arithmetic.md`` section 12, in that dtype.
+    ``out``: a ``[rows, cols]`` tensor of that dtype with unit column stride to write them into (a
+    slice of the fused head's kept logits, so they are not made twice); each element's bits are the
+    same wherever it is written."""
     if hidden.dtype != weight.dtype or hidden.dtype not in _DTYPE_CODES or hidden.device.type != "cpu" \
             or weight.device.type != "cpu" or hidden.dim() != 2 or weight.dim() != 2 \
             or hidden.shape[1] != weight.shape[1]:
@@ -136,7 +139,13 @@ def fixed_logits(hidden: torch.Tensor, weight: torch.Tensor, *, threads: int | N
     require_readable("weight", weight)
     h = _unit_stride(hidden)
     w = _unit_stride(weight)
-    out = torch.empty(h.shape[0], w.shape[0], dtype=h.dtype)
+    if out is None:
+        out = torch.empty(h.shape[0], w.shape[0], dtype=h.dtype)
+    elif out.shape != (h.shape[0], w.shape[0]) or out.dtype != h.dtype or out.device.type != "cpu" \
+            or out.stride(1) != 1 or out.stride(0) < max(1, out.shape[1]):
+        raise LogprobContractError(
+            f"fixed_logits' out must be a CPU {h.dtype} tensor of shape {(h.shape[0], w.shape[0])} with unit column "
+            f"stride; got {tuple(out.shape)} {out.dtype} on {out.device} with strides {tuple(out.stride())}")
     count = min(torch.get_num_threads(), MAX_THREADS) if threads is None else threads
     status = lib.rle_head_logits(h.data_ptr(), h.stride(0), w.data_ptr(), w.stride(0), _DTYPE_CODES[h.dtype],
                                  h.shape[0], w.shape[0], h.shape[1], out.data_ptr(), out.stride(0), count,
@@ -154,11 +163,17 @@ def _unit_stride(tensor: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def head_logits(hidden: torch.Tensor, weight: torch.Tensor, choice: MatmulChoice) -> torch.Tensor:
-    """The logits of the chosen product (no autograd: the fused head's backward is its own)."""
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, choice: MatmulChoice,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits of the chosen product (no autograd: the fused head's backward is its own), written
+    into ``out`` when given (the library's product is made whole and copied there, so its bits are
+    those of the call without ``out``)."""
     if choice.used == "fixed":
-        return fixed_logits(hidden, weight)
-    return hidden @ weight.T
+        return fixed_logits(hidden, weight, out=out)
+    logits = hidden @ weight.T
+    if out is None:
+        return logits
+    return out.copy_(logits)
 
 
 __all__ = ["MATMULS", "MatmulChoice", "choose_matmul", "fixed_logits", "head_logits", "load_head_kernel",

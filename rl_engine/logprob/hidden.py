@@ -4,7 +4,9 @@
 (TRL's ``fused_lm_head``, Liger's chunked losses): the logits of ``chunk_tokens`` active tokens at
 a time go through the logprob op and are dropped; the backward makes each chunk's logits again,
 takes the op's gradient to them and turns it into the gradients of ``hidden`` and ``weight``
-(:mod:`rl_engine.logprob.hidden_chunks`).
+(:mod:`rl_engine.logprob.hidden_chunks`). With ``keep_logits=True`` the forward keeps them instead
+(the memory of the whole logits, as a naive head holds them) and the backward makes no product
+again: one product fewer of the four, the same bytes.
 
 The bits. The logits are the fixed-order product of :mod:`rl_engine.logprob.head_matmul` on the
 CPU (``matmul="auto"``; ``docs/arithmetic.md`` section 12): a logit's bits depend on its row of
@@ -73,8 +75,8 @@ class _FromHidden(torch.autograd.Function):
         plan: HeadPlan,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         compute = weight if weight.dtype == plan.compute_dtype else weight.detach().to(plan.compute_dtype)
-        logp, lse, entropy, kept = forward_chunks(hidden, compute, targets, rows, plan)
-        ctx.save_for_backward(hidden, compute, targets, rows, lse, entropy, kept)
+        logp, lse, entropy, kept, logits = forward_chunks(hidden, compute, targets, rows, plan)
+        ctx.save_for_backward(hidden, compute, targets, rows, lse, entropy, kept, logits)
         ctx.plan, ctx.weight_dtype = plan, weight.dtype
         ctx.set_materialize_grads(False)  # an output the loss does not use gives None, not zeros
         if not plan.compute_entropy:
@@ -87,13 +89,13 @@ class _FromHidden(torch.autograd.Function):
         ctx: Any, grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None,
         grad_entropy: torch.Tensor | None, _grad_kept: Any = None,
     ) -> tuple[Any, ...]:
-        hidden, compute, targets, rows, lse, entropy, kept = ctx.saved_tensors
+        hidden, compute, targets, rows, lse, entropy, kept, logits = ctx.saved_tensors
         if not ctx.plan.compute_entropy:
             grad_entropy = None
         grad_hidden, grad_weight = backward_chunks(
             hidden, compute, targets, rows, lse, entropy, grad_logp, grad_lse, grad_entropy, ctx.plan,
             ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.weight_dtype,
-            kept if ctx.plan.sampling is not None else None)
+            kept if ctx.plan.sampling is not None else None, logits)
         return grad_hidden, grad_weight, None, None, None
 
 
@@ -107,7 +109,7 @@ def compute_dtype_of(hidden: torch.Tensor) -> tuple[torch.dtype, str | None]:
 
 
 def _check_inputs(hidden: Any, weight: torch.Tensor, compute_dtype: torch.dtype | None, autocast: str | None,
-                  grad_weight_fp32: Any, hidden_grad: str, chunk_tokens: Any) -> None:
+                  grad_weight_fp32: Any, hidden_grad: str, chunk_tokens: Any, keep_logits: Any) -> None:
     for name, tensor in (("hidden", hidden), ("weight", weight)):
         if not isinstance(tensor, torch.Tensor) or tensor.dtype not in DTYPE_NAMES:
             got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
@@ -129,11 +131,20 @@ def _check_inputs(hidden: Any, weight: torch.Tensor, compute_dtype: torch.dtype 
         raise LogprobContractError(f"autocast's dtype {compute_dtype} is not one of {list(DTYPE_NAMES)}")
     if not isinstance(grad_weight_fp32, bool):
         raise LogprobContractError(f"grad_weight_fp32={grad_weight_fp32!r} must be True or False")
+    if not isinstance(keep_logits, bool):
+        raise LogprobContractError(
+            f"keep_logits={keep_logits!r} must be True (keep the forward's logits for the backward: the memory of the "
+            "whole logits) or False (the default: make each chunk's logits again in the backward)")
     if hidden_grad not in HIDDEN_GRADS:
         raise LogprobContractError(f"hidden_grad={hidden_grad!r} must be one of {HIDDEN_GRADS}")
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise LogprobContractError(f"chunk_tokens={chunk_tokens!r} must be a positive integer (default "
                                    f"{DEFAULT_CHUNK_TOKENS})")
+
+
+def _grad_wanted(hidden: Any, weight: Any) -> bool:
+    """Whether autograd will record the call: grad mode on and an input requiring a gradient."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight))
 
 
 def _agreement_group(weight: Any, group: Any) -> Any:
@@ -169,10 +180,12 @@ def prepare(hidden: Any, resolved: HeadWeight, targets: Any, active: Any, *, num
             real_vocab_size: int | None, compute_entropy: bool, validate: bool, chunk_tokens: int, backend: str,
             ignore_index: int, max_tp: int, grad_weight_fp32: bool, temperature: Any, hidden_grad: str,
             matmul: str, compute_dtype: torch.dtype | None, autocast: str | None,
-            top_k: Any = 0, top_p: Any = 1.0, min_p: Any = 0.0) -> Prepared:
-    """Every local check of a call, and its plan (no collective; raises LogprobContractError)."""
+            top_k: Any = 0, top_p: Any = 1.0, min_p: Any = 0.0, keep_logits: bool = False,
+            grad_wanted: bool = True) -> Prepared:
+    """Every local check of a call, and its plan (no collective; raises LogprobContractError). The
+    plan keeps the logits where ``keep_logits`` asks and a gradient is wanted (``grad_wanted``)."""
     meta = resolved.meta
-    _check_inputs(hidden, meta, compute_dtype, autocast, grad_weight_fp32, hidden_grad, chunk_tokens)
+    _check_inputs(hidden, meta, compute_dtype, autocast, grad_weight_fp32, hidden_grad, chunk_tokens, keep_logits)
     lead = tuple(hidden.shape[:-1])
     targets, active = trainer_inputs(targets, active, lead, ignore_index)
     temperature, row_t32 = split_temperature(temperature, lead, hidden.device, validate)
@@ -195,9 +208,10 @@ def prepare(hidden: Any, resolved: HeadWeight, targets: Any, active: Any, *, num
     chosen = dispatch(backend, contract, hidden.device.type, processed=sampling is not None)
     plan = HeadPlan(contract, chosen.op, chunk_tokens, compute_entropy, validate, choice, compute_dtype,
                     grad_weight_fp32, group, tp > 1 and hidden_grad == "all_reduce",
-                    None if row_t32 is None else row_t32.reshape(-1), sampling)
+                    None if row_t32 is None else row_t32.reshape(-1), sampling, keep_logits and grad_wanted)
     provenance = {**chosen.provenance(), "num_vocab_tiles": tiles, "chunk_tokens": chunk_tokens,
-                  "matmul": choice.record(), "autocast": autocast, "grad_weight_fp32": grad_weight_fp32}
+                  "matmul": choice.record(), "autocast": autocast, "grad_weight_fp32": grad_weight_fp32,
+                  "keep_logits": {"requested": keep_logits, "kept": plan.keep_logits}}
     if resolved.record is not None:
         provenance["dtensor_weight"] = resolved.record
     return Prepared(plan, resolved, targets.reshape(-1), active.reshape(-1), tokens, lead, provenance)
@@ -226,6 +240,7 @@ def selected_logprob_from_hidden(
     top_k: Any = 0,
     top_p: Any = 1.0,
     min_p: Any = 0.0,
+    keep_logits: bool = False,
 ) -> LogprobOutput:
     """Selected-token logprob of ``hidden @ weight.T`` made ``chunk_tokens`` active tokens at a time.
 
@@ -242,7 +257,13 @@ def selected_logprob_from_hidden(
     whose group is ``group`` it is the rank's shard. See the module docstring for the bits.
     ``top_k``, ``top_p``, ``min_p``: the processed logprob of section 13 of docs/arithmetic.md, as in
     :func:`rl_engine.logprob.api.selected_logprob` (``out.target_kept``); the backward finds each
-    chunk's kept set again from the same logits.
+    chunk's kept set again from the same logits. ``keep_logits``: keep the forward's logits of the
+    active rows for the backward, which then makes no product again (one of the four products of a
+    forward+backward): ``active tokens x weight.shape[0] x itemsize`` bytes held from the forward to
+    the backward (the compute dtype's itemsize: 4 in fp32; 1,244,659,712 bytes for 2048 fp32 tokens
+    at vocabulary 151936, as much as the naive head's binary32 logits), instead of one chunk's.
+    The outputs and every gradient are the same bytes either way; without a gradient wanted (under
+    ``torch.no_grad()``, or neither input requiring one) nothing is kept.
     """
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise LogprobContractError(
@@ -251,7 +272,7 @@ def selected_logprob_from_hidden(
     options = dict(num_vocab_tiles=num_vocab_tiles, real_vocab_size=real_vocab_size,
                    compute_entropy=compute_entropy, validate=validate, chunk_tokens=chunk_tokens, backend=backend,
                    ignore_index=ignore_index, max_tp=max_tp, grad_weight_fp32=grad_weight_fp32,
-                   temperature=temperature, hidden_grad=hidden_grad, matmul=matmul)
+                   temperature=temperature, hidden_grad=hidden_grad, matmul=matmul, keep_logits=keep_logits)
     if torch.compiler.is_compiling() and group is None and not is_dtensor(weight) and not is_dtensor(hidden):
         from rl_engine.logprob.api import _refuse_compiled_sampling
 
@@ -264,7 +285,7 @@ def selected_logprob_from_hidden(
         resolved = head_weight(weight, group, weight_grad_reduce)
         compute_dtype, autocast = compute_dtype_of(hidden) if isinstance(hidden, torch.Tensor) else (None, None)
         call = prepare(hidden, resolved, targets, active, compute_dtype=compute_dtype, autocast=autocast,
-                       top_k=top_k, top_p=top_p, min_p=min_p, **options)
+                       top_k=top_k, top_p=top_p, min_p=min_p, grad_wanted=_grad_wanted(hidden, weight), **options)
         if call.plan.group is not None:  # the TP ranks cut the same chunks only if they agree on the active rows
             fields = {"tokens": str(call.tokens), "active": tensor_digest(call.active),
                       "chunk_tokens": str(chunk_tokens), "matmul": call.plan.matmul.used, "hidden_grad": hidden_grad,
@@ -301,7 +322,9 @@ def selected_logprob_from_hidden(
 # included: the bytes are the eager call's and a refusal raises the same
 # :class:`~rl_engine.logprob.contract.LogprobContractError`. The gradient is a second op,
 # ``rl_engine::selected_logprob_from_hidden_backward``, registered as the first one's autograd
-# formula, which recomputes each chunk's logits as the eager backward does.
+# formula, which recomputes each chunk's logits as the eager backward does, or, with the settings'
+# ``keep_logits``, reads the forward op's fourth output: the active rows' logits, whose row count the
+# fake implementation gives as a size known only when the op runs.
 #
 # Autocast is resolved when the graph is traced (the logits' dtype name is a field of the op's settings,
 # :class:`rl_engine.logprob.op_settings.HeadOpSettings`, the op's one non-tensor argument as its JSON
@@ -324,7 +347,7 @@ def _prepare(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
                    temperature=settings.temperature if row_temperature is None else row_temperature,
                    hidden_grad="all_reduce", matmul=settings.matmul,
                    compute_dtype=hidden.dtype if settings.autocast is None else settings.autocast_dtype,
-                   autocast=settings.autocast)
+                   autocast=settings.autocast, keep_logits=settings.keep_logits)
 
 
 def _compute_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -334,28 +357,37 @@ def _compute_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @torch.library.custom_op(OP, mutates_args=())
 def from_hidden_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
                    row_temperature: torch.Tensor | None,
-                   settings: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logp, lse, entropy)`` per token of the eager fused head (entropy empty without
-    ``compute_entropy``), every check included. ``settings``: the text of a
+                   settings: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, lse, entropy, logits)`` per token of the eager fused head (entropy empty without
+    ``compute_entropy``; ``logits`` the active rows' ``[rows, vocab]`` logits with the settings'
+    ``keep_logits``, else empty), every check included. ``settings``: the text of a
     :class:`~rl_engine.logprob.op_settings.HeadOpSettings` (its ``encode()``), the op's one non-tensor
     argument; ``row_temperature``: a temperature per token (the eager call's tensor ``temperature``),
     with the settings' ``temperature`` 1."""
     head = HeadOpSettings.decode(settings)
     call = _prepare(hidden, weight, targets, active, row_temperature, head)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        logp, lse, entropy, _ = forward_chunks(hidden.reshape(call.tokens, -1), _compute_weight(weight, call.plan.compute_dtype),
-                                            call.targets, active_rows(call.active), call.plan)
+        logp, lse, entropy, _, logits = forward_chunks(
+            hidden.reshape(call.tokens, -1), _compute_weight(weight, call.plan.compute_dtype), call.targets,
+            active_rows(call.active), call.plan)
     return logp.reshape(call.lead), lse.reshape(call.lead), \
-        entropy.reshape(call.lead) if head.compute_entropy else entropy
+        entropy.reshape(call.lead) if head.compute_entropy else entropy, \
+        hidden.new_empty(0, dtype=call.plan.compute_dtype) if logits is None else logits
 
 
 @from_hidden_op.register_fake
 def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
-      row_temperature: torch.Tensor | None, settings: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+      row_temperature: torch.Tensor | None,
+      settings: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     per_token = hidden.new_empty(hidden.shape[:-1], dtype=torch.float32)
-    compute_entropy = HeadOpSettings.decode(settings).compute_entropy
-    entropy = torch.empty_like(per_token) if compute_entropy else hidden.new_empty(0, dtype=torch.float32)
-    return per_token, torch.empty_like(per_token), entropy
+    head = HeadOpSettings.decode(settings)
+    entropy = torch.empty_like(per_token) if head.compute_entropy else hidden.new_empty(0, dtype=torch.float32)
+    dtype = hidden.dtype if head.autocast is None else head.autocast_dtype
+    if head.keep_logits:  # the active rows: how many is known when the op runs
+        logits = hidden.new_empty(torch.library.get_ctx().new_dynamic_size(), weight.shape[0], dtype=dtype)
+    else:
+        logits = hidden.new_empty(0, dtype=dtype)
+    return per_token, torch.empty_like(per_token), entropy, logits
 
 
 @torch.library.custom_op(BACKWARD_OP, mutates_args=())
@@ -363,10 +395,11 @@ def from_hidden_backward_op(hidden: torch.Tensor, weight: torch.Tensor, targets:
                             active: torch.Tensor | None, lse: torch.Tensor, entropy: torch.Tensor,
                             grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None,
                             grad_entropy: torch.Tensor | None, row_temperature: torch.Tensor | None,
-                            settings: str) -> tuple[torch.Tensor, torch.Tensor]:
+                            logits: torch.Tensor | None, settings: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of ``hidden`` and ``weight`` (empty where not wanted): the eager backward.
     ``settings``: the text of a :class:`~rl_engine.logprob.op_settings.HeadGradSettings` (the
-    forward's settings and the gradients wanted); the forward's checks of the values are not redone."""
+    forward's settings and the gradients wanted); the forward's checks of the values are not redone.
+    ``logits``: the forward op's kept logits (its fourth output) with ``keep_logits``, else ``None``."""
     grads = HeadGradSettings.decode(settings)
     head = dataclasses.replace(grads.head, validate=False)
     call = _prepare(hidden, weight, targets, active, row_temperature, head)
@@ -376,7 +409,7 @@ def from_hidden_backward_op(hidden: torch.Tensor, weight: torch.Tensor, targets:
             hidden.reshape(call.tokens, -1), _compute_weight(weight, call.plan.compute_dtype), call.targets,
             active_rows(call.active), flat(lse), flat(entropy) if head.compute_entropy else None, flat(grad_logp),
             flat(grad_lse), flat(grad_entropy) if head.compute_entropy else None, call.plan, grads.want_hidden,
-            grads.want_weight, weight.dtype)
+            grads.want_weight, weight.dtype, None, logits if head.keep_logits else None)
     return (hidden.new_empty(0) if grad_hidden is None else grad_hidden.reshape(hidden.shape),
             weight.new_empty(0) if grad_weight is None else grad_weight)
 
@@ -384,7 +417,7 @@ def from_hidden_backward_op(hidden: torch.Tensor, weight: torch.Tensor, targets:
 @from_hidden_backward_op.register_fake
 def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, active: torch.Tensor | None,
       lse: torch.Tensor, entropy: torch.Tensor, grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None,
-      grad_entropy: torch.Tensor | None, row_temperature: torch.Tensor | None,
+      grad_entropy: torch.Tensor | None, row_temperature: torch.Tensor | None, logits: torch.Tensor | None,
       settings: str) -> tuple[torch.Tensor, torch.Tensor]:
     grads = HeadGradSettings.decode(settings)
     return (torch.empty_like(hidden) if grads.want_hidden else hidden.new_empty(0),
@@ -393,19 +426,20 @@ def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, active:
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
     hidden, weight, targets, active, rows, settings = inputs
-    ctx.save_for_backward(hidden, weight, targets, active, output[1], output[2], rows)
+    ctx.save_for_backward(hidden, weight, targets, active, output[1], output[2], rows, output[3])
     ctx.settings = HeadOpSettings.decode(settings)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, grad_logp: torch.Tensor | None, grad_lse: torch.Tensor | None,
-              grad_entropy: torch.Tensor | None) -> tuple[Any, ...]:
-    hidden, weight, targets, active, lse, entropy, row_temperature = ctx.saved_tensors
+              grad_entropy: torch.Tensor | None, _grad_logits: Any = None) -> tuple[Any, ...]:
+    hidden, weight, targets, active, lse, entropy, row_temperature, logits = ctx.saved_tensors
     want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     grads = HeadGradSettings(ctx.settings, want_hidden, want_weight)
     grad_hidden, grad_weight = from_hidden_backward_op(
         hidden, weight, targets, active, lse, entropy, grad_logp, grad_lse,
-        grad_entropy if ctx.settings.compute_entropy else None, row_temperature, grads.encode())
+        grad_entropy if ctx.settings.compute_entropy else None, row_temperature,
+        logits if ctx.settings.keep_logits else None, grads.encode())
     return grad_hidden if want_hidden else None, grad_weight if want_weight else None, None, None, None, None
 
 
@@ -416,11 +450,12 @@ def compiled_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          num_vocab_tiles: int | str, real_vocab_size: int | None, compute_entropy: bool,
                          validate: bool, chunk_tokens: int, backend: str, ignore_index: int, max_tp: int,
                          grad_weight_fp32: bool, temperature: Any, hidden_grad: str,
-                         matmul: str) -> LogprobOutput:
+                         matmul: str, keep_logits: bool) -> LogprobOutput:
     """Under ``torch.compile``: ``rl_engine::selected_logprob_from_hidden``, with the tile count and the
     logits' dtype (autocast's, where it is enabled) resolved at tracing into the op's one settings text
     (:func:`rl_engine.logprob.op_settings.settings_text`: another temperature is another text, a
-    recompile); no provenance in the graph."""
+    recompile); ``keep_logits`` too, False where no gradient is wanted (grad mode and ``requires_grad``
+    are guarded); no provenance in the graph."""
     tiles = resolve_vocab_tiles(num_vocab_tiles, weight.shape[0], max_tp)["resolved"]
     _, autocast = compute_dtype_of(hidden)
     rows = temperature if isinstance(temperature, torch.Tensor) else None  # a temperature per token
@@ -428,8 +463,9 @@ def compiled_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         HeadOpSettings, real_vocab_size=weight.shape[0] if real_vocab_size is None else real_vocab_size,
         num_vocab_tiles=tiles, ignore_index=ignore_index, compute_entropy=compute_entropy, validate=validate,
         backend=backend, chunk_tokens=chunk_tokens, grad_weight_fp32=grad_weight_fp32,
-        temperature=1.0 if rows is not None else temperature, matmul=matmul, autocast=autocast)
-    logp, lse, entropy = from_hidden_op(hidden, weight, targets, active, rows, settings)
+        temperature=1.0 if rows is not None else temperature, matmul=matmul, autocast=autocast,
+        keep_logits=keep_logits and _grad_wanted(hidden, weight) if isinstance(keep_logits, bool) else keep_logits)
+    logp, lse, entropy, _ = from_hidden_op(hidden, weight, targets, active, rows, settings)
     return LogprobOutput(logp, lse, entropy if compute_entropy else None, None)
 
 

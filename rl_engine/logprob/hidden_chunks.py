@@ -15,6 +15,12 @@ bytes by the same code.
   chunk, ``weight``'s the chunks' ``grad_logits.T @ hidden`` added in binary32 (rounded once at the
   end to the weight's dtype) or, with ``grad_weight_fp32=False``, in the compute dtype (one rounding
   per chunk).
+* With ``keep_logits`` (the plan's) the forward writes each chunk's logits into one
+  ``[active rows, vocabulary columns]`` tensor of the compute dtype, which the backward reads in
+  place of making them again: one product per chunk fewer, for the memory of the whole logits
+  (``active rows x columns x itemsize`` bytes: 4 per logit in fp32, 2 in bf16 and fp16). They are
+  the bytes the backward would have made (the same product of the same rows), so every gradient is
+  byte-equal to the recomputing backward's.
 """
 
 from __future__ import annotations
@@ -49,12 +55,15 @@ class HeadPlan:
     reduce_hidden: bool
     row_t32: torch.Tensor | None = None  # a temperature per token: binary32 [tokens], each token's T32
     sampling: Sampling | None = None  # per token (flat); docs/arithmetic.md section 13
+    keep_logits: bool = False  # the forward keeps the active rows' logits for the backward
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_tokens, bool) or not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1:
             raise LogprobContractError(f"chunk_tokens={self.chunk_tokens!r} must be a positive integer")
         if self.compute_dtype not in FLOAT_DTYPES:
             raise LogprobContractError(f"compute dtype {self.compute_dtype} must be one of {FLOAT_DTYPES}")
+        if not isinstance(self.keep_logits, bool):
+            raise LogprobContractError(f"keep_logits={self.keep_logits!r} must be True or False")
 
     def chunk_contract(self, rows: int) -> LogprobContract:
         """The contract of one chunk of ``rows`` active rows (one sequence)."""
@@ -83,21 +92,26 @@ def _chunk_hidden(hidden: torch.Tensor, rows: torch.Tensor, start: int, end: int
 
 
 def forward_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
-                   plan: HeadPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logp, lse, entropy, target_kept)`` of every token (``+0`` on inactive rows; entropy empty
-    without ``compute_entropy``; ``target_kept`` True but where the plan's sampling drops an active
-    target). ``hidden`` is ``[tokens, H]``, ``weight`` the compute dtype's copy of the rank's rows,
-    ``rows`` the active rows' indices."""
+                   plan: HeadPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                            torch.Tensor | None]:
+    """``(logp, lse, entropy, target_kept, logits)`` of every token (``+0`` on inactive rows; entropy
+    empty without ``compute_entropy``; ``target_kept`` True but where the plan's sampling drops an
+    active target; ``logits`` the active rows' ``[rows, columns]`` logits in the compute dtype with
+    the plan's ``keep_logits``, else ``None``). ``hidden`` is ``[tokens, H]``, ``weight`` the compute
+    dtype's copy of the rank's rows, ``rows`` the active rows' indices."""
     tokens = hidden.shape[0]
     kept = torch.ones(tokens, dtype=torch.bool, device=hidden.device)
     logp = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
     lse = torch.zeros_like(logp)
     entropy = torch.zeros_like(logp) if plan.compute_entropy else logp.new_empty(0)
     count = rows.numel()
+    whole = torch.empty(count, weight.shape[0], dtype=plan.compute_dtype, device=hidden.device) \
+        if plan.keep_logits else None
     for start in range(0, count, plan.chunk_tokens):
         end = min(start + plan.chunk_tokens, count)
         index = rows[start:end]
-        logits = head_logits(_chunk_hidden(hidden, rows, start, end, plan.compute_dtype), weight, plan.matmul)
+        logits = head_logits(_chunk_hidden(hidden, rows, start, end, plan.compute_dtype), weight, plan.matmul,
+                             None if whole is None else whole[start:end])
         ones = torch.ones(end - start, dtype=torch.bool, device=hidden.device)
         per_row = {} if plan.row_t32 is None else {"temperature": plan.row_t32.index_select(0, index)}
         sampling = _chunk_sampling(plan, index)
@@ -111,7 +125,7 @@ def forward_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         if plan.compute_entropy:
             entropy[index] = out.entropy
         del logits, out
-    return logp, lse, entropy, kept
+    return logp, lse, entropy, kept, whole
 
 
 def backward_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
@@ -119,13 +133,22 @@ def backward_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
                     grad_lse: torch.Tensor | None, grad_entropy: torch.Tensor | None, plan: HeadPlan,
                     want_hidden: bool, want_weight: bool,
                     weight_dtype: torch.dtype,
-                    target_kept: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                    target_kept: torch.Tensor | None = None,
+                    logits_kept: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The gradients of ``hidden`` (``+0`` rows where inactive, all-reduced over the TP group when
-    the plan says so) and of the weight (in ``weight_dtype``), from the forward's LSE and entropy.
+    the plan says so) and of the weight (in ``weight_dtype``), from the forward's LSE and entropy,
+    and from the forward's logits where ``logits_kept`` holds them (``[active rows, columns]``), else
+    from each chunk's logits made again.
     With the plan's sampling, each chunk's kept set is found again (the same cut: the same logits;
     under TP its collectives run on every rank in the same chunk order) and ``target_kept`` is the
     forward's."""
     count = rows.numel()
+    if logits_kept is not None and (logits_kept.shape != (count, weight.shape[0])
+                                    or logits_kept.dtype != plan.compute_dtype):
+        raise LogprobContractError(
+            f"the kept logits {tuple(logits_kept.shape)} {logits_kept.dtype} are not the forward's: "
+            f"[{count} active rows, {weight.shape[0]} columns] in {plan.compute_dtype}; pass the forward's own "
+            "(or none, to make them again)")
     grad_rows = torch.empty(count, hidden.shape[1], dtype=plan.compute_dtype, device=hidden.device) \
         if want_hidden else None
     accumulate = torch.float32 if plan.grad_weight_fp32 else plan.compute_dtype
@@ -135,7 +158,7 @@ def backward_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
             end = min(start + plan.chunk_tokens, count)
             index = rows[start:end]
             chunk = _chunk_hidden(hidden, rows, start, end, plan.compute_dtype)
-            logits = head_logits(chunk, weight, plan.matmul)
+            logits = head_logits(chunk, weight, plan.matmul) if logits_kept is None else logits_kept[start:end]
             part = plan.chunk_contract(end - start)
             ones = torch.ones(end - start, dtype=torch.bool, device=hidden.device)
             sampling = _chunk_sampling(plan, index)

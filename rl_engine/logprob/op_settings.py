@@ -160,8 +160,8 @@ class LogitsOpSettings(OpSettings):
 class HeadOpSettings(OpSettings):
     """The settings of ``rl_engine::selected_logprob_from_hidden``: the keyword arguments of
     :func:`rl_engine.logprob.hidden.selected_logprob_from_hidden` that a one-rank call takes, with the
-    tile count resolved and ``autocast`` the logits' dtype name under autocast (``None``: the inputs'
-    dtype), resolved when the graph is traced."""
+    tile count resolved, ``autocast`` the logits' dtype name under autocast (``None``: the inputs'
+    dtype) and ``keep_logits`` False where no gradient is wanted, resolved when the graph is traced."""
 
     real_vocab_size: int
     num_vocab_tiles: int
@@ -174,11 +174,13 @@ class HeadOpSettings(OpSettings):
     temperature: float
     matmul: str
     autocast: str | None
+    keep_logits: bool
 
     def __post_init__(self) -> None:
         _check_shared(self)
         _int("chunk_tokens", self.chunk_tokens, 1)
         _bool("grad_weight_fp32", self.grad_weight_fp32)
+        _bool("keep_logits", self.keep_logits)
         if self.matmul not in MATMULS:
             raise LogprobContractError(f"matmul={self.matmul!r} must be one of {MATMULS} (default 'auto')")
         if self.autocast is not None and self.autocast not in LOGITS_DTYPES:
