@@ -175,7 +175,8 @@ def test_a_temperature_is_the_division_of_the_upcast_logits_gradient_included(
         assert scaled != ours, (engine, dtype, temperature)
 
 
-def _edge_inputs(dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _edge_inputs(dtype: str, real: int = 300, padded: int = 320, overflow: slice = slice(50, 60)
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows that take each branch of the Triton kernels' choice between Markstein's sequence and
     the IEEE division (docs/arithmetic.md, "Dividing by T32 on a GPU"), and the upstream gradients:
     0: real -inf logits among ordinary ones; 1: logits below the division's domain and a tiny
@@ -183,15 +184,15 @@ def _edge_inputs(dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
     3: logits whose quotient overflows to -inf at T = 0.25; 5: an ordinary row whose gradient is
     scaled to tiny values (below the domain: subnormal quotients); 7: a row whose gradient is scaled
     up to overflow at T = 0.25. Rows 0, 1, 3 are inactive (validation refuses non-finite logits
-    there only)."""
-    real, padded, rows = 300, 320, 8
+    there only). ``overflow``: row 3's columns."""
+    rows = 8
     g = torch.Generator().manual_seed(17)
     x = torch.randn(rows, padded, generator=g) * 3
     x[:, real:] = 100.0
     x[0, 10:40] = float("-inf")
     tiny = torch.from_numpy(((np.arange(real, dtype=np.uint32) * 9973 % 0x01000000) | 0x00400000).view(np.float32))
     x[1, :real] = torch.where(torch.arange(real) % 2 == 0, tiny, -tiny)  # |x| < 2**-125: below the domain
-    x[3, 50:60] = -3.0e38  # / 0.25: -inf
+    x[3, overflow] = -3.0e38  # / 0.25: -inf
     x = x.to(DTYPES_TORCH[dtype])
     targets = torch.randint(0, real, (rows,), generator=g)
     active = torch.ones(rows, dtype=torch.bool)
@@ -248,14 +249,42 @@ def test_the_triton_kernels_guard_takes_the_ieee_division_where_markstein_is_not
     assert _edge_run(triton, x, targets, active, w_logp, w_lse, contract)["lse"] != want["lse"]
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_the_triton_backward_guard_of_a_whole_block_is_the_block_s_whole_test(
+        dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole backward block (2,048 columns: each thread's own columns reduced first, then one flag
+    a thread) takes the IEEE division exactly where the block's maximum and minimum say: NumPy's bytes
+    on :func:`_edge_inputs`' rows 2,300 columns wide (a whole block and the last one), row 3's overflow
+    in one column of a thread's second 16-byte load (1,531). Control: with the guard off (Markstein's
+    sequence everywhere) the bf16 and fp32 gradients differ, so these rows do need the block's branch."""
+    pytest.importorskip("triton")
+    from rl_engine.logprob.backends.triton import triton_backend
+
+    temperature, tiles, real, padded = 0.25, 4, 2300, 2304
+    assert triton_backend.BACKWARD_BLOCK == 2048 and triton_backend.BACKWARD_WARPS * 32 == \
+        triton_backend.load_kernels("compiled").THREADS.value
+    x, targets, active, w_logp, w_lse = _edge_inputs(dtype, real, padded, slice(1531, 1532))
+    contract = _contract(dtype, real, padded, tiles, 8, temperature=temperature)
+    want = _numpy_bytes(dtype, x, targets, active, w_logp, w_lse, tiles, temperature, real)
+    triton = _engines()["triton"]
+    assert _edge_run(triton, x, targets, active, w_logp, w_lse, contract) == want
+    t32, r = temperature32(temperature), inverse_temperature(temperature)
+    monkeypatch.setattr(triton_backend, "split_args", lambda *args, **kwargs: None)
+    monkeypatch.setattr(triton_backend, "division_args", lambda t: (t32, r, float("inf"), 0, 0.0))
+    off = _edge_run(triton, x, targets, active, w_logp, w_lse, contract)["grad"]
+    # binary16's one rounding hides the control: Markstein's wrong quotients there are binary32
+    # subnormals (rounded to 0) or overflows (infinity) either way
+    assert (off != want["grad"]) == (dtype != "fp16")
+
+
 def _numpy_bytes(dtype: str, x: torch.Tensor, targets: torch.Tensor, active: torch.Tensor, w_logp: torch.Tensor,
-                 w_lse: torch.Tensor, tiles: int, temperature: float) -> dict[str, bytes]:
-    """The NumPy spec's bytes of :func:`_edge_inputs`' rows (300 real columns): logp, LSE, entropy, gradient."""
+                 w_lse: torch.Tensor, tiles: int, temperature: float, real: int = 300) -> dict[str, bytes]:
+    """The NumPy spec's bytes of :func:`_edge_inputs`' rows (``real`` columns): logp, LSE, entropy, gradient."""
     arr = x.view(torch.int16).numpy().view(np.uint16) if dtype == "bf16" else x.numpy()
-    logp, lse, ent = spec_numpy.forward(arr, NUMPY_DTYPES[dtype], targets.numpy(), active.numpy(), 300, tiles,
+    logp, lse, ent = spec_numpy.forward(arr, NUMPY_DTYPES[dtype], targets.numpy(), active.numpy(), real, tiles,
                                         True, temperature=temperature)
     grad = spec_numpy.backward(arr, NUMPY_DTYPES[dtype], targets.numpy(), active.numpy(), lse, w_logp.numpy(),
-                               w_lse.numpy(), 300, tiles, temperature=temperature)
+                               w_lse.numpy(), real, tiles, temperature=temperature)
     return {"logp": logp.tobytes(), "lse": lse.tobytes(), "entropy": ent.tobytes(), "grad": grad.tobytes()}
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

@@ -25,6 +25,7 @@ case for sm_90 and gfx942, the GPT-2 case (50257 real, 50304 padded: integers no
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +229,7 @@ def test_tempered_kernels_compile_to_ieee_operations_markstein_and_div_rn(backen
             found = triton_aot.ptx_findings(asm["ptx"])
             assert found["forbidden"] == [] and found["unknown"] == [], (name, found)
             assert "div.rn.f32" in found["float_ops"] and found["fma"] == want, (name, found["fma"], want)
+            assert triton_aot.zero_subtractions(asm["ttir"]) == [], name  # Markstein's negations: fneg
         else:
             # the scheduler interleaves the specification's FMAs with the division sequences (the text
             # between a v_div_scale_f32 and its v_div_fixup_f32), so they are counted in all: at least
@@ -373,8 +375,9 @@ def test_the_roofline_command_refuses_a_temperature_the_arithmetic_refuses(
 # the roofline targets (instructions per column forward and backward, forward and forward+backward over
 # the H100 floor): without a temperature, and with one (section 6 step 0's division: the split quotient,
 # 2 instructions per column in bf16, the backward's gradient Markstein's 5, and the guard; measured 24.7,
-# 41.0, 1.239x and 1.10x with Triton 3.9.0, the installed one these run under (3.6.0: 24.8, 44.6, 1.241x,
-# 1.16x); Markstein's step on the logits gave 26.3, 42.4, 1.32x, 1.15x): the bound of docs/performance.md, 1.25x, both ways
+# 39.8, 1.239x and 1.08x with Triton 3.9.0, the installed one these run under (3.6.0: 24.8, 40.5, 1.241x,
+# 1.09x; before the folded negations and the block's one exchange 41.0 and 44.6 backward); Markstein's step
+# on the logits gave 26.3, 42.4, 1.32x, 1.15x): the bound of docs/performance.md, 1.25x, both ways
 ROOFLINE_TARGETS = {1.0: (25, 35, 1.25, 1.25), 0.7: (25, 42, 1.25, 1.25)}
 
 
@@ -488,6 +491,35 @@ def _divide_probe(x_ptr, y_ptr, z_ptr, out_ptr, MULADD: tl.constexpr, PLAIN: tl.
 
 PROBE_SIGNATURE = {"x_ptr": "*fp32", "y_ptr": "*fp32", "z_ptr": "*fp32", "out_ptr": "*fp32",
                    "MULADD": "constexpr", "PLAIN": "constexpr"}
+
+
+NEGATE = load_kernels("compiled").negate
+
+
+@triton.jit
+def _negate_probe(x_ptr, y_ptr, out_ptr, FROM_ZERO: tl.constexpr):
+    offs = tl.arange(0, 64)
+    x = tl.load(x_ptr + offs)
+    minus = 0.0 - x if FROM_ZERO else NEGATE(x)
+    tl.store(out_ptr + offs, tl.fma(minus, tl.load(y_ptr + offs), x))
+
+
+NEGATE_SIGNATURE = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "FROM_ZERO": "constexpr"}
+
+
+def test_negate_is_ieee_negation_folded_into_the_fma_and_a_subtraction_from_zero_is_not() -> None:
+    """``triton_kernels.negate`` compiles to ``neg.f32`` (LLVM's ``fneg``: ``-(+0) = -0``), which
+    ptxas folds into the FMA reading it (no ``FADD``), on every supported Triton; ``0.0 - x`` (what
+    Triton 3.6 makes of a float's unary minus: ``+0 - (+0) = +0``) is flagged by
+    :func:`triton_aot.zero_subtractions` (negative control) and stays a ``sub.f32``."""
+    neg = _compile_probe(_negate_probe, NEGATE_SIGNATURE, {"FROM_ZERO": False}, "cuda", 90, False)
+    assert triton_aot.zero_subtractions(neg["ttir"]) == [] and "neg.f32" in neg["ptx"], neg["ttir"]
+    assert not re.search(r"\bsub(\.rn)?\.f32", neg["ptx"]), neg["ptx"]
+    sass = triton_aot.read_sass(neg["cubin"]).opcodes
+    assert "FADD" not in sass and sass.get("FFMA") == 1, sass  # one column a thread (64 of 128 threads), one FFMA
+    sub = _compile_probe(_negate_probe, NEGATE_SIGNATURE, {"FROM_ZERO": True}, "cuda", 90, False)
+    assert len(triton_aot.zero_subtractions(sub["ttir"])) == 1, sub["ttir"]
+    assert re.search(r"\bsub(\.rn)?\.f32", sub["ptx"]), sub["ptx"]
 
 
 def test_div_rn_is_ieee_on_nvidia_and_a_plain_division_is_not() -> None:

@@ -4,7 +4,8 @@
 the ignored folder ``.ci/triton-3.6`` (``pip install --no-deps --target``); this test runs the
 quick ahead-of-time PTX/AMD checks (what Triton 3.6 compiles at launch: the compiled kernels a
 GPU with 3.6 runs) in a subprocess with that folder first on ``PYTHONPATH``, and requires that
-the subprocess imported 3.6.0 and passed them all. Triton 3.6's interpreter computes ``tl.fma``
+the subprocess imported 3.6.0 and passed them all, then the roofline bounds of the two variants
+nearest theirs (bf16 and fp16 at ``T = 0.7`` with the entropy gradient). Triton 3.6's interpreter computes ``tl.fma``
 with two roundings, so the interpreter mode must refuse it, saying so: the subprocess checks that
 too. The installed Triton (3.9.0 when written) runs the interpreter byte tests in the suite
 itself. In CI (``CI=true``) a missing folder is a failure, never a skip.
@@ -57,3 +58,12 @@ def test_the_oldest_supported_triton_passes_the_interpreter_and_ptx_checks() -> 
     version, refusal = json.loads(line.removeprefix("PROBE "))
     assert version == OLDEST
     assert "Triton 3.6.0's interpreter computes tl.fma" in refusal and "rounds twice" in refusal
+    # the bounds of the variants nearest them under 3.6 (the entropy gradient at T = 0.7: bf16 1.25x,
+    # fp16 1.3x the H100 floor forward+backward; docs/performance.md, "The variants")
+    bounds = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow", "-W", "ignore::RuntimeWarning",
+         "-k", "(within_1_25x and True-True-True) or (within_1_3x and True-True-0.7-True)", "tests/test_triton_ptx.py"],
+        env=env, capture_output=True, text=True, timeout=900, check=False, cwd=REPO,
+    )
+    tail = bounds.stdout[-3000:] + bounds.stderr[-2000:]
+    assert bounds.returncode == 0 and "2 passed" in tail, tail

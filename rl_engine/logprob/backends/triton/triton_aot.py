@@ -300,6 +300,21 @@ def opcodes(asm: str) -> collections.Counter[str]:
     return found
 
 
+_TTIR_ZERO = re.compile(r"^\s*(%[\w.]+) = arith\.constant (?:dense<0\.000000e\+00>|0\.000000e\+00) :")
+_TTIR_SUBF = re.compile(r"=\s*arith\.subf\s+(%[\w.]+),")
+
+
+def zero_subtractions(ttir: str) -> list[str]:
+    """The ``arith.subf +0, v`` on tensors of a Triton IR text: Triton 3.6 lowers a float's unary
+    minus to it, which is not IEEE negation (``+0 - (+0)`` is ``+0``) and which ptxas cannot fold into
+    an FMA's operand (a ``FADD`` a column); the kernels negate a column's value by
+    ``triton_kernels.negate`` (``fneg``). A scalar's (the forward's ``-hi_x`` of a positive bound:
+    exact, once a program) is left out."""
+    zeros = {m.group(1) for m in map(_TTIR_ZERO.match, ttir.splitlines()) if m}
+    return [line.strip() for line in ttir.splitlines()
+            if (m := _TTIR_SUBF.search(line)) and m.group(1) in zeros and ": tensor<" in line]
+
+
 def ptx_findings(ptx: str) -> dict[str, Any]:
     """``{"forbidden": [...], "unknown": [...], "float_ops": [...], "fma": n}`` of a PTX text."""
     forbidden, unknown, floats = [], [], []
@@ -868,6 +883,7 @@ ROOFLINE_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("temperature-0.7-no-validation", {"temperature": 0.7, "validate": False}),
     ("temperature-0.7-entropy-gradient", {"temperature": 0.7, "entropy_grad": True}),
     ("fp16-temperature-0.7", {"dtype": torch.float16, "temperature": 0.7}),
+    ("fp16-temperature-0.7-entropy-gradient", {"dtype": torch.float16, "temperature": 0.7, "entropy_grad": True}),
     ("tp8", {"tp": 8}),
     ("fp16-tp8", {"dtype": torch.float16, "tp": 8}),
     ("fp32-tp8", {"dtype": torch.float32, "tp": 8}),

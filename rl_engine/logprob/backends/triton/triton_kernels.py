@@ -94,6 +94,7 @@ F16_GRID_BITS: tl.constexpr = tl.constexpr(0x06C1C400)  # bits(1.5 * 2**13) - bi
 F16_INFINITY_BITS: tl.constexpr = tl.constexpr(0x7C00)  # binary16 infinity: the magnitude's cap
 F16_MIN_NORMAL: tl.constexpr = tl.constexpr(2.0**-14)
 F16_MAGIC: tl.constexpr = tl.constexpr(12288.0)  # 1.5 * 2**13: its ulp at 2**e is binary16's at 2**e
+NEG_ONE: tl.constexpr = tl.constexpr(-1.0)  # v * -1.0 is IEEE negation (:func:`negate`)
 DT_F32: tl.constexpr = tl.constexpr(0)
 DT_BF16: tl.constexpr = tl.constexpr(1)
 DT_F16: tl.constexpr = tl.constexpr(2)
@@ -103,6 +104,7 @@ DIV_IEEE: tl.constexpr = tl.constexpr(2)  # x / T32 by the IEEE division (div.rn
 DIV_SPLIT: tl.constexpr = tl.constexpr(3)  # x / T32 as fma(x, r_lo, x * r_hi) (a temperature it is checked for)
 LANES: tl.constexpr = tl.constexpr(128)  # L of the lane sum G (section 4)
 LANE_LEVELS: tl.constexpr = tl.constexpr(7)  # log2(LANES): the levels of F over the lanes
+THREADS: tl.constexpr = tl.constexpr(128)  # a backward program's threads (triton_backend.BACKWARD_WARPS = 4)
 MAX_UNROLL: tl.constexpr = tl.constexpr(32)  # chunks of a tile unrolled (a wider tile loops)
 # The combine functions of Triton's own tl.sum, tl.max and tl.min, given to the builtin tl.reduce:
 # the compiler lowers them to +, max.f32 and min.f32; the interpreter (both modes call them from
@@ -176,16 +178,28 @@ def lane_fold(v):
 
 
 @device
+def negate(v):
+    """IEEE negation, ``-v`` with the sign of zero flipped, written ``v * -1.0`` (exact for every
+    ``v``). Triton 3.6's unary minus on a float is ``0.0 - v``, which maps ``+0`` to ``+0``
+    (``-e`` of a zero ``e`` would then lose ``markstein(-0) = -0``) and which ptxas cannot fold into
+    an FMA's operand (one ``FADD`` a column and negation); its constant ``-0.0`` is read as ``+0``,
+    so ``-0.0 - v`` is no better. ``v * -1.0`` is LLVM's ``fneg`` (``neg.f32``) on every supported
+    Triton, which ptxas folds into the FMA that reads it."""
+    return v * NEG_ONE
+
+
+@device
 def markstein(x, t32, inv_t, DTYPE: tl.constexpr):
     """``RN32(x / T32)`` on the division's domain (rl_engine/arith/division.py): ``q = x * r``, then per
     step ``e = fma(q, T32, -x)``, ``q = fma(-e, r, q)``; one step for bf16 and binary16 logits, two
-    for binary32 values. ``x = -0`` gives ``-0``."""
+    for binary32 values. ``x = -0`` gives ``-0`` (the negations are :func:`negate`'s)."""
     q = x * inv_t
-    e = tl.fma(q, t32, -x)
-    q = tl.fma(-e, inv_t, q)
+    nx = negate(x)
+    e = tl.fma(q, t32, nx)
+    q = tl.fma(negate(e), inv_t, q)
     if DTYPE == DT_F32:
-        e = tl.fma(q, t32, -x)
-        q = tl.fma(-e, inv_t, q)
+        e = tl.fma(q, t32, nx)
+        q = tl.fma(negate(e), inv_t, q)
     return q
 
 
@@ -511,15 +525,28 @@ def backward_kernel(
         ge = 0.0
         mb = 0.0
         zero = coef == 0.0
+    VEC: tl.constexpr = 4 if DTYPE == DT_F32 else 8
     if TEMPERED:
         if SPLIT:
             g = column_grad(raw, lse, coef, ge, mb, r_hi, r_lo, DTYPE, ENTROPY_GRAD, DIV_SPLIT)
         else:
             g = column_grad(raw, lse, coef, ge, mb, t32, inv_t, DTYPE, ENTROPY_GRAD, DIV_MARKSTEIN)
-        big = tl.reduce(tl.maximum(tl.abs(upcast(raw, DTYPE)), tl.abs(g)), 0, MAX)
+        mags = tl.maximum(tl.abs(upcast(raw, DTYPE)), tl.abs(g))
         key = (g.to(tl.uint32, bitcast=True) << 1) - 2  # 2 |g| - 2 in the bits; +-0: the largest key
-        small = tl.reduce(key, 0, MIN)
-        exotic = (big >= hi_x) | (small.to(tl.int64) < lo_key) | (tl.abs(lse) < sh_min)
+        # The block's test as one reduction over the threads: each thread's largest magnitude and
+        # smallest key over its own columns (a whole block's (BLOCK / (THREADS * VEC), THREADS, VEC) view
+        # is the load's layout: VEC columns a thread a 16-byte load, repeated), its flag, then any flag:
+        # the same branch as testing the block's maximum and minimum (max and min ignore the order),
+        # with one exchange between warps instead of two (Triton 3.6 synchronizes twice for each).
+        if BLOCK >= THREADS * VEC:  # powers of two: THREADS * VEC divides BLOCK
+            big = tl.reduce(tl.reduce(tl.reshape(mags, (BLOCK // (THREADS * VEC), THREADS, VEC)), 2, MAX), 0, MAX)
+            small = tl.reduce(tl.reduce(tl.reshape(key, (BLOCK // (THREADS * VEC), THREADS, VEC)), 2, MIN), 0, MIN)
+            flag = ((big >= hi_x) | (small.to(tl.int64) < lo_key)).to(tl.int32)
+            exotic = (tl.reduce(flag, 0, MAX) != 0) | (tl.abs(lse) < sh_min)
+        else:
+            big = tl.reduce(mags, 0, MAX)
+            small = tl.reduce(key, 0, MIN)
+            exotic = (big >= hi_x) | (small.to(tl.int64) < lo_key) | (tl.abs(lse) < sh_min)
         if ENTROPY_GRAD:
             exotic = exotic | ((ge != 0.0) & (tl.abs(mb) < sh_min))
         g = markstein(g, t32, inv_t, DT_F32)  # 2. the temperature's chain rule, g / T32
