@@ -5,10 +5,11 @@
 #   scripts/deepspeed-env.sh [DIR]      (default .ci/deepspeed-env, ignored by git)
 # DeepSpeed ships as a source distribution whose setup.py imports torch: it is built without build
 # isolation (against this torch) and without its compiled ops (DS_BUILD_OPS=0); the one op its CPU
-# accelerator loads at start (shared-memory collectives) is compiled here, by ninja, into
-# ~/.cache/torch_extensions (about 60 s of CPU, once per environment path: the include paths hold it),
-# so the test that starts DeepSpeed does not compile it. An existing environment with the right
-# DeepSpeed is kept; its op is built if it is missing (ninja's check, about 2 s when it is not).
+# accelerator loads at start (shared-memory collectives) is compiled here, by ninja, into the
+# environment's own DIR/torch_extensions (TORCH_EXTENSIONS_DIR; about 60 s of CPU), so the test that
+# starts DeepSpeed, which sets the same directory, does not compile it, and two checkouts do not
+# rebuild one shared ~/.cache copy for each other's include paths. An existing environment with the
+# right DeepSpeed is kept; its op is built if it is missing (ninja's check, about 2 s when it is not).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-.ci/deepspeed-env}
@@ -24,6 +25,8 @@ else
         grep -v 'Setting accelerator to CPU'
 fi
 # the shared-memory collectives op, loaded as DeepSpeed's communication starts (deepspeed/comm/torch.py)
+TORCH_EXTENSIONS_DIR="$(cd "$dir" && pwd)/torch_extensions"
+export TORCH_EXTENSIONS_DIR
 "$dir/bin/python" - <<'PY' 2>&1 | grep -v 'Setting accelerator to CPU'
 from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 ShareMemCommBuilder().load(verbose=False)

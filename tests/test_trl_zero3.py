@@ -128,7 +128,12 @@ def test_under_deepspeed_zero3_the_head_gathers_its_partitioned_weight(tmp_path:
         if os.environ.get("CI") == "true":
             pytest.fail(message + "; .ci/run builds it, so under CI this is a failure")
         pytest.skip(message)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    extensions = python.parent.parent / "torch_extensions"  # where scripts/deepspeed-env.sh built the op
+    stale = extensions / "deepspeed_shm_comm" / "lock"
+    if stale.exists():  # torch's build lock: a build killed midway leaves it, and every later load waits on it forever
+        pytest.fail(f"{stale} exists: a build of DeepSpeed's shared-memory op holds it, or a killed one left it "
+                    "(then every load waits forever); remove it when no scripts/deepspeed-env.sh runs")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TORCH_EXTENSIONS_DIR=str(extensions))
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)  # one rank of its own (the driver sets them, on a free port)
     done = subprocess.run([str(python), str(ROOT / "tests" / "_deepspeed_driver.py"), str(tmp_path)], env=env,
