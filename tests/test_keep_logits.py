@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from _head_products import count_products
 
 import rl_engine.logprob.hidden_chunks as hidden_chunks
 from rl_engine.logprob import selected_logprob_from_hidden
@@ -100,34 +101,20 @@ def test_under_autocast_the_kept_bf16_logits_give_the_recomputing_bytes() -> Non
     assert _run(torch.float32, True, autocast=True)["logp"] != _run(torch.float32, True)["logp"]  # bf16 logits
 
 
-class _Products:
-    """Counts the fused head's products, forward and backward, by wrapping ``head_logits``."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls: list[int] = []
-        real = hidden_chunks.head_logits
-
-        def counted(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
-            self.calls.append(hidden.shape[0])
-            return real(hidden, *args)
-
-        monkeypatch.setattr(hidden_chunks, "head_logits", counted)
-
-
 def test_the_backward_makes_no_product_with_kept_logits_and_one_per_chunk_without(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    products = _Products(monkeypatch)
+    calls = count_products(monkeypatch)
     hidden, weight, ids = _inputs(torch.float32)
     active = int((ids != -100).sum())
     chunks = -(-active // CHUNK)
     for keep, backward_products in ((True, 0), (False, chunks)):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         out = selected_logprob_from_hidden(h, w, ids, real_vocab_size=REAL, chunk_tokens=CHUNK, keep_logits=keep)
-        assert len(products.calls) == chunks and sum(products.calls) == active
-        products.calls.clear()
+        assert len(calls) == chunks and sum(calls) == active
+        calls.clear()
         out.selected_logp.sum().backward()
-        assert len(products.calls) == backward_products, keep
-        products.calls.clear()
+        assert len(calls) == backward_products, keep
+        calls.clear()
 
 
 def test_nothing_is_kept_without_a_gradient_wanted() -> None:

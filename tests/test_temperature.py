@@ -175,7 +175,10 @@ def test_a_temperature_is_the_division_of_the_upcast_logits_gradient_included(
         assert scaled != ours, (engine, dtype, temperature)
 
 
-def _edge_inputs(dtype: str, real: int = 300, padded: int = 320, overflow: slice = slice(50, 60)
+EDGE_REAL = 300  # :func:`_edge_inputs`' real columns, unless a test asks for others
+
+
+def _edge_inputs(dtype: str, real: int = EDGE_REAL, padded: int = 320, overflow: slice = slice(50, 60)
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows that take each branch of the Triton kernels' choice between Markstein's sequence and
     the IEEE division (docs/arithmetic.md, "Dividing by T32 on a GPU"), and the upstream gradients:
@@ -230,7 +233,7 @@ def test_the_triton_kernels_guard_takes_the_ieee_division_where_markstein_is_not
     temperature, tiles = 0.25, 4
     x, targets, active, w_logp, w_lse = _edge_inputs(dtype)
     contract = _contract(dtype, 300, 320, tiles, 8, temperature=temperature)
-    want = _numpy_bytes(dtype, x, targets, active, w_logp, w_lse, tiles, temperature)
+    want = _numpy(x, dtype, targets, active, EDGE_REAL, tiles, temperature, w_logp, w_lse)
     for name, op in _engines().items():
         assert _edge_run(op, x, targets, active, w_logp, w_lse, contract) == want, name
     triton = _engines()["triton"]
@@ -265,7 +268,7 @@ def test_the_triton_backward_guard_of_a_whole_block_is_the_block_s_whole_test(
         triton_backend.load_kernels("compiled").THREADS.value
     x, targets, active, w_logp, w_lse = _edge_inputs(dtype, real, padded, slice(1531, 1532))
     contract = _contract(dtype, real, padded, tiles, 8, temperature=temperature)
-    want = _numpy_bytes(dtype, x, targets, active, w_logp, w_lse, tiles, temperature, real)
+    want = _numpy(x, dtype, targets, active, real, tiles, temperature, w_logp, w_lse)
     triton = _engines()["triton"]
     assert _edge_run(triton, x, targets, active, w_logp, w_lse, contract) == want
     t32, r = temperature32(temperature), inverse_temperature(temperature)
@@ -276,16 +279,6 @@ def test_the_triton_backward_guard_of_a_whole_block_is_the_block_s_whole_test(
     # subnormals (rounded to 0) or overflows (infinity) either way
     assert (off != want["grad"]) == (dtype != "fp16")
 
-
-def _numpy_bytes(dtype: str, x: torch.Tensor, targets: torch.Tensor, active: torch.Tensor, w_logp: torch.Tensor,
-                 w_lse: torch.Tensor, tiles: int, temperature: float, real: int = 300) -> dict[str, bytes]:
-    """The NumPy spec's bytes of :func:`_edge_inputs`' rows (``real`` columns): logp, LSE, entropy, gradient."""
-    arr = x.view(torch.int16).numpy().view(np.uint16) if dtype == "bf16" else x.numpy()
-    logp, lse, ent = spec_numpy.forward(arr, NUMPY_DTYPES[dtype], targets.numpy(), active.numpy(), real, tiles,
-                                        True, temperature=temperature)
-    grad = spec_numpy.backward(arr, NUMPY_DTYPES[dtype], targets.numpy(), active.numpy(), lse, w_logp.numpy(),
-                               w_lse.numpy(), real, tiles, temperature=temperature)
-    return {"logp": logp.tobytes(), "lse": lse.tobytes(), "entropy": ent.tobytes(), "grad": grad.tobytes()}
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_the_triton_kernels_split_quotient_gives_numpys_bytes_and_is_what_runs(
@@ -302,7 +295,7 @@ def test_the_triton_kernels_split_quotient_gives_numpys_bytes_and_is_what_runs(
     temperature, tiles = 0.7, 4
     x, targets, active, w_logp, w_lse = _edge_inputs(dtype)
     contract = _contract(dtype, 300, 320, tiles, 8, temperature=temperature)
-    want = _numpy_bytes(dtype, x, targets, active, w_logp, w_lse, tiles, temperature)
+    want = _numpy(x, dtype, targets, active, EDGE_REAL, tiles, temperature, w_logp, w_lse)
     triton = _engines()["triton"]
     torch_dtype = DTYPES_TORCH[dtype]
     t32 = temperature32(temperature)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from _head_products import count_products
 
 from rl_engine.logprob import selected_logprob
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
@@ -173,20 +174,6 @@ def _kept_step(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
     return _head_step(hidden, weight, ids, mask, keep_logits=True)
 
 
-def _count_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    import rl_engine.logprob.hidden_chunks as hidden_chunks
-
-    calls: list[int] = []
-    real = hidden_chunks.head_logits
-
-    def counted(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append(hidden.shape[0])
-        return real(hidden, *args)
-
-    monkeypatch.setattr(hidden_chunks, "head_logits", counted)
-    return calls
-
-
 def _kept_across_recompiles(backend: str, lengths: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled step with ``keep_logits=True`` against the eager step without it: the same bytes at
     each length (under inductor the loss excepted: inductor's own sum), and the compiled backward
@@ -194,7 +181,7 @@ def _kept_across_recompiles(backend: str, lengths: tuple[int, ...], monkeypatch:
     only at run time, reaches the backward op)."""
     torch._dynamo.reset()
     compiled = torch.compile(_kept_step, fullgraph=True, backend=backend)
-    calls = _count_products(monkeypatch)
+    calls = count_products(monkeypatch)
     for seq in lengths:
         found, backward_products = [], []
         for fn in (_head_step, compiled):

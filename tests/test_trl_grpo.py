@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from _head_products import count_products
 
 from rl_engine.logprob import selected_logprob
 from rl_engine.logprob.contract import LogprobContractError
@@ -141,17 +142,9 @@ def test_keep_logits_reaches_the_head_and_gives_the_recomputing_bytes(monkeypatc
     """``add_rl_engine_lm_head(..., keep_logits=True)``: log-probs, entropies and the gradients of the LM
     head and of the model below it are the bytes of ``keep_logits=False``, and the backward makes no
     product again (counted; without it, one per chunk)."""
-    import rl_engine.logprob.hidden_chunks as hidden_chunks
     from rl_engine.integrations.trl import add_rl_engine_lm_head
 
-    calls: list[int] = []
-    real = hidden_chunks.head_logits
-
-    def counted(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append(hidden.shape[0])
-        return real(hidden, *args)
-
-    monkeypatch.setattr(hidden_chunks, "head_logits", counted)
+    calls = count_products(monkeypatch)
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
     labels = ids.clone()
     labels[:, :4] = -100
