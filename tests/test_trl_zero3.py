@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 256
+LOCK_WAIT_S = 600.0  # a failure bound for a slow machine's build of the op (about 60 s of CPU), not a measured claim
 
 
 def _model() -> Any:
@@ -129,10 +131,16 @@ def test_under_deepspeed_zero3_the_head_gathers_its_partitioned_weight(tmp_path:
             pytest.fail(message + "; .ci/run builds it, so under CI this is a failure")
         pytest.skip(message)
     extensions = python.parent.parent / "torch_extensions"  # where scripts/deepspeed-env.sh built the op
-    stale = extensions / "deepspeed_shm_comm" / "lock"
-    if stale.exists():  # torch's build lock: a build killed midway leaves it, and every later load waits on it forever
-        pytest.fail(f"{stale} exists: a build of DeepSpeed's shared-memory op holds it, or a killed one left it "
-                    "(then every load waits forever); remove it when no scripts/deepspeed-env.sh runs")
+    lock = extensions / "deepspeed_shm_comm" / "lock"
+    # torch's build lock: held while a build runs (a second copy of the suite sharing this environment
+    # rebuilds the op for its own include paths), left behind by a build killed midway, and then every
+    # later load waits on it forever. A live build ends within LOCK_WAIT_S; a lock older than that is stale.
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while lock.exists() and time.monotonic() < deadline:
+        time.sleep(1.0)
+    if lock.exists():
+        pytest.fail(f"{lock} stayed for {LOCK_WAIT_S:.0f} s: a build of DeepSpeed's shared-memory op killed midway "
+                    "left it (every load would wait on it forever); remove it when no scripts/deepspeed-env.sh runs")
     env = dict(os.environ, PYTHONPATH=str(ROOT), TORCH_EXTENSIONS_DIR=str(extensions))
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)  # one rank of its own (the driver sets them, on a free port)
