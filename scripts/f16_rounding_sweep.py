@@ -37,7 +37,7 @@ def rounded(u: np.ndarray) -> np.ndarray:
 def main() -> int:
     start = time.time()
     bad = 0
-    # the binades where rounding decides something first (|f| in [2**-26, 2**17), either sign), then the rest
+    # the binades where rounding decides something first (|f| in [2**-27, 2**17), either sign), then the rest
     every = int(sys.argv[sys.argv.index("--every") + 1]) if "--every" in sys.argv else 1
     first = [c for c in range(1 << 32 >> 24) if 0x32 <= c & 0x7F <= 0x47]
     order = first + [c for c in range(1 << 32 >> 24) if c not in first][::every]

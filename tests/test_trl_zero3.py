@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +41,7 @@ transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 256
-LOCK_WAIT_S = 600.0  # a failure bound for a slow machine's build of the op (about 60 s of CPU), not a measured claim
+LOCK_WAIT_S = 600.0  # a lock older than this is a killed build's (the op builds in about 60 s of CPU)
 
 
 def _model() -> Any:
@@ -122,6 +123,37 @@ def deepspeed_python() -> Path | None:
     return path if path.is_file() else None
 
 
+def wait_for_build_lock(lock: Path) -> None:
+    """Wait while torch's build lock ``lock`` is younger than LOCK_WAIT_S; refuse an older one, naming it.
+
+    The lock is held while a build runs (a second copy of the suite sharing this environment rebuilds
+    the op for its own include paths) and left behind by a build killed midway, after which every
+    load would wait on it forever. A live build ends well within LOCK_WAIT_S of starting it."""
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > LOCK_WAIT_S:
+            pytest.fail(f"{lock} is {age:.0f} s old: a build of DeepSpeed's shared-memory op killed midway left it "
+                        "(every load would wait on it forever); remove it when no scripts/deepspeed-env.sh runs")
+        time.sleep(1.0)
+
+
+def test_a_young_build_lock_is_waited_for_and_an_old_one_refused_naming_it(tmp_path: Path) -> None:
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - LOCK_WAIT_S - 5
+    os.utime(lock, (old, old))
+    with pytest.raises(pytest.fail.Exception, match=f"{lock} is \\d+ s old"):
+        wait_for_build_lock(lock)
+    lock.touch()  # a live build's lock, gone after a second
+    threading.Timer(1.0, lock.unlink).start()
+    start = time.monotonic()
+    wait_for_build_lock(lock)
+    assert not lock.exists() and time.monotonic() - start >= 0.9
+
+
 @pytest.mark.slow
 def test_under_deepspeed_zero3_the_head_gathers_its_partitioned_weight(tmp_path: Path) -> None:
     python = deepspeed_python()
@@ -131,16 +163,7 @@ def test_under_deepspeed_zero3_the_head_gathers_its_partitioned_weight(tmp_path:
             pytest.fail(message + "; .ci/run builds it, so under CI this is a failure")
         pytest.skip(message)
     extensions = python.parent.parent / "torch_extensions"  # where scripts/deepspeed-env.sh built the op
-    lock = extensions / "deepspeed_shm_comm" / "lock"
-    # torch's build lock: held while a build runs (a second copy of the suite sharing this environment
-    # rebuilds the op for its own include paths), left behind by a build killed midway, and then every
-    # later load waits on it forever. A live build ends within LOCK_WAIT_S; a lock older than that is stale.
-    deadline = time.monotonic() + LOCK_WAIT_S
-    while lock.exists() and time.monotonic() < deadline:
-        time.sleep(1.0)
-    if lock.exists():
-        pytest.fail(f"{lock} stayed for {LOCK_WAIT_S:.0f} s: a build of DeepSpeed's shared-memory op killed midway "
-                    "left it (every load would wait on it forever); remove it when no scripts/deepspeed-env.sh runs")
+    wait_for_build_lock(extensions / "deepspeed_shm_comm" / "lock")
     env = dict(os.environ, PYTHONPATH=str(ROOT), TORCH_EXTENSIONS_DIR=str(extensions))
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)  # one rank of its own (the driver sets them, on a free port)
