@@ -23,6 +23,8 @@ from rl_engine.benchmark.inputs import make_inputs
 from rl_engine.benchmark.report import FUSED_TARGETS, TARGETS
 from rl_engine.tensorio import tensor_bytes
 
+from _head_products import products_counted
+
 SMALL = ["--vocab", "512", "--tiles", "4", "--repeats", "2", "--warmup", "1", "--threads", "2"]
 
 
@@ -469,11 +471,14 @@ def test_the_kept_head_path_keeps_the_logits_and_its_ratios_name_naive_and_the_r
     config = BenchConfig(tokens=(8,), vocab=512, tiles=4, dtype="fp32",
                          paths=("naive_lm_head", "fused_lm_head", "fused_lm_head_kept"), hidden_size=16)
     inputs = make_inputs(8, 512, "fp32", 7, hidden_size=16)
-    found = {}
+    found, products = {}, {}
     for path in ("fused_lm_head", "fused_lm_head_kept"):
         step, _ = paths.build_step(path, "forward_backward", inputs, config)
-        found[path] = [tensor_bytes(g) for g in step()]
+        with products_counted() as calls:
+            found[path] = [tensor_bytes(g) for g in step()]
+        products[path] = len(calls)
     assert found["fused_lm_head_kept"] == found["fused_lm_head"]
+    assert products == {"fused_lm_head": 2, "fused_lm_head_kept": 1}  # one chunk: forward (+ backward's again)
     rows = [{"path": p, "phase": "forward_backward", "tokens": 8, "median_s": t, "peak_mem_bytes": None}
             for p, t in (("naive_lm_head", 2.0), ("fused_lm_head", 3.0), ("fused_lm_head_kept", 1.5))]
     ratios = report.compute_path_ratios(rows)["fused_lm_head_kept"]["8"]["forward_backward"]

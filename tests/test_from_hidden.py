@@ -25,6 +25,7 @@ from rl_engine.logprob.contract import LogprobContractError
 from rl_engine.logprob.head_matmul import fixed_logits
 from rl_engine.tensorio import tensor_bytes
 
+from _head_products import products_counted
 from _multiproc import run_workers
 
 VOCAB, REAL, HIDDEN, CHUNK = 1024, 1000, 64, 16
@@ -282,10 +283,12 @@ def _fsdp(rank: int, mesh: Any) -> dict[str, Any]:
         fully_shard(model.lm_head, mesh=mesh)
         fully_shard(model, mesh=mesh)
         logp, hidden = model(ids, labels)
-        (-logp.sum()).backward()
+        with products_counted() as backward_products:
+            (-logp.sum()).backward()
         grad = model.lm_head.weight.grad
         found[name] = {"logp": logp.detach(), "grad_type": type(grad).__name__, "placements": str(grad.placements),
-                       "lm_head": grad.to_local().clone(), "proj": model.proj.weight.grad.to_local().clone()}
+                       "lm_head": grad.to_local().clone(), "proj": model.proj.weight.grad.to_local().clone(),
+                       "backward_products": len(backward_products)}
         if name == "fixed":
             whole = model.lm_head.weight.full_tensor().detach().requires_grad_(True)
             own = selected_logprob_from_hidden(hidden.detach(), whole, labels, real_vocab_size=REAL)
@@ -307,12 +310,14 @@ def _tp_plan(rank: int, mesh: Any, keep_logits: bool = False) -> dict[str, Any]:
     hidden = torch.tanh(model.proj(model.embed(ids))).detach().requires_grad_(True)
     out = selected_logprob_from_hidden(hidden, model.lm_head.weight, labels, real_vocab_size=REAL,
                                        compute_entropy=True, group=mesh.get_group(), keep_logits=keep_logits)
-    (-(out.selected_logp.sum()) - 0.01 * out.entropy.sum()).backward()
+    with products_counted() as backward_products:
+        (-(out.selected_logp.sum()) - 0.01 * out.entropy.sum()).backward()
     grad = model.lm_head.weight.grad
     return {"logp": out.selected_logp.detach(), "lse": out.lse.detach(), "entropy": out.entropy.detach(),
             "hidden": hidden.detach(), "weight": model.lm_head.weight.full_tensor().detach(),
             "grad_type": type(grad).__name__, "grad": grad.to_local().clone(), "grad_hidden": hidden.grad,
-            "provenance": out.provenance["dtensor_weight"]}
+            "provenance": out.provenance["dtensor_weight"], "keep_logits": out.provenance["keep_logits"],
+            "backward_products": len(backward_products)}
 
 
 def _ranks_worker(rank: int, case: dict[str, Any]) -> dict[str, Any]:
@@ -327,15 +332,19 @@ def _ranks_worker(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     h = hidden.clone().requires_grad_(True)
     out = selected_logprob_from_hidden(h, shard, ids, real_vocab_size=REAL, compute_entropy=True, chunk_tokens=CHUNK,
                                        temperature=0.7, group=dist.group.WORLD)
-    _loss(out).backward()
-    found: dict[str, Any] = {"group": {"logp": out.selected_logp.detach(), "lse": out.lse.detach(),
+    with products_counted() as backward_products:
+        _loss(out).backward()
+    found: dict[str, Any] = {"group": {"backward_products": len(backward_products),
+                                       "logp": out.selected_logp.detach(), "lse": out.lse.detach(),
                                        "entropy": out.entropy.detach(), "grad_hidden": h.grad,
                                        "grad_shard": shard.grad}}
     kept_shard, kept_h = shard.detach().clone().requires_grad_(True), hidden.clone().requires_grad_(True)
     kept = selected_logprob_from_hidden(kept_h, kept_shard, ids, real_vocab_size=REAL, compute_entropy=True,
                                         chunk_tokens=CHUNK, temperature=0.7, group=dist.group.WORLD, keep_logits=True)
-    _loss(kept).backward()
-    found["group_kept"] = {"logp": kept.selected_logp.detach(), "lse": kept.lse.detach(),
+    with products_counted() as backward_products:
+        _loss(kept).backward()
+    found["group_kept"] = {"backward_products": len(backward_products), "keep_logits": kept.provenance["keep_logits"],
+                           "logp": kept.selected_logp.detach(), "lse": kept.lse.detach(),
                            "entropy": kept.entropy.detach(), "grad_hidden": kept_h.grad, "grad_shard": kept_shard.grad}
     other = ids.clone()
     if rank == 1:
@@ -455,6 +464,13 @@ def test_kept_logits_give_the_recomputing_bytes_under_tp_fsdp2_and_a_tp_plan(ran
             assert tensor_bytes(r["fsdp"]["fixed_kept"][name]) == tensor_bytes(r["fsdp"]["fixed"][name]), name
         for name in ("logp", "lse", "entropy", "grad", "grad_hidden"):
             assert tensor_bytes(r["tp_plan_kept"][name]) == tensor_bytes(r["tp_plan"][name]), name
+        # the logits were kept on each path: no product in its backward, where the recomputing call makes them again
+        for kept, made in ((r["group_kept"], r["group"]), (r["fsdp"]["fixed_kept"], r["fsdp"]["fixed"]),
+                           (r["tp_plan_kept"], r["tp_plan"])):
+            assert kept["backward_products"] == 0 and made["backward_products"] > 0, (kept, made)
+        for kept in (r["group_kept"], r["tp_plan_kept"]):
+            assert kept["keep_logits"] == {"requested": True, "kept": True}, kept["keep_logits"]
+        assert r["tp_plan"]["keep_logits"] == {"requested": False, "kept": False}
     assert tensor_bytes(ranks[0]["group_kept"]["grad_shard"]) != tensor_bytes(ranks[1]["group_kept"]["grad_shard"])
 
 

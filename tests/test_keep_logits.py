@@ -19,13 +19,14 @@ from typing import Any
 
 import pytest
 import torch
-from _head_products import count_products
 
 import rl_engine.logprob.hidden_chunks as hidden_chunks
 from rl_engine.logprob import selected_logprob_from_hidden
 from rl_engine.logprob.contract import LogprobContractError
 from rl_engine.logprob.op_settings import HeadOpSettings
 from rl_engine.tensorio import tensor_bytes
+
+from _head_products import count_products
 
 VOCAB, REAL, HIDDEN, CHUNK = 512, 500, 32, 7
 

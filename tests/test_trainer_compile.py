@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 import torch
-from _head_products import count_products
 
 from rl_engine.logprob import selected_logprob
 from rl_engine.logprob.contract import LogprobContract, LogprobContractError
 from rl_engine.logprob.registry import dispatch
 from rl_engine.tensorio import tensor_bytes
+
+from _head_products import count_products
 
 
 def _step(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -14,12 +14,12 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from _head_products import count_products
 
 from rl_engine.logprob import selected_logprob
 from rl_engine.logprob.contract import LogprobContractError
 from rl_engine.tensorio import tensor_bytes
 
+from _head_products import count_products
 from _tiny_lm import tiny_moe, tiny_qwen2
 
 trl = pytest.importorskip("trl", reason="the trl extra is not installed (pip install -e '.[test]' installs it)")
