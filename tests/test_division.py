@@ -274,7 +274,8 @@ def test_the_kernels_split_constants_are_the_checked_ones() -> None:
         for t in (0.7, 2.7, 0.0731, 1e-4, 2.0 ** -20):
             t32 = float(F32(t))
             r_hi, r_lo = split_args(t32, torch_dtype)
-            assert (r_hi, r_lo) == division.split_reciprocal(t32, dtype), (dtype, t)
+            checked = division.split_reciprocal(t32, dtype)  # compared as binary32 bytes: -0 is not +0
+            assert F32([r_hi, r_lo]).tobytes() == F32(checked).tobytes(), (dtype, t, checked)
             if dtype == "float16":
                 got = fma32(h, np.full_like(h, F32(r_lo)), np.multiply(h, F32(r_hi)))
                 assert np.array_equal(_bits(got), _bits(np.divide(h, F32(t32)))), t
