@@ -17,6 +17,7 @@ untouched. Slow: the real verbs (torchrun launches) to an archive ``verify --rec
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -325,7 +326,7 @@ def test_the_described_capability_is_what_each_engine_does(sampled: Path) -> Non
     from rl_engine.logprob.backends.description import descriptions, processed_row_temperature_backends
     from rl_engine.logprob.backends.triton.triton_backend import _refuse_row_temperature
     from rl_engine.logprob.contract import LogprobContractError
-    from rl_engine.logprob.registry import dispatch
+    from rl_engine.logprob.registry import default_registry, dispatch
 
     assert set(processed_row_temperature_backends()) == {EAGER_BACKEND, FUSED_CPU_BACKEND}
     assert {d.backend_id for d in descriptions() if d.processed_logprobs} >= {EAGER_BACKEND, FUSED_CPU_BACKEND,
@@ -343,6 +344,16 @@ def test_the_described_capability_is_what_each_engine_does(sampled: Path) -> Non
     assert len(set(outs.values())) == 1
     with pytest.raises(LogprobContractError, match="does not compute processed logprobs .* with a temperature per row"):
         _refuse_row_temperature(kwargs["temperature"])
+    # the registry reads the same flag: dispatch finds Triton incapable of the call (auto passes it over on a
+    # GPU; asked for by name it is refused before any launch), and the others capable
+    registry = default_registry()
+    per_row = "processed logprobs (top_k / top_p / min_p) with a temperature per row not supported"
+    for backend, spec in registry.items():
+        reasons = spec.capabilities.reasons_incapable(contract, "cuda", processed=True, row_temperature=True)
+        assert (per_row in reasons) == (backend == TRITON_BACKEND), (backend, reasons)
+        assert per_row not in spec.capabilities.reasons_incapable(contract, "cuda", processed=True)
+    with pytest.raises(LogprobContractError, match=re.escape(per_row)):
+        dispatch(TRITON_BACKEND, contract, "cpu", processed=True, row_temperature=True)
 
 
 

@@ -702,8 +702,10 @@ def record_op_sampling(record: Mapping[str, Any], rows: int, device: Any = "cpu"
         sampling = record_sampling(record, rows, device)
         return {} if sampling is None else {"sampling": sampling}
     if captured is None or int(captured.temperature.shape[0]) != rows:
+        given = "none" if captured is None else f"{int(captured.temperature.shape[0])} rows"
         raise CaseError(f"the case says sampling='capture' but the capture's per-row sampling of its {rows} rows "
-                        "was not given; read it with rl_engine.campaign.captured.case_row_sampling")
+                        f"was not given ({given}); read these rows with "
+                        "rl_engine.campaign.captured.case_row_sampling")
     where = torch.device(device)
     sampling = sampling_from(captured.top_k.to(where), captured.top_p.to(where), captured.min_p.to(where),
                              (rows,), where)

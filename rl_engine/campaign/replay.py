@@ -101,7 +101,8 @@ def replay_candidate(case: Mapping[str, Any], backend: str | None = None,
     contract = record_contract(case)
     # docs/arithmetic.md section 13, and each row's captured temperature (sampling: capture); {}: raw
     sampling = record_op_sampling(case, contract.num_tokens, "cpu", case_row_sampling(case, capture))
-    op = dispatch(backend or str(case["backend"]), contract, "cpu", processed="sampling" in sampling).op
+    op = dispatch(backend or str(case["backend"]), contract, "cpu", processed="sampling" in sampling,
+                  row_temperature="temperature" in sampling).op
     x = logits.to(contract.torch_dtype).requires_grad_(True)
     out = op(x, targets, active, contract, compute_entropy=True, **sampling)
     out.selected_logp.backward(torch.ones_like(out.selected_logp))

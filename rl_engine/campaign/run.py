@@ -103,7 +103,8 @@ def compute_rank(
     # docs/arithmetic.md section 13 (processed) and section 6 step 0 per row (sampling: capture): {} is raw
     captured = case_row_sampling(case.to_dict(), rows=contract.token_indices)  # this rank's rows only
     sampling = case.op_sampling(contract.num_tokens, device, captured)
-    selected = dispatch(case.backend, contract, device.type, processed="sampling" in sampling)
+    selected = dispatch(case.backend, contract, device.type, processed="sampling" in sampling,
+                        row_temperature="temperature" in sampling)
     local, targets, active = case_rank_inputs(case.to_dict(), contract)  # on a capture, run_topology checked its hash
     local = local.to(device=device, dtype=contract.torch_dtype).contiguous().requires_grad_(True)
     start = time.perf_counter()

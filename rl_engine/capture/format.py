@@ -561,10 +561,9 @@ def read_sampling(path: str | os.PathLike[str], header: Header,
     with _open(path) as handle:
         tensors = {name: handle.get_tensor(name) for name in SAMPLING}
     sampling = RowSampling(*(tensors[name] for name in SAMPLING))
-    if rows is not None:
-        sampling = sampling.rows(torch.tensor(list(rows), dtype=torch.int64))
+    # checked whole, so a refusal names the capture's token, not its index among a rank's rows
     check_sampling(torch.zeros(sampling.temperature.shape[0], dtype=torch.bool), sampling, None, str(path))
-    return sampling
+    return sampling if rows is None else sampling.rows(torch.tensor(list(rows), dtype=torch.int64))
 
 
 __all__ = [

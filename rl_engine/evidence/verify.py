@@ -648,7 +648,7 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
     the raw tensors."""
     import torch
 
-    from rl_engine.campaign.captured import case_row_sampling
+    from rl_engine.campaign.captured import captures_sampling, case_row_sampling
     from rl_engine.campaign.case import record_oracle_drift
     from rl_engine.campaign.replay import case_source, regenerate_inputs
 
@@ -670,8 +670,10 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
             key = _case_key(case)
             try:
                 if key not in cache:  # the inputs and, at sampling: capture, every row's captured sampling
-                    cache[key] = (*regenerate_inputs(case, run.root, capture),
-                                  case_row_sampling(case, case_source(case, run.root, capture)))
+                    # the capture's file is hashed again only where its sampling tensors are read
+                    sampled = case_row_sampling(case, case_source(case, run.root, capture)) \
+                        if captures_sampling(case) else None
+                    cache[key] = (*regenerate_inputs(case, run.root, capture), sampled)
                 logits, targets, active, hashes, captured = cache[key]
             except (ValueError, TypeError) as exc:
                 input_problems.append(f"{item.file}: case: cannot regenerate inputs ({exc})")

@@ -181,7 +181,8 @@ def selected_logprob(
         ignore_index=ignore_index,
         temperature=temperature,
     )
-    chosen = dispatch(backend, contract, logits.device.type, processed=sampling is not None)
+    chosen = dispatch(backend, contract, logits.device.type, processed=sampling is not None,
+                      row_temperature=row_t32 is not None)
     out = chosen.op(
         logits.reshape(-1, vocab), targets.reshape(-1), active.reshape(-1), contract,
         compute_entropy=compute_entropy, validate=validate, chunk_rows=chunk_rows,
@@ -278,7 +279,8 @@ def _dtensor_call(logits: Any, targets: Any, active: Any, num_vocab_tiles: int |
         num_vocab_tiles=tiles["resolved"], num_sequences=num_sequences, seq_len=seq_len,
         tp_world_size=tp, tp_rank=tp_rank, vocab_shard_bounds=bounds,
         logits_dtype=DTYPE_NAMES[logits.dtype], ignore_index=ignore_index, temperature=temperature)
-    chosen = dispatch(backend, contract, local.device.type, processed=sampling is not None)
+    chosen = dispatch(backend, contract, local.device.type, processed=sampling is not None,
+                      row_temperature=row_t32 is not None)
     out = chosen.op(local.reshape(-1, local.shape[-1]), targets.reshape(-1), active.reshape(-1), contract,
                     group=mesh.get_group(dim), compute_entropy=compute_entropy, validate=validate,
                     chunk_rows=chunk_rows, **({} if row_t32 is None else {"temperature": row_t32.reshape(-1)}),

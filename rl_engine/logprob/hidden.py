@@ -205,7 +205,8 @@ def prepare(hidden: Any, resolved: HeadWeight, targets: Any, active: Any, *, num
             f"into {tp} tile-aligned shards ({contract.vocab_end - contract.vocab_start} rows); shard the lm_head "
             "evenly")
     choice = choose_matmul(matmul, hidden.device)
-    chosen = dispatch(backend, contract, hidden.device.type, processed=sampling is not None)
+    chosen = dispatch(backend, contract, hidden.device.type, processed=sampling is not None,
+                      row_temperature=row_t32 is not None)
     plan = HeadPlan(contract, chosen.op, chunk_tokens, compute_entropy, validate, choice, compute_dtype,
                     grad_weight_fp32, group, tp > 1 and hidden_grad == "all_reduce",
                     None if row_t32 is None else row_t32.reshape(-1), sampling, keep_logits and grad_wanted)

@@ -45,11 +45,15 @@ class BackendCapabilities:
     determinism_scopes: frozenset[str]
     devices: frozenset[str]
     processed_logprobs: bool = False  # top_k / top_p / min_p (docs/arithmetic.md section 13)
+    processed_row_temperature: bool = False  # ... together with a temperature per row, in one call
 
-    def reasons_incapable(self, contract: LogprobContract, device: str, processed: bool = False) -> list[str]:
+    def reasons_incapable(self, contract: LogprobContract, device: str, processed: bool = False,
+                          row_temperature: bool = False) -> list[str]:
         reasons = []
         if processed and not self.processed_logprobs:
             reasons.append("processed logprobs (top_k / top_p / min_p) not supported yet")
+        elif processed and row_temperature and not self.processed_row_temperature:
+            reasons.append("processed logprobs (top_k / top_p / min_p) with a temperature per row not supported")
         if contract.logits_dtype not in self.dtypes:
             reasons.append(f"dtype {contract.logits_dtype} not in {sorted(self.dtypes)}")
         if contract.tp_world_size > self.max_tp_world_size:
@@ -79,6 +83,7 @@ class BackendCapabilities:
             "determinism_scopes": sorted(self.determinism_scopes),
             "devices": sorted(self.devices),
             "processed_logprobs": self.processed_logprobs,
+            "processed_row_temperature": self.processed_row_temperature,
         }
 
 
@@ -142,6 +147,7 @@ def _arith_capabilities(backend_id: str, root: str | os.PathLike[str] | None = N
         determinism_scopes=frozenset(DETERMINISM_SCOPES),
         devices=frozenset(backend_table_devices(backend_id, root)),
         processed_logprobs={d.backend_id: d.processed_logprobs for d in descriptions(root)}[backend_id],
+        processed_row_temperature={d.backend_id: d.processed_row_temperature for d in descriptions(root)}[backend_id],
     )
 
 
@@ -183,8 +189,9 @@ def machine_lacks(device: str) -> str | None:
     return None
 
 
-def _rejection(spec: BackendSpec, contract: LogprobContract, device: str, processed: bool = False) -> str | None:
-    reasons = spec.capabilities.reasons_incapable(contract, device, processed)
+def _rejection(spec: BackendSpec, contract: LogprobContract, device: str, processed: bool = False,
+               row_temperature: bool = False) -> str | None:
+    reasons = spec.capabilities.reasons_incapable(contract, device, processed, row_temperature)
     if reasons:
         return "incapable: " + "; ".join(reasons)
     unavailable = spec.availability() or machine_lacks(device)
@@ -209,11 +216,14 @@ def dispatch(
     device: str,
     registry: dict[str, BackendSpec] | None = None,
     processed: bool = False,
+    row_temperature: bool = False,
 ) -> Dispatch:
     """Choose the backend for ``contract`` on ``device``; explicit ids never fall back.
 
     ``processed``: the call has sampling parameters (section 13); a backend without processed
-    logprobs is incapable of it (``auto`` passes over it, an explicit request raises)."""
+    logprobs is incapable of it (``auto`` passes over it, an explicit request raises).
+    ``row_temperature``: the call has a temperature per row; with ``processed``, a backend whose
+    description lacks ``processed_row_temperature`` is incapable of it in the same way."""
     registry = registry if registry is not None else default_registry()
     if requested != AUTO:
         if requested not in registry:
@@ -221,7 +231,7 @@ def dispatch(
                 f"backend={requested!r} is not registered; use one of {list(registry)} "
                 f"or {AUTO!r}"
             )
-        reason = _rejection(registry[requested], contract, device, processed)
+        reason = _rejection(registry[requested], contract, device, processed, row_temperature)
         if reason is not None:
             raise BackendUnavailableError(
                 f"backend={requested!r} was requested explicitly and cannot serve this call "
@@ -232,7 +242,7 @@ def dispatch(
     rejections: list[tuple[str, str]] = []
     eligible_rejected = False
     for spec in registry.values():
-        reason = _rejection(spec, contract, device, processed)
+        reason = _rejection(spec, contract, device, processed, row_temperature)
         if reason is None and spec.auto_devices is not None and device not in spec.auto_devices:
             reason = f"not chosen by auto on device {device} (auto takes it on {sorted(spec.auto_devices)})"
         if reason is None:
