@@ -16,6 +16,7 @@ K-th chunk of 2**24 patterns of the rest.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -34,11 +35,22 @@ def rounded(u: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(f), np.uint32(0x7E00), out).astype(np.uint32)
 
 
+def _every(argv: list[str]) -> int:
+    """``--every N`` (a positive integer, default 1): sweep every N-th chunk outside the first binades."""
+    parser = argparse.ArgumentParser(description="the Triton binary16 rounding against NumPy on binary32 patterns")
+    parser.add_argument("--every", type=int, default=1,
+                        help="every N-th 2**24-pattern chunk outside the binades where rounding decides (N >= 1)")
+    every = parser.parse_args(argv).every
+    if every < 1:
+        parser.error(f"--every {every}: must be a positive integer (1 sweeps every pattern)")
+    return every
+
+
 def main() -> int:
     start = time.time()
     bad = 0
     # the binades where rounding decides something first (|f| in [2**-27, 2**17), either sign), then the rest
-    every = int(sys.argv[sys.argv.index("--every") + 1]) if "--every" in sys.argv else 1
+    every = _every(sys.argv[1:])
     first = [c for c in range(1 << 32 >> 24) if 0x32 <= c & 0x7F <= 0x47]
     order = first + [c for c in range(1 << 32 >> 24) if c not in first][::every]
     for done, index in enumerate(order, 1):

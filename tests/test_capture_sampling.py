@@ -189,7 +189,8 @@ def test_every_row_is_computed_at_its_captured_parameters(sampled: Path, backend
     ``-inf`` and only those, the replays (eager and NumPy) give the bytes; without the option the same
     capture gives other bytes (the case's scalars: raw at temperature 1)."""
     from rl_engine.arith.portable import SPEC_VERSION
-    from rl_engine.campaign.replay import replay_candidate, replay_numpy
+    from rl_engine.arith.spec_numpy import SPEC_V1
+    from rl_engine.campaign.replay import ReplayError, replay_candidate, replay_numpy
 
     case = capture_case(sampled, sampling="capture", backend=backend)
     report, tensors = _report(case)
@@ -202,6 +203,8 @@ def test_every_row_is_computed_at_its_captured_parameters(sampled: Path, backend
     assert not bool(torch.isnan(tensors["logp"]).any())
     for replayed in (replay_candidate(case.to_dict()), replay_numpy(case.to_dict(), SPEC_VERSION)):
         assert replayed.fingerprints() == {f: report["bitwise_fingerprints"][f] for f in FIELDS}
+    with pytest.raises(ReplayError, match=re.escape("the case holds its capture's per-row sampling (sampling: capture)")):
+        replay_numpy(case.to_dict(), SPEC_V1)  # the first arithmetic has neither: refused, not replayed raw
     plain, _ = _report(capture_case(sampled, backend=backend))  # negative control: the case's own sampling
     assert all(plain["bitwise_fingerprints"][f] != report["bitwise_fingerprints"][f] for f in FIELDS)
     assert "sampling" not in plain["case"] and report["case"]["sampling"] == "capture"

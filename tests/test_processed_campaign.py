@@ -41,7 +41,7 @@ def test_parameters_off_are_the_case_without_them() -> None:
     off = _case(top_k=0, top_p=1.0, min_p=0.0)
     assert off.to_dict() == base.to_dict() and off.case_id == base.case_id
     assert off.run_hash([(1, 1), (2, 1)], [], []) == base.run_hash([(1, 1), (2, 1)], [], [])
-    assert "top_p" not in base.to_dict() and base.processed_sampling(4) is None
+    assert "top_p" not in base.to_dict() and base.op_sampling(4) == {}
 
 
 def test_a_processed_case_is_its_own_case_and_replays_from_the_evidence() -> None:

@@ -612,10 +612,6 @@ class Case:
             + ("" if self.sampling == "case" else "-capturesampling")
         )
 
-    def processed_sampling(self, rows: int, device: Any = "cpu") -> Any:
-        """:func:`record_sampling` of this case."""
-        return record_sampling(self.to_dict(), rows, device)
-
     def op_sampling(self, rows: int, device: Any = "cpu", captured: Any = None) -> dict[str, Any]:
         """:func:`record_op_sampling` of this case."""
         return record_op_sampling(self.to_dict(), rows, device, captured)

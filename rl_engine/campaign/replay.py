@@ -135,16 +135,13 @@ def replay_numpy(case: Mapping[str, Any], spec: str, capture: str | os.PathLike[
     temperature: Any = contract.temperature
     params: dict[str, Any] = {name: case[name] for name in SAMPLING_DEFAULTS if name in case}
     captured = case_row_sampling(case, capture)  # sampling: capture: every row's own parameters
-    if captured is not None and spec == spec_numpy.SPEC_V1:
-        raise ReplayError(f"{spec_numpy.SPEC_V1} has neither a temperature nor processed logprobs; the case runs at "
-                          "its capture's per-row sampling (sampling: capture): an archive of that version cannot "
-                          "carry it")
     if captured is not None:
         temperature = captured.temperature.numpy()
         params = {"top_k": captured.top_k.numpy(), "top_p": captured.top_p.numpy(), "min_p": captured.min_p.numpy()}
     if params and spec == spec_numpy.SPEC_V1:
-        raise ReplayError(f"{spec_numpy.SPEC_V1} has no processed logprobs (top_k / top_p / min_p); the case holds "
-                          f"{sorted(params)}: an archive of that version cannot carry them")
+        held = "its capture's per-row sampling (sampling: capture)" if captured is not None else sorted(params)
+        raise ReplayError(f"{spec_numpy.SPEC_V1} has no processed logprobs (top_k / top_p / min_p) and no temperature "
+                          f"per row; the case holds {held}: an archive of that version cannot carry them")
     if params:  # docs/arithmetic.md section 13
         logp, lse, entropy, _kept, keep = spec_numpy.forward_processed(
             bits, dtype, t, a, real, tiles, True, temperature=temperature, **params)
