@@ -30,6 +30,7 @@ import torch
 
 from rl_engine import jsonio
 from rl_engine.campaign import inputs  # inputs.make_inputs looked up at call time (a test spies on it)
+from rl_engine.campaign.case import captures_sampling
 from rl_engine.capture.format import CaptureError, Header, RowSampling, read_capture, read_header, read_sampling
 from rl_engine.capture.shard import rank_inputs
 from rl_engine.rundir import CAPTURE
@@ -152,11 +153,6 @@ def case_rank_inputs(case: Mapping[str, Any], contract: Any) -> tuple[torch.Tens
     return inputs.make_input_part(case, contract.token_indices, contract.vocab_start, contract.vocab_end)
 
 
-def captures_sampling(case: Mapping[str, Any]) -> bool:
-    """Whether a case record runs at its capture's per-row sampling (``sampling: capture``)."""
-    return case.get("sampling") == "capture" and case.get("capture") is not None
-
-
 def require_sampling_tensors(case: Mapping[str, Any], path: str | os.PathLike[str] | None = None) -> None:
     """A case at its capture's sampling (``sampling: capture``) needs a capture that carries the four
     sampling tensors: refused by name from the header alone, where the file is first read (the
@@ -259,6 +255,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["capture_record", "captures_sampling", "case_inputs", "case_rank_inputs", "case_row_sampling",
+__all__ = ["capture_record", "case_inputs", "case_rank_inputs", "case_row_sampling",
            "check_file", "require_sampling_tensors", "check_header", "copy_capture", "file_sha256",
            "full_capture", "main", "replay_source"]

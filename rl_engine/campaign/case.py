@@ -247,6 +247,12 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 SAMPLING_SOURCES: tuple[str, ...] = ("case", "capture")  # the case field ``sampling``; "case" (the default) is absent
 CAPTURED_SAMPLING = "capture"
+
+
+def captures_sampling(record: Mapping[str, Any]) -> bool:
+    """Whether a case record runs at its capture's per-row sampling (``sampling: capture``); the
+    harness (config check, acceptance, summary) asks without importing torch."""
+    return record.get("sampling") == CAPTURED_SAMPLING and record.get("capture") is not None
 # the case's scalar sampling fields and their off values: what sampling: capture takes per row from the capture
 SCALAR_SAMPLING: dict[str, Any] = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 
@@ -800,6 +806,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = [
+    "captures_sampling",
     "CAPTURE_INFO_KEYS",
     "CASE_HASH_CHARS",
     "CONFIG_FIELDS",

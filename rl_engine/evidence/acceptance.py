@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from rl_engine.campaign.case import captures_sampling
 from rl_engine.campaign.mask import MASK_FIELD, report_active
 from rl_engine.jsonio import sha256_bytes, sha256_file
 from rl_engine.rundir import TENSOR_NAMES, Finding, PlannedReport, field_path, get, inside, is_number, non_finite_numbers
@@ -221,7 +222,7 @@ def _check_drift(found: list[Finding], where: str, report: Any, case: dict[str, 
                 if not is_number(value):
                     found.append(Finding(where, field_path(base + (key,)), f"is {value!r}; must be a finite number"))
             processed = quantity == "dlogp" and (any(name in case for name in SAMPLING_FIELDS)
-                                                 or case.get("sampling") == "capture")
+                                                 or captures_sampling(case))
             count = stats.get("count")
             if processed and quantity in counts:
                 # section 13: dlogp is over the active rows whose target the sampler keeps (verify

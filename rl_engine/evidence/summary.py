@@ -41,7 +41,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rl_engine import jsonio
-from rl_engine.campaign.case import record_config
+from rl_engine.campaign.case import captures_sampling, record_config
 from rl_engine.campaign.casename import RunNameError, pytest_args_of
 from rl_engine.campaign.plan import RUNNER_MODULE
 from rl_engine.evidence.spec_doc import SPEC_DOC
@@ -550,7 +550,7 @@ def inputs_text(case: dict[str, Any]) -> str:
 
 def sampling_text(case: dict[str, Any]) -> str:
     """Which sampling a campaign on a capture computed: each row's captured parameters, or the case's own."""
-    if case.get("sampling") == "capture":
+    if captures_sampling(case):
         return ("Sampling: each row's own temperature, top_k, top_p and min_p, the capture's sampling tensors "
                 "(`sampling: capture`; docs/arithmetic.md sections 6 and 13): the processed logprobs the rollout "
                 "sampled from, in every topology, the replay and the oracle.")

@@ -648,8 +648,8 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
     the raw tensors."""
     import torch
 
-    from rl_engine.campaign.captured import captures_sampling, case_row_sampling
-    from rl_engine.campaign.case import record_oracle_drift
+    from rl_engine.campaign.captured import case_row_sampling
+    from rl_engine.campaign.case import captures_sampling, record_oracle_drift
     from rl_engine.campaign.replay import case_source, regenerate_inputs
 
     planned, msg = _planned(run)

@@ -30,6 +30,7 @@ from rl_engine.campaign.case import (
     TOPOLOGY_FIELDS,
     Case,
     CaseError,
+    captures_sampling,
     case_document,
     case_problems,
     check_topology,
@@ -350,7 +351,7 @@ def regression_problems(config: dict[str, Any], origin: Origin, root: Path | Non
 def _sampling_tensor_problems(config: dict[str, Any], values: dict[str, Any], origin: Origin) -> list[str]:
     """``sampling: capture`` on a capture without the four sampling tensors, named under ``sampling``
     (the header is read, no tensor: :func:`rl_engine.campaign.captured.require_sampling_tensors`)."""
-    if values.get("sampling") != "capture" or values.get("capture") is None:
+    if not captures_sampling(values):
         return []  # no capture: the case rule names it
     from rl_engine.campaign.captured import require_sampling_tensors  # imports torch
     from rl_engine.capture.format import CaptureError
