@@ -90,7 +90,10 @@ pid_of() {  # the live PID recorded in a pidfile, or nothing
     local file=$1 pid
     [ -s "$file" ] || return 0
     pid=$(tr -dc 0-9 <"$file")
-    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then echo "$pid"; fi
+    # a killed daemon stays a zombie until init reaps it: kill -0 succeeds on it, but it is not live
+    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && [ "$(ps -o stat= -p "$pid" | cut -c1)" != Z ]; then
+        echo "$pid"
+    fi
 }
 
 pidfiles() { echo "$STATE/slurmd-node2.pid $STATE/slurmd-node1.pid $STATE/slurmctld.pid $MUNGE_PID"; }
@@ -99,7 +102,7 @@ nodes_idle() {
     local states
     states=$(sinfo -h -N -o '%N %t' 2>/dev/null) || return 1
     for node in "${NODES[@]}"; do
-        grep -Eq "^$node (idle|mix|alloc)" <<<"$states" || return 1
+        grep -Eq "^$node (idle|mix|alloc)$" <<<"$states" || return 1  # not idle* (not responding)
     done
 }
 

@@ -2,12 +2,14 @@
 
 Needs the two-node cluster of ``.ci/slurm-cluster.sh start`` (``.ci/run`` starts it before the
 tests and stops it after); every test here skips, saying so, when that cluster is not up.
-The workflow runs in a temporary copy of the repository exactly as the README says:
+The workflow runs in a temporary copy of the repository as the README says:
 ``snakemake --workflow-profile workflow/profiles/slurm --config ranks_per_node=2``, plus a
-small config and a short first status check. With two ranks per node the 2x2 topology
-spans node1 and node2.
+small config and a short first status check, through ``tests/_slurm_snakemake.py``, which keeps the
+executor's status checks at most 3 s apart (the executor lengthens them by 10 s after each check
+that saw no job end). With two ranks per node the 2x2 topology spans node1 and node2.
 
-The campaign runs twice, and every workflow test reads those two runs: first with a rank on
+The campaign runs twice, in a thread of its own from the first test on (the module's other jobs
+run on the cluster beside it), and every workflow test reads those two runs: first with a rank on
 node2 of the 2x2 SIGKILLed mid-run (``RL_ENGINE_FAULT=kill:2x2:node2/0``), then the same command
 without the fault.
 
@@ -20,12 +22,13 @@ without the fault.
 4. nothing is left behind: no job in the queue, no launch, torchrun or rank alive.
 
 Beyond the workflow, ``launch`` is run in ``salloc`` allocations: its time limit and a SIGTERM
-stop every node's tree (two runs at once, on distinct rendezvous ports), and a node that dies
-mid-run fails the launch and leaves nothing.
+stop every node's tree (two runs at once, on distinct rendezvous ports, while the campaign runs),
+and a node that dies mid-run fails the launch and leaves nothing.
 
 Two copies of the suite may share the test cluster (CI on a loaded machine): each test looks only
 at its own jobs (by the directory they were submitted from), ``salloc`` waits for free nodes, and
-the test that kills node2's slurmd holds the cluster alone (:func:`cluster_use`, a ``flock``).
+the test that kills node2's slurmd holds the cluster alone (:func:`cluster_use`, a ``flock``; the
+campaign's thread holds it shared until its second run ends).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -90,7 +94,7 @@ def _cluster_problem() -> str | None:
     if done.returncode != 0:
         return f"sinfo failed: {done.stderr.strip()}"
     states = dict(line.split() for line in done.stdout.splitlines() if len(line.split()) == 2)
-    down = [n for n in NODES if not re.match(r"(idle|mix|alloc)", states.get(n, "missing"))]
+    down = [n for n in NODES if not re.fullmatch(r"idle|mix|alloc", states.get(n, "missing"))]  # not idle*
     return f"nodes not up: {down} (sinfo: {states})" if down else None
 
 
@@ -132,7 +136,7 @@ def exclusive_cluster(cluster: None) -> Iterator[None]:
 
 def slurm_snakemake(repo: Path, *args: str, ranks_per_node: str = "2", configfile: str = CONFIG,
                     extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "snakemake", "--workflow-profile", PROFILE, "--configfile", configfile,
+    cmd = [sys.executable, str(REPO_ROOT / "tests" / "_slurm_snakemake.py"), "--workflow-profile", PROFILE, "--configfile", configfile,
            *FAST_POLL, "--verbose", *args, "--config", f"ranks_per_node={ranks_per_node}"]
     return subprocess.run(cmd, cwd=repo, env=env_for(repo, extra_env), capture_output=True, text=True,
                           timeout=RUN_LIMIT_S)
@@ -172,12 +176,9 @@ def queued_jobs(*workdirs: Path) -> list[str]:
             if any(_is_under(line.rsplit("|", 1)[-1], root) for root in workdirs)]
 
 
-@pytest.fixture(scope="module")
-def campaign(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def _run_campaign(repo: Path) -> dict[str, Any]:
     """The campaign through the Slurm profile: a first run with a rank on node2 of the spanning 2x2
     SIGKILLed, what it left, then the rerun without the fault that completes the campaign."""
-    repo = copy_repo(tmp_path_factory.mktemp("slurm"))
-    write_config(repo, CASE)
     run = repo / run_of(repo)
     with cluster_use():
         start = time.monotonic()
@@ -191,11 +192,97 @@ def campaign(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict[st
         elapsed = time.monotonic() - start
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-8000:]
-    print(f"\nslurm campaign (faulted run, then the rerun): {elapsed:.1f} s")
-    for line in sbatch_lines(failed_text) + sbatch_lines(text):
-        print(line)
     return {"repo": repo, "run": run, "failed_text": failed_text, "failed_log": failed_log, "left": left,
             "single_mtime": single, "text": text, "elapsed": elapsed}
+
+
+@pytest.fixture(scope="module")
+def campaign_started(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[dict[str, Any]]]:
+    """The campaign, started in a thread: the tests that need no campaign run on the cluster beside it.
+    The module's teardown waits for it, so nothing of it outlives the module."""
+    repo = copy_repo(tmp_path_factory.mktemp("slurm"))
+    write_config(repo, CASE)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="slurm-campaign") as pool:
+        yield pool.submit(_run_campaign, repo)
+
+
+@pytest.fixture(scope="module")
+def campaign(campaign_started: Future[dict[str, Any]]) -> dict[str, Any]:
+    ran = campaign_started.result(timeout=3 * RUN_LIMIT_S)  # its assertion errors are raised here
+    print(f"\nslurm campaign (faulted run, then the rerun): {ran['elapsed']:.1f} s")
+    for line in sbatch_lines(ran["failed_text"]) + sbatch_lines(ran["text"]):
+        print(line)
+    return ran
+
+
+def _salloc_launch(run: Path, plan: Path, timeout_s: int, fault: str) -> subprocess.Popen[str]:
+    """``launch`` of the plan's 2x2 at two ranks per node inside a fresh two-node allocation."""
+    env = env_for(REPO_ROOT, {"RL_ENGINE_FAULT": fault})
+    return subprocess.Popen(
+        ["salloc", "--nodes=2", "--ntasks=2", "--cpus-per-task=2", "--quiet",
+         sys.executable, "-m", "rl_engine", "launch", "--plan", str(plan), "--tp", "2", "--cp", "2",
+         "--timeout-s", str(timeout_s), "--ranks-per-node", "2", "--log", str(run / "launch.log")],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def test_time_limit_and_stop_signal_kill_every_nodes_tree(campaign_started: Future[dict[str, Any]],
+                                                          shared_cluster: None, tmp_path: Path) -> None:
+    """A rank on node2 hangs. One launch hits its time limit (124), another is sent SIGTERM while
+    its ranks run on both nodes (143); the two run at once, on distinct rendezvous ports. Each
+    stops its srun with SIGUSR1 (srun would SIGKILL the step on SIGTERM), each node's launch
+    kills its own torchrun and ranks, and nothing of either run survives. The campaign's thread runs its
+    jobs on the same nodes meanwhile (it starts first: the module's first test)."""
+    runs = {name: tmp_path / name for name in ("limit", "sigterm")}
+    plans = {}
+    for name, run in runs.items():
+        run.mkdir()
+        plans[name] = run / "plan.json"
+        assert cli.main(["plan", *TINY, "--topologies", "1x1,2x2", "--output", str(plans[name])]) == 0
+    procs = {"limit": _salloc_launch(runs["limit"], plans["limit"], 40, "hang:2x2:node2/0"),
+             "sigterm": _salloc_launch(runs["sigterm"], plans["sigterm"], 600, "hang:2x2:node2/0")}
+    deadline = time.monotonic() + STARTUP_LIMIT_S
+    ranks: dict[int, str] = {}
+    while time.monotonic() < deadline:  # both nodes' ranks of the second run are up
+        ranks = mentioning(f"-m rl_engine.campaign.run {plans['sigterm']}")
+        runners = [c for c in ranks.values() if "torch.distributed.run" not in c]  # the ranks, not their torchruns
+        if len(runners) == 4:
+            break
+        assert procs["sigterm"].poll() is None, procs["sigterm"].communicate()[0]
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"the 2x2 ranks did not start: {ranks}")
+    outer = {pid: c for pid, c in mentioning(str(plans["sigterm"])).items()
+             if " launch " in c and "--rdzv-endpoint" not in c and "salloc" not in c}
+    assert len(outer) == 1, outer
+    os.kill(next(iter(outer)), signal.SIGTERM)
+    codes = {name: proc.wait(timeout=STARTUP_LIMIT_S) for name, proc in procs.items()}
+    logs = {name: (run / "launch.log").read_text() for name, run in runs.items()}
+    assert codes == {"limit": 124, "sigterm": 128 + signal.SIGTERM}, (codes, logs)
+    endpoints = {re.search(r"c10d rendezvous at (\S+);", text).group(1) for text in logs.values()}
+    assert len(endpoints) == 2, endpoints
+    for name, text in logs.items():
+        for node in NODES:
+            assert re.search(rf"error: topology 2x2, node {node} \(node rank [01] of 2\): received SIGUSR1; "
+                             "its torchrun and ranks were killed", text), (name, node, text[-3000:])
+        assert not list(runs[name].glob("tp2-cp2*")), name  # no partial report
+        assert mentioning(str(runs[name])) == {}, name
+
+
+def test_bad_ranks_per_node_is_refused_before_any_job_reaches_slurm(cluster: None, tmp_path: Path) -> None:
+    repo = copy_repo(tmp_path)
+    write_config(repo, {**CASE, "topologies": ["1x1", "2x1", "4x2"]})
+    for value, message in (("3", "config key 'ranks_per_node' has value 3 (given with --config ranks_per_node=...; the config file "
+                            "has ranks_per_node: 8): topology '4x2' (topologies[2])"),
+                           ("0", "config key 'ranks_per_node' has value 0")):
+        done = slurm_snakemake(repo, ranks_per_node=value)
+        text = done.stdout + done.stderr
+        assert done.returncode != 0, text[-4000:]
+        assert "WorkflowConfigError" in text and message in text, text[-4000:]
+        assert "sbatch call" not in text and "Building DAG of jobs" not in text, text[-4000:]
+    assert slurm_jobs(repo) == []
+    assert list((repo / "results").iterdir()) == []
+    assert not (repo / ".snakemake" / "slurm_logs").exists()
 
 
 def test_a_rank_killed_on_node2_fails_the_job_and_the_rerun_redoes_that_topology_alone(
@@ -249,77 +336,10 @@ def test_each_job_asked_slurm_for_what_its_topology_needs(campaign: dict[str, An
     assert any("rule_environment" in line for line in lines) and any("rule_regression" in line for line in lines)
 
 
-def test_bad_ranks_per_node_is_refused_before_any_job_reaches_slurm(cluster: None, tmp_path: Path) -> None:
-    repo = copy_repo(tmp_path)
-    write_config(repo, {**CASE, "topologies": ["1x1", "2x1", "4x2"]})
-    for value, message in (("3", "config key 'ranks_per_node' has value 3 (given with --config ranks_per_node=...; the config file "
-                            "has ranks_per_node: 8): topology '4x2' (topologies[2])"),
-                           ("0", "config key 'ranks_per_node' has value 0")):
-        done = slurm_snakemake(repo, ranks_per_node=value)
-        text = done.stdout + done.stderr
-        assert done.returncode != 0, text[-4000:]
-        assert "WorkflowConfigError" in text and message in text, text[-4000:]
-        assert "sbatch call" not in text and "Building DAG of jobs" not in text, text[-4000:]
-    assert slurm_jobs(repo) == []
-    assert list((repo / "results").iterdir()) == []
-    assert not (repo / ".snakemake" / "slurm_logs").exists()
-
-
-def _salloc_launch(run: Path, plan: Path, timeout_s: int, fault: str) -> subprocess.Popen[str]:
-    """``launch`` of the plan's 2x2 at two ranks per node inside a fresh two-node allocation."""
-    env = env_for(REPO_ROOT, {"RL_ENGINE_FAULT": fault})
-    return subprocess.Popen(
-        ["salloc", "--nodes=2", "--ntasks=2", "--cpus-per-task=2", "--quiet",
-         sys.executable, "-m", "rl_engine", "launch", "--plan", str(plan), "--tp", "2", "--cp", "2",
-         "--timeout-s", str(timeout_s), "--ranks-per-node", "2", "--log", str(run / "launch.log")],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-
-
-def test_time_limit_and_stop_signal_kill_every_nodes_tree(shared_cluster: None, tmp_path: Path) -> None:
-    """A rank on node2 hangs. One launch hits its time limit (124), another is sent SIGTERM while
-    its ranks run on both nodes (143); the two run at once, on distinct rendezvous ports. Each
-    stops its srun with SIGUSR1 (srun would SIGKILL the step on SIGTERM), each node's launch
-    kills its own torchrun and ranks, and nothing of either run survives."""
-    runs = {name: tmp_path / name for name in ("limit", "sigterm")}
-    plans = {}
-    for name, run in runs.items():
-        run.mkdir()
-        plans[name] = run / "plan.json"
-        assert cli.main(["plan", *TINY, "--topologies", "1x1,2x2", "--output", str(plans[name])]) == 0
-    procs = {"limit": _salloc_launch(runs["limit"], plans["limit"], 40, "hang:2x2:node2/0"),
-             "sigterm": _salloc_launch(runs["sigterm"], plans["sigterm"], 600, "hang:2x2:node2/0")}
-    deadline = time.monotonic() + STARTUP_LIMIT_S
-    ranks: dict[int, str] = {}
-    while time.monotonic() < deadline:  # both nodes' ranks of the second run are up
-        ranks = mentioning(f"-m rl_engine.campaign.run {plans['sigterm']}")
-        runners = [c for c in ranks.values() if "torch.distributed.run" not in c]  # the ranks, not their torchruns
-        if len(runners) == 4:
-            break
-        assert procs["sigterm"].poll() is None, procs["sigterm"].communicate()[0]
-        time.sleep(0.5)
-    else:
-        pytest.fail(f"the 2x2 ranks did not start: {ranks}")
-    outer = {pid: c for pid, c in mentioning(str(plans["sigterm"])).items()
-             if " launch " in c and "--rdzv-endpoint" not in c and "salloc" not in c}
-    assert len(outer) == 1, outer
-    os.kill(next(iter(outer)), signal.SIGTERM)
-    codes = {name: proc.wait(timeout=STARTUP_LIMIT_S) for name, proc in procs.items()}
-    logs = {name: (run / "launch.log").read_text() for name, run in runs.items()}
-    assert codes == {"limit": 124, "sigterm": 128 + signal.SIGTERM}, (codes, logs)
-    endpoints = {re.search(r"c10d rendezvous at (\S+);", text).group(1) for text in logs.values()}
-    assert len(endpoints) == 2, endpoints
-    for name, text in logs.items():
-        for node in NODES:
-            assert re.search(rf"error: topology 2x2, node {node} \(node rank [01] of 2\): received SIGUSR1; "
-                             "its torchrun and ranks were killed", text), (name, node, text[-3000:])
-        assert not list(runs[name].glob("tp2-cp2*")), name  # no partial report
-        assert mentioning(str(runs[name])) == {}, name
-
-
 def test_a_dead_node_fails_the_launch_and_leaves_nothing(exclusive_cluster: None, tmp_path: Path) -> None:
     """node2 dies mid-run: its slurmd, its job step daemon and every process of the step are
-    SIGKILLed at once. The launch fails (2) with no report and nothing alive; node2 is then
+    SIGKILLed at once, and Slurm is told it is DOWN (as a site's health check would, instead of
+    waiting out SlurmdTimeout). The launch fails (2) with no report and nothing alive; node2 is then
     brought back (``.ci/slurm-cluster.sh start`` restarts its slurmd). It holds the cluster alone
     (:func:`cluster_use`): another copy of the suite's jobs on node2 would die with it."""
     plan = tmp_path / "plan.json"
@@ -346,6 +366,11 @@ def test_a_dead_node_fails_the_launch_and_leaves_nothing(exclusive_cluster: None
         assert len(slurmd) == 1, slurmd
         for pid in [*slurmd, stepd, *(child for child, _ in descendants(stepd))]:
             os.kill(pid, signal.SIGKILL)
+        # slurmctld would find node2 silent after SlurmdTimeout (30 s) and mark it DOWN; a site's
+        # health check marks it at once, as here (the node's processes are already dead)
+        down = subprocess.run(["scontrol", "update", "NodeName=node2", "State=DOWN",
+                               "Reason=rl-engine test: node2 killed"], capture_output=True, text=True, timeout=30)
+        assert down.returncode == 0, down.stderr
         out, _ = proc.communicate(timeout=STARTUP_LIMIT_S)
         log = (tmp_path / "launch.log").read_text() + out  # launch's own messages go to stderr
         assert proc.returncode == 2, (proc.returncode, log[-3000:])
@@ -359,6 +384,8 @@ def test_a_dead_node_fails_the_launch_and_leaves_nothing(exclusive_cluster: None
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        # the DOWN set above stays until it is lifted (slurmctld's own would end when slurmd registers)
+        subprocess.run(["scontrol", "update", "NodeName=node2", "State=RESUME"], capture_output=True, timeout=30)
         restarted = subprocess.run([str(REPO_ROOT / ".ci" / "slurm-cluster.sh"), "start"], capture_output=True,
                                    text=True, timeout=120)
         assert restarted.returncode == 0, restarted.stderr
