@@ -21,6 +21,7 @@ not the case.
 from __future__ import annotations
 
 import os
+import sys
 
 # Before anything imports torch (its OpenMP runtime reads this once, when it loads): threads that
 # wait at the end of a parallel region sleep instead of spinning. Two pytest workers on two cores,
@@ -36,6 +37,12 @@ import pytest
 from _archive_util import Good, read_archive
 from _evidence_run import TINY_RUN_FLAGS, build_run, pack
 from _once import built_once
+
+# pytest keeps the test modules it rewrote (for its assert messages) in tests/__pycache__ (ignored by
+# git), but not in a Python that may not write bytecode (PYTHONDONTWRITEBYTECODE; this machine's image
+# sets it): each worker then rewrote every test module on every run, 8 to 9 s of CPU a worker. The
+# processes the tests start keep the setting they inherit.
+sys.dont_write_bytecode = False
 
 
 @pytest.fixture(scope="session")
