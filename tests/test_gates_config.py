@@ -1,8 +1,9 @@
 """Bad configuration is refused when the workflow is parsed, before any job.
 
 ``check_config`` (what ``workflow/Snakefile`` calls before any rule exists) is exercised case
-by case; then real ``snakemake -n --configfile bad.yaml`` runs, at least one per family of
-messages, show that the workflow itself refuses before building its DAG, with a message that
+by case; every family of messages is checked on the config as Snakemake loads and merges a
+``--configfile bad.yaml``; real ``snakemake -n`` runs (one bad family, ``--config device=cuda``
+without CUDA) show that the workflow itself refuses before building its DAG, with a message that
 names the key, the value and the fix, and that a good config dry-runs (negative control).
 """
 
@@ -468,35 +469,67 @@ DRY_RUNS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
 }
 
 
+# The family whose real dry run shows the Snakefile's refusal end to end (its values once ended in an
+# OverflowError traceback); every family, this one included, is also parsed in process below, as
+# Snakemake builds its config, then checked by the Snakefile's check.
+REAL_DRY_RUN = "beyond-binary64"
+
+
+def snakemake_config(repo: Path, configfile: str) -> tuple[dict[str, Any], wfconfig.Origin]:
+    """The config ``snakemake --configfile <configfile>`` hands the Snakefile's check, and its origin:
+    Snakemake's own loader (JSON, else YAML through yte) and merge (``--configfile`` values over the
+    Snakefile's ``configfile: "config.yaml"``, mappings key by key), as in its ``Workflow.configfile``."""
+    from snakemake.common.configfile import load_configfile
+    from snakemake.utils import update_config
+
+    overwrite: dict[str, Any] = {}
+    update_config(overwrite, load_configfile(str(repo / configfile)))
+    config = load_configfile(str(repo / "config.yaml"))
+    update_config(config, overwrite)
+    return config, wfconfig.workflow_origin({}, [str(repo / "config.yaml"), str(repo / configfile)])
+
+
 @pytest.fixture(scope="module")
 def dry_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, subprocess.CompletedProcess[str]]]:
-    """Every bad config dry-run at once (they fail while parsing; none takes the lock)."""
+    """The bad configs written, and :data:`REAL_DRY_RUN`'s dry run (it fails while parsing; no lock)."""
     repo = copy_repo(tmp_path_factory.mktemp("gates-config"))
-    procs = {}
     for name, (overrides, _) in DRY_RUNS.items():
         write_config(repo, {**base(), **overrides}, name=f"{name}.yaml")
-        procs[name] = subprocess.Popen(snakemake_cmd("-n", configfile=f"{name}.yaml"), cwd=repo, env=env_for(repo),
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    done = {}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    write_config(repo, base(), name="good.yaml")
+    done = {REAL_DRY_RUN: subprocess.run(snakemake_cmd("-n", configfile=f"{REAL_DRY_RUN}.yaml"), cwd=repo,
+                                         env=env_for(repo), capture_output=True, text=True, timeout=300)}
     return repo, done
 
 
 @pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
-@pytest.mark.parametrize("name", sorted(DRY_RUNS))
-def test_snakemake_dry_run_refuses_bad_config_before_any_job(dry_runs: tuple[Path, dict[str, Any]], name: str) -> None:
+def test_snakemake_dry_run_refuses_bad_config_before_any_job(dry_runs: tuple[Path, dict[str, Any]]) -> None:
     repo, done = dry_runs
-    result = done[name]
+    result = done[REAL_DRY_RUN]
     text = result.stdout + result.stderr
     assert result.returncode != 0, text
-    assert "WorkflowConfigError" in text and "workflow/Snakefile" in text, text
-    for part in DRY_RUNS[name][1]:
+    assert "WorkflowConfigError (workflow/Snakefile, before any job): " in text, text
+    for part in DRY_RUNS[REAL_DRY_RUN][1]:
         assert part in text, (part, text)
     assert "Building DAG of jobs" not in text and jobs_run(text) == {}, text  # refused before the DAG
     assert 'File "' not in text and "Traceback" not in text, text  # the message alone, no traceback after it
     assert list((repo / "results").iterdir()) == []
+
+
+@pytest.mark.parametrize("name", sorted(DRY_RUNS))
+def test_every_family_of_bad_config_is_refused_as_snakemake_parses_it(
+        dry_runs: tuple[Path, dict[str, Any]], name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each family's message, from the config as Snakemake loads and merges its file (in process:
+    the Snakefile's check is :func:`check_workflow_config` on it, the real dry run above shows the
+    Snakefile's refusal), run from the workflow's directory as the Snakefile runs."""
+    repo, _ = dry_runs
+    monkeypatch.chdir(repo)
+    config, origin = snakemake_config(repo, f"{name}.yaml")
+    with pytest.raises(WorkflowConfigError) as info:
+        wfconfig.check_workflow_config(config, origin)
+    for part in DRY_RUNS[name][1]:
+        assert part in str(info.value), (part, str(info.value))
+    good, origin = snakemake_config(repo, "good.yaml")  # negative control: the same path passes a good config
+    assert wfconfig.check_workflow_config(good, origin) is good
 
 
 @pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
