@@ -357,6 +357,31 @@ def test_failed_report_with_permissive_shipped_schema_still_fails(good: Good, sa
     assert "validation.json: schemas:" in problems(result, "recorded gates")
 
 
+def test_a_shipped_schema_is_checked_against_the_metaschema_unless_it_is_this_rl_engine_s_own_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An archive's schema directory: a schema that is not valid draft 2020-12 is refused naming the
+    file; a file byte for byte the repository's own (which tests/test_schemas.py checks) is not checked
+    again (about 0.5 s of every verify), and one that differs by a byte is."""
+    from jsonschema import Draft202012Validator
+
+    from rl_engine import schemas
+
+    shipped = tmp_path / "schemas"
+    shutil.copytree(schemas.repo_schema_dir(), shipped)
+    case = shipped / "case.schema.json"
+    case.write_text(json.dumps({**json.loads(case.read_text()), "type": 5}))
+    with pytest.raises(schemas.SchemaError, match=r"case\.schema\.json: not a valid draft 2020-12 schema"):
+        schemas._load_dir(shipped)
+    case.write_text((schemas.repo_schema_dir() / "case.schema.json").read_text())
+    checked: list[Any] = []
+    monkeypatch.setattr(Draft202012Validator, "check_schema", classmethod(lambda cls, schema: checked.append(schema)))
+    assert schemas._load_dir(shipped).keys() == schemas._load_dir(schemas.repo_schema_dir()).keys()
+    assert checked == []  # every file is the repository's own
+    case.write_text(case.read_text() + " ")  # the same schema, another byte: checked
+    schemas._load_dir(shipped)
+    assert checked == [json.loads(case.read_text())]
+
+
 def test_recorded_gate_not_passed(good: Good, sandbox: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     entries = edited(good, {"crosscheck.json": edit_json(lambda c: c.update(passed=False, failures=["x: y: z"]))}, resum=True)
     code, _, result = run_verify(write_archive(tmp_path / "in" / good.archive.name, entries), sandbox, capsys)
