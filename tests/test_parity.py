@@ -9,6 +9,7 @@ bf16 log_softmax shows up in section 4; bad inputs are refused (exit 2) with not
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import struct
@@ -65,8 +66,36 @@ def _parity(rollout: Path, trainer: Path, out: Path, *extra: str) -> tuple[int, 
     return code, report
 
 
-def test_bf16_eager_vs_sdpa_logits_differ_and_our_difference_comes_from_them(caps: dict[str, Path], tmp_path: Path) -> None:
-    code, report = _parity(caps["rollout"], caps["trainer"], tmp_path)
+@pytest.fixture(scope="module")
+def spliced(caps: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trainer's capture with the rollout's logits rows spliced in on every other token."""
+    rollout, trainer = read_capture(caps["rollout"]), read_capture(caps["trainer"])
+    logits = trainer.logits.clone()
+    logits[::2] = rollout.logits[::2]  # equal logits rows on every other token
+    path = tmp_path_factory.mktemp("spliced") / "spliced.safetensors"
+    write_capture(path, Capture(logits, trainer.targets, trainer.active, None, trainer.metadata))
+    return path
+
+
+@pytest.fixture(scope="module")
+def parity_of(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``parity`` of a pair with the default options, run once per pair in this module (several tests
+    read the same report): ``(exit code, a copy of the report, output directory)``."""
+    made: dict[tuple[Path, Path], tuple[int, dict[str, Any] | None, Path]] = {}
+
+    def of(rollout: Path, trainer: Path) -> tuple[int, dict[str, Any] | None, Path]:
+        if (rollout, trainer) not in made:
+            out = tmp_path_factory.mktemp("parity") / "out"
+            made[(rollout, trainer)] = (*_parity(rollout, trainer, out), out)
+        code, report, out = made[(rollout, trainer)]
+        return code, copy.deepcopy(report), out
+
+    return of
+
+
+def test_bf16_eager_vs_sdpa_logits_differ_and_our_difference_comes_from_them(caps: dict[str, Path],
+                                                                           parity_of: Any) -> None:
+    code, report, out = parity_of(caps["rollout"], caps["trainer"])
     assert code == 1 and report is not None and report["verdict"] == "different"
     assert schemas.errors(report, "parity") == []
     lg, lp = report["logits"], report["our_logprob"]
@@ -78,21 +107,17 @@ def test_bf16_eager_vs_sdpa_logits_differ_and_our_difference_comes_from_them(cap
     assert all(rows[i] > 0 for i, same in enumerate(lp["per_token"]["bitwise_equal"]) if not same)
     assert report["captures"]["rollout"]["sha256"] == jsonio.sha256_file(caps["rollout"])
     assert report["captures"]["trainer"]["metadata"]["notes"] == "attn_implementation=sdpa; trainer"
-    png = (tmp_path / "parity.png").read_bytes()
+    png = (out / "parity.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
-    assert matplotlib.image.imread(str(tmp_path / "parity.png")).shape[0] > 100
+    assert matplotlib.image.imread(str(out / "parity.png")).shape[0] > 100
 
 
-def test_logits_made_equal_on_some_tokens_make_our_logprob_equal_exactly_there(caps: dict[str, Path], tmp_path: Path) -> None:
+def test_logits_made_equal_on_some_tokens_make_our_logprob_equal_exactly_there(caps: dict[str, Path], spliced: Path,
+                                                                              parity_of: Any) -> None:
     """Attribution per token: splice the rollout's logits rows into the trainer's capture on every
     other token; our logprob is then bitwise equal on exactly those tokens (and differs on others)."""
-    rollout, trainer = read_capture(caps["rollout"]), read_capture(caps["trainer"])
-    spliced = trainer.logits.clone()
-    spliced[::2] = rollout.logits[::2]
-    path = tmp_path / "spliced.safetensors"
-    write_capture(path, Capture(spliced, trainer.targets, trainer.active, None, trainer.metadata))
-    code, report = _parity(caps["rollout"], path, tmp_path / "out")
+    code, report, _ = parity_of(caps["rollout"], spliced)
     assert code == 1 and report is not None
     lg, lp = report["logits"], report["our_logprob"]
     active = report["targets_and_mask"]["per_token"]["active"]
@@ -104,16 +129,12 @@ def test_logits_made_equal_on_some_tokens_make_our_logprob_equal_exactly_there(c
     assert lp["from_logits_only"] and 0 < lp["tokens_differing"] < report["targets_and_mask"]["active_tokens"]
 
 
-def test_the_parity_figure_counts_exact_zeros_apart_from_parity_json(caps: dict[str, Path], tmp_path: Path) -> None:
+def test_the_parity_figure_counts_exact_zeros_apart_from_parity_json(caps: dict[str, Path], spliced: Path,
+                                                                    parity_of: Any) -> None:
     """parity.png: every count it shows comes from parity.json (recounted here from the per-token
     arrays): the exact zeros of our logprob and of the logits apart from the histogram, the ratio's
     bounds and how many tokens lie outside them; and it is readable at the size it is shown."""
-    rollout, trainer = read_capture(caps["rollout"]), read_capture(caps["trainer"])
-    spliced = trainer.logits.clone()
-    spliced[::2] = rollout.logits[::2]  # equal logits rows on every other token
-    path = tmp_path / "spliced.safetensors"
-    write_capture(path, Capture(spliced, trainer.targets, trainer.active, None, trainer.metadata))
-    code, report = _parity(caps["rollout"], path, tmp_path / "out")
+    code, report, out = parity_of(caps["rollout"], spliced)  # equal logits rows on every other token
     assert code == 1 and report is not None
     active = report["targets_and_mask"]["per_token"]["active"]
     on = [i for i, a in enumerate(active) if a]
@@ -121,7 +142,7 @@ def test_the_parity_figure_counts_exact_zeros_apart_from_parity_json(caps: dict[
     logit_diff = report["logits"]["per_token"]["max_abs_diff"]
     ratio = report["importance_ratio"]["ours"]["per_token"]
     low, high = report["importance_ratio"]["bounds"]
-    panels = parity.figure_panels(json.loads((tmp_path / "out" / "parity.json").read_text()))
+    panels = parity.figure_panels(json.loads((out / "parity.json").read_text()))
     assert [p.title.split(":")[0] for p in panels] == ["our logprob", "logits"] + ["importance ratio (ours)"] * 2
     ours, logits, ratios, near_one = panels
     assert near_one.log_scale and near_one.zeros == sum(1 for i in on if ratio[i] == 1.0)
@@ -140,21 +161,21 @@ def test_the_parity_figure_counts_exact_zeros_apart_from_parity_json(caps: dict[
     assert (f"logits rows bitwise equal on {len(equal_rows)} of {len(on)} active tokens (tokens "
             f"{', '.join(str(i) for i in equal_rows[:6])}, ...); our logprob bytes are equal on all "
             f"{len(equal_rows)}") in parity.headline(report)
-    png = (tmp_path / "out" / "parity.png").read_bytes()
+    png = (out / "parity.png").read_bytes()
     width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk
     assert png[12:16] == b"IHDR" and width == 1280 and height >= 800, (width, height)
 
 
 
-def test_bf16_vs_fp32_trainer(caps: dict[str, Path], tmp_path: Path) -> None:
-    code, report = _parity(caps["rollout"], caps["trainer32"], tmp_path)
+def test_bf16_vs_fp32_trainer(caps: dict[str, Path], parity_of: Any) -> None:
+    code, report, _ = parity_of(caps["rollout"], caps["trainer32"])
     assert code == 1 and report is not None
     assert not report["logits"]["same_dtype"] and report["logits"]["tokens_differing"] == report["targets_and_mask"]["active_tokens"]
     assert report["our_logprob"]["tokens_differing"] > 0
 
 
-def test_the_same_capture_twice_is_zero_everywhere_as_bytes(caps: dict[str, Path], tmp_path: Path) -> None:
-    code, report = _parity(caps["rollout"], caps["rollout"], tmp_path)
+def test_the_same_capture_twice_is_zero_everywhere_as_bytes(caps: dict[str, Path], parity_of: Any) -> None:
+    code, report, _ = parity_of(caps["rollout"], caps["rollout"])
     assert code == 0 and report is not None and report["verdict"] == "bitwise_equal"
     n = report["targets_and_mask"]["tokens"]
     lp = report["our_logprob"]
@@ -247,13 +268,13 @@ def test_bad_inputs_are_refused_with_nothing_written(damage: str, caps: dict[str
 
 
 def test_the_workflow_exit_code_makes_a_difference_a_finding_but_a_refusal_still_fails(
-        caps: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        caps: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], parity_of: Any) -> None:
     """The parity stage passes --difference-exit-code 0: a difference is a finding (exit 0, report
     written); a refusal is exit 2 with nothing written, whatever the flag."""
     code, report = _parity(caps["rollout"], caps["trainer"], tmp_path / "a", "--difference-exit-code", "0")
     assert code == 0 and report is not None and report["verdict"] == "different"
     assert "a difference is a finding" in capsys.readouterr().out
-    code, _ = _parity(caps["rollout"], caps["trainer"], tmp_path / "b")  # negative control: the default
+    code, _, _ = parity_of(caps["rollout"], caps["trainer"])  # negative control: the default
     assert code == 1
     code, report = _parity(caps["rollout"], caps["trainer"], tmp_path / "c", "--difference-exit-code", "0",
                            "--num-vocab-tiles", "3")
@@ -279,8 +300,9 @@ def test_check_pair_refuses_what_the_verb_refuses_without_reading_logits(caps: d
         assert named in str(info.value), str(info.value)
 
 
-def test_the_fused_backend_gives_the_same_logprob_bytes_and_is_recorded(caps: dict[str, Path], tmp_path: Path) -> None:
-    _, eager = _parity(caps["rollout"], caps["trainer"], tmp_path / "eager")
+def test_the_fused_backend_gives_the_same_logprob_bytes_and_is_recorded(caps: dict[str, Path], tmp_path: Path,
+                                                                       parity_of: Any) -> None:
+    _, eager, _ = parity_of(caps["rollout"], caps["trainer"])
     _, fused = _parity(caps["rollout"], caps["trainer"], tmp_path / "fused", "--backend", "cpu-vocab-parallel-logp-ws2")
     assert eager is not None and fused is not None
     for side in ("rollout_logp", "trainer_logp"):
@@ -396,10 +418,10 @@ def test_auto_tiles_without_a_count_for_the_vocabulary_is_refused_naming_the_opt
     assert code == 2 and not (tmp_path / "out").exists()
 
 
-def _near_one_report(caps: dict[str, Path], tmp_path: Path) -> dict[str, Any]:
+def _near_one_report(caps: dict[str, Path], parity_of: Any) -> dict[str, Any]:
     """A real report whose ratios (and our logprob differences) are then set to values all within 1e-5
     of 1 (their logarithms): 1 exactly, and 1 + k * 2^-23 and 1 - k * 2^-24 for k up to 60 (3.6e-6)."""
-    _, report = _parity(caps["rollout"], caps["trainer"], tmp_path)
+    _, report, _ = parity_of(caps["rollout"], caps["trainer"])
     assert report is not None
     act = report["targets_and_mask"]["per_token"]["active"]
     ratios = []
@@ -412,12 +434,12 @@ def _near_one_report(caps: dict[str, Path], tmp_path: Path) -> dict[str, Any]:
     return report
 
 
-def test_ratios_within_1e_5_of_1_are_visible_on_the_log_scale_panel(caps: dict[str, Path], tmp_path: Path) -> None:
+def test_ratios_within_1e_5_of_1_are_visible_on_the_log_scale_panel(caps: dict[str, Path], parity_of: Any) -> None:
     """parity.png's |ratio - 1| panel spreads ratios that are all within 1e-5 of 1 over most of its width
     (log bins and axis), where the linear ratio panel, whose axis spans the bounds [0.8, 1.2], draws them
     all inside one pixel (the negative control that shows why the panel exists); the exact ones are
     counted apart, and every bar's count comes from the report."""
-    report = _near_one_report(caps, tmp_path)
+    report = _near_one_report(caps, parity_of)
     act = report["targets_and_mask"]["per_token"]["active"]
     ratios = [r for r, a in zip(report["importance_ratio"]["ours"]["per_token"], act) if a]
     fig = parity.build_figure(report)
@@ -443,18 +465,18 @@ def test_ratios_within_1e_5_of_1_are_visible_on_the_log_scale_panel(caps: dict[s
 
 
 def test_the_title_says_which_rows_had_equal_logits_and_whether_they_gave_equal_bytes(
-        caps: dict[str, Path], tmp_path: Path) -> None:
+        caps: dict[str, Path], parity_of: Any) -> None:
     """No equal logits row (bf16 against fp32 logits): the title says so and claims nothing about equal
     logits giving equal bytes; the sentence of the old title, a vacuous "yes", is gone in every case.
     Some equal rows with equal bytes: named, "equal on all". An equal row whose bytes differ (the
     report edited to say so): named, "DIFFER"."""
-    _, none_equal = _parity(caps["rollout"], caps["trainer32"], tmp_path / "a")
+    _, none_equal, _ = parity_of(caps["rollout"], caps["trainer32"])
     assert none_equal is not None and none_equal["our_logprob"]["from_logits_only"]  # vacuously true
     active = none_equal["targets_and_mask"]["active_tokens"]
     title = parity.headline(none_equal)
     assert title.endswith(f"logits rows bitwise equal on 0 of {active} active tokens: no token where equal "
                           "logits could give equal logprob bytes")
-    _, same = _parity(caps["rollout"], caps["rollout"], tmp_path / "b")
+    _, same, _ = parity_of(caps["rollout"], caps["rollout"])
     assert same is not None
     act = same["targets_and_mask"]["per_token"]["active"]
     on = [i for i, a in enumerate(act) if a]
