@@ -108,10 +108,16 @@ def _run_isa(capability: str) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _run_here() -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def default_replay() -> Any:
+    """The default case's candidate replay in this process, made once: three tests read it."""
+    return replay_candidate(DEFAULT_CASE)
+
+
+def _run_here(default: Any) -> dict[str, Any]:
     """The cases under this process's own capability (what torch picked here): no control runs under it."""
-    return {"capability": torch.backends.cpu.get_cpu_capability(),
-            **{name: replay_candidate(case).fingerprints() for name, case in ISA_CASES.items()}}
+    return {"capability": torch.backends.cpu.get_cpu_capability(), "default": default.fingerprints(),
+            **{name: replay_candidate(case).fingerprints() for name, case in ISA_CASES.items() if name != "default"}}
 
 
 def _capabilities() -> list[str]:
@@ -123,7 +129,7 @@ def _capabilities() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def isa_runs() -> dict[str, dict[str, Any]]:
+def isa_runs(default_replay: Any) -> dict[str, dict[str, Any]]:
     """One subprocess per capability: the portable cases and, after them, the negative controls;
     this process's own capability, when no control runs under it (AVX512 where the CPU has it), is
     run here (one torch import fewer)."""
@@ -131,7 +137,7 @@ def isa_runs() -> dict[str, dict[str, Any]]:
     if native == "DEFAULT":
         pytest.skip("this CPU offers no vector kernel to compare with the scalar one")
     here = native.lower() if native.lower() in set(_capabilities()) - CONTROLLED else None
-    return {cap: _run_here() if cap == here else _run_isa(cap) for cap in _capabilities()}
+    return {cap: _run_here(default_replay) if cap == here else _run_isa(cap) for cap in _capabilities()}
 
 
 @pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
@@ -179,9 +185,9 @@ def test_the_numpy_comparison_fails_with_the_library_exp(monkeypatch: pytest.Mon
     assert [n for n in want if mine[n] != want[n]] != []
 
 
-def test_replay_equals_the_numpy_implementation_on_the_default_case() -> None:
+def test_replay_equals_the_numpy_implementation_on_the_default_case(default_replay: Any) -> None:
     """The default campaign's TP=1 replay, recomputed by the NumPy implementation."""
-    replay = replay_candidate(DEFAULT_CASE)
+    replay = default_replay
     logits, targets, active = make_inputs(DEFAULT_CASE)
     x_bits = logits.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     logp, lse, entropy = spec_numpy.forward(x_bits, "bfloat16", targets.numpy(), active.numpy(),
@@ -510,12 +516,12 @@ def test_outputs_carry_the_canonical_nan_only() -> None:
         assert [v & 0xFFFFFFFF for v in t[1:].view(torch.int32).tolist()] == [0x7FC00000, 0x7FC00000]
 
 
-def test_default_case_fingerprints_are_the_documented_ones() -> None:
+def test_default_case_fingerprints_are_the_documented_ones(default_replay: Any) -> None:
     """The default case's fingerprints under rl-engine-arith/2 (any machine, any ISA), and
     under /1 by the NumPy replay of that version: the values /1 archives recorded."""
     from rl_engine.campaign.replay import replay_numpy
 
-    assert replay_candidate(DEFAULT_CASE).fingerprints() == DOCUMENTED_FINGERPRINTS
+    assert default_replay.fingerprints() == DOCUMENTED_FINGERPRINTS
     assert replay_numpy(DEFAULT_CASE, spec_numpy.SPEC_V1).fingerprints() == DOCUMENTED_FINGERPRINTS_ARITH1
 
 
