@@ -87,17 +87,11 @@ def test_check_file_refuses_other_bytes_naming_the_recorded_hash(tmp_path: Path)
         check_file(record, other)
 
 
-def _rank(rank: int, plan: str, tp: int, cp: int) -> int:
-    """One rank of ``tp x cp`` of ``plan``: the runner a torchrun rank calls (``run_topology``)."""
-    from rl_engine.campaign.run import run_topology
-
-    return run_topology(plan, tp, cp)
-
-
 def _campaign(run_dir: Path, path: Path, topologies: tuple[str, ...], archive: bool) -> dict[str, dict]:
     """The case (``inputs.archive: archive``) of the capture at ``path``, planned and every topology run by
     the ranks' own runner on gloo processes forked from one that imported torch (tests/_multiproc.py):
     the ``launch`` verb's torchrun on a capture case is the module's snakemake run's (``capture_workflow``)."""
+    from _capture_case import run_rank
     from _multiproc import run_workers
 
     (run_dir / "logs").mkdir(parents=True)
@@ -107,7 +101,7 @@ def _campaign(run_dir: Path, path: Path, topologies: tuple[str, ...], archive: b
     reports = {}
     for topology in topologies:
         tp, cp = (int(x) for x in topology.split("x"))
-        assert run_workers(_rank, tp * cp, str(run_dir / "plan.json"), tp, cp, timeout_s=120) == [0] * (tp * cp)
+        assert run_workers(run_rank, tp * cp, str(run_dir / "plan.json"), tp, cp, timeout_s=120) == [0] * (tp * cp)
         reports[topology] = json.loads((run_dir / f"tp{tp}-cp{cp}.json").read_text())
     return reports
 
