@@ -129,13 +129,6 @@ def verify_archive(archive: Path, tmp_path: Path, *flags: str) -> tuple[int, dic
     return code, {c["name"]: c for c in jsonio.load(out)["checks"]}
 
 
-def run_rank(rank: int, plan: str, tp: int, cp: int) -> int:
-    """One rank of ``tp x cp`` of ``plan``: the runner a torchrun rank calls (``run_topology``)."""
-    from rl_engine.campaign.run import run_topology
-
-    return run_topology(plan, tp, cp)
-
-
 def campaign_to_archive(tmp_path: Path, case: Case, topologies: tuple[str, ...],
                         recorded_from: Path) -> tuple[Path, Path]:
     """``case`` through every verb (plan, each topology's ranks, validate, crosscheck, summary, archive),
@@ -147,7 +140,7 @@ def campaign_to_archive(tmp_path: Path, case: Case, topologies: tuple[str, ...],
     run has no topology log to declare)."""
     from rl_engine import cli
 
-    from _evidence_run import copy_recorded, declared_files, pack
+    from _evidence_run import copy_recorded, declared_files, pack, run_rank
     from _multiproc import run_workers
 
     run_dir = tmp_path / "rl-engine-test-run"

@@ -91,7 +91,7 @@ def _campaign(run_dir: Path, path: Path, topologies: tuple[str, ...], archive: b
     """The case (``inputs.archive: archive``) of the capture at ``path``, planned and every topology run by
     the ranks' own runner on gloo processes forked from one that imported torch (tests/_multiproc.py):
     the ``launch`` verb's torchrun on a capture case is the module's snakemake run's (``capture_workflow``)."""
-    from _capture_case import run_rank
+    from _evidence_run import run_rank
     from _multiproc import run_workers
 
     (run_dir / "logs").mkdir(parents=True)
