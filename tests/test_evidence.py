@@ -97,6 +97,9 @@ def test_environment_records_commands_and_absent_tools(tmp_path: Path, monkeypat
         assert header in text
     assert "[absent: nvidia-smi not found on PATH]" in text and "[absent: nvcc not found on PATH]" in text
     assert f"$ git rev-parse HEAD\n{env['git']['commit']}\n[exit code: 0]" in text
+    # the one-liner ran (tests/test_reuse.py replaces it where its claim is which capture is reused)
+    assert (f"$ python -c '<torch one-liner>'\ntorch: {env['torch']['version']}\n"
+            f"torch_cuda: {env['torch']['cuda']}\n") in text, text
 
 
 @pytest.mark.parametrize(("path", "source"), [
