@@ -71,18 +71,34 @@ def copy_recorded(source: Path, run_dir: Path) -> None:
         shutil.copy(source / name, run_dir / name)
 
 
+def run_rank(rank: int, plan: str, tp: int, cp: int) -> int:
+    """One rank of ``tp x cp`` of ``plan``: the runner a torchrun rank calls (``run_topology``)."""
+    from rl_engine.campaign.run import run_topology
+
+    return run_topology(plan, tp, cp)
+
+
 def build_run(run_dir: Path, tests_dir: Path, case_flags: list[str] = CASE_FLAGS,
-              recorded_from: Path | None = None) -> Path:
+              recorded_from: Path | None = None, forked: bool = False) -> Path:
     """A complete, passing run directory (up to SUMMARY.md), like the workflow makes, of the case
     ``case_flags`` (``plan``'s flags) over :data:`TOPOLOGIES`. With ``recorded_from`` (a run this
     function built) its environment and regression files are copied (:func:`copy_recorded`) instead
-    of running ``env`` and ``regression`` again."""
+    of running ``env`` and ``regression`` again. ``forked``: each topology's ranks are the runner a
+    torchrun rank calls, on gloo processes forked from one that imported torch (tests/_multiproc.py),
+    not the ``launch`` verb's torchrun (a process importing torch per rank, and a topology log): for a
+    case whose claim is the numbers, the launch of this case's kind being another run's (the tiny run's)."""
     (run_dir / "logs").mkdir(parents=True)
     args = plan.build_parser().parse_args([*case_flags, "--topologies", ",".join(TOPOLOGIES), "--output", "-"])
     document = case_document(*plan.case_from_args(args))
     assert cli.main(["case", "--json", json.dumps(document), "--output", str(run_dir / "case.json")]) == 0
     assert cli.main(["plan", "--case", str(run_dir / "case.json"), "--output", str(run_dir / "plan.json")]) == 0
     for topology in TOPOLOGIES:
+        if forked:
+            from _multiproc import run_workers
+
+            tp, cp = (int(x) for x in topology.split("x"))
+            assert run_workers(run_rank, tp * cp, str(run_dir / "plan.json"), tp, cp, timeout_s=120) == [0] * (tp * cp)
+            continue
         code = launch(run_dir, topology)
         assert code == 0, logs(run_dir)
     if recorded_from is not None:

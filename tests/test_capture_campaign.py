@@ -13,8 +13,10 @@ the hash. The capture's path is not part of the run name; rank 0 hashes the capt
 ``parity:`` section of config.yaml is checked before any job.
 
 A second, smaller campaign (1x1 and 2x1) runs the real verbs in this process on captures whose
-metadata and directory hold HTML and markup (paths the workflow's config check refuses): its
-SUMMARY.md shows them as text, and its archive (the capture not in it) verifies."""
+metadata and directory hold HTML and markup (paths the workflow's config check refuses), its ranks
+the runner a torchrun rank calls, on forked gloo processes (the torchrun launch of a capture case is
+the snakemake run's): its SUMMARY.md shows them as text, and its archive (the capture not in it)
+verifies."""
 
 from __future__ import annotations
 
@@ -86,17 +88,20 @@ def test_check_file_refuses_other_bytes_naming_the_recorded_hash(tmp_path: Path)
 
 
 def _campaign(run_dir: Path, path: Path, topologies: tuple[str, ...], archive: bool) -> dict[str, dict]:
-    """The case (``inputs.archive: archive``) of the capture at ``path``, planned and every topology launched."""
+    """The case (``inputs.archive: archive``) of the capture at ``path``, planned and every topology run by
+    the ranks' own runner on gloo processes forked from one that imported torch (tests/_multiproc.py):
+    the ``launch`` verb's torchrun on a capture case is the module's snakemake run's (``capture_workflow``)."""
+    from _evidence_run import run_rank
+    from _multiproc import run_workers
+
     (run_dir / "logs").mkdir(parents=True)
     write_case_file(run_dir / "case.json", capture_case(path, archive=archive),
                     tuple(tuple(int(x) for x in t.split("x")) for t in topologies))
     assert cli.main(["plan", "--case", str(run_dir / "case.json"), "--output", str(run_dir / "plan.json")]) == 0
     reports = {}
     for topology in topologies:
-        code = _launch(run_dir / "plan.json", topology)
-        tp, cp = topology.split("x")
-        log = run_dir / "logs" / f"tp{tp}-cp{cp}.log"
-        assert code == 0, log.read_text(errors="replace")[-3000:]
+        tp, cp = (int(x) for x in topology.split("x"))
+        assert run_workers(run_rank, tp * cp, str(run_dir / "plan.json"), tp, cp, timeout_s=120) == [0] * (tp * cp)
         reports[topology] = json.loads((run_dir / f"tp{tp}-cp{cp}.json").read_text())
     return reports
 

@@ -11,7 +11,7 @@ gloo process of tests/_multiproc.py) at 1x1 and 2x2 (TP and CP both) gives ident
 option gives other bytes; a tampered sampling tensor is refused by the capture's hash; the option
 without sampling tensors, with a scalar parameter, without a capture or on a backend whose kernels
 take one temperature per call is refused by name before anything runs. The default case is
-untouched. Slow: the real verbs (torchrun launches) to an archive ``verify --recompute`` passes.
+untouched. Slow: the real verbs to an archive ``verify --recompute`` passes.
 """
 
 from __future__ import annotations
@@ -302,11 +302,12 @@ def test_verify_recomputes_and_replays_the_run_and_refuses_a_tampered_sampling_t
     assert all(f"not that of the case's capture (sha256 {sha}" in " ".join(c.problems) for c in (refused[0], refused[2]))
 
 
-@pytest.mark.slow  # two torchrun topologies and the real verbs end to end
+@pytest.mark.slow  # two topologies and the real verbs end to end
 def test_a_campaign_at_the_captured_sampling_runs_to_an_archive_verify_recompute_passes(
         sampled: Path, tmp_path: Path, tiny_run: Path) -> None:
-    """The real verbs (plan, torchrun launches at 1x1 and 2x2, validate, crosscheck, summary, archive)
-    to an archive ``verify --recompute --capture`` passes: the inputs, the oracle drift at each row's
+    """The real verbs (plan, the ranks' runner at 1x1 and 2x2 on forked gloo processes, validate,
+    crosscheck, summary, archive: tests/_capture_case.py ``campaign_to_archive``) to an archive
+    ``verify --recompute --capture`` passes: the inputs, the oracle drift at each row's
     parameters and the candidate replayed; SUMMARY.md says the campaign ran at the captured sampling."""
     from _capture_case import campaign_to_archive, verify_archive
 

@@ -97,6 +97,9 @@ def test_environment_records_commands_and_absent_tools(tmp_path: Path, monkeypat
         assert header in text
     assert "[absent: nvidia-smi not found on PATH]" in text and "[absent: nvcc not found on PATH]" in text
     assert f"$ git rev-parse HEAD\n{env['git']['commit']}\n[exit code: 0]" in text
+    # the one-liner ran (tests/test_reuse.py replaces it where its claim is which capture is reused)
+    assert (f"$ python -c '<torch one-liner>'\ntorch: {env['torch']['version']}\n"
+            f"torch_cuda: {env['torch']['cuda']}\n") in text, text
 
 
 @pytest.mark.parametrize(("path", "source"), [
@@ -112,7 +115,10 @@ def test_is_source_names_what_could_change_what_runs(path: str, source: bool) ->
     assert gitstate.is_source(path) is source
 
 
-def test_environment_outside_git_is_recorded_not_failed(tmp_path: Path) -> None:
+def test_environment_outside_git_is_recorded_not_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the claim is git's record: the torch one-liner (a Python importing torch, about 2 s of CPU) prints a line
+    # instead (test_environment_records_commands_and_absent_tools runs the real one)
+    monkeypatch.setattr(environment, "TORCH_ONE_LINER", "print('torch: the one-liner replaced by this test')")
     assert environment.main(["--output-dir", str(tmp_path / "out"), "--repo", str(tmp_path)]) == 0
     env = jsonio.load(tmp_path / "out" / "environment.json")
     assert env["git"]["available"] is False and env["git"]["commit"] is None
@@ -996,14 +1002,19 @@ def test_archive_refuses_a_specification_of_another_version(run: Path, tmp_path:
     assert not out.exists()
 
 
-def test_the_regression_shows_progress_on_its_progress_fd(tmp_path: Path) -> None:
+def test_the_regression_shows_progress_on_its_progress_fd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The focused suite was 34 s of silence; with --progress-fd the verb writes a start
-    line, one line per pytest progress line and the counts there (the log keeps all of pytest's output)."""
+    line, one line per pytest progress line and the counts there (the log keeps all of pytest's output).
+    The suite: a scratch file of three tests, in a pytest without the installed plugins (a quick start)."""
     assert regression.progress_line("....... [ 48%]\n", 12.4) == "regression: 48% of the focused suite, 12 s\n"
     assert regression.progress_line("1 passed in 0.1s\n", 1.0) is None  # negative control
+    suite = tmp_path / "suite" / "test_three.py"
+    suite.parent.mkdir()
+    suite.write_text("def test_one():\n    pass\n\n\ndef test_two():\n    pass\n\n\ndef test_three():\n    pass\n")
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     read, write = os.pipe()
     try:
-        code = regression.main(["--output-dir", str(tmp_path / "run"), "--tests", "tests/test_logprob_contract.py",
+        code = regression.main(["--output-dir", str(tmp_path / "run"), "--tests", str(suite),
                                 "--pytest-arg=-x", "--progress-fd", str(write)])
     finally:
         os.close(write)
@@ -1012,4 +1023,4 @@ def test_the_regression_shows_progress_on_its_progress_fd(tmp_path: Path) -> Non
     assert code == 0
     assert shown[0].startswith("regression: running the focused suite (1 files)")
     assert shown[-2].endswith("% of the focused suite, " + shown[-2].split(", ")[-1]) and "100%" in shown[-2]
-    assert re.match(r"regression: \d+ passed, 0 failed", shown[-1]), shown
+    assert re.match(r"regression: 3 passed, 0 failed", shown[-1]), shown

@@ -2,8 +2,9 @@
 
 Real runs: ``plan`` and ``launch`` (torchrun, gloo ranks that each load the compiled kernel)
 for TP x CP = 1x1, 2x1, 4x2 with the contiguous layout and 2x2 with zigzag, with backend
-``cpu-vocab-parallel-logp-ws2``; the same case with ``pytorch-vocab-parallel-logp-ws2`` at 1x1
-and 2x1 (crosscheck asks for two topologies a run).
+``cpu-vocab-parallel-logp-ws2``, of the session's tiny run's case (tests/conftest.py ``tiny_run``:
+temperature 0.7); that run is the same case with ``pytorch-vocab-parallel-logp-ws2`` at 1x1 and 2x2,
+launched the same way, and is the crosscheck's eager side.
 Every report's four fingerprints (logp, LSE, entropy, gradient) equal the eager backend's
 single-process replay, and ``crosscheck --against`` passes across the two backends' runs, and
 fails when one fingerprint is changed.
@@ -26,12 +27,14 @@ pytestmark = pytest.mark.slow
 
 EAGER = "pytorch-vocab-parallel-logp-ws2"
 FUSED = "cpu-vocab-parallel-logp-ws2"
+# the session's tiny run's case (tests/_evidence_run.py TINY_RUN_FLAGS), its backend aside: that run is
+# the eager campaign the fused runs are crosschecked against, so no eager launch of its own here
 CASE = {"dtype": "bf16", "real_vocab": 1000, "padded_vocab": 1024, "num_vocab_tiles": 8,
-        "batch": 2, "seq": 8, "prompt_tokens": 3, "seed": 7, "logit_scale": 2.0}
+        "batch": 2, "seq": 8, "prompt_tokens": 3, "seed": 7, "temperature": 0.7}
 # Every rank is a process that imports torch; TP 1-8 shards of the kernel are compared byte for byte
 # in-process (tests/test_fused_cpu.py), so these runs cover TP=1/2/4, CP=2 in both layouts and the
-# 8-rank topology through the real launcher. The eager campaign is the crosscheck's other side: the
-# eager backend's own TP x CP matrix is tests/test_distributed_logprob_comparison.py's.
+# 8-rank topology through the real launcher. The eager campaign is the crosscheck's other side (the
+# tiny run); the eager backend's own TP x CP matrix is tests/test_distributed_logprob_comparison.py's.
 FIELDS = ("candidate_logp_sha256", "candidate_lse_sha256", "candidate_entropy_sha256",
           "candidate_grad_sha256")
 
@@ -62,14 +65,14 @@ def _campaign(run_dir: Path, backend: str, layout: str, topologies: tuple[str, .
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, dict]]]:
+def runs(tmp_path_factory: pytest.TempPathFactory, tiny_run: Path) -> dict[str, tuple[Path, dict[str, dict]]]:
     base = tmp_path_factory.mktemp("fused-campaign")
+    eager = {t: json.loads((tiny_run / "tp{}-cp{}.json".format(*t.split("x"))).read_text()) for t in ("1x1", "2x2")}
     return {
         "fused-contiguous": (base / "fused-contiguous",
                              _campaign(base / "fused-contiguous", FUSED, "contiguous", ("1x1", "2x1", "4x2"))),
         "fused-zigzag": (base / "fused-zigzag", _campaign(base / "fused-zigzag", FUSED, "zigzag", ("2x2",))),
-        "eager-contiguous": (base / "eager-contiguous",
-                             _campaign(base / "eager-contiguous", EAGER, "contiguous", ("1x1", "2x1"))),
+        "eager-contiguous": (tiny_run, eager),  # the session's run: read, never changed
     }
 
 

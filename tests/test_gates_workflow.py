@@ -1,11 +1,14 @@
 """Faults during a real workflow run, and corrupted evidence through the real workflow.
 
-One small campaign (real vocabulary 1000 / padded 1024 / 8 tiles, TP x CP = 1x1, 1x2, 2x1,
-a short focused regression) runs with ``snakemake --cores 8`` in a temporary copy of the
-repository. Faults are real: a rank SIGKILLs itself or hangs (``RL_ENGINE_FAULT``), a second
-snakemake runs on the same directory, the archive process is SIGKILLed while it writes. The
-tests share that one copy and run in file order; each names the state it starts from and
-leaves, so the module stays within one small campaign's cost.
+One small campaign (real vocabulary 1000 / padded 1024 / 8 tiles, TP x CP = 1x2 and 2x1: a CP>1
+and a TP>1 topology, the first the cross-topology reference; a short focused regression) runs with
+``snakemake --cores 8`` in a temporary copy of the repository. Faults are real: a rank hangs or
+SIGKILLs itself (``RL_ENGINE_FAULT``), a second snakemake runs on the same directory, the archive
+process is SIGKILLed while it writes. The tests share that one copy and run in file order; each
+names the state it starts from and leaves, and a run one test makes serves the next where it can
+(the hung topology's control is the rerun of the killed one; the archive job is killed in that
+rerun, and the run that rebuilds it alone also shows an undeclared report is never packed), so the
+module stays within one small campaign's cost.
 
 Holding the archive writer at a known point: a ``sitecustomize`` on ``PYTHONPATH`` (written by
 the ``hold_hook`` fixture) makes ``os.fsync`` of one chosen temporary file sleep, so the test
@@ -50,15 +53,17 @@ from _workflow_util import (
 
 pytestmark = pytest.mark.slow  # end to end: snakemake runs (in the full suite, not the quick loop)
 
-LABELS = ("tp1-cp1", "tp1-cp2", "tp2-cp1")
+LABELS = ("tp1-cp2", "tp2-cp1")
 CASE: dict[str, Any] = {
     **SMALL_VOCAB,
-    "topologies": ["1x1", "1x2", "2x1"],
+    "topologies": ["1x2", "2x1"],
     "regression": SHORT_REGRESSION,
     "topology_timeout_s": 180,
     "pg_timeout_s": 60,
 }
 HANG_LIMIT_S = 20
+# the hang's fault setting; the rerun of the killed TP=2 x CP=1 runs under it too, as its control
+HANG = "hang:1x2:1"
 DOWNSTREAM = {"validation": 1, "crosscheck": 1, "summary": 1, "archive": 1, "verify_archive": 1}
 HOOK = '''"""Test hook of tests/test_gates_workflow.py: hold one fsync so the test can kill the process there,
 or act while it is held and then release it (a file named as the marker plus ".release")."""
@@ -105,6 +110,8 @@ class Workflow:
     name: str  # the run name of CASE
     # "complete" while the test that ran last left a verified archive and said so (:func:`left_complete`)
     marks: set[str] = field(default_factory=set)
+    # what a test hands the next: the console of the run whose archive job was killed, the held file
+    handed: dict[str, str] = field(default_factory=dict)
 
     @property
     def results(self) -> Path:
@@ -201,15 +208,40 @@ def mtimes(paths: list[Path]) -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in paths}
 
 
-def hold_env(wf: Workflow, hook: Path, marker: Path, pattern: str) -> dict[str, str]:
-    return env_for(wf.repo, {"GATES_HOLD_FSYNC_MARKER": str(marker), "GATES_HOLD_FSYNC_PATTERN": pattern}, prepend=hook)
+def hold_env(wf: Workflow, hook: Path, marker: Path, pattern: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    held = {"GATES_HOLD_FSYNC_MARKER": str(marker), "GATES_HOLD_FSYNC_PATTERN": pattern}
+    return env_for(wf.repo, {**held, **(extra or {})}, prepend=hook)
 
 
 # ---------------------------------------------------------------- faults during a run
 
 
+def test_hanging_rank_fails_the_rule_at_its_time_limit(wf: Workflow) -> None:
+    """From scratch, rank 1 of TP=1 x CP=2 sleeps forever once the mesh is up; with
+    topology_timeout_s=20 (given to this run alone) the rule fails at the limit. Its control, a
+    topology under the same fault setting that completes, is TP=2 x CP=1's rerun in
+    :func:`test_rerun_redoes_the_killed_topology_alone_while_a_second_run_is_locked_out`: under the
+    default limit, as a healthy run is never given a limit that a loaded machine could miss, so
+    the verdict does not depend on the load."""
+    env = env_for(wf.repo, {"RL_ENGINE_FAULT": HANG})
+    hung = str(wf.report("tp1-cp2").relative_to(wf.repo))
+    done = snakemake(wf.repo, hung, "--config", f"topology_timeout_s={HANG_LIMIT_S}", env=env, timeout=600)
+    text = text_of(done)
+    assert done.returncode != 0
+    assert failed_rules(text) == ["topology"], text[-4000:]
+    assert "wildcards: tp=1, cp=2" in text and "returned non-zero exit status 124." in text
+    assert f"--tp 1 --cp 2 --timeout-s {HANG_LIMIT_S} " in text
+    log = wf.log("tp1-cp2")
+    assert (f"error: topology 1x2 exceeded --timeout-s={HANG_LIMIT_S}; the runner and its ranks were "
+            "killed and its outputs removed") in log
+    assert [p.name for p in wf.files_of("tp1-cp2") if p.exists()] == []
+    assert mentioning(str(wf.report("tp1-cp2"))) == {}  # the hung rank is gone too
+
+
 def test_killed_rank_fails_only_its_topology_and_leaves_no_report(wf: Workflow) -> None:
-    """From scratch, rank 1 of TP=2 x CP=1 SIGKILLs itself once the mesh is up."""
+    """Where the hang left the run (plan made, no report), rank 1 of TP=2 x CP=1 SIGKILLs itself
+    once the mesh is up; TP=1 x CP=2, under the same fault setting, completes."""
+    assert not wf.report("tp1-cp2").exists(), "starts where the hanging-rank test left the run"
     done = snakemake(wf.repo, env=env_for(wf.repo, {"RL_ENGINE_FAULT": "kill:2x1:1"}))
     text = text_of(done)
     assert done.returncode != 0, text[-4000:]
@@ -222,32 +254,37 @@ def test_killed_rank_fails_only_its_topology_and_leaves_no_report(wf: Workflow) 
     assert "error: topology 2x1: runner exited with 1; no valid report was written; outputs removed" in log
     assert [p.name for p in wf.files_of("tp2-cp1") if p.exists()] == []
     assert list(wf.run.glob(".tp2-cp1*")) == []  # no partial temporary report either
-    for label in ("tp1-cp1", "tp1-cp2"):  # keep-going: the other topologies completed and passed
-        assert jsonio.load(wf.report(label))["passed"] is True
+    # keep-going: the other topology completed and passed
+    assert jsonio.load(wf.report("tp1-cp2"))["passed"] is True
     assert not (wf.run / "validation.json").exists()
     assert not any(p.exists() for p in wf.finals)
 
 
 def test_rerun_redoes_the_killed_topology_alone_while_a_second_run_is_locked_out(wf: Workflow, hold_hook: Path,
                                                                              tmp_path: Path) -> None:
-    """The next plain ``snakemake --cores 8`` reruns TP=2 x CP=1 alone and ends in a verified
-    archive; a second snakemake started on the same directory meanwhile is refused by the lock. The
-    first run is held at its archive's ``.sha256`` (work still to do, the lock taken) until the second
-    has been refused, then released: the verdict does not depend on how fast the machine is."""
+    """The next plain ``snakemake --cores 8`` reruns TP=2 x CP=1 alone, under the hang's fault
+    setting (its control: a topology that setting does not name completes under the default limit),
+    and goes on to the archive; a second snakemake started on the same directory meanwhile is
+    refused by the lock. The first run is held at its archive's ``.sha256`` (work still to do, the
+    lock taken) until the second has been refused: the verdict does not depend on how fast the
+    machine is. The held archive job is then SIGKILLed, which
+    :func:`test_archive_job_killed_under_snakemake_leaves_no_archive_and_reruns` goes on from."""
     assert not wf.report("tp2-cp1").exists(), "starts where the killed-rank test left the run"
-    kept = [p for label in ("tp1-cp1", "tp1-cp2") for p in wf.files_of(label)]
+    kept = wf.files_of("tp1-cp2")
     before = mtimes(kept)
     locks = wf.repo / ".snakemake" / "locks"
     first_log = tmp_path / "first.log"
     marker = tmp_path / "held"
+    env = hold_env(wf, hold_hook, marker, hold_sidecar(wf.name), {"RL_ENGINE_FAULT": HANG})
     with open(first_log, "w") as out:
-        first = subprocess.Popen(snakemake_cmd(), cwd=wf.repo, env=hold_env(wf, hold_hook, marker, hold_sidecar(wf.name)),
-                                 stdout=out, stderr=subprocess.STDOUT, text=True)
+        first = subprocess.Popen(snakemake_cmd(), cwd=wf.repo, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(marker.exists, first, "the first run reached its archive's .sha256")
+        pid, held = marker.read_text().split()
         assert locks.is_dir() and any(locks.glob("*.lock")), "the first run holds its lock"
         second = snakemake(wf.repo, timeout=300)
-        (tmp_path / "held.release").write_text("")
+        assert wf.archive.is_file() and not wf.finals[1].exists()  # the state the kill interrupts
+        os.kill(int(pid), signal.SIGKILL)
         first_rc = first.wait(timeout=600)
     finally:
         if first.poll() is None:
@@ -258,31 +295,71 @@ def test_rerun_redoes_the_killed_topology_alone_while_a_second_run_is_locked_out
     assert "Directory cannot be locked" in second_text, second_text[-3000:]
     assert not re.search(r"^(local)?rule \w+:", second_text, re.M)  # it started no job
     text = first_log.read_text()
-    assert first_rc == 0, text[-6000:]
+    wf.handed.update(console=text, held=held)
+    assert first_rc != 0, text[-6000:]
     counts = {k: v for k, v in jobs_run(text).items() if k != "all"}
     assert counts == {"topology": 1, **DOWNSTREAM}, counts
     assert "wildcards: tp=2, cp=1" in text
-    assert mtimes(kept) == before  # the completed topologies were not redone
-    assert jsonio.load(wf.report("tp2-cp1"))["fault_injection"] is None
-    assert not locks.exists() or list(locks.iterdir()) == []
+    assert mtimes(kept) == before  # the completed topology was not redone
+    report = jsonio.load(wf.report("tp2-cp1"))  # the control: recorded the hang's setting, ran, passed
+    assert report["fault_injection"] == HANG and report["passed"] is True
+    for gate in ("validation.json", "crosscheck.json", "SUMMARY.md"):  # the gates passed before the archive
+        assert (wf.run / gate).is_file(), gate
+    assert not locks.exists() or list(locks.iterdir()) == []  # a failed run leaves no lock either
+
+
+def test_archive_job_killed_under_snakemake_leaves_no_archive_and_reruns(wf: Workflow) -> None:
+    """The archive job of the rerun above was SIGKILLed after its archive was renamed into place,
+    while the .sha256 was written: Snakemake failed the job and removed the archive. A report of a
+    topology the plan does not list, dropped into the run after the gates passed, is no rule's
+    input: the next run rebuilds the archive and its verification alone (no gate) and does not pack
+    it; the archive verifies with ``--recompute``."""
+    text, held = wf.handed.pop("console"), wf.handed.pop("held")
+    assert failed_rules(text) == ["archive"], text[-4000:]
+    # the rule execs its verb, so the process Snakemake waits on is the killed one (Python's
+    # CalledProcessError words a death by signal so)
+    assert "died with <Signals.SIGKILL: 9>." in text, text[-4000:]
+    assert "Removing output files of failed job archive since they might be corrupted" in text
+    assert not any(p.exists() for p in wf.finals)
+    # hidden, never at a final path (results/.reuse is the reuse cache's directory, not the archive's)
+    assert sorted(p.name for p in wf.results.glob(".*") if p.is_file()) == [held]
+    wf.remove(wf.results / held)
+    stale = wf.run / "tp4-cp1.json"
+    stale.write_bytes(wf.report("tp1-cp2").read_bytes())
+    try:
+        done = snakemake(wf.repo)
+        text = text_of(done)
+        assert done.returncode == 0, text[-4000:]
+        # the verify_archive job of that run verified the rebuilt archive (the run exited 0)
+        assert {k: v for k, v in jobs_run(text).items() if k != "all"} == {"archive": 1, "verify_archive": 1}
+        with tarfile.open(wf.archive) as tar:
+            assert f"{wf.name}/tp4-cp1.json" not in tar.getnames()
+    finally:
+        stale.unlink()
     assert verify_here(wf.archive, "--recompute") == 0  # its report: the captured stdout
-    left_complete(wf)
+    left_complete(wf)  # the undeclared report, no rule's input, is gone again
 
 
 def test_archive_verb_killed_mid_write_leaves_nothing_at_the_final_path(wf: Workflow, hold_hook: Path,
-                                                                        tmp_path: Path) -> None:
-    """``python -m rl_engine archive`` SIGKILLed while the archive's bytes are in its temporary file."""
+                                                                        tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m rl_engine archive`` SIGKILLed while the archive's bytes are in its temporary file;
+    the verb run again (in this process: the claim is the killed process's leftovers) writes an
+    archive that verifies."""
+    from rl_engine import cli
+
     ensure_complete(wf)
     out = tmp_path / "out" / f"{wf.name}.tar.gz"
     out.parent.mkdir()
     out.write_bytes(b"stale archive of an earlier run")
     out.with_name(out.name + ".sha256").write_text("stale\n")
     marker = tmp_path / "held"
-    cmd = [sys.executable, "-m", "rl_engine", "archive", "--run-dir", str(wf.run), "--output", str(out),
-           "--spec", str(wf.repo / "docs" / "arithmetic.md"), "--schemas", *map(str, sorted((wf.repo / "schemas").glob("*.schema.json"))),
-           "--workflow", str(wf.repo / "workflow" / "Snakefile"), *map(str, sorted((wf.repo / "workflow" / "rules").glob("*.smk"))),
-           "--files", *map(str, wf.declared())]
-    proc = subprocess.Popen(cmd, cwd=wf.repo, env=hold_env(wf, hold_hook, marker, hold_archive(wf.name)),
+    args = ["archive", "--run-dir", str(wf.run), "--output", str(out),
+            "--spec", str(wf.repo / "docs" / "arithmetic.md"), "--schemas", *map(str, sorted((wf.repo / "schemas").glob("*.schema.json"))),
+            "--workflow", str(wf.repo / "workflow" / "Snakefile"), *map(str, sorted((wf.repo / "workflow" / "rules").glob("*.smk"))),
+            "--files", *map(str, wf.declared())]
+    proc = subprocess.Popen([sys.executable, "-m", "rl_engine", *args], cwd=wf.repo,
+                            env=hold_env(wf, hold_hook, marker, hold_archive(wf.name)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(marker.exists, proc, "the archive writer reached its fsync")
@@ -297,60 +374,21 @@ def test_archive_verb_killed_mid_write_leaves_nothing_at_the_final_path(wf: Work
             proc.wait()
     # the stale outputs were removed first; the killed writer's hidden temporary file is all that is left
     assert sorted(p.name for p in out.parent.iterdir()) == [held]
-    rerun = subprocess.run(cmd, cwd=wf.repo, env=env_for(wf.repo), capture_output=True, text=True, timeout=300)
-    assert rerun.returncode == 0, rerun.stderr
+    monkeypatch.chdir(wf.repo)
+    assert cli.main(args) == 0
     assert verify_here(out) == 0
     left_complete(wf)  # it wrote outside the run
-
-
-def test_archive_job_killed_under_snakemake_leaves_no_archive_and_reruns(wf: Workflow, hold_hook: Path,
-                                                                         tmp_path: Path) -> None:
-    """The archive job is SIGKILLed after its archive was renamed into place, while the .sha256 is
-    written: Snakemake fails the job and removes the archive; the next run rebuilds it alone."""
-    ensure_complete(wf)
-    wf.remove(*wf.finals)
-    marker = tmp_path / "held"
-    log = tmp_path / "snakemake.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(snakemake_cmd(), cwd=wf.repo, env=hold_env(wf, hold_hook, marker, hold_sidecar(wf.name)),
-                                stdout=out, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for(marker.exists, proc, "the archive job reached the fsync of its .sha256")
-        pid, held = marker.read_text().split()
-        assert wf.archive.is_file() and not wf.finals[1].exists()  # the state the kill interrupts
-        os.kill(int(pid), signal.SIGKILL)
-        rc = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = log.read_text()
-    assert rc != 0, text[-4000:]
-    assert failed_rules(text) == ["archive"], text[-4000:]
-    # the rule execs its verb, so the process Snakemake waits on is the killed one (Python's
-    # CalledProcessError words a death by signal so)
-    assert "died with <Signals.SIGKILL: 9>." in text, text[-4000:]
-    assert "Removing output files of failed job archive since they might be corrupted" in text
-    assert not any(p.exists() for p in wf.finals)
-    # hidden, never at a final path (results/.reuse is the reuse cache's directory, not the archive's)
-    assert sorted(p.name for p in wf.results.glob(".*") if p.is_file()) == [held]
-    wf.remove(wf.results / held)
-    done = snakemake(wf.repo)
-    assert done.returncode == 0, text_of(done)[-4000:]
-    # the verify_archive job of that run verified the rebuilt archive (the run exited 0)
-    assert {k: v for k, v in jobs_run(text_of(done)).items() if k != "all"} == {"archive": 1, "verify_archive": 1}
-    left_complete(wf)
 
 
 # ---------------------------------------------------------------- corrupted evidence through the workflow
 
 
-def test_a_report_edited_after_the_gates_reruns_them_and_an_undeclared_file_is_never_packed(wf: Workflow) -> None:
+def test_a_report_edited_after_the_gates_reruns_them(wf: Workflow) -> None:
     """The archive packs its declared inputs and Snakemake decides what is stale. A report
     edited after the gates passed (same evidence, new bytes) is an input of validation and of the
     archive: the gates, the summary, the archive and its verification run again, once each, and the
-    archive holds the new bytes. A report of a topology the plan does not list, dropped into the run
-    after the gates passed, is no rule's input: rebuilding the archive runs no gate and does not pack it."""
+    archive holds the new bytes. (A report the plan does not list, added after the gates passed, is
+    no rule's input: :func:`test_archive_job_killed_under_snakemake_leaves_no_archive_and_reruns`.)"""
     ensure_complete(wf)
     report = wf.report("tp1-cp2")
     edited = json.dumps(jsonio.load(report), indent=1, sort_keys=True).encode()
@@ -362,18 +400,7 @@ def test_a_report_edited_after_the_gates_reruns_them_and_an_undeclared_file_is_n
     assert {k: v for k, v in jobs_run(text).items() if k != "all"} == DOWNSTREAM  # verify_archive passed too
     with tarfile.open(wf.archive) as tar:
         assert tar.extractfile(f"{wf.name}/tp1-cp2.json").read() == edited  # type: ignore[union-attr]
-    stale = wf.run / "tp4-cp1.json"
-    stale.write_bytes(wf.report("tp1-cp1").read_bytes())
-    try:
-        done = snakemake(wf.repo, "--forcerun", "archive")
-        text = text_of(done)
-        assert done.returncode == 0, text[-4000:]
-        assert {k: v for k, v in jobs_run(text).items() if k != "all"} == {"archive": 1, "verify_archive": 1}
-        with tarfile.open(wf.archive) as tar:  # and the verify_archive job verified it
-            assert f"{wf.name}/tp4-cp1.json" not in tar.getnames()
-    finally:
-        stale.unlink()
-    left_complete(wf)  # the undeclared report, no rule's input, is gone again
+    left_complete(wf)
 
 
 def _edit(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
@@ -389,21 +416,27 @@ def _nan_statistic(path: Path) -> None:
     assert "NaN" in path.read_text()
 
 
+def _fallen_back(report: dict[str, Any]) -> None:
+    report.update(passed=False, fallback=True, actual_backend="cpu-vocab-parallel-logp-ws2")
+    report.pop("reduction")
+
+
 def test_corrupted_evidence_fails_the_validation_rule_naming_file_and_field(wf: Workflow) -> None:
-    """Several corruptions at once; the validation rule names each by file and field, no archive."""
+    """Several corruptions at once; the validation rule names each by file and field, no archive.
+    A loaded report gets every finding at once, so TP=1 x CP=2 carries all but the NaN (a report
+    that does not load)."""
     ensure_complete(wf)
     saved = {p: p.read_bytes() for p in wf.run.glob("tp*-cp*.*")}
     wf.remove(*wf.finals)
     stale = wf.run / "tp4-cp1.json"
     try:
-        _edit(wf.report("tp1-cp1"), lambda r: r.update(passed=False))
-        _edit(wf.report("tp1-cp2"), lambda r: (r.update(fallback=True, actual_backend="cpu-vocab-parallel-logp-ws2"), r.pop("reduction")))
+        _edit(wf.report("tp1-cp2"), _fallen_back)
         _nan_statistic(wf.report("tp2-cp1"))
-        raw = wf.run / "tp1-cp1.lse.f32"
+        raw = wf.run / "tp1-cp2.lse.f32"
         data = bytearray(raw.read_bytes())
         data[9] ^= 0x01
         raw.write_bytes(bytes(data))
-        stale.write_bytes(saved[wf.report("tp1-cp1")])  # a report of a topology the plan does not list
+        stale.write_bytes(saved[wf.report("tp1-cp2")])  # a report of a topology the plan does not list
         done = snakemake(wf.repo)
         text = text_of(done)
         assert done.returncode != 0
@@ -412,12 +445,12 @@ def test_corrupted_evidence_fails_the_validation_rule_naming_file_and_field(wf: 
         assert not (wf.run / "validation.json").exists()  # a failed gate leaves no passing record
         log = wf.log("validation")
         for expected in (
-            "tp1-cp1.json: passed: is False",
+            "tp1-cp2.json: passed: is False",
             "tp1-cp2.json: fallback: is True",
             "tp1-cp2.json: actual_backend: is 'cpu-vocab-parallel-logp-ws2'",
             "tp1-cp2.json: (file): schema report: 'reduction' is a required property",
             "tp2-cp1.json: drift.fp32_oracle.lse.max_abs: non-finite literal NaN",
-            "tp1-cp1.json: tensors.lse.sha256:",
+            "tp1-cp2.json: tensors.lse.sha256:",
             "tp4-cp1.json: (file): topology tp4-cp1 is not in plan.json",
         ):
             assert expected in log, (expected, log)
@@ -440,7 +473,7 @@ def test_fingerprint_differing_in_one_topology_fails_the_crosscheck_rule(wf: Wor
         assert failed_rules(text) == ["crosscheck"], text[-4000:]
         assert (wf.run / "validation.json").is_file()  # the per-report gate passed...
         log = wf.log("crosscheck")  # ...the cross-topology gate names topology and field
-        assert f"tp2-cp1: bitwise_fingerprints.candidate_grad_sha256: '{'0' * 64}' differs from tp1-cp1's" in log
+        assert f"tp2-cp1: bitwise_fingerprints.candidate_grad_sha256: '{'0' * 64}' differs from tp1-cp2's" in log
         assert "tp1-cp2: bitwise" not in log
         assert not started(text, "archive") and not any(p.exists() for p in wf.finals)
     finally:
@@ -451,7 +484,7 @@ def test_really_failing_topology_keeps_its_report_and_blocks_the_archive(
         wf: Workflow, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """TP=2 x CP=1 really runs with a perturbed candidate (RL_ENGINE_FAULT=perturb:2x1): the workflow's
     validation gate fails on it, and the two gates' verbs on (a copy of) the run it left, in this
-    process, fail too, naming that topology alone: ``validate`` its report (the others accepted),
+    process, fail too, naming that topology alone: ``validate`` its report (the other accepted),
     ``crosscheck`` its fingerprint, which differs from the reference's; ``summary`` of it says FAILED."""
     from rl_engine import cli
 
@@ -465,7 +498,7 @@ def test_really_failing_topology_keeps_its_report_and_blocks_the_archive(
     assert "acceptance failed; report kept for the validation gate" in wf.log("tp2-cp1")
     log = wf.log("validation")
     assert "tp2-cp1.json: passed: is False" in log and "tp2-cp1.json: failures: must be empty" in log
-    assert "tp1-cp1.json:" not in log and "tp1-cp2.json:" not in log
+    assert "tp1-cp2.json:" not in log
     assert not started(text, "archive") and not any(p.exists() for p in wf.finals)
     closing = done.stdout[done.stdout.rindex("rl_engine evidence workflow: result"):]  # the verdict
     assert "FAILED at validation gate (missing validation.json)" in closing, closing
@@ -478,38 +511,13 @@ def test_really_failing_topology_keeps_its_report_and_blocks_the_archive(
     err = capsys.readouterr().err
     val = jsonio.load(run / "validation.json")
     assert val["passed"] is False and "tp2-cp1.json: passed: is False" in err, err
-    assert {r["topology"]: r["accepted"] for r in val["reports"]} == {
-        "tp1-cp1": True, "tp1-cp2": True, "tp2-cp1": False}, val["reports"]
+    assert {r["topology"]: r["accepted"] for r in val["reports"]} == {"tp1-cp2": True, "tp2-cp1": False}, val["reports"]
     assert cli.main(["crosscheck", "--run-dir", str(run), "--output", str(run / "crosscheck.json")]) == 1
     err = capsys.readouterr().err
     assert "tp2-cp1: bitwise_fingerprints.candidate_logp_sha256:" in err, err
-    assert "tp1-cp1: bitwise" not in err and "tp1-cp2: bitwise" not in err  # only the perturbed topology is named
+    assert "tp1-cp2: bitwise" not in err  # only the perturbed topology is named
     # SUMMARY.md of the failing run says so, naming the failed topology's row
     assert cli.main(["summary", "--run-dir", str(run), "--output", str(run / "SUMMARY.md")]) == 0
     text = (run / "SUMMARY.md").read_text()
     assert "FAILED:" in text and "| 2 | 1 | 2 |" in text and "| Failed |" in text, text
-    assert "2 of 3 topology reports passed" in text, text
-
-
-def test_hanging_rank_fails_the_rule_at_its_time_limit(wf: Workflow) -> None:
-    """Rank 1 of TP=2 x CP=1 sleeps forever once the mesh is up; with topology_timeout_s=20 the
-    rule fails at the limit. The control, TP=1 x CP=2 with the same fault setting (which hangs only
-    2x1), runs in a second invocation under the default limit: a healthy run is never given a
-    limit that a loaded machine could miss, so the verdict does not depend on the load."""
-    wf.remove(*wf.files_of("tp2-cp1"), *wf.files_of("tp1-cp2"))
-    env = env_for(wf.repo, {"RL_ENGINE_FAULT": "hang:2x1:1"})
-    hung = str(wf.report("tp2-cp1").relative_to(wf.repo))
-    done = snakemake(wf.repo, hung, "--config", f"topology_timeout_s={HANG_LIMIT_S}", env=env, timeout=600)
-    text = text_of(done)
-    assert done.returncode != 0
-    assert failed_rules(text) == ["topology"], text[-4000:]
-    assert "wildcards: tp=2, cp=1" in text and "returned non-zero exit status 124." in text
-    assert f"--tp 2 --cp 1 --timeout-s {HANG_LIMIT_S} " in text
-    log = wf.log("tp2-cp1")
-    assert (f"error: topology 2x1 exceeded --timeout-s={HANG_LIMIT_S}; the runner and its ranks were "
-            "killed and its outputs removed") in log
-    assert [p.name for p in wf.files_of("tp2-cp1") if p.exists()] == []
-    control = snakemake(wf.repo, str(wf.report("tp1-cp2").relative_to(wf.repo)), env=env, timeout=600)
-    assert control.returncode == 0, text_of(control)[-4000:]
-    assert jsonio.load(wf.report("tp1-cp2"))["passed"] is True
-    assert mentioning(str(wf.report("tp2-cp1"))) == {}  # the hung rank is gone too
+    assert "1 of 2 topology reports passed" in text, text

@@ -85,20 +85,21 @@ def test_the_schemas_take_the_parameters_only_when_on() -> None:
     assert schemas.errors(report, "report") != []
 
 
-@pytest.mark.slow  # two torchrun topologies and the real verbs end to end
+@pytest.mark.slow  # two topologies and the real verbs end to end
 def test_a_top_p_campaign_runs_to_verified_and_passes_verify_recompute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                         capsys: pytest.CaptureFixture[str],
                                                                         tiny_run: Path) -> None:
-    """The tiny evidence run's case with ``--top-p 0.9`` (1x1 and 2x2, real torchrun ranks) passes, its
-    archive is VERIFIED with ``--recompute``: the inputs, the processed oracle drift and the candidate
-    replayed from the case's ``top_p``."""
+    """The tiny evidence run's case with ``--top-p 0.9`` (1x1 and 2x2: the ranks' runner on forked gloo
+    processes; the ``launch`` verb's torchrun of this case without ``top_p`` is the tiny run's) passes,
+    its archive is VERIFIED with ``--recompute``: the inputs, the processed oracle drift and the
+    candidate replayed from the case's ``top_p``."""
     from rl_engine import jsonio
 
     from _archive_util import make_sandbox, run_verify
     from _evidence_run import CASE_FLAGS, build_run, pack
 
     run = build_run(tmp_path / "rl-engine-test-run", tmp_path / "focused", [*CASE_FLAGS, "--top-p", "0.9"],
-                    recorded_from=tiny_run)  # the session's environment and focused-suite capture
+                    recorded_from=tiny_run, forked=True)  # the session's environment and focused-suite capture
     report = jsonio.load(run / "tp2-cp2.json")
     assert report["case"]["top_p"] == 0.9 and report["passed"], report["failures"]
     assert 0 < report["drift"]["fp32_oracle"]["dlogp"]["count"] < 10  # some of the 10 active targets dropped

@@ -31,7 +31,7 @@ from rl_engine.rundir import CRATE, STATEMENT, SUMS, Run, run_stages
 from rl_engine.workflow.config import archive_problems
 
 from _archive_util import Entry, Good, Sandbox, file_entry, make_sandbox, resummed, run_verify, write_archive
-from _evidence_run import pack
+from _evidence_run import declared_files, pack, schema_files, spec_file, workflow_files
 
 REPO = Path(__file__).resolve().parent.parent
 RULES = REPO / "workflow" / "rules"
@@ -161,16 +161,28 @@ def test_the_projects_archive_verifies_with_both_rows(tiny_archive: Good, sandbo
                                                "of the archive")
 
 
-def test_verify_needs_neither_package_of_the_provenance_extra(tiny_archive: Good) -> None:
-    """A reviewer's install may lack in-toto-attestation, protobuf and rocrate: verify checks both files
-    with the shipped schemas and its own code (a fresh interpreter where importing any of them fails)."""
-    blocked = "import sys\nfor m in ('rocrate', 'in_toto_attestation', 'google', 'google.protobuf'): sys.modules[m] = None\n"
+def test_verify_needs_neither_torch_nor_the_provenance_extra(tiny_run: Path, tiny_archive: Good, tmp_path: Path) -> None:
+    """A reviewer's install may lack torch, in-toto-attestation, protobuf and rocrate: verify (without
+    ``--recompute``) checks both files with the shipped schemas and its own code, in a fresh interpreter
+    where importing any of them fails. The archive verb needs no torch either (it names the arithmetic's
+    version from the NumPy spec): packing the tiny run again without it gives the same bytes."""
+    blocked = "import sys\nfor m in ('torch', 'rocrate', 'in_toto_attestation', 'google', 'google.protobuf'): sys.modules[m] = None\n"
     done = subprocess.run([sys.executable, "-c", blocked + "from rl_engine.evidence import verify\n"
                            f"sys.exit(verify.main([{str(tiny_archive.archive)!r}]))"],
                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300,
                           check=False)
     assert done.returncode == 0 and "VERIFIED" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     assert "provenance statement │ PASS" in re.sub(r" +│", " │", done.stdout)
+    again = tmp_path / tiny_archive.archive.name
+    argv = ["archive", "--run-dir", str(tiny_run), "--output", str(again), "--spec", str(spec_file()),
+            "--workflow", *map(str, workflow_files()), "--schemas", *map(str, schema_files()),
+            "--files", *map(str, declared_files(tiny_run))]  # what _evidence_run.pack gives the verb
+    packed = subprocess.run([sys.executable, "-c", "import sys\nsys.modules['torch'] = None\n"
+                             f"from rl_engine import cli\nsys.exit(cli.main({argv!r}))"],
+                            env={**{k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}, "PYTHONPATH": str(REPO)},
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert packed.returncode == 0, packed.stdout[-3000:] + packed.stderr[-3000:]
+    assert again.read_bytes() == tiny_archive.archive.read_bytes()
 
 
 # ---------------------------------------------------------------- tampered statements and crates

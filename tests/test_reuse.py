@@ -32,6 +32,15 @@ def _bare_pytest(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
 
 
+@pytest.fixture()
+def quick_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``env``'s torch one-liner (a Python that imports torch: about 2 s of CPU a capture) replaced by
+    one that prints a line, where the claim is which capture is reused: the keys come from the probe
+    (environment.json, in this process), the one-liner only writes environment.txt's text, whose
+    commands and output tests/test_evidence.py::test_environment_records_commands_and_absent_tools checks."""
+    monkeypatch.setattr(environment, "TORCH_ONE_LINER", "print('torch: the one-liner replaced by tests/test_reuse.py')")
+
+
 def _git(repo: Path, *args: str) -> str:
     done = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c",
                            "commit.gpgsign=false", *args], cwd=repo, check=True, capture_output=True, text=True)
@@ -275,7 +284,7 @@ def repo(tmp_path: Path) -> Path:
 
 
 def test_the_environment_capture_is_reused_until_the_git_status_changes(
-        tmp_path: Path, repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, repo: Path, capsys: pytest.CaptureFixture[str], quick_capture: None) -> None:
     cache = tmp_path / ".reuse"
 
     def run(name: str) -> tuple[dict, str]:
@@ -295,7 +304,8 @@ def test_the_environment_capture_is_reused_until_the_git_status_changes(
 
 
 def test_a_driver_or_toolkit_upgrade_captures_and_tests_again(
-        tmp_path: Path, repo: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, repo: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        quick_capture: None) -> None:
     """The NVIDIA driver and nvcc are in environment.json, so in both keys; the upgraded machine's
     capture names the new driver, in the record and in environment.txt."""
     tools = tmp_path / "bin"
@@ -355,7 +365,7 @@ def _changed(record: Any, path: tuple[Any, ...]) -> Any:
 
 
 def test_every_field_environment_json_records_is_in_both_keys(
-        tmp_path: Path, repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, repo: Path, monkeypatch: pytest.MonkeyPatch, quick_capture: None) -> None:
     """The keys are made from the probe that writes environment.json: the key a capture stores is the
     hash of the record it wrote, and changing any one field of that record (the driver, a GPU, the torch
     build, a package, ...) changes the environment key and, but for git's, the regression key."""

@@ -245,7 +245,7 @@ def reviewing_text(name: str, git: dict[str, Any] | None = None, spec: bytes | N
     packed specification, whose version decides what the text says of the arithmetic; ``described``
     whether the archive holds the provenance statement and the RO-Crate (every archive ``archive``
     builds; one made before them holds neither, and keeps the text it was written with)."""
-    from rl_engine.arith.portable import SPEC_VERSION
+    from rl_engine.arith.spec_numpy import SPEC_VERSION
 
     version = (spec_version(spec) if spec is not None else None) or SPEC_VERSION
     operations, fma, refuses = _ARITHMETIC_CLAIM.get(version, _ARITHMETIC_CLAIM[SPEC_VERSION])
@@ -513,7 +513,7 @@ def build(run_dir: Path, output: Path, files: Sequence[Path], schema_files: Sequ
     workflow = given_workflow(workflow_files)
     environment = run.environment  # in the list: check_complete passed
     git = environment.get("git") if isinstance(environment, dict) else None
-    from rl_engine.arith.portable import SPEC_VERSION
+    from rl_engine.arith.spec_numpy import SPEC_VERSION
 
     spec = spec_file.read_bytes()
     try:

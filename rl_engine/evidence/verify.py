@@ -146,7 +146,7 @@ from rl_engine.rundir import (
     inside,
     is_number,
 )
-from rl_engine.tables import MAX_THREADS_PER_RANK, SCHEMA_VERSION
+from rl_engine.tables import DEFAULT_TOLERANCES, MAX_THREADS_PER_RANK, SCHEMA_VERSION
 
 RECOMPUTE_TOL = 1e-5
 RECOMPUTED_STATS = ("max_abs", "mean_abs", "p95_abs", "p99_abs")
@@ -496,9 +496,8 @@ def _case_key(case: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def check_tolerances(run: Run, accept_looser: bool) -> Check:
-    """Every case's atol/rtol against the project's default tolerance for its dtype."""
-    from rl_engine.logprob.comparison import ComparisonError, default_tolerance  # imports torch: only here
-
+    """Every case's atol/rtol against the project's default tolerance for its dtype (the table that
+    :func:`rl_engine.logprob.comparison.default_tolerance` reads, without importing torch)."""
     plan = run.plan
     problems = [str(f) for f in run.found(PLAN) + list(run.plan_findings)]
     cases: list[tuple[str, Any]] = [(PLAN, plan.get("case") if isinstance(plan, dict) else None)]
@@ -511,10 +510,10 @@ def check_tolerances(run: Run, accept_looser: bool) -> Check:
             problems.append(f"{where}: case: missing, so its tolerance cannot be checked")
             continue
         dtype = case.get("dtype")
-        try:
-            defaults = default_tolerance(dtype)
-        except (ComparisonError, TypeError) as exc:
-            problems.append(f"{where}: case.dtype: {exc}")
+        defaults = DEFAULT_TOLERANCES.get(dtype) if isinstance(dtype, str) else None
+        if defaults is None:
+            problems.append(f"{where}: case.dtype: dtype={dtype!r} has no default tolerance; use one of "
+                            f"{list(DEFAULT_TOLERANCES)}")
             continue
         for key, default in zip(("atol", "rtol"), defaults):
             value = case.get(key)
@@ -720,8 +719,7 @@ def recompute(run: Run, max_logits: int = MAX_REPLAY_LOGITS, capture: Path | Non
 def check_arithmetic_spec(run: Run) -> Check:
     """Every planned report names one version of the arithmetic, one this installation replays,
     and the archive packs that version's specification."""
-    from rl_engine.arith.portable import SPEC_VERSION
-    from rl_engine.arith.spec_numpy import SPECS
+    from rl_engine.arith.spec_numpy import SPEC_VERSION, SPECS
 
     planned, msg = _planned(run)
     if msg:
