@@ -102,7 +102,7 @@ nodes_idle() {
     local states
     states=$(sinfo -h -N -o '%N %t' 2>/dev/null) || return 1
     for node in "${NODES[@]}"; do
-        grep -Eq "^$node (idle|mix|alloc)$" <<<"$states" || return 1  # not idle* (not responding)
+        grep -Eq "^$node (idle|mix|alloc)-?$" <<<"$states" || return 1  # not idle* (not responding); "-": planned by backfill
     done
 }
 

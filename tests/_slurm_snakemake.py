@@ -31,8 +31,7 @@ def _cap_status_checks() -> None:
     async def check_active_jobs(self, active_jobs):  # type: ignore[no-untyped-def]
         async for job in check(self, active_jobs):
             yield job
-        following = self.next_seconds_between_status_checks
-        if following is None or following > CAP_S:
+        if self.next_seconds_between_status_checks > CAP_S:
             self.next_seconds_between_status_checks = CAP_S
 
     slurm.Executor.check_active_jobs = check_active_jobs

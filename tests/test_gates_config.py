@@ -490,15 +490,22 @@ def snakemake_config(repo: Path, configfile: str) -> tuple[dict[str, Any], wfcon
 
 
 @pytest.fixture(scope="module")
-def dry_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, subprocess.CompletedProcess[str]]]:
-    """The bad configs written, and :data:`REAL_DRY_RUN`'s dry run (it fails while parsing; no lock)."""
+def bad_configs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the repository with every bad config written (``<family>.yaml``) and ``good.yaml``."""
     repo = copy_repo(tmp_path_factory.mktemp("gates-config"))
     for name, (overrides, _) in DRY_RUNS.items():
         write_config(repo, {**base(), **overrides}, name=f"{name}.yaml")
     write_config(repo, base(), name="good.yaml")
-    done = {REAL_DRY_RUN: subprocess.run(snakemake_cmd("-n", configfile=f"{REAL_DRY_RUN}.yaml"), cwd=repo,
-                                         env=env_for(repo), capture_output=True, text=True, timeout=300)}
-    return repo, done
+    return repo
+
+
+@pytest.fixture(scope="module")
+def dry_runs(bad_configs: Path) -> tuple[Path, dict[str, subprocess.CompletedProcess[str]]]:
+    """:data:`REAL_DRY_RUN`'s dry run in :func:`bad_configs`'s copy (it fails while parsing; no lock): a
+    snakemake start, for the slow tests only (the quick loop's in-process family checks need none)."""
+    done = {REAL_DRY_RUN: subprocess.run(snakemake_cmd("-n", configfile=f"{REAL_DRY_RUN}.yaml"), cwd=bad_configs,
+                                         env=env_for(bad_configs), capture_output=True, text=True, timeout=300)}
+    return bad_configs, done
 
 
 @pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
@@ -517,11 +524,11 @@ def test_snakemake_dry_run_refuses_bad_config_before_any_job(dry_runs: tuple[Pat
 
 @pytest.mark.parametrize("name", sorted(DRY_RUNS))
 def test_every_family_of_bad_config_is_refused_as_snakemake_parses_it(
-        dry_runs: tuple[Path, dict[str, Any]], name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        bad_configs: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each family's message, from the config as Snakemake loads and merges its file (in process:
     the Snakefile's check is :func:`check_workflow_config` on it, the real dry run above shows the
     Snakefile's refusal), run from the workflow's directory as the Snakefile runs."""
-    repo, _ = dry_runs
+    repo = bad_configs
     monkeypatch.chdir(repo)
     config, origin = snakemake_config(repo, f"{name}.yaml")
     with pytest.raises(WorkflowConfigError) as info:
@@ -534,9 +541,9 @@ def test_every_family_of_bad_config_is_refused_as_snakemake_parses_it(
 
 @pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
-def test_snakemake_dry_run_refuses_cuda_on_a_machine_without_cuda(dry_runs: tuple[Path, dict[str, Any]]) -> None:
+def test_snakemake_dry_run_refuses_cuda_on_a_machine_without_cuda(bad_configs: Path) -> None:
     """``snakemake -n --config device=cuda`` passed here; the jobs failed 35 s later."""
-    repo, _ = dry_runs
+    repo = bad_configs
     write_config(repo, base(), name="good.yaml")
     done = subprocess.run(snakemake_cmd("-n", "--config", "device=cuda", configfile="good.yaml"), cwd=repo,
                           env=env_for(repo), capture_output=True, text=True, timeout=300)
@@ -551,9 +558,9 @@ def test_snakemake_dry_run_refuses_cuda_on_a_machine_without_cuda(dry_runs: tupl
 
 
 @pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
-def test_snakemake_dry_run_of_a_good_config_plans_every_job(dry_runs: tuple[Path, dict[str, Any]]) -> None:
+def test_snakemake_dry_run_of_a_good_config_plans_every_job(bad_configs: Path) -> None:
     """Negative control in the same copy: the small config dry-runs and lists one job per topology."""
-    repo, _ = dry_runs
+    repo = bad_configs
     write_config(repo, base(), name="good.yaml")
     done = subprocess.run(snakemake_cmd("-n", configfile="good.yaml"), cwd=repo, env=env_for(repo),
                           capture_output=True, text=True, timeout=300)
@@ -566,14 +573,14 @@ def test_snakemake_dry_run_of_a_good_config_plans_every_job(dry_runs: tuple[Path
 
 
 @pytest.mark.slow  # a subprocess or torchrun end to end: in the full suite, not the quick loop
-def test_snakemake_lint_is_clean(dry_runs: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_snakemake_lint_is_clean(bad_configs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``snakemake --lint`` finds nothing in the workflow (rules, the case rule's params, the Snakefile's
     parse-time code), under a config that includes every rule: a capture campaign with an archived
     capture and a parity stage (docs/capture.md's worked example; the default config leaves the two
     optional stages' rules out)."""
     from _capture_case import CASE_FIELDS, write_tiny_capture, write_trainer_side
 
-    repo, _ = dry_runs
+    repo = bad_configs
     write_tiny_capture(repo / "rollout.safetensors")
     write_trainer_side(repo / "trainer.safetensors")
     path = write_config(repo, {**{k: v for k, v in CASE_FIELDS.items() if k not in ("device", "backend", "seed")},

@@ -94,8 +94,9 @@ def _keys_of_either_engine(dtype: str, temperature: float, x: torch.Tensor, k: t
 def test_search_on_the_key_finds_the_sorted_keys_with_either_engine(dtype: str, temperature: float) -> None:
     """The search's one path the forward and backward test below does not take: it searches 16-bit
     logits (their own order) at T = 1 (bf16) and at a temperature (fp16 at 1.3), binary32 at a
-    temperature (fp32 at 0.7), with both engines; here binary32 at T = 1 (the bf16 search at 0.7 this
-    ran too is the fp16 one at 1.3 on the other 16-bit order, which the bf16 case at 1.0 searches)."""
+    temperature (fp32 at 0.7), with both engines; here binary32 at T = 1. A bf16 search at a
+    temperature would be the fp16 one's path on the other 16-bit order, which the bf16 case at T = 1
+    already searches."""
     x, _, _ = _data(dtype, rows=ROWS, real=REAL, padded=PADDED)
     _keys_of_either_engine(dtype, temperature, x, *_params(x.shape[0]))
 

@@ -94,7 +94,8 @@ def _cluster_problem() -> str | None:
     if done.returncode != 0:
         return f"sinfo failed: {done.stderr.strip()}"
     states = dict(line.split() for line in done.stdout.splitlines() if len(line.split()) == 2)
-    down = [n for n in NODES if not re.fullmatch(r"idle|mix|alloc", states.get(n, "missing"))]  # not idle*
+    # not idle* (not responding); a "-" suffix is a node the backfill scheduler planned for a pending job
+    down = [n for n in NODES if not re.fullmatch(r"(idle|mix|alloc)-?", states.get(n, "missing"))]
     return f"nodes not up: {down} (sinfo: {states})" if down else None
 
 

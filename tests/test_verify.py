@@ -549,6 +549,37 @@ def test_tolerance_looser_than_the_defaults_fails_unless_accepted(good: Good, sa
     assert "accepted on request (--accept-looser-tolerance)" in problems(result, "tolerances")
 
 
+class _CaseRun:
+    """What :func:`verify.check_tolerances` reads of a run: a plan and one report, each with ``case``."""
+
+    plan_findings = ()
+
+    def __init__(self, case: dict[str, Any]) -> None:
+        self.plan = {"case": case}
+        self._case = case
+
+    def found(self, name: str) -> list[Any]:
+        return []
+
+    def reports(self) -> list[tuple[Any, Any]]:
+        class Item:
+            file = "tp1-cp1.json"
+
+        return [(Item(), {"case": self._case})]
+
+
+@pytest.mark.parametrize("dtype", ["fp8", 5, None])
+def test_a_case_dtype_without_a_default_tolerance_is_named_with_the_dtypes_that_have_one(dtype: Any) -> None:
+    """The row reads the project's table (no torch): a dtype without a default (what the schemas already
+    refuse, checked here on its own) names the field, the value and the dtypes that have one."""
+    check = verify.check_tolerances(_CaseRun({"dtype": dtype, "atol": 0.05, "rtol": 0.0}), False)
+    assert check.passed is False
+    message = f"case.dtype: dtype={dtype!r} has no default tolerance; use one of ['bf16', 'fp16', 'fp32']"
+    assert list(check.problems) == [f"plan.json: {message}", f"tp1-cp1.json: {message}"], check.problems
+    ok = verify.check_tolerances(_CaseRun({"dtype": "bf16", "atol": default_tolerance("bf16")[0], "rtol": 0.0}), False)
+    assert ok.passed is True, ok  # control: the same run with a dtype the table holds
+
+
 # ---------------------------------------------------------------- --recompute
 
 
