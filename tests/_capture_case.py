@@ -140,16 +140,14 @@ def campaign_to_archive(tmp_path: Path, case: Case, topologies: tuple[str, ...],
     run has no topology log to declare)."""
     from rl_engine import cli
 
-    from _evidence_run import copy_recorded, declared_files, pack, run_rank
-    from _multiproc import run_workers
+    from _evidence_run import copy_recorded, declared_files, pack, run_forked
 
     run_dir = tmp_path / "rl-engine-test-run"
     (run_dir / "logs").mkdir(parents=True)
     write_case_file(run_dir / "case.json", case, tuple(tuple(int(x) for x in t.split("x")) for t in topologies))
     assert cli.main(["plan", "--case", str(run_dir / "case.json"), "--output", str(run_dir / "plan.json")]) == 0
     for topology in topologies:
-        tp, cp = (int(x) for x in topology.split("x"))
-        assert run_workers(run_rank, tp * cp, str(run_dir / "plan.json"), tp, cp, timeout_s=120) == [0] * (tp * cp)
+        run_forked(run_dir / "plan.json", topology)
     copy_recorded(recorded_from, run_dir)
     for verb, out in (("validate", "validation.json"), ("crosscheck", "crosscheck.json"), ("summary", "SUMMARY.md")):
         assert cli.main([verb, "--run-dir", str(run_dir), "--output", str(run_dir / out)]) == 0, verb

@@ -78,6 +78,16 @@ def run_rank(rank: int, plan: str, tp: int, cp: int) -> int:
     return run_topology(plan, tp, cp)
 
 
+def run_forked(plan: Path, topology: str) -> None:
+    """Every rank of ``topology`` (``"<tp>x<cp>"``) of ``plan`` as :func:`run_rank`, on gloo processes forked
+    from one that imported torch (tests/_multiproc.py), not the ``launch`` verb's torchrun (a process that
+    imports torch per rank, and a topology log); asserts each rank's success."""
+    from _multiproc import run_workers
+
+    tp, cp = (int(x) for x in topology.split("x"))
+    assert run_workers(run_rank, tp * cp, str(plan), tp, cp, timeout_s=120) == [0] * (tp * cp), topology
+
+
 def build_run(run_dir: Path, tests_dir: Path, case_flags: list[str] = CASE_FLAGS,
               recorded_from: Path | None = None, forked: bool = False) -> Path:
     """A complete, passing run directory (up to SUMMARY.md), like the workflow makes, of the case
@@ -94,10 +104,7 @@ def build_run(run_dir: Path, tests_dir: Path, case_flags: list[str] = CASE_FLAGS
     assert cli.main(["plan", "--case", str(run_dir / "case.json"), "--output", str(run_dir / "plan.json")]) == 0
     for topology in TOPOLOGIES:
         if forked:
-            from _multiproc import run_workers
-
-            tp, cp = (int(x) for x in topology.split("x"))
-            assert run_workers(run_rank, tp * cp, str(run_dir / "plan.json"), tp, cp, timeout_s=120) == [0] * (tp * cp)
+            run_forked(run_dir / "plan.json", topology)
             continue
         code = launch(run_dir, topology)
         assert code == 0, logs(run_dir)
@@ -142,9 +149,14 @@ def workflow_files(repo: Path | None = None) -> list[Path]:
     return [base / "Snakefile", *sorted((base / "rules").glob("*.smk"))]
 
 
+def archive_argv(run_dir: Path, output: Path, files: list[Path] | None = None) -> list[str]:
+    """The archive verb's arguments for ``files`` of ``run_dir`` (default: :func:`declared_files`), with the
+    checkout's specification, workflow and schemas: what the workflow's archive rule gives it."""
+    given = declared_files(run_dir) if files is None else files
+    return ["archive", "--run-dir", str(run_dir), "--output", str(output), "--spec", str(spec_file()),
+            "--workflow", *map(str, workflow_files()), "--schemas", *map(str, schema_files()), "--files", *map(str, given)]
+
+
 def pack(run_dir: Path, output: Path, files: list[Path] | None = None) -> int:
     """``python -m rl_engine archive`` of ``files`` (default: :func:`declared_files`), in-process."""
-    given = declared_files(run_dir) if files is None else files
-    return cli.main(["archive", "--run-dir", str(run_dir), "--output", str(output), "--spec", str(spec_file()),
-                     "--workflow", *map(str, workflow_files()),
-                     "--schemas", *map(str, schema_files()), "--files", *map(str, given)])
+    return cli.main(archive_argv(run_dir, output, files))

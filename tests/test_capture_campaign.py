@@ -91,8 +91,7 @@ def _campaign(run_dir: Path, path: Path, topologies: tuple[str, ...], archive: b
     """The case (``inputs.archive: archive``) of the capture at ``path``, planned and every topology run by
     the ranks' own runner on gloo processes forked from one that imported torch (tests/_multiproc.py):
     the ``launch`` verb's torchrun on a capture case is the module's snakemake run's (``capture_workflow``)."""
-    from _evidence_run import run_rank
-    from _multiproc import run_workers
+    from _evidence_run import run_forked
 
     (run_dir / "logs").mkdir(parents=True)
     write_case_file(run_dir / "case.json", capture_case(path, archive=archive),
@@ -100,8 +99,8 @@ def _campaign(run_dir: Path, path: Path, topologies: tuple[str, ...], archive: b
     assert cli.main(["plan", "--case", str(run_dir / "case.json"), "--output", str(run_dir / "plan.json")]) == 0
     reports = {}
     for topology in topologies:
-        tp, cp = (int(x) for x in topology.split("x"))
-        assert run_workers(run_rank, tp * cp, str(run_dir / "plan.json"), tp, cp, timeout_s=120) == [0] * (tp * cp)
+        run_forked(run_dir / "plan.json", topology)
+        tp, cp = topology.split("x")
         reports[topology] = json.loads((run_dir / f"tp{tp}-cp{cp}.json").read_text())
     return reports
 
@@ -525,11 +524,10 @@ def test_each_rank_hashes_the_capture_once_and_a_rewritten_file_again(tmp_path: 
 def _pack(run_dir: Path, output: Path, files: list[Path] | None = None) -> int:
     """The archive verb on ``files`` of the run directory (default: every file, all of them made by the
     verbs here)."""
-    from _evidence_run import schema_files, spec_file, workflow_files
+    from _evidence_run import archive_argv
 
     files = sorted(p for p in run_dir.rglob("*") if p.is_file()) if files is None else files
-    return cli.main(["archive", "--run-dir", str(run_dir), "--output", str(output), "--spec", str(spec_file()),
-                     "--workflow", *map(str, workflow_files()), "--schemas", *map(str, schema_files()), "--files", *map(str, files)])
+    return cli.main(archive_argv(run_dir, output, files))
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from rl_engine.rundir import CRATE, STATEMENT, SUMS, Run, run_stages
 from rl_engine.workflow.config import archive_problems
 
 from _archive_util import Entry, Good, Sandbox, file_entry, make_sandbox, resummed, run_verify, write_archive
-from _evidence_run import declared_files, pack, schema_files, spec_file, workflow_files
+from _evidence_run import archive_argv, pack
 
 REPO = Path(__file__).resolve().parent.parent
 RULES = REPO / "workflow" / "rules"
@@ -174,9 +174,7 @@ def test_verify_needs_neither_torch_nor_the_provenance_extra(tiny_run: Path, tin
     assert done.returncode == 0 and "VERIFIED" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     assert "provenance statement │ PASS" in re.sub(r" +│", " │", done.stdout)
     again = tmp_path / tiny_archive.archive.name
-    argv = ["archive", "--run-dir", str(tiny_run), "--output", str(again), "--spec", str(spec_file()),
-            "--workflow", *map(str, workflow_files()), "--schemas", *map(str, schema_files()),
-            "--files", *map(str, declared_files(tiny_run))]  # what _evidence_run.pack gives the verb
+    argv = archive_argv(tiny_run, again)  # what _evidence_run.pack gives the verb
     packed = subprocess.run([sys.executable, "-c", "import sys\nsys.modules['torch'] = None\n"
                              f"from rl_engine import cli\nsys.exit(cli.main({argv!r}))"],
                             env={**{k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}, "PYTHONPATH": str(REPO)},
@@ -394,14 +392,11 @@ def test_the_archive_rebuilds_byte_for_byte_under_one_epoch_and_differs_only_in_
 def test_two_processes_with_other_hash_seeds_write_the_same_archive(tiny_run: Path, tmp_path: Path) -> None:
     """Nothing of one interpreter (set order under its hash seed, a random id of the crate library) reaches
     the bytes: the archive verb in two fresh processes, under two hash seeds, writes the same archive."""
-    from _evidence_run import declared_files, schema_files, spec_file, workflow_files
 
     outs = []
     for seed in ("1", "2"):
         out = tmp_path / seed / f"{tiny_run.name}.tar.gz"
-        argv = [sys.executable, "-m", "rl_engine", "archive", "--run-dir", str(tiny_run), "--output", str(out),
-                "--spec", str(spec_file()), "--workflow", *map(str, workflow_files()),
-                "--schemas", *map(str, schema_files()), "--files", *map(str, declared_files(tiny_run))]
+        argv = [sys.executable, "-m", "rl_engine", *archive_argv(tiny_run, out)]
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO), "SOURCE_DATE_EPOCH": "1700000000"}
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
         assert done.returncode == 0, done.stderr

@@ -247,14 +247,14 @@ def case_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 SAMPLING_SOURCES: tuple[str, ...] = ("case", "capture")  # the case field ``sampling``; "case" (the default) is absent
 CAPTURED_SAMPLING = "capture"
+# the case's scalar sampling fields and their off values: what sampling: capture takes per row from the capture
+SCALAR_SAMPLING: dict[str, Any] = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 
 
 def captures_sampling(record: Mapping[str, Any]) -> bool:
     """Whether a case record runs at its capture's per-row sampling (``sampling: capture``); the
     harness (config check, acceptance, summary) asks without importing torch."""
     return record.get("sampling") == CAPTURED_SAMPLING and record.get("capture") is not None
-# the case's scalar sampling fields and their off values: what sampling: capture takes per row from the capture
-SCALAR_SAMPLING: dict[str, Any] = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 
 
 def sampling_source_problems(values: Mapping[str, Any], broken: set[str]) -> list[str]:
@@ -806,7 +806,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = [
-    "captures_sampling",
     "CAPTURE_INFO_KEYS",
     "CASE_HASH_CHARS",
     "CONFIG_FIELDS",
@@ -823,6 +822,7 @@ __all__ = [
     "case_document",
     "case_from_document",
     "capture_problems",
+    "captures_sampling",
     "case_problems",
     "check_matrix",
     "check_topology",

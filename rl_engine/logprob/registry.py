@@ -137,7 +137,8 @@ def backend_table_devices(backend_id: str, root: str | os.PathLike[str] | None =
 
 def _arith_capabilities(backend_id: str, root: str | os.PathLike[str] | None = None) -> BackendCapabilities:
     """What every backend of docs/arithmetic.md serves; they differ only in their devices
-    (:func:`backend_table_devices`)."""
+    (:func:`backend_table_devices`) and in what their descriptions say of processed logprobs."""
+    described = {d.backend_id: d for d in descriptions(root)}[backend_id]
     return BackendCapabilities(
         dtypes=frozenset(DTYPES),
         max_tp_world_size=1 << 16,
@@ -146,8 +147,8 @@ def _arith_capabilities(backend_id: str, root: str | os.PathLike[str] | None = N
         exports_lse=True,
         determinism_scopes=frozenset(DETERMINISM_SCOPES),
         devices=frozenset(backend_table_devices(backend_id, root)),
-        processed_logprobs={d.backend_id: d.processed_logprobs for d in descriptions(root)}[backend_id],
-        processed_row_temperature={d.backend_id: d.processed_row_temperature for d in descriptions(root)}[backend_id],
+        processed_logprobs=described.processed_logprobs,
+        processed_row_temperature=described.processed_row_temperature,
     )
 
 
